@@ -1,0 +1,116 @@
+"""Base configuration shared by every method's config. Every field is documented here.
+
+Override any value on the command line, e.g. ``--config.batch_size=256 --config.model.depth=24``.
+Method configs (``vit_<method>.py``) start from ``get_config()`` here and change what they need.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0                      # one seed for init, data order, augmentation and dropout
+
+    # ---- data (normvit_jax/data) ----
+    c.data = ml_collections.ConfigDict()
+    c.data.name = "cifar10"         # digits | cifar10 | cifar100 | imagenet2012
+    c.data.data_dir = None          # tfds data dir (None: $TFDS_DATA_DIR or ~/tensorflow_datasets); gs:// ok
+    c.data.train_split = "train"    # tfds split string used for training
+    c.data.eval_split = "test"      # tfds split used for evaluation ('validation' for imagenet2012)
+    c.data.image_size = 32          # model input resolution (square); images are resized to it
+    c.data.normalize = "minus_one_one"  # minus_one_one | zero_one | zscore (per-channel dataset stats) | minmax
+    c.data.crop_padding = 4         # train: random crop after zero-padding by this many pixels (0: off)
+    c.data.random_resized_crop = False  # train: Inception-style crop (ImageNet) instead of pad-and-crop
+    c.data.min_crop_area = 0.08     # smallest area fraction for random_resized_crop
+    c.data.flip = True              # train: random horizontal flip
+    c.data.eval_crop_fraction = 1.0  # eval: central crop fraction before resizing (0.875 for ImageNet)
+    c.data.prefetch = 2             # host batches prepared ahead of the train step
+    c.data.num_train_examples = None  # override the train split size (tests with mock data)
+    c.data.num_eval_examples = None   # override the eval split size (tests with mock data)
+
+    # ---- model (normvit_jax/models/vit.py) ----
+    c.model = ml_collections.ConfigDict()
+    c.model.name = "vit"
+    c.model.variant = "Ti/4"        # '<Ti|S|B|L|H>/<patch>'; explicit fields below win over it
+    c.model.hidden_size = ml_collections.config_dict.placeholder(int)  # None: from variant
+    c.model.depth = ml_collections.config_dict.placeholder(int)
+    c.model.num_heads = ml_collections.config_dict.placeholder(int)
+    c.model.mlp_dim = ml_collections.config_dict.placeholder(int)      # None: mlp_ratio * hidden
+    c.model.mlp_ratio = 4.0
+    c.model.patch_size = ml_collections.config_dict.placeholder(int)
+    c.model.classifier = "token"    # token (class token) | gap (global average pooling)
+    c.model.posemb = "learn"        # learn | sincos2d | none
+    c.model.cls_token_at_block = 0  # >0: the class token joins before this block (DTN's layout)
+    c.model.norm = ml_collections.ConfigDict({"name": "layernorm"})  # the norm of every slot; options beside name
+    c.model.norm_overrides = ml_collections.ConfigDict()  # 'final' | 'block_<i>' | 'blocks_<a>_<b>' -> norm config
+    c.model.norm_placement = "pre"  # pre | post | sandwich
+    c.model.patch_norm = "none"     # Dual PatchNorm stem: none | pre | post | dual | post_posemb
+    c.model.residual_scaling = "none"  # none | rescale (RescaleViT's residual scaling)
+    c.model.final_norm = True       # the encoder's last norm ('encoder_norm')
+    c.model.representation_size = ml_collections.config_dict.placeholder(int)  # pre_logits width
+    c.model.dropout_rate = 0.0
+    c.model.attention_dropout_rate = 0.0
+    c.model.stochastic_depth = 0.0  # drop-path rate of the last block (linear from 0)
+    c.model.gelu_approximate = True  # tanh GELU as Google's checkpoints; False: exact erf as timm
+
+    # ---- optimization (normvit_jax/train) ----
+    c.batch_size = 128              # global batch over all devices and hosts
+    c.eval_batch_size = 256         # global eval batch; the last batch is padded and masked
+    c.num_epochs = 100.0            # used when total_steps is None
+    c.total_steps = ml_collections.config_dict.placeholder(int)
+    c.grad_accum_steps = 1          # micro-batches per update (the global batch is split)
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.name = "adamw"      # adamw | sgd | lamb
+    c.optimizer.learning_rate = 1e-3  # peak learning rate
+    c.optimizer.weight_decay = 0.05   # decoupled; never on biases, norm params, posemb, cls token
+    c.optimizer.b1 = 0.9            # adam/lamb beta1
+    c.optimizer.b2 = 0.999          # adam/lamb beta2
+    c.optimizer.momentum = 0.9      # sgd momentum
+    c.optimizer.nesterov = False    # sgd
+    c.optimizer.grad_clip = 1.0     # global-norm clip (None or 0: off)
+    c.schedule = ml_collections.ConfigDict()
+    c.schedule.name = "cosine"      # cosine | linear | constant (after warmup)
+    c.schedule.warmup_steps = 500
+    c.schedule.end_factor = 0.0     # final lr as a fraction of the peak
+    c.label_smoothing = 0.0
+
+    # ---- precision and memory ----
+    c.dtype = "float32"             # compute dtype: float32 | bfloat16 (params and stats stay float32)
+    c.remat = False                 # activation checkpointing per block
+
+    # ---- loop, checkpoints, logging ----
+    c.log_every = 50                # steps between train metric writes
+    c.eval_every = 1000             # steps between evaluations (and at the end)
+    c.checkpoint_every = 1000       # steps between checkpoints (and at the end)
+    c.keep_checkpoints = 3          # newest checkpoints kept
+    c.init_from = None              # path or gs:// of a Google ViT .npz to start from
+    c.allow_config_change = False   # resume a workdir whose saved config differs
+    c.skip_nonfinite_steps = 0      # 0: stop on a NaN/Inf; N: skip such updates, stop after N in a row
+    c.eval_attention_images = 0     # attention-map images written to TensorBoard per eval
+    return c
+
+
+def get_demo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Turns a config into the offline demo: sklearn's 8x8 digits, a tiny ViT, ~1 minute on CPU."""
+    c.data.name = "digits"
+    c.data.image_size = 8
+    c.data.crop_padding = 1
+    c.data.flip = False             # digits are not mirror-symmetric
+    c.data.normalize = "zero_one"
+    c.model.variant = None
+    c.model.patch_size = 2
+    c.model.hidden_size = 64
+    c.model.depth = 4
+    c.model.num_heads = 4
+    c.model.mlp_dim = 128
+    c.batch_size = 64
+    c.eval_batch_size = 128
+    c.num_epochs = 40.0
+    c.optimizer.learning_rate = 3e-3
+    c.optimizer.weight_decay = 0.05
+    c.schedule.warmup_steps = 100
+    c.log_every = 50
+    c.eval_every = 250
+    c.checkpoint_every = 250
+    return c

@@ -1,0 +1,40 @@
+"""LayerNorm over channels, per token (Ba et al. 2016), statistics in float32."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from normvit_jax.norms.registry import NormContext, check_options
+
+
+class LayerNorm(nn.Module):
+    """y = scale * (x - mean_C) / sqrt(var_C + eps) + bias, biased variance.
+
+    eps defaults to 1e-6 (Flax/big_vision); the PyTorch references use 1e-5.
+    Parameters are named 'scale' and 'bias' as in Google's ViT checkpoints.
+    """
+
+    epsilon: float = 1e-6
+    use_scale: bool = True
+    use_bias: bool = True
+
+    @classmethod
+    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
+        check_options("layernorm", opts, {"epsilon", "use_scale", "use_bias"})
+        return cls(name=name, **opts)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        c = x.shape[-1]
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
+        if self.use_scale:
+            y = y * self.param("scale", nn.initializers.ones, (c,), jnp.float32)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
+        return y.astype(x.dtype)

@@ -1,0 +1,82 @@
+"""Maps a config name to a normalization module class.
+
+Adding a normalizer: write one file in this package with a ``flax.linen.Module`` subclass that has
+a ``from_config(cfg, ctx)`` classmethod, and add one line to ``_ENTRIES`` below.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Mapping
+
+import flax.linen as nn
+
+# name -> "module:Class". Imported lazily so a broken optional norm never breaks the others.
+_ENTRIES: dict[str, str] = {
+    "layernorm": "normvit_jax.norms.layernorm:LayerNorm",
+    "identity": "normvit_jax.norms.identity:Identity",
+}
+REGISTRY = _ENTRIES
+
+
+@dataclasses.dataclass(frozen=True)
+class NormContext:
+    """What a norm may need to know about where it sits.
+
+    dim: channels C. num_heads: attention heads H of the model. grid: (rows, cols) of the patch
+    grid, or None where tokens have no grid. num_prefix_tokens: leading non-patch tokens (the class
+    token) in the sequence this norm sees. slot: the slot name, for error messages.
+    """
+
+    dim: int
+    num_heads: int = 1
+    grid: tuple[int, int] | None = None
+    num_prefix_tokens: int = 0
+    slot: str = ""
+
+
+def known_names() -> list[str]:
+    return sorted(_ENTRIES)
+
+
+def _as_dict(cfg: Any) -> dict[str, Any]:
+    if isinstance(cfg, str):
+        return {"name": cfg}
+    if hasattr(cfg, "to_dict"):
+        return cfg.to_dict()
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    raise TypeError(f"norm config must be a name or a mapping with 'name', got {cfg!r}")
+
+
+def resolve(name: str) -> type[nn.Module]:
+    if name not in _ENTRIES:
+        raise ValueError(
+            f"Unknown norm name {name!r} (config key model.norm.name); known: {', '.join(known_names())}"
+        )
+    module_name, cls_name = _ENTRIES[name].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
+def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | None = None,
+           num_prefix_tokens: int = 0, slot: str = "", name: str | None = None) -> nn.Module:
+    """Builds the norm named by ``cfg['name']`` with the remaining keys as its options.
+
+    Options a norm does not know raise a ValueError naming them and the accepted ones.
+    """
+    opts = _as_dict(cfg)
+    if "name" not in opts:
+        raise ValueError(f"norm config {opts!r} has no 'name'; known: {', '.join(known_names())}")
+    norm_name = opts.pop("name")
+    cls = resolve(norm_name)
+    ctx = NormContext(dim=dim, num_heads=num_heads, grid=None if grid is None else tuple(grid),
+                      num_prefix_tokens=num_prefix_tokens, slot=slot)
+    return cls.from_config(opts, ctx, name=name)
+
+
+def check_options(norm_name: str, opts: Mapping[str, Any], accepted: set[str] | dict) -> None:
+    """Raises a ValueError naming unknown options of a norm and the accepted ones."""
+    unknown = sorted(set(opts) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"Unknown option(s) {unknown} for norm {norm_name!r}; accepted: {sorted(accepted)}")
