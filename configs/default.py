@@ -114,3 +114,55 @@ def get_demo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.eval_every = 250
     c.checkpoint_every = 250
     return c
+
+
+def get_cifar100(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    c.data.name = "cifar100"
+    return c
+
+
+def get_imagenet(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """ImageNet-1k at 224 with a S/16 (DeiT-style recipe, 300 epochs, batch 1024)."""
+    c.data.name = "imagenet2012"
+    c.data.eval_split = "validation"
+    c.data.image_size = 224
+    c.data.crop_padding = 0
+    c.data.random_resized_crop = True
+    c.data.eval_crop_fraction = 0.875
+    c.data.normalize = "minus_one_one"
+    c.model.variant = "S/16"
+    c.batch_size = 1024
+    c.eval_batch_size = 1024
+    c.num_epochs = 300.0
+    c.optimizer.learning_rate = 5e-4 * c.batch_size / 512
+    c.optimizer.weight_decay = 0.05
+    c.schedule.warmup_steps = 5 * 1251
+    c.label_smoothing = 0.1
+    c.model.stochastic_depth = 0.1
+    c.dtype = "bfloat16"
+    c.log_every = 100
+    c.eval_every = 5000
+    c.checkpoint_every = 2000
+    return c
+
+
+VARIANTS = {"demo": get_demo, "cifar100": get_cifar100, "imagenet": get_imagenet}
+
+
+def apply_variants(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
+    """Applies the comma-separated variants of ``file.py:a,b`` in order (e.g. 'imagenet' or 'demo').
+
+    A model size such as 's16' or 'b32' sets ``model.variant``. Unknown variants raise a ValueError
+    naming the accepted ones.
+    """
+    for part in [p.strip() for p in (arg or "").split(",") if p.strip()]:
+        if part in VARIANTS:
+            c = VARIANTS[part](c)
+        elif part[:2].lower() == "ti" and part[2:].isdigit():
+            c.model.variant = f"Ti/{part[2:]}"
+        elif part[:1].lower() in "sblh" and part[1:].isdigit():
+            c.model.variant = f"{part[0].upper()}/{part[1:]}"
+        else:
+            raise ValueError(f"unknown config variant {part!r}; accepted: {sorted(VARIANTS)} or a "
+                             "model size like 'ti16', 's16', 'b32'")
+    return c
