@@ -342,6 +342,17 @@ class ViT(nn.Module):
         return logits.astype(jnp.float32)
 
 
+class AddPositionEmbs(nn.Module):
+    """Learned position embedding (Google's 'posembed_input/pos_embedding', class slot included
+    when the class token is in the sequence)."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        pe = self.param("pos_embedding", nn.initializers.normal(stddev=0.02), (1,) + x.shape[1:],
+                        jnp.float32)
+        return x + pe.astype(x.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     """The ViT fields the encoder reads (a plain value: a Module must not be another's attribute)."""
@@ -376,11 +387,8 @@ class Encoder(nn.Module):
     @nn.compact
     def __call__(self, x, cls, train: bool, capture: bool):
         v = self.vit
-        n_tokens = x.shape[1]
         if v.posemb == "learn":
-            pe = self.param("pos_embedding", nn.initializers.normal(stddev=0.02),
-                            (1, n_tokens, v.hidden_size), jnp.float32)
-            x = x + pe.astype(x.dtype)
+            x = AddPositionEmbs(name="posembed_input")(x)
         elif v.posemb == "sincos2d":
             pe = jnp.asarray(sincos_2d(self.grid, v.hidden_size), x.dtype)
             if self.with_prefix:

@@ -1,0 +1,38 @@
+"""Train and evaluate a ViT: ``python main.py --config=configs/vit_ln.py:demo --workdir=runs/demo``.
+
+Every config value can be overridden: ``--config.batch_size=256 --config.model.norm.name=dtn``.
+Re-running the same command with the same workdir continues the run from its newest checkpoint.
+Multi-host (Cloud TPU pod, SLURM): run the same command on every host; JAX's distributed runtime
+is initialised when the process is one of several.
+"""
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from normvit_jax import cli
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vit_ln.py:demo",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory (local or gs://) for checkpoints, summaries, config.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def parse_flags(argv):
+    """absl's parser, with a short message instead of a traceback for a bad --config override."""
+    try:
+        return FLAGS(argv)
+    except Exception as e:  # noqa: BLE001  (ml_collections raises several types)
+        print(f"error: {cli.describe_flag_error(argv, e)}", file=sys.stderr)
+        sys.exit(cli.EXIT_CONFIG)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    sys.exit(cli.run(FLAGS.config, FLAGS.workdir))
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)

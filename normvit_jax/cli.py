@@ -1,0 +1,71 @@
+"""What main.py does around ``train_and_evaluate``: distributed init, errors as short messages
+with distinct exit codes."""
+from __future__ import annotations
+
+from absl import logging
+import ml_collections
+
+EXIT_OK = 0
+EXIT_CONFIG = 2        # bad config or data not available: fix the command
+EXIT_NONFINITE = 3     # NaN/Inf loss or gradient
+EXIT_CHECKPOINT = 4    # a checkpoint exists but does not fit this config
+EXIT_PREEMPTED = 42    # SIGTERM: checkpoint written, re-run to continue
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> int:
+    from normvit_jax import checkpoints, data, sharding
+    from normvit_jax.train import loop
+
+    sharding.maybe_initialize_distributed()
+    try:
+        result = loop.train_and_evaluate(config, workdir)
+    except loop.PreemptedError as e:
+        logging.warning("%s", e)
+        return EXIT_PREEMPTED
+    except loop.NonFiniteError as e:
+        logging.error("Stopped: %s", e)
+        return EXIT_NONFINITE
+    except checkpoints.CheckpointMismatchError as e:
+        logging.error("Stopped: %s", e)
+        return EXIT_CHECKPOINT
+    except (data.DatasetNotFoundError, loop.ConfigChangedError, ValueError) as e:
+        logging.error("Stopped: %s", e)
+        return EXIT_CONFIG
+    ev = result["eval"]
+    if ev:
+        logging.info("Done at step %d: eval top-1 %.4f, top-5 %.4f, loss %.4f.", result["step"],
+                     ev["top1"], ev["top5"], ev["loss"])
+    return EXIT_OK
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+    """Loads ``path.py[:arg]`` the way ml_collections' config flag does (for error messages)."""
+    import importlib.util
+
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_normvit_cfg", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def describe_flag_error(argv: list[str], error: BaseException) -> str:
+    """A one-paragraph message for a bad ``--config...`` command line: the bad key, its value and
+    the keys accepted at that level (instead of a traceback from deep inside ml_collections)."""
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    overrides = [a[2:].split("=", 1) for a in argv if a.startswith("--config.")]
+    if spec is not None:
+        try:
+            config = load_config_file(spec)
+        except Exception as e:  # the config file itself is broken or the variant unknown
+            return f"Cannot load --config={spec}: {type(e).__name__}: {e}"
+        for item in overrides:
+            key, value = item[0], (item[1] if len(item) > 1 else "<no value>")
+            node, walked = config, ["config"]
+            for part in key.split(".")[1:]:
+                if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                    accepted = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                    return (f"Unknown config key --{key} (value {value!r}): "
+                            f"{'.'.join(walked)} has no key {part!r}; accepted: {accepted}")
+                node, walked = node[part], walked + [part]
+    return f"Bad command line: {type(error).__name__}: {error}"

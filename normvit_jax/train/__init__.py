@@ -1,0 +1,1 @@
+"""Training: state, optimizer, the pure jitted steps and the loop."""

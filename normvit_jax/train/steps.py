@@ -1,0 +1,130 @@
+"""Pure train and eval steps; the loop jits them over the mesh.
+
+Backward-updated norm statistics: the loss is differentiated with respect to the input
+``batch_stats`` as well as the params, and the cotangent is ADDED to the forward's updated
+``batch_stats`` (see normvit_jax/norms/__init__.py). Norms read running state through
+``stop_gradient``, so every other statistic gets a zero cotangent.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from clu import metrics as clu_metrics
+import flax.struct
+
+from normvit_jax.train.state import TrainState
+
+
+@flax.struct.dataclass
+class TrainMetrics(clu_metrics.Collection):
+    loss: clu_metrics.Average.from_output("loss")
+    accuracy: clu_metrics.Average.from_output("accuracy")
+    grad_norm: clu_metrics.Average.from_output("grad_norm")
+    learning_rate: clu_metrics.LastValue.from_output("learning_rate")
+    skipped_nonfinite: clu_metrics.Average.from_output("skipped")
+
+
+@flax.struct.dataclass
+class EvalMetrics(clu_metrics.Collection):
+    loss: clu_metrics.Average.from_output("loss")
+    top1: clu_metrics.Average.from_output("top1")
+    top5: clu_metrics.Average.from_output("top5")
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, smoothing: float = 0.0) -> jax.Array:
+    """Per-example softmax cross-entropy in float32 with label smoothing."""
+    n = logits.shape[-1]
+    onehot = jax.nn.one_hot(labels, n, dtype=jnp.float32)
+    if smoothing:
+        onehot = onehot * (1.0 - smoothing) + smoothing / n
+    return optax.softmax_cross_entropy(logits.astype(jnp.float32), onehot)
+
+
+def _tree_where(pred: jax.Array, a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
+                    *, label_smoothing: float = 0.0, grad_accum_steps: int = 1,
+                    skip_nonfinite: bool = False) -> Callable[[TrainState, dict], tuple[TrainState, TrainMetrics]]:
+    """Returns ``train_step(state, batch) -> (state, metrics)``.
+
+    With ``grad_accum_steps > 1`` the batch is split into that many micro-batches whose gradients
+    are averaged (sequentially, so memory is that of one micro-batch); norm state flows through
+    the micro-batches in order.
+    """
+
+    def loss_and_grads(params, batch_stats, images, labels, rng):
+        def loss_fn(p, bs):
+            variables = {"params": p, "batch_stats": bs} if bs else {"params": p}
+            logits, mutated = model.apply(variables, images, train=True, rngs={"dropout": rng},
+                                          mutable=["batch_stats"])
+            loss = jnp.mean(cross_entropy(logits, labels, label_smoothing))
+            return loss, (logits, mutated.get("batch_stats", {}))
+
+        (loss, (logits, new_bs)), (g_params, g_bs) = jax.value_and_grad(
+            loss_fn, argnums=(0, 1), has_aux=True)(params, batch_stats)
+        new_bs = jax.tree.map(jnp.add, new_bs, g_bs) if batch_stats else new_bs
+        correct = jnp.mean((jnp.argmax(logits, -1) == labels).astype(jnp.float32))
+        return loss, correct, g_params, new_bs
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, TrainMetrics]:
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        images, labels = batch["image"], batch["label"]
+        if grad_accum_steps == 1:
+            loss, acc, grads, new_bs = loss_and_grads(state.params, state.batch_stats, images,
+                                                      labels, rng)
+        else:
+            k = grad_accum_steps
+            split = lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:])
+
+            def micro(carry, xs):
+                g_sum, bs, loss_sum, acc_sum = carry
+                i, im, lb = xs
+                loss, acc, g, bs = loss_and_grads(state.params, bs, im, lb, jax.random.fold_in(rng, i))
+                return (jax.tree.map(jnp.add, g_sum, g), bs, loss_sum + loss, acc_sum + acc), None
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            (g_sum, new_bs, loss_sum, acc_sum), _ = jax.lax.scan(
+                micro, (zeros, state.batch_stats, 0.0, 0.0),
+                (jnp.arange(k), split(images), split(labels)))
+            grads = jax.tree.map(lambda g: g / k, g_sum)
+            loss, acc = loss_sum / k, acc_sum / k
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                                  batch_stats=new_bs,
+                                  nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1))
+        if skip_nonfinite:  # keep the previous weights, optimizer and norm state; count the skip
+            kept = state.replace(step=state.step + 1, nonfinite_streak=new_state.nonfinite_streak)
+            new_state = _tree_where(finite, new_state, kept)
+        metrics = TrainMetrics.single_from_model_output(
+            loss=loss, accuracy=acc, grad_norm=grad_norm, learning_rate=lr_schedule(state.step),
+            skipped=(~finite).astype(jnp.float32))
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model: nn.Module) -> Callable[[TrainState, dict], EvalMetrics]:
+    """Returns ``eval_step(state, batch) -> EvalMetrics`` over the rows with mask 1."""
+
+    def eval_step(state: TrainState, batch: dict) -> EvalMetrics:
+        logits = model.apply(state.variables(), batch["image"], train=False)
+        labels = batch["label"]
+        loss = cross_entropy(logits, labels)
+        top1 = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+        k = min(5, logits.shape[-1])
+        topk = jax.lax.top_k(logits, k)[1]
+        top5 = jnp.any(topk == labels[:, None], axis=-1).astype(jnp.float32)
+        mask = batch["mask"].astype(bool)
+        return EvalMetrics.single_from_model_output(loss=loss, top1=top1, top5=top5, mask=mask)
+
+    return eval_step

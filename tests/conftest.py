@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny configs that train in seconds on one CPU core."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from configs import vit_ln
+
+
+def tiny_demo_config(**overrides):
+    """The digits demo shrunk to a 2-block, 32-wide ViT; a few steps take seconds."""
+    c = vit_ln.get_config("demo")
+    c.model.hidden_size = 32
+    c.model.depth = 2
+    c.model.num_heads = 2
+    c.model.mlp_dim = 64
+    c.batch_size = 32
+    c.eval_batch_size = 64
+    c.total_steps = 6
+    c.log_every = 2
+    c.eval_every = 6
+    c.checkpoint_every = 3
+    c.schedule.warmup_steps = 2
+    for k, v in overrides.items():
+        node = c
+        *path, last = k.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = v
+    return c
+
+
+@pytest.fixture
+def tiny_config():
+    return tiny_demo_config()
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

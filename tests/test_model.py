@@ -1,0 +1,107 @@
+"""ViT shapes, published parameter counts, placements and the analysis outputs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from normvit_jax import models
+
+
+def _num_params(model, size):
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3))))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
+
+
+@pytest.mark.parametrize("variant,expected_millions", [("Ti/16", 5.7), ("S/16", 22.1), ("B/16", 86.6)])
+def test_published_parameter_counts(variant, expected_millions):
+    model = models.create({"variant": variant}, num_classes=1000)
+    n = _num_params(model, 224)
+    assert round(n / 1e6, 1) == expected_millions, n
+
+
+def test_output_shape_and_google_names():
+    model = models.create({"variant": "Ti/16", "depth": 2}, num_classes=7)
+    variables = model.init(jax.random.key(0), jnp.zeros((2, 32, 32, 3)))
+    p = variables["params"]
+    assert p["embedding"]["kernel"].shape == (16, 16, 3, 192)
+    assert p["cls"].shape == (1, 1, 192)
+    assert p["Transformer"]["posembed_input"]["pos_embedding"].shape == (1, 5, 192)
+    blk = p["Transformer"]["encoderblock_1"]
+    assert set(blk) == {"LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3"}
+    assert blk["MultiHeadDotProductAttention_1"]["query"]["kernel"].shape == (192, 3, 64)
+    assert blk["MultiHeadDotProductAttention_1"]["out"]["kernel"].shape == (3, 64, 192)
+    assert p["head"]["kernel"].shape == (192, 7)
+    x = jax.random.normal(jax.random.key(1), (2, 32, 32, 3))
+    assert model.apply(variables, x).shape == (2, 7)
+
+
+def test_patch_embedding_equals_convolution():
+    """The (ph, pw, c)-ordered patchify + matmul is the conv with Google's kernel layout."""
+    model = models.create({"variant": "Ti/8", "depth": 1}, num_classes=3)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
+    x = jax.random.normal(jax.random.key(2), (2, 16, 16, 3))
+    k = variables["params"]["embedding"]["kernel"]
+    b = variables["params"]["embedding"]["bias"]
+    ref = jax.lax.conv_general_dilated(x, k, (8, 8), "VALID",
+                                       dimension_numbers=("NHWC", "HWIO", "NHWC")) + b
+    from normvit_jax.models.vit import PatchEmbed
+    ours = PatchEmbed(8, 192, "none", jnp.float32).apply({"params": variables["params"]["embedding"]}, x)
+    np.testing.assert_allclose(ours, ref.reshape(2, 4, 192), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["pre", "post", "sandwich"])
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_placements_and_classifiers_run(placement, classifier):
+    model = models.create({"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2,
+                           "norm_placement": placement, "classifier": classifier,
+                           "posemb": "sincos2d", "patch_norm": "dual"}, num_classes=4)
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    variables = model.init(jax.random.key(0), x)
+    out = model.apply(variables, x)
+    assert out.shape == (2, 4) and bool(jnp.all(jnp.isfinite(out)))
+    names = set(variables["params"]["Transformer"]["encoderblock_0"])
+    assert ("PostNorm_attn" in names) == (placement == "sandwich")
+    assert "patch_norm_pre" in variables["params"]["embedding"]
+
+
+def test_attention_capture_rows_sum_to_one_and_match_fused_path():
+    model = models.create({"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2},
+                          num_classes=4)
+    x = jax.random.normal(jax.random.key(0), (3, 8, 8, 3))
+    variables = model.init(jax.random.key(1), x)
+    fused = model.apply(variables, x)
+    logits, inter = model.apply(variables, x, capture=True, mutable=["intermediates"])
+    np.testing.assert_allclose(logits, fused, rtol=1e-5, atol=1e-6)
+    att = inter["intermediates"]["Transformer"]["encoderblock_0"]["MultiHeadDotProductAttention_1"]["attention"][0]
+    assert att.shape == (3, 2, 5, 5)
+    np.testing.assert_allclose(att.sum(-1), 1.0, rtol=1e-6)
+    # Without 'intermediates' mutable nothing is recorded and nothing extra is returned.
+    assert model.apply(variables, x, capture=True).shape == (3, 4)
+
+
+def test_norm_overrides_and_late_class_token():
+    model = models.create({"variant": "Ti/4", "depth": 3, "hidden_size": 16, "num_heads": 2,
+                           "norm": {"name": "identity"}, "cls_token_at_block": 2,
+                           "norm_overrides": {"blocks_2_3": {"name": "layernorm"},
+                                              "final": {"name": "layernorm"}}}, num_classes=4)
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    variables = model.init(jax.random.key(1), x)
+    p = variables["params"]["Transformer"]
+    assert "LayerNorm_0" not in p["encoderblock_0"]        # identity has no parameters
+    assert "scale" in p["encoderblock_2"]["LayerNorm_0"]   # the override
+    assert "scale" in p["encoder_norm"]
+    assert p["posembed_input"]["pos_embedding"].shape == (1, 4, 16)  # no class slot: it joins late
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"variant": "X/16"}, "model.variant='X/16'"),
+    ({"variant": "Ti/16", "classifier": "max"}, "model.classifier='max'"),
+    ({"variant": "Ti/16", "norm_placement": "middle"}, "accepted: \\['pre', 'post', 'sandwich'\\]"),
+    ({"variant": "Ti/16", "norm_overrides": {"blocks_3_99": {"name": "layernorm"}}}, "blocks_3_99"),
+    ({"variant": "Ti/16", "hidden_size": 100, "num_heads": 3}, "not divisible by model.num_heads=3"),
+])
+def test_bad_model_configs_are_named(bad, match):
+    with pytest.raises(ValueError, match=match):
+        models.create(bad, num_classes=10)
