@@ -15,6 +15,17 @@ import flax.linen as nn
 _ENTRIES: dict[str, str] = {
     "layernorm": "normvit_jax.norms.layernorm:LayerNorm",
     "identity": "normvit_jax.norms.identity:Identity",
+    "rmsnorm": "normvit_jax.norms.rmsnorm:RMSNorm",
+    "scalenorm": "normvit_jax.norms.rmsnorm:ScaleNorm",
+    "groupnorm": "normvit_jax.norms.groupnorm:GroupNorm",
+    "instancenorm": "normvit_jax.norms.groupnorm:InstanceNorm",
+    "batchnorm": "normvit_jax.norms.batchnorm:BatchNorm",
+    "powernorm": "normvit_jax.norms.powernorm:PowerNorm",
+    "unified": "normvit_jax.norms.unified:UnifiedNorm",
+    "dtn": "normvit_jax.norms.dtn:DTN",
+    "dtn_var": "normvit_jax.norms.dtn:DTNVar",
+    "learnable_scaler": "normvit_jax.norms.learnable_scaler:LearnableScaler",
+    "rescale": "normvit_jax.norms.rescale:Rescale",
 }
 REGISTRY = _ENTRIES
 

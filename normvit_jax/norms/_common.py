@@ -1,0 +1,52 @@
+"""Small helpers shared by the normalizers (float32 statistics, ghost groups, option checks)."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def as_groups(x: jax.Array, group_size: int | None, norm_name: str) -> jax.Array:
+    """(B, T, C) -> (G, B/G * T, C) in float32: G ghost groups of ``group_size`` samples.
+
+    ``group_size`` None gives one group over the whole (possibly sharded) batch: under a sharded
+    jit a mean over axis 1 is then the global, synchronised statistic.
+    """
+    b, t, c = x.shape
+    x = x.astype(jnp.float32)
+    if group_size is None or group_size >= b:
+        return x.reshape(1, b * t, c)
+    if b % group_size:
+        raise ValueError(f"norm {norm_name!r}: stats_group_size={group_size} does not divide the "
+                         f"batch size {b}; accepted: a divisor of the batch size, or None")
+    return x.reshape(b // group_size, group_size * t, c)
+
+
+def check_group_size(norm_name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"norm {norm_name!r}: stats_group_size={value!r} is not accepted; "
+                         "accepted: None (global batch statistics) or a positive integer")
+
+
+def resolve_groups(norm_name: str, key: str, value: Any, dim: int, num_heads: int) -> int:
+    """Groups of channels: an int, or 'heads'/None for the model's number of heads."""
+    groups = num_heads if value in (None, "heads") else value
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or dim % groups:
+        shown = "'heads'" if value is None else repr(value)
+        raise ValueError(f"norm {norm_name!r}: {key}={shown} ({groups} groups) does not divide the "
+                         f"width {dim}; accepted: 'heads' or a positive divisor of {dim}")
+    return groups
+
+
+def group_rms_scale(x: jax.Array, groups: int, eps: float) -> jax.Array:
+    """Per token and channel group: x / sqrt(mean_group(x^2) + eps) (PowerNorm's and DTN's first step)."""
+    shape = x.shape
+    xg = x.reshape(shape[:-1] + (groups, shape[-1] // groups))
+    xg = xg * jax.lax.rsqrt(jnp.mean(jnp.square(xg), axis=-1, keepdims=True) + eps)
+    return xg.reshape(shape)
+
+
+def updating(module: Any, train: bool) -> bool:
+    """Whether a stateful norm advances its state now: training, and not while initialising."""
+    return train and not module.is_initializing()

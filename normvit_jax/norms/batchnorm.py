@@ -1,0 +1,63 @@
+"""BatchNorm on tokens: per channel over all B*T tokens, running mean/var in ``batch_stats``."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from normvit_jax.norms._common import as_groups, check_group_size, updating
+from normvit_jax.norms.registry import NormContext, check_options
+
+
+class BatchNorm(nn.Module):
+    """Normalises with the biased batch variance; eval uses the running statistics.
+
+    momentum 0.9 is Flax's convention (PyTorch's 0.1). ``unbiased_running_var`` stores n/(n-1)
+    times the batch variance as torch's BatchNorm1d (the DTN repository). ``stats_group_size``:
+    ghost batches of that many samples, each normalised with its own statistics (the per-GPU
+    statistics of the references); the running statistics then average the groups' statistics.
+    With None, under a sharded jit the mean over the batch axis is global (synchronised BN).
+    """
+
+    momentum: float = 0.9
+    epsilon: float = 1e-5
+    unbiased_running_var: bool = False
+    stats_group_size: int | None = None
+    use_scale: bool = True
+    use_bias: bool = True
+
+    @classmethod
+    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
+        check_options("batchnorm", opts, {"momentum", "epsilon", "unbiased_running_var",
+                                          "stats_group_size", "use_scale", "use_bias"})
+        check_group_size("batchnorm", opts.get("stats_group_size"))
+        return cls(name=name, **opts)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        b, t, c = x.shape
+        ra_mean = self.variable("batch_stats", "mean", jnp.zeros, (c,), jnp.float32)
+        ra_var = self.variable("batch_stats", "var", jnp.ones, (c,), jnp.float32)
+        if train:
+            xg = as_groups(x, self.stats_group_size, "batchnorm")  # (G, n, C)
+            mean = jnp.mean(xg, axis=1, keepdims=True)
+            var = jnp.mean(jnp.square(xg - mean), axis=1, keepdims=True)
+            y = ((xg - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(b, t, c)
+            if updating(self, train):
+                n = xg.shape[1]
+                store_var = jnp.mean(var, axis=(0, 1))
+                if self.unbiased_running_var:
+                    store_var = store_var * (n / max(n - 1, 1))
+                m = self.momentum
+                ra_mean.value = m * ra_mean.value + (1 - m) * jax.lax.stop_gradient(
+                    jnp.mean(mean, axis=(0, 1)))
+                ra_var.value = m * ra_var.value + (1 - m) * jax.lax.stop_gradient(store_var)
+        else:
+            y = (x.astype(jnp.float32) - ra_mean.value) * jax.lax.rsqrt(ra_var.value + self.epsilon)
+        if self.use_scale:
+            y = y * self.param("scale", nn.initializers.ones, (c,), jnp.float32)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
+        return y.astype(x.dtype)

@@ -1,0 +1,157 @@
+"""Dynamic Token Normalization, DTN (Shao et al., ICLR 2022).
+
+Per token: mu = lam_mu * mu_LN + (1 - lam_mu) * mu_IN, var likewise, where the IN statistics of
+head h are weighted averages over source tokens with weights P^h = softmax over sources of a
+learned linear map of the relative grid offset (dx, dy, dx^2 + dy^2). P does not depend on x:
+it is computed once per call and the IN statistics of the whole batch are one einsum.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from normvit_jax.norms._common import group_rms_scale, resolve_groups
+from normvit_jax.norms.registry import NormContext, check_options
+
+POSITION_INITS = ("reference", "local")
+OPTIONS = {"heads", "epsilon", "mix_mean", "ln_unbiased", "position_init", "locality_strength",
+           "pool_size"}
+
+
+def relative_offsets(side: int) -> np.ndarray:
+    """(N, N, 3) offsets [source i, target j] = (dx, dy, dx^2+dy^2), target minus source, tokens
+    row-major, x along columns and y along rows."""
+    rows, cols = np.divmod(np.arange(side * side), side)
+    dx = cols[None, :] - cols[:, None]
+    dy = rows[None, :] - rows[:, None]
+    return np.stack([dx, dy, dx * dx + dy * dy], axis=-1).astype(np.float32)
+
+
+def position_init(heads: int, local: bool, strength: float):
+    """Kernel (3, H) of the offset -> logit map. 'local': ConViT's init for the first k^2 heads
+    (k = floor(sqrt(H))), [2(h2-c), 2(h1-c), -1] for head h1 + k*h2, c = (k-1)/2, the whole
+    matrix times ``strength``; other heads and 'reference' (the released ViT re-initialises every
+    Linear): N(0, 0.02^2)."""
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        w = 0.02 * jax.random.normal(key, shape, dtype)
+        if not local:
+            return w
+        k = int(math.isqrt(heads))
+        center = (k - 1) / 2
+        for h1 in range(k):
+            for h2 in range(k):
+                w = w.at[:, h1 + k * h2].set(jnp.array([2 * (h2 - center), 2 * (h1 - center), -1.0],
+                                                       dtype))
+        return w * strength
+    return init
+
+
+class DTN(nn.Module):
+    """Options: heads (default: the model's), epsilon (1e-5, also the RMS pre-scaling's),
+    mix_mean (False: the reference's 'dtn_var', mu = mu_LN), ln_unbiased (reference: True),
+    position_init ('reference' = near-uniform after the released ViT's re-init, or 'local'),
+    locality_strength, pool_size (14: grids above 14 that are multiples of it are average-pooled
+    to it for the IN statistics as the reference does; None: always exact).
+
+    Prefix (class) tokens get plain LN statistics; the reference instead keeps the class token out
+    of its DTN blocks (``model.cls_token_at_block``).
+    """
+
+    heads: int
+    grid: tuple[int, int]
+    num_prefix_tokens: int = 0
+    epsilon: float = 1e-5
+    mix_mean: bool = True
+    ln_unbiased: bool = True
+    position_init: str = "reference"
+    locality_strength: float = 1.0
+    pool_size: int | None = 14
+
+    @classmethod
+    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None,
+                    norm_name: str = "dtn"):
+        check_options(norm_name, opts, OPTIONS)
+        opts = dict(opts)
+        opts["heads"] = resolve_groups(norm_name, "heads", opts.get("heads"), ctx.dim, ctx.num_heads)
+        if ctx.grid is None or len(ctx.grid) != 2 or ctx.grid[0] != ctx.grid[1] or ctx.grid[0] < 1:
+            raise ValueError(f"norm {norm_name!r} in slot {ctx.slot!r}: grid={ctx.grid!r} is not "
+                             "accepted; accepted: a square patch grid (n, n) of the tokens")
+        if opts.get("position_init", "reference") not in POSITION_INITS:
+            raise ValueError(f"norm {norm_name!r}: position_init={opts['position_init']!r} is not "
+                             f"accepted; accepted: {list(POSITION_INITS)}")
+        pool = opts.get("pool_size", 14)
+        if pool is not None and (not isinstance(pool, int) or pool < 1):
+            raise ValueError(f"norm {norm_name!r}: pool_size={pool!r} is not accepted; accepted: "
+                             "None or a positive int")
+        return cls(grid=tuple(ctx.grid), num_prefix_tokens=ctx.num_prefix_tokens, name=name, **opts)
+
+    def _stat_side(self) -> int:
+        side = self.grid[0]
+        if self.pool_size and side > self.pool_size and side % self.pool_size == 0:
+            return self.pool_size
+        return side
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        b, t, c = x.shape
+        side, pre, h = self.grid[0], self.num_prefix_tokens, self.heads
+        if t != pre + side * side:
+            raise ValueError(f"norm 'dtn': got {t} tokens, but grid={self.grid} with "
+                             f"num_prefix_tokens={pre} needs {pre + side * side}; accepted: "
+                             "prefix tokens followed by the row-major patch grid")
+        scale = self.param("scale", nn.initializers.ones, (c,), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
+        kernel = self.param("pos_proj", position_init(h, self.position_init == "local",
+                                                      self.locality_strength), (3, h), jnp.float32)
+        var_gate = jax.nn.sigmoid(self.param("var_gate", nn.initializers.zeros, (h,), jnp.float32))
+        xs = group_rms_scale(x.astype(jnp.float32), h, self.epsilon)  # per-head RMS pre-scaling
+        mu_ln = jnp.mean(xs, axis=-1, keepdims=True)
+        var_ln = jnp.sum(jnp.square(xs - mu_ln), -1, keepdims=True) / (c - 1 if self.ln_unbiased else c)
+
+        # Position-aware IN statistics, once per call: P (H, N_src, N_tgt), softmax over sources.
+        s = self._stat_side()
+        k = side // s
+        logits = jnp.einsum("ijd,dh->hij", jnp.asarray(relative_offsets(s)), kernel)
+        p = jax.nn.softmax(logits, axis=1)
+        patches = xs[:, pre:]
+        if k > 1:  # the reference's average pooling to s x s (statistics of the pooled tokens)
+            patches = patches.reshape(b, s, k, s, k, c).mean(axis=(2, 4)).reshape(b, s * s, c)
+        ph = patches.reshape(b, s * s, h, c // h)
+        moments = jnp.einsum("bshc,hst->bthc", jnp.concatenate([ph, ph * ph], -1), p)
+        mu_in, m2_in = jnp.split(moments, 2, axis=-1)
+        var_in = m2_in - jnp.square(mu_in)
+        if k > 1:  # each pooled cell's statistics repeated over its k x k block
+            up = lambda a: jnp.repeat(jnp.repeat(a.reshape(b, s, s, c), k, 1), k, 2)
+            mu_in, var_in = up(mu_in), up(var_in)
+        mu_in, var_in = mu_in.reshape(b, side * side, c), var_in.reshape(b, side * side, c)
+
+        per_channel = lambda gate: jnp.repeat(gate, c // h)
+        lam_var = per_channel(var_gate)
+        var = lam_var * var_ln[:, pre:] + (1 - lam_var) * var_in
+        if self.mix_mean:
+            mean_gate = self.param("mean_gate", nn.initializers.zeros, (h,), jnp.float32)
+            lam_mu = per_channel(jax.nn.sigmoid(mean_gate))
+            mu = lam_mu * mu_ln[:, pre:] + (1 - lam_mu) * mu_in
+        else:
+            mu = jnp.broadcast_to(mu_ln[:, pre:], var.shape)
+        if pre:  # class token: plain LN statistics
+            mu = jnp.concatenate([jnp.broadcast_to(mu_ln[:, :pre], (b, pre, c)), mu], axis=1)
+            var = jnp.concatenate([jnp.broadcast_to(var_ln[:, :pre], (b, pre, c)), var], axis=1)
+        y = (xs - mu) * jax.lax.rsqrt(var + self.epsilon)
+        return (y * scale + bias).astype(x.dtype)
+
+
+class DTNVar(DTN):
+    """The reference's 'dtn_var': only the variance is mixed, mu = mu_LN."""
+
+    mix_mean: bool = False
+
+    @classmethod
+    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None,
+                    norm_name: str = "dtn_var"):
+        return super().from_config(opts, ctx, name=name, norm_name=norm_name)

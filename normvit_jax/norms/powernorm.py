@@ -1,0 +1,108 @@
+"""PowerNorm (Shen et al., ICML 2020): group scaling, then a quadratic-mean "batch norm" without
+centring whose backward is approximated with a running statistic (ema_gz) instead of the exact
+batch-statistic term. ema_gz is updated by the custom backward and returned as the cotangent of
+its own input (the increment): see ``normvit_jax.norms.stateful``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from normvit_jax.norms._common import (as_groups, check_group_size, group_rms_scale,
+                                       resolve_groups, updating)
+from normvit_jax.norms.registry import NormContext, check_options
+
+BACKWARDS = ("reference", "dtn")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def power_core(x, gamma, beta, ema_gz, inv_fwd, inv_bwd, alpha_bkw: float):
+    """y = gamma * x * inv_fwd + beta on grouped tokens x (G, n, C); inv_* broadcast (G|1, 1, C)."""
+    return gamma * (x * inv_fwd) + beta
+
+
+def _power_fwd(x, gamma, beta, ema_gz, inv_fwd, inv_bwd, alpha_bkw):
+    z = x * inv_fwd
+    return gamma * z + beta, (z, gamma, ema_gz, inv_fwd, inv_bwd)
+
+
+def _power_bwd(alpha_bkw, res, dy):
+    z, gamma, ema_gz, inv_fwd, inv_bwd = res
+    g_hat = dy * gamma - (1.0 - alpha_bkw) * ema_gz * z
+    # ema_gz is an accumulating sum (not an EMA) of mean(g_hat * z) over all tokens.
+    increment = jnp.mean(g_hat * z, axis=(0, 1))
+    dx = g_hat * inv_bwd  # the dependence of the statistic on x is what ema_gz approximates
+    return (dx, jnp.sum(dy * z, axis=(0, 1)), jnp.sum(dy, axis=(0, 1)), increment,
+            jnp.zeros_like(inv_fwd), jnp.zeros_like(inv_bwd))
+
+
+power_core.defvjp(_power_fwd, _power_bwd)
+
+
+class PowerNorm(nn.Module):
+    """State (batch_stats): running_phi (init 1), ema_gz (init 0, backward-updated), t (step).
+
+    warmup: steps t <= warmup normalise with the batch quadratic mean psi2, later ones with
+    running_phi. groups: the group scaling's channel groups (reference: 1; the DTN repository:
+    'heads'). backward 'reference' divides by sqrt(psi2 + eps) always; 'dtn' (the DTN repository's
+    copy) by the freshly updated running_phi once t >= warmup.
+    """
+
+    groups: int = 1
+    warmup: int = 10000
+    alpha_fwd: float = 0.9
+    alpha_bkw: float = 0.9
+    epsilon: float = 1e-5
+    group_epsilon: float = 1e-5
+    backward: str = "reference"
+    stats_group_size: int | None = None
+
+    @classmethod
+    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
+        check_options("powernorm", opts, {"groups", "warmup", "alpha_fwd", "alpha_bkw", "epsilon",
+                                          "group_epsilon", "backward", "stats_group_size"})
+        opts = dict(opts)
+        opts["groups"] = resolve_groups("powernorm", "groups", opts.get("groups", 1), ctx.dim,
+                                        ctx.num_heads)
+        if opts.get("backward", "reference") not in BACKWARDS:
+            raise ValueError(f"norm 'powernorm': backward={opts['backward']!r} is not accepted; "
+                             f"accepted: {list(BACKWARDS)}")
+        check_group_size("powernorm", opts.get("stats_group_size"))
+        return cls(name=name, **opts)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        b, t_len, c = x.shape
+        gamma = self.param("scale", nn.initializers.ones, (c,), jnp.float32)
+        beta = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
+        phi = self.variable("batch_stats", "running_phi", jnp.ones, (c,), jnp.float32)
+        ema_gz = self.variable("batch_stats", "ema_gz", jnp.zeros, (c,), jnp.float32)
+        step = self.variable("batch_stats", "t", jnp.zeros, (), jnp.int32)
+        # Group scaling in training and inference, differentiated by ordinary autodiff.
+        xs = group_rms_scale(x.astype(jnp.float32), self.groups, self.group_epsilon)
+        if not train:
+            return (gamma * xs * jax.lax.rsqrt(phi.value + self.epsilon) + beta).astype(x.dtype)
+        xg = as_groups(xs, self.stats_group_size, "powernorm")  # (G, n, C)
+        psi2 = jax.lax.stop_gradient(jnp.mean(jnp.square(xg), axis=1, keepdims=True))
+        psi2_all = jnp.mean(psi2, axis=(0, 1))
+        t = jax.lax.stop_gradient(step.value) + 1  # 1-based, as the reference's incremented iters
+        tf = t.astype(jnp.float32)
+        phi_old = jax.lax.stop_gradient(phi.value)
+        inv_batch = jax.lax.rsqrt(psi2 + self.epsilon)
+        inv_fwd = jnp.where(t <= self.warmup, inv_batch, jax.lax.rsqrt(phi_old + self.epsilon))
+        # Cumulative average strictly before warmup ends, then the EMA at every step.
+        phi_new = jnp.where(t < self.warmup, phi_old * (tf - 1) / tf + psi2_all / tf, phi_old)
+        phi_new = self.alpha_fwd * phi_new + (1 - self.alpha_fwd) * psi2_all
+        if self.backward == "dtn":
+            inv_bwd = jnp.where(t >= self.warmup, jax.lax.rsqrt(phi_new + self.epsilon), inv_batch)
+        else:
+            inv_bwd = inv_batch
+        y = power_core(xg, gamma, beta, ema_gz.value, inv_fwd, inv_bwd, self.alpha_bkw)
+        if updating(self, train):
+            step.value = t
+            phi.value = phi_new
+        return y.reshape(b, t_len, c).astype(x.dtype)

@@ -1,0 +1,128 @@
+"""Unified Normalization, UN (Yang et al., ACM MM 2022): a BatchNorm-like norm without centring
+whose statistics are smoothed over a window of steps (geometric mean), with outlier filtration and
+a custom backward smoothed the same way. Every piece of state lives in ``batch_stats``; the gz
+window and ema_gz are updated by the custom backward and returned as the cotangent (increment) of
+their own inputs (see ``normvit_jax.norms.stateful``).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from normvit_jax.norms._common import as_groups, check_group_size, updating
+from normvit_jax.norms.registry import NormContext, check_options
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def un_core(x, gamma, beta, ema_gz, buffer_gz, inv, r, t, skip, window_bp: int, warmup: int,
+            momentum: float):
+    """y = gamma * x * inv + beta on grouped tokens x (G, n, C). r only shapes the backward."""
+    return gamma * (x * inv) + beta
+
+
+def _un_fwd(x, gamma, beta, ema_gz, buffer_gz, inv, r, t, skip, window_bp, warmup, momentum):
+    z = x * inv
+    return gamma * z + beta, (z, gamma, ema_gz, buffer_gz, inv, r, t, skip)
+
+
+def _un_bwd(window_bp, warmup, momentum, res, dy):
+    z, gamma, ema_gz, buffer_gz, inv, r, t, skip = res
+    g = dy * gamma * r
+    gz = jnp.mean(g * z, axis=1, keepdims=True)  # (G, 1, C)
+    gz_all = jnp.mean(gz, axis=(0, 1))
+    # On a skip the window slot gets the OLD ema_gz, not this step's gz.
+    new_buffer = buffer_gz.at[t % window_bp].set(jnp.where(skip, ema_gz, gz_all))
+    plain = (t <= window_bp) | (t < warmup) | skip
+    mean_gz = jnp.where(plain, gz, jnp.mean(new_buffer, axis=0))
+    new_ema = momentum * ema_gz + (1 - momentum) * jnp.mean(mean_gz, axis=(0, 1))
+    g_hat = g - jnp.where(skip, mean_gz, new_ema) * z
+    return (g_hat * inv, jnp.sum(dy * r * z, axis=(0, 1)), jnp.sum(dy, axis=(0, 1)),
+            new_ema - ema_gz, new_buffer - buffer_gz, jnp.zeros_like(inv), jnp.zeros_like(r),
+            None, None)
+
+
+un_core.defvjp(_un_fwd, _un_bwd)
+
+
+class UnifiedNorm(nn.Module):
+    """State (batch_stats): running_var (init 1), buffer_x2 (W_fp, C), buffer_gz (W_bp, C),
+    ema_gz (C), t (step), skips (outlier steps counted).
+
+    window: int or (fp, bp); warmup: steps before the windowed statistics are used;
+    outlier_filtration: the reference layer's default is off, its T2T-ViT turns it on.
+    stats_group_size: ghost groups normalised with their own s_t / gz; the windows, running_var
+    and ema_gz take the mean over groups.
+    """
+
+    window: tuple[int, int] = (4, 4)
+    warmup: int = 4000
+    epsilon: float = 1e-5
+    momentum: float = 0.9
+    outlier_filtration: bool = False
+    stats_group_size: int | None = None
+    ratio_warmup: int = 1000  # r stays 1 while t <= max(ratio_warmup, warmup); reference: 1000
+
+    @classmethod
+    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
+        check_options("unified", opts, {"window", "warmup", "epsilon", "momentum",
+                                        "outlier_filtration", "stats_group_size", "ratio_warmup"})
+        opts = dict(opts)
+        w = opts.get("window", 4)
+        w = (w, w) if isinstance(w, int) else tuple(w)
+        if len(w) != 2 or not all(isinstance(v, int) and v >= 1 for v in w):
+            raise ValueError(f"norm 'unified': window={opts.get('window')!r} is not accepted; "
+                             "accepted: a positive int or a pair (forward, backward) of them")
+        opts["window"] = w
+        check_group_size("unified", opts.get("stats_group_size"))
+        return cls(name=name, **opts)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        b, t_len, c = x.shape
+        wf, wb = self.window
+        gamma = self.param("scale", nn.initializers.ones, (c,), jnp.float32)
+        beta = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
+        running_var = self.variable("batch_stats", "running_var", jnp.ones, (c,), jnp.float32)
+        buffer_x2 = self.variable("batch_stats", "buffer_x2", jnp.zeros, (wf, c), jnp.float32)
+        buffer_gz = self.variable("batch_stats", "buffer_gz", jnp.zeros, (wb, c), jnp.float32)
+        ema_gz = self.variable("batch_stats", "ema_gz", jnp.zeros, (c,), jnp.float32)
+        step = self.variable("batch_stats", "t", jnp.zeros, (), jnp.int32)
+        skips = self.variable("batch_stats", "skips", jnp.zeros, (), jnp.int32)
+        if not train:
+            y = gamma * x.astype(jnp.float32) * jax.lax.rsqrt(running_var.value + self.epsilon)
+            return (y + beta).astype(x.dtype)
+        sg = jax.lax.stop_gradient
+        xg = as_groups(x, self.stats_group_size, "unified")  # (G, n, C)
+        s = sg(jnp.mean(jnp.square(xg), axis=1, keepdims=True))  # (G, 1, C), no centring
+        t = sg(step.value) + 1  # 1-based, as the reference's incremented iters
+        rv = sg(running_var.value)
+        buf = sg(buffer_x2.value)
+        # sigma_rec: one scalar, unbiased variance of sqrt(window) over all W x C entries, taken
+        # before this step's statistic enters the window.
+        sigma_rec = jnp.var(jnp.sqrt(buf), ddof=1) if wf * c > 1 else jnp.zeros(())
+        slot = t % wf
+        buf = buf.at[slot].set(jnp.mean(s, axis=(0, 1)))
+        skip = jnp.asarray(wf == 1)  # a window of 1: every step counts as a skip
+        outlier = jnp.asarray(False)
+        if self.outlier_filtration:
+            am = jnp.mean(buf, axis=0)
+            gm = jnp.exp(jnp.mean(jnp.log(buf), axis=0))
+            outlier = (t >= self.warmup) & jnp.any(am - gm > sigma_rec * wf)
+            buf = jnp.where(outlier, buf.at[slot].set(rv), buf)
+            skip = skip | outlier
+        gm = jnp.exp(jnp.mean(jnp.log(buf), axis=0))  # geometric mean of the window
+        var = jnp.where((t <= wf) | (t < self.warmup) | skip, s, gm)
+        r = jnp.sqrt(var + self.epsilon) / jnp.sqrt(rv + self.epsilon)
+        r = jnp.where((t <= max(self.ratio_warmup, self.warmup)) | skip, 1.0, jnp.clip(r, 0.2, 5.0))
+        y = un_core(xg, gamma, beta, ema_gz.value, buffer_gz.value, jax.lax.rsqrt(var + self.epsilon),
+                    r, t, skip, wb, self.warmup, self.momentum)
+        if updating(self, train):
+            step.value = t
+            buffer_x2.value = buf
+            running_var.value = self.momentum * rv + (1 - self.momentum) * jnp.mean(var, axis=(0, 1))
+            skips.value = sg(skips.value) + outlier.astype(jnp.int32)
+        return y.reshape(b, t_len, c).astype(x.dtype)
