@@ -1,0 +1,542 @@
+"""Google ViT .npz checkpoints: read the vit_jax, AugReg and big_vision layouts, map them onto this
+repository's ViT (position embeddings resampled, head reset, norms mapped by parameter name), and
+export a trained model back in the vit_jax layout.
+
+Public API: ``load_npz``, ``init_from_npz``, ``export_npz``, ``resample_grid``, ``format_report``.
+Every mismatch raises ``CheckpointError`` naming the keys and shapes: never a silent partial load.
+"""
+from __future__ import annotations
+
+import io
+import math
+import re
+import zipfile
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+from etils import epath
+from flax import traverse_util
+from flax.core import frozen_dict
+
+from normvit_jax.models import vit
+
+POSEMB = "Transformer/posembed_input/pos_embedding"
+# Module names this ViT gives its norm slots. Those in CKPT_NORM_SLOTS exist in Google's checkpoints.
+NORM_SLOTS = frozenset({"LayerNorm_0", "LayerNorm_2", "encoder_norm", "PostNorm_attn", "PostNorm_mlp",
+                        "patch_norm_pre", "patch_norm_post"})
+CKPT_NORM_SLOTS = frozenset({"LayerNorm_0", "LayerNorm_2", "encoder_norm"})
+MODEL_ONLY = frozenset({"rescale_s"})  # parameters no Google checkpoint has (RescaleViT's residual scale)
+# Flax linen numbers submodules per class (big_vision, linen vit_jax); the published vit_jax files
+# use pre-linen global numbering, which is what this ViT's parameter names keep.
+_LINEN_TO_OLD = {"LayerNorm_0": "LayerNorm_0", "MultiHeadDotProductAttention_0": "MultiHeadDotProductAttention_1",
+                 "LayerNorm_1": "LayerNorm_2", "MlpBlock_0": "MlpBlock_3"}
+_PREFIXES = ("params/", "opt/target/", "")
+_BLOCK = re.compile(r"^Transformer/encoderblock_(\d+)/")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or cannot be loaded into the model as configured."""
+
+
+class Row(NamedTuple):
+    """One line of the loading report. action: loaded | resampled | reinit | init | dropped."""
+
+    param: str      # model parameter (for 'dropped': the checkpoint key)
+    action: str
+    source: str     # checkpoint key it came from ('' if none)
+    shape: tuple
+    note: str = ""
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+def _read_npz(path: str) -> tuple[dict[str, np.ndarray], int]:
+    """All arrays of an .npz (local or gs://), bfloat16 ('|V2') widened to float32; and their count."""
+    p = epath.Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {path!r} does not exist")
+    out, n_bf16 = {}, 0
+    try:
+        with p.open("rb") as f:
+            npz = np.load(f, allow_pickle=False)
+            if not isinstance(npz, np.lib.npyio.NpzFile):
+                raise CheckpointError(f"{path}: a single .npy array, not an .npz archive of parameters")
+            with npz:
+                for key in npz.files:
+                    try:
+                        a = npz[key]
+                    except ValueError as e:
+                        if "allow_pickle" not in str(e):
+                            raise
+                        raise CheckpointError(
+                            f"{path}: array {key!r} holds Python objects (a pickle); refusing to "
+                            "load it (files are read with allow_pickle=False)") from None
+                    if a.dtype.kind == "V" and a.dtype.itemsize == 2:  # bfloat16 saved without ml_dtypes
+                        a = (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+                        n_bf16 += 1
+                    elif a.dtype.kind not in "fiub":
+                        raise CheckpointError(f"{path}: array {key!r} has unsupported dtype {a.dtype}")
+                    out[key] = a
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        if "pickle" in str(e):
+            raise CheckpointError(f"{path}: a pickle, not an .npz archive; refusing to load it "
+                                  "(files are read with allow_pickle=False)") from None
+        raise CheckpointError(f"{path}: not a readable .npz archive (truncated or corrupt download?): "
+                              f"{e}") from e
+    except (zipfile.BadZipFile, EOFError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable .npz archive (truncated or corrupt download?): "
+                              f"{type(e).__name__}: {e}") from e
+    if not out:
+        raise CheckpointError(f"{path}: the archive holds no arrays")
+    return out, n_bf16
+
+
+def load_npz(path: str) -> dict[str, np.ndarray]:
+    """Flat name -> array of an .npz checkpoint, read with ``allow_pickle=False``; bfloat16 -> float32."""
+    return _read_npz(path)[0]
+
+
+class Layout(NamedTuple):
+    prefix: str
+    scanned: bool
+    numbering: str            # 'vit_jax' (LayerNorm_0/MHA_1/LayerNorm_2/MlpBlock_3) | 'linen' (_0/_0/_1/_0)
+    posemb_key: str | None    # where the position embedding was found
+    class_slot: bool          # the position embedding has a class-token slot at index 0
+    ignored: tuple[str, ...]  # keys outside the parameter prefix (optimizer state)
+
+    def describe(self) -> str:
+        pe = "none" if self.posemb_key is None else (
+            f"{self.posemb_key} ({'with' if self.class_slot else 'no'} class slot)")
+        return (f"prefix={self.prefix or '-'!s}, blocks={'scanned' if self.scanned else 'per-block'}, "
+                f"numbering={self.numbering}, posemb={pe}")
+
+
+def canonicalize(raw: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], Layout]:
+    """Renames any supported layout to this ViT's names (vit_jax's). The position embedding moves to
+    ``POSEMB``; ``Layout.class_slot`` says whether it carries a class slot: vit_jax adds it to the
+    class token (slot present iff the file has 'cls'), big_vision's top-level one never does."""
+    prefix = next((p for p in _PREFIXES if f"{p}embedding/kernel" in raw), None)
+    if prefix is None:
+        raise CheckpointError(
+            "no 'embedding/kernel' (also tried prefixes 'params/', 'opt/target/'): not a ViT checkpoint; "
+            f"first keys: {sorted(raw)[:8]}")
+    ignored = tuple(k for k in raw if not k.startswith(prefix))
+    src = {k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix)}
+
+    scanned_keys = [k for k in src if k.startswith("Transformer/encoderblock/")]
+    if scanned_keys:  # nn.scan over blocks: one stacked array per parameter, depth first
+        if any(_BLOCK.match(k) for k in src):
+            raise CheckpointError("checkpoint mixes scanned 'Transformer/encoderblock/' and per-block keys")
+        depths = {src[k].shape[0] if src[k].ndim else 0 for k in scanned_keys}
+        if len(depths) != 1:
+            raise CheckpointError("scanned blocks disagree on depth (leading axis): "
+                                  + ", ".join(f"{k} {src[k].shape}" for k in scanned_keys))
+        for k in scanned_keys:
+            stacked, rest = src.pop(k), k[len("Transformer/encoderblock/"):]
+            for i in range(stacked.shape[0]):
+                src[f"Transformer/encoderblock_{i}/{rest}"] = stacked[i]
+
+    mods = {k.split("/")[2] for k in src if _BLOCK.match(k)}
+    old = mods & {"MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3"}
+    new = mods & {"MultiHeadDotProductAttention_0", "LayerNorm_1", "MlpBlock_0"}
+    if old and new:
+        raise CheckpointError(f"blocks mix vit_jax and linen module numbering: {sorted(mods)}")
+    if new:
+        def rename(k: str) -> str:
+            if not _BLOCK.match(k):
+                return k
+            parts = k.split("/")
+            parts[2] = _LINEN_TO_OLD.get(parts[2], parts[2])
+            return "/".join(parts)
+        src = {rename(k): v for k, v in src.items()}
+
+    found = [k for k in (POSEMB, "Transformer/pos_embedding", "pos_embedding") if k in src]
+    if len(found) > 1:
+        raise CheckpointError(f"checkpoint has several position embeddings: {found}")
+    posemb_key = found[0] if found else None
+    if posemb_key:
+        src[POSEMB] = src.pop(posemb_key)
+    class_slot = posemb_key in (POSEMB, "Transformer/pos_embedding") and "cls" in src
+    return src, Layout(prefix, bool(scanned_keys), "linen" if new else "vit_jax", posemb_key, class_slot,
+                       ignored)
+
+
+# --------------------------------------------------------------------------------------- resampling
+
+def _axis(n_old: int, n_new: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # Corner-aligned sample positions, as scipy.ndimage.zoom(order=1) (what vit_jax/big_vision use).
+    pos = np.zeros(n_new) if n_new == 1 or n_old == 1 else np.arange(n_new) * (n_old - 1) / (n_new - 1)
+    lo = np.minimum(np.floor(pos).astype(int), max(n_old - 2, 0))
+    return lo, np.minimum(lo + 1, n_old - 1), pos - lo
+
+
+def resample_grid(grid: np.ndarray, new_hw: Sequence[int]) -> np.ndarray:
+    """Bilinear resize of a (rows, cols, D) grid of embeddings to ``new_hw``, computed in float64."""
+    g = np.asarray(grid, np.float64)
+    lo, hi, f = _axis(g.shape[0], new_hw[0])
+    g = g[lo] * (1 - f)[:, None, None] + g[hi] * f[:, None, None]
+    lo, hi, f = _axis(g.shape[1], new_hw[1])
+    g = g[:, lo] * (1 - f)[None, :, None] + g[:, hi] * f[None, :, None]
+    return g.astype(grid.dtype)
+
+
+def _grid_of(n: int, given: Sequence[int] | None, what: str) -> tuple[int, int]:
+    if given is not None:
+        gh, gw = int(given[0]), int(given[1])
+        if gh * gw != n:
+            raise CheckpointError(f"{what}: grid {gh}x{gw} does not match its {n} patch positions")
+        return gh, gw
+    s = math.isqrt(n)
+    if s * s != n:
+        raise CheckpointError(f"{what}: {n} patch positions are not a square grid; pass the grid "
+                              "(image_size= for the model, source_grid= for the checkpoint)")
+    return s, s
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+def _to_dict(cfg: Any) -> dict:
+    return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+
+
+def _slot_of(name: str) -> tuple[str, str] | None:
+    """('Transformer/encoderblock_3/LayerNorm_0', 'scale') for a parameter inside a norm slot."""
+    parts = name.split("/")
+    for i, p in enumerate(parts[:-1]):
+        if p in NORM_SLOTS:
+            return "/".join(parts[: i + 1]), "/".join(parts[i + 1:])
+    return None
+
+
+def _slot_norm(cfg: dict, slot: str) -> str:
+    """The registry name of the norm the model config puts in a slot."""
+    if slot.split("/")[-1].startswith("patch_norm"):
+        return "layernorm"
+    m = _BLOCK.match(slot + "/")
+    norm = (vit.norm_for_slot(cfg.get("norm"), cfg.get("norm_overrides"), "block", int(m.group(1)))
+            if m else vit.norm_for_slot(cfg.get("norm"), cfg.get("norm_overrides"), "encoder_norm", None))
+    norm = norm or {"name": "layernorm"}
+    return norm if isinstance(norm, str) else _to_dict(norm).get("name", "layernorm")
+
+
+def _dims(flat: Mapping[str, Any]) -> dict[str, Any]:
+    def dim(key: str, axis: int) -> Any:
+        return np.shape(flat[key])[axis] if key in flat else "?"
+    q = "Transformer/encoderblock_0/MultiHeadDotProductAttention_1/query/kernel"
+    return dict(depth=len({m.group(1) for k in flat if (m := _BLOCK.match(k))}),
+                width=dim("embedding/kernel", -1), heads=dim(q, 1),
+                mlp=dim("Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel", -1),
+                patch=dim("embedding/kernel", 0))
+
+
+def _summary(flat: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in _dims(flat).items())
+
+
+def _flat_heads(name: str, src: np.ndarray, shape: tuple) -> bool:
+    """q/k/v/out kernels and biases stored with heads flattened ((D, H*Dh), (H*Dh,), (H*Dh, D))."""
+    m = re.search(r"MultiHeadDotProductAttention_1/(query|key|value|out)/(kernel|bias)$", name)
+    if not m or src.size != math.prod(shape) or src.ndim >= len(shape):
+        return False
+    if m.group(1) == "out":
+        return m.group(2) == "bias" or src.shape[-1] == shape[-1]
+    return m.group(2) == "bias" or src.shape[0] == shape[0]
+
+
+def init_from_npz(params: Any, path: str, model_cfg: Any, num_classes: int, *,
+                  keep_pre_logits: bool | None = None,
+                  image_size: int | Sequence[int] | None = None,
+                  source_grid: Sequence[int] | None = None,
+                  log: Callable[[str], Any] | None = print) -> tuple[Any, list[Row]]:
+    """Returns ``params`` (freshly initialised, same structure) with the checkpoint's weights in.
+
+    keep_pre_logits: None follows the model (``representation_size`` set: load pre_logits; unset:
+    drop them); False leaves the model's pre_logits at init; True requires them in both.
+    image_size: the fine-tuning resolution (int or (h, w)); needed for non-square patch grids.
+    source_grid: the checkpoint's (rows, cols) grid when it is not square.
+    The head is zeroed unless the checkpoint's head has the same shape and saw the same features.
+    Raises CheckpointError listing every missing, unexpected or mis-shaped key.
+    """
+    cfg = vit.resolve_model_config(_to_dict(model_cfg))
+    frozen = isinstance(params, frozen_dict.FrozenDict)
+    tree = frozen_dict.unfreeze(params) if frozen else params
+    wrapped = set(tree) == {"params"}
+    tgt = traverse_util.flatten_dict(tree["params"] if wrapped else tree, sep="/")
+    raw, n_bf16 = _read_npz(path)
+    src, layout = canonicalize(raw)
+
+    new: dict[str, Any] = dict(tgt)
+    rows: list[Row] = []
+    errors: list[str] = []
+    used: set[str] = set()
+
+    def shape(k: str) -> tuple:
+        return tuple(np.shape(tgt[k]))
+
+    def put(k: str, value: np.ndarray, action: str, source: str, note: str = "") -> None:
+        new[k] = np.asarray(value, dtype=np.asarray(tgt[k]).dtype)
+        rows.append(Row(k, action, source, shape(k), note))
+        if source:
+            used.add(source)
+
+    def init(k: str, note: str) -> None:
+        rows.append(Row(k, "init", "", shape(k), note))
+
+    # ---- head and pre_logits: reset for a new task; pre_logits kept or dropped by config
+    head_k, head_b = tgt.get("head/kernel"), tgt.get("head/bias")
+    if head_k is None or head_b is None:
+        raise CheckpointError("model parameters have no 'head/kernel'/'head/bias'")
+    if np.shape(head_k)[-1] != num_classes:
+        raise CheckpointError(f"num_classes={num_classes} but the model's head is {np.shape(head_k)}")
+    pl_t = sorted(k for k in tgt if k.startswith("pre_logits/"))
+    pl_s = sorted(k for k in src if k.startswith("pre_logits/"))
+    if keep_pre_logits and not pl_t:
+        r = np.shape(src["pre_logits/kernel"])[-1] if "pre_logits/kernel" in src else "?"
+        raise CheckpointError(f"keep_pre_logits=True but the model has no pre_logits: set "
+                              f"model.representation_size={r}")
+    if keep_pre_logits and not pl_s:
+        raise CheckpointError("keep_pre_logits=True but the checkpoint has no pre_logits")
+    load_pl = bool(pl_t and pl_s) and keep_pre_logits is not False
+    for k in pl_t:
+        if not load_pl:
+            init(k, "keep_pre_logits=False" if pl_s else "checkpoint has no pre_logits")
+        elif k not in src:
+            errors.append(f"missing in checkpoint: {k} (model {shape(k)})")
+        elif src[k].shape != shape(k):
+            errors.append(f"shape mismatch: {k} checkpoint {src[k].shape} vs model {shape(k)}")
+        else:
+            put(k, src[k], "loaded", k)
+    for k in pl_s:
+        if not load_pl:
+            rows.append(Row(k, "dropped", k, src[k].shape, "pre_logits not kept (model.representation_size"
+                            " unset or keep_pre_logits=False)"))
+            used.add(k)
+    same_features = bool(pl_s) == load_pl
+    if ("head/kernel" in src and "head/bias" in src and same_features
+            and src["head/kernel"].shape == shape("head/kernel")
+            and src["head/bias"].shape == shape("head/bias")):
+        put("head/kernel", src["head/kernel"], "loaded", "head/kernel")
+        put("head/bias", src["head/bias"], "loaded", "head/bias")
+    else:
+        if "head/kernel" not in src:
+            why = "checkpoint has no head"
+        elif not same_features:
+            why = "head input changed (pre_logits dropped or new)"
+        else:
+            why = f"head {src['head/kernel'].shape} -> {shape('head/kernel')} (class count or width)"
+        for k in ("head/kernel", "head/bias"):
+            new[k] = np.zeros(shape(k), np.asarray(tgt[k]).dtype)
+            rows.append(Row(k, "reinit", k if k in src else "", shape(k), f"zeros: {why}"))
+            used.add(k)
+
+    # ---- position embedding and class token: class slots decided by the model config
+    has_slot = (cfg.get("classifier", "token") == "token" and not cfg.get("cls_token_at_block", 0)
+                and cfg.get("posemb", "learn") == "learn")
+    pe_src = src.get(POSEMB)
+    if POSEMB in tgt:
+        ts = shape(POSEMB)
+        n_t = ts[1] - int(has_slot)
+        p = cfg["patch_size"]
+        grid_t = None
+        if image_size is not None:
+            hw = (image_size, image_size) if np.ndim(image_size) == 0 else tuple(image_size)
+            grid_t = (hw[0] // p, hw[1] // p)
+        if pe_src is None:
+            errors.append(f"missing in checkpoint: position embedding (model {POSEMB} {ts}); a "
+                          "checkpoint trained without one needs model.posemb='sincos2d' or 'none'")
+        elif pe_src.ndim != 3 or pe_src.shape[2] != ts[2]:
+            errors.append(f"shape mismatch: {POSEMB} checkpoint {pe_src.shape} vs model {ts}")
+        else:
+            try:
+                gt = _grid_of(n_t, grid_t, f"model {POSEMB} {ts}")
+                n_s = pe_src.shape[1] - int(layout.class_slot)
+                gs = _grid_of(n_s, source_grid, f"checkpoint {layout.posemb_key} {pe_src.shape}")
+            except CheckpointError as e:
+                errors.append(str(e))
+            else:
+                grid = pe_src[0, int(layout.class_slot):].reshape(gs[0], gs[1], -1)
+                if gs != gt:
+                    grid = resample_grid(grid, gt)
+                parts = [grid.reshape(1, gt[0] * gt[1], -1)]
+                if has_slot:  # big_vision adds no posemb to its class token: a zero slot is exact
+                    parts.insert(0, pe_src[:, :1] if layout.class_slot else np.zeros_like(pe_src[:, :1]))
+                note = f"grid {gs[0]}x{gs[1]} -> {gt[0]}x{gt[1]} bilinear" if gs != gt else ""
+                if has_slot:
+                    note = (note + "; " if note else "") + (
+                        "class slot kept" if layout.class_slot else "class slot = 0 (none in checkpoint)")
+                put(POSEMB, np.concatenate(parts, 1), "resampled" if gs != gt else "loaded",
+                    POSEMB, note)
+    elif pe_src is not None:
+        rows.append(Row(POSEMB, "dropped", POSEMB, pe_src.shape,
+                        f"model.posemb={cfg.get('posemb')!r} has no learned table"))
+        used.add(POSEMB)
+    if "cls" in tgt:
+        if "cls" not in src:
+            errors.append(f"missing in checkpoint: cls (model {shape('cls')}); the checkpoint has no "
+                          "class token (trained with GAP): set model.classifier='gap'")
+        elif src["cls"].shape != shape("cls"):
+            errors.append(f"shape mismatch: cls checkpoint {src['cls'].shape} vs model {shape('cls')}")
+        elif layout.class_slot and pe_src is not None and not has_slot:
+            # The model adds no posemb to its class token: fold the checkpoint's slot into it.
+            put("cls", src["cls"] + pe_src[:, :1], "loaded", "cls", "+ posemb class slot folded in")
+        else:
+            put("cls", src["cls"], "loaded", "cls")
+    elif "cls" in src:
+        rows.append(Row("cls", "dropped", "cls", src["cls"].shape, "model.classifier='gap'"))
+        used.add("cls")
+
+    # ---- everything else: same layer -> same tensor; norms by parameter name
+    done = {r.param for r in rows}
+    for k in tgt:
+        if k in done:
+            continue
+        slot = _slot_of(k)
+        if slot is not None:
+            s, rest = slot
+            norm = _slot_norm(cfg, s)
+            in_ckpt = any(x.startswith(s + "/") for x in src)
+            if rest in ("scale", "bias") and k in src and src[k].shape == shape(k):
+                put(k, src[k], "loaded", k, "" if norm == "layernorm" else f"LN {rest} -> {norm} {rest}")
+            elif norm == "layernorm" and s.split("/")[-1] in CKPT_NORM_SLOTS:
+                errors.append(f"shape mismatch: {k} checkpoint {src[k].shape} vs model {shape(k)}"
+                              if k in src else f"missing in checkpoint: {k} (model {shape(k)})")
+            elif k in src:
+                init(k, f"{norm} {rest}: shape {shape(k)} != checkpoint {src[k].shape}")
+            else:
+                init(k, f"{norm} parameter with no LayerNorm counterpart" if in_ckpt
+                     else "norm slot not in checkpoint")
+            continue
+        if k.split("/")[-1] in MODEL_ONLY:
+            init(k, "no counterpart in Google checkpoints")
+        elif k not in src:
+            errors.append(f"missing in checkpoint: {k} (model {shape(k)})")
+        elif src[k].shape == shape(k):
+            put(k, src[k], "loaded", k)
+        elif _flat_heads(k, src[k], shape(k)):
+            put(k, src[k].reshape(shape(k)), "loaded", k, f"reshaped {src[k].shape} -> {shape(k)}")
+        else:
+            errors.append(f"shape mismatch: {k} checkpoint {src[k].shape} vs model {shape(k)}")
+
+    # ---- checkpoint keys nothing consumed: LN params of a slot whose norm lacks them are dropped
+    depth = cfg["depth"]
+    for k in sorted(set(src) - used):
+        slot, m = _slot_of(k), _BLOCK.match(k)
+        if slot is None or slot[0].split("/")[-1] not in CKPT_NORM_SLOTS or (m and int(m.group(1)) >= depth):
+            errors.append(f"unexpected in checkpoint: {k} {src[k].shape}")
+            continue
+        norm = _slot_norm(cfg, slot[0])
+        if slot[0] == "Transformer/encoder_norm" and not cfg.get("final_norm", True):
+            why = "model.final_norm=False"
+        elif any(x.startswith(slot[0] + "/") for x in tgt):
+            why = f"{norm} has no '{slot[1]}' of this shape"
+        else:
+            why = f"{norm} has no parameters"
+        rows.append(Row(k, "dropped", k, src[k].shape, why))
+
+    header = (f"init_from {path}\n  layout: {layout.describe()}"
+              + (f"; {n_bf16} bfloat16 arrays widened" if n_bf16 else "")
+              + (f"; ignored {len(layout.ignored)} non-parameter keys" if layout.ignored else "")
+              + f"\n  checkpoint: {_summary(src)}\n  model:      {_summary(tgt)}")
+    if errors:
+        a, b = _dims(src), _dims(tgt)
+        diff = [f"{k} (checkpoint {a[k]}, model {b[k]})" for k in a if a[k] != b[k]]
+        if diff:
+            errors.insert(0, "the model config differs from the checkpoint in " + ", ".join(diff))
+        shown = errors[:40] + ([f"... and {len(errors) - 40} more"] if len(errors) > 40 else [])
+        raise CheckpointError(f"cannot load {header}\n  " + "\n  ".join(shown))
+    notes = []
+    if not cfg.get("gelu_approximate", True):
+        notes.append("note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
+                     "form (logits differ by ~5e-4)")
+    order = {k: i for i, k in enumerate(tgt)}
+    rows.sort(key=lambda r: order.get(r.param, len(order)) if r.action != "dropped" else len(order))
+    if log is not None:
+        log(format_report(rows, header + "".join("\n  " + n for n in notes)))
+
+    out = traverse_util.unflatten_dict(new, sep="/")
+    out = {"params": out} if wrapped else out
+    return (frozen_dict.freeze(out) if frozen else out), rows
+
+
+def format_report(rows: Sequence[Row], header: str = "") -> str:
+    """A table of the rows; rows that differ only in the block index are folded into one line."""
+    groups: dict[tuple, list[int]] = {}
+    for r in rows:
+        m = _BLOCK.match(r.param)
+        key = (_BLOCK.sub("Transformer/encoderblock_{i}/", r.param), r.action,
+               _BLOCK.sub("Transformer/encoderblock_{i}/", r.source), r.shape, r.note)
+        groups.setdefault(key, []).append(int(m.group(1)) if m else -1)
+    lines = []
+    for (param, action, source, shape, note), idx in groups.items():
+        blocks = sorted(i for i in idx if i >= 0)
+        if blocks:
+            span = f"{blocks[0]}" if len(blocks) == 1 else f"{blocks[0]}..{blocks[-1]}"
+            param = param.replace("{i}", span)
+            source = source.replace("{i}", span)
+        src_col = "" if source in ("", param) else f"<- {source}"
+        lines.append((param, str(shape), action, " ".join(x for x in (src_col, note) if x)))
+    w = [max([len(x[i]) for x in lines] + [5]) for i in range(3)]
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.action] = counts.get(r.action, 0) + 1
+    table = [f"  {'param':<{w[0]}}  {'shape':<{w[1]}}  {'action':<{w[2]}}  note"]
+    table += [f"  {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}".rstrip() for a, b, c, d in lines]
+    summary = "  " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+    return "\n".join(([header] if header else []) + table + [summary])
+
+
+# ------------------------------------------------------------------------------------------ export
+
+def _compat_notes(cfg: dict) -> list[str]:
+    """Where a model differs from the architecture other ViT codebases assume for this format."""
+    notes = []
+    names = {_slot_norm(cfg, f"Transformer/encoderblock_{i}/LayerNorm_0") for i in range(cfg["depth"])}
+    names.add(_slot_norm(cfg, "Transformer/encoder_norm"))
+    if names != {"layernorm"}:
+        notes.append(f"norms {sorted(names)} (others expect LayerNorm)")
+    for key, want in (("norm_placement", "pre"), ("patch_norm", "none"), ("posemb", "learn"),
+                      ("residual_scaling", "none"), ("cls_token_at_block", 0), ("final_norm", True),
+                      ("gelu_approximate", True)):
+        if cfg.get(key, want) != want:
+            notes.append(f"model.{key}={cfg[key]!r} (others assume {want!r})")
+    return notes
+
+
+def export_npz(params: Any, out_path: str, model_cfg: Any,
+               log: Callable[[str], Any] | None = print) -> dict[str, np.ndarray]:
+    """Writes ``params`` as a vit_jax-layout .npz (flat '/' names, float32, uncompressed) and returns
+    the arrays written. Only parameters: a norm's running statistics (batch_stats) are not part of
+    the format. The file is written beside the target and renamed, so a crash leaves no half file."""
+    cfg = vit.resolve_model_config(_to_dict(model_cfg))
+    tree = frozen_dict.unfreeze(params) if isinstance(params, frozen_dict.FrozenDict) else params
+    if "params" in tree and "embedding" not in tree:
+        tree = tree["params"]
+    flat = {k: np.asarray(v) for k, v in traverse_util.flatten_dict(tree, sep="/").items()}
+    if "embedding/kernel" not in flat or "head/kernel" not in flat:
+        raise CheckpointError(f"not a ViT parameter tree (no embedding/kernel or head/kernel): "
+                              f"{sorted(flat)[:8]}")
+    for k, v in flat.items():
+        if v.dtype.kind == "f" and v.dtype != np.float32 and v.dtype.itemsize <= 4:
+            flat[k] = v.astype(np.float32)  # bfloat16/float16 widen exactly
+        elif v.dtype.kind not in "fiub":
+            raise CheckpointError(f"parameter {k} has dtype {v.dtype}, not storable without pickle")
+    out = epath.Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / (out.name + ".tmp")
+    if "://" in str(out_path):  # object stores: build the archive in memory, upload once
+        buf = io.BytesIO()
+        np.savez(buf, **flat)
+        tmp.write_bytes(buf.getvalue())
+    else:
+        with tmp.open("wb") as f:
+            np.savez(f, **flat)
+    tmp.rename(out)
+    if log is not None:
+        n = sum(v.size for v in flat.values())
+        notes = _compat_notes(cfg)
+        log(f"exported {len(flat)} arrays ({n:,} values) to {out_path} in the vit_jax layout"
+            + "".join(f"\n  note: {x}; loads back here, but other codebases will not build the same model"
+                      for x in notes))
+    return flat
