@@ -20,14 +20,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.eval_split = "test"      # tfds split used for evaluation ('validation' for imagenet2012)
     c.data.image_size = 32          # model input resolution (square); images are resized to it
     c.data.normalize = "minus_one_one"  # minus_one_one | zero_one | zscore (per-channel dataset stats) | minmax
-    c.data.crop_padding = 4         # train: random crop after zero-padding by this many pixels (0: off)
+    c.data.crop_padding = 4         # train: random crop after zero-padding by this many pixels of image_size (0: off)
     c.data.random_resized_crop = False  # train: Inception-style crop (ImageNet) instead of pad-and-crop
     c.data.min_crop_area = 0.08     # smallest area fraction for random_resized_crop
     c.data.flip = True              # train: random horizontal flip
     c.data.eval_crop_fraction = 1.0  # eval: central crop fraction before resizing (0.875 for ImageNet)
     c.data.prefetch = 2             # host batches prepared ahead of the train step
-    c.data.num_train_examples = None  # override the train split size (tests with mock data)
-    c.data.num_eval_examples = None   # override the eval split size (tests with mock data)
+    c.data.num_train_examples = None  # use only the first N train examples (tests with mock data)
+    c.data.num_eval_examples = None   # use only the first N eval examples (tests with mock data)
+    c.data.num_workers = None       # threads decoding JPEGs / reading records (None: min(32, CPUs))
+    c.data.return_index = False     # batches also carry 'index' (int32 position in the split; -1 = padding)
 
     # ---- model (normvit_jax/models/vit.py) ----
     c.model = ml_collections.ConfigDict()

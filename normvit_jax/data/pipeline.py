@@ -1,0 +1,152 @@
+"""``make_pipeline``: the host-local batches of one split, for training or evaluation.
+
+Batches are numpy dicts: 'image' float32 (local_B, S, S, 3) in the configured value range,
+'label' int32 (local_B,); eval batches add 'mask' float32 (1 real, 0 padding) and, with
+``config.data.return_index``, every batch carries 'index' int32 (position in the split, -1 for
+padding). Order, sharding and resume rules: see ``order``. Each batch is a pure function of
+(config, split, step, process_index, process_count).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from normvit_jax.data import digits, order, spec, stats, tfds_source, transforms
+from normvit_jax.data.prefetch import Prefetcher
+from normvit_jax.data.sources import ArraySource, Geometry, JpegSource
+
+Batch = dict[str, np.ndarray]
+
+
+def _open_source(d: Any, tfds_split: str, limit: int | None, workers: int):
+    name = d.name
+    if name == "digits":
+        src: Any = ArraySource(*digits.load(tfds_split))
+    elif name in spec.IN_MEMORY_TFDS:
+        b = tfds_source.open_builder(name, d.get("data_dir"), random_access=False)
+        src = ArraySource(*tfds_source.load_arrays(b, tfds_split, workers))
+    else:
+        b = tfds_source.open_builder(name, d.get("data_dir"), random_access=True)
+        recs = tfds_source.open_random_access(b, tfds_split)
+        src = JpegSource(recs, len(recs), workers)
+    if limit is not None:  # use the first `limit` examples of the split
+        if limit > len(src):
+            raise ValueError(f"config.data.num_*_examples={limit} exceeds the {len(src)} "
+                             f"examples of {name}:{tfds_split}")
+        if isinstance(src, ArraySource):
+            src = ArraySource(src.images[:limit], src.labels[:limit])
+        else:
+            src.n = limit
+    return src
+
+
+class Pipeline:
+    """Host-local batches of one split. Build with ``make_pipeline``."""
+
+    def __init__(self, config: Any, split: str, source: Any, process_index: int,
+                 process_count: int):
+        d = config.data
+        self.split, self.source, self.seed = split, source, int(config.seed)
+        self.num_examples = len(source)
+        if self.num_examples < 1:
+            raise ValueError(f"{d.name}: split for {split!r} has no examples")
+        self.global_batch_size = int(config.batch_size if split == "train"
+                                     else config.eval_batch_size)
+        self.lo, self.hi = order.host_rows(self.global_batch_size, process_index, process_count)
+        self.local_batch_size = self.hi - self.lo
+        self.process_index, self.process_count = process_index, process_count
+        n, b = self.num_examples, self.global_batch_size
+        self.steps_per_epoch = n // b if split == "train" else math.ceil(n / b)
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"train split of {n} examples is smaller than batch_size {b}")
+        size = int(d.image_size)
+        self.image_shape = (size, size, 3)
+        # random_resized_crop replaces pad-and-crop (the crop already shifts and scales)
+        self.padding = 0 if d.random_resized_crop else int(d.crop_padding)
+        self.flip = bool(d.flip)
+        self.prefetch = int(d.prefetch)
+        self.return_index = bool(d.get("return_index", False))
+        self._train_geo = Geometry(size, bool(d.random_resized_crop), float(d.min_crop_area), 1.0)
+        self._eval_geo = Geometry(size, False, 1.0, float(d.eval_crop_fraction))
+        self._scale, self._shift = stats.affine(d.name, d.normalize)
+        self._order = order.TrainOrder(self.seed, n, b)
+
+    def _finish(self, x: np.ndarray, labels: np.ndarray) -> Batch:
+        x = (x * self._scale + self._shift).astype(np.float32)
+        return {"image": x, "label": labels.astype(np.int32)}
+
+    def train_batch(self, step: int) -> Batch:
+        """This host's rows of global train batch ``step`` (shuffled, augmented), synchronously."""
+        idx = self._order.indices(step, self.lo, self.hi)
+        u = order.aug_uniforms(self.seed, step, self.global_batch_size,
+                               transforms.NUM_UNIFORMS)[self.lo:self.hi]
+        x, y = self.source.read(idx, u, self._train_geo)
+        x = transforms.pad_crop_flip(x, u, self.padding, self.flip)
+        out = self._finish(x, y)
+        if self.return_index:
+            out["index"] = idx.astype(np.int32)
+        return out
+
+    def eval_batch(self, b: int) -> Batch:
+        """This host's rows of global eval batch ``b`` (split order, padded past the end)."""
+        pos = b * self.global_batch_size + np.arange(self.lo, self.hi)
+        real = pos < self.num_examples
+        x = np.zeros((len(pos),) + self.image_shape, np.float32)
+        y = np.zeros(len(pos), np.int32)
+        if real.any():
+            xr, y[real] = self.source.read(pos[real], None, self._eval_geo)
+            x[real] = self._finish(xr, y[real])["image"]
+        out = {"image": x, "label": y, "mask": real.astype(np.float32)}
+        if self.return_index:
+            out["index"] = np.where(real, pos, -1).astype(np.int32)
+        return out
+
+    def train_batches(self, start_step: int = 0) -> Prefetcher[Batch]:
+        """Infinite iterator of the batches of steps start_step, start_step + 1, ...; computed
+        ``config.data.prefetch`` ahead in a daemon thread. Close it (or drop it) to stop.
+        Shuffled and augmented; meant for the 'train' pipeline but works on either."""
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        make = lambda: map(self.train_batch, itertools.count(start_step))  # noqa: E731
+        return Prefetcher(make, self.prefetch, name=f"data-train-{start_step}")
+
+    def eval_batches(self) -> Prefetcher[Batch]:
+        """One pass over the split in order, unaugmented: ceil(N / global batch) batches on every
+        host (``steps_per_epoch`` of an 'eval' pipeline), the last one padded and masked."""
+        n_batches = order.num_eval_batches(self.num_examples, self.global_batch_size)
+        return Prefetcher(lambda: map(self.eval_batch, range(n_batches)), self.prefetch,
+                          name="data-eval")
+
+    def close(self) -> None:
+        """Releases decode threads (JPEG sources); iterators already made are closed separately."""
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
+
+def make_pipeline(config: Any, split: str, *, process_index: int | None = None,
+                  process_count: int | None = None) -> Pipeline:
+    """Opens ``config.data.train_split`` (split='train') or ``eval_split`` (split='eval').
+
+    ``process_index``/``process_count`` default to ``jax.process_index()``/``process_count()``.
+    Raises ValueError for a bad config, ``DatasetNotFoundError`` for unprepared tfds data.
+    """
+    spec.validate(config)
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if process_index is None or process_count is None:
+        import jax
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    d = config.data
+    gb = config.batch_size if split == "train" else config.eval_batch_size
+    order.host_rows(gb, process_index, process_count)  # fail before reading any data
+    tfds_split = d.train_split if split == "train" else d.eval_split
+    limit = d.get("num_train_examples") if split == "train" else d.get("num_eval_examples")
+    workers = d.get("num_workers") or min(32, os.cpu_count() or 1)
+    source = _open_source(d, tfds_split, limit, workers)
+    return Pipeline(config, split, source, process_index, process_count)

@@ -1,0 +1,59 @@
+"""Per-channel training-set statistics in [0, 1] pixel units, and the value-range mapping.
+
+The model side may fold these into the patch kernel (feature normalization is affine per channel),
+so they are exposed as plain numbers. CIFAR values are the population mean/std over all pixels of
+the 50,000 training images (not the often-quoted mean of per-image stds); ImageNet values are the
+usual torchvision constants. Digits statistics are computed once from the fixed training split.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from normvit_jax.data import spec
+
+_KNOWN = {
+    "cifar10": dict(mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616)),
+    "cifar100": dict(mean=(0.5071, 0.4865, 0.4409), std=(0.2673, 0.2564, 0.2762)),
+    "imagenet2012": dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _stats(name: str) -> tuple[tuple[float, ...], ...]:
+    spec.num_classes(name)  # unknown name -> ValueError listing the accepted ones
+    if name == "digits":
+        from normvit_jax.data import digits
+        x = digits.load("train")[0].astype(np.float64)  # float32 sums drift in the 4th digit
+        axes = (0, 1, 2)
+        return (tuple(x.mean(axes).tolist()), tuple(x.std(axes).tolist()),
+                tuple(x.min(axes).tolist()), tuple(x.max(axes).tolist()))
+    k = _KNOWN[name]
+    # Every channel of these natural-image sets reaches both 0 and 255 somewhere in training.
+    return k["mean"], k["std"], (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+
+
+def dataset_stats(name: str) -> dict[str, np.ndarray]:
+    """Per-channel ``mean``, ``std``, ``min``, ``max`` of the training set: float32 (3,) each,
+    in [0, 1] pixel units (so ``(x01 - mean) / std`` is the zscore input)."""
+    mean, std, lo, hi = _stats(name)
+    f = lambda v: np.asarray(v, np.float32)  # noqa: E731
+    return dict(mean=f(mean), std=f(std), min=f(lo), max=f(hi))
+
+
+def affine(name: str, normalize: str) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, shift), float32 (3,), such that model input = x01 * scale + shift."""
+    if normalize not in spec.NORMALIZE:
+        raise ValueError(f"config.data.normalize={normalize!r} is invalid; accepted: "
+                         f"{list(spec.NORMALIZE)}")
+    one = np.ones(3, np.float32)
+    if normalize == "zero_one":
+        return one, 0 * one
+    if normalize == "minus_one_one":
+        return 2 * one, -one
+    s = dataset_stats(name)
+    if normalize == "zscore":
+        return 1 / s["std"], -s["mean"] / s["std"]
+    span = np.maximum(s["max"] - s["min"], 1e-6)  # minmax: training min..max -> 0..1
+    return 1 / span, -s["min"] / span

@@ -1,0 +1,104 @@
+"""Host-side image geometry in numpy (and PIL for decoded JPEGs), driven by given uniform draws.
+
+Randomness never comes from a generator in here: each example gets a row of ``NUM_UNIFORMS``
+uniforms in [0, 1) (see ``order.aug_uniforms``), so the same row always yields the same image.
+Two stages, shared by every source:
+  1. to ``size x size``: random resized crop (train, when enabled), else a central square crop of
+     ``fraction`` of the shorter side, then a bilinear (antialiased when shrinking) resize;
+  2. train only, at ``size``: zero-pad by ``padding`` pixels and take a random crop; random flip.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+RRC_ATTEMPTS = 10
+U_FLIP, U_PAD_Y, U_PAD_X, U_POS_Y, U_POS_X, U_RRC = 0, 1, 2, 3, 4, 5
+NUM_UNIFORMS = U_RRC + 2 * RRC_ATTEMPTS  # per attempt: area fraction, log aspect ratio
+Box = tuple[int, int, int, int]  # (left, top, right, bottom), PIL's order
+
+
+@functools.lru_cache(maxsize=256)
+def _weights(n_in: int, n_out: int) -> np.ndarray:
+    """(n_out, n_in) rows summing to 1: a triangle filter, widened when shrinking (antialias)."""
+    scale = n_in / n_out
+    support = max(scale, 1.0)
+    centers = (np.arange(n_out) + 0.5) * scale
+    d = (np.arange(n_in)[None, :] + 0.5 - centers[:, None]) / support
+    w = np.maximum(0.0, 1.0 - np.abs(d))
+    w /= w.sum(1, keepdims=True)
+    w = w.astype(np.float32)
+    w.setflags(write=False)
+    return w
+
+
+def resize(x: np.ndarray, size: int) -> np.ndarray:
+    """Bilinear resize of float images (..., H, W, C) to (..., size, size, C)."""
+    h, w = x.shape[-3], x.shape[-2]
+    if (h, w) == (size, size):
+        return x
+    return np.einsum("yh,...hwc,xw->...yxc", _weights(h, size), x, _weights(w, size),
+                     optimize=True).astype(np.float32)
+
+
+def central_box(h: int, w: int, fraction: float) -> Box:
+    side = max(1, int(round(fraction * min(h, w))))
+    top, left = (h - side) // 2, (w - side) // 2
+    return left, top, left + side, top + side
+
+
+def random_resized_box(h: int, w: int, u: np.ndarray, min_area: float) -> Box:
+    """Inception-style crop: area fraction in [min_area, 1], aspect ratio in [3/4, 4/3] (log-
+    uniform), first of ``RRC_ATTEMPTS`` draws that fits; otherwise the central square."""
+    lo, hi = math.log(3 / 4), math.log(4 / 3)
+    for k in range(RRC_ATTEMPTS):
+        area = h * w * (min_area + (1.0 - min_area) * u[U_RRC + 2 * k])
+        ratio = math.exp(lo + (hi - lo) * u[U_RRC + 2 * k + 1])
+        cw, ch = int(round(math.sqrt(area * ratio))), int(round(math.sqrt(area / ratio)))
+        if 0 < cw <= w and 0 < ch <= h:
+            top = min(int(u[U_POS_Y] * (h - ch + 1)), h - ch)
+            left = min(int(u[U_POS_X] * (w - cw + 1)), w - cw)
+            return left, top, left + cw, top + ch
+    return central_box(h, w, 1.0)
+
+
+def array_to_size(x: np.ndarray, size: int, u: np.ndarray | None, *, rrc: bool,
+                  min_area: float, fraction: float) -> np.ndarray:
+    """Stage 1 for a batch of equal-size float images (N, H, W, C); ``u`` (N, NUM_UNIFORMS)."""
+    n, h, w = x.shape[:3]
+    if rrc:
+        out = np.empty((n, size, size, x.shape[-1]), np.float32)
+        for i in range(n):
+            left, top, right, bottom = random_resized_box(h, w, u[i], min_area)
+            out[i] = resize(x[i, top:bottom, left:right], size)
+        return out
+    left, top, right, bottom = central_box(h, w, fraction)
+    return resize(x[:, top:bottom, left:right], size)
+
+
+def pil_to_size(img, size: int, u: np.ndarray | None, *, rrc: bool, min_area: float,
+                fraction: float) -> np.ndarray:
+    """Stage 1 for one decoded PIL image -> uint8 (size, size, 3)."""
+    from PIL import Image
+    w, h = img.size
+    box = random_resized_box(h, w, u, min_area) if rrc else central_box(h, w, fraction)
+    return np.asarray(img.resize((size, size), Image.BILINEAR, box=box), np.uint8)
+
+
+def pad_crop_flip(x: np.ndarray, u: np.ndarray, padding: int, flip: bool) -> np.ndarray:
+    """Stage 2, vectorized over a batch (N, S, S, C) with uniforms ``u`` (N, NUM_UNIFORMS)."""
+    n, s = x.shape[0], x.shape[1]
+    if padding > 0:
+        p = np.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+        span = 2 * padding + 1
+        oy = np.minimum((u[:, U_PAD_Y] * span).astype(np.int64), span - 1)
+        ox = np.minimum((u[:, U_PAD_X] * span).astype(np.int64), span - 1)
+        rows = oy[:, None] + np.arange(s)
+        cols = ox[:, None] + np.arange(s)
+        x = p[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    if flip:
+        f = u[:, U_FLIP] < 0.5
+        x = np.where(f[:, None, None, None], x[:, :, ::-1], x)
+    return x
