@@ -1,0 +1,221 @@
+"""PowerNorm and Unified Normalization against float64 numpy simulations of the reference rules
+(NORMS.md): forward, the custom backward (dx, dgamma, dbeta) and every piece of state after each
+of several steps, across the warmup boundaries, a skip and an outlier step (UN).
+
+The JAX side runs the rule a train step uses: grads w.r.t. params and the input batch_stats,
+new_batch_stats = forward-mutated + cotangent (normvit_jax.norms.stateful.merge_state).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from normvit_jax.norms.stateful import merge_state
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # shared helpers, package or not
+from test_norms_common import assert_rel, build, randomize
+
+TOL = 1e-5
+
+
+def make_step(module):
+    @jax.jit
+    def step(params, stats, x, w):
+        def f(p, s, xx):
+            y, mut = module.apply({"params": p, "batch_stats": s}, xx, train=True,
+                                  mutable=["batch_stats"])
+            return jnp.sum(w * y), (y, mut["batch_stats"])
+        (_, (y, mut)), (gp, gs, gx) = jax.value_and_grad(
+            f, argnums=(0, 1, 2), has_aux=True, allow_int=True)(params, stats, x)
+        return y, gp, gx, merge_state(mut, gs)
+    return step
+
+
+# ---------------------------------------------------------------- PowerNorm
+class NpPowerNorm:
+    """The reference PowerNorm step in float64 (forward, state update, custom backward)."""
+
+    def __init__(self, c, groups, warmup, backward="reference", afwd=0.9, abkw=0.9, eps=1e-5):
+        self.c, self.groups, self.warmup, self.backward = c, groups, warmup, backward
+        self.afwd, self.abkw, self.eps = afwd, abkw, eps
+        self.phi, self.ema, self.t = np.ones(c), np.zeros(c), 0
+
+    def scale(self, x):
+        xg = x.reshape(x.shape[:-1] + (self.groups, -1))
+        s = 1 / np.sqrt(np.mean(xg * xg, -1, keepdims=True) + 1e-5)
+        return xg, s, (xg * s).reshape(x.shape)
+
+    def eval(self, x, gamma, beta):
+        return gamma * self.scale(x)[2] / np.sqrt(self.phi + self.eps) + beta
+
+    def step(self, x, gamma, beta, dy):
+        self.t += 1
+        t = self.t
+        xg, s, u = self.scale(x)
+        psi2 = np.mean(u.reshape(-1, self.c) ** 2, 0)
+        z = u / np.sqrt((psi2 if t <= self.warmup else self.phi) + self.eps)
+        y = gamma * z + beta
+        if t < self.warmup:
+            self.phi = self.phi * (t - 1) / t + psi2 / t
+        self.phi = self.afwd * self.phi + (1 - self.afwd) * psi2
+        g_hat = dy * gamma - (1 - self.abkw) * self.ema * z
+        self.ema = self.ema + np.mean((g_hat * z).reshape(-1, self.c), 0)
+        use_phi = self.backward == "dtn" and t >= self.warmup
+        du = g_hat / np.sqrt((self.phi if use_phi else psi2) + self.eps)
+        dug = du.reshape(xg.shape)  # through the group scaling u = x * s(x)
+        dx = (dug * s - xg * s ** 3 * np.mean(dug * xg, -1, keepdims=True)).reshape(x.shape)
+        flat = lambda a: a.reshape(-1, self.c)
+        return y, dx, flat(dy * z).sum(0), flat(dy).sum(0)
+
+
+@pytest.mark.parametrize("backward", ["reference", "dtn"])
+def test_powernorm_steps_against_numpy(backward):
+    c, warmup = 6, 3
+    module = build("powernorm", {"groups": "heads", "warmup": warmup, "backward": backward},
+                   dim=c, heads=2)
+    rng = np.random.default_rng(0)
+    xs = [(rng.normal(size=(2, 5, c)) * rng.uniform(0.3, 3, c) + 0.2).astype(np.float32)
+          for _ in range(6)]
+    v = module.init(jax.random.PRNGKey(0), jnp.asarray(xs[0]), train=True)
+    params, stats = randomize(v["params"]), v["batch_stats"]
+    assert int(stats["t"]) == 0  # init does not count as a step
+    gamma, beta = (np.asarray(params[k], np.float64) for k in ("scale", "bias"))
+    sim, step = NpPowerNorm(c, 2, warmup, backward), make_step(module)
+    for i, x in enumerate(xs):
+        w = rng.normal(size=x.shape).astype(np.float32)
+        y, gp, gx, stats = step(params, stats, jnp.asarray(x), jnp.asarray(w))
+        ry, rdx, rdg, rdb = sim.step(x.astype(np.float64), gamma, beta, w.astype(np.float64))
+        what = f"{backward} step {i + 1}"
+        assert_rel(y, ry, TOL, f"{what} forward")
+        assert_rel(gx, rdx, TOL, f"{what} dx")
+        assert_rel(gp["scale"], rdg, TOL, f"{what} dgamma")
+        assert_rel(gp["bias"], rdb, TOL, f"{what} dbeta")
+        assert_rel(stats["running_phi"], sim.phi, TOL, f"{what} running_phi")
+        assert_rel(stats["ema_gz"], sim.ema, TOL, f"{what} ema_gz")
+        assert int(stats["t"]) == sim.t
+    # Eval: running_phi, no state change.
+    y, upd = module.apply({"params": params, "batch_stats": stats}, jnp.asarray(xs[0]), train=False,
+                          mutable=["batch_stats"])
+    assert_rel(y, sim.eval(xs[0].astype(np.float64), gamma, beta), TOL, "eval")
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), upd["batch_stats"], stats))
+
+
+def test_powernorm_forward_ignores_ema_gz():
+    module = build("powernorm", dim=4)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 4)), jnp.float32)
+    v = module.init(jax.random.PRNGKey(0), x, train=True)
+    stats2 = {**v["batch_stats"], "ema_gz": jnp.arange(4.0)}
+    y1 = module.apply(v, x, train=True, mutable=["batch_stats"])[0]
+    y2 = module.apply({**v, "batch_stats": stats2}, x, train=True, mutable=["batch_stats"])[0]
+    np.testing.assert_array_equal(y1, y2)
+
+
+# ---------------------------------------------------------------- Unified Normalization
+class NpUnified:
+    """The reference UN1d step in float64."""
+
+    def __init__(self, c, wf, wb, warmup, filtration, ratio_warmup, eps=1e-5, m=0.9):
+        self.c, self.wf, self.wb, self.warmup = c, wf, wb, warmup
+        self.filtration, self.ratio_warmup, self.eps, self.m = filtration, ratio_warmup, eps, m
+        self.rv, self.ema = np.ones(c), np.zeros(c)
+        self.bx, self.bg = np.zeros((wf, c)), np.zeros((wb, c))
+        self.t = self.skips = 0
+
+    def step(self, x, gamma, beta, dy):
+        self.t += 1
+        t, flat = self.t, (lambda a: a.reshape(-1, self.c))
+        sq = np.mean(flat(x) ** 2, 0)
+        sigma_rec = np.var(np.sqrt(self.bx), ddof=1)  # one scalar, before inserting
+        self.bx[t % self.wf] = sq
+        skip = self.wf == 1
+        with np.errstate(divide="ignore"):
+            if self.filtration and t >= self.warmup:
+                am, gm = self.bx.mean(0), np.exp(np.mean(np.log(self.bx), 0))
+                if np.any(am - gm > sigma_rec * self.wf):
+                    self.bx[t % self.wf] = self.rv
+                    skip, self.skips = True, self.skips + 1
+            windowed = not (t <= self.wf or t < self.warmup or skip)
+            var = np.exp(np.mean(np.log(self.bx), 0)) if windowed else sq
+        r = np.sqrt(var + self.eps) / np.sqrt(self.rv + self.eps)
+        r = np.ones(self.c) if t <= max(self.ratio_warmup, self.warmup) or skip else np.clip(r, .2, 5)
+        z = x / np.sqrt(var + self.eps)
+        y = gamma * z + beta
+        self.rv = self.m * self.rv + (1 - self.m) * var
+        g = dy * gamma * r
+        gz = np.mean(flat(g * z), 0)
+        self.bg[t % self.wb] = self.ema if skip else gz
+        mean_gz = gz if (t <= self.wb or t < self.warmup or skip) else self.bg.mean(0)
+        self.ema = self.m * self.ema + (1 - self.m) * mean_gz
+        g_hat = g - (mean_gz if skip else self.ema) * z
+        dx = g_hat / np.sqrt(var + self.eps)
+        info = {"skip": skip, "windowed": windowed, "r": r}
+        return y, dx, flat(dy * r * z).sum(0), flat(dy).sum(0), info
+
+
+def test_unified_steps_against_numpy():
+    c, wf, wb, warmup, ratio_warmup = 4, 3, 2, 4, 5
+    module = build("unified", {"window": (wf, wb), "warmup": warmup, "outlier_filtration": True,
+                               "ratio_warmup": ratio_warmup}, dim=c)
+    rng = np.random.default_rng(0)
+    scales = np.array([0.9, 1.0, 1.1, 1.05])
+    xs, ws = [], []
+    for i in range(12):
+        x = rng.normal(size=(2, 5, c)) * scales
+        if i == 8:
+            x[..., 0] *= 30  # an outlier batch in one channel
+        xs.append(x.astype(np.float32))
+        ws.append(rng.normal(size=x.shape).astype(np.float32))
+    v = module.init(jax.random.PRNGKey(0), jnp.asarray(xs[0]), train=True)
+    params, stats = randomize(v["params"]), v["batch_stats"]
+    gamma, beta = (np.asarray(params[k], np.float64) for k in ("scale", "bias"))
+    sim, step = NpUnified(c, wf, wb, warmup, True, ratio_warmup), make_step(module)
+    seen = []
+    for i, (x, w) in enumerate(zip(xs, ws)):
+        y, gp, gx, stats = step(params, stats, jnp.asarray(x), jnp.asarray(w))
+        ry, rdx, rdg, rdb, info = sim.step(x.astype(np.float64), gamma, beta, w.astype(np.float64))
+        seen.append(info)
+        what = f"step {i + 1} ({'skip' if info['skip'] else 'windowed' if info['windowed'] else 'batch'})"
+        assert_rel(y, ry, TOL, f"{what} forward")
+        assert_rel(gx, rdx, TOL, f"{what} dx")
+        assert_rel(gp["scale"], rdg, TOL, f"{what} dgamma")
+        assert_rel(gp["bias"], rdb, TOL, f"{what} dbeta")
+        for key, ref in (("running_var", sim.rv), ("ema_gz", sim.ema), ("buffer_x2", sim.bx),
+                         ("buffer_gz", sim.bg)):
+            assert_rel(stats[key], ref, TOL, f"{what} {key}")
+        assert int(stats["t"]) == sim.t and int(stats["skips"]) == sim.skips, what
+    # The scenario covers every path: batch statistics during warmup, the warmup-boundary skip
+    # (zero-initialised window), windowed steps with r clipped, and the outlier step.
+    assert seen[8]["skip"] and not seen[7]["skip"], "the outlier step must skip"
+    assert any(s["windowed"] and np.any(s["r"] != 1) for s in seen)
+    assert any(s["windowed"] and np.any(s["r"] == 0.2) for s in seen)
+    assert not any(s["windowed"] or s["skip"] for s in seen[:warmup - 1])
+    # Eval: running_var, no state change.
+    y, upd = module.apply({"params": params, "batch_stats": stats}, jnp.asarray(xs[0]), train=False,
+                          mutable=["batch_stats"])
+    assert_rel(y, gamma * xs[0] / np.sqrt(sim.rv + 1e-5) + beta, TOL, "eval")
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), upd["batch_stats"], stats))
+
+
+def test_unified_window_one_always_skips_and_filtration_off():
+    c = 3
+    module = build("unified", {"window": (1, 1), "warmup": 1, "ratio_warmup": 1}, dim=c)
+    rng = np.random.default_rng(3)
+    xs = [rng.normal(size=(2, 4, c)).astype(np.float32) * 2 for _ in range(4)]
+    v = module.init(jax.random.PRNGKey(0), jnp.asarray(xs[0]), train=True)
+    params, stats = randomize(v["params"]), v["batch_stats"]
+    gamma, beta = (np.asarray(params[k], np.float64) for k in ("scale", "bias"))
+    sim, step = NpUnified(c, 1, 1, 1, False, 1), make_step(module)
+    for i, x in enumerate(xs):
+        w = rng.normal(size=x.shape).astype(np.float32)
+        y, gp, gx, stats = step(params, stats, jnp.asarray(x), jnp.asarray(w))
+        ry, rdx, rdg, _, info = sim.step(x.astype(np.float64), gamma, beta, w.astype(np.float64))
+        assert info["skip"]
+        assert_rel(y, ry, TOL, f"step {i + 1} forward")
+        assert_rel(gx, rdx, TOL, f"step {i + 1} dx")
+        assert_rel(stats["ema_gz"], sim.ema, TOL, f"step {i + 1} ema_gz")
+        assert_rel(stats["buffer_gz"], sim.bg, TOL, f"step {i + 1} buffer_gz")
