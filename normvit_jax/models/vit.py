@@ -42,6 +42,8 @@ def resolve_model_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     the key, its value and the accepted values for anything unknown.
     """
     cfg = dict(cfg)
+    if cfg.get("name", "vit") != "vit":
+        raise ValueError(f"model.name={cfg['name']!r} is not known; accepted: ['vit']")
     variant = cfg.get("variant")
     if variant:
         try:
@@ -431,9 +433,7 @@ def create(model_cfg: Mapping[str, Any], num_classes: int, dtype: Any = jnp.floa
            remat: bool = False) -> ViT:
     """Builds the ViT described by ``config.model`` (a ConfigDict or mapping)."""
     cfg = resolve_model_config(model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else model_cfg)
-    name = cfg.pop("name", "vit")
-    if name != "vit":
-        raise ValueError(f"model.name={name!r} is not known; accepted: ['vit']")
+    cfg.pop("name", None)
     check_override_keys(cfg.get("norm_overrides"), cfg["depth"])
     norms.resolve((cfg.get("norm") or {"name": "layernorm"})["name"])  # fail early on a bad name
     for ov in (cfg.get("norm_overrides") or {}).values():

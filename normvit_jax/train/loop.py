@@ -109,11 +109,13 @@ def check_or_write_config(config: ml_collections.ConfigDict, workdir: str) -> No
                   "this run with the new values.")
         if not diff:
             return
+        logging.warning("Continuing %s with a changed config (allow_config_change):\n%s", workdir,
+                        "\n".join(diff))
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / (path.name + ".tmp")
         tmp.write_text(json.dumps(current, indent=2, sort_keys=True))
-        tmp.rename(path)
+        tmp.replace(path)
 
 
 class _SigtermFlag:
@@ -170,10 +172,13 @@ def evaluate(eval_step, state, pipeline, mesh) -> dict[str, float]:
     return out
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       stop_at: int | None = None) -> dict[str, Any]:
     """Trains and evaluates; re-running with the same workdir continues from the newest checkpoint.
 
-    Returns the last eval metrics and the final step.
+    ``stop_at``: end this process after that step with a checkpoint (the schedule still runs to
+    the configured total), for time-sliced jobs; a re-run continues. Returns the final step, the
+    last eval metrics and the state.
     """
     mesh = sharding.make_mesh()
     model_cfg = validate_config(config, mesh.devices.size)
@@ -238,7 +243,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 report(step)
                 is_last = step == n_steps
                 preempt = _preempted(sigterm, step)
-                if step % config.log_every == 0 or is_last or preempt:
+                pause = stop_at is not None and step >= stop_at and not is_last
+                if step % config.log_every == 0 or is_last or preempt or pause:
                     values = {k: float(v) for k, v in train_metrics.compute().items()}
                     _check_finite(config, values, state, step, step_log, mngr, last_saved)
                     dt = max(time.time() - t_log, 1e-9)
@@ -257,13 +263,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                     logging.info("eval at step %d: loss %.4f, top-1 %.4f, top-5 %.4f over %d examples",
                                  step, eval_metrics["loss"], eval_metrics["top1"], eval_metrics["top5"],
                                  eval_metrics["num_examples"])
-                if step % config.checkpoint_every == 0 or is_last or preempt:
+                if step % config.checkpoint_every == 0 or is_last or preempt or pause:
                     if train_metrics is not None:  # never save a state that has not been checked
                         values = {k: float(v) for k, v in train_metrics.compute().items()}
                         _check_finite(config, values, state, step, step_log, mngr, last_saved)
                     with report.timed("checkpoint"):
-                        checkpoints.save(mngr, step, state, force=preempt)
+                        checkpoints.save(mngr, step, state, force=preempt or pause)
                     last_saved = step
+                if pause:
+                    logging.info("Stopping at step %d as asked (stop_at); re-run to continue.", step)
+                    break
                 if preempt:
                     mngr.wait_until_finished()
                     raise PreemptedError(f"preempted: checkpoint written at step {step} in "

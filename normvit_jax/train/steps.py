@@ -5,7 +5,6 @@ Backward-updated norm statistics: the loss is differentiated with respect to the
 ``batch_stats`` (see normvit_jax/norms/__init__.py). Norms read running state through
 ``stop_gradient``, so every other statistic gets a zero cotangent.
 """
-from __future__ import annotations
 
 import functools
 from typing import Any, Callable
@@ -51,7 +50,7 @@ def _tree_where(pred: jax.Array, a: Any, b: Any) -> Any:
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
                     *, label_smoothing: float = 0.0, grad_accum_steps: int = 1,
-                    skip_nonfinite: bool = False) -> Callable[[TrainState, dict], tuple[TrainState, TrainMetrics]]:
+                    skip_nonfinite: bool = False) -> Callable:
     """Returns ``train_step(state, batch) -> (state, metrics)``.
 
     With ``grad_accum_steps > 1`` the batch is split into that many micro-batches whose gradients
@@ -95,7 +94,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
                 (jnp.arange(k), split(images), split(labels)))
             grads = jax.tree.map(lambda g: g / k, g_sum)
             loss, acc = loss_sum / k, acc_sum / k
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
