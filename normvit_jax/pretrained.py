@@ -28,8 +28,8 @@ CKPT_NORM_SLOTS = frozenset({"LayerNorm_0", "LayerNorm_2", "encoder_norm"})
 MODEL_ONLY = frozenset({"rescale_s"})  # parameters no Google checkpoint has (RescaleViT's residual scale)
 # Flax linen numbers submodules per class (big_vision, linen vit_jax); the published vit_jax files
 # use pre-linen global numbering, which is what this ViT's parameter names keep.
-_LINEN_TO_OLD = {"LayerNorm_0": "LayerNorm_0", "MultiHeadDotProductAttention_0": "MultiHeadDotProductAttention_1",
-                 "LayerNorm_1": "LayerNorm_2", "MlpBlock_0": "MlpBlock_3"}
+_LINEN_TO_OLD = {"LayerNorm_0": "LayerNorm_0", "LayerNorm_1": "LayerNorm_2", "MlpBlock_0": "MlpBlock_3",
+                 "MultiHeadDotProductAttention_0": "MultiHeadDotProductAttention_1"}
 _PREFIXES = ("params/", "opt/target/", "")
 _BLOCK = re.compile(r"^Transformer/encoderblock_(\d+)/")
 
@@ -245,6 +245,183 @@ def _flat_heads(name: str, src: np.ndarray, shape: tuple) -> bool:
     return m.group(2) == "bias" or src.shape[0] == shape[0]
 
 
+class _Merge:
+    """Checkpoint arrays (canonical names) merged into the model's flat parameters, with a report."""
+
+    def __init__(self, tgt: dict[str, Any], src: dict[str, np.ndarray], layout: Layout, cfg: dict):
+        self.tgt, self.src, self.layout, self.cfg = tgt, src, layout, cfg
+        self.new: dict[str, Any] = dict(tgt)
+        self.rows: list[Row] = []
+        self.errors: list[str] = []
+        self.used: set[str] = set()
+
+    def shape(self, k: str) -> tuple:
+        return tuple(np.shape(self.tgt[k]))
+
+    def put(self, k: str, value: np.ndarray, action: str, source: str, note: str = "") -> None:
+        self.new[k] = np.asarray(value, dtype=np.asarray(self.tgt[k]).dtype)
+        self.rows.append(Row(k, action, source, self.shape(k), note))
+        self.used.add(source)
+
+    def init(self, k: str, note: str) -> None:
+        self.rows.append(Row(k, "init", "", self.shape(k), note))
+
+    def drop(self, k: str, note: str) -> None:
+        self.rows.append(Row(k, "dropped", k, self.src[k].shape, note))
+        self.used.add(k)
+
+    def same(self, k: str, note: str = "") -> None:
+        """Loads k from the same name, or records why not."""
+        if k not in self.src:
+            self.errors.append(f"missing in checkpoint: {k} (model {self.shape(k)})")
+        elif self.src[k].shape != self.shape(k):
+            self.errors.append(f"shape mismatch: {k} checkpoint {self.src[k].shape} vs model {self.shape(k)}")
+        else:
+            self.put(k, self.src[k], "loaded", k, note)
+
+    def head(self, num_classes: int, keep_pre_logits: bool | None) -> None:
+        """pre_logits kept or dropped by config; the head zeroed unless it fits and saw the same features."""
+        tgt, src = self.tgt, self.src
+        if "head/kernel" not in tgt or "head/bias" not in tgt:
+            raise CheckpointError("model parameters have no 'head/kernel'/'head/bias'")
+        if self.shape("head/kernel")[-1] != num_classes:
+            raise CheckpointError(f"num_classes={num_classes} but the model's head is "
+                                  f"{self.shape('head/kernel')}")
+        pl_t = sorted(k for k in tgt if k.startswith("pre_logits/"))
+        pl_s = sorted(k for k in src if k.startswith("pre_logits/"))
+        if keep_pre_logits and not pl_t:
+            r = src["pre_logits/kernel"].shape[-1] if "pre_logits/kernel" in src else "?"
+            raise CheckpointError(f"keep_pre_logits=True but the model has no pre_logits: set "
+                                  f"model.representation_size={r}")
+        if keep_pre_logits and not pl_s:
+            raise CheckpointError("keep_pre_logits=True but the checkpoint has no pre_logits")
+        load_pl = bool(pl_t and pl_s) and keep_pre_logits is not False
+        for k in pl_t:
+            if load_pl:
+                self.same(k)
+            else:
+                self.init(k, "keep_pre_logits=False" if pl_s else "checkpoint has no pre_logits")
+        for k in pl_s if not load_pl else []:
+            self.drop(k, "pre_logits not kept (model.representation_size unset or keep_pre_logits=False)")
+        same_features = bool(pl_s) == load_pl
+        keys = ("head/kernel", "head/bias")
+        if same_features and all(k in src and src[k].shape == self.shape(k) for k in keys):
+            for k in keys:
+                self.put(k, src[k], "loaded", k)
+            return
+        if "head/kernel" not in src:
+            why = "checkpoint has no head"
+        elif not same_features:
+            why = "head input changed (pre_logits dropped or new)"
+        else:
+            why = f"head {src['head/kernel'].shape} -> {self.shape('head/kernel')} (class count or width)"
+        for k in keys:
+            self.new[k] = np.zeros(self.shape(k), np.asarray(tgt[k]).dtype)
+            self.rows.append(Row(k, "reinit", k if k in src else "", self.shape(k), f"zeros: {why}"))
+            self.used.add(k)
+
+    def posemb_and_cls(self, image_size: Any, source_grid: Sequence[int] | None) -> None:
+        """Class slots are decided by the model config and the layout, never from shapes."""
+        cfg, src, layout = self.cfg, self.src, self.layout
+        has_slot = (cfg.get("classifier", "token") == "token" and not cfg.get("cls_token_at_block", 0)
+                    and cfg.get("posemb", "learn") == "learn")
+        pe = src.get(POSEMB)
+        if POSEMB in self.tgt:
+            ts = self.shape(POSEMB)
+            grid_t = None
+            if image_size is not None:
+                hw = (image_size, image_size) if np.ndim(image_size) == 0 else tuple(image_size)
+                grid_t = (hw[0] // cfg["patch_size"], hw[1] // cfg["patch_size"])
+            if pe is None:
+                self.errors.append(f"missing in checkpoint: position embedding (model {POSEMB} {ts}); a "
+                                   "checkpoint trained without one needs model.posemb='sincos2d' or 'none'")
+            elif pe.ndim != 3 or pe.shape[2] != ts[2]:
+                self.errors.append(f"shape mismatch: {POSEMB} checkpoint {pe.shape} vs model {ts}")
+            else:
+                try:
+                    gt = _grid_of(ts[1] - int(has_slot), grid_t, f"model {POSEMB} {ts}")
+                    gs = _grid_of(pe.shape[1] - int(layout.class_slot), source_grid,
+                                  f"checkpoint {layout.posemb_key} {pe.shape}")
+                except CheckpointError as e:
+                    self.errors.append(str(e))
+                else:
+                    grid = pe[0, int(layout.class_slot):].reshape(gs[0], gs[1], -1)
+                    notes = []
+                    if gs != gt:
+                        grid = resample_grid(grid, gt)
+                        notes.append(f"grid {gs[0]}x{gs[1]} -> {gt[0]}x{gt[1]} bilinear")
+                    parts = [grid.reshape(1, gt[0] * gt[1], -1)]
+                    if has_slot:  # big_vision adds no posemb to its class token: a zero slot is exact
+                        parts.insert(0, pe[:, :1] if layout.class_slot else np.zeros_like(pe[:, :1]))
+                        notes.append("class slot kept" if layout.class_slot
+                                     else "class slot = 0 (none in checkpoint)")
+                    self.put(POSEMB, np.concatenate(parts, 1), "resampled" if gs != gt else "loaded",
+                             POSEMB, "; ".join(notes))
+        elif pe is not None:
+            self.drop(POSEMB, f"model.posemb={cfg.get('posemb')!r} has no learned table")
+        if "cls" in self.tgt:
+            if "cls" not in src:
+                self.errors.append(f"missing in checkpoint: cls (model {self.shape('cls')}); the checkpoint "
+                                   "has no class token (trained with GAP): set model.classifier='gap'")
+            elif (layout.class_slot and pe is not None and not has_slot
+                  and src["cls"].shape == self.shape("cls")):
+                # The model adds no posemb to its class token: fold the checkpoint's slot into it.
+                self.put("cls", src["cls"] + pe[:, :1], "loaded", "cls", "+ posemb class slot folded in")
+            else:
+                self.same("cls")
+        elif "cls" in src:
+            self.drop("cls", "model.classifier='gap'")
+
+    def body(self) -> None:
+        """Same layer -> same tensor; inside norm slots, by parameter name (scale/bias = LN's)."""
+        done = {r.param for r in self.rows if r.action != "dropped"}
+        for k in self.tgt:
+            if k in done:
+                continue
+            slot = _slot_of(k)
+            if slot is None:
+                if k.split("/")[-1] in MODEL_ONLY:
+                    self.init(k, "no counterpart in Google checkpoints")
+                elif k in self.src and self.src[k].shape != self.shape(k) and _flat_heads(
+                        k, self.src[k], self.shape(k)):
+                    self.put(k, self.src[k].reshape(self.shape(k)), "loaded", k,
+                             f"reshaped {self.src[k].shape} -> {self.shape(k)}")
+                else:
+                    self.same(k)
+                continue
+            s, rest = slot
+            norm = _slot_norm(self.cfg, s)
+            if rest in ("scale", "bias") and k in self.src and self.src[k].shape == self.shape(k):
+                self.put(k, self.src[k], "loaded", k,
+                         "" if norm == "layernorm" else f"LN {rest} -> {norm} {rest}")
+            elif norm == "layernorm" and s.split("/")[-1] in CKPT_NORM_SLOTS:
+                self.same(k)  # a LayerNorm slot Google's files have: strict
+            elif k in self.src:
+                self.init(k, f"{norm} {rest}: shape {self.shape(k)} != checkpoint {self.src[k].shape}")
+            elif any(x.startswith(s + "/") for x in self.src):
+                self.init(k, f"{norm} parameter with no LayerNorm counterpart")
+            else:
+                self.init(k, "norm slot not in checkpoint")
+
+    def leftovers(self) -> None:
+        """Checkpoint keys nothing consumed: LN params of a slot whose norm lacks them are dropped."""
+        for k in sorted(set(self.src) - self.used):
+            slot, m = _slot_of(k), _BLOCK.match(k)
+            if (slot is None or slot[0].split("/")[-1] not in CKPT_NORM_SLOTS
+                    or (m and int(m.group(1)) >= self.cfg["depth"])):
+                self.errors.append(f"unexpected in checkpoint: {k} {self.src[k].shape}")
+                continue
+            norm = _slot_norm(self.cfg, slot[0])
+            if slot[0] == "Transformer/encoder_norm" and not self.cfg.get("final_norm", True):
+                self.drop(k, "model.final_norm=False")
+            elif k in self.tgt:
+                self.drop(k, f"{norm} '{slot[1]}' has another shape")
+            elif any(x.startswith(slot[0] + "/") for x in self.tgt):
+                self.drop(k, f"{norm} has no '{slot[1]}'")
+            else:
+                self.drop(k, f"{norm} has no parameters")
+
+
 def init_from_npz(params: Any, path: str, model_cfg: Any, num_classes: int, *,
                   keep_pre_logits: bool | None = None,
                   image_size: int | Sequence[int] | None = None,
@@ -267,195 +444,31 @@ def init_from_npz(params: Any, path: str, model_cfg: Any, num_classes: int, *,
     raw, n_bf16 = _read_npz(path)
     src, layout = canonicalize(raw)
 
-    new: dict[str, Any] = dict(tgt)
-    rows: list[Row] = []
-    errors: list[str] = []
-    used: set[str] = set()
-
-    def shape(k: str) -> tuple:
-        return tuple(np.shape(tgt[k]))
-
-    def put(k: str, value: np.ndarray, action: str, source: str, note: str = "") -> None:
-        new[k] = np.asarray(value, dtype=np.asarray(tgt[k]).dtype)
-        rows.append(Row(k, action, source, shape(k), note))
-        if source:
-            used.add(source)
-
-    def init(k: str, note: str) -> None:
-        rows.append(Row(k, "init", "", shape(k), note))
-
-    # ---- head and pre_logits: reset for a new task; pre_logits kept or dropped by config
-    head_k, head_b = tgt.get("head/kernel"), tgt.get("head/bias")
-    if head_k is None or head_b is None:
-        raise CheckpointError("model parameters have no 'head/kernel'/'head/bias'")
-    if np.shape(head_k)[-1] != num_classes:
-        raise CheckpointError(f"num_classes={num_classes} but the model's head is {np.shape(head_k)}")
-    pl_t = sorted(k for k in tgt if k.startswith("pre_logits/"))
-    pl_s = sorted(k for k in src if k.startswith("pre_logits/"))
-    if keep_pre_logits and not pl_t:
-        r = np.shape(src["pre_logits/kernel"])[-1] if "pre_logits/kernel" in src else "?"
-        raise CheckpointError(f"keep_pre_logits=True but the model has no pre_logits: set "
-                              f"model.representation_size={r}")
-    if keep_pre_logits and not pl_s:
-        raise CheckpointError("keep_pre_logits=True but the checkpoint has no pre_logits")
-    load_pl = bool(pl_t and pl_s) and keep_pre_logits is not False
-    for k in pl_t:
-        if not load_pl:
-            init(k, "keep_pre_logits=False" if pl_s else "checkpoint has no pre_logits")
-        elif k not in src:
-            errors.append(f"missing in checkpoint: {k} (model {shape(k)})")
-        elif src[k].shape != shape(k):
-            errors.append(f"shape mismatch: {k} checkpoint {src[k].shape} vs model {shape(k)}")
-        else:
-            put(k, src[k], "loaded", k)
-    for k in pl_s:
-        if not load_pl:
-            rows.append(Row(k, "dropped", k, src[k].shape, "pre_logits not kept (model.representation_size"
-                            " unset or keep_pre_logits=False)"))
-            used.add(k)
-    same_features = bool(pl_s) == load_pl
-    if ("head/kernel" in src and "head/bias" in src and same_features
-            and src["head/kernel"].shape == shape("head/kernel")
-            and src["head/bias"].shape == shape("head/bias")):
-        put("head/kernel", src["head/kernel"], "loaded", "head/kernel")
-        put("head/bias", src["head/bias"], "loaded", "head/bias")
-    else:
-        if "head/kernel" not in src:
-            why = "checkpoint has no head"
-        elif not same_features:
-            why = "head input changed (pre_logits dropped or new)"
-        else:
-            why = f"head {src['head/kernel'].shape} -> {shape('head/kernel')} (class count or width)"
-        for k in ("head/kernel", "head/bias"):
-            new[k] = np.zeros(shape(k), np.asarray(tgt[k]).dtype)
-            rows.append(Row(k, "reinit", k if k in src else "", shape(k), f"zeros: {why}"))
-            used.add(k)
-
-    # ---- position embedding and class token: class slots decided by the model config
-    has_slot = (cfg.get("classifier", "token") == "token" and not cfg.get("cls_token_at_block", 0)
-                and cfg.get("posemb", "learn") == "learn")
-    pe_src = src.get(POSEMB)
-    if POSEMB in tgt:
-        ts = shape(POSEMB)
-        n_t = ts[1] - int(has_slot)
-        p = cfg["patch_size"]
-        grid_t = None
-        if image_size is not None:
-            hw = (image_size, image_size) if np.ndim(image_size) == 0 else tuple(image_size)
-            grid_t = (hw[0] // p, hw[1] // p)
-        if pe_src is None:
-            errors.append(f"missing in checkpoint: position embedding (model {POSEMB} {ts}); a "
-                          "checkpoint trained without one needs model.posemb='sincos2d' or 'none'")
-        elif pe_src.ndim != 3 or pe_src.shape[2] != ts[2]:
-            errors.append(f"shape mismatch: {POSEMB} checkpoint {pe_src.shape} vs model {ts}")
-        else:
-            try:
-                gt = _grid_of(n_t, grid_t, f"model {POSEMB} {ts}")
-                n_s = pe_src.shape[1] - int(layout.class_slot)
-                gs = _grid_of(n_s, source_grid, f"checkpoint {layout.posemb_key} {pe_src.shape}")
-            except CheckpointError as e:
-                errors.append(str(e))
-            else:
-                grid = pe_src[0, int(layout.class_slot):].reshape(gs[0], gs[1], -1)
-                if gs != gt:
-                    grid = resample_grid(grid, gt)
-                parts = [grid.reshape(1, gt[0] * gt[1], -1)]
-                if has_slot:  # big_vision adds no posemb to its class token: a zero slot is exact
-                    parts.insert(0, pe_src[:, :1] if layout.class_slot else np.zeros_like(pe_src[:, :1]))
-                note = f"grid {gs[0]}x{gs[1]} -> {gt[0]}x{gt[1]} bilinear" if gs != gt else ""
-                if has_slot:
-                    note = (note + "; " if note else "") + (
-                        "class slot kept" if layout.class_slot else "class slot = 0 (none in checkpoint)")
-                put(POSEMB, np.concatenate(parts, 1), "resampled" if gs != gt else "loaded",
-                    POSEMB, note)
-    elif pe_src is not None:
-        rows.append(Row(POSEMB, "dropped", POSEMB, pe_src.shape,
-                        f"model.posemb={cfg.get('posemb')!r} has no learned table"))
-        used.add(POSEMB)
-    if "cls" in tgt:
-        if "cls" not in src:
-            errors.append(f"missing in checkpoint: cls (model {shape('cls')}); the checkpoint has no "
-                          "class token (trained with GAP): set model.classifier='gap'")
-        elif src["cls"].shape != shape("cls"):
-            errors.append(f"shape mismatch: cls checkpoint {src['cls'].shape} vs model {shape('cls')}")
-        elif layout.class_slot and pe_src is not None and not has_slot:
-            # The model adds no posemb to its class token: fold the checkpoint's slot into it.
-            put("cls", src["cls"] + pe_src[:, :1], "loaded", "cls", "+ posemb class slot folded in")
-        else:
-            put("cls", src["cls"], "loaded", "cls")
-    elif "cls" in src:
-        rows.append(Row("cls", "dropped", "cls", src["cls"].shape, "model.classifier='gap'"))
-        used.add("cls")
-
-    # ---- everything else: same layer -> same tensor; norms by parameter name
-    done = {r.param for r in rows}
-    for k in tgt:
-        if k in done:
-            continue
-        slot = _slot_of(k)
-        if slot is not None:
-            s, rest = slot
-            norm = _slot_norm(cfg, s)
-            in_ckpt = any(x.startswith(s + "/") for x in src)
-            if rest in ("scale", "bias") and k in src and src[k].shape == shape(k):
-                put(k, src[k], "loaded", k, "" if norm == "layernorm" else f"LN {rest} -> {norm} {rest}")
-            elif norm == "layernorm" and s.split("/")[-1] in CKPT_NORM_SLOTS:
-                errors.append(f"shape mismatch: {k} checkpoint {src[k].shape} vs model {shape(k)}"
-                              if k in src else f"missing in checkpoint: {k} (model {shape(k)})")
-            elif k in src:
-                init(k, f"{norm} {rest}: shape {shape(k)} != checkpoint {src[k].shape}")
-            else:
-                init(k, f"{norm} parameter with no LayerNorm counterpart" if in_ckpt
-                     else "norm slot not in checkpoint")
-            continue
-        if k.split("/")[-1] in MODEL_ONLY:
-            init(k, "no counterpart in Google checkpoints")
-        elif k not in src:
-            errors.append(f"missing in checkpoint: {k} (model {shape(k)})")
-        elif src[k].shape == shape(k):
-            put(k, src[k], "loaded", k)
-        elif _flat_heads(k, src[k], shape(k)):
-            put(k, src[k].reshape(shape(k)), "loaded", k, f"reshaped {src[k].shape} -> {shape(k)}")
-        else:
-            errors.append(f"shape mismatch: {k} checkpoint {src[k].shape} vs model {shape(k)}")
-
-    # ---- checkpoint keys nothing consumed: LN params of a slot whose norm lacks them are dropped
-    depth = cfg["depth"]
-    for k in sorted(set(src) - used):
-        slot, m = _slot_of(k), _BLOCK.match(k)
-        if slot is None or slot[0].split("/")[-1] not in CKPT_NORM_SLOTS or (m and int(m.group(1)) >= depth):
-            errors.append(f"unexpected in checkpoint: {k} {src[k].shape}")
-            continue
-        norm = _slot_norm(cfg, slot[0])
-        if slot[0] == "Transformer/encoder_norm" and not cfg.get("final_norm", True):
-            why = "model.final_norm=False"
-        elif any(x.startswith(slot[0] + "/") for x in tgt):
-            why = f"{norm} has no '{slot[1]}' of this shape"
-        else:
-            why = f"{norm} has no parameters"
-        rows.append(Row(k, "dropped", k, src[k].shape, why))
+    m = _Merge(tgt, src, layout, cfg)
+    m.head(num_classes, keep_pre_logits)
+    m.posemb_and_cls(image_size, source_grid)
+    m.body()
+    m.leftovers()
 
     header = (f"init_from {path}\n  layout: {layout.describe()}"
               + (f"; {n_bf16} bfloat16 arrays widened" if n_bf16 else "")
               + (f"; ignored {len(layout.ignored)} non-parameter keys" if layout.ignored else "")
               + f"\n  checkpoint: {_summary(src)}\n  model:      {_summary(tgt)}")
-    if errors:
+    if m.errors:
         a, b = _dims(src), _dims(tgt)
         diff = [f"{k} (checkpoint {a[k]}, model {b[k]})" for k in a if a[k] != b[k]]
-        if diff:
-            errors.insert(0, "the model config differs from the checkpoint in " + ", ".join(diff))
+        errors = ([f"the model config differs from the checkpoint in {', '.join(diff)}"] if diff else [])
+        errors += m.errors
         shown = errors[:40] + ([f"... and {len(errors) - 40} more"] if len(errors) > 40 else [])
         raise CheckpointError(f"cannot load {header}\n  " + "\n  ".join(shown))
-    notes = []
     if not cfg.get("gelu_approximate", True):
-        notes.append("note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
-                     "form (logits differ by ~5e-4)")
+        header += ("\n  note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
+                   "form (logits differ by ~5e-4)")
     order = {k: i for i, k in enumerate(tgt)}
-    rows.sort(key=lambda r: order.get(r.param, len(order)) if r.action != "dropped" else len(order))
+    rows = sorted(m.rows, key=lambda r: len(order) if r.action == "dropped" else order.get(r.param, 0))
     if log is not None:
-        log(format_report(rows, header + "".join("\n  " + n for n in notes)))
-
-    out = traverse_util.unflatten_dict(new, sep="/")
+        log(format_report(rows, header))
+    out = traverse_util.unflatten_dict(m.new, sep="/")
     out = {"params": out} if wrapped else out
     return (frozen_dict.freeze(out) if frozen else out), rows
 

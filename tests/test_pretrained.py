@@ -266,7 +266,8 @@ def test_big_vision_layout(tmp_path, scanned, bf16):
         new, rows, table = load(template(cfg, 5, (px, px)), path, cfg, 5, image_size=px)
         f = flat(new)
         b1 = "Transformer/encoderblock_1/"
-        assert f[b1 + "MultiHeadDotProductAttention_1/key/kernel"][6, 0, 1] == exp(w["blocks"][1]["k_k"])[6, 0, 1]
+        key = f[b1 + "MultiHeadDotProductAttention_1/key/kernel"]
+        assert key[6, 0, 1] == exp(w["blocks"][1]["k_k"])[6, 0, 1]
         assert f[b1 + "LayerNorm_2/bias"][3] == exp(w["blocks"][1]["ln1_b"])[3]  # LayerNorm_1 -> _2
         assert f[b1 + "MlpBlock_3/Dense_0/bias"][9] == exp(w["blocks"][1]["d0_b"])[9]  # MlpBlock_0 -> _3
         assert f["Transformer/encoderblock_0/LayerNorm_0/scale"][2] == exp(w["blocks"][0]["ln0_s"])[2]
@@ -279,6 +280,24 @@ def test_big_vision_layout(tmp_path, scanned, bf16):
         x = images((px, px), seed=px)
         np.testing.assert_allclose(logits(cfg, 5, new, x), np_vit(raw, x, layout="big_vision"),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_prefix_and_numbering_variants_load_the_same(tmp_path):
+    """'opt/target/' prefix (old full checkpoints) and linen numbering with vit_jax's posembed_input."""
+    w = logical(14)
+    base = vit_jax_file(w)
+    linen = {}
+    for k, v in base.items():
+        parts = k.split("/")
+        if k.startswith("Transformer/encoderblock_"):
+            parts[2] = {OLD[m]: NEW[m] for m in OLD}[parts[2]]
+        linen["opt/target/" + "/".join(parts)] = v
+    cfg = model_cfg()
+    ref, _, _ = load(template(cfg, 5), write(tmp_path / "a.npz", base), cfg, 5)
+    new, _, table = load(template(cfg, 5), write(tmp_path / "b.npz", linen), cfg, 5)
+    assert "prefix=opt/target/" in table and "numbering=linen" in table and "with class slot" in table
+    for k, v in flat(ref).items():
+        np.testing.assert_array_equal(flat(new)[k], v, err_msg=k)
 
 
 def test_flattened_head_kernels_reshape(tmp_path):
@@ -419,7 +438,8 @@ def test_layernorm_checkpoint_into_other_norms_by_name(tmp_path, test_norms):
     assert rows[k + "scale"].action == "loaded" and "LN scale -> affine_test scale" in rows[k + "scale"].note
     assert rows[k + "mix"].action == "init"
     rows = check_cross_norm(tmp_path, "scalar_test")
-    assert rows[k + "scale"].action == "init" and rows["ckpt:" + k + "bias"].action == "dropped"
+    assert rows[k + "scale"].action == "init" and "another shape" in rows["ckpt:" + k + "scale"].note
+    assert rows["ckpt:" + k + "bias"].action == "dropped"
     rows = check_cross_norm(tmp_path, "identity")
     assert rows["ckpt:" + k + "scale"].action == "dropped"
 
@@ -462,8 +482,9 @@ def test_malformed_files_fail_clearly(tmp_path):
         pretrained.load_npz(str(tmp_path / "nope.npz"))
 
     deep = model_cfg(depth=3)  # wrong depth: names the blocks and both summaries
-    with pytest.raises(E, match=r"(?s)checkpoint: depth=2.*model: +depth=3.*differs from the checkpoint in "
-                                r"depth \(checkpoint 2, model 3\).*missing in checkpoint: Transformer/encoderblock_2/"):
+    with pytest.raises(E, match=r"(?s)checkpoint: depth=2.*model: +depth=3.*differs from the checkpoint "
+                                r"in depth \(checkpoint 2, model 3\).*"
+                                r"missing in checkpoint: Transformer/encoderblock_2/"):
         load(template(deep, 5), path, deep, 5)
     wide = model_cfg(hidden_size=12)  # wrong width
     with pytest.raises(E, match=r"embedding/kernel checkpoint \(4, 4, 3, 8\) vs model \(4, 4, 3, 12\)"):
@@ -527,3 +548,53 @@ def test_export_cli(tmp_path, monkeypatch):
     got = pretrained.load_npz(str(out))
     for k, v in flat(params).items():
         assert np.array_equal(got[k], v), k
+
+
+def test_export_cli_with_real_run_checkpoint(tmp_path):
+    """The CLI end to end on an Orbax checkpoint written by the train side's own save path."""
+    checkpoints = pytest.importorskip("normvit_jax.checkpoints")
+    import ml_collections
+    import subprocess
+
+    cfg = model_cfg()
+    params = random_params(cfg, 5, 13)
+    config = ml_collections.ConfigDict({"model": cfg})
+    workdir = tmp_path / "run"
+    mngr = checkpoints.make_manager(str(workdir), async_save=False)
+    checkpoints.save(mngr, 7, {"params": params, "step": np.int32(7)})
+    mngr.wait_until_finished()
+    mngr.close()
+    checkpoints.config_path(str(workdir)).write_text(config.to_json_best_effort())
+    out = tmp_path / "model.npz"
+    proc = subprocess.run([sys.executable, "-m", "normvit_jax.export", f"--workdir={workdir}",
+                           f"--out={out}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = pretrained.load_npz(str(out))
+    assert got.keys() == flat(params).keys()
+    for k, v in flat(params).items():
+        assert np.array_equal(got[k], v), k
+
+
+def test_finetune_cifar_config_variants():
+    from configs import finetune_cifar
+    from normvit_jax.train import loop
+
+    c = finetune_cifar.get_config()
+    assert (c.model.variant, c.data.image_size, c.data.name, c.batch_size, c.total_steps) == \
+        ("B/16", 224, "cifar10", 512, 10_000)
+    assert (c.optimizer.name, c.optimizer.learning_rate, c.optimizer.momentum, c.optimizer.grad_clip,
+            c.schedule.name, c.schedule.warmup_steps) == ("sgd", 0.03, 0.9, 1.0, "cosine", 500)
+    assert c.init_from == "gs://vit_models/imagenet21k/ViT-B_16.npz"
+    for arg, variant, res in (("b32", "B/32", 224), ("l16,384,cifar100,accum8", "L/16", 384),
+                              ("l32,identity", "L/32", 224), ("b16,augreg", "B/16", 224)):
+        c = finetune_cifar.get_config(arg)
+        loop.validate_config(c, 1)
+        assert (c.model.variant, c.data.image_size) == (variant, res)
+    assert c.init_from.startswith("gs://vit_models/augreg/B_16-i21k")
+    c = finetune_cifar.get_config("l16,384,cifar100,accum8")
+    assert c.grad_accum_steps == 8 and c.data.name == "cifar100"
+    assert finetune_cifar.get_config("b32,identity").model.norm.name == "identity"
+    with pytest.raises(ValueError, match="no AugReg"):
+        finetune_cifar.get_config("l32,augreg")
+    with pytest.raises(ValueError, match="unknown finetune_cifar variant 'x'"):
+        finetune_cifar.get_config("x")
