@@ -71,9 +71,14 @@ def build(name, opts=None, dim=8, heads=2, grid=None, prefix=0):
     return norms.create(cfg, dim=dim, num_heads=heads, grid=grid, num_prefix_tokens=prefix)
 
 
+def jit_init(module, x, train=False):
+    return jax.jit(lambda k, xx: module.init(k, xx, train=train))(jax.random.PRNGKey(0),
+                                                                  jnp.asarray(x))
+
+
 def check_forward_and_grads(module, ref_fn, x, train=False, seed=3):
     """Output, d loss/dx and d loss/dparams (loss = sum(w * y)) against numpy + finite differences."""
-    variables = module.init(jax.random.PRNGKey(0), jnp.asarray(x), train=train)
+    variables = jit_init(module, x, train)
     params = randomize(variables["params"]) if "params" in variables else {}
     stats = variables.get("batch_stats", {})
     w = np.random.default_rng(seed).normal(size=x.shape)
@@ -83,11 +88,15 @@ def check_forward_and_grads(module, ref_fn, x, train=False, seed=3):
                            mutable=["batch_stats"] if train else False)
         return out[0] if train else out
 
-    y = apply(params, jnp.asarray(x))
+    def loss(p, xx):
+        y = apply(p, xx)
+        return jnp.sum(jnp.asarray(w, jnp.float32) * y), y
+
+    # One jit per check: compiling the whole graph once is far cheaper than op-by-op dispatch.
+    (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        params, jnp.asarray(x))
     pn = np_params(params)
     assert_rel(y, ref_fn(x.astype(np.float64), pn), what="forward")
-    loss = lambda p, xx: jnp.sum(jnp.asarray(w, jnp.float32) * apply(p, xx))
-    gp, gx = jax.grad(loss, argnums=(0, 1))(params, jnp.asarray(x))
     ref_loss = lambda xx, pp: float(np.sum(w * ref_fn(xx, pp)))
     assert_rel(gx, fd_grad(lambda xx: ref_loss(xx, pn), x), what="d/dx")
     for path, g in jax.tree_util.tree_leaves_with_path(gp):
@@ -184,7 +193,7 @@ def test_batchnorm_train_forward_and_grads(shape):
 def test_batchnorm_state_and_eval(unbiased):
     module = build("batchnorm", {"unbiased_running_var": unbiased}, dim=6)
     xs = [random_x((3, 5, 6), seed=s) for s in range(3)]
-    v = module.init(jax.random.PRNGKey(0), jnp.asarray(xs[0]), train=True)
+    v = jit_init(module, xs[0], True)
     np.testing.assert_array_equal(v["batch_stats"]["mean"], np.zeros(6))  # init does not update
     stats, mean, var = v["batch_stats"], np.zeros(6), np.ones(6)
     for x in xs:
@@ -206,7 +215,7 @@ def test_batchnorm_state_and_eval(unbiased):
 def test_batchnorm_stats_group_size():
     x = random_x((4, 3, 5), seed=11)
     module = build("batchnorm", {"stats_group_size": 2}, dim=5)
-    v = module.init(jax.random.PRNGKey(0), jnp.asarray(x), train=True)
+    v = jit_init(module, x, True)
     y, upd = module.apply(v, jnp.asarray(x), train=True, mutable=["batch_stats"])
     p = np_params(v["params"])
     ref = np.concatenate([ref_batchnorm_train(x[i:i + 2].astype(np.float64), p) for i in (0, 2)])
@@ -219,7 +228,7 @@ def test_batchnorm_stats_group_size():
 def test_rescale_forward_grads_and_state():
     module = build("rescale", dim=4)
     xs = [random_x((2, 3, 4), seed=20 + s, offset=1.0 + s) for s in range(10)]
-    v = module.init(jax.random.PRNGKey(0), jnp.asarray(xs[0]), train=True)
+    v = jit_init(module, xs[0], True)
     params = {"bias": jnp.asarray([0.5, -1.0, 2.0, 0.1], jnp.float32)}
     stats = v["batch_stats"]
     step = jax.jit(lambda p, s, x: train_grads(
@@ -306,8 +315,8 @@ def test_bfloat16(name, opts, train):
     # A large common offset: statistics in bfloat16 would lose the variance entirely.
     x = (random_x((2, 10, 8), seed=5) + 40.0).astype(jnp.bfloat16)
     m = build(name, opts, dim=8, heads=2, grid=(3, 3), prefix=1)
-    v = m.init(jax.random.PRNGKey(0), x.astype(jnp.float32), train=False)
-    run = lambda xx: m.apply(v, xx, train=train, mutable=["batch_stats"])[0]
+    v = jit_init(m, x.astype(jnp.float32))
+    run = jax.jit(lambda xx: m.apply(v, xx, train=train, mutable=["batch_stats"])[0])
     y16, y32 = run(x), run(x.astype(jnp.float32))
     assert y16.dtype == jnp.bfloat16 and y32.dtype == jnp.float32
     assert_rel(y16.astype(jnp.float32), y32, tol=1e-2, what=f"{name} bf16 vs f32")

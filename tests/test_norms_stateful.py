@@ -18,7 +18,7 @@ import pytest
 from normvit_jax.norms.stateful import merge_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # shared helpers, package or not
-from test_norms_common import assert_rel, build, randomize
+from test_norms_common import assert_rel, build, jit_init, randomize
 
 TOL = 1e-5
 
@@ -81,7 +81,7 @@ def test_powernorm_steps_against_numpy(backward):
     rng = np.random.default_rng(0)
     xs = [(rng.normal(size=(2, 5, c)) * rng.uniform(0.3, 3, c) + 0.2).astype(np.float32)
           for _ in range(6)]
-    v = module.init(jax.random.PRNGKey(0), jnp.asarray(xs[0]), train=True)
+    v = jit_init(module, xs[0], True)
     params, stats = randomize(v["params"]), v["batch_stats"]
     assert int(stats["t"]) == 0  # init does not count as a step
     gamma, beta = (np.asarray(params[k], np.float64) for k in ("scale", "bias"))
@@ -108,7 +108,7 @@ def test_powernorm_steps_against_numpy(backward):
 def test_powernorm_forward_ignores_ema_gz():
     module = build("powernorm", dim=4)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 4)), jnp.float32)
-    v = module.init(jax.random.PRNGKey(0), x, train=True)
+    v = jit_init(module, x, True)
     stats2 = {**v["batch_stats"], "ema_gz": jnp.arange(4.0)}
     y1 = module.apply(v, x, train=True, mutable=["batch_stats"])[0]
     y2 = module.apply({**v, "batch_stats": stats2}, x, train=True, mutable=["batch_stats"])[0]
@@ -170,7 +170,7 @@ def test_unified_steps_against_numpy():
             x[..., 0] *= 30  # an outlier batch in one channel
         xs.append(x.astype(np.float32))
         ws.append(rng.normal(size=x.shape).astype(np.float32))
-    v = module.init(jax.random.PRNGKey(0), jnp.asarray(xs[0]), train=True)
+    v = jit_init(module, xs[0], True)
     params, stats = randomize(v["params"]), v["batch_stats"]
     gamma, beta = (np.asarray(params[k], np.float64) for k in ("scale", "bias"))
     sim, step = NpUnified(c, wf, wb, warmup, True, ratio_warmup), make_step(module)
@@ -206,7 +206,7 @@ def test_unified_window_one_always_skips_and_filtration_off():
     module = build("unified", {"window": (1, 1), "warmup": 1, "ratio_warmup": 1}, dim=c)
     rng = np.random.default_rng(3)
     xs = [rng.normal(size=(2, 4, c)).astype(np.float32) * 2 for _ in range(4)]
-    v = module.init(jax.random.PRNGKey(0), jnp.asarray(xs[0]), train=True)
+    v = jit_init(module, xs[0], True)
     params, stats = randomize(v["params"]), v["batch_stats"]
     gamma, beta = (np.asarray(params[k], np.float64) for k in ("scale", "bias"))
     sim, step = NpUnified(c, 1, 1, 1, False, 1), make_step(module)

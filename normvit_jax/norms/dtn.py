@@ -43,11 +43,12 @@ def position_init(heads: int, local: bool, strength: float):
             return w
         k = int(math.isqrt(heads))
         center = (k - 1) / 2
+        fixed = np.zeros(shape, np.float32)
         for h1 in range(k):
             for h2 in range(k):
-                w = w.at[:, h1 + k * h2].set(jnp.array([2 * (h2 - center), 2 * (h1 - center), -1.0],
-                                                       dtype))
-        return w * strength
+                fixed[:, h1 + k * h2] = [2 * (h2 - center), 2 * (h1 - center), -1.0]
+        is_local = np.arange(heads) < k * k
+        return jnp.where(is_local, jnp.asarray(fixed, dtype), w) * strength
     return init
 
 
@@ -116,15 +117,21 @@ class DTN(nn.Module):
         # Position-aware IN statistics, once per call: P (H, N_src, N_tgt), softmax over sources.
         s = self._stat_side()
         k = side // s
-        logits = jnp.einsum("ijd,dh->hij", jnp.asarray(relative_offsets(s)), kernel)
+        logits = jnp.einsum("ijd,dh->hij", jnp.asarray(relative_offsets(s)), kernel,
+                            precision=jax.lax.Precision.HIGHEST)
         p = jax.nn.softmax(logits, axis=1)
         patches = xs[:, pre:]
         if k > 1:  # the reference's average pooling to s x s (statistics of the pooled tokens)
             patches = patches.reshape(b, s, k, s, k, c).mean(axis=(2, 4)).reshape(b, s * s, c)
-        ph = patches.reshape(b, s * s, h, c // h)
-        moments = jnp.einsum("bshc,hst->bthc", jnp.concatenate([ph, ph * ph], -1), p)
+        # Shift by the token mean first (P sums to 1 over sources, so the variance is unchanged):
+        # E[x^2] - E[x]^2 then cancels far less in float32.
+        shift = jnp.mean(patches, axis=1, keepdims=True)
+        ph = (patches - shift).reshape(b, s * s, h, c // h)
+        moments = jnp.einsum("bshc,hst->bthc", jnp.concatenate([ph, ph * ph], -1), p,
+                             precision=jax.lax.Precision.HIGHEST)
         mu_in, m2_in = jnp.split(moments, 2, axis=-1)
         var_in = m2_in - jnp.square(mu_in)
+        mu_in = mu_in + shift.reshape(b, 1, h, c // h)
         if k > 1:  # each pooled cell's statistics repeated over its k x k block
             up = lambda a: jnp.repeat(jnp.repeat(a.reshape(b, s, s, c), k, 1), k, 2)
             mu_in, var_in = up(mu_in), up(var_in)
