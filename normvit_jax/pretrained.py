@@ -13,6 +13,7 @@ import re
 import zipfile
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import traverse_util
@@ -197,6 +198,10 @@ def _grid_of(n: int, given: Sequence[int] | None, what: str) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------------------ loading
 
+def _dtype(x: Any) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype  # no device->host copy
+
+
 def _to_dict(cfg: Any) -> dict:
     return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
 
@@ -259,7 +264,7 @@ class _Merge:
         return tuple(np.shape(self.tgt[k]))
 
     def put(self, k: str, value: np.ndarray, action: str, source: str, note: str = "") -> None:
-        self.new[k] = np.asarray(value, dtype=np.asarray(self.tgt[k]).dtype)
+        self.new[k] = np.asarray(value, dtype=_dtype(self.tgt[k]))
         self.rows.append(Row(k, action, source, self.shape(k), note))
         self.used.add(source)
 
@@ -316,7 +321,7 @@ class _Merge:
         else:
             why = f"head {src['head/kernel'].shape} -> {self.shape('head/kernel')} (class count or width)"
         for k in keys:
-            self.new[k] = np.zeros(self.shape(k), np.asarray(tgt[k]).dtype)
+            self.new[k] = np.zeros(self.shape(k), _dtype(tgt[k]))
             self.rows.append(Row(k, "reinit", k if k in src else "", self.shape(k), f"zeros: {why}"))
             self.used.add(k)
 
@@ -531,7 +536,7 @@ def export_npz(params: Any, out_path: str, model_cfg: Any,
         raise CheckpointError(f"not a ViT parameter tree (no embedding/kernel or head/kernel): "
                               f"{sorted(flat)[:8]}")
     for k, v in flat.items():
-        if v.dtype.kind == "f" and v.dtype != np.float32 and v.dtype.itemsize <= 4:
+        if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype.itemsize < 4:
             flat[k] = v.astype(np.float32)  # bfloat16/float16 widen exactly
         elif v.dtype.kind not in "fiub":
             raise CheckpointError(f"parameter {k} has dtype {v.dtype}, not storable without pickle")

@@ -511,6 +511,10 @@ def test_export_import_round_trip_bit_exact(tmp_path):
         assert z["Transformer/encoderblock_1/MultiHeadDotProductAttention_1/query/kernel"].shape == (D, H, DH)
     new, rows, _ = load(template(cfg, 5), str(out), cfg, 5)
     a, b = flat(params), flat(new)
+    half = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)  # bf16 params widen exactly
+    got = pretrained.export_npz(half, str(tmp_path / "bf16.npz"), cfg, log=None)
+    k = "Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel"
+    assert got[k].dtype == np.float32 and np.array_equal(got[k], np.asarray(flat(half)[k], np.float32))
     assert a.keys() == b.keys()
     for k in a:
         assert b[k].dtype == a[k].dtype and np.array_equal(a[k], b[k]), k
