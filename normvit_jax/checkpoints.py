@@ -7,6 +7,7 @@ step first and falls back to older ones if a checkpoint's files are damaged.
 from __future__ import annotations
 
 import json
+import os
 import logging
 from typing import Any
 
@@ -20,6 +21,9 @@ log = logging.getLogger(__name__)
 
 
 def checkpoint_dir(workdir: str) -> epath.Path:
+    workdir = str(workdir)
+    if "://" not in workdir:  # Orbax wants absolute local paths
+        workdir = os.path.abspath(workdir)
     return epath.Path(workdir) / "checkpoints"
 
 

@@ -2,6 +2,8 @@
 with distinct exit codes."""
 from __future__ import annotations
 
+import logging as std_logging
+
 from absl import logging
 import ml_collections
 
@@ -12,9 +14,25 @@ EXIT_CHECKPOINT = 4    # a checkpoint exists but does not fit this config
 EXIT_PREEMPTED = 42    # SIGTERM: checkpoint written, re-run to continue
 
 
+class _QuietLibraries(std_logging.Filter):
+    """Drops the INFO chatter of Orbax and absl's own internals; warnings and errors still show."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return record.levelno >= std_logging.WARNING or not any(
+            part in record.pathname for part in ("/orbax/", "/jax/_src/"))
+
+
+def quiet_library_logs() -> None:
+    std_logging.getLogger("absl").addFilter(_QuietLibraries())
+    for handler in std_logging.getLogger().handlers:
+        handler.addFilter(_QuietLibraries())
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> int:
     from normvit_jax import checkpoints, data, sharding
     from normvit_jax.train import loop
+
+    quiet_library_logs()
 
     sharding.maybe_initialize_distributed()
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 import signal
 import threading
@@ -37,6 +38,12 @@ class PreemptedError(RuntimeError):
 
 class ConfigChangedError(ValueError):
     """The workdir holds a run made with another config."""
+
+
+def absolute_workdir(workdir: str) -> str:
+    """Orbax needs absolute paths; remote paths (gs://...) are left as they are."""
+    workdir = str(workdir)
+    return workdir if "://" in workdir else os.path.abspath(workdir)
 
 
 def total_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
@@ -182,7 +189,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     """
     mesh = sharding.make_mesh()
     model_cfg = validate_config(config, mesh.devices.size)
-    workdir = str(workdir)
+    workdir = absolute_workdir(workdir)
     epath.Path(workdir).mkdir(parents=True, exist_ok=True)
     check_or_write_config(config, workdir)
 
