@@ -86,7 +86,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_every = 1000             # steps between evaluations (and at the end)
     c.checkpoint_every = 1000       # steps between checkpoints (and at the end)
     c.keep_checkpoints = 3          # newest checkpoints kept
-    c.init_from = None              # path or gs:// of a Google ViT .npz to start from
+    c.init_from = None              # path or gs:// of a Google ViT .npz to start from (docs/pretrained.md)
+    c.init_keep_pre_logits = None   # keep the file's pre_logits layer (None: if model.representation_size)
     c.allow_config_change = False   # resume a workdir whose saved config differs
     c.skip_nonfinite_steps = 0      # 0: stop on a NaN/Inf; N: skip such updates, stop after N in a row
     c.eval_attention_images = 0     # attention-map images written to TensorBoard per eval

@@ -320,6 +320,7 @@ def _init_from_pretrained(config, model_cfg, num_classes, state, tx, state_shard
     from normvit_jax import pretrained
     params = jax.tree.map(np.asarray, state.params)
     params, _ = pretrained.init_from_npz(params, config.init_from, model_cfg, num_classes,
-                                         log=logging.info)
+                                         keep_pre_logits=config.get("init_keep_pre_logits"),
+                                         image_size=config.data.image_size, log=logging.info)
     new = state.replace(params=params, opt_state=tx.init(params))
     return jax.device_put(new, state_sharding)
