@@ -105,3 +105,18 @@ def test_norm_overrides_and_late_class_token():
 def test_bad_model_configs_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         models.create(bad, num_classes=10)
+
+
+def test_switching_the_norm_by_name_on_another_methods_config():
+    """`--config.model.norm.name=layernorm` on the DTN config: DTN's options are left behind in
+    the locked ConfigDict and must be ignored, while a misspelt option still fails."""
+    from configs import vit_dtn
+    c = vit_dtn.get_config("demo")
+    c.model.norm.name = "layernorm"
+    model = models.create(c.model, num_classes=10)
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    variables = model.init(jax.random.key(1), x)
+    assert variables["params"]["Transformer"]["encoderblock_0"]["LayerNorm_0"]["scale"].shape == (64,)
+    c.model.norm = {"name": "layernorm", "epsilonn": 1e-5}
+    with pytest.raises(ValueError, match="epsilonn"):
+        models.create(c.model, num_classes=10).init(jax.random.key(1), x)

@@ -6,7 +6,9 @@ a ``from_config(cfg, ctx)`` classmethod, and add one line to ``_ENTRIES`` below.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import logging
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -82,7 +84,27 @@ def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | No
     cls = resolve(norm_name)
     ctx = NormContext(dim=dim, num_heads=num_heads, grid=None if grid is None else tuple(grid),
                       num_prefix_tokens=num_prefix_tokens, slot=slot)
-    return cls.from_config(opts, ctx, name=name)
+    try:
+        return cls.from_config(opts, ctx, name=name)
+    except ValueError:
+        # `--config.model.norm.name=layernorm` on a config written for another norm leaves that
+        # norm's options behind (a locked ConfigDict cannot drop keys): ignore options that belong
+        # to another registered norm, and fail on anything nobody knows.
+        foreign = {k for k in opts if k not in _fields(cls) and any(
+            k in _fields(resolve(other)) for other in _ENTRIES if other != norm_name)}
+        if not foreign:
+            raise
+        _warn_once(f"norm {norm_name!r} ignores options of other norms: {sorted(foreign)}")
+        return cls.from_config({k: v for k, v in opts.items() if k not in foreign}, ctx, name=name)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logging.warning(message)
+
+
+def _fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)} - {"parent", "name"}
 
 
 def check_options(norm_name: str, opts: Mapping[str, Any], accepted: set[str] | dict) -> None:
