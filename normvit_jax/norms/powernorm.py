@@ -81,7 +81,8 @@ class PowerNorm(nn.Module):
         beta = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
         phi = self.variable("batch_stats", "running_phi", jnp.ones, (c,), jnp.float32)
         ema_gz = self.variable("batch_stats", "ema_gz", jnp.zeros, (c,), jnp.float32)
-        step = self.variable("batch_stats", "t", jnp.zeros, (), jnp.int32)
+        # float32 step counter (exact to 2^24 steps): jax.grad over batch_stats needs no allow_int.
+        step = self.variable("batch_stats", "t", jnp.zeros, (), jnp.float32)
         # Group scaling in training and inference, differentiated by ordinary autodiff.
         xs = group_rms_scale(x.astype(jnp.float32), self.groups, self.group_epsilon)
         if not train:
@@ -90,12 +91,11 @@ class PowerNorm(nn.Module):
         psi2 = jax.lax.stop_gradient(jnp.mean(jnp.square(xg), axis=1, keepdims=True))
         psi2_all = jnp.mean(psi2, axis=(0, 1))
         t = jax.lax.stop_gradient(step.value) + 1  # 1-based, as the reference's incremented iters
-        tf = t.astype(jnp.float32)
         phi_old = jax.lax.stop_gradient(phi.value)
         inv_batch = jax.lax.rsqrt(psi2 + self.epsilon)
         inv_fwd = jnp.where(t <= self.warmup, inv_batch, jax.lax.rsqrt(phi_old + self.epsilon))
         # Cumulative average strictly before warmup ends, then the EMA at every step.
-        phi_new = jnp.where(t < self.warmup, phi_old * (tf - 1) / tf + psi2_all / tf, phi_old)
+        phi_new = jnp.where(t < self.warmup, phi_old * (t - 1) / t + psi2_all / t, phi_old)
         phi_new = self.alpha_fwd * phi_new + (1 - self.alpha_fwd) * psi2_all
         if self.backward == "dtn":
             inv_bwd = jnp.where(t >= self.warmup, jax.lax.rsqrt(phi_new + self.epsilon), inv_batch)

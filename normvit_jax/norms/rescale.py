@@ -36,7 +36,8 @@ class Rescale(nn.Module):
         c = x.shape[-1]
         bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
         mu0 = self.variable("batch_stats", "mu0", jnp.zeros, (c,), jnp.float32)
-        count = self.variable("batch_stats", "count", jnp.zeros, (), jnp.int32)
+        # float32 counter: jax.grad over batch_stats needs no allow_int.
+        count = self.variable("batch_stats", "count", jnp.zeros, (), jnp.float32)
         x32 = x.astype(jnp.float32)
         mu = jax.lax.stop_gradient(mu0.value)
         scale = 1.0
@@ -44,8 +45,8 @@ class Rescale(nn.Module):
             n = jax.lax.stop_gradient(count.value)
             warm = n < self.threshold
             batch_mean = jax.lax.stop_gradient(jnp.mean(x32, axis=(0, 1)))
-            mu = jnp.where(warm, mu + (batch_mean - mu) / (n + 1).astype(jnp.float32), mu)
+            mu = jnp.where(warm, mu + (batch_mean - mu) / (n + 1), mu)
             scale = jnp.where(warm, self.warm_bias_scale, 1.0)
             mu0.value = mu
-            count.value = n + warm.astype(jnp.int32)
+            count.value = n + warm.astype(jnp.float32)
         return (x32 + bias * scale - mu).astype(x.dtype)

@@ -35,14 +35,14 @@ def _un_bwd(window_bp, warmup, momentum, res, dy):
     gz = jnp.mean(g * z, axis=1, keepdims=True)  # (G, 1, C)
     gz_all = jnp.mean(gz, axis=(0, 1))
     # On a skip the window slot gets the OLD ema_gz, not this step's gz.
-    new_buffer = buffer_gz.at[t % window_bp].set(jnp.where(skip, ema_gz, gz_all))
+    new_buffer = buffer_gz.at[t.astype(jnp.int32) % window_bp].set(jnp.where(skip, ema_gz, gz_all))
     plain = (t <= window_bp) | (t < warmup) | skip
     mean_gz = jnp.where(plain, gz, jnp.mean(new_buffer, axis=0))
     new_ema = momentum * ema_gz + (1 - momentum) * jnp.mean(mean_gz, axis=(0, 1))
     g_hat = g - jnp.where(skip, mean_gz, new_ema) * z
     return (g_hat * inv, jnp.sum(dy * r * z, axis=(0, 1)), jnp.sum(dy, axis=(0, 1)),
             new_ema - ema_gz, new_buffer - buffer_gz, jnp.zeros_like(inv), jnp.zeros_like(r),
-            None, None)
+            jnp.zeros_like(t), None)
 
 
 un_core.defvjp(_un_fwd, _un_bwd)
@@ -90,8 +90,9 @@ class UnifiedNorm(nn.Module):
         buffer_x2 = self.variable("batch_stats", "buffer_x2", jnp.zeros, (wf, c), jnp.float32)
         buffer_gz = self.variable("batch_stats", "buffer_gz", jnp.zeros, (wb, c), jnp.float32)
         ema_gz = self.variable("batch_stats", "ema_gz", jnp.zeros, (c,), jnp.float32)
-        step = self.variable("batch_stats", "t", jnp.zeros, (), jnp.int32)
-        skips = self.variable("batch_stats", "skips", jnp.zeros, (), jnp.int32)
+        # float32 counters (exact to 2^24 steps): jax.grad over batch_stats needs no allow_int.
+        step = self.variable("batch_stats", "t", jnp.zeros, (), jnp.float32)
+        skips = self.variable("batch_stats", "skips", jnp.zeros, (), jnp.float32)
         if not train:
             y = gamma * x.astype(jnp.float32) * jax.lax.rsqrt(running_var.value + self.epsilon)
             return (y + beta).astype(x.dtype)
@@ -104,7 +105,7 @@ class UnifiedNorm(nn.Module):
         # sigma_rec: one scalar, unbiased variance of sqrt(window) over all W x C entries, taken
         # before this step's statistic enters the window.
         sigma_rec = jnp.var(jnp.sqrt(buf), ddof=1) if wf * c > 1 else jnp.zeros(())
-        slot = t % wf
+        slot = t.astype(jnp.int32) % wf
         buf = buf.at[slot].set(jnp.mean(s, axis=(0, 1)))
         skip = jnp.asarray(wf == 1)  # a window of 1: every step counts as a skip
         outlier = jnp.asarray(False)
@@ -124,5 +125,5 @@ class UnifiedNorm(nn.Module):
             step.value = t
             buffer_x2.value = buf
             running_var.value = self.momentum * rv + (1 - self.momentum) * jnp.mean(var, axis=(0, 1))
-            skips.value = sg(skips.value) + outlier.astype(jnp.int32)
+            skips.value = sg(skips.value) + outlier.astype(jnp.float32)
         return y.reshape(b, t_len, c).astype(x.dtype)

@@ -1,0 +1,38 @@
+"""ViT with Dynamic Token Normalization (Shao et al. 2022) in the reference's layout.
+
+DTN in both norm slots of the first depth-2 blocks (10 of 12), which see the patch tokens only;
+the class token joins before block depth-2; LayerNorm (eps 1e-5, torch's) in the last two blocks
+and the final norm. DTN on every block with the class token under plain LN statistics instead:
+``--config.model.cls_token_at_block=0 --config.model.norm_overrides.final.name=dtn`` etc.
+Recipe (DeiT): the ``:imagenet`` variant of default.py. ``:demo`` (depth 4): DTN in blocks 0-1,
+class token at block 2.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from configs import default
+from normvit_jax.models import resolve_model_config
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    c = default.get_config()
+    c.model.norm = ml_collections.ConfigDict({
+        "name": "dtn",
+        "mix_mean": True,               # False: the reference's 'dtn_var' (only the variance mixed)
+        "ln_unbiased": True,            # LN variance / (C-1) as the reference
+        "epsilon": 1e-5,                # also the per-head RMS pre-scaling's eps
+        "position_init": "reference",   # near-uniform P as after the released ViT's re-init; 'local': ConViT init
+        "locality_strength": 1.0,       # multiplies the position map's kernel under 'local'
+        "pool_size": 14,                # grids above 14 that are multiples of 14: pooled as the reference
+    })
+    c = default.apply_variants(c, arg)
+    depth = resolve_model_config(c.model.to_dict())["depth"]
+    first_ln = max(depth - 2, 1)        # 10 of 12 blocks as the reference; demo (4): blocks 0-1
+    c.model.cls_token_at_block = first_ln  # the class token joins the LN blocks only
+    ln = {"name": "layernorm", "epsilon": 1e-5}
+    c.model.norm_overrides = ml_collections.ConfigDict({
+        f"blocks_{first_ln}_{depth}": dict(ln),  # LN after the DTN blocks
+        "final": dict(ln),              # LN as the final norm
+    })
+    return c
