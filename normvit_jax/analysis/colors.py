@@ -1,0 +1,50 @@
+"""One colour and one display name per method, shared by every plot."""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Mapping
+
+from matplotlib import colormaps
+
+_TAB10 = colormaps["tab10"].colors
+_TAB20 = colormaps["tab20"].colors
+
+# method -> (display name, colour). tab10 for the common methods, tab20's light shades after.
+METHODS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "layernorm": ("LN", _TAB10[0]),
+    "batchnorm": ("BN", _TAB10[1]),
+    "dtn": ("DTN", _TAB10[2]),
+    "unified": ("UN", _TAB10[3]),
+    "learnable_scaler": ("LearnableScaler (no norm)", _TAB10[4]),
+    "groupnorm": ("GN", _TAB10[5]),
+    "instancenorm": ("IN", _TAB10[6]),
+    "rescale": ("RescaleViT (no norm)", _TAB10[7]),
+    "powernorm": ("PowerNorm", _TAB10[8]),
+    "rmsnorm": ("RMSNorm", _TAB10[9]),
+    "scalenorm": ("ScaleNorm", _TAB20[1]),
+    "dpn": ("DPN", _TAB20[3]),
+    "dtn_var": ("DTN-var", _TAB20[5]),
+    "identity": ("no norm", _TAB20[15]),
+}
+_SPARE = [_TAB20[i] for i in (7, 9, 11, 13, 17, 19)]
+
+
+def method_of(config: Mapping[str, Any]) -> str:
+    """The method of a run: the norm of its blocks, or 'dpn' for LN with a Dual PatchNorm stem."""
+    model = config["model"]
+    name = (model.get("norm") or {}).get("name", "layernorm")
+    patch_norm = model.get("patch_norm", "none")
+    if patch_norm not in (None, "none"):
+        return "dpn" if name == "layernorm" else f"{name}+dpn"
+    return name
+
+
+def label(method: str) -> str:
+    return METHODS.get(method, (method, None))[0]
+
+
+def color(method: str) -> tuple[float, ...]:
+    """The fixed colour of a method; unknown methods get a stable spare colour."""
+    if method in METHODS:
+        return METHODS[method][1]
+    return _SPARE[zlib.crc32(method.encode()) % len(_SPARE)]

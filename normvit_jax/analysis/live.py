@@ -1,0 +1,80 @@
+"""Eval-time summaries for the training loop: token statistics, norm gates, attention distances
+and (if ``config.eval_attention_images > 0``) attention-map images, from one jitted capture
+forward on a small fixed batch. Training steps never capture.
+
+    images = live.fixed_images(config, 16)                      # once, before the loop
+    scalars, pictures = live.eval_summaries(model, variables, images, config)   # at each eval
+    writer.write_scalars(step, scalars); writer.write_images(step, pictures)
+
+Scalar tags: 'tokens/<slot>/<in|out>/<stat>' (slot e.g. 'encoderblock_0/LayerNorm_0',
+'encoder_norm'; stat in chan_mean, chan_var, tok_mean, tok_var, max_abs),
+'gates/<slot>/<gate>' (see ``gates``), 'attention_distance/encoderblock_<b>/head<h>' and
+'.../mean' in pixels. Image tag: 'attention/maps', uint8 (N, H, W, 3), one figure per image
+(rows: blocks 0/3/6/9-style, columns: the input and up to 4 heads).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from normvit_jax.analysis import attention, capture, colors, figures, gates, plots_attention
+
+Summaries = tuple[dict[str, float], dict[str, np.ndarray]]
+_CACHE: dict[int, tuple[Any, Callable]] = {}
+
+
+def fixed_images(config: Any, n: int = 16) -> np.ndarray:
+    """The first n eval images (model inputs): the fixed batch to pass at every eval."""
+    return capture.eval_images(config, n)[0]
+
+
+def scalars_of(a: capture.Analysis, norm_gates: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    out = {f"tokens/{slot}/{side}/{k}": v for slot, sides in a.stats.items()
+           for side, d in sides.items() for k, v in d.items()}
+    out.update({f"gates/{k}": v for k, v in gates.flat(norm_gates).items()})
+    dist = a.distance.mean(1)  # (depth, H), mean over images
+    for b, row in enumerate(dist):
+        out[f"attention_distance/encoderblock_{b}/mean"] = float(row.mean())
+        out.update({f"attention_distance/encoderblock_{b}/head{h}": float(v) for h, v in enumerate(row)})
+    return out
+
+
+def render_maps(a: capture.Analysis, display: np.ndarray, method: str) -> np.ndarray:
+    """uint8 (N, H, W, 3): per image, rows = default blocks, columns = input + up to 4 heads."""
+    depth, heads = len(a.cls_maps), a.cls_maps[0].shape[1]
+    blocks, hs = attention.default_blocks(depth), list(range(min(heads, 4)))
+    out = []
+    for i, img in enumerate(display):
+        fig = plots_attention.overlay_grid(
+            [img] * len(blocks), [[a.cls_maps[b][i, h] for h in hs] for b in blocks],
+            [f"block {b}" + ("" if a.has_cls[b] else "*") for b in blocks], [f"head {h}" for h in hs],
+            f"{colors.label(method)}: attention maps, eval image {i}")
+        out.append(figures.to_uint8(fig))
+    return np.stack(out)
+
+
+def _analyzer(model: Any, config: Any) -> Callable:
+    """The jitted capture forward of ``model``, compiled once per model object."""
+    cached = _CACHE.get(id(model))
+    if cached is None or cached[0] is not model:
+        grid, p = capture.geometry(config)
+        cached = (model, capture.make_analyzer(model, grid, p, full=False))
+        _CACHE[id(model)] = cached
+    return cached[1]
+
+
+def eval_summaries(model: Any, variables: Mapping, images: np.ndarray, config: Any) -> Summaries:
+    """The loop's hook: ``model`` the loop's model, ``variables`` = {'params': ...,
+    'batch_stats': ...} of the train state, ``images`` a small fixed batch of eval inputs
+    (``fixed_images``). Returns (scalars, images) ready for ``write_scalars``/``write_images``;
+    images is empty unless ``config.eval_attention_images > 0``."""
+    variables = {k: v for k, v in variables.items() if k in ("params", "batch_stats") and v}
+    a = capture.to_analysis(_analyzer(model, config)(variables, images),
+                            capture.block_has_cls(config))
+    pictures = {}
+    n_maps = int(config.get("eval_attention_images", 0) or 0)
+    if n_maps > 0:
+        shown = capture.display_images(np.asarray(images[:n_maps]), config)
+        pictures["attention/maps"] = render_maps(a, shown, colors.method_of(config))
+    return scalars_of(a, gates.norm_gates(variables)), pictures

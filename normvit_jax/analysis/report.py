@@ -1,0 +1,159 @@
+"""Comparison report of several runs: a markdown table and training curves on shared axes, plus the
+attention distances, token statistics and norm gates of every run on shared axes.
+
+    python -m normvit_jax.analysis.report runs/ln runs/dtn runs/un --out=report/
+
+Reads each workdir's TensorBoard summaries, config.json and newest checkpoint, so it works on runs
+made on other machines. Writes report.md, report.json (the table's raw numbers), curves_steps.png,
+curves_wall.png and (unless --no_attention, which also skips reading eval data) the files of
+``attention.write_summaries``. --tags plots any other logged scalars (e.g. the eval-time token
+statistics 'tokens/encoderblock_0/LayerNorm_0/in/max_abs') against steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from normvit_jax import checkpoints, models
+from normvit_jax.analysis import attention, colors, events, figures, flops, plots_curves, tables
+
+FLOPS_SOURCE = "XLA cost analysis of the compiled eval forward (batch 1, CPU backend)"
+
+
+def _last(s: events.Series | None) -> float | None:
+    return float(s.values[-1]) if s is not None and len(s.values) else None
+
+
+def _best(s: events.Series | None) -> float | None:
+    return float(np.max(s.values)) if s is not None and len(s.values) else None
+
+
+def model_name(config: Any) -> str:
+    m = models.resolve_model_config(config.model.to_dict())
+    size = f"d{m['depth']} w{m['hidden_size']} h{m['num_heads']} p{m['patch_size']}"
+    name = m.get("variant") or "custom"
+    return f"ViT-{name} ({size}, {config.data.image_size}px {config.data.name})"
+
+
+def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
+    """One table row: numbers from the summaries, the config and the newest checkpoint."""
+    variables, config = checkpoints.load_variables(workdir)
+    sc = summaries.scalars
+    steps = [int(s.steps[-1]) for t, s in sc.items() if t.startswith(("train/", "eval/")) and len(s.steps)]
+    ips = sc.get("train/examples_per_sec")
+    # Steady-state throughput: the first logged interval includes compilation.
+    ips_vals = ips.values[1:] if ips is not None and len(ips.values) > 1 else getattr(ips, "values", [])
+    method = colors.method_of(config)
+    return dict(
+        run=tables.run_name(workdir), workdir=str(workdir), method=method, label=colors.label(method),
+        model=model_name(config),
+        params=int(sum(np.size(x) for x in jax.tree.leaves(variables["params"]))),
+        flops_per_image=flops.xla_flops_of_config(config, variables),
+        analytic_flops_per_image=flops.analytic_flops(config),
+        best_top1=_best(sc.get("eval/top1")), final_top1=_last(sc.get("eval/top1")),
+        best_top5=_best(sc.get("eval/top5")), final_top5=_last(sc.get("eval/top5")),
+        final_eval_loss=_last(sc.get("eval/loss")),
+        steps=max(steps) if steps else None, wall_time_s=summaries.wall_time_s,
+        images_per_s=float(np.median(ips_vals)) if len(ips_vals) else None)
+
+
+def _si(x: float) -> str:
+    for div, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= div:
+            return f"{x / div:.3g} {unit}"
+    return f"{x:.3g}"
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.2f}%"
+
+
+def _time(s: float) -> str:
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+COLUMNS = ("method", "run", "model", "params", "FLOPs/image", "best top-1", "final top-1",
+           "best top-5", "final top-5", "steps", "wall time", "images/s")
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = (r["label"], r["run"], r["model"], f"{r['params']:,}", _si(r["flops_per_image"]),
+                 _pct(r["best_top1"]), _pct(r["final_top1"]), _pct(r["best_top5"]),
+                 _pct(r["final_top5"]), "–" if r["steps"] is None else str(r["steps"]),
+                 _time(r["wall_time_s"]),
+                 "–" if r["images_per_s"] is None else f"{r['images_per_s']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+NOTES = f"""
+- FLOPs/image: {FLOPS_SOURCE}; a multiply-add counts 2 (report.json also has the analytic count
+  of the matmuls, `analytic_flops_per_image`).
+- best/final top-1 and top-5: the maximum and the last value of `eval/top1`, `eval/top5`.
+- steps: the last step with a train or eval summary. wall time: sum over the run's event files
+  (one per process) of last minus first event time; idle time between restarts is not counted.
+- images/s: median of `train/examples_per_sec` over the log intervals, the first (compilation) left out.
+- params: from the newest checkpoint.
+"""
+
+
+def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, images: int = 8,
+                 stat_images: int = 64, tags: Sequence[str] = ()) -> list[str]:
+    summaries = {w: events.read_run(w) for w in workdirs}
+    rows = [run_row(w, summaries[w]) for w in workdirs]
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, "report.md"), os.path.join(out, "report.json")]
+    with open(paths[0], "w") as f:
+        f.write("# Comparison of runs\n\n" + markdown_table(rows) + NOTES)
+    with open(paths[1], "w") as f:
+        json.dump(rows, f, indent=2)
+    dup = len({r["method"] for r in rows}) < len(rows)
+    curves = [(f"{r['label']} ({r['run']})" if dup else r["label"], colors.color(r["method"]),
+               summaries[w].scalars) for r, w in zip(rows, workdirs)]
+    for x, name in (("step", "curves_steps.png"), ("elapsed", "curves_wall.png")):
+        fig = plots_curves.curves_figure(curves, x, "Training curves per normalizer, against "
+                                         + ("steps" if x == "step" else "wall time"))
+        paths.append(figures.save(fig, os.path.join(out, name)))
+    if tags:
+        panels = [(t, t, "value", 1.0) for t in tags]
+        fig = plots_curves.curves_figure(curves, "step", "Logged scalars per normalizer", panels)
+        paths.append(figures.save(fig, os.path.join(out, "tags.png")))
+    if not no_attention:
+        runs = [attention.analyze_run(w, images, stat_images) for w in workdirs]
+        paths += attention.write_summaries(runs, out, "All runs")
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("workdirs", nargs="+", help="run workdirs (config.json, checkpoints/, events)")
+    ap.add_argument("--out", required=True, help="folder for report.md, report.json and the PNGs")
+    ap.add_argument("--no_attention", action="store_true",
+                    help="skip attention distances, token statistics and gates (needs no eval data)")
+    ap.add_argument("--images", type=int, default=8, help="eval images per run for the analysis")
+    ap.add_argument("--stat_images", type=int, default=64,
+                    help="eval images averaged for distances and token statistics")
+    ap.add_argument("--tags", default="", help="comma list of other scalar tags to plot vs steps")
+    args = ap.parse_args(argv)
+    missing = [w for w in args.workdirs if not os.path.exists(checkpoints.config_path(w))]
+    if missing:
+        print(f"error: not a normvit_jax workdir (no config.json): {', '.join(missing)}", file=sys.stderr)
+        return 2
+    tags = [t for t in args.tags.split(",") if t.strip()]
+    print("\n".join(write_report(args.workdirs, args.out, args.no_attention, args.images,
+                                 args.stat_images, tags)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""normvit_jax.analysis: attention distance, summaries reader, gates, CLI outputs, report, live hook."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+
+import jax
+import matplotlib.image
+import numpy as np
+import pytest
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.record_writer import RecordWriter
+from tensorboard.util import tensor_util
+
+from normvit_jax.analysis import attention, capture, colors, distance, events, flops, gates, live, report
+from tests.conftest import tiny_demo_config
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-block, 2-head LN ViT on 8x8 digits (patch 2: a 4x4 grid) trained for 4 steps."""
+    from normvit_jax.train import loop
+    workdir = str(tmp_path_factory.mktemp("run") / "ln")
+    cfg = tiny_demo_config(total_steps=4, eval_every=2, log_every=1, checkpoint_every=4)
+    out = loop.train_and_evaluate(cfg, workdir)
+    return workdir, out
+
+
+# ---- attention distance on hand-built matrices ----
+
+def test_distance_self_attention_is_zero_and_opposite_corner_is_diagonal():
+    grid, p = (2, 2), 4  # patch centres 4 px apart
+    eye = np.eye(5, dtype=np.float32)[None, None]  # class token + 4 patches
+    assert float(distance.mean_attention_distance(eye, grid, p)[0, 0]) == 0.0
+    # Half the mass on the class token, half on the query itself: the class token is left out.
+    half = 0.5 * (eye + np.eye(5, dtype=np.float32)[0][None, None, None, :])
+    assert float(distance.mean_attention_distance(half, grid, p)[0, 0]) == 0.0
+    # Every patch attends to the diagonally opposite one (row-major 0<->3, 1<->2): 4*sqrt(2) px.
+    opp = np.zeros((1, 1, 4, 4), np.float32)
+    opp[0, 0, [0, 1, 2, 3], [3, 2, 1, 0]] = 1.0
+    np.testing.assert_allclose(distance.mean_attention_distance(opp, grid, p), [[4 * math.sqrt(2)]],
+                               rtol=1e-6)
+
+
+def test_distance_uniform_is_the_grid_mean_distance():
+    # 2x2 grid, patch 4: from any patch the distances are 0, 4, 4, 4*sqrt(2).
+    uni = np.full((1, 2, 5, 5), 0.2, np.float32)
+    np.testing.assert_allclose(distance.mean_attention_distance(uni, (2, 2), 4),
+                               np.full((1, 2), 2 + math.sqrt(2)), rtol=1e-6)
+    # 3x3 grid, patch 1: the 81 ordered pairs are 9 at 0, 24 at 1, 16 at sqrt2, 12 at 2,
+    # 16 at sqrt5, 4 at sqrt8.
+    expected = (24 + 16 * math.sqrt(2) + 12 * 2 + 16 * math.sqrt(5) + 4 * math.sqrt(8)) / 81
+    assert distance.uniform_distance((3, 3), 1) == pytest.approx(expected, rel=1e-12)
+    np.testing.assert_allclose(distance.mean_attention_distance(np.full((1, 1, 9, 9), 1 / 9), (3, 3), 1),
+                               [[expected]], rtol=1e-6)
+
+
+# ---- summaries reader ----
+
+def _write_events(path, wall0, points):
+    """A TFRecord event file with a file_version event at wall0 then (tag, step, wall, value)."""
+    with open(path, "wb") as f:
+        w = RecordWriter(f)
+        w.write(event_pb2.Event(wall_time=wall0, file_version="brain.Event:2").SerializeToString())
+        for tag, step, wall, value in points:
+            v = summary_pb2.Summary.Value(tag=tag, tensor=tensor_util.make_tensor_proto(np.float32(value)))
+            w.write(event_pb2.Event(wall_time=wall, step=step,
+                                    summary=summary_pb2.Summary(value=[v])).SerializeToString())
+
+
+# Two processes: the first logs steps 1-3 and is stopped; the second resumes and rewrites step 3.
+FIRST = [("train/loss", 1, 110.0, 2.0), ("train/examples_per_sec", 1, 110.0, 10.0),
+         ("train/loss", 2, 120.0, 1.5), ("train/examples_per_sec", 2, 120.0, 400.0),
+         ("eval/top1", 2, 121.0, 0.50), ("eval/top5", 2, 121.0, 0.90), ("eval/loss", 2, 121.0, 1.6),
+         ("train/loss", 3, 130.0, 1.4), ("train/examples_per_sec", 3, 130.0, 500.0)]
+SECOND = [("train/loss", 3, 1010.0, 1.3), ("train/examples_per_sec", 3, 1010.0, 300.0),
+          ("eval/top1", 4, 1020.0, 0.875), ("eval/top5", 4, 1020.0, 1.0), ("eval/loss", 4, 1020.0, 1.2),
+          ("train/loss", 4, 1020.0, 1.1), ("train/examples_per_sec", 4, 1020.0, 450.0),
+          ("eval/top1", 6, 1030.0, 0.625), ("eval/top5", 6, 1030.0, 0.96), ("eval/loss", 6, 1030.0, 1.4)]
+
+
+def _write_run(workdir):
+    _write_events(os.path.join(workdir, "events.out.tfevents.100.host.1.0.v2"), 100.0, FIRST)
+    _write_events(os.path.join(workdir, "events.out.tfevents.1000.host.2.0.v2"), 1000.0, SECOND)
+
+
+def test_read_run_last_write_wins_and_wall_time_skips_the_restart_gap(tmp_path):
+    _write_run(str(tmp_path))
+    run = events.read_run(str(tmp_path))
+    loss = run.scalars["train/loss"]
+    np.testing.assert_array_equal(loss.steps, [1, 2, 3, 4])
+    np.testing.assert_allclose(loss.values, [2.0, 1.5, 1.3, 1.1], rtol=1e-6)  # step 3 from the resume
+    assert run.wall_time_s == pytest.approx((130 - 100) + (1030 - 1000))
+    # Step 4 was logged 20 s into the second process, after 30 s of the first.
+    np.testing.assert_allclose(loss.elapsed, [10.0, 20.0, 30.0 + 10.0, 30.0 + 20.0])
+    np.testing.assert_allclose(run.scalars["eval/top1"].values, [0.5, 0.875, 0.625])
+
+
+# ---- gates ----
+
+def test_gates_of_hand_built_variables():
+    variables = {
+        "params": {"Transformer": {
+            "encoderblock_0": {"LayerNorm_0": {"var_gate": np.array([0.0, math.log(3.0)]),
+                                               "mean_gate": np.array([-math.log(3.0), 0.0]),
+                                               "scale": np.array([-2.0, 2.0, 1.0, -1.0])},
+                               "MlpBlock_3": {"Dense_0": {"kernel": np.ones((2, 2))}},
+                               "rescale_s": np.array(0.75)},
+            "encoder_norm": {"g": np.array(5.0)}}},
+        "batch_stats": {"Transformer": {"encoderblock_0": {"LayerNorm_0": {
+            "skips": np.array(3.0), "t": np.array(12.0)}}}},
+    }
+    g = gates.norm_gates(variables)
+    assert set(g) == {"encoderblock_0/LayerNorm_0", "encoderblock_0", "encoder_norm"}
+    slot = g["encoderblock_0/LayerNorm_0"]
+    assert slot["lambda_var_h0"] == pytest.approx(0.5) and slot["lambda_var_h1"] == pytest.approx(0.75)
+    assert slot["lambda_mean_h0"] == pytest.approx(0.25) and slot["lambda_mean_h1"] == pytest.approx(0.5)
+    assert slot["scale_abs_mean"] == pytest.approx(1.5)
+    assert slot["skip_rate"] == pytest.approx(0.25)
+    assert g["encoderblock_0"] == {"rescale_s": 0.75}
+    assert g["encoder_norm"] == {"g_abs_mean": 5.0}
+
+
+def test_every_method_has_its_own_colour():
+    cols = [colors.color(m) for m in colors.METHODS]
+    assert len(set(cols)) == len(cols)
+    assert colors.color("dtn") == colors.METHODS["dtn"][1]
+    assert colors.method_of({"model": {"norm": {"name": "layernorm"}, "patch_norm": "dual"}}) == "dpn"
+
+
+def test_analytic_flops_of_the_tiny_model(trained):
+    cfg = tiny_demo_config()
+    # 16 patches + class token (T=17), D=32, MLP 64, patch 2x2x3, 2 blocks, 10 classes.
+    per_block = 4 * 17 * 32 * 32 + 2 * 17 * 17 * 32 + 2 * 17 * 32 * 64
+    macs = 16 * 12 * 32 + 2 * per_block + 32 * 10
+    assert flops.analytic_flops(cfg) == 2 * macs
+    run = capture.load_run(trained[0])
+    xla = flops.xla_flops(run.model, run.variables, 8)  # counts norms, softmax, GELU on top
+    assert 2 * macs <= xla <= 1.6 * 2 * macs
+
+
+# ---- on the trained run ----
+
+def test_capture_attention_rows_sum_to_one_and_shapes(trained):
+    run = capture.load_run(trained[0])
+    images, _ = capture.eval_images(run.config, 4)
+    a = capture.analyze(run, images, full=True)
+    assert len(a.attention) == 2 and a.has_cls == [True, True]
+    for att in a.attention:
+        assert att.shape == (4, 2, 17, 17)
+        np.testing.assert_allclose(att.sum(-1), 1.0, atol=1e-5)
+    assert a.distance.shape == (2, 4, 2)
+    assert np.all((a.distance >= 0) & (a.distance <= 6 * math.sqrt(2) + 1e-4))  # corner to corner
+    np.testing.assert_allclose(a.distance, distance.mean_attention_distance(
+        np.stack(a.attention), (4, 4), 2), rtol=1e-5)
+    np.testing.assert_allclose(a.cls_maps[1][:, :, 0, 0], a.attention[1][:, :, 0, 1], rtol=1e-6)
+    assert set(a.stats) == {"encoderblock_0/LayerNorm_0", "encoderblock_0/LayerNorm_2",
+                            "encoderblock_1/LayerNorm_0", "encoderblock_1/LayerNorm_2", "encoder_norm"}
+    # LayerNorm output (scale ~1, bias ~0 after 4 steps): unit variance across channels.
+    assert a.stats["encoder_norm"]["out"]["chan_var"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_attention_cli_writes_a_png_per_head_and_block_and_the_csvs(trained, tmp_path):
+    out = str(tmp_path / "att")
+    assert attention.main([f"--workdir={trained[0]}", "--images=4", "--stat_images=4",
+                           f"--out={out}", "--heads=all", "--blocks=all"]) == 0
+    names = set(os.listdir(out))
+    assert {f"attention_maps_head{h}.png" for h in (0, 1)} <= names
+    assert {f"attention_matrix_block{b}.png" for b in (0, 1)} <= names
+    assert {"attention_distance.png", "token_stats.png", "norm_gates.png"} <= names
+    img = matplotlib.image.imread(os.path.join(out, "attention_maps_head0.png"))
+    assert img.ndim == 3 and img.shape[0] > 300  # 4 image rows
+    with open(os.path.join(out, "attention_distance.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((int(r["block"]), int(r["head"])) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(int(r["images"]) == 4 for r in rows)
+    with open(os.path.join(out, "token_stats.csv")) as f:
+        assert len(list(csv.DictReader(f))) == 5 * 2  # 5 norm slots, before and after
+    assert attention.default_blocks(12) == [0, 3, 6, 9]
+
+
+def test_report_table_equals_the_summaries(trained, tmp_path):
+    workdir, out = trained
+    fake = str(tmp_path / "resumed")  # the trained checkpoint with hand-written summaries
+    shutil.copytree(os.path.join(workdir, "checkpoints"), os.path.join(fake, "checkpoints"))
+    shutil.copy(os.path.join(workdir, "config.json"), fake)
+    _write_run(fake)
+    paths = report.write_report([workdir, fake], str(tmp_path / "rep"), images=4, stat_images=4)
+    rows = {r["run"]: r for r in json.load(open(os.path.join(tmp_path, "rep", "report.json")))}
+    r = rows["resumed"]
+    assert r["best_top1"] == pytest.approx(0.875) and r["final_top1"] == pytest.approx(0.625)
+    assert r["best_top5"] == pytest.approx(1.0) and r["final_top5"] == pytest.approx(0.96)
+    assert r["steps"] == 6 and r["wall_time_s"] == pytest.approx(60.0)
+    assert r["images_per_s"] == pytest.approx(np.median([400.0, 300.0, 450.0]))  # first left out
+    real = rows["ln"]
+    assert real["final_top1"] == pytest.approx(out["eval"]["top1"], rel=1e-6) and real["steps"] == 4
+    n_params = sum(x.size for x in jax.tree.leaves(out["state"].params))
+    assert r["params"] == real["params"] == n_params
+    md = open(os.path.join(tmp_path, "rep", "report.md")).read()
+    assert "| LN | resumed |" in md and "| 87.50% | 62.50% | 100.00% | 96.00% | 6 | 1m00s | 400 |" in md
+    assert f"{n_params:,}" in md
+    for name in ("curves_steps.png", "curves_wall.png", "attention_distance.png", "token_stats.png"):
+        assert os.path.join(str(tmp_path / "rep"), name) in paths
+
+
+def test_live_eval_summaries(trained):
+    run = capture.load_run(trained[0])
+    images = live.fixed_images(run.config, 4)
+    run.config.eval_attention_images = 2
+    scalars, pictures = live.eval_summaries(run.model, run.variables, images, run.config)
+    a = capture.analyze(run, images)
+    assert scalars["tokens/encoder_norm/in/max_abs"] == pytest.approx(a.stats["encoder_norm"]["in"]["max_abs"])
+    assert len([k for k in scalars if k.startswith("tokens/")]) == 5 * 2 * 5
+    assert scalars["attention_distance/encoderblock_1/head0"] == pytest.approx(a.distance[1, :, 0].mean())
+    assert scalars["gates/encoder_norm/scale_abs_mean"] > 0
+    maps = pictures["attention/maps"]
+    assert maps.dtype == np.uint8 and maps.shape[0] == 2 and maps.shape[-1] == 3
+    run.config.eval_attention_images = 0
+    assert live.eval_summaries(run.model, run.variables, images, run.config)[1] == {}
+    assert len(live._CACHE) == 1  # compiled once
