@@ -71,9 +71,25 @@ def build(name, opts=None, dim=8, heads=2, grid=None, prefix=0):
     return norms.create(cfg, dim=dim, num_heads=heads, grid=grid, num_prefix_tokens=prefix)
 
 
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def fast_jit(f):
+    """jit with unoptimised code generation, compiled once per argument shapes: these tests run
+    tiny graphs a few times, so compiling dominates their time."""
+    cache = {}
+
+    def call(*args):
+        key = jax.tree.structure(args), tuple((a.shape, a.dtype) for a in jax.tree.leaves(args))
+        if key not in cache:
+            cache[key] = jax.jit(f).lower(*args).compile(compiler_options=FAST_COMPILE)
+        return cache[key](*args)
+    return call
+
+
 def jit_init(module, x, train=False):
-    return jax.jit(lambda k, xx: module.init(k, xx, train=train))(jax.random.PRNGKey(0),
-                                                                  jnp.asarray(x))
+    return fast_jit(lambda k, xx: module.init(k, xx, train=train))(jax.random.PRNGKey(0),
+                                                                   jnp.asarray(x))
 
 
 def check_forward_and_grads(module, ref_fn, x, train=False, seed=3):
@@ -93,7 +109,7 @@ def check_forward_and_grads(module, ref_fn, x, train=False, seed=3):
         return jnp.sum(jnp.asarray(w, jnp.float32) * y), y
 
     # One jit per check: compiling the whole graph once is far cheaper than op-by-op dispatch.
-    (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+    (_, y), (gp, gx) = fast_jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         params, jnp.asarray(x))
     pn = np_params(params)
     assert_rel(y, ref_fn(x.astype(np.float64), pn), what="forward")
@@ -231,7 +247,7 @@ def test_rescale_forward_grads_and_state():
     v = jit_init(module, xs[0], True)
     params = {"bias": jnp.asarray([0.5, -1.0, 2.0, 0.1], jnp.float32)}
     stats = v["batch_stats"]
-    step = jax.jit(lambda p, s, x: train_grads(
+    step = fast_jit(lambda p, s, x: train_grads(
         lambda vv: module.apply(vv, x, train=True, mutable=["batch_stats"]), p, s,
         lambda y: jnp.sum(y * jnp.arange(4.0))))
     mu0, b = np.zeros(4), np.asarray(params["bias"], np.float64)
@@ -315,8 +331,11 @@ def test_bfloat16(name, opts, train):
     # A large common offset: statistics in bfloat16 would lose the variance entirely.
     x = (random_x((2, 10, 8), seed=5) + 40.0).astype(jnp.bfloat16)
     m = build(name, opts, dim=8, heads=2, grid=(3, 3), prefix=1)
-    v = jit_init(m, x.astype(jnp.float32))
-    run = jax.jit(lambda xx: m.apply(v, xx, train=train, mutable=["batch_stats"])[0])
-    y16, y32 = run(x), run(x.astype(jnp.float32))
+
+    def both(key, xx):  # one compilation: init, the bfloat16 and the float32 forward
+        v = m.init(key, xx.astype(jnp.float32))
+        run = lambda a: m.apply(v, a, train=train, mutable=["batch_stats"])[0]
+        return run(xx), run(xx.astype(jnp.float32))
+    y16, y32 = fast_jit(both)(jax.random.PRNGKey(0), x)
     assert y16.dtype == jnp.bfloat16 and y32.dtype == jnp.float32
     assert_rel(y16.astype(jnp.float32), y32, tol=1e-2, what=f"{name} bf16 vs f32")

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # shared helpers, package or not
-from test_norms_common import (assert_rel, build, check_forward_and_grads, jit_init, np_params,
-                               random_x, randomize)
+from test_norms_common import (assert_rel, build, check_forward_and_grads, fast_jit, jit_init,
+                               np_params, random_x, randomize)
 
 
 def np_rel_indices(side: int) -> np.ndarray:
@@ -85,12 +85,12 @@ def test_dtn_large_grids(side, pool):
     x = random_x((1, side * side, c), seed=side)
     m = build("dtn", {}, dim=c, heads=heads, grid=(side, side))
     params = randomize(jit_init(m, x)["params"])
-    y = jax.jit(m.apply)({"params": params}, jnp.asarray(x))
+    y = fast_jit(m.apply)({"params": params}, jnp.asarray(x))
     assert_rel(y, np_dtn(x.astype(np.float64), np_params(params), heads, side, pool=pool),
                what=f"grid {side}")
     if pool:  # pool_size=None: exact statistics on the full grid instead
         exact = build("dtn", {"pool_size": None}, dim=c, heads=heads, grid=(side, side))
-        y2 = jax.jit(exact.apply)({"params": params}, jnp.asarray(x))
+        y2 = fast_jit(exact.apply)({"params": params}, jnp.asarray(x))
         assert_rel(y2, np_dtn(x.astype(np.float64), np_params(params), heads, side), what="exact")
 
 

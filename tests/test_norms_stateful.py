@@ -18,13 +18,13 @@ import pytest
 from normvit_jax.norms.stateful import merge_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # shared helpers, package or not
-from test_norms_common import assert_rel, build, jit_init, randomize
+from test_norms_common import assert_rel, build, fast_jit, jit_init, randomize
 
 TOL = 1e-5
 
 
 def make_step(module):
-    @jax.jit
+    @fast_jit
     def step(params, stats, x, w):
         def f(p, s, xx):
             y, mut = module.apply({"params": p, "batch_stats": s}, xx, train=True,
