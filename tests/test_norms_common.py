@@ -127,6 +127,10 @@ def check_forward_and_grads(module, ref_fn, x, train=False, seed=3):
 
 
 # ---------------------------------------------------------------- numpy references
+def ref_layernorm(x, p, eps=1e-6):
+    return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * p["scale"] + p["bias"]
+
+
 def ref_rms(x, p, eps=1e-6):
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * p["scale"]
 
@@ -159,6 +163,7 @@ def ref_scaler(x, p):
 
 SHAPES = [(2, 5, 8), (3, 4, 12)]
 CASES = {
+    "layernorm": ({}, ref_layernorm),
     "rmsnorm": ({}, ref_rms),
     "scalenorm": ({}, ref_scalenorm),
     "scalenorm_per_channel": ({"per_channel": True}, ref_scalenorm),
