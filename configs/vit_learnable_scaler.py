@@ -14,7 +14,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = default.get_config()
     c.model.norm = ml_collections.ConfigDict({
         "name": "learnable_scaler",
-        "init": "reference",            # scale ~ N(0, 1) as the released code; 'ones' for scale = 1
+        "scale_init": "reference",      # scale ~ N(0, 1) as the released code; 'ones' for scale = 1
     })
     c = default.apply_variants(c, arg)
     if "demo" not in [p.strip() for p in (arg or "").split(",")]:

@@ -199,7 +199,7 @@ def test_learnable_scaler_inits():
     x = jnp.ones((2, 3, 64))
     ref = build("learnable_scaler", dim=64).init(jax.random.PRNGKey(0), x)["params"]["scale"]
     assert 0.5 < float(jnp.std(ref)) < 1.5 and abs(float(jnp.mean(ref))) < 0.5  # N(0, 1)
-    ones = build("learnable_scaler", {"init": "ones"}, dim=64).init(jax.random.PRNGKey(0), x)
+    ones = build("learnable_scaler", {"scale_init": "ones"}, dim=64).init(jax.random.PRNGKey(0), x)
     np.testing.assert_array_equal(ones["params"]["scale"], np.ones(64))
 
 
@@ -309,7 +309,7 @@ def test_dtn_bad_token_count():
 
 @pytest.mark.parametrize("cfg", [{"name": "unified", "window": 0},
                                  {"name": "powernorm", "backward": "x"},
-                                 {"name": "learnable_scaler", "init": "zeros"},
+                                 {"name": "learnable_scaler", "scale_init": "zeros"},
                                  {"name": "batchnorm", "stats_group_size": -1},
                                  {"name": "dtn", "position_init": "convit"}])
 def test_bad_option_values(cfg):
@@ -327,7 +327,7 @@ def test_ghost_group_must_divide_batch():
 # ---------------------------------------------------------------- bfloat16
 BF16_CASES = [("layernorm", {}, False), ("rmsnorm", {}, False), ("scalenorm", {}, False),
               ("groupnorm", {}, False), ("instancenorm", {}, False), ("dtn", {}, False),
-              ("learnable_scaler", {"init": "ones"}, False)] + [
+              ("learnable_scaler", {"scale_init": "ones"}, False)] + [
     (n, {}, train) for n in ("batchnorm", "powernorm", "unified", "rescale") for train in (0, 1)]
 
 

@@ -13,21 +13,21 @@ INITS = ("reference", "ones")
 
 
 class LearnableScaler(nn.Module):
-    """init 'reference': scale ~ N(0, 1) as the released code (``normal_(ones(C))`` draws N(0,1),
+    """scale_init 'reference': scale ~ N(0, 1) as the released code (``normal_(ones(C))`` draws N(0,1),
     flipping about half the channels' signs); 'ones': scale = 1. bias = 0.
 
     Named scale/bias like LayerNorm's gamma/beta: LN weights load and act as the same affine
     (without LN's standardisation).
     """
 
-    scale_init: str = "reference"  # config key 'init' ('init' itself would shadow Module.init)
+    scale_init: str = "reference"  # not 'init': that would shadow Module.init
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("learnable_scaler", opts, {"init"})
-        init = opts.get("init", "reference")
+        check_options("learnable_scaler", opts, {"scale_init"})
+        init = opts.get("scale_init", "reference")
         if init not in INITS:
-            raise ValueError(f"norm 'learnable_scaler': init={init!r} is not accepted; "
+            raise ValueError(f"norm 'learnable_scaler': scale_init={init!r} is not accepted; "
                              f"accepted: {list(INITS)}")
         return cls(scale_init=init, name=name)
 
