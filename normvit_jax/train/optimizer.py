@@ -9,9 +9,10 @@ import optax
 
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 SCHEDULES = ("cosine", "linear", "constant")
-# Path parts of parameters that never get weight decay besides every 1-D parameter (biases, norm
-# gains): position embeddings, the class token, and everything inside a norm slot.
-_NO_DECAY_PARTS = ("pos_embedding", "cls", "LayerNorm_", "encoder_norm", "PostNorm_", "patch_norm_")
+# Weight decay applies to matrices only: every 1-D parameter (biases, norm gains and shifts, DTN's
+# gates) and scalar is exempt, and so are the position embedding and the class token. A norm's own
+# matrices (DTN's position map) are decayed, as in the reference code.
+_NO_DECAY_NAMES = ("pos_embedding", "cls")
 
 
 def validate(config: Any) -> None:
@@ -45,10 +46,10 @@ def schedule(config: Any, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params: Any) -> Any:
-    """True where weight decay applies: matrices outside norms, posemb and the class token."""
+    """True where weight decay applies: matrices, except the position embedding and class token."""
     def keep(path, leaf) -> bool:
-        names = "/".join(str(getattr(p, "key", p)) for p in path)
-        return leaf.ndim >= 2 and not any(part in names for part in _NO_DECAY_PARTS)
+        last = str(getattr(path[-1], "key", path[-1]))
+        return leaf.ndim >= 2 and last not in _NO_DECAY_NAMES
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
