@@ -15,7 +15,9 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
-from normvit_jax.analysis import attention, capture, colors, distance, events, flops, gates, live, report
+from normvit_jax import models
+from normvit_jax.analysis import (attention, capture, colors, distance, events, flops, gates, layout,
+                                  live, report)
 from tests.conftest import tiny_demo_config
 
 
@@ -60,13 +62,18 @@ def test_distance_uniform_is_the_grid_mean_distance():
 
 # ---- summaries reader ----
 
+SCALAR_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))  # as tf.summary.scalar
+
+
 def _write_events(path, wall0, points):
     """A TFRecord event file with a file_version event at wall0 then (tag, step, wall, value)."""
     with open(path, "wb") as f:
         w = RecordWriter(f)
         w.write(event_pb2.Event(wall_time=wall0, file_version="brain.Event:2").SerializeToString())
         for tag, step, wall, value in points:
-            v = summary_pb2.Summary.Value(tag=tag, tensor=tensor_util.make_tensor_proto(np.float32(value)))
+            v = summary_pb2.Summary.Value(tag=tag, tensor=tensor_util.make_tensor_proto(np.float32(value)),
+                                          metadata=SCALAR_METADATA)
             w.write(event_pb2.Event(wall_time=wall, step=step,
                                     summary=summary_pb2.Summary(value=[v])).SerializeToString())
 
@@ -122,6 +129,28 @@ def test_gates_of_hand_built_variables():
     assert slot["skip_rate"] == pytest.approx(0.25)
     assert g["encoderblock_0"] == {"rescale_s": 0.75}
     assert g["encoder_norm"] == {"g_abs_mean": 5.0}
+
+
+def test_scanned_encoder_is_analysed_per_block():
+    stacked = {"Transformer": {"encoderblock": {"LayerNorm_0": {"var_gate": np.array([[0.0], [1.0]])},
+                                                "rescale_s": np.array([1.0, 2.0])},
+                               "encoderblock_2": {"rescale_s": np.array(3.0)}}}
+    flat = layout.unstack_blocks(stacked)["Transformer"]
+    assert sorted(flat) == ["encoderblock_0", "encoderblock_1", "encoderblock_2"]
+    assert flat["encoderblock_1"]["rescale_s"] == 2.0
+    np.testing.assert_array_equal(flat["encoderblock_1"]["LayerNorm_0"]["var_gate"], [1.0])
+    if "scan" not in models.ViT.__dataclass_fields__:
+        pytest.skip("this model has no scanned encoder (model.scan)")
+    cfg = tiny_demo_config(**{"model.scan": True})
+    model = models.create(cfg.model, 10)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32))
+    variables = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)  # layout only
+    assert "encoderblock" in variables["params"]["Transformer"]
+    out = capture.make_analyzer(model, (4, 4), 2, full=True)(variables, np.zeros((2, 8, 8, 3), np.float32))
+    assert [a.shape for a in out["attention"]] == [(2, 2, 17, 17)] * 2
+    assert sorted(out["stats"]) == sorted(gates.norm_gates(variables)) == [
+        "encoder_norm", "encoderblock_0/LayerNorm_0", "encoderblock_0/LayerNorm_2",
+        "encoderblock_1/LayerNorm_0", "encoderblock_1/LayerNorm_2"]
 
 
 def test_every_method_has_its_own_colour():
@@ -211,7 +240,7 @@ def test_live_eval_summaries(trained):
     images = live.fixed_images(run.config, 4)
     run.config.eval_attention_images = 2
     scalars, pictures = live.eval_summaries(run.model, run.variables, images, run.config)
-    a = capture.analyze(run, images)
+    a = capture.analyze(run, images, full=True)  # compiled by an earlier test for 4 images
     assert scalars["tokens/encoder_norm/in/max_abs"] == pytest.approx(a.stats["encoder_norm"]["in"]["max_abs"])
     assert len([k for k in scalars if k.startswith("tokens/")]) == 5 * 2 * 5
     assert scalars["attention_distance/encoderblock_1/head0"] == pytest.approx(a.distance[1, :, 0].mean())

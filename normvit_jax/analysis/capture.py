@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from normvit_jax import checkpoints, data, models
-from normvit_jax.analysis import colors, distance
+from normvit_jax.analysis import colors, distance, layout
 from normvit_jax.data import stats as data_stats
 
 _BLOCK = re.compile(r"^encoderblock_(\d+)$")
@@ -105,7 +105,8 @@ def _first(x):
 
 
 def parse_intermediates(tree: dict) -> tuple[list[Any], dict[str, dict[str, dict[str, Any]]]]:
-    """(attention per block in block order, stats per slot path) from the 'intermediates' tree."""
+    """(attention per block in block order, stats per slot path) from the 'intermediates' tree
+    (unrolled or scanned encoder)."""
     attention: dict[int, Any] = {}
     stats: dict[str, dict[str, dict[str, Any]]] = {}
 
@@ -121,7 +122,7 @@ def parse_intermediates(tree: dict) -> tuple[list[Any], dict[str, dict[str, dict
             elif isinstance(value, dict):
                 walk(value, path + (key,))
 
-    walk(tree, ())
+    walk(layout.unstack_blocks(tree), ())
     return [attention[i] for i in sorted(attention)], stats
 
 

@@ -2,9 +2,10 @@
 
 CLU writes scalars with ``tf.summary`` (tensor protos); older writers use ``simple_value``: both
 are read. After a resume, the same (tag, step) can be written twice: the last write wins (files in
-the order they were started, records in file order). Wall time: each event file belongs to one
-process; a point's ``elapsed`` is the time since its file's first event plus the spans of the
-earlier files, so idle time between a stop and a restart is not counted.
+the order they were started, records in file order); the project's resume-aware reader
+``normvit_jax.summaries.read_scalars`` is used instead where it exists. Wall time: each event file
+belongs to one process; a point's ``elapsed`` is the time spent inside the files' spans (first to
+last event) before it, so idle time between a stop and a restart is not counted.
 """
 from __future__ import annotations
 
@@ -79,24 +80,51 @@ def event_files(workdir: str) -> list[epath.Path]:
     return sorted(epath.Path(workdir).glob("events.out.tfevents.*"))
 
 
-def read_run(workdir: str) -> RunSummaries:
-    """All scalar tags of a workdir (last write per (tag, step) wins) and its training wall time."""
-    files = [_read_file(p) for p in event_files(workdir)]
-    files.sort(key=lambda f: f[1])  # by start time: a restart's file comes after the first one's
-    points: dict[str, dict[int, tuple[float, float, float]]] = {}
-    offset = 0.0
-    for rows, first, last in files:
+def _shared_reader():
+    """The project's ``normvit_jax.summaries.read_scalars`` (resume-aware) where it exists."""
+    try:
+        from normvit_jax import summaries
+    except ImportError:
+        return None
+    return getattr(summaries, "read_scalars", None)
+
+
+def _own_points(files: list) -> dict[str, dict[int, tuple[float, float]]]:
+    points: dict[str, dict[int, tuple[float, float]]] = {}
+    for rows, _, _ in files:
         for tag, step, wall, value in rows:
-            points.setdefault(tag, {})[step] = (value, wall, offset + wall - first)
-        offset += last - first
+            points.setdefault(tag, {})[step] = (value, wall)
+    return points
+
+
+def read_run(workdir: str) -> RunSummaries:
+    """All scalar tags of a workdir and its training wall time.
+
+    Values come from ``normvit_jax.summaries.read_scalars`` where it exists (it also drops what a
+    restart superseded), else from this module's reader (last write per (tag, step) wins).
+    """
+    files = sorted((_read_file(p) for p in event_files(workdir)), key=lambda f: f[1])
+    spans = [(first, last) for _, first, last in files]
+    shared = _shared_reader()
+    if shared is not None:
+        points = {tag: {s: (v, w) for s, v, w in pts} for tag, pts in shared(workdir).items()}
+    else:
+        points = _own_points(files)
     scalars = {}
     for tag, by_step in points.items():
         steps = np.array(sorted(by_step), np.int64)
-        vals = np.array([by_step[s] for s in steps], np.float64).reshape(-1, 3)
-        scalars[tag] = Series(steps, vals[:, 0], vals[:, 1], vals[:, 2])
-    return RunSummaries(scalars, offset)
+        vals = np.array([by_step[s] for s in steps], np.float64).reshape(-1, 2)
+        scalars[tag] = Series(steps, vals[:, 0], vals[:, 1], elapsed(vals[:, 1], spans))
+    return RunSummaries(scalars, float(sum(last - first for first, last in spans)))
+
+
+def elapsed(wall: np.ndarray, spans: list[tuple[float, float]]) -> np.ndarray:
+    """Training seconds at each wall time: the time spent inside the event files' (first, last)
+    spans before it, so the gaps between a stop and a restart are not counted."""
+    wall = np.asarray(wall, np.float64)
+    return sum((np.clip(wall - a, 0.0, b - a) for a, b in spans), np.zeros_like(wall))
 
 
 def read_scalars(workdir: str) -> dict[str, Series]:
-    """tag -> Series of the workdir's scalar summaries (last write per (tag, step) wins)."""
+    """tag -> Series of the workdir's scalar summaries."""
     return read_run(workdir).scalars

@@ -10,7 +10,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-DPI = 90
+DPI = 80
 
 
 def figure(width: float, height: float) -> Figure:
@@ -46,3 +46,17 @@ def log_y(ax: Axes) -> None:
     # Narrow ranges have at most one major tick: label the minor ones then.
     ax.yaxis.set_minor_formatter(ticker.FuncFormatter(
         lambda v, _: f"{v:.3g}" if ax.get_ylim()[1] / ax.get_ylim()[0] < 2.2 else ""))
+
+
+def legend(fig: Figure, axes, order: list[str] | None = None, fontsize: int = 8) -> None:
+    """One legend for the figure, right of the axes: each label once, in ``order`` (the runs'
+    order) where given, then in order of appearance."""
+    seen: dict[str, object] = {}
+    for ax in np.ravel(axes):
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    rank = {lab: i for i, lab in enumerate(order or [])}
+    labels = sorted(seen, key=lambda lab: rank.get(lab, len(rank)))
+    if labels:
+        fig.legend([seen[lab] for lab in labels], labels, loc="outside right upper",
+                   fontsize=fontsize)

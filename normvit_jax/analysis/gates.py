@@ -15,6 +15,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from normvit_jax.analysis import layout
+
 SLOT = re.compile(r"^(LayerNorm_\d+|PostNorm_\w+|encoder_norm|patch_norm_\w+)$")
 
 
@@ -56,7 +58,8 @@ def norm_gates(variables: Mapping[str, Any]) -> dict[str, dict[str, float]]:
             else:
                 walk(value, sub_state, where)
 
-    walk(variables["params"], variables.get("batch_stats", {}), ())
+    walk(layout.unstack_blocks(variables["params"]),
+         layout.unstack_blocks(variables.get("batch_stats", {})), ())
     return out
 
 

@@ -31,7 +31,7 @@ def overlay_grid(base: Sequence[np.ndarray], maps: Sequence[Sequence[np.ndarray]
             m = np.asarray(maps[r][c - 1], np.float64)
             axes[r, c].imshow(img.mean(-1), cmap="gray", interpolation="nearest", vmin=0, vmax=1)
             im = axes[r, c].imshow(m / max(m.max(), 1e-12), cmap=CMAP, alpha=0.65, vmin=0, vmax=1,
-                                   extent=(0, s, s, 0), interpolation="nearest")
+                                   extent=(-0.5, s - 0.5, s - 0.5, -0.5), interpolation="nearest")
         for ax in axes[r]:
             ax.set_xticks([])
             ax.set_yticks([])
@@ -76,7 +76,7 @@ def distance_figure(runs: Sequence[tuple[str, tuple, np.ndarray]], uniform_px: f
 
     runs: (label, colour, distances (depth, H) averaged over images).
     """
-    fig = figures.figure(6.4, 4.0)
+    fig = figures.figure(8.2, 4.0)
     ax = fig.subplots()
     k = len(runs)
     for i, (lab, col, dist) in enumerate(runs):
@@ -96,7 +96,7 @@ def distance_figure(runs: Sequence[tuple[str, tuple, np.ndarray]], uniform_px: f
     top = max([float(d.max()) for _, _, d in runs] + [uniform_px or 0.0])
     ax.set_ylim(0, 1.12 * top if top > 0 else 1.0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    figures.legend(fig, [ax], [r[0] for r in runs])
     ax.set_title(title, fontsize=10)
     figures.note(fig, "one dot per head, averaged over images; line: mean over heads; distance "
                       "between the query patch and the key patches, in input pixels")

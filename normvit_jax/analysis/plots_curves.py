@@ -17,7 +17,7 @@ AXES = {"step": "training step", "elapsed": "wall time (minutes, restarts' idle 
 def curves_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Series]]], x: str,
                   title: str, tags: Sequence[tuple[str, str, str, float]] = PANELS) -> Figure:
     """runs: (label, colour, scalars). x: 'step' or 'elapsed'. One panel per tag."""
-    fig = figures.figure(4.3 * len(tags) + 0.3, 3.7)
+    fig = figures.figure(4.3 * len(tags) + 2.0, 3.7)
     axes = fig.subplots(1, len(tags), squeeze=False)[0]
     for ax, (tag, name, unit, factor) in zip(axes, tags):
         for lab, col, scalars in runs:
@@ -31,6 +31,6 @@ def curves_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Series]]], x: st
         ax.set_xlabel(AXES[x], fontsize=8)
         ax.set_ylabel(unit, fontsize=8)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    figures.legend(fig, axes, [r[0] for r in runs])
     fig.suptitle(title, fontsize=10)
     return fig

@@ -35,7 +35,7 @@ def _xaxis(ax, depth: int) -> None:
 def token_stats_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Mapping]]], depth: int,
                        title: str) -> Figure:
     """runs: (label, colour, stats: slot -> {'in'|'out': {stat: value}}). Rows: before/after."""
-    fig = figures.figure(13.0, 5.6)
+    fig = figures.figure(14.0, 5.6)
     axes = fig.subplots(2, len(STATS), squeeze=False)
     for r, side in enumerate(("in", "out")):
         for c, (key, name, log) in enumerate(STATS):
@@ -52,7 +52,7 @@ def token_stats_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Mapping]]],
             _xaxis(ax, depth)
             if r == 1:
                 ax.set_xlabel("block", fontsize=8)
-    axes[0, 0].legend(fontsize=8)
+    figures.legend(fig, axes, [r[0] for r in runs])
     fig.suptitle(title, fontsize=10)
     figures.note(fig, X_NOTE + "; statistics averaged over the images")
     return fig
@@ -83,8 +83,12 @@ def gates_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Mapping[str, floa
                  title: str) -> Figure:
     """runs: (label, colour, gates: slot -> {gate: value}); one panel per kind of gate present."""
     kinds = gate_kinds(runs)
-    fig = figures.figure(4.0 * max(len(kinds), 1) + 0.5, 3.8)
-    axes = fig.subplots(1, max(len(kinds), 1), squeeze=False)[0]
+    ncols = min(3, max(len(kinds), 1))
+    nrows = -(-max(len(kinds), 1) // ncols)
+    fig = figures.figure(4.0 * ncols + 2.2, 3.3 * nrows + 0.5)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[len(kinds):]:
+        ax.set_visible(False)
     for ax, (kind, name) in zip(axes, kinds):
         for lab, col, gates in runs:
             xs, ys = [], []
@@ -105,9 +109,11 @@ def gates_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Mapping[str, floa
         _xaxis(ax, depth)
         if kind.startswith("lambda"):
             ax.set_ylim(-0.03, 1.03)
+        elif kind == "skip_rate":
+            ax.set_ylim(-0.005, max(0.05, 1.15 * ax.get_ylim()[1]))
         else:
             ax.ticklabel_format(axis="y", useOffset=False)
-        ax.legend(fontsize=7)
+    figures.legend(fig, axes[:len(kinds)], [r[0] for r in runs])
     fig.suptitle(title, fontsize=10)
     figures.note(fig, X_NOTE)
     return fig

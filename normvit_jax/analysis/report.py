@@ -97,8 +97,8 @@ def markdown_table(rows: Sequence[dict]) -> str:
 
 
 NOTES = f"""
-- FLOPs/image: {FLOPS_SOURCE}; a multiply-add counts 2 (report.json also has the analytic count
-  of the matmuls, `analytic_flops_per_image`).
+- FLOPs/image: {FLOPS_SOURCE}; a multiply-add counts 2
+  (report.json also has the analytic count of the matmuls, `analytic_flops_per_image`).
 - best/final top-1 and top-5: the maximum and the last value of `eval/top1`, `eval/top5`.
 - steps: the last step with a train or eval summary. wall time: sum over the run's event files
   (one per process) of last minus first event time; idle time between restarts is not counted.

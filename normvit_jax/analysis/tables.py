@@ -52,13 +52,3 @@ def write_csv(path: str, rows: Sequence[dict], fields: Iterable[str] | None = No
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
     return path
 
-
-def distance_array(rows: Sequence[dict], run: str) -> np.ndarray:
-    """(depth, H) mean distances of one run from its rows."""
-    sel = [r for r in rows if r["run"] == run]
-    depth = 1 + max(r["block"] for r in sel)
-    heads = 1 + max(r["head"] for r in sel)
-    out = np.zeros((depth, heads))
-    for r in sel:
-        out[r["block"], r["head"]] = r["distance_px"]
-    return out
