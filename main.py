@@ -1,7 +1,8 @@
 """Train and evaluate a ViT: ``python main.py --config=configs/vit_ln.py:demo --workdir=runs/demo``.
 
 Every config value can be overridden: ``--config.batch_size=256 --config.model.norm.name=dtn``.
-Re-running the same command with the same workdir continues the run from its newest checkpoint.
+Re-running the same command with the same workdir continues the run from its newest checkpoint;
+``--fresh`` starts over (the old run is moved aside). Exit codes: normvit_jax/cli.py.
 Multi-host (Cloud TPU pod, SLURM): run the same command on every host; JAX's distributed runtime
 is initialised when the process is one of several.
 """
@@ -16,6 +17,8 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vit_ln.py:demo",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory (local or gs://) for checkpoints, summaries, config.")
+flags.DEFINE_bool("fresh", False, "Start at step 0 even if the workdir holds a run: its checkpoints, "
+                  "config.json and event files are moved to <workdir>/replaced/<time>/ first.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -31,7 +34,7 @@ def parse_flags(argv):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    sys.exit(cli.run(FLAGS.config, FLAGS.workdir))
+    sys.exit(cli.run(FLAGS.config, FLAGS.workdir, fresh=FLAGS.fresh))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """Orbax checkpoints of the train state under ``workdir/checkpoints``.
 
-Saves are asynchronous; Orbax writes each step into a temporary folder and renames it only when
-complete, so a half-written checkpoint is never listed as a step. Restoring tries the newest
-step first and falls back to older ones if a checkpoint's files are damaged.
+Saves are asynchronous. Orbax writes each step into a temporary folder and renames it only when
+complete, so a half-written checkpoint is never listed as a step; the manager deletes such
+leftovers when it is created. ``restore_latest`` tries the newest step first: a checkpoint whose
+files are damaged is moved to ``workdir/damaged_checkpoints/`` with a warning and an older one is
+tried; a checkpoint whose tree or shapes differ from the model is a config mismatch and stops.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import logging
@@ -18,6 +21,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 log = logging.getLogger(__name__)
+DAMAGED_DIR = "damaged_checkpoints"
+
+
+class CheckpointMismatchError(RuntimeError):
+    """A checkpoint exists but cannot be used for this config, or none restores."""
 
 
 def checkpoint_dir(workdir: str) -> epath.Path:
@@ -29,12 +37,15 @@ def checkpoint_dir(workdir: str) -> epath.Path:
 
 def make_manager(workdir: str, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=async_save)
-    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+                                           enable_async_checkpointing=async_save,
+                                           cleanup_tmp_directories=True)
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_handlers=handlers)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict | None = None,
          force: bool = False) -> bool:
+    """Starts an (async) save; ``meta`` is a small JSON dict saved beside the state."""
     args = {"state": ocp.args.StandardSave(state)}
     if meta is not None:
         args["meta"] = ocp.args.JsonSave(meta)
@@ -48,42 +59,140 @@ def restore(mngr: ocp.CheckpointManager, abstract_state: Any, step: int) -> Any:
     return out["state"]
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any) -> tuple[Any, int | None]:
-    """Newest checkpoint that restores, else (None, None). Damaged ones are skipped with a warning;
-    a checkpoint whose structure differs from the model's raises (a config mismatch, not damage)."""
+@dataclasses.dataclass
+class Restored:
+    state: Any
+    step: int
+    meta: dict | None                       # what ``save`` got as ``meta`` (None for old runs)
+    damaged: list[tuple[int, str, str]]     # (step, error, where it was moved) of skipped ones
+
+
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any) -> Restored | None:
+    """The newest checkpoint that restores, or None if there is none.
+
+    A damaged newer checkpoint is skipped with a warning naming it and, once an older one has
+    restored, moved out of the way (Orbax would otherwise keep it as the latest step and refuse
+    to save that step again). Raises CheckpointMismatchError if a checkpoint's tree, shapes or
+    dtypes differ from ``abstract_state`` (a config change, not damage), or if checkpoints exist
+    and none restores (then nothing is moved).
+    """
     steps = sorted(mngr.all_steps(), reverse=True)
-    errors = []
+    failed: list[tuple[int, str]] = []
     for step in steps:
-        try:
-            return restore(mngr, abstract_state, step), step
-        except (ValueError, KeyError) as e:  # structure/shape mismatch: stop, never guess
+        problem = mismatch(mngr, step, abstract_state)
+        if problem is None:  # metadata readable and matching: restore the arrays
+            try:
+                state = restore(mngr, abstract_state, step)
+                meta = _restore_meta(mngr, step)
+            except Exception as e:  # noqa: BLE001  (tensorstore, JSON, OS errors: damage)
+                problem = ("damaged", _short(e))
+        if problem is None:
+            moved = [(s, err, quarantine(mngr, s)) for s, err in failed]
+            if moved:
+                mngr.reload()
+            return Restored(state, step, meta, moved)
+        kind, detail = problem
+        if kind == "mismatch":
             raise CheckpointMismatchError(
-                f"checkpoint at step {step} in {checkpoint_dir_of(mngr)} does not match the model "
-                f"built from the config: {_short(e)}") from e
-        except Exception as e:  # damaged files: try an older step
-            log.warning("Checkpoint at step %d is unreadable (%s); trying an older one.", step, _short(e))
-            errors.append((step, e))
-    if errors:
+                f"the checkpoint at step {step} in {mngr.directory} does not match the model built "
+                f"from the config: {detail}. The config in this workdir was changed in a way that "
+                "changes the model; use another --workdir, or --fresh to start over.")
+        log.warning("Checkpoint at step %d in %s is damaged (%s); trying an older one.",
+                    step, mngr.directory, detail)
+        failed.append((step, detail))
+    if failed:
         raise CheckpointMismatchError(
-            "no checkpoint in %s restores: %s" % (checkpoint_dir_of(mngr),
-                                                  "; ".join(f"step {s}: {_short(e)}" for s, e in errors)))
-    return None, None
+            f"no checkpoint in {mngr.directory} restores: "
+            + "; ".join(f"step {s}: {e}" for s, e in failed)
+            + ". Nothing was moved or deleted. Re-run with --fresh to start from step 0 (the old "
+              "run is moved to replaced/).")
+    return None
 
 
-class CheckpointMismatchError(RuntimeError):
-    """A checkpoint exists but cannot be used for this config."""
+def mismatch(mngr: ocp.CheckpointManager, step: int, abstract_state: Any
+             ) -> tuple[str, str] | None:
+    """None if the saved tree at ``step`` has the paths, shapes and dtypes of ``abstract_state``;
+    ('damaged', why) if its metadata cannot be read; ('mismatch', what differs) otherwise."""
+    try:
+        meta = mngr.item_metadata(step)["state"]
+        if meta is None:
+            raise ValueError("no metadata for the item 'state'")
+        saved = _leaf_specs(getattr(meta, "item_metadata", meta))
+    except Exception as e:  # noqa: BLE001
+        return "damaged", f"its metadata cannot be read: {_short(e)}"
+    wanted = _leaf_specs(abstract_state)
+    diffs = []  # the params first: the optimizer state only repeats them
+    for path in sorted(set(saved) | set(wanted), key=lambda p: (not p.startswith("params/"), p)):
+        a, b = saved.get(path), wanted.get(path)
+        if a is None:
+            diffs.append(f"{path} missing in the checkpoint (model: {b[0]} {b[1]})")
+        elif b is None:
+            diffs.append(f"{path} {a[0]} {a[1]} in the checkpoint, not in the model")
+        elif a != b:
+            diffs.append(f"{path}: {a[0]} {a[1]} in the checkpoint, {b[0]} {b[1]} in the model")
+    if not diffs:
+        return None
+    more = f" (and {len(diffs) - 5} more arrays)" if len(diffs) > 5 else ""
+    return "mismatch", "; ".join(diffs[:5]) + more
+
+
+def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """'params/embedding/kernel' -> (shape, dtype), for any container (dicts, dataclasses, lists)."""
+    is_leaf = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                        for k in path)
+        out[name] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+    return out
+
+
+def step_dir(mngr: ocp.CheckpointManager, step: int) -> epath.Path:
+    return epath.Path(mngr.directory) / str(step)
+
+
+def _restore_meta(mngr: ocp.CheckpointManager, step: int) -> dict | None:
+    if not (step_dir(mngr, step) / "meta").exists():
+        return None
+    return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
+    """Moves a damaged step folder to ``workdir/damaged_checkpoints/<step>`` (kept for a look)."""
+    src = step_dir(mngr, step)
+    dest_root = epath.Path(mngr.directory).parent / DAMAGED_DIR
+    dest_root.mkdir(parents=True, exist_ok=True)
+    dest = dest_root / str(step)
+    n = 1
+    while dest.exists():
+        dest, n = dest_root / f"{step}.{n}", n + 1
+    src.rename(dest)
+    log.warning("Moved the damaged checkpoint of step %d to %s.", step, dest)
+    return str(dest)
+
+
+def complete_steps(workdir: str) -> list[int]:
+    """Steps whose checkpoint was committed (renamed from its temporary folder)."""
+    d = checkpoint_dir(workdir)
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
 def checkpoint_dir_of(mngr: ocp.CheckpointManager) -> str:
     return str(mngr.directory)
 
 
-def _short(e: BaseException, n: int = 400) -> str:
-    s = f"{type(e).__name__}: {e}"
-    return s if len(s) <= n else s[:n] + "..."
+def _short(e: BaseException, n: int = 500) -> str:
+    """The innermost cause (TensorStore's wrapper hides which file failed), on one line; when
+    long, its head (what) and tail (why, e.g. 'File too large [os_error_code=27]')."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    s = " ".join(f"{type(e).__name__}: {e}".split())
+    return s if len(s) <= n else s[:n // 2] + " ... " + s[-(n // 2):]
 
 
-def _load_state(workdir: str, step: int | None) -> tuple[dict, ml_collections.ConfigDict]:
+def load_state(workdir: str, step: int | None = None) -> tuple[dict, ml_collections.ConfigDict]:
+    """The whole train state of a checkpoint (params, opt_state, batch_stats, rng, step, ...) as
+    numpy arrays, and the run's config, without building the model. ``step`` None: the newest."""
     config = load_config(workdir)
     mngr = ocp.CheckpointManager(checkpoint_dir(workdir))
     step = mngr.latest_step() if step is None else step
@@ -106,13 +215,13 @@ def load_params(workdir: str, step: int | None = None) -> tuple[dict, ml_collect
 
     For analysis and export. ``step`` None takes the newest checkpoint.
     """
-    state, config = _load_state(workdir, step)
+    state, config = load_state(workdir, step)
     return state["params"], config
 
 
 def load_variables(workdir: str, step: int | None = None) -> tuple[dict, ml_collections.ConfigDict]:
     """``{'params': ..., 'batch_stats': ...}`` (batch_stats only if the model has state)."""
-    state, config = _load_state(workdir, step)
+    state, config = load_state(workdir, step)
     variables = {"params": state["params"]}
     if state.get("batch_stats"):
         variables["batch_stats"] = state["batch_stats"]

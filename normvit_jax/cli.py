@@ -8,9 +8,11 @@ from absl import logging
 import ml_collections
 
 EXIT_OK = 0
-EXIT_CONFIG = 2        # bad config or data not available: fix the command
-EXIT_NONFINITE = 3     # NaN/Inf loss or gradient
-EXIT_CHECKPOINT = 4    # a checkpoint exists but does not fit this config
+EXIT_CONFIG = 2        # bad config, data not available, or a config change refused: fix the command
+EXIT_NONFINITE = 3     # NaN/Inf loss or gradient (the last good checkpoint is kept)
+EXIT_CHECKPOINT = 4    # a checkpoint does not fit this config, or none restores
+EXIT_WORKDIR = 5       # workdir not writable, no credentials, a checkpoint write failed
+EXIT_BUSY = 6          # another live process uses the workdir
 EXIT_PREEMPTED = 42    # SIGTERM: checkpoint written, re-run to continue
 
 
@@ -28,27 +30,43 @@ def quiet_library_logs() -> None:
         handler.addFilter(_QuietLibraries())
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> int:
-    from normvit_jax import checkpoints, data, sharding
-    from normvit_jax.train import loop
+def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) -> int:
+    """Trains; returns the exit code. The workdir is checked and locked before the slow imports
+    (TensorFlow, via CLU), so a busy, unwritable or changed workdir is refused in a second."""
+    from normvit_jax import preemption, workdir as workdir_lib
 
     quiet_library_logs()
-
-    sharding.maybe_initialize_distributed()
-    try:
-        result = loop.train_and_evaluate(config, workdir)
-    except loop.PreemptedError as e:
-        logging.warning("%s", e)
-        return EXIT_PREEMPTED
-    except loop.NonFiniteError as e:
-        logging.error("Stopped: %s", e)
-        return EXIT_NONFINITE
-    except checkpoints.CheckpointMismatchError as e:
-        logging.error("Stopped: %s", e)
-        return EXIT_CHECKPOINT
-    except (data.DatasetNotFoundError, loop.ConfigChangedError, ValueError) as e:
-        logging.error("Stopped: %s", e)
-        return EXIT_CONFIG
+    with preemption.SigtermFlag():  # from here on a SIGTERM means: checkpoint and exit 42
+        try:
+            from normvit_jax import sharding
+            sharding.maybe_initialize_distributed()
+            import jax
+            with workdir_lib.prepare(config, workdir, fresh=fresh, process_index=jax.process_index()):
+                from normvit_jax import checkpoints, data
+                from normvit_jax.train import loop
+                try:
+                    result = loop.train_and_evaluate(config, workdir)
+                except loop.PreemptedError as e:
+                    logging.warning("%s", e)
+                    return EXIT_PREEMPTED
+                except loop.NonFiniteError as e:
+                    logging.error("Stopped: %s", e)
+                    return EXIT_NONFINITE
+                except checkpoints.CheckpointMismatchError as e:
+                    logging.error("Stopped: %s", e)
+                    return EXIT_CHECKPOINT
+                except data.DatasetNotFoundError as e:
+                    logging.error("Stopped: %s", e)
+                    return EXIT_CONFIG
+        except workdir_lib.WorkdirBusyError as e:
+            logging.error("Stopped: %s", e)
+            return EXIT_BUSY
+        except workdir_lib.WorkdirError as e:
+            logging.error("Stopped: %s", e)
+            return EXIT_WORKDIR
+        except (workdir_lib.ConfigChangedError, ValueError) as e:
+            logging.error("Stopped: %s", e)
+            return EXIT_CONFIG
     ev = result["eval"]
     if ev:
         logging.info("Done at step %d: eval top-1 %.4f, top-5 %.4f, loss %.4f.", result["step"],

@@ -54,10 +54,24 @@ def maybe_initialize_distributed() -> None:
     """Joins JAX's distributed runtime when this process is one of several.
 
     Cloud TPU pods and SLURM jobs are detected by ``jax.distributed.initialize()`` itself; elsewhere
-    set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID. A single process does nothing.
+    set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (JAX reads only the first,
+    so the other two are passed here). A single process does nothing.
     """
     import os
-    multi = (os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_NTASKS", "1") != "1"
-             or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0)
-    if multi:
-        jax.distributed.initialize()
+    env = os.environ
+    multi = (env.get("JAX_COORDINATOR_ADDRESS") or env.get("SLURM_NTASKS", "1") != "1"
+             or env.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0)
+    if not multi:
+        return
+    kwargs = {}
+    if env.get("JAX_NUM_PROCESSES") and env.get("JAX_PROCESS_ID"):
+        kwargs = {"num_processes": int(env["JAX_NUM_PROCESSES"]),
+                  "process_id": int(env["JAX_PROCESS_ID"])}
+    jax.distributed.initialize(**kwargs)
+
+
+def sync_hosts(name: str) -> None:
+    """A barrier over all processes (no-op for one): e.g. after process 0 prepared the workdir."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)

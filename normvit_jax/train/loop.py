@@ -1,11 +1,19 @@
-"""The one generic training loop: every model size and every normalizer goes through here."""
+"""The one generic training loop: every model size and every normalizer goes through here.
+
+What happens when things go wrong (docs/faults.md has the user-facing promises):
+- SIGTERM: the step finishes, a checkpoint is written, PreemptedError (exit 42); hosts agree on
+  the step (normvit_jax/preemption.py).
+- A crash at any moment: the re-run restores the newest complete checkpoint; the train-metrics
+  window since the last log step is saved with it, so the resumed run writes the same summaries.
+- NaN/Inf: checked at every log step and before every save; never saved; NonFiniteError names
+  the first bad step, the metric and the last good checkpoint.
+- A checkpoint write that fails (disk full, permissions): WorkdirError naming the step and the
+  newest complete checkpoint, which is kept.
+"""
 from __future__ import annotations
 
 import json
-import os
 import math
-import signal
-import threading
 import time
 from typing import Any
 
@@ -15,17 +23,21 @@ import ml_collections
 import numpy as np
 from absl import logging
 from clu import metric_writers, periodic_actions
-from etils import epath
 
-from normvit_jax import checkpoints, data, models, sharding
+from normvit_jax import checkpoints, data, models, preemption, sharding, summaries
+from normvit_jax import workdir as workdir_lib
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 EXIT_PREEMPTED = 42  # main.py's exit code after a SIGTERM-triggered checkpoint
-# Keys that may differ between the saved config and a re-run without allow_config_change.
-_ALWAYS_CHANGEABLE = ("allow_config_change",)
+META_FORMAT = 1      # version of the JSON saved beside each checkpoint's state
+# Kept here for callers that imported them from the loop.
+ConfigChangedError = workdir_lib.ConfigChangedError
+absolute_workdir = workdir_lib.absolute
+check_or_write_config = workdir_lib.check_or_write_config
+_flatten = workdir_lib._flatten
 
 
 class NonFiniteError(RuntimeError):
@@ -34,16 +46,6 @@ class NonFiniteError(RuntimeError):
 
 class PreemptedError(RuntimeError):
     """A SIGTERM arrived; a checkpoint was written at the step named in the message."""
-
-
-class ConfigChangedError(ValueError):
-    """The workdir holds a run made with another config."""
-
-
-def absolute_workdir(workdir: str) -> str:
-    """Orbax needs absolute paths; remote paths (gs://...) are left as they are."""
-    workdir = str(workdir)
-    return workdir if "://" in workdir else os.path.abspath(workdir)
 
 
 def total_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
@@ -89,72 +91,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     return model_cfg
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def check_or_write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Writes config.json at the first start; refuses a re-run with another config (with a diff)
-    unless ``config.allow_config_change``."""
-    path = checkpoints.config_path(workdir)
-    current = json.loads(config.to_json_best_effort())
-    if path.exists():
-        saved = json.loads(path.read_text())
-        a, b = _flatten(saved), _flatten(current)
-        diff = [f"  {k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
-                for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in _ALWAYS_CHANGEABLE]
-        if diff and not config.allow_config_change:
-            raise ConfigChangedError(
-                f"{workdir} holds a run made with another config; changed keys:\n" + "\n".join(diff)
-                + "\nUse another --workdir, or pass --config.allow_config_change=True to continue "
-                  "this run with the new values.")
-        if not diff:
-            return
-        logging.warning("Continuing %s with a changed config (allow_config_change):\n%s", workdir,
-                        "\n".join(diff))
-    if jax.process_index() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / (path.name + ".tmp")
-        tmp.write_text(json.dumps(current, indent=2, sort_keys=True))
-        tmp.replace(path)
-
-
-class _SigtermFlag:
-    """Remembers a SIGTERM so the loop can finish the step, checkpoint and exit."""
-
-    def __init__(self):
-        self.set = False
-        self._previous = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        logging.warning("SIGTERM received: finishing the step, then checkpointing.")
-        self.set = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
-
-def _preempted(flag: _SigtermFlag, step: int) -> bool:
-    if jax.process_count() > 1:  # all hosts agree on the step through JAX's own sync point
-        from jax.experimental import multihost_utils
-        return multihost_utils.reached_preemption_sync_point(step) or flag.set
-    return flag.set
-
-
 def create_train_state(config, model, tx, image_shape, mesh, rng) -> tuple[TrainState, Any]:
-    """Initialises the state directly into its (replicated) sharding; shapes from eval_shape."""
+    """Initialises the state directly into its (replicated) sharding, tracing the model once."""
     def init(rng):
         params_rng, state_rng = jax.random.split(rng)
         variables = model.init({"params": params_rng, "dropout": params_rng},
@@ -162,10 +100,9 @@ def create_train_state(config, model, tx, image_shape, mesh, rng) -> tuple[Train
         return TrainState.create(variables["params"], variables.get("batch_stats", {}), tx,
                                  jax.random.key_data(state_rng))
 
-    abstract = jax.eval_shape(init, rng)
-    state_sharding = jax.tree.map(lambda _: sharding.replicated(mesh), abstract)
-    state = jax.jit(init, out_shardings=state_sharding)(rng)
-    return state, state_sharding
+    rep = sharding.replicated(mesh)
+    state = jax.jit(init, out_shardings=rep)(rng)
+    return state, jax.tree.map(lambda _: rep, state)
 
 
 def evaluate(eval_step, state, pipeline, mesh) -> dict[str, float]:
@@ -180,19 +117,24 @@ def evaluate(eval_step, state, pipeline, mesh) -> dict[str, float]:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       stop_at: int | None = None) -> dict[str, Any]:
+                       stop_at: int | None = None, fresh: bool = False) -> dict[str, Any]:
     """Trains and evaluates; re-running with the same workdir continues from the newest checkpoint.
 
     ``stop_at``: end this process after that step with a checkpoint (the schedule still runs to
-    the configured total), for time-sliced jobs; a re-run continues. Returns the final step, the
+    the configured total), for time-sliced jobs; a re-run continues. ``fresh``: start at step 0
+    even if the workdir holds a run (moved to ``workdir/replaced/``). Returns the final step, the
     last eval metrics and the state.
     """
     mesh = sharding.make_mesh()
     model_cfg = validate_config(config, mesh.devices.size)
-    workdir = absolute_workdir(workdir)
-    epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-    check_or_write_config(config, workdir)
+    workdir = workdir_lib.absolute(workdir)
+    with preemption.SigtermFlag() as sigterm, workdir_lib.prepare(
+            config, workdir, fresh=fresh, process_index=jax.process_index()):
+        sharding.sync_hosts("normvit_workdir_ready")  # process 0 has moved/written what it must
+        return _run(config, workdir, stop_at, model_cfg, mesh, sigterm)
 
+
+def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
     train_data = data.make_pipeline(config, "train")
     eval_data = data.make_pipeline(config, "eval")
     num_classes = data.num_classes(config.data.name)
@@ -208,17 +150,39 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                  train_data.steps_per_epoch)
 
     mngr = checkpoints.make_manager(workdir, keep=config.keep_checkpoints)
-    restored, start_step = checkpoints.restore_latest(mngr, state)
+    saver = _Saver(mngr, workdir)
+    try:
+        restored = checkpoints.restore_latest(mngr, state)
+    except BaseException:
+        mngr.close()
+        raise
+    if jax.process_index() == 0:  # the checkpoint fits (or there is none): the config is the run's
+        workdir_lib.write_config(config, workdir)
+    window, skipped_total = _Window(0), 0
     if restored is not None:
-        state = restored
-        logging.info("Resumed from the checkpoint at step %d in %s.", start_step, mngr.directory)
+        state, start_step = restored.state, restored.step
+        window, skipped_total = _Window.from_meta(restored.meta, start_step)
+        pos = start_step * config.batch_size
+        logging.info("Resumed from the checkpoint at step %d in %s; the data continues at step %d "
+                     "(epoch %d, example %d of %d).", start_step, mngr.directory, start_step + 1,
+                     pos // train_data.num_examples + 1, pos % train_data.num_examples,
+                     train_data.num_examples)
+        saver.last_good = start_step
     else:
         start_step = 0
+        if checkpoints.config_path(workdir).exists() and jax.process_index() == 0:
+            logging.info("No checkpoint in %s yet: starting at step 0.", mngr.directory)
         if config.init_from:
             state = _init_from_pretrained(config, model_cfg, num_classes, state, tx, state_sharding)
 
+    if sigterm.received and not preemption.multi_process():  # SIGTERM while starting up
+        mngr.close()
+        raise PreemptedError(f"preempted before the first step; nothing new to save: the newest "
+                             f"checkpoint is {saver.describe()}; re-run the same command to continue")
     writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0,
                                                   asynchronous=True)
+    # Marks where this segment of the run starts: readers drop older points after it (summaries.py).
+    writer.write_scalars(start_step, {summaries.SEGMENT_TAG: start_step})
     if start_step == 0:
         writer.write_hparams({k: v for k, v in _flatten(json.loads(config.to_json_best_effort())).items()
                               if isinstance(v, (int, float, str, bool))})
@@ -233,80 +197,213 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                         out_shardings=rep)
 
     report = periodic_actions.ReportProgress(num_train_steps=n_steps, writer=writer)
-    global_batch = config.batch_size
     eval_metrics: dict[str, Any] = {}
-    last_saved = start_step if restored is not None else None
-    train_metrics = None
     t_log, step_log = time.time(), start_step
     step = start_step
+
+    def run_eval(step: int) -> dict[str, Any]:
+        """Eval over the whole split, written to TensorBoard. Analysis hooks (attention images,
+        token statistics) belong here: they see the state and the writer at an eval step."""
+        with report.timed("eval"):
+            metrics = evaluate(eval_step, state, eval_data, mesh)
+        writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
+        logging.info("eval at step %d: loss %.4f, top-1 %.4f, top-5 %.4f over %d examples",
+                     step, metrics["loss"], metrics["top1"], metrics["top5"],
+                     metrics["num_examples"])
+        return metrics
+
+    if step >= n_steps:
+        logging.info("The run in %s is already complete (step %d of %d).", workdir, step, n_steps)
     batches = train_data.train_batches(start_step)
-    with _SigtermFlag() as sigterm, metric_writers.ensure_flushes(writer):
+    with metric_writers.ensure_flushes(writer):
         try:
             while step < n_steps:
                 batch = sharding.to_global(next(batches), mesh)
                 state, m = train_step(state, batch)
-                train_metrics = m if train_metrics is None else train_metrics.merge(m)
                 step += 1
+                window.add(step, m)
                 report(step)
                 is_last = step == n_steps
-                preempt = _preempted(sigterm, step)
+                preempt = preemption.reached(sigterm, step)
                 pause = stop_at is not None and step >= stop_at and not is_last
-                if step % config.log_every == 0 or is_last or preempt or pause:
-                    values = {k: float(v) for k, v in train_metrics.compute().items()}
-                    _check_finite(config, values, state, step, step_log, mngr, last_saved)
+                save = step % config.checkpoint_every == 0 or is_last or preempt or pause
+                if step % config.log_every == 0 or is_last:
+                    values, skipped, problem = _check_finite(config, window, state, step, saver)
+                    skipped_total += skipped
                     dt = max(time.time() - t_log, 1e-9)
+                    values["skipped_nonfinite_total"] = skipped_total
                     values["steps_per_sec"] = (step - step_log) / dt
-                    values["examples_per_sec"] = values["steps_per_sec"] * global_batch
+                    values["examples_per_sec"] = values["steps_per_sec"] * config.batch_size
                     writer.write_scalars(step, {f"train/{k}": v for k, v in values.items()})
                     eta = (n_steps - step) / max(values["steps_per_sec"], 1e-9)
                     logging.info("step %d/%d: loss %.4f, accuracy %.4f, %.2f steps/s, %.0f examples/s, "
                                  "ETA %s", step, n_steps, values["loss"], values["accuracy"],
                                  values["steps_per_sec"], values["examples_per_sec"], _fmt_time(eta))
-                    train_metrics, t_log, step_log = None, time.time(), step
+                    if problem:  # after writing: the bad values are in the summaries too
+                        raise NonFiniteError(problem)
+                    window, t_log, step_log = _Window(step), time.time(), step
+                elif save:  # never save a state that has not been checked
+                    problem = _check_finite(config, window, state, step, saver)[2]
+                    if problem:
+                        raise NonFiniteError(problem)
                 if step % config.eval_every == 0 or is_last:
-                    with report.timed("eval"):
-                        eval_metrics = evaluate(eval_step, state, eval_data, mesh)
-                    writer.write_scalars(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
-                    logging.info("eval at step %d: loss %.4f, top-1 %.4f, top-5 %.4f over %d examples",
-                                 step, eval_metrics["loss"], eval_metrics["top1"], eval_metrics["top5"],
-                                 eval_metrics["num_examples"])
-                if step % config.checkpoint_every == 0 or is_last or preempt or pause:
-                    if train_metrics is not None:  # never save a state that has not been checked
-                        values = {k: float(v) for k, v in train_metrics.compute().items()}
-                        _check_finite(config, values, state, step, step_log, mngr, last_saved)
+                    eval_metrics = run_eval(step)
+                if save:
+                    if not _all_finite(state):
+                        raise NonFiniteError(
+                            f"the parameters or optimizer state became non-finite by step {step} "
+                            f"although loss and grad_norm are finite; not saved; last good "
+                            f"checkpoint: {saver.describe()}. Lower the learning rate or enable "
+                            "grad clipping (config.optimizer.grad_clip).")
+                    writer.flush()  # summaries up to this step are on disk before its checkpoint
+                    meta = {"format": META_FORMAT, "window": window.to_json(),
+                            "skipped_nonfinite_total": skipped_total}
                     with report.timed("checkpoint"):
-                        checkpoints.save(mngr, step, state, force=preempt or pause)
-                    last_saved = step
+                        saver.save(step, state, meta)
                 if pause:
                     logging.info("Stopping at step %d as asked (stop_at); re-run to continue.", step)
                     break
                 if preempt:
-                    mngr.wait_until_finished()
+                    saver.wait()
                     raise PreemptedError(f"preempted: checkpoint written at step {step} in "
                                          f"{mngr.directory}; re-run the same command to continue")
-        finally:
-            mngr.wait_until_finished()
-            mngr.close()
+        except BaseException:
+            batches.close()
+            saver.close(quiet=True)  # the error in flight says more than a failed last write
+            raise
+    batches.close()
+    saver.close()
     return {"step": step, "eval": eval_metrics, "state": state}
 
 
-def _check_finite(config, values, state, step, since, mngr, last_saved) -> None:
-    streak = int(state.nonfinite_streak)
+class _Window:
+    """Train metrics merged since the last log step (``start``), plus each step's own metrics
+    since the last finiteness check (to name the first bad step). Saved in a checkpoint's meta so
+    a run resumed between two log steps writes the same summaries as one never interrupted."""
+
+    def __init__(self, start: int, acc: Any = None):
+        self.start, self.acc = start, acc
+        self.unchecked: list[tuple[int, Any]] = []
+
+    def add(self, step: int, m: Any) -> None:
+        self.acc = m if self.acc is None else self.acc.merge(m)
+        self.unchecked.append((step, m))
+
+    def values(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.acc.compute().items()}
+
+    def first_nonfinite(self) -> tuple[int, list[str]] | None:
+        for step, m in self.unchecked:
+            bad = [k for k in ("loss", "grad_norm") if not math.isfinite(float(getattr(m, k).total))]
+            if bad:
+                return step, bad
+        return None
+
+    def to_json(self) -> dict | None:
+        """Leaves as float.hex strings: exact, and NaN/Inf survive JSON."""
+        if self.acc is None:
+            return None
+        leaves = [np.asarray(x) for x in jax.tree.leaves(self.acc)]
+        return {"start": self.start,
+                "leaves": [[str(x.dtype), float(x).hex()] for x in leaves]}
+
+    @classmethod
+    def from_meta(cls, meta: dict | None, step: int) -> tuple["_Window", int]:
+        if not meta or meta.get("format") != META_FORMAT:
+            return cls(step), 0
+        skipped = int(meta.get("skipped_nonfinite_total", 0))
+        w = meta.get("window")
+        if not w:
+            return cls(step), skipped
+        treedef = jax.tree.structure(steps_lib.TrainMetrics.empty())
+        if treedef.num_leaves != len(w["leaves"]):  # the metrics changed since: restart the window
+            logging.warning("The saved train-metrics window does not fit; starting a new one.")
+            return cls(step), skipped
+        leaves = [np.asarray(float.fromhex(v), dtype=d) for d, v in w["leaves"]]
+        return cls(int(w["start"]), jax.tree.unflatten(treedef, leaves)), skipped
+
+
+class _Saver:
+    """Async Orbax saves whose failures (disk full, permissions, a lost bucket) become a
+    WorkdirError naming the step that failed and the newest complete checkpoint, which is kept."""
+
+    def __init__(self, mngr, workdir: str):
+        self.mngr, self.workdir = mngr, workdir
+        self.pending: int | None = None   # step of the save in flight
+        self.last_good: int | None = None  # newest step known to be committed (or in flight, checked)
+
+    def describe(self) -> str:
+        step = self.pending if self.pending is not None else self.last_good  # in flight: checked
+        return "none" if step is None else f"step {step} in {self.mngr.directory}"
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        self.wait()
+        try:
+            checkpoints.save(self.mngr, step, state, meta=meta, force=True)
+        except Exception as e:  # noqa: BLE001
+            self._fail(step, e)
+        self.pending = step
+
+    def wait(self) -> None:
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._fail(self.pending, e)
+        if self.pending is not None:
+            self.last_good, self.pending = self.pending, None
+
+    def _fail(self, step: int | None, e: BaseException) -> None:
+        self.pending = None
+        done = [s for s in checkpoints.complete_steps(self.workdir) if s != step]
+        newest = f"step {done[-1]}" if done else "none"
+        raise workdir_lib.WorkdirError(
+            f"writing the checkpoint of step {step} to {self.mngr.directory} failed "
+            f"({checkpoints._short(e)}); the newest complete checkpoint ({newest}) is kept. Free "
+            "disk space or fix the workdir, then re-run the same command to continue from it."
+        ) from e
+
+    def close(self, quiet: bool = False) -> None:
+        """Waits for the save in flight; ``quiet``: log its failure instead of raising it."""
+        try:
+            self.wait()
+        except workdir_lib.WorkdirError as e:
+            if not quiet:
+                raise
+            logging.error("%s", e)
+        finally:
+            self.mngr.close()
+
+
+@jax.jit
+def _all_finite(state: TrainState) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves((state.params, state.opt_state, state.batch_stats))
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _check_finite(config, window: _Window, state, step: int, saver: _Saver
+                  ) -> tuple[dict[str, float], int, str | None]:
+    """The window's values, its number of skipped steps, and what is wrong if the run must stop:
+    a NaN/Inf loss or grad norm, or with skip_nonfinite_steps=N, N skipped steps in a row."""
+    values = window.values()
+    skipped = int(round(values.get("skipped_nonfinite", 0.0) * float(window.acc.loss.count)))
     limit = config.skip_nonfinite_steps
-    bad = [k for k in ("loss", "grad_norm") if not math.isfinite(values[k])]
-    if limit == 0 and (bad or values.get("skipped_nonfinite", 0) > 0):
-        raise NonFiniteError(
-            f"non-finite {' and '.join(bad) or 'loss/grad_norm'} between steps {since + 1} and {step}; "
-            f"last good checkpoint: {_describe(last_saved, mngr)}. Lower the learning rate, enable "
-            f"grad clipping, or set config.skip_nonfinite_steps.")
+    first = window.first_nonfinite()
+    window.unchecked = []
+    if limit == 0 and first is not None:
+        bad_step, bad = first
+        found = f" (found at step {step})" if step != bad_step else ""
+        return values, skipped, (
+            f"non-finite {' and '.join(bad)} at step {bad_step}{found}; nothing after it was "
+            f"saved; last good checkpoint: {saver.describe()}. Lower the learning rate, enable "
+            "grad clipping, or set config.skip_nonfinite_steps.")
+    streak = int(state.nonfinite_streak)
     if limit and streak >= limit:
-        raise NonFiniteError(
-            f"{streak} non-finite steps in a row up to step {step} (config.skip_nonfinite_steps="
-            f"{limit}); last good checkpoint: {_describe(last_saved, mngr)}")
-
-
-def _describe(step, mngr) -> str:
-    return "none" if step is None else f"step {step} in {mngr.directory}"
+        return values, skipped, (
+            f"{streak} updates in a row had a non-finite loss or grad_norm and were skipped "
+            f"(steps {step - streak + 1} to {step}; config.skip_nonfinite_steps={limit}); last good "
+            f"checkpoint: {saver.describe()}.")
+    return values, skipped, None
 
 
 def _fmt_time(seconds: float) -> str:
