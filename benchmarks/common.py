@@ -1,0 +1,307 @@
+"""Shared pieces of the benchmark entry points: configs, compiled steps, timing, reports.
+
+Import ``benchmarks.xla_flags`` and call ``apply()`` before importing this module (it imports jax).
+Timing rules: every timed call ends with ``jax.block_until_ready``; several variants are timed
+interleaved in one process (round-robin, the order rotated every round) and compared as per-round
+ratios, because a shared machine's speed drifts between and within runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from benchmarks import xla_flags
+from configs import default
+from normvit_jax import models, sharding
+from normvit_jax.train import optimizer as optim
+from normvit_jax.train import steps as steps_lib
+from normvit_jax.train.state import TrainState
+
+# Every normalizer of the registry (+ DPN, a patch norm), each in every norm slot of the model:
+# the norm's own cost, not a method's layout. name -> model config changes.
+NORMS: dict[str, dict[str, Any]] = {
+    "layernorm": {},
+    "rmsnorm": {"norm": {"name": "rmsnorm"}},
+    "scalenorm": {"norm": {"name": "scalenorm"}},
+    "groupnorm": {"norm": {"name": "groupnorm"}},
+    "instancenorm": {"norm": {"name": "instancenorm"}},
+    "batchnorm": {"norm": {"name": "batchnorm"}},
+    "powernorm": {"norm": {"name": "powernorm"}},
+    "unified": {"norm": {"name": "unified"}},
+    "dtn": {"norm": {"name": "dtn"}},
+    "dtn_var": {"norm": {"name": "dtn_var"}},
+    "learnable_scaler": {"norm": {"name": "learnable_scaler"}},
+    "rescale": {"norm": {"name": "rescale"}, "residual_scaling": "rescale", "final_norm": False},
+    "identity": {"norm": {"name": "identity"}},
+    "dpn": {"patch_norm": "dual"},
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def norm_names(arg: str) -> list[str]:
+    names = list(NORMS) if arg == "all" else [n.strip() for n in arg.split(",") if n.strip()]
+    bad = [n for n in names if n not in NORMS]
+    if bad:
+        raise SystemExit(f"--norm: unknown {bad}; accepted: 'all' or a comma list of {list(NORMS)}")
+    if len(names) > 1 and "layernorm" not in names:
+        names.insert(0, "layernorm")  # ratios need the baseline in the same run
+    return names
+
+
+def default_image_size(model: str) -> int:
+    """32 (CIFAR) for patch sizes up to 8, else 224 (ImageNet)."""
+    patch = int(model.split("/")[1])
+    return 32 if patch <= 8 else 224
+
+
+def bench_config(model: str = "Ti/4", norm: str = "layernorm", *, image_size: int | None = None,
+                 batch: int = 128, dtype: str = "float32", remat: bool = False, scan: bool = False,
+                 grad_accum: int = 1, num_classes: int = 10, depth: int | None = None,
+                 model_overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+    """The base config with ``model`` ('Ti/4', 'S/16', ...), one normalizer in every slot."""
+    c = default.get_config()
+    c.model.variant = model
+    if depth is not None:
+        c.model.depth = depth
+    c.data.image_size = image_size or default_image_size(model)
+    c.batch_size = batch
+    c.dtype = dtype
+    c.remat = remat
+    c.model.scan = scan
+    c.grad_accum_steps = grad_accum
+    c.total_steps = 10_000
+    c.data.name = "cifar10" if num_classes == 10 else "imagenet2012"
+    for k, v in {**NORMS[norm], **(model_overrides or {})}.items():
+        c.model[k] = ml_collections.ConfigDict(v) if isinstance(v, dict) else v
+    return c
+
+
+@dataclasses.dataclass
+class TrainBench:
+    """One compiled train step with its own state (donated and replaced at every call)."""
+
+    name: str
+    config: ml_collections.ConfigDict
+    compiled: Any
+    state: Any
+    batch: dict[str, jax.Array]
+    compile_s: float
+    flops: float | None
+    memory: dict[str, int]
+
+    def step(self) -> float:
+        """One step, synchronised; returns its wall time in seconds."""
+        t = time.perf_counter()
+        self.state, metrics = self.compiled(self.state, self.batch)
+        jax.block_until_ready((self.state, metrics))
+        return time.perf_counter() - t
+
+
+def synthetic_batch(batch: int, image_size: int, num_classes: int, mesh: Any,
+                    seed: int = 0) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(seed)
+    host = {"image": rng.uniform(-1, 1, (batch, image_size, image_size, 3)).astype(np.float32),
+            "label": rng.integers(0, num_classes, batch).astype(np.int32)}
+    return sharding.to_global(host, mesh)
+
+
+def cost_flops(compiled: Any) -> float | None:
+    """FLOPs of one call from XLA's cost analysis of the compiled executable."""
+    try:
+        ca = compiled.cost_analysis()
+    except Exception:  # some backends do not implement it
+        return None
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    return float(ca["flops"]) if ca and "flops" in ca else None
+
+
+def memory_stats(compiled: Any) -> dict[str, int]:
+    """XLA's buffer assignment of the compiled executable (bytes) and, where the device reports
+    it, the measured peak. 'xla_peak' is arguments + outputs + temporaries - donated aliases."""
+    out: dict[str, int] = {}
+    try:
+        m = compiled.memory_analysis()
+        out.update(arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
+                   temp=int(m.temp_size_in_bytes), alias=int(m.alias_size_in_bytes))
+        peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+        out["xla_peak"] = peak or (out["arguments"] + out["outputs"] + out["temp"] - out["alias"])
+    except Exception:
+        pass
+    return out
+
+
+def device_peak_bytes() -> int | None:
+    """Peak bytes in use reported by device 0 (GPU/TPU); None on CPU, which reports nothing."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def create_train_state(model: Any, tx: Any, image_shape: tuple[int, ...], mesh: Any,
+                       seed: int = 0) -> tuple[TrainState, Any]:
+    """As ``loop.create_train_state`` (replicated state, initialised in place), without importing
+    the loop, which pulls in TensorFlow through CLU's writers (seconds of import time)."""
+    def init(rng):
+        params_rng, state_rng = jax.random.split(rng)
+        variables = model.init({"params": params_rng, "dropout": params_rng},
+                               jnp.zeros((1,) + tuple(image_shape), jnp.float32), train=False)
+        return TrainState.create(variables["params"], variables.get("batch_stats", {}), tx,
+                                 jax.random.key_data(state_rng))
+
+    rng = jax.random.key(seed)
+    abstract = jax.eval_shape(init, rng)
+    state_sharding = jax.tree.map(lambda _: sharding.replicated(mesh), abstract)
+    return jax.jit(init, out_shardings=state_sharding)(rng), state_sharding
+
+
+def compile_train(name: str, config: ml_collections.ConfigDict, *, num_classes: int = 10,
+                  seed: int = 0) -> TrainBench:
+    """Builds the model, optimizer and state as the train loop does, and compiles the train step
+    with the loop's shardings and donation (loop.train_and_evaluate), with the preset's flags."""
+    mesh = sharding.make_mesh()
+    model_cfg = models.resolve_model_config(config.model.to_dict())
+    model = models.create(model_cfg, num_classes, dtype=DTYPES[config.dtype], remat=config.remat)
+    tx, lr = optim.create(config, int(config.total_steps))
+    size = int(config.data.image_size)
+    state, state_sharding = create_train_state(model, tx, (size, size, 3), mesh, seed)
+    rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    fn = steps_lib.make_train_step(model, tx, lr, label_smoothing=config.label_smoothing,
+                                   grad_accum_steps=config.grad_accum_steps)
+    jitted = jax.jit(fn, in_shardings=(state_sharding, bat), out_shardings=(state_sharding, rep),
+                     donate_argnums=0)
+    batch = synthetic_batch(int(config.batch_size), size, num_classes, mesh, seed)
+    t = time.perf_counter()
+    compiled = jitted.lower(state, batch).compile(compiler_options=xla_flags.compiler_options())
+    compile_s = time.perf_counter() - t
+    return TrainBench(name, config, compiled, state, batch, compile_s, cost_flops(compiled),
+                      memory_stats(compiled))
+
+
+def interleaved(runners: Mapping[str, Callable[[], float]], rounds: int,
+                warmup: int = 1) -> dict[str, list[float]]:
+    """Calls every runner once per round, round-robin, rotating the order each round so that no
+    variant always runs first (after a pause) or last. ``warmup`` rounds are run and dropped."""
+    names = list(runners)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            dt = runners[n]()
+            if r >= warmup:
+                times[n].append(dt)
+    return times
+
+
+@dataclasses.dataclass
+class Summary:
+    median: float
+    lo: float  # 25th percentile
+    hi: float  # 75th percentile
+    n: int
+
+    def fmt(self, scale: float = 1.0, digits: int = 3) -> str:
+        return (f"{self.median * scale:.{digits}f} [{self.lo * scale:.{digits}f}, "
+                f"{self.hi * scale:.{digits}f}]")
+
+
+def summarize(xs: Sequence[float]) -> Summary:
+    xs = sorted(xs)
+    if not xs:
+        return Summary(float("nan"), float("nan"), float("nan"), 0)
+    q = lambda p: float(np.percentile(xs, p))
+    return Summary(statistics.median(xs), q(25), q(75), len(xs))
+
+
+def paired_ratios(times: Mapping[str, list[float]], base: str) -> dict[str, Summary]:
+    """Per-round time / the baseline's time in the same round, summarised."""
+    return {n: summarize([a / b for a, b in zip(ts, times[base])]) for n, ts in times.items()}
+
+
+def matmul_probe(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of an n x n x n matmul on device 0: a measured stand-in for the peak."""
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y).lower(a, a).compile(
+        compiler_options=xla_flags.compiler_options())
+    jax.block_until_ready(f(a, a))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f(a, a))
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n ** 3 / best
+
+
+def machine() -> dict[str, Any]:
+    """Where and with what a result was measured (printed with every report)."""
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": platform.node(), "python": platform.python_version(),
+        "cpu": _cpu_model(), "cores": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "backend": jax.default_backend(),
+    }
+    for mod in ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "timm"):
+        m = sys.modules.get(mod)
+        if m is None and mod in ("jax", "jaxlib", "flax", "optax", "numpy"):
+            m = __import__(mod)
+        if m is not None:
+            info[mod] = getattr(m, "__version__", "?")
+    info["xla"] = xla_flags.describe()
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def print_machine(info: Mapping[str, Any] | None = None) -> None:
+    info = info or machine()
+    print("# " + ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+
+
+def table(rows: Iterable[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """A markdown table of the given columns (missing values as '-')."""
+    rows = list(rows)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(r.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.3e}"
+    return str(v)
+
+
+def write_json(path: str | None, payload: Any) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1, default=lambda o: dataclasses.asdict(o)
+                      if dataclasses.is_dataclass(o) else str(o))
+
+
+def gib(n: float | None) -> float | None:
+    return None if n is None else n / 2 ** 30

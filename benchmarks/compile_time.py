@@ -1,0 +1,116 @@
+"""Compile time of the train step against depth, unrolled and with ``model.scan``.
+
+    python -m benchmarks.compile_time --model=Ti/4 --depths=12,36 --repeats=2
+
+Time = tracing + lowering (Python, flax) and XLA compilation, for abstract inputs (nothing is
+allocated or run). Depths and layouts are measured round-robin, ``--repeats`` times each; the
+report gives medians and each layout's ratio of its deepest to its shallowest depth (the target:
+depth 36 under twice depth 12 with scan).
+"""
+from __future__ import annotations
+
+from benchmarks import xla_flags
+
+xla_flags.apply()
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from normvit_jax import models, sharding  # noqa: E402
+from normvit_jax.train import optimizer as optim  # noqa: E402
+from normvit_jax.train import steps as steps_lib  # noqa: E402
+from normvit_jax.train.state import TrainState  # noqa: E402
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_time", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="Ti/4")
+    p.add_argument("--norm", default="layernorm")
+    p.add_argument("--depths", default="12,36")
+    p.add_argument("--layouts", default="unrolled,scan")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--image_size", type=int, default=None)
+    p.add_argument("--remat", action="store_true")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def compile_once(args: argparse.Namespace, depth: int, scan: bool) -> tuple[float, float]:
+    """(trace + lower seconds, XLA compile seconds) of a fresh train step."""
+    cfg = common.bench_config(args.model, args.norm, image_size=args.image_size, batch=args.batch,
+                              remat=args.remat, scan=scan, depth=depth)
+    mesh = sharding.make_mesh()
+    model = models.create(cfg.model, 10, remat=args.remat)
+    tx, lr = optim.create(cfg, int(cfg.total_steps))
+    size = int(cfg.data.image_size)
+    rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+
+    def init(rng):
+        v = model.init({"params": rng, "dropout": rng}, jax.numpy.zeros((1, size, size, 3)))
+        return TrainState.create(v["params"], v.get("batch_stats", {}), tx, jax.random.key_data(rng))
+
+    t0 = time.perf_counter()
+    state = jax.eval_shape(init, jax.random.key(0))
+    batch = {"image": jax.ShapeDtypeStruct((args.batch, size, size, 3), np.float32, sharding=bat),
+             "label": jax.ShapeDtypeStruct((args.batch,), np.int32, sharding=bat)}
+    shard = jax.tree.map(lambda _: rep, state)
+    lowered = jax.jit(steps_lib.make_train_step(model, tx, lr), in_shardings=(shard, bat),
+                      out_shardings=(shard, rep), donate_argnums=0).lower(state, batch)
+    t1 = time.perf_counter()
+    lowered.compile(compiler_options=xla_flags.compiler_options())
+    return t1 - t0, time.perf_counter() - t1
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    depths = [int(d) for d in args.depths.split(",")]
+    layouts = [x.strip() for x in args.layouts.split(",")]
+    runs: dict[tuple[str, int], list[tuple[float, float]]] = {(l, d): [] for l in layouts for d in depths}
+    for r in range(args.repeats):
+        keys = list(runs)
+        keys = keys[r % len(keys):] + keys[:r % len(keys)]
+        for layout, depth in keys:
+            runs[(layout, depth)].append(compile_once(args, depth, layout == "scan"))
+            lo, co = runs[(layout, depth)][-1]
+            print(f"{layout} depth {depth}: trace+lower {lo:.1f} s, compile {co:.1f} s",
+                  file=sys.stderr, flush=True)
+    rows = []
+    for layout in layouts:
+        base = None
+        for d in depths:
+            total = common.summarize([a + b for a, b in runs[(layout, d)]]).median
+            base = base or total
+            rows.append({"layout": layout, "depth": d,
+                         "trace_lower_s": round(common.summarize([a for a, _ in runs[(layout, d)]]).median, 2),
+                         "compile_s": round(common.summarize([b for _, b in runs[(layout, d)]]).median, 2),
+                         "total_s": round(total, 2), "vs_first_depth": round(total / base, 2)})
+    return {"machine": common.machine(), "args": vars(args), "rows": rows}
+
+
+def report(res: dict[str, Any]) -> str:
+    a = res["args"]
+    head = (f"train-step compile time: model={a['model']} norm={a['norm']} batch={a['batch']} "
+            f"remat={a['remat']}; median of {a['repeats']}")
+    return head + "\n" + common.table(res["rows"], ["layout", "depth", "trace_lower_s", "compile_s",
+                                                   "total_s", "vs_first_depth"])
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    res = run(args)
+    common.print_machine(res["machine"])
+    print(report(res), flush=True)
+    common.write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

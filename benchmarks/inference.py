@@ -1,0 +1,106 @@
+"""Eval-mode throughput per normalizer (``model.apply(..., train=False)``, jitted, batch sharded).
+
+    python -m benchmarks.inference --model=Ti/4 --norm=all --batch=256 --steps=10
+
+Stateful norms run their inference form (running statistics). Folding foldable norms into the
+next Dense (normvit_jax/reparam.py) is not applied here: these are the unfolded numbers.
+"""
+from __future__ import annotations
+
+from benchmarks import xla_flags
+
+xla_flags.apply()
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Callable, Sequence  # noqa: E402
+
+import jax  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from normvit_jax import models, sharding  # noqa: E402
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.inference", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="Ti/4")
+    p.add_argument("--norm", default="all", help=f"'all' or a comma list of {list(common.NORMS)}")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
+    p.add_argument("--steps", type=int, default=10, help="timed rounds")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--image_size", type=int, default=None)
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--num_classes", type=int, default=10)
+    p.add_argument("--scan", action="store_true")
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def compile_eval(name: str, args: argparse.Namespace) -> tuple[Callable[[], float], float, Any]:
+    cfg = common.bench_config(args.model, name, image_size=args.image_size, batch=args.batch,
+                              dtype=args.dtype, scan=args.scan, num_classes=args.num_classes,
+                              depth=args.depth)
+    mesh = sharding.make_mesh()
+    model = models.create(cfg.model, args.num_classes, dtype=common.DTYPES[args.dtype])
+    size = int(cfg.data.image_size)
+    variables = jax.jit(lambda r: model.init(r, jax.numpy.zeros((1, size, size, 3)), train=False),
+                        out_shardings=sharding.replicated(mesh))(jax.random.key(0))
+    images = common.synthetic_batch(args.batch, size, args.num_classes, mesh)["image"]
+    fn = jax.jit(lambda v, x: model.apply(v, x, train=False),
+                 in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)))
+    t = time.perf_counter()
+    compiled = fn.lower(variables, images).compile(compiler_options=xla_flags.compiler_options())
+    compile_s = time.perf_counter() - t
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(variables, images))
+        return time.perf_counter() - t0
+
+    return run, compile_s, common.cost_flops(compiled)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    names = common.norm_names(args.norm)
+    runners, compile_s, flops = {}, {}, {}
+    for n in names:
+        runners[n], compile_s[n], flops[n] = compile_eval(n, args)
+        print(f"compiled {n}: {compile_s[n]:.1f} s", file=sys.stderr, flush=True)
+    times = common.interleaved(runners, args.steps, args.warmup)
+    ratios = common.paired_ratios(times, "layernorm") if "layernorm" in names else {}
+    rows = []
+    for n in names:
+        s = common.summarize(times[n])
+        rows.append({"norm": n, "compile_s": round(compile_s[n], 1), "batch_s": s.fmt(),
+                     "images_per_s": round(args.batch / s.median, 1),
+                     "gflops_per_batch": None if flops[n] is None else round(flops[n] / 1e9, 2),
+                     "time_ratio": ratios[n].fmt() if ratios else None,
+                     "flop_ratio": (round(flops[n] / flops["layernorm"], 4)
+                                    if ratios and flops[n] and flops["layernorm"] else None)})
+    return {"machine": common.machine(), "args": vars(args), "rows": rows, "times": times}
+
+
+def report(res: dict[str, Any]) -> str:
+    a = res["args"]
+    head = (f"inference (train=False): model={a['model']} batch={a['batch']} dtype={a['dtype']}; "
+            f"{a['steps']} timed rounds; batch time median [p25, p75] s")
+    cols = ["norm", "compile_s", "batch_s", "images_per_s", "gflops_per_batch", "time_ratio",
+            "flop_ratio"]
+    return head + "\n" + common.table(res["rows"], cols)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    res = run(args)
+    common.print_machine(res["machine"])
+    print(report(res), flush=True)
+    common.write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

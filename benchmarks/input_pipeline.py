@@ -1,0 +1,226 @@
+"""Train-pipeline throughput per dataset on this host, next to what the train step consumes.
+
+    python -m benchmarks.input_pipeline --datasets=digits,cifar10,imagenet2012 --batches=20
+
+For each dataset, with its default config (digits: the demo; CIFAR: Ti/4 at 32; ImageNet: the
+``:imagenet`` variant, S/16 at 224):
+  pipeline   examples/s of ``data.make_pipeline(config, 'train').train_batches()`` alone (the
+             real prefetching iterator: reading, decoding, augmentation, normalisation);
+  step       examples/s that the LayerNorm train step consumes on this host's devices;
+  in a run   the two together as the loop runs them (the pipeline's threads share the host with
+             the step): the fraction of wall time spent waiting in ``next(batches)``.
+A run never waits for data when pipeline examples/s > step examples/s with room to spare and the
+wait fraction is ~0. Data: the prepared tfds dataset in ``--data_dir`` when it exists; otherwise
+CIFAR under ``tfds.testing.mock_data`` (random pixels, in memory like the real one) and ImageNet
+as a synthetic array_record set of JPEGs at ImageNet's typical size (decode cost included),
+marked in the 'source' column.
+"""
+from __future__ import annotations
+
+from benchmarks import xla_flags
+
+xla_flags.apply()
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import itertools  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Iterator, Sequence  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from configs import default  # noqa: E402
+from normvit_jax import data  # noqa: E402
+
+DATASETS = ("digits", "cifar10", "cifar100", "imagenet2012")
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.input_pipeline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--datasets", default="digits,cifar10,imagenet2012",
+                   help=f"comma list of {list(DATASETS)}")
+    p.add_argument("--data_dir", default=None, help="prepared tfds data (default: tfds's)")
+    p.add_argument("--batch", type=int, default=None, help="default: the dataset config's")
+    p.add_argument("--batches", type=int, default=20, help="timed pipeline batches")
+    p.add_argument("--step_batch", type=int, default=None,
+                   help="batch for the step-rate measurement (default: --batch)")
+    p.add_argument("--steps", type=int, default=3, help="timed train steps")
+    p.add_argument("--model", default=None, help="override the dataset config's model preset")
+    p.add_argument("--image_size", type=int, default=None)
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--synthetic_examples", type=int, default=256,
+                   help="size of the synthetic ImageNet set when none is prepared")
+    p.add_argument("--skip_run", action="store_true", help="skip the pipeline+step run")
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def dataset_config(name: str, args: argparse.Namespace) -> ml_collections.ConfigDict:
+    c = default.get_config()
+    if name == "digits":
+        c = default.get_demo(c)
+    elif name == "imagenet2012":
+        c = default.get_imagenet(c)
+    else:
+        c.data.name = name
+    c.data.data_dir = args.data_dir
+    if args.batch:
+        c.batch_size = args.batch
+    if args.model:
+        c.model.variant = args.model
+    if args.image_size:
+        c.data.image_size = args.image_size
+    if args.depth:
+        c.model.depth = args.depth
+    return c
+
+
+def _jpeg(rng: np.random.Generator, h: int, w: int) -> bytes:
+    from PIL import Image
+    # smooth random images: about the entropy (and decode time) of a photo, unlike white noise
+    small = rng.integers(0, 256, (h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize((w, h), Image.BILINEAR)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def synthetic_imagenet(root: str, n: int) -> None:
+    """An imagenet2012 array_record dataset of ``n`` synthetic JPEGs (400-500 x 333-375 px, the
+    usual ImageNet sizes), prepared by tfds without downloading anything."""
+    import tensorflow_datasets as tfds
+    rng = np.random.default_rng(0)
+    cls = type(tfds.builder("imagenet2012", data_dir=root))
+    examples = [{"image": _jpeg(rng, int(rng.integers(333, 376)), int(rng.integers(400, 501))),
+                 "label": int(i % 1000), "file_name": f"s{i}.JPEG"} for i in range(n)]
+
+    def split_generators(self, dl_manager):
+        return {"train": ((f"t{i}", ex) for i, ex in enumerate(examples)),
+                "validation": ((f"v{i}", ex) for i, ex in enumerate(examples[:8]))}
+
+    with mock.patch.object(cls, "_split_generators", split_generators):
+        tfds.builder("imagenet2012", data_dir=root, file_format="array_record").download_and_prepare()
+
+
+@contextlib.contextmanager
+def open_train_pipeline(name: str, c: ml_collections.ConfigDict,
+                        args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
+    """The train pipeline of ``name``: real data if prepared, else a stand-in (see the doc)."""
+    try:
+        p = data.make_pipeline(c, "train")
+        yield p, "real" if name != "digits" else "bundled"
+        p.close()
+        return
+    except data.DatasetNotFoundError:
+        pass
+    if name in ("cifar10", "cifar100"):
+        import tensorflow_datasets as tfds
+        with tempfile.TemporaryDirectory() as tmp:
+            c.data.data_dir = tmp
+            with tfds.testing.mock_data(num_examples=max(4 * c.batch_size, 512)):
+                p = data.make_pipeline(c, "train")
+            yield p, "tfds mock_data"
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        synthetic_imagenet(tmp, max(args.synthetic_examples, c.batch_size))
+        print(f"synthetic imagenet2012 prepared in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        c.data.data_dir = tmp
+        p = data.make_pipeline(c, "train")
+        yield p, "synthetic JPEG"
+        p.close()
+
+
+def pipeline_rate(p: Any, batches: int) -> float:
+    it = p.train_batches(0)
+    next(it)  # thread start, first batch
+    t = time.perf_counter()
+    n = 0
+    for b in itertools.islice(it, batches):
+        n += len(b["label"])
+    dt = time.perf_counter() - t
+    it.close() if hasattr(it, "close") else None
+    return n / dt
+
+
+def step_rate(c: ml_collections.ConfigDict, args: argparse.Namespace) -> tuple[float, Any]:
+    from normvit_jax.models import resolve_model_config
+    model = resolve_model_config(c.model.to_dict())
+    cfg = common.bench_config(
+        c.model.variant or "Ti/4", "layernorm", image_size=int(c.data.image_size),
+        batch=args.step_batch or int(c.batch_size), dtype=c.dtype,
+        num_classes=data.num_classes(c.data.name),
+        model_overrides={k: model[k] for k in ("hidden_size", "depth", "num_heads", "mlp_dim",
+                                                "patch_size")})
+    bench = common.compile_train("layernorm", cfg, num_classes=data.num_classes(c.data.name))
+    times = common.interleaved({"step": bench.step}, args.steps, warmup=1)["step"]
+    return int(cfg.batch_size) / common.summarize(times).median, bench
+
+
+def run_together(p: Any, bench: Any, steps: int) -> float:
+    """Fraction of wall time spent waiting for the next batch while stepping (as the loop does).
+    The step's batch shape may differ from the pipeline's; only the timing matters here."""
+    it = p.train_batches(0)
+    next(it)
+    bench.step()
+    wait = 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
+        next(it)
+        wait += time.perf_counter() - t
+        bench.step()
+    total = time.perf_counter() - t0
+    it.close() if hasattr(it, "close") else None
+    return wait / total
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+    bad = [n for n in names if n not in DATASETS]
+    if bad:
+        raise SystemExit(f"--datasets: unknown {bad}; accepted: {list(DATASETS)}")
+    rows = []
+    for name in names:
+        c = dataset_config(name, args)
+        with open_train_pipeline(name, c, args) as (p, source):
+            pipe = pipeline_rate(p, args.batches)
+            step, bench = step_rate(c, args)
+            wait = None if args.skip_run else run_together(p, bench, args.steps)
+        rows.append({"dataset": name, "source": source, "image": int(c.data.image_size),
+                     "batch": int(c.batch_size), "model": c.model.variant or "custom",
+                     "pipeline_ex_s": round(pipe, 1), "step_ex_s": round(step, 1),
+                     "headroom": round(pipe / step, 2),
+                     "wait_fraction": None if wait is None else round(wait, 3),
+                     "workers": c.data.num_workers or min(32, os.cpu_count() or 1)})
+        print(f"{name}: pipeline {pipe:.0f} ex/s, step {step:.0f} ex/s", file=sys.stderr, flush=True)
+    return {"machine": common.machine(), "args": vars(args), "rows": rows}
+
+
+def report(res: dict[str, Any]) -> str:
+    cols = ["dataset", "source", "image", "batch", "model", "workers", "pipeline_ex_s",
+            "step_ex_s", "headroom", "wait_fraction"]
+    return ("input pipeline vs train step (examples/s on this host; headroom = pipeline / step; "
+            "wait_fraction: time in next(batches) while training)\n" + common.table(res["rows"], cols))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    res = run(args)
+    common.print_machine(res["machine"])
+    print(report(res), flush=True)
+    common.write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

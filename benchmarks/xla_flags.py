@@ -1,0 +1,94 @@
+"""XLA flags for the benchmarks, set before JAX initialises its backend.
+
+Import this module, and call ``apply()``, before anything imports jax: XLA reads ``XLA_FLAGS``
+once, when the first backend starts. The same flags are also passed to every compile the harness
+does itself (``compiler_options``), so they hold even when JAX was started earlier (under pytest).
+
+Presets (``--xla_preset``), measured on a 2-core AVX-512 Xeon shared with other jobs, ViT-Ti/4
+train step at batch 128 (docs/benchmarks.md):
+  tuned    ``xla_cpu_experimental_ynn_fusion_type=''``: dots and their neighbours run in XLA's
+           own Eigen kernels instead of YNNPACK fusions, which slowed down 2-4x whenever the
+           cores were shared (and were at best on par when idle);
+           ``xla_disable_hlo_passes=cse_barrier_expander``: keeps ``lax.optimization_barrier``
+           until fusion, so the model's fusion barriers (``model.fusion_barriers``) work: without
+           them the Eigen path recomputes the residual gradient per block (a 4.7x slower step).
+           The two go together: YNNPACK off without the barriers is the slowest setting of all.
+  default  XLA's own defaults, for comparison.
+Flags that measured no gain here (so are not set): a 512-bit vector width; disabling the tree
+reduction rewriter (1.9x slower); see docs/benchmarks.md for the rest. GPU/TPU backends ignore
+``xla_cpu_*`` flags; keeping optimization barriers is their default behaviour anyway.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+PRESETS: dict[str, dict[str, str]] = {
+    "tuned": {"xla_cpu_experimental_ynn_fusion_type": "",
+              "xla_disable_hlo_passes": "cse_barrier_expander"},
+    "default": {},
+}
+_LIST_FLAGS = ("xla_disable_hlo_passes",)  # comma lists: merged with a user's value
+DEFAULT_PRESET = "tuned"
+_applied: dict[str, object] = {}
+
+
+def preset_from_argv(argv: Sequence[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    for i, a in enumerate(argv):
+        if a.startswith("--xla_preset="):
+            return a.split("=", 1)[1]
+        if a == "--xla_preset" and i + 1 < len(argv):
+            return argv[i + 1]
+    return DEFAULT_PRESET
+
+
+def backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+        return bool(getattr(xla_bridge, "_backends", {}))
+    except Exception:  # private API moved: assume the worst
+        return True
+
+
+def apply(preset: str | None = None, argv: Sequence[str] | None = None) -> dict[str, object]:
+    """Adds the preset's flags to ``XLA_FLAGS`` (flags the user set there win). Returns a record
+    of what was done, printed by the entry points."""
+    preset = preset or preset_from_argv(argv)
+    if preset not in PRESETS:
+        raise SystemExit(f"--xla_preset={preset!r} is not known; accepted: {sorted(PRESETS)}")
+    flags = PRESETS[preset]
+    existing = os.environ.get("XLA_FLAGS", "")
+    parts = existing.split()
+    for k, v in flags.items():
+        same = [i for i, p in enumerate(parts) if p.startswith(f"--{k}=")]
+        if not same:
+            parts.append(f"--{k}={v}")
+        elif k in _LIST_FLAGS and v not in parts[same[-1]].split("=", 1)[1].split(","):
+            parts[same[-1]] += f",{v}"
+    started = backend_started()
+    if not started:
+        os.environ["XLA_FLAGS"] = " ".join(parts)
+    _applied.clear()
+    _applied.update(preset=preset, flags=dict(flags), env_applied=not started,
+                    XLA_FLAGS=os.environ.get("XLA_FLAGS", ""))
+    return dict(_applied)
+
+
+def compiler_options() -> dict[str, str]:
+    """The preset's flags as per-compile options, for when they could not go into XLA_FLAGS in
+    time (JAX started first, e.g. under pytest); empty when XLA_FLAGS carries them already."""
+    if _applied.get("env_applied"):
+        return {}
+    return dict(_applied.get("flags", PRESETS[DEFAULT_PRESET]))  # type: ignore[arg-type]
+
+
+def describe() -> str:
+    if not _applied:
+        return "xla preset: not applied"
+    flags = " ".join(f"--{k}={v}" for k, v in _applied["flags"].items()) or "(none)"  # type: ignore[union-attr]
+    how = "XLA_FLAGS + compiler_options" if _applied["env_applied"] else "compiler_options only"
+    return f"xla preset: {_applied['preset']} [{flags}] via {how}"

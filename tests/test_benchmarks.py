@@ -1,0 +1,101 @@
+"""Smoke tests of every benchmark entry point on a tiny model: they run and report what they
+promise. No timing assertions (timings belong in docs/benchmarks.md)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+TINY = ["--model=Ti/4", "--depth=1", "--image_size=8"]
+
+
+def test_train_step_all_norms_side_by_side():
+    from benchmarks import train_step
+    res = train_step.main(TINY + ["--norm=layernorm,dtn,powernorm", "--batch=4", "--steps=1",
+                                  "--warmup=1", "--peak_tflops=1"])
+    rows = {r["norm"]: r for r in res["rows"]}
+    assert set(rows) == {"layernorm", "dtn", "powernorm"}
+    assert rows["layernorm"]["flop_ratio"] == 1.0 and rows["dtn"]["flop_ratio"] > 1.0
+    for r in rows.values():
+        assert r["gflops_per_step"] > 0 and r["compile_s"] > 0 and r["step_median_s"] > 0
+        assert r["mfu"] > 0 and r["xla_peak_gib"] > 0 and r["within"] in ("yes", "NO")
+
+
+def test_train_step_single_norm_with_options():
+    from benchmarks import train_step
+    res = train_step.main(TINY + ["--norm=unified", "--batch=4", "--steps=1", "--warmup=0",
+                                  "--scan", "--remat", "--grad_accum=2"])
+    assert res["peak_source"] == "probe" and res["peak_flops"] > 0
+    assert "time_ratio" not in res["rows"][0]
+
+
+def test_inference():
+    from benchmarks import inference
+    res = inference.main(TINY + ["--norm=layernorm,batchnorm", "--batch=4", "--steps=1",
+                                 "--warmup=0"])
+    assert [r["norm"] for r in res["rows"]] == ["layernorm", "batchnorm"]
+    assert all(r["images_per_s"] > 0 for r in res["rows"])
+
+
+def test_input_pipeline_digits():
+    from benchmarks import input_pipeline
+    res = input_pipeline.main(["--datasets=digits", "--batches=2", "--steps=1", "--batch=16",
+                               "--depth=1"])
+    (row,) = res["rows"]
+    assert row["source"] == "bundled" and row["pipeline_ex_s"] > 0 and row["step_ex_s"] > 0
+    assert 0 <= row["wait_fraction"] <= 1
+
+
+def test_memory_fit():
+    from benchmarks import memory
+    res = memory.main(["--models=Ti/4", "--image_size=8", "--depth=1", "--probe_batches=8,64",
+                       "--memory_gb=1", "--num_classes=10"])
+    rows = {r["remat"]: r for r in res["rows"]}
+    assert rows[False]["per_sample_MiB"] > 0 and rows[False]["max_batch@1GiB"] > 0
+    assert rows[True]["per_sample_MiB"] <= rows[False]["per_sample_MiB"] * 1.05
+
+
+def test_compile_time():
+    from benchmarks import compile_time
+    res = compile_time.main(["--model=Ti/4", "--image_size=8", "--batch=2", "--depths=1,2"])
+    assert {(r["layout"], r["depth"]) for r in res["rows"]} == {
+        ("unrolled", 1), ("unrolled", 2), ("scan", 1), ("scan", 2)}
+
+
+def test_matmul_shapes():
+    from benchmarks import matmul
+    res = matmul.main(TINY + ["--batch=2", "--repeats=1", "--no_torch"])
+    assert len(res["rows"]) == 14 and res["per_step_s"]["xla"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None
+                    or importlib.util.find_spec("timm") is None,
+                    reason="torch/timm not installed (optional extra)")
+def test_vs_torch():
+    from benchmarks import vs_torch
+    res = vs_torch.main(TINY + ["--batch=4", "--steps=1", "--warmup=1"])
+    params = {r["impl"]: r["params"] for r in res["rows"]}
+    assert params["jax"] == params["timm"]  # the same model on both sides
+    assert res["speed_vs_timm"].median > 0
+
+
+def test_vs_torch_without_torch_fails_clearly(monkeypatch):
+    from benchmarks import vs_torch
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    with pytest.raises(SystemExit, match="pip install torch"):
+        vs_torch.import_torch_timm()
+
+
+def test_xla_flags_are_set_before_jax_starts():
+    code = ("import os, sys; from benchmarks import xla_flags; r = xla_flags.apply(); "
+            "assert 'jax' not in sys.modules; print(os.environ['XLA_FLAGS'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                         text=True, env={**os.environ, "XLA_FLAGS": ""}, check=True).stdout
+    from benchmarks import xla_flags
+    for k, v in xla_flags.PRESETS["tuned"].items():
+        assert f"--{k}={v}" in out
