@@ -55,6 +55,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.attention_dropout_rate = 0.0
     c.model.stochastic_depth = 0.0  # drop-path rate of the last block (linear from 0)
     c.model.gelu_approximate = True  # tanh GELU as Google's checkpoints; False: exact erf as timm
+    c.model.attention_impl = "fused"  # fused: one QKV matmul (faster on CPU); separate: 3 DenseGeneral
+    c.model.fusion_barriers = "auto"  # auto (CPU only) | on | off: store the residual gradient per block
+                                    # instead of XLA:CPU recomputing it (docs/benchmarks.md)
+    c.model.scan = False            # nn.scan over the leading identical blocks (fast compile of deep models;
+                                    # params under Transformer/encoderblock, see models/scan_convert.py)
 
     # ---- optimization (normvit_jax/train) ----
     c.batch_size = 128              # global batch over all devices and hosts
@@ -90,7 +95,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.init_keep_pre_logits = None   # keep the file's pre_logits layer (None: if model.representation_size)
     c.allow_config_change = False   # resume a workdir whose saved config differs
     c.skip_nonfinite_steps = 0      # 0: stop on a NaN/Inf; N: skip such updates, stop after N in a row
-    c.eval_attention_images = 0     # attention-map images written to TensorBoard per eval
+    c.eval_analysis_images = 16     # eval images whose token statistics, norm gates and attention
+                                    # distances are written to TensorBoard per eval (0: off)
+    c.eval_attention_images = 0     # of those, how many get an attention-map image per eval
     return c
 
 

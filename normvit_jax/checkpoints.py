@@ -85,7 +85,7 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any) -> Restored
                 state = restore(mngr, abstract_state, step)
                 meta = _restore_meta(mngr, step)
             except Exception as e:  # noqa: BLE001  (tensorstore, JSON, OS errors: damage)
-                problem = ("damaged", _short(e))
+                problem = ("damaged", describe_error(e))
         if problem is None:
             moved = [(s, err, quarantine(mngr, s)) for s, err in failed]
             if moved:
@@ -119,7 +119,7 @@ def mismatch(mngr: ocp.CheckpointManager, step: int, abstract_state: Any
             raise ValueError("no metadata for the item 'state'")
         saved = _leaf_specs(getattr(meta, "item_metadata", meta))
     except Exception as e:  # noqa: BLE001
-        return "damaged", f"its metadata cannot be read: {_short(e)}"
+        return "damaged", f"its metadata cannot be read: {describe_error(e)}"
     wanted = _leaf_specs(abstract_state)
     diffs = []  # the params first: the optimizer state only repeats them
     for path in sorted(set(saved) | set(wanted), key=lambda p: (not p.startswith("params/"), p)):
@@ -181,7 +181,7 @@ def checkpoint_dir_of(mngr: ocp.CheckpointManager) -> str:
     return str(mngr.directory)
 
 
-def _short(e: BaseException, n: int = 500) -> str:
+def describe_error(e: BaseException, n: int = 500) -> str:
     """The innermost cause (TensorStore's wrapper hides which file failed), on one line; when
     long, its head (what) and tail (why, e.g. 'File too large [os_error_code=27]')."""
     while e.__cause__ is not None:

@@ -31,47 +31,53 @@ def quiet_library_logs() -> None:
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) -> int:
-    """Trains; returns the exit code. The workdir is checked and locked before the slow imports
-    (TensorFlow, via CLU), so a busy, unwritable or changed workdir is refused in a second."""
-    from normvit_jax import preemption, workdir as workdir_lib
+    """Trains; returns the exit code (the table above)."""
+    from normvit_jax import preemption, sharding, workdir as workdir_lib
 
     quiet_library_logs()
-    with preemption.SigtermFlag():  # from here on a SIGTERM means: checkpoint and exit 42
+    try:
+        # First: with several processes JAX installs its own SIGTERM notifier here.
+        sharding.maybe_initialize_distributed()
+        with preemption.SigtermFlag():  # from here on a SIGTERM means: checkpoint, exit 42
+            return _train(config, workdir, fresh)
+    except workdir_lib.WorkdirBusyError as e:
+        return _stop(e, EXIT_BUSY)
+    except workdir_lib.WorkdirError as e:
+        return _stop(e, EXIT_WORKDIR)
+    except (workdir_lib.ConfigChangedError, ValueError) as e:
+        return _stop(e, EXIT_CONFIG)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, fresh: bool) -> int:
+    """Checks and locks the workdir before the slow imports (TensorFlow, via CLU), so a busy,
+    unwritable or changed workdir is refused in seconds; then trains."""
+    import jax
+    from normvit_jax import workdir as workdir_lib
+
+    with workdir_lib.prepare(config, workdir, fresh=fresh, process_index=jax.process_index()):
+        from normvit_jax import checkpoints, data
+        from normvit_jax.train import loop
         try:
-            from normvit_jax import sharding
-            sharding.maybe_initialize_distributed()
-            import jax
-            with workdir_lib.prepare(config, workdir, fresh=fresh, process_index=jax.process_index()):
-                from normvit_jax import checkpoints, data
-                from normvit_jax.train import loop
-                try:
-                    result = loop.train_and_evaluate(config, workdir)
-                except loop.PreemptedError as e:
-                    logging.warning("%s", e)
-                    return EXIT_PREEMPTED
-                except loop.NonFiniteError as e:
-                    logging.error("Stopped: %s", e)
-                    return EXIT_NONFINITE
-                except checkpoints.CheckpointMismatchError as e:
-                    logging.error("Stopped: %s", e)
-                    return EXIT_CHECKPOINT
-                except data.DatasetNotFoundError as e:
-                    logging.error("Stopped: %s", e)
-                    return EXIT_CONFIG
-        except workdir_lib.WorkdirBusyError as e:
-            logging.error("Stopped: %s", e)
-            return EXIT_BUSY
-        except workdir_lib.WorkdirError as e:
-            logging.error("Stopped: %s", e)
-            return EXIT_WORKDIR
-        except (workdir_lib.ConfigChangedError, ValueError) as e:
-            logging.error("Stopped: %s", e)
-            return EXIT_CONFIG
+            result = loop.train_and_evaluate(config, workdir)
+        except loop.PreemptedError as e:
+            logging.warning("%s", e)
+            return EXIT_PREEMPTED
+        except loop.NonFiniteError as e:
+            return _stop(e, EXIT_NONFINITE)
+        except checkpoints.CheckpointMismatchError as e:
+            return _stop(e, EXIT_CHECKPOINT)
+        except data.DatasetNotFoundError as e:
+            return _stop(e, EXIT_CONFIG)
     ev = result["eval"]
     if ev:
         logging.info("Done at step %d: eval top-1 %.4f, top-5 %.4f, loss %.4f.", result["step"],
                      ev["top1"], ev["top5"], ev["loss"])
     return EXIT_OK
+
+
+def _stop(error: BaseException, code: int) -> int:
+    logging.error("Stopped: %s", error)
+    return code
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:

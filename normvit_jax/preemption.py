@@ -6,7 +6,8 @@ atomic commits make that safe). Several processes: JAX's distributed runtime alr
 own SIGTERM notifier and agrees on a step across hosts (``reached_preemption_sync_point``), so no
 Python handler is installed there: every host stops after the same step.
 
-Installed by ``cli.run`` before the slow imports and again (re-entrantly) by the loop.
+Installed by ``cli.run`` right after ``jax.distributed.initialize`` (before the slow imports) and
+again, re-entrantly, by the loop.
 """
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ _received = False
 
 
 def multi_process() -> bool:
+    """True when this process is one of several (call after jax.distributed.initialize)."""
     import sys
     if "jax" not in sys.modules:
         return False
     import jax
-    from jax._src import distributed
-    return distributed.global_state.client is not None and jax.process_count() > 1
+    return jax.process_count() > 1
 
 
 def _handle(signum, frame) -> None:

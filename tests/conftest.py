@@ -22,6 +22,7 @@ def tiny_demo_config(**overrides):
     c.eval_every = 6
     c.checkpoint_every = 3
     c.schedule.warmup_steps = 2
+    c.eval_analysis_images = 0  # one more compile per run; tests/test_analysis.py turns it on
     for k, v in overrides.items():
         node = c
         *path, last = k.split(".")

@@ -15,7 +15,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
-from normvit_jax import models
+from normvit_jax import models, summaries
 from normvit_jax.analysis import (attention, capture, colors, distance, events, flops, gates, layout,
                                   live, report)
 from tests.conftest import tiny_demo_config
@@ -23,10 +23,12 @@ from tests.conftest import tiny_demo_config
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A 2-block, 2-head LN ViT on 8x8 digits (patch 2: a 4x4 grid) trained for 4 steps."""
+    """A 2-block, 2-head LN ViT on 8x8 digits (patch 2: a 4x4 grid) trained for 4 steps, with
+    the eval-time analysis of 4 images (one attention-map image) at steps 2 and 4."""
     from normvit_jax.train import loop
     workdir = str(tmp_path_factory.mktemp("run") / "ln")
-    cfg = tiny_demo_config(total_steps=4, eval_every=2, log_every=1, checkpoint_every=4)
+    cfg = tiny_demo_config(total_steps=4, eval_every=2, log_every=1, checkpoint_every=4,
+                           eval_analysis_images=4, eval_attention_images=1)
     out = loop.train_and_evaluate(cfg, workdir)
     return workdir, out
 
@@ -247,6 +249,31 @@ def test_live_eval_summaries(trained):
     assert scalars["gates/encoder_norm/scale_abs_mean"] > 0
     maps = pictures["attention/maps"]
     assert maps.dtype == np.uint8 and maps.shape[0] == 2 and maps.shape[-1] == 3
+    compiled = len(live._CACHE)
     run.config.eval_attention_images = 0
     assert live.eval_summaries(run.model, run.variables, images, run.config)[1] == {}
-    assert len(live._CACHE) == 1  # compiled once
+    assert len(live._CACHE) == compiled  # compiled once per model
+
+
+def test_training_writes_the_eval_analysis_to_tensorboard(trained):
+    """The loop's evals at steps 2 and 4 wrote the token statistics, gates and attention
+    distances of the first 4 eval images (equal to the hook run on the final state) and one
+    attention-map image each."""
+    workdir = trained[0]
+    run = capture.load_run(workdir)
+    run.config.eval_attention_images = 0
+    expected, _ = live.eval_summaries(run.model, run.variables, live.fixed_images(run.config, 4),
+                                      run.config)
+    written = summaries.read_scalars(workdir)
+    assert len(expected) > 50
+    for tag, value in expected.items():
+        assert [s for s, _, _ in written[tag]] == [2, 4], tag
+        assert written[tag][-1][1] == pytest.approx(value, rel=1e-4, abs=1e-6), tag
+    shapes = {}
+    for path in summaries.event_files(workdir):
+        for raw in summaries._records(path.read_bytes()):
+            event = event_pb2.Event.FromString(raw)
+            for v in event.summary.value:
+                if v.tag.startswith("attention/maps"):
+                    shapes[event.step] = v.tag
+    assert sorted(shapes) == [2, 4]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import jax
 import numpy as np
 
 from normvit_jax.analysis import attention, capture, colors, figures, gates, plots_attention
@@ -64,13 +65,18 @@ def _analyzer(model: Any, config: Any) -> Callable:
     return cached[1]
 
 
-def eval_summaries(model: Any, variables: Mapping, images: np.ndarray, config: Any) -> Summaries:
+def eval_summaries(model: Any, variables: Mapping, images: np.ndarray, config: Any,
+                   sharding: Any = None) -> Summaries:
     """The loop's hook: ``model`` the loop's model, ``variables`` = {'params': ...,
     'batch_stats': ...} of the train state, ``images`` a small fixed batch of eval inputs
-    (``fixed_images``). Returns (scalars, images) ready for ``write_scalars``/``write_images``;
-    images is empty unless ``config.eval_attention_images > 0``."""
+    (``fixed_images``), placed with ``sharding`` (the mesh's replicated sharding: every process
+    passes the same images, as multi-process jit wants global arrays). Returns (scalars, images)
+    ready for ``write_scalars``/``write_images``; images is empty unless
+    ``config.eval_attention_images > 0``."""
     variables = {k: v for k, v in variables.items() if k in ("params", "batch_stats") and v}
-    a = capture.to_analysis(_analyzer(model, config)(variables, images),
+    inputs = images if sharding is None else jax.make_array_from_callback(
+        images.shape, sharding, lambda index: images[index])
+    a = capture.to_analysis(_analyzer(model, config)(variables, inputs),
                             capture.block_has_cls(config))
     pictures = {}
     n_maps = int(config.get("eval_attention_images", 0) or 0)

@@ -33,6 +33,8 @@ POSEMBS = ("learn", "sincos2d", "none")
 PLACEMENTS = ("pre", "post", "sandwich")
 PATCH_NORMS = ("none", "pre", "post", "dual", "post_posemb")
 RESIDUALS = ("none", "rescale")
+ATTENTION_IMPLS = ("fused", "separate")
+FUSION_BARRIERS = ("auto", "on", "off")
 
 
 def resolve_model_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -69,7 +71,8 @@ def resolve_model_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
                          f"model.num_heads={cfg['num_heads']}")
     for key, allowed in (("classifier", CLASSIFIERS), ("posemb", POSEMBS),
                          ("norm_placement", PLACEMENTS), ("patch_norm", PATCH_NORMS),
-                         ("residual_scaling", RESIDUALS)):
+                         ("residual_scaling", RESIDUALS), ("attention_impl", ATTENTION_IMPLS),
+                         ("fusion_barriers", FUSION_BARRIERS)):
         if key in cfg and cfg[key] not in allowed:
             raise ValueError(f"model.{key}={cfg[key]!r} is not accepted; accepted: {list(allowed)}")
     return cfg
@@ -136,6 +139,42 @@ def check_override_keys(overrides: Mapping[str, Any] | None, depth: int) -> None
                 f"'block_<i>' or 'blocks_<start>_<end>' (end exclusive) with 0 <= i < depth={depth}")
 
 
+def drop_path_rate(stochastic_depth: float, index: int, depth: int) -> float:
+    """Drop-path rate of block ``index``: linear from 0 to ``stochastic_depth`` at the last block."""
+    return stochastic_depth * index / max(depth - 1, 1)
+
+
+def _same_norm(a: Any, b: Any) -> bool:
+    as_dict = lambda c: c.to_dict() if hasattr(c, "to_dict") else (
+        {"name": c} if isinstance(c, str) else dict(c or {"name": "layernorm"}))
+    return as_dict(a) == as_dict(b)
+
+
+def _scan_length(v: Any) -> int:
+    get = (lambda k: v[k]) if isinstance(v, Mapping) else (lambda k: getattr(v, k))
+    depth, overrides, norm = get("depth"), get("norm_overrides"), get("norm")
+    first = norm_for_slot(norm, overrides, "block", 0)
+    k = 1
+    while k < depth and _same_norm(norm_for_slot(norm, overrides, "block", k), first):
+        k += 1
+    late_cls = get("cls_token_at_block")
+    if get("classifier") == "token" and 0 < late_cls < k:
+        k = late_cls  # the sequence grows by the class token there
+    return k
+
+
+def scan_length(model_cfg: Mapping[str, Any]) -> int:
+    """Blocks 0..k-1 that ``model.scan`` stacks into one ``nn.scan`` (``Transformer/encoderblock``):
+    the leading run with the same norm and the same tokens. Later blocks (after a norm override
+    or where a late class token joins) stay unrolled as ``encoderblock_{i}``."""
+    cfg = dict(model_cfg)
+    cfg.setdefault("norm_overrides", None)
+    cfg.setdefault("norm", None)
+    cfg.setdefault("cls_token_at_block", 0)
+    cfg.setdefault("classifier", "token")
+    return _scan_length(cfg)
+
+
 class PatchEmbed(nn.Module):
     """Patchify + linear projection; the kernel (P, P, C_in, D) is Google's conv kernel.
 
@@ -162,58 +201,194 @@ class PatchEmbed(nn.Module):
         return x + bias.astype(self.dtype)
 
 
+def _xavier(fan_shape: tuple[int, int]) -> Callable:
+    """Xavier-uniform on the flattened (fan_in, fan_out) shape, reshaped: DenseGeneral's init."""
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        return nn.initializers.xavier_uniform()(key, fan_shape, dtype).reshape(shape)
+    return init
+
+
+class _Projection(nn.Module):
+    """Only declares Google's ``kernel``/``bias`` of one projection (initialised as flax's
+    Dense/DenseGeneral would); the parent does the math with ``dense``, so q/k/v can run as ONE
+    matmul while the checkpoint keeps three separate (D, H, Dh) kernels."""
+
+    kernel_shape: tuple[int, ...]
+    bias_shape: tuple[int, ...]
+    fan_shape: tuple[int, int]
+    bias_std: float = 0.0  # 0: zeros (DenseGeneral), else normal(bias_std) (Google's MLP)
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array]:
+        kernel = self.param("kernel", _xavier(self.fan_shape), self.kernel_shape, jnp.float32)
+        bias_init = nn.initializers.normal(self.bias_std) if self.bias_std else nn.initializers.zeros
+        bias = self.param("bias", bias_init, self.bias_shape, jnp.float32)
+        return kernel, bias
+
+
+def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array, dtype: Any,
+          barriers: bool = False) -> jax.Array:
+    """x (N, K) @ kernel (K, F) + bias, computed in ``dtype``.
+
+    ``barriers`` (XLA:CPU, see ``grad_barrier``): a custom backward that reads a stored input and
+    a stored output gradient (so XLA's transposing copies for the weight gradient are plain
+    copies, not a re-run of the norm or GELU that produced them), and whose bias gradient sums
+    the stored gradient (fused with its producer, that column sum ran 10x slower).
+    """
+    k, b = kernel.astype(dtype), bias.astype(dtype)
+    if barriers:
+        return _dense_stored(x.astype(dtype), k, b)
+    return jnp.dot(x.astype(dtype), k) + b
+
+
+@jax.custom_vjp
+def _dense_stored(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.dot(x, w) + b
+
+
+def _dense_stored_fwd(x, w, b):
+    x = jax.lax.optimization_barrier(x)
+    return jnp.dot(x, w) + b, (x, w)
+
+
+def _dense_stored_bwd(res, dy):
+    x, w = res
+    dy = jax.lax.optimization_barrier(dy)
+    dx = jnp.dot(dy, w.T)
+    dw = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())))
+    db = jnp.sum(dy, axis=0)
+    return dx, dw, db
+
+
+_dense_stored.defvjp(_dense_stored_fwd, _dense_stored_bwd)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with Google's parameter layout: query/key/value kernels (D, H, Dh),
-    out kernel (H, Dh, D). Fused ``jax.nn.dot_product_attention`` unless weights are requested or
-    attention dropout is on."""
+    out kernel (H, Dh, D); the same initialisation as flax's DenseGeneral.
+
+    impl 'fused' (default): the three kernels are concatenated in the forward and applied as one
+    (B*T, D) x (D, 3D) matmul, then all heads attend in two einsums with a float32 softmax; on
+    XLA:CPU this is faster than three projections and ``jax.nn.dot_product_attention`` (measured
+    in docs/benchmarks.md). 'separate': three DenseGeneral and the fused-attention primitive.
+    Attention weights are only materialised as an output when ``capture`` is on.
+    """
 
     num_heads: int
     dtype: Any
     dropout_rate: float = 0.0
+    impl: str = "fused"
+    barriers: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool, capture: bool) -> jax.Array:
-        d = x.shape[-1]
-        head_dim = d // self.num_heads
-        dense = lambda name: nn.DenseGeneral((self.num_heads, head_dim), dtype=self.dtype,
-                                             param_dtype=jnp.float32,
-                                             kernel_init=nn.initializers.xavier_uniform(), name=name)
-        q, k, v = dense("query")(x), dense("key")(x), dense("value")(x)
+        b, t, d = x.shape
+        h = self.num_heads
+        hd = d // h
         use_dropout = train and self.dropout_rate > 0
-        if capture or use_dropout:
-            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-            weights = jax.nn.softmax(logits / math.sqrt(head_dim), axis=-1)
-            if capture:
-                self.sow("intermediates", "attention", weights)
-            if use_dropout:
-                weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
-            out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(self.dtype), v)
+        if self.impl == "separate":
+            general = lambda name: nn.DenseGeneral((h, hd), dtype=self.dtype, param_dtype=jnp.float32,
+                                                   kernel_init=nn.initializers.xavier_uniform(),
+                                                   name=name)
+            q, k, v = general("query")(x), general("key")(x), general("value")(x)
+            if not (capture or use_dropout):
+                out = jax.nn.dot_product_attention(q, k, v)
+                return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
+                                       kernel_init=nn.initializers.xavier_uniform(),
+                                       name="out")(out)
+            wo, bo = None, None
         else:
-            out = jax.nn.dot_product_attention(q, k, v)
-        return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
-                               kernel_init=nn.initializers.xavier_uniform(), name="out")(out)
+            proj = lambda name: _Projection((d, h, hd), (h, hd), (d, d), name=name)()
+            (wq, bq), (wk, bk), (wv, bv) = proj("query"), proj("key"), proj("value")
+            w = jnp.concatenate([wq.reshape(d, d), wk.reshape(d, d), wv.reshape(d, d)], axis=1)
+            bias = jnp.concatenate([bq.reshape(d), bk.reshape(d), bv.reshape(d)])
+            qkv = dense(x.reshape(b * t, d), w, bias, self.dtype, self.barriers)
+            qkv = qkv.reshape(b, t, 3, h, hd)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            wo, bo = _Projection((h, hd, d), (d,), (d, d), name="out")()
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        weights = jax.nn.softmax(logits / math.sqrt(hd), axis=-1)
+        if capture:
+            self.sow("intermediates", "attention", weights)
+        if use_dropout:
+            weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(self.dtype), v)
+        if wo is None:
+            return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
+                                   kernel_init=nn.initializers.xavier_uniform(), name="out")(out)
+        y = dense(out.reshape(b * t, d), wo.reshape(d, d), bo, self.dtype, self.barriers)
+        return y.reshape(b, t, d)
 
 
 class MlpBlock(nn.Module):
+    """Dense_0 -> GELU -> Dense_1 with Google's names and flax Dense's initialisation."""
+
     mlp_dim: int
     dtype: Any
     dropout_rate: float = 0.0
     gelu_approximate: bool = True
+    barriers: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-        init = dict(kernel_init=nn.initializers.xavier_uniform(),
-                    bias_init=nn.initializers.normal(stddev=1e-6))
-        y = nn.Dense(self.mlp_dim, dtype=self.dtype, param_dtype=jnp.float32, name="Dense_0", **init)(x)
+        b, t, d = x.shape
+        w0, b0 = _Projection((d, self.mlp_dim), (self.mlp_dim,), (d, self.mlp_dim), 1e-6,
+                             name="Dense_0")()
+        y = dense(x.reshape(b * t, d), w0, b0, self.dtype, self.barriers)
         y = nn.gelu(y, approximate=self.gelu_approximate)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=not train)
-        y = nn.Dense(x.shape[-1], dtype=self.dtype, param_dtype=jnp.float32, name="Dense_1", **init)(y)
+        w1, b1 = _Projection((self.mlp_dim, d), (d,), (self.mlp_dim, d), 1e-6, name="Dense_1")()
+        y = dense(y, w1, b1, self.dtype, self.barriers).reshape(b, t, d)
         return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
 
 
-def drop_path(module: nn.Module, x: jax.Array, rate: float, train: bool) -> jax.Array:
-    """Stochastic depth: drops the whole residual branch per sample, rescaling the survivors."""
-    if not train or rate == 0.0:
+@jax.custom_vjp
+def grad_barrier(x: jax.Array) -> jax.Array:
+    """Identity whose backward passes the cotangent through ``lax.optimization_barrier``.
+
+    Why: the gradient of the residual stream is a sum over every block above; XLA:CPU fuses that
+    elementwise chain into each consumer instead of storing it, and the consumers include the
+    transposing copies of the weight-gradient matmuls, so the chain is recomputed, in a strided
+    order, once per block (a ViT-Ti/4 step took 4.7x longer, docs/benchmarks.md). A barrier stores
+    it once. XLA:CPU drops barriers before fusion unless ``--xla_disable_hlo_passes=
+    cse_barrier_expander`` is set (the benchmarks' 'tuned' preset); otherwise this is a no-op.
+    """
+    return x
+
+
+def _grad_barrier_fwd(x):
+    return x, None
+
+
+def _grad_barrier_bwd(_, g):
+    return (jax.lax.optimization_barrier(g),)
+
+
+grad_barrier.defvjp(_grad_barrier_fwd, _grad_barrier_bwd)
+
+
+def barriers_on(setting: str) -> bool:
+    """``model.fusion_barriers``: 'auto' places them when compiling for CPU (the only backend
+    where they were measured to help), 'on'/'off' force it."""
+    return setting == "on" or (setting == "auto" and jax.default_backend() == "cpu")
+
+
+def rescale_coefficient(index: int) -> float:
+    """RescaleViT's residual coefficient sqrt(i/(i+1)) of block ``index`` (i = index + 1)."""
+    i = index + 1
+    return math.sqrt(i / (i + 1))
+
+
+def drop_path(module: nn.Module, x: jax.Array, rate: float | jax.Array, train: bool,
+              enabled: bool | None = None) -> jax.Array:
+    """Stochastic depth: drops the whole residual branch per sample, rescaling the survivors.
+
+    ``rate`` may be traced (a scanned block's own rate); ``enabled`` then says statically whether
+    any block drops at all.
+    """
+    if enabled is None:
+        enabled = not isinstance(rate, (int, float)) or rate != 0.0
+    if not train or not enabled:
         return x
     keep = 1.0 - rate
     mask = jax.random.bernoulli(module.make_rng("dropout"), keep, (x.shape[0],) + (1,) * (x.ndim - 1))
@@ -236,6 +411,8 @@ class EncoderBlock(nn.Module):
     attention_dropout_rate: float = 0.0
     drop_path_rate: float = 0.0
     gelu_approximate: bool = True
+    attention_impl: str = "fused"
+    fusion_barriers: bool = False
     dtype: Any = jnp.float32
 
     def _norm(self, slot: str, x: jax.Array, train: bool) -> jax.Array:
@@ -249,33 +426,59 @@ class EncoderBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool, capture: bool = False) -> jax.Array:
+        return self._block(x, train, capture, None)
+
+    def _block(self, x: jax.Array, train: bool, capture: bool,
+               consts: Mapping[str, jax.Array] | None) -> jax.Array:
+        """``consts``: this block's drop-path rate and RescaleViT coefficient as arrays when the
+        block is one step of an ``nn.scan`` (they differ per block); None: from the fields."""
+        if consts is None:
+            rate: float | jax.Array = self.drop_path_rate
+            res_coef: float | jax.Array = rescale_coefficient(self.index)
+        else:
+            rate, res_coef = consts["drop_path_rate"], consts["res_coef"]
+        dp_on = self.drop_path_rate != 0.0  # static: a scanned run drops if any of its blocks does
         attn = Attention(self.num_heads, self.dtype, self.attention_dropout_rate,
+                         self.attention_impl, self.fusion_barriers,
                          name="MultiHeadDotProductAttention_1")
         mlp = MlpBlock(self.mlp_dim, self.dtype, self.dropout_rate, self.gelu_approximate,
-                       name="MlpBlock_3")
+                       self.fusion_barriers, name="MlpBlock_3")
         dropout = nn.Dropout(self.dropout_rate)
-        branch = lambda f, y: drop_path(self, dropout(f(y), deterministic=not train),
-                                        self.drop_path_rate, train)
+        dpath = lambda y: drop_path(self, y, rate, train, dp_on)
+        branch = lambda f, y: dpath(dropout(f(y), deterministic=not train))
+        # The residual stream's gradient is materialised at the block's input and after its first
+        # residual add (see grad_barrier): XLA:CPU otherwise re-derives it from every block above.
+        bar = grad_barrier if self.fusion_barriers else (lambda v: v)
+        x = bar(x)
         if self.placement == "pre":
-            x = x + branch(lambda y: attn(y, train, capture), self._norm("LayerNorm_0", x, train))
+            x = bar(x + branch(lambda y: attn(y, train, capture), self._norm("LayerNorm_0", x, train)))
             y = self._norm("LayerNorm_2", x, train)
         elif self.placement == "post":
-            x = self._norm("LayerNorm_0", x + branch(lambda y: attn(y, train, capture), x), train)
+            x = bar(self._norm("LayerNorm_0", x + branch(lambda y: attn(y, train, capture), x), train))
             return self._norm("LayerNorm_2", x + branch(lambda y: mlp(y, train), x), train)
         else:  # sandwich: norm before and after each branch
             a = attn(self._norm("LayerNorm_0", x, train), train, capture)
-            x = x + drop_path(self, dropout(self._norm("PostNorm_attn", a, train),
-                                            deterministic=not train), self.drop_path_rate, train)
+            x = bar(x + dpath(dropout(self._norm("PostNorm_attn", a, train), deterministic=not train)))
             m = mlp(self._norm("LayerNorm_2", x, train), train)
-            return x + drop_path(self, dropout(self._norm("PostNorm_mlp", m, train),
-                                               deterministic=not train), self.drop_path_rate, train)
+            return x + dpath(dropout(self._norm("PostNorm_mlp", m, train), deterministic=not train))
         if self.residual_scaling == "rescale":
             # RescaleViT: sqrt(i/(i+1)) * x + s/sqrt(L) * MLP(y), i 1-based, s learnable (init 1).
             s = self.param("rescale_s", nn.initializers.ones, (), jnp.float32)
-            i = self.index + 1
-            return (math.sqrt(i / (i + 1)) * x
+            return (res_coef * x
                     + (s / math.sqrt(self.depth)).astype(x.dtype) * branch(lambda z: mlp(z, train), y))
         return x + branch(lambda z: mlp(z, train), y)
+
+
+class _ScannedBlock(EncoderBlock):
+    """An EncoderBlock as the body of ``nn.scan``: (carry, per-block constants) -> (carry, None).
+    train/capture are attributes (static), not scanned arguments."""
+
+    scan_train: bool = False
+    scan_capture: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, consts: Mapping[str, jax.Array]) -> tuple[jax.Array, None]:
+        return self._block(x, self.scan_train, self.scan_capture, consts), None
 
 
 class ViT(nn.Module):
@@ -305,6 +508,9 @@ class ViT(nn.Module):
     attention_dropout_rate: float = 0.0
     stochastic_depth: float = 0.0
     gelu_approximate: bool = True
+    attention_impl: str = "fused"
+    fusion_barriers: str = "auto"
+    scan: bool = False
     remat: bool = False
     dtype: Any = jnp.float32
 
@@ -367,6 +573,7 @@ class _Spec:
     norm_overrides: Any
     norm_placement: str
     patch_norm: str
+    classifier: str
     posemb: str
     cls_token_at_block: int
     residual_scaling: str
@@ -375,6 +582,9 @@ class _Spec:
     attention_dropout_rate: float
     stochastic_depth: float
     gelu_approximate: bool
+    attention_impl: str
+    fusion_barriers: str
+    scan: bool
     remat: bool
     dtype: Any
 
@@ -399,21 +609,43 @@ class Encoder(nn.Module):
         if v.patch_norm == "post_posemb":
             x = norms.create({"name": "layernorm"}, dim=v.hidden_size, name="patch_norm_post")(x)
         x = nn.Dropout(v.dropout_rate)(x, deterministic=not train)
-        block_cls = nn.remat(EncoderBlock, static_argnums=(2, 3)) if v.remat else EncoderBlock
         prefix = self.with_prefix
-        for i in range(v.depth):
-            if cls is not None and v.cls_token_at_block == i and i > 0:
-                x = jnp.concatenate([cls, x], axis=1)
-                prefix = 1
-            x = block_cls(
+
+        def block_kwargs(i: int, prefix: int) -> dict[str, Any]:
+            return dict(
                 index=i, depth=v.depth, num_heads=v.num_heads, mlp_dim=v.mlp_dim,
                 norm_cfg=norm_for_slot(v.norm, v.norm_overrides, "block", i) or {"name": "layernorm"},
                 grid=self.grid, num_prefix_tokens=prefix, placement=v.norm_placement,
                 residual_scaling=v.residual_scaling, dropout_rate=v.dropout_rate,
                 attention_dropout_rate=v.attention_dropout_rate,
-                drop_path_rate=v.stochastic_depth * i / max(v.depth - 1, 1),
-                gelu_approximate=v.gelu_approximate, dtype=v.dtype,
-                name=f"encoderblock_{i}")(x, train, capture)
+                drop_path_rate=drop_path_rate(v.stochastic_depth, i, v.depth),
+                gelu_approximate=v.gelu_approximate, attention_impl=v.attention_impl,
+                fusion_barriers=barriers_on(v.fusion_barriers), dtype=v.dtype)
+
+        start = 0
+        if v.scan:
+            # Blocks 0..k-1 are identical but for their drop-path rate and RescaleViT coefficient,
+            # which enter as scanned arrays: one block is traced and compiled instead of k.
+            k = _scan_length(v)
+            body = nn.remat(_ScannedBlock, prevent_cse=False) if v.remat else _ScannedBlock
+            scanned = nn.scan(body, variable_axes={"params": 0, "batch_stats": 0, "intermediates": 0},
+                              split_rngs={"params": True, "dropout": True}, in_axes=0, length=k)
+            consts = {
+                "drop_path_rate": np.asarray([drop_path_rate(v.stochastic_depth, i, v.depth)
+                                              for i in range(k)], np.float32),
+                "res_coef": np.asarray([rescale_coefficient(i) for i in range(k)], np.float32),
+            }
+            kw = block_kwargs(0, prefix)
+            kw["drop_path_rate"] = v.stochastic_depth if k > 1 else kw["drop_path_rate"]
+            x, _ = scanned(**kw, scan_train=train, scan_capture=capture, name="encoderblock")(
+                x, consts)
+            start = k
+        block_cls = nn.remat(EncoderBlock, static_argnums=(2, 3)) if v.remat else EncoderBlock
+        for i in range(start, v.depth):
+            if cls is not None and v.cls_token_at_block == i and i > 0:
+                x = jnp.concatenate([cls, x], axis=1)
+                prefix = 1
+            x = block_cls(**block_kwargs(i, prefix), name=f"encoderblock_{i}")(x, train, capture)
         if cls is not None and v.cls_token_at_block >= v.depth:
             x = jnp.concatenate([cls, x], axis=1)
             prefix = 1

@@ -26,13 +26,14 @@ from clu import metric_writers, periodic_actions
 
 from normvit_jax import checkpoints, data, models, preemption, sharding, summaries
 from normvit_jax import workdir as workdir_lib
+from normvit_jax.analysis import live
+from normvit_jax.train import guards
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 EXIT_PREEMPTED = 42  # main.py's exit code after a SIGTERM-triggered checkpoint
-META_FORMAT = 1      # version of the JSON saved beside each checkpoint's state
 # Kept here for callers that imported them from the loop.
 ConfigChangedError = workdir_lib.ConfigChangedError
 absolute_workdir = workdir_lib.absolute
@@ -150,18 +151,19 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
                  train_data.steps_per_epoch)
 
     mngr = checkpoints.make_manager(workdir, keep=config.keep_checkpoints)
-    saver = _Saver(mngr, workdir)
+    saver = guards.CheckpointSaver(mngr, workdir)
     try:
         restored = checkpoints.restore_latest(mngr, state)
     except BaseException:
         mngr.close()
         raise
+    had_config = checkpoints.config_path(workdir).exists()
     if jax.process_index() == 0:  # the checkpoint fits (or there is none): the config is the run's
         workdir_lib.write_config(config, workdir)
-    window, skipped_total = _Window(0), 0
+    window, skipped_total = guards.MetricsWindow(0), 0
     if restored is not None:
         state, start_step = restored.state, restored.step
-        window, skipped_total = _Window.from_meta(restored.meta, start_step)
+        window, skipped_total = guards.MetricsWindow.from_meta(restored.meta, start_step)
         pos = start_step * config.batch_size
         logging.info("Resumed from the checkpoint at step %d in %s; the data continues at step %d "
                      "(epoch %d, example %d of %d).", start_step, mngr.directory, start_step + 1,
@@ -170,8 +172,9 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
         saver.last_good = start_step
     else:
         start_step = 0
-        if checkpoints.config_path(workdir).exists() and jax.process_index() == 0:
-            logging.info("No checkpoint in %s yet: starting at step 0.", mngr.directory)
+        if had_config and jax.process_index() == 0:
+            logging.warning("No checkpoint in %s: starting at step 0 (an earlier attempt of this "
+                            "run ended before its first checkpoint).", mngr.directory)
         if config.init_from:
             state = _init_from_pretrained(config, model_cfg, num_classes, state, tx, state_sharding)
 
@@ -179,8 +182,7 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
         mngr.close()
         raise PreemptedError(f"preempted before the first step; nothing new to save: the newest "
                              f"checkpoint is {saver.describe()}; re-run the same command to continue")
-    writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0,
-                                                  asynchronous=True)
+    writer, analysis_writer = _writers(workdir)
     # Marks where this segment of the run starts: readers drop older points after it (summaries.py).
     writer.write_scalars(start_step, {summaries.SEGMENT_TAG: start_step})
     if start_step == 0:
@@ -200,13 +202,24 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
     eval_metrics: dict[str, Any] = {}
     t_log, step_log = time.time(), start_step
     step = start_step
+    n_fixed = max(config.eval_analysis_images, config.eval_attention_images)
+    fixed_images = live.fixed_images(config, n_fixed) if n_fixed else None
 
     def run_eval(step: int) -> dict[str, Any]:
-        """Eval over the whole split, written to TensorBoard. Analysis hooks (attention images,
-        token statistics) belong here: they see the state and the writer at an eval step."""
+        """Eval over the whole split, then the analysis of a fixed batch (token statistics, norm
+        gates, attention distance, attention maps), all written to TensorBoard."""
         with report.timed("eval"):
             metrics = evaluate(eval_step, state, eval_data, mesh)
         writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
+        if fixed_images is not None:
+            with report.timed("eval_analysis"):
+                scalars, pictures = live.eval_summaries(
+                    model, {"params": state.params, "batch_stats": state.batch_stats},
+                    fixed_images, config, sharding=rep)
+            if analysis_writer is not None:  # process 0; kept out of the log: ~100 scalars
+                analysis_writer.write_scalars(step, scalars)
+                if pictures:
+                    analysis_writer.write_images(step, pictures)
         logging.info("eval at step %d: loss %.4f, top-1 %.4f, top-5 %.4f over %d examples",
                      step, metrics["loss"], metrics["top1"], metrics["top5"],
                      metrics["num_examples"])
@@ -228,7 +241,7 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
                 pause = stop_at is not None and step >= stop_at and not is_last
                 save = step % config.checkpoint_every == 0 or is_last or preempt or pause
                 if step % config.log_every == 0 or is_last:
-                    values, skipped, problem = _check_finite(config, window, state, step, saver)
+                    values, skipped, problem = guards.check_finite(config, window, state, step, saver)
                     skipped_total += skipped
                     dt = max(time.time() - t_log, 1e-9)
                     values["skipped_nonfinite_total"] = skipped_total
@@ -241,23 +254,22 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
                                  values["steps_per_sec"], values["examples_per_sec"], _fmt_time(eta))
                     if problem:  # after writing: the bad values are in the summaries too
                         raise NonFiniteError(problem)
-                    window, t_log, step_log = _Window(step), time.time(), step
+                    window, t_log, step_log = guards.MetricsWindow(step), time.time(), step
                 elif save:  # never save a state that has not been checked
-                    problem = _check_finite(config, window, state, step, saver)[2]
+                    problem = guards.check_finite(config, window, state, step, saver)[2]
                     if problem:
                         raise NonFiniteError(problem)
                 if step % config.eval_every == 0 or is_last:
                     eval_metrics = run_eval(step)
                 if save:
-                    if not _all_finite(state):
+                    if not guards.all_finite(state):
                         raise NonFiniteError(
                             f"the parameters or optimizer state became non-finite by step {step} "
                             f"although loss and grad_norm are finite; not saved; last good "
                             f"checkpoint: {saver.describe()}. Lower the learning rate or enable "
                             "grad clipping (config.optimizer.grad_clip).")
                     writer.flush()  # summaries up to this step are on disk before its checkpoint
-                    meta = {"format": META_FORMAT, "window": window.to_json(),
-                            "skipped_nonfinite_total": skipped_total}
+                    meta = guards.checkpoint_meta(window, skipped_total)
                     with report.timed("checkpoint"):
                         saver.save(step, state, meta)
                 if pause:
@@ -276,134 +288,14 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
     return {"step": step, "eval": eval_metrics, "state": state}
 
 
-class _Window:
-    """Train metrics merged since the last log step (``start``), plus each step's own metrics
-    since the last finiteness check (to name the first bad step). Saved in a checkpoint's meta so
-    a run resumed between two log steps writes the same summaries as one never interrupted."""
-
-    def __init__(self, start: int, acc: Any = None):
-        self.start, self.acc = start, acc
-        self.unchecked: list[tuple[int, Any]] = []
-
-    def add(self, step: int, m: Any) -> None:
-        self.acc = m if self.acc is None else self.acc.merge(m)
-        self.unchecked.append((step, m))
-
-    def values(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.acc.compute().items()}
-
-    def first_nonfinite(self) -> tuple[int, list[str]] | None:
-        for step, m in self.unchecked:
-            bad = [k for k in ("loss", "grad_norm") if not math.isfinite(float(getattr(m, k).total))]
-            if bad:
-                return step, bad
-        return None
-
-    def to_json(self) -> dict | None:
-        """Leaves as float.hex strings: exact, and NaN/Inf survive JSON."""
-        if self.acc is None:
-            return None
-        leaves = [np.asarray(x) for x in jax.tree.leaves(self.acc)]
-        return {"start": self.start,
-                "leaves": [[str(x.dtype), float(x).hex()] for x in leaves]}
-
-    @classmethod
-    def from_meta(cls, meta: dict | None, step: int) -> tuple["_Window", int]:
-        if not meta or meta.get("format") != META_FORMAT:
-            return cls(step), 0
-        skipped = int(meta.get("skipped_nonfinite_total", 0))
-        w = meta.get("window")
-        if not w:
-            return cls(step), skipped
-        treedef = jax.tree.structure(steps_lib.TrainMetrics.empty())
-        if treedef.num_leaves != len(w["leaves"]):  # the metrics changed since: restart the window
-            logging.warning("The saved train-metrics window does not fit; starting a new one.")
-            return cls(step), skipped
-        leaves = [np.asarray(float.fromhex(v), dtype=d) for d, v in w["leaves"]]
-        return cls(int(w["start"]), jax.tree.unflatten(treedef, leaves)), skipped
-
-
-class _Saver:
-    """Async Orbax saves whose failures (disk full, permissions, a lost bucket) become a
-    WorkdirError naming the step that failed and the newest complete checkpoint, which is kept."""
-
-    def __init__(self, mngr, workdir: str):
-        self.mngr, self.workdir = mngr, workdir
-        self.pending: int | None = None   # step of the save in flight
-        self.last_good: int | None = None  # newest step known to be committed (or in flight, checked)
-
-    def describe(self) -> str:
-        step = self.pending if self.pending is not None else self.last_good  # in flight: checked
-        return "none" if step is None else f"step {step} in {self.mngr.directory}"
-
-    def save(self, step: int, state: Any, meta: dict) -> None:
-        self.wait()
-        try:
-            checkpoints.save(self.mngr, step, state, meta=meta, force=True)
-        except Exception as e:  # noqa: BLE001
-            self._fail(step, e)
-        self.pending = step
-
-    def wait(self) -> None:
-        try:
-            self.mngr.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
-            self._fail(self.pending, e)
-        if self.pending is not None:
-            self.last_good, self.pending = self.pending, None
-
-    def _fail(self, step: int | None, e: BaseException) -> None:
-        self.pending = None
-        done = [s for s in checkpoints.complete_steps(self.workdir) if s != step]
-        newest = f"step {done[-1]}" if done else "none"
-        raise workdir_lib.WorkdirError(
-            f"writing the checkpoint of step {step} to {self.mngr.directory} failed "
-            f"({checkpoints._short(e)}); the newest complete checkpoint ({newest}) is kept. Free "
-            "disk space or fix the workdir, then re-run the same command to continue from it."
-        ) from e
-
-    def close(self, quiet: bool = False) -> None:
-        """Waits for the save in flight; ``quiet``: log its failure instead of raising it."""
-        try:
-            self.wait()
-        except workdir_lib.WorkdirError as e:
-            if not quiet:
-                raise
-            logging.error("%s", e)
-        finally:
-            self.mngr.close()
-
-
-@jax.jit
-def _all_finite(state: TrainState) -> jax.Array:
-    leaves = [x for x in jax.tree.leaves((state.params, state.opt_state, state.batch_stats))
-              if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
-def _check_finite(config, window: _Window, state, step: int, saver: _Saver
-                  ) -> tuple[dict[str, float], int, str | None]:
-    """The window's values, its number of skipped steps, and what is wrong if the run must stop:
-    a NaN/Inf loss or grad norm, or with skip_nonfinite_steps=N, N skipped steps in a row."""
-    values = window.values()
-    skipped = int(round(values.get("skipped_nonfinite", 0.0) * float(window.acc.loss.count)))
-    limit = config.skip_nonfinite_steps
-    first = window.first_nonfinite()
-    window.unchecked = []
-    if limit == 0 and first is not None:
-        bad_step, bad = first
-        found = f" (found at step {step})" if step != bad_step else ""
-        return values, skipped, (
-            f"non-finite {' and '.join(bad)} at step {bad_step}{found}; nothing after it was "
-            f"saved; last good checkpoint: {saver.describe()}. Lower the learning rate, enable "
-            "grad clipping, or set config.skip_nonfinite_steps.")
-    streak = int(state.nonfinite_streak)
-    if limit and streak >= limit:
-        return values, skipped, (
-            f"{streak} updates in a row had a non-finite loss or grad_norm and were skipped "
-            f"(steps {step - streak + 1} to {step}; config.skip_nonfinite_steps={limit}); last good "
-            f"checkpoint: {saver.describe()}.")
-    return values, skipped, None
+def _writers(workdir: str) -> tuple[Any, Any]:
+    """(writer, analysis_writer): the first logs and, on process 0, writes TensorBoard summaries;
+    the second (process 0, else None) writes the same event file without logging."""
+    if jax.process_index() > 0:
+        return metric_writers.create_default_writer(just_logging=True, asynchronous=True), None
+    tensorboard = metric_writers.AsyncWriter(metric_writers.SummaryWriter(workdir))
+    logs = metric_writers.AsyncWriter(metric_writers.LoggingWriter())
+    return metric_writers.MultiWriter([logs, tensorboard]), tensorboard
 
 
 def _fmt_time(seconds: float) -> str:

@@ -1,0 +1,162 @@
+"""What keeps a run's state and summaries safe across faults; used by the loop.
+
+- ``MetricsWindow``: the train metrics merged since the last log step, saved with each checkpoint
+  (``checkpoint_meta``) so a run resumed between two log steps writes the summaries an
+  uninterrupted one writes.
+- ``check_finite`` / ``all_finite``: NaN/Inf in the loss, the gradient norm or the state stop the
+  run before anything bad is saved, naming the first bad step and the last good checkpoint.
+- ``CheckpointSaver``: async saves whose failures (disk full, permissions) become a WorkdirError
+  naming the failed step and the newest complete checkpoint, which is kept.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from normvit_jax import checkpoints
+from normvit_jax import workdir as workdir_lib
+from normvit_jax.train import steps as steps_lib
+from normvit_jax.train.state import TrainState
+
+META_FORMAT = 1  # version of the JSON saved beside each checkpoint's state
+
+
+def checkpoint_meta(window: "MetricsWindow", skipped_total: int) -> dict:
+    return {"format": META_FORMAT, "window": window.to_json(),
+            "skipped_nonfinite_total": skipped_total}
+
+
+class MetricsWindow:
+    """Train metrics merged since the last log step (``start``), plus each step's own metrics
+    since the last finiteness check (to name the first bad step). Saved in a checkpoint's meta so
+    a run resumed between two log steps writes the same summaries as one never interrupted."""
+
+    def __init__(self, start: int, acc: Any = None):
+        self.start, self.acc = start, acc
+        self.unchecked: list[tuple[int, Any]] = []
+
+    def add(self, step: int, m: Any) -> None:
+        self.acc = m if self.acc is None else self.acc.merge(m)
+        self.unchecked.append((step, m))
+
+    def values(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.acc.compute().items()}
+
+    def first_nonfinite(self) -> tuple[int, list[str]] | None:
+        for step, m in self.unchecked:
+            bad = [k for k in ("loss", "grad_norm") if not math.isfinite(float(getattr(m, k).total))]
+            if bad:
+                return step, bad
+        return None
+
+    def to_json(self) -> dict | None:
+        """Leaves as float.hex strings: exact, and NaN/Inf survive JSON."""
+        if self.acc is None:
+            return None
+        leaves = [np.asarray(x) for x in jax.tree.leaves(self.acc)]
+        return {"start": self.start,
+                "leaves": [[str(x.dtype), float(x).hex()] for x in leaves]}
+
+    @classmethod
+    def from_meta(cls, meta: dict | None, step: int) -> tuple["MetricsWindow", int]:
+        """The window and the skipped-steps total saved with the checkpoint of ``step``."""
+        if not meta or meta.get("format") != META_FORMAT:
+            return cls(step), 0
+        skipped = int(meta.get("skipped_nonfinite_total", 0))
+        w = meta.get("window")
+        if not w:
+            return cls(step), skipped
+        treedef = jax.tree.structure(steps_lib.TrainMetrics.empty())
+        if treedef.num_leaves != len(w["leaves"]):  # the metrics changed since: restart the window
+            logging.warning("The saved train-metrics window does not fit; starting a new one.")
+            return cls(step), skipped
+        leaves = [np.asarray(float.fromhex(v), dtype=d) for d, v in w["leaves"]]
+        return cls(int(w["start"]), jax.tree.unflatten(treedef, leaves)), skipped
+
+
+class CheckpointSaver:
+    """Async Orbax saves whose failures (disk full, permissions, a lost bucket) become a
+    WorkdirError naming the step that failed and the newest complete checkpoint, which is kept."""
+
+    def __init__(self, mngr, workdir: str):
+        self.mngr, self.workdir = mngr, workdir
+        self.pending: int | None = None   # step of the save in flight
+        self.last_good: int | None = None  # newest step known to be committed (or in flight, checked)
+
+    def describe(self) -> str:
+        step = self.pending if self.pending is not None else self.last_good  # in flight: checked
+        return "none" if step is None else f"step {step} in {self.mngr.directory}"
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        self.wait()
+        try:
+            checkpoints.save(self.mngr, step, state, meta=meta, force=True)
+        except Exception as e:  # noqa: BLE001
+            self._fail(step, e)
+        self.pending = step
+
+    def wait(self) -> None:
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._fail(self.pending, e)
+        if self.pending is not None:
+            self.last_good, self.pending = self.pending, None
+
+    def _fail(self, step: int | None, e: BaseException) -> None:
+        self.pending = None
+        done = [s for s in checkpoints.complete_steps(self.workdir) if s != step]
+        newest = f"step {done[-1]}" if done else "none"
+        raise workdir_lib.WorkdirError(
+            f"writing the checkpoint of step {step} to {self.mngr.directory} failed "
+            f"({checkpoints.describe_error(e)}); the newest complete checkpoint ({newest}) is kept. Free "
+            "disk space or fix the workdir, then re-run the same command to continue from it."
+        ) from e
+
+    def close(self, quiet: bool = False) -> None:
+        """Waits for the save in flight; ``quiet``: log its failure instead of raising it."""
+        try:
+            self.wait()
+        except workdir_lib.WorkdirError as e:
+            if not quiet:
+                raise
+            logging.error("%s", e)
+        finally:
+            self.mngr.close()
+
+
+@jax.jit
+def all_finite(state: TrainState) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves((state.params, state.opt_state, state.batch_stats))
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def check_finite(config, window: MetricsWindow, state, step: int, saver: CheckpointSaver
+                  ) -> tuple[dict[str, float], int, str | None]:
+    """The window's values, its number of skipped steps, and what is wrong if the run must stop:
+    a NaN/Inf loss or grad norm, or with skip_nonfinite_steps=N, N skipped steps in a row."""
+    values = window.values()
+    skipped = int(round(values.get("skipped_nonfinite", 0.0) * float(window.acc.loss.count)))
+    limit = config.skip_nonfinite_steps
+    first = window.first_nonfinite()
+    window.unchecked = []
+    if limit == 0 and first is not None:
+        bad_step, bad = first
+        found = f" (found at step {step})" if step != bad_step else ""
+        return values, skipped, (
+            f"non-finite {' and '.join(bad)} at step {bad_step}{found}; nothing after it was "
+            f"saved; last good checkpoint: {saver.describe()}. Lower the learning rate, enable "
+            "grad clipping, or set config.skip_nonfinite_steps.")
+    streak = int(state.nonfinite_streak)
+    if limit and streak >= limit:
+        return values, skipped, (
+            f"{streak} updates in a row had a non-finite loss or grad_norm and were skipped "
+            f"(steps {step - streak + 1} to {step}; config.skip_nonfinite_steps={limit}); last good "
+            f"checkpoint: {saver.describe()}.")
+    return values, skipped, None

@@ -1,0 +1,142 @@
+"""``model.scan``: the scanned and unrolled models compute the same function, and checkpoints
+convert between the two layouts exactly (normvit_jax/models/scan_convert.py)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from normvit_jax import models
+from normvit_jax.models import scan_convert
+from normvit_jax.models.vit import scan_length
+from normvit_jax.train import steps as steps_lib
+from normvit_jax.train.state import TrainState
+
+TINY = {"variant": "Ti/4", "depth": 3, "hidden_size": 16, "num_heads": 2, "mlp_dim": 32}
+LAYOUTS = {
+    "layernorm": {},
+    "rescale": {"norm": {"name": "rescale"}, "residual_scaling": "rescale", "final_norm": False},
+    # the DTN reference layout: DTN blocks 0-1 (patch tokens only), class token and LN from block 2
+    "dtn_reference": {"norm": {"name": "dtn"}, "cls_token_at_block": 2,
+                      "norm_overrides": {"blocks_2_3": {"name": "layernorm"},
+                                         "final": {"name": "layernorm"}}},
+    "powernorm": {"norm": {"name": "powernorm", "warmup": 1}},
+    "unified_sandwich": {"norm": {"name": "unified", "warmup": 1, "window": 2},
+                         "norm_placement": "sandwich"},
+}
+
+
+def _pair(extra):
+    cfg = {**TINY, **extra}
+    return cfg, models.create(cfg, 4), models.create({**cfg, "scan": True}, 4)
+
+
+def _x(n=2):
+    return jax.random.normal(jax.random.key(0), (n, 8, 8, 3))
+
+
+def _assert_trees_close(a, b, **tol):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_scanned_and_unrolled_give_the_same_outputs(name):
+    cfg, unrolled, scanned = _pair(LAYOUTS[name])
+    v = unrolled.init(jax.random.key(1), _x())
+    vs = scan_convert.to_layout(v, {**cfg, "scan": True})
+    assert jax.tree.structure(vs) == jax.tree.structure(
+        jax.eval_shape(lambda: scanned.init(jax.random.key(1), _x())))
+    k = scan_length(cfg)
+    stacked = vs["params"]["Transformer"]["encoderblock"]
+    assert all(leaf.shape[0] == k for leaf in jax.tree.leaves(stacked))
+    _assert_trees_close(unrolled.apply(v, _x()), scanned.apply(vs, _x()), rtol=1e-6, atol=1e-6)
+    # training forward (no dropout): outputs and every updated running statistic agree
+    out_u, st_u = unrolled.apply(v, _x(), train=True, mutable=["batch_stats"])
+    out_s, st_s = scanned.apply(vs, _x(), train=True, mutable=["batch_stats"])
+    np.testing.assert_allclose(out_u, out_s, rtol=1e-6, atol=1e-6)
+    _assert_trees_close(scan_convert.to_layout(st_u, {**cfg, "scan": True}), st_s,
+                        rtol=1e-5, atol=1e-6)
+
+
+def test_scan_lengths():
+    assert scan_length(TINY) == 3
+    assert scan_length({**TINY, **LAYOUTS["dtn_reference"]}) == 2
+    assert scan_length({**TINY, "norm_overrides": {"block_1": {"name": "rmsnorm"}}}) == 1
+    assert scan_length({**TINY, "norm_overrides": {"final": {"name": "rmsnorm"}}}) == 3
+    assert scan_length({**TINY, "cls_token_at_block": 2, "classifier": "gap"}) == 3
+
+
+def test_train_steps_match_and_state_converts_both_ways():
+    """Two optimizer steps of the scanned model == of the unrolled one (PowerNorm: its state and
+    its backward-updated statistics go through the scan); the whole TrainState converts."""
+    cfg, unrolled, scanned = _pair({"norm": {"name": "powernorm", "warmup": 1}})
+    tx = optax.adamw(1e-2)
+    lr = optax.constant_schedule(1e-2)
+    v = unrolled.init(jax.random.key(1), _x())
+    state_u = TrainState.create(v["params"], v["batch_stats"], tx, jax.random.key_data(jax.random.key(2)))
+    state_s = scan_convert.to_layout(state_u, {**cfg, "scan": True})
+    step_u = jax.jit(steps_lib.make_train_step(unrolled, tx, lr))
+    step_s = jax.jit(steps_lib.make_train_step(scanned, tx, lr))
+    batch = {"image": _x(4), "label": jnp.array([0, 1, 2, 3])}
+    for _ in range(2):
+        state_u, m_u = step_u(state_u, batch)
+        state_s, m_s = step_s(state_s, batch)
+        np.testing.assert_allclose(m_u.compute()["loss"], m_s.compute()["loss"], rtol=1e-5)
+    # The key bias's exact gradient is 0 (softmax is shift invariant): its rounding noise, which
+    # Adam scales up to lr-sized steps, differs between the layouts; every other leaf agrees.
+    back = scan_convert.unstack_blocks(state_s)
+    assert jax.tree.structure(back) == jax.tree.structure(state_u)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(back), jax.tree.leaves(state_u)):
+        if "'key'" not in jax.tree_util.keystr(path):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    back = scan_convert.stack_blocks(scan_convert.unstack_blocks(state_s))
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state_s)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_flat_npz_keys_convert_both_ways():
+    flat = {"Transformer/encoderblock_0/LayerNorm_0/scale": np.zeros(4),
+            "Transformer/encoderblock_1/LayerNorm_0/scale": np.ones(4),
+            "Transformer/encoderblock_2/LayerNorm_0/scale": np.full(4, 2.0),
+            "Transformer/encoder_norm/scale": np.ones(4), "head/kernel": np.ones((4, 3))}
+    stacked = scan_convert.stack_blocks(flat, 2)
+    assert stacked["Transformer/encoderblock/LayerNorm_0/scale"].shape == (2, 4)
+    assert "Transformer/encoderblock_2/LayerNorm_0/scale" in stacked
+    assert scan_convert.is_scanned(stacked) and not scan_convert.is_scanned(flat)
+    back = scan_convert.unstack_blocks(stacked)
+    assert back.keys() == flat.keys()
+    for k in flat:
+        np.testing.assert_array_equal(back[k], flat[k])
+
+
+def test_bad_stacking_is_named():
+    with pytest.raises(ValueError, match="blocks \\[1, 2\\]"):
+        scan_convert.stack_blocks({"encoderblock_1": {"a": np.zeros(1)},
+                                   "encoderblock_2": {"a": np.zeros(1)}})
+
+
+def test_scanned_drop_path_uses_each_blocks_rate():
+    """Block i drops with rate stochastic_depth * i / (depth - 1): block 0 never, so with a rate
+    of 1 at the last block some samples keep blocks 0..1 and lose the last block's branches."""
+    cfg, unrolled, scanned = _pair({"stochastic_depth": 0.5})
+    v = scan_convert.to_layout(unrolled.init(jax.random.key(1), _x()), {**cfg, "scan": True})
+    v["params"]["head"]["kernel"] = jax.random.normal(jax.random.key(5), (16, 4))  # init: zeros
+    eval_out = scanned.apply(v, _x(8))
+    outs = [scanned.apply(v, _x(8), train=True, rngs={"dropout": jax.random.key(s)}) for s in range(3)]
+    assert all(bool(jnp.all(jnp.isfinite(o))) for o in outs)
+    assert not np.allclose(outs[0], eval_out) and not np.allclose(outs[0], outs[1])
+
+
+def test_scan_with_remat_and_capture():
+    cfg, unrolled, _ = _pair({})
+    scanned = models.create({**cfg, "scan": True}, 4, remat=True)
+    v = scan_convert.to_layout(unrolled.init(jax.random.key(1), _x()), {**cfg, "scan": True})
+    logits, inter = scanned.apply(v, _x(), capture=True, mutable=["intermediates"])
+    att = inter["intermediates"]["Transformer"]["encoderblock"]["MultiHeadDotProductAttention_1"]
+    assert att["attention"][0].shape == (3, 2, 2, 5, 5)  # stacked: (depth, B, H, T, T)
+    grads = jax.grad(lambda p: jnp.sum(scanned.apply({"params": p}, _x(), train=True)))(v["params"])
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
