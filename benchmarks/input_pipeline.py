@@ -40,6 +40,7 @@ from configs import default  # noqa: E402
 from normvit_jax import data  # noqa: E402
 
 DATASETS = ("digits", "cifar10", "cifar100", "imagenet2012")
+CPU_STEP_BATCH = 128  # default cap of the step-rate batch on CPU (see step_batch)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -51,7 +52,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="default: the dataset config's")
     p.add_argument("--batches", type=int, default=20, help="timed pipeline batches")
     p.add_argument("--step_batch", type=int, default=None,
-                   help="batch for the step-rate measurement (default: --batch)")
+                   help="batch for the step-rate measurement (default: --batch, at most "
+                        f"{CPU_STEP_BATCH} on CPU)")
     p.add_argument("--steps", type=int, default=3, help="timed train steps")
     p.add_argument("--model", default=None, help="override the dataset config's model preset")
     p.add_argument("--image_size", type=int, default=None)
@@ -152,12 +154,22 @@ def pipeline_rate(p: Any, batches: int) -> float:
     return n / dt
 
 
+def step_batch(c: ml_collections.ConfigDict, args: argparse.Namespace) -> int:
+    """--step_batch, else the config's batch, capped on CPU (ImageNet's 4,096 at 224 would need
+    ~100 GB there): examples/s hardly depends on the batch once it fills the cores."""
+    import jax
+    if args.step_batch:
+        return args.step_batch
+    batch = int(c.batch_size)
+    return min(batch, CPU_STEP_BATCH) if jax.default_backend() == "cpu" else batch
+
+
 def step_rate(c: ml_collections.ConfigDict, args: argparse.Namespace) -> tuple[float, Any]:
     from normvit_jax.models import resolve_model_config
     model = resolve_model_config(c.model.to_dict())
     cfg = common.bench_config(
         c.model.variant or "Ti/4", "layernorm", image_size=int(c.data.image_size),
-        batch=args.step_batch or int(c.batch_size), dtype=c.dtype,
+        batch=step_batch(c, args), dtype=c.dtype,
         num_classes=data.num_classes(c.data.name),
         model_overrides={k: model[k] for k in ("hidden_size", "depth", "num_heads", "mlp_dim",
                                                 "patch_size")})
@@ -197,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             step, bench = step_rate(c, args)
             wait = None if args.skip_run else run_together(p, bench, args.steps)
         rows.append({"dataset": name, "source": source, "image": int(c.data.image_size),
-                     "batch": int(c.batch_size), "model": c.model.variant or "custom",
+                     "batch": int(c.batch_size), "step_batch": step_batch(c, args), "model": c.model.variant or "custom",
                      "pipeline_ex_s": round(pipe, 1), "step_ex_s": round(step, 1),
                      "headroom": round(pipe / step, 2),
                      "wait_fraction": None if wait is None else round(wait, 3),
@@ -207,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(res: dict[str, Any]) -> str:
-    cols = ["dataset", "source", "image", "batch", "model", "workers", "pipeline_ex_s",
+    cols = ["dataset", "source", "image", "batch", "step_batch", "model", "workers", "pipeline_ex_s",
             "step_ex_s", "headroom", "wait_fraction"]
     return ("input pipeline vs train step (examples/s on this host; headroom = pipeline / step; "
             "wait_fraction: time in next(batches) while training)\n" + common.table(res["rows"], cols))
