@@ -18,14 +18,8 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from normvit_jax import models, sharding  # noqa: E402
-from normvit_jax.train import optimizer as optim  # noqa: E402
-from normvit_jax.train import steps as steps_lib  # noqa: E402
-from normvit_jax.train.state import TrainState  # noqa: E402
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -48,23 +42,8 @@ def compile_once(args: argparse.Namespace, depth: int, scan: bool) -> tuple[floa
     """(trace + lower seconds, XLA compile seconds) of a fresh train step."""
     cfg = common.bench_config(args.model, args.norm, image_size=args.image_size, batch=args.batch,
                               remat=args.remat, scan=scan, depth=depth)
-    mesh = sharding.make_mesh()
-    model = models.create(cfg.model, 10, remat=args.remat)
-    tx, lr = optim.create(cfg, int(cfg.total_steps))
-    size = int(cfg.data.image_size)
-    rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
-
-    def init(rng):
-        v = model.init({"params": rng, "dropout": rng}, jax.numpy.zeros((1, size, size, 3)))
-        return TrainState.create(v["params"], v.get("batch_stats", {}), tx, jax.random.key_data(rng))
-
     t0 = time.perf_counter()
-    state = jax.eval_shape(init, jax.random.key(0))
-    batch = {"image": jax.ShapeDtypeStruct((args.batch, size, size, 3), np.float32, sharding=bat),
-             "label": jax.ShapeDtypeStruct((args.batch,), np.int32, sharding=bat)}
-    shard = jax.tree.map(lambda _: rep, state)
-    lowered = jax.jit(steps_lib.make_train_step(model, tx, lr), in_shardings=(shard, bat),
-                      out_shardings=(shard, rep), donate_argnums=0).lower(state, batch)
+    lowered, _ = common.lower_abstract_train_step(cfg)
     t1 = time.perf_counter()
     lowered.compile(compiler_options=xla_flags.compiler_options())
     return t1 - t0, time.perf_counter() - t1
@@ -104,12 +83,7 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse(argv)
-    res = run(args)
-    common.print_machine(res["machine"])
-    print(report(res), flush=True)
-    common.write_json(args.json, res)
-    return res
+    return common.run_entry(parse, run, report, argv)
 
 
 if __name__ == "__main__":

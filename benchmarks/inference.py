@@ -94,12 +94,7 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse(argv)
-    res = run(args)
-    common.print_machine(res["machine"])
-    print(report(res), flush=True)
-    common.write_json(args.json, res)
-    return res
+    return common.run_entry(parse, run, report, argv)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from normvit_jax import models, sharding  # noqa: E402
-from normvit_jax.train import optimizer as optim  # noqa: E402
-from normvit_jax.train import steps as steps_lib  # noqa: E402
-from normvit_jax.train.state import TrainState  # noqa: E402
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -56,26 +52,8 @@ def step_bytes(model_name: str, args: argparse.Namespace, per_device_batch: int,
     cfg = common.bench_config(model_name, args.norm, image_size=args.image_size,
                               batch=per_device_batch * n_dev, dtype=args.dtype, remat=remat,
                               scan=args.scan, num_classes=args.num_classes, depth=args.depth)
-    mesh = sharding.make_mesh()
-    model = models.create(cfg.model, args.num_classes, dtype=common.DTYPES[args.dtype], remat=remat)
-    tx, lr = optim.create(cfg, int(cfg.total_steps))
-    size = int(cfg.data.image_size)
-
-    def init(rng):
-        v = model.init({"params": rng, "dropout": rng}, jax.numpy.zeros((1, size, size, 3)))
-        return TrainState.create(v["params"], v.get("batch_stats", {}), tx, jax.random.key_data(rng))
-
-    rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
-    state = jax.eval_shape(init, jax.random.key(0))
-    state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), state)
-    b = per_device_batch * n_dev
-    batch = {"image": jax.ShapeDtypeStruct((b, size, size, 3), np.float32, sharding=bat),
-             "label": jax.ShapeDtypeStruct((b,), np.int32, sharding=bat)}
-    fn = steps_lib.make_train_step(model, tx, lr, grad_accum_steps=1)
-    compiled = jax.jit(fn, in_shardings=(jax.tree.map(lambda _: rep, state), bat),
-                       out_shardings=(jax.tree.map(lambda _: rep, state), rep),
-                       donate_argnums=0).lower(state, batch).compile(
-                           compiler_options=xla_flags.compiler_options())
+    lowered, state = common.lower_abstract_train_step(cfg, args.num_classes)
+    compiled = lowered.compile(compiler_options=xla_flags.compiler_options())
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     return common.memory_stats(compiled)["xla_peak"], n_params
 
@@ -119,12 +97,7 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse(argv)
-    res = run(args)
-    common.print_machine(res["machine"])
-    print(report(res), flush=True)
-    common.write_json(args.json, res)
-    return res
+    return common.run_entry(parse, run, report, argv)
 
 
 if __name__ == "__main__":

@@ -474,6 +474,7 @@ def test_malformed_files_fail_clearly(tmp_path):
     with pytest.raises(E, match="'evil' holds Python objects"):
         pretrained.load_npz(str(pickled))
     plain_pickle = tmp_path / "plain.npz"
+    # Written with a pickle on purpose: the loader (allow_pickle=False) must refuse to read it.
     np.save(open(plain_pickle, "wb"), np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(E, match="pickle|single .npy"):
         pretrained.load_npz(str(plain_pickle))
