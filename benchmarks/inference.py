@@ -2,8 +2,9 @@
 
     python -m benchmarks.inference --model=Ti/4 --norm=all --batch=256 --steps=10
 
-Stateful norms run their inference form (running statistics). Folding foldable norms into the
-next Dense (normvit_jax/reparam.py) is not applied here: these are the unfolded numbers.
+Stateful norms run their inference form (running statistics). With ``--fold`` every norm that
+folds into the next Dense at inference (normvit_jax/reparam.py: BatchNorm, UN, LearnableScaler,
+Rescale) is also timed folded, as the row '<norm>+folded', in the same interleaved rounds.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any, Callable, Sequence  # noqa: E402
 import jax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from normvit_jax import models, sharding  # noqa: E402
+from normvit_jax import models, reparam, sharding  # noqa: E402
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -35,12 +36,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--num_classes", type=int, default=10)
     p.add_argument("--scan", action="store_true")
+    p.add_argument("--fold", action="store_true",
+                   help="also time each foldable norm folded into the next Dense ('<norm>+folded')")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
-def compile_eval(name: str, args: argparse.Namespace) -> tuple[Callable[[], float], float, Any]:
+def compile_eval(name: str, args: argparse.Namespace,
+                 fold: bool = False) -> tuple[Callable[[], float], float, Any]:
     cfg = common.bench_config(args.model, name, image_size=args.image_size, batch=args.batch,
                               dtype=args.dtype, scan=args.scan, num_classes=args.num_classes,
                               depth=args.depth)
@@ -49,6 +53,10 @@ def compile_eval(name: str, args: argparse.Namespace) -> tuple[Callable[[], floa
     size = int(cfg.data.image_size)
     variables = jax.jit(lambda r: model.init(r, jax.numpy.zeros((1, size, size, 3)), train=False),
                         out_shardings=sharding.replicated(mesh))(jax.random.key(0))
+    if fold:
+        folded_cfg, variables, _ = reparam.fold(cfg.model, variables)
+        model = models.create(folded_cfg, args.num_classes, dtype=common.DTYPES[args.dtype])
+        variables = jax.device_put(variables, sharding.replicated(mesh))
     images = common.synthetic_batch(args.batch, size, args.num_classes, mesh)["image"]
     fn = jax.jit(lambda v, x: model.apply(v, x, train=False),
                  in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)))
@@ -67,9 +75,13 @@ def compile_eval(name: str, args: argparse.Namespace) -> tuple[Callable[[], floa
 def run(args: argparse.Namespace) -> dict[str, Any]:
     names = common.norm_names(args.norm)
     runners, compile_s, flops = {}, {}, {}
-    for n in names:
-        runners[n], compile_s[n], flops[n] = compile_eval(n, args)
-        print(f"compiled {n}: {compile_s[n]:.1f} s", file=sys.stderr, flush=True)
+    jobs = [(n, n, False) for n in names]
+    if args.fold:
+        jobs += [(f"{n}+folded", n, True) for n in names if reparam.foldable(n)]
+    for label, n, fold in jobs:
+        runners[label], compile_s[label], flops[label] = compile_eval(n, args, fold)
+        print(f"compiled {label}: {compile_s[label]:.1f} s", file=sys.stderr, flush=True)
+    names = [label for label, _, _ in jobs]
     times = common.interleaved(runners, args.steps, args.warmup)
     ratios = common.paired_ratios(times, "layernorm") if "layernorm" in names else {}
     rows = []
@@ -78,6 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows.append({"norm": n, "compile_s": round(compile_s[n], 1), "batch_s": s.fmt(),
                      "images_per_s": round(args.batch / s.median, 1),
                      "gflops_per_batch": None if flops[n] is None else round(flops[n] / 1e9, 2),
+                     "flops_per_batch": flops[n],
                      "time_ratio": ratios[n].fmt() if ratios else None,
                      "flop_ratio": (round(flops[n] / flops["layernorm"], 4)
                                     if ratios and flops[n] and flops["layernorm"] else None)})

@@ -37,9 +37,12 @@ def test_train_step_single_norm_with_options():
 def test_inference():
     from benchmarks import inference
     res = inference.main(TINY + ["--norm=layernorm,batchnorm", "--batch=4", "--steps=1",
-                                 "--warmup=0"])
-    assert [r["norm"] for r in res["rows"]] == ["layernorm", "batchnorm"]
+                                 "--warmup=0", "--fold"])
+    rows = {r["norm"]: r for r in res["rows"]}
+    assert list(rows) == ["layernorm", "batchnorm", "batchnorm+folded"]
     assert all(r["images_per_s"] > 0 for r in res["rows"])
+    # Folding removes the norms' FLOPs (XLA's count of the compiled eval).
+    assert 0 < rows["batchnorm+folded"]["flops_per_batch"] < rows["batchnorm"]["flops_per_batch"]
 
 
 def test_input_pipeline_digits():

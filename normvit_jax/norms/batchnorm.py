@@ -35,6 +35,16 @@ class BatchNorm(nn.Module):
         check_group_size("batchnorm", opts.get("stats_group_size"))
         return cls(name=name, **opts)
 
+    def inference_affine(self, params: Mapping[str, Any], stats: Mapping[str, Any]):
+        """(a, c) with eval output a * x + c per channel (normvit_jax.reparam folds it)."""
+        a = jax.lax.rsqrt(jnp.asarray(stats["var"]) + self.epsilon)
+        if self.use_scale:
+            a = a * params["scale"]
+        c = -jnp.asarray(stats["mean"]) * a
+        if self.use_bias:
+            c = c + params["bias"]
+        return a, c
+
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         b, t, c = x.shape

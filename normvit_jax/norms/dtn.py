@@ -125,7 +125,8 @@ class DTN(nn.Module):
             patches = patches.reshape(b, s, k, s, k, c).mean(axis=(2, 4)).reshape(b, s * s, c)
         # Shift by the token mean first (P sums to 1 over sources, so the variance is unchanged):
         # E[x^2] - E[x]^2 then cancels far less in float32.
-        shift = jnp.mean(patches, axis=1, keepdims=True)
+        # The shift cancels exactly (in value and gradient), so no gradient flows through it.
+        shift = jax.lax.stop_gradient(jnp.mean(patches, axis=1, keepdims=True))
         ph = (patches - shift).reshape(b, s * s, h, c // h)
         moments = jnp.einsum("bshc,hst->bthc", jnp.concatenate([ph, ph * ph], -1), p,
                              precision=jax.lax.Precision.HIGHEST)

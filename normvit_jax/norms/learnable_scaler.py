@@ -31,6 +31,10 @@ class LearnableScaler(nn.Module):
                              f"accepted: {list(INITS)}")
         return cls(scale_init=init, name=name)
 
+    def inference_affine(self, params: Mapping[str, Any], stats: Mapping[str, Any]):
+        """(a, c) with output a * x + c per channel (normvit_jax.reparam folds it)."""
+        return jnp.asarray(params["scale"]), jnp.asarray(params["bias"])
+
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         c = x.shape[-1]

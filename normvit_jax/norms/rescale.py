@@ -31,6 +31,12 @@ class Rescale(nn.Module):
         check_options("rescale", opts, {"threshold", "warm_bias_scale"})
         return cls(name=name, **opts)
 
+    def inference_affine(self, params: Mapping[str, Any], stats: Mapping[str, Any]):
+        """(a, c) with eval output a * x + c per channel: a = 1, c = bias - mu0 (normvit_jax.reparam
+        folds it; eval never uses the warm-up bias scale)."""
+        c = jnp.asarray(params["bias"]) - jnp.asarray(stats["mu0"])
+        return jnp.ones_like(c), c
+
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         c = x.shape[-1]

@@ -80,6 +80,11 @@ class UnifiedNorm(nn.Module):
         check_group_size("unified", opts.get("stats_group_size"))
         return cls(name=name, **opts)
 
+    def inference_affine(self, params: Mapping[str, Any], stats: Mapping[str, Any]):
+        """(a, c) with eval output a * x + c per channel (normvit_jax.reparam folds it)."""
+        a = params["scale"] * jax.lax.rsqrt(jnp.asarray(stats["running_var"]) + self.epsilon)
+        return a, jnp.asarray(params["bias"])
+
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         b, t_len, c = x.shape

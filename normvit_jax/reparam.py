@@ -1,0 +1,205 @@
+"""Folds inference-time affine norms into the next linear layer (NORMS.md, re-parameterization).
+
+In eval mode BatchNorm, UN, LearnableScaler and Rescale compute n(x) = a * x + c per channel (a
+norm class says so by having ``inference_affine(params, stats) -> (a, c)``). In a pre-norm ViT
+every norm slot feeds one linear map: ``LayerNorm_0`` the query/key/value projections,
+``LayerNorm_2`` the MLP's ``Dense_0``, ``encoder_norm`` the ``pre_logits`` or ``head`` Dense (the
+class-token pick and the global average pool commute with a per-channel affine). With kernel K
+(C_in, ...) and bias b: K' = a[:, None] * K, b' = b + c @ K, and the slot becomes 'identity': the
+same function without a pass over the activations (UN's "faster inference").
+
+    python -m normvit_jax.reparam --workdir=runs/demo_un     # fold, check, time
+
+``fold(model_cfg, variables)`` returns the folded model config, variables and a report;
+``max_logit_difference`` is the equivalence check. PowerNorm (per-token group scaling at
+inference), LayerNorm and the other per-token norms do not fold and are kept.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from normvit_jax import norms
+from normvit_jax.models import scan_convert
+from normvit_jax.models.vit import create, norm_for_slot, resolve_model_config
+
+ATTENTION = "MultiHeadDotProductAttention_1"
+# Slot of a block -> the linear layers it feeds (paths inside the block).
+NEXT_LAYERS = {"LayerNorm_0": ((ATTENTION, "query"), (ATTENTION, "key"), (ATTENTION, "value")),
+               "LayerNorm_2": (("MlpBlock_3", "Dense_0"),)}
+
+
+@dataclasses.dataclass
+class FoldReport:
+    """folded: slot paths folded into their next layer; kept: (slot path, why it stays)."""
+
+    folded: list[str] = dataclasses.field(default_factory=list)
+    kept: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"folded {len(self.folded)} norm slot(s) into the next Dense"]
+        lines += [f"  folded {s}" for s in self.folded]
+        lines += [f"  kept   {s}: {why}" for s, why in self.kept]
+        return "\n".join(lines)
+
+
+def _plain(tree: Any) -> Any:
+    """A mutable nested dict of numpy arrays (from FrozenDict / ConfigDict / jax arrays)."""
+    if hasattr(tree, "items"):
+        return {k: _plain(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def _fold_into(layer: dict, a: np.ndarray, c: np.ndarray) -> None:
+    """kernel (C, *out), bias (*out) of one Dense <- the affine a * x + c in front of it."""
+    k = layer["kernel"].astype(np.float64)
+    a64, c64 = a.astype(np.float64), c.astype(np.float64)
+    bias = layer["bias"].astype(np.float64) + np.tensordot(c64, k, axes=(0, 0))
+    layer["kernel"] = (a64.reshape(a64.shape + (1,) * (k.ndim - 1)) * k).astype(np.float32)
+    layer["bias"] = bias.astype(np.float32)
+
+
+def _affine(norm_cfg: Any, slot_params: Mapping, slot_stats: Mapping, dim: int):
+    module = norms.create(norm_cfg, dim=dim, slot="fold")
+    a, c = module.inference_affine(slot_params, slot_stats)
+    return np.asarray(a, np.float32), np.asarray(c, np.float32)
+
+
+def _norm_name(cfg: Any) -> str:
+    if isinstance(cfg, str):
+        return cfg
+    return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg or {}).get("name", "layernorm")
+
+
+def _why_kept(norm_cfg: Any) -> str:
+    name = _norm_name(norm_cfg)
+    if name == "powernorm":
+        return "powernorm: its group scaling divides each token by its own RMS at inference"
+    return f"{name}: statistics of each token at inference, not a fixed affine"
+
+
+def foldable(norm_cfg: Any) -> bool:
+    return hasattr(norms.resolve(_norm_name(norm_cfg or {"name": "layernorm"})), "inference_affine")
+
+
+def fold(model_cfg: Any, variables: Mapping[str, Any]) -> tuple[dict, dict, FoldReport]:
+    """(folded model config, folded variables, report). The inputs are left unchanged.
+
+    Works on either block layout (``model.scan``); the result has the layout of the folded config.
+    Raises ValueError for post-norm or sandwich placements (there a norm feeds the residual
+    stream, not one Dense).
+    """
+    cfg = resolve_model_config(model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else model_cfg)
+    placement = cfg.get("norm_placement", "pre")
+    if placement != "pre":
+        raise ValueError(f"model.norm_placement={placement!r}: only 'pre' norms fold into the next "
+                         "Dense (post and sandwich norms feed the residual stream)")
+    flat = scan_convert.unstack_blocks(_plain(variables))
+    params, stats = flat["params"], flat.get("batch_stats", {})
+    tf_params, tf_stats = params["Transformer"], stats.get("Transformer", {})
+    dim = int(cfg["hidden_size"])
+    norm, overrides = cfg.get("norm"), cfg.get("norm_overrides")
+    report, new_overrides = FoldReport(), {}
+    for i in range(int(cfg["depth"])):
+        ncfg = norm_for_slot(norm, overrides, "block", i) or {"name": "layernorm"}
+        block = f"encoderblock_{i}"
+        if not foldable(ncfg):
+            report.kept.append((f"Transformer/{block}", _why_kept(ncfg)))
+            continue
+        if _norm_name(ncfg) == "identity":
+            continue
+        for slot, targets in NEXT_LAYERS.items():
+            a, c = _affine(ncfg, tf_params[block].get(slot, {}),
+                           tf_stats.get(block, {}).get(slot, {}), dim)
+            for path in targets:
+                layer = tf_params[block]
+                for key in path:
+                    layer = layer[key]
+                _fold_into(layer, a, c)
+            tf_params[block].pop(slot, None)
+            if block in tf_stats:
+                tf_stats[block].pop(slot, None)
+            report.folded.append(f"Transformer/{block}/{slot}")
+        new_overrides[f"block_{i}"] = {"name": "identity"}
+    final_cfg = norm_for_slot(norm, overrides, "encoder_norm", None) or {"name": "layernorm"}
+    if cfg.get("final_norm", True) and ("encoder_norm" in tf_params or "encoder_norm" in tf_stats):
+        if foldable(final_cfg) and _norm_name(final_cfg) != "identity":
+            a, c = _affine(final_cfg, tf_params.get("encoder_norm", {}),
+                           tf_stats.get("encoder_norm", {}), dim)
+            _fold_into(params["pre_logits" if cfg.get("representation_size") else "head"], a, c)
+            tf_params.pop("encoder_norm", None)
+            tf_stats.pop("encoder_norm", None)
+            new_overrides["final"] = {"name": "identity"}
+            report.folded.append("Transformer/encoder_norm")
+        elif not foldable(final_cfg):
+            report.kept.append(("Transformer/encoder_norm", _why_kept(final_cfg)))
+    new_cfg = dict(cfg)
+    # New entries first: the first override key that matches a slot wins.
+    new_cfg["norm_overrides"] = {**new_overrides, **dict(overrides or {})} or None
+    out = {"params": params}
+    if _has_leaves(stats):
+        out["batch_stats"] = stats
+    return new_cfg, scan_convert.to_layout(out, new_cfg), report
+
+
+def _has_leaves(tree: Any) -> bool:
+    return bool(jax.tree.leaves(tree))
+
+
+def max_logit_difference(model_cfg: Any, variables: Mapping, folded_cfg: Mapping,
+                         folded_variables: Mapping, images: jax.Array, num_classes: int) -> float:
+    """max |logits(model) - logits(folded model)| in eval mode on ``images``."""
+    a = create(model_cfg, num_classes).apply(variables, images, train=False)
+    b = create(folded_cfg, num_classes).apply(folded_variables, images, train=False)
+    return float(jnp.max(jnp.abs(a - b)))
+
+
+def _time(fn, variables, images, reps: int) -> float:
+    jax.block_until_ready(fn(variables, images))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(variables, images))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Folds a run's checkpoint, checks the logits on random images and times both models."""
+    import argparse
+
+    from normvit_jax import checkpoints
+
+    p = argparse.ArgumentParser(prog="python -m normvit_jax.reparam", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", required=True, help="run directory with checkpoints")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--batch", type=int, default=64, help="images for the check and the timing")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    args = p.parse_args(argv)
+    variables, config = checkpoints.load_variables(args.workdir, args.step)
+    num_classes = int(variables["params"]["head"]["bias"].shape[-1])
+    size = int(config.data.image_size)
+    images = jax.random.normal(jax.random.key(0), (args.batch, size, size, 3))
+    folded_cfg, folded, report = fold(config.model, variables)
+    print(report)
+    diff = max_logit_difference(config.model, variables, folded_cfg, folded, images, num_classes)
+    scale = float(jnp.max(jnp.abs(create(config.model, num_classes).apply(variables, images))))
+    print(f"max |logit difference| on {args.batch} random images: {diff:.3g} "
+          f"(largest |logit| {scale:.3g})")
+    run = lambda c: jax.jit(lambda v, x: create(c, num_classes).apply(v, x, train=False))
+    t0 = _time(run(config.model), variables, images, args.reps)
+    t1 = _time(run(folded_cfg), folded, images, args.reps)
+    print(f"eval batch of {args.batch}: {t0 * 1e3:.1f} ms unfolded, {t1 * 1e3:.1f} ms folded "
+          f"({t0 / t1:.2f}x), median of {args.reps}")
+    return {"folded": report.folded, "kept": report.kept, "max_diff": diff, "unfolded_s": t0,
+            "folded_s": t1}
+
+
+if __name__ == "__main__":
+    main()

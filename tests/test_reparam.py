@@ -1,0 +1,135 @@
+"""Folding inference-time affine norms into the next Dense (normvit_jax/reparam.py).
+
+Reference: the unfolded model's eval logits on random images, with every parameter and running
+statistic drawn at random (not at their init values, where a fold could be trivially right).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from normvit_jax import models, reparam
+from normvit_jax.models import scan_convert
+from normvit_jax.train import loop
+from tests.conftest import tiny_demo_config
+
+NUM_CLASSES = 5
+SIZE = 16
+
+
+def tiny_model_cfg(norm: str, **extra) -> dict:
+    return dict(hidden_size=32, depth=2, num_heads=2, mlp_dim=64, patch_size=4,
+                norm={"name": norm}, **extra)
+
+
+def random_variables(cfg: dict, seed: int = 0) -> dict:
+    """Init, then every leaf replaced by random values; variance-like statistics kept positive."""
+    model = models.create(cfg, NUM_CLASSES)
+    variables = model.init(jax.random.key(seed), jnp.zeros((1, SIZE, SIZE, 3)), train=False)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(variables)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    out = []
+    for (path, leaf), key in zip(leaves, keys):
+        name = jax.tree_util.keystr(path)
+        if any(s in name for s in ("'var'", "running_var", "buffer_x2")):
+            out.append(jax.random.uniform(key, leaf.shape, minval=0.3, maxval=3.0))
+        elif any(s in name for s in ("'t'", "'count'", "'skips'")):
+            out.append(leaf + 50.0)
+        else:
+            scale = 0.3 if leaf.ndim > 1 else 1.0
+            out.append(scale * jax.random.normal(key, leaf.shape))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def eval_logits(cfg: dict, variables: dict, images: jax.Array) -> np.ndarray:
+    return np.asarray(models.create(cfg, NUM_CLASSES).apply(variables, images, train=False))
+
+
+def slot_names(variables: dict) -> set[str]:
+    flat = scan_convert.unstack_blocks(jax.tree.map(np.asarray, variables))
+    return {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(flat)[0]}
+
+
+IMAGES = jax.random.normal(jax.random.key(7), (6, SIZE, SIZE, 3))
+
+
+@pytest.mark.parametrize("norm,extra", [
+    ("batchnorm", {}),
+    ("unified", {}),
+    ("learnable_scaler", {"classifier": "gap"}),
+    ("rescale", {"residual_scaling": "rescale", "final_norm": False}),
+    ("batchnorm", {"representation_size": 24, "scan": True}),
+])
+def test_folded_model_computes_the_same_logits(norm, extra):
+    cfg = tiny_model_cfg(norm, **extra)
+    variables = random_variables(cfg)
+    want = eval_logits(cfg, variables, IMAGES)
+    folded_cfg, folded, report = reparam.fold(cfg, variables)
+    got = eval_logits(folded_cfg, folded, IMAGES)
+    # float32 model; the fold itself is computed in float64.
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    final = [] if extra.get("final_norm") is False else ["Transformer/encoder_norm"]
+    assert sorted(report.folded) == sorted(
+        [f"Transformer/encoderblock_{i}/{s}" for i in range(2) for s in ("LayerNorm_0", "LayerNorm_2")]
+        + final)
+    assert not report.kept
+    names = slot_names(folded)
+    assert not any("LayerNorm_" in n or "encoder_norm" in n for n in names), names
+    assert scan_convert.is_scanned(folded) == bool(extra.get("scan"))
+    # The check can fail: dropping the norms without changing the Dense layers gives other logits.
+    dropped = scan_convert.to_layout({"params": folded["params"]}, folded_cfg)
+    unfolded_dense = scan_convert.unstack_blocks(jax.tree.map(np.asarray, variables))["params"]
+    flat_dropped = scan_convert.unstack_blocks(dropped)["params"]
+    for k in flat_dropped:
+        if k != "Transformer":
+            flat_dropped[k] = unfolded_dense[k]
+    for b, block in flat_dropped["Transformer"].items():
+        if b.startswith("encoderblock_"):
+            for sub in block:
+                block[sub] = unfolded_dense["Transformer"][b][sub]
+    wrong = eval_logits(folded_cfg, scan_convert.to_layout({"params": flat_dropped}, folded_cfg),
+                        IMAGES)
+    assert np.abs(wrong - want).max() > 100 * np.abs(got - want).max() + 1e-3
+
+
+def test_only_the_foldable_slots_fold_in_a_mixed_model():
+    cfg = tiny_model_cfg("unified", norm_overrides={"block_1": {"name": "dtn"},
+                                                    "final": {"name": "powernorm"}})
+    variables = random_variables(cfg, seed=3)
+    want = eval_logits(cfg, variables, IMAGES)
+    folded_cfg, folded, report = reparam.fold(cfg, variables)
+    np.testing.assert_allclose(eval_logits(folded_cfg, folded, IMAGES), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
+    assert report.folded == ["Transformer/encoderblock_0/LayerNorm_0",
+                             "Transformer/encoderblock_0/LayerNorm_2"]
+    kept = dict(report.kept)
+    assert "dtn" in kept["Transformer/encoderblock_1"]
+    assert "powernorm" in kept["Transformer/encoder_norm"]
+    assert folded_cfg["norm_overrides"]["block_0"] == {"name": "identity"}
+
+
+def test_layernorm_model_is_left_as_it_is():
+    cfg = tiny_model_cfg("layernorm")
+    variables = random_variables(cfg, seed=5)
+    folded_cfg, folded, report = reparam.fold(cfg, variables)
+    assert not report.folded and len(report.kept) == 3
+    for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(folded)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_post_norm_placement_is_refused():
+    cfg = tiny_model_cfg("batchnorm", norm_placement="post")
+    with pytest.raises(ValueError, match="norm_placement='post'"):
+        reparam.fold(cfg, random_variables(cfg))
+
+
+def test_command_folds_a_trained_run(tmp_path, capsys):
+    cfg = tiny_demo_config(total_steps=3, checkpoint_every=3, eval_every=3)
+    cfg.model.norm = {"name": "batchnorm"}
+    loop.train_and_evaluate(cfg, str(tmp_path))
+    out = reparam.main(["--workdir", str(tmp_path), "--batch", "4", "--reps", "1"])
+    text = capsys.readouterr().out
+    assert "folded 5 norm slot(s)" in text and "folded Transformer/encoder_norm" in text
+    assert out["max_diff"] < 1e-3
