@@ -241,7 +241,8 @@ def test_live_eval_summaries(trained):
     run = capture.load_run(trained[0])
     images = live.fixed_images(run.config, 4)
     run.config.eval_attention_images = 2
-    scalars, pictures = live.eval_summaries(run.model, run.variables, images, run.config)
+    analyzer = live.EvalAnalyzer(run.model, run.config)
+    scalars, pictures = analyzer(run.variables, images)
     a = capture.analyze(run, images, full=True)  # compiled by an earlier test for 4 images
     assert scalars["tokens/encoder_norm/in/max_abs"] == pytest.approx(a.stats["encoder_norm"]["in"]["max_abs"])
     assert len([k for k in scalars if k.startswith("tokens/")]) == 5 * 2 * 5
@@ -249,10 +250,9 @@ def test_live_eval_summaries(trained):
     assert scalars["gates/encoder_norm/scale_abs_mean"] > 0
     maps = pictures["attention/maps"]
     assert maps.dtype == np.uint8 and maps.shape[0] == 2 and maps.shape[-1] == 3
-    compiled = len(live._CACHE)
     run.config.eval_attention_images = 0
-    assert live.eval_summaries(run.model, run.variables, images, run.config)[1] == {}
-    assert len(live._CACHE) == compiled  # compiled once per model
+    assert analyzer(run.variables, images)[1] == {}
+    assert analyzer.forward._cache_size() == 1  # compiled once for the run
 
 
 def test_training_writes_the_eval_analysis_to_tensorboard(trained):
@@ -262,8 +262,8 @@ def test_training_writes_the_eval_analysis_to_tensorboard(trained):
     workdir = trained[0]
     run = capture.load_run(workdir)
     run.config.eval_attention_images = 0
-    expected, _ = live.eval_summaries(run.model, run.variables, live.fixed_images(run.config, 4),
-                                      run.config)
+    expected, _ = live.EvalAnalyzer(run.model, run.config)(run.variables,
+                                                           live.fixed_images(run.config, 4))
     written = summaries.read_scalars(workdir)
     assert len(expected) > 50
     for tag, value in expected.items():

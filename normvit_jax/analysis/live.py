@@ -2,8 +2,9 @@
 and (if ``config.eval_attention_images > 0``) attention-map images, from one jitted capture
 forward on a small fixed batch. Training steps never capture.
 
-    images = live.fixed_images(config, 16)                      # once, before the loop
-    scalars, pictures = live.eval_summaries(model, variables, images, config)   # at each eval
+    analyzer = live.EvalAnalyzer(model, config)                 # once, before the loop
+    images = live.fixed_images(config, 16)
+    scalars, pictures = analyzer(variables, images)             # at each eval (compiled once)
     writer.write_scalars(step, scalars); writer.write_images(step, pictures)
 
 Scalar tags: 'tokens/<slot>/<in|out>/<stat>' (slot e.g. 'encoderblock_0/LayerNorm_0',
@@ -22,7 +23,6 @@ import numpy as np
 from normvit_jax.analysis import attention, capture, colors, figures, gates, plots_attention
 
 Summaries = tuple[dict[str, float], dict[str, np.ndarray]]
-_CACHE: dict[int, tuple[Any, Callable]] = {}
 
 
 def fixed_images(config: Any, n: int = 16) -> np.ndarray:
@@ -55,32 +55,32 @@ def render_maps(a: capture.Analysis, display: np.ndarray, method: str) -> np.nda
     return np.stack(out)
 
 
-def _analyzer(model: Any, config: Any) -> Callable:
-    """The jitted capture forward of ``model``, compiled once per model object."""
-    cached = _CACHE.get(id(model))
-    if cached is None or cached[0] is not model:
-        grid, p = capture.geometry(config)
-        cached = (model, capture.make_analyzer(model, grid, p, full=False))
-        _CACHE[id(model)] = cached
-    return cached[1]
+class EvalAnalyzer:
+    """The loop's hook, built once per run: the jitted capture forward of ``model`` (compiled at
+    the first call, reused at every eval).
 
-
-def eval_summaries(model: Any, variables: Mapping, images: np.ndarray, config: Any,
-                   sharding: Any = None) -> Summaries:
-    """The loop's hook: ``model`` the loop's model, ``variables`` = {'params': ...,
+    ``analyzer(variables, images, sharding=None)``: ``variables`` = {'params': ...,
     'batch_stats': ...} of the train state, ``images`` a small fixed batch of eval inputs
     (``fixed_images``), placed with ``sharding`` (the mesh's replicated sharding: every process
     passes the same images, as multi-process jit wants global arrays). Returns (scalars, images)
     ready for ``write_scalars``/``write_images``; images is empty unless
-    ``config.eval_attention_images > 0``."""
-    variables = {k: v for k, v in variables.items() if k in ("params", "batch_stats") and v}
-    inputs = images if sharding is None else jax.make_array_from_callback(
-        images.shape, sharding, lambda index: images[index])
-    a = capture.to_analysis(_analyzer(model, config)(variables, inputs),
-                            capture.block_has_cls(config))
-    pictures = {}
-    n_maps = int(config.get("eval_attention_images", 0) or 0)
-    if n_maps > 0:
-        shown = capture.display_images(np.asarray(images[:n_maps]), config)
-        pictures["attention/maps"] = render_maps(a, shown, colors.method_of(config))
-    return scalars_of(a, gates.norm_gates(variables)), pictures
+    ``config.eval_attention_images > 0`` (read at each call).
+    """
+
+    def __init__(self, model: Any, config: Any):
+        self.config = config
+        grid, p = capture.geometry(config)
+        self.forward: Callable = capture.make_analyzer(model, grid, p, full=False)
+
+    def __call__(self, variables: Mapping, images: np.ndarray, sharding: Any = None) -> Summaries:
+        config = self.config
+        variables = {k: v for k, v in variables.items() if k in ("params", "batch_stats") and v}
+        inputs = images if sharding is None else jax.make_array_from_callback(
+            images.shape, sharding, lambda index: images[index])
+        a = capture.to_analysis(self.forward(variables, inputs), capture.block_has_cls(config))
+        pictures = {}
+        n_maps = int(config.get("eval_attention_images", 0) or 0)
+        if n_maps > 0:
+            shown = capture.display_images(np.asarray(images[:n_maps]), config)
+            pictures["attention/maps"] = render_maps(a, shown, colors.method_of(config))
+        return scalars_of(a, gates.norm_gates(variables)), pictures

@@ -204,6 +204,7 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
     step = start_step
     n_fixed = max(config.eval_analysis_images, config.eval_attention_images)
     fixed_images = live.fixed_images(config, n_fixed) if n_fixed else None
+    analyzer = live.EvalAnalyzer(model, config) if n_fixed else None
 
     def run_eval(step: int) -> dict[str, Any]:
         """Eval over the whole split, then the analysis of a fixed batch (token statistics, norm
@@ -213,9 +214,9 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
         writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
         if fixed_images is not None:
             with report.timed("eval_analysis"):
-                scalars, pictures = live.eval_summaries(
-                    model, {"params": state.params, "batch_stats": state.batch_stats},
-                    fixed_images, config, sharding=rep)
+                scalars, pictures = analyzer(
+                    {"params": state.params, "batch_stats": state.batch_stats}, fixed_images,
+                    sharding=rep)
             if analysis_writer is not None:  # process 0; kept out of the log: ~100 scalars
                 analysis_writer.write_scalars(step, scalars)
                 if pictures:
