@@ -40,7 +40,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--image_size", type=int, default=None)
     p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--attention_impl", default=None, choices=["fused", "separate"])
+    p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
     p.add_argument("--top", type=int, default=15, help="list this many single ops")
     p.add_argument("--part", default=None,
                    help="list the top ops of this model part only ('each': the top of every part)")

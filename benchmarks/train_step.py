@@ -40,7 +40,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--remat", action="store_true", help="activation checkpointing per block")
     p.add_argument("--scan", action="store_true", help="nn.scan over blocks (model.scan)")
     p.add_argument("--grad_accum", type=int, default=1, help="config.grad_accum_steps")
-    p.add_argument("--attention_impl", default=None, choices=["fused", "separate"])
+    p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="device peak for MFU; default: measured by a matmul probe")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))

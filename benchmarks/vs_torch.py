@@ -70,7 +70,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--num_classes", type=int, default=10)
     p.add_argument("--gelu", default="tanh", choices=["tanh", "exact"],
                    help="both sides; timm's default is exact, Google's checkpoints use tanh")
-    p.add_argument("--attention_impl", default=None, choices=["fused", "separate"])
+    p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
     p.add_argument("--torch_threads", type=int, default=None, help="default: torch's own")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     p.add_argument("--json", default=None)

@@ -55,7 +55,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.attention_dropout_rate = 0.0
     c.model.stochastic_depth = 0.0  # drop-path rate of the last block (linear from 0)
     c.model.gelu_approximate = True  # tanh GELU as Google's checkpoints; False: exact erf as timm
-    c.model.attention_impl = "fused"  # fused: one QKV matmul (faster on CPU); separate: 3 DenseGeneral
+    c.model.attention_impl = "auto"  # auto: fused_sdpa on GPU (cuDNN attention), fused elsewhere;
+                                    # fused: one QKV matmul + einsum attention (fastest on CPU);
+                                    # fused_sdpa: one QKV matmul + jax.nn.dot_product_attention;
+                                    # separate: 3 DenseGeneral + dot_product_attention
     c.model.fusion_barriers = "auto"  # auto (CPU only) | on | off: store the residual gradient per block
                                     # instead of XLA:CPU recomputing it (docs/benchmarks.md)
     c.model.scan = False            # nn.scan over the leading identical blocks (fast compile of deep models;

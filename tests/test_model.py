@@ -120,3 +120,33 @@ def test_switching_the_norm_by_name_on_another_methods_config():
     c.model.norm = {"name": "layernorm", "epsilonn": 1e-5}
     with pytest.raises(ValueError, match="epsilonn"):
         models.create(c.model, num_classes=10).init(jax.random.key(1), x)
+
+
+def test_attention_impls_compute_the_same_function():
+    """'fused' (einsum attention), 'fused_sdpa' (jax.nn.dot_product_attention, cuDNN's on GPU),
+    'separate' and 'auto' share parameters and agree in logits and gradients; on CPU 'auto' is
+    'fused' (the same program)."""
+    x = jax.random.normal(jax.random.key(0), (3, 8, 8, 3))
+    cfg = {"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2}
+    ref = models.create({**cfg, "attention_impl": "fused"}, num_classes=4)
+    variables = ref.init(jax.random.key(1), x)
+    leaves, tree = jax.tree.flatten(variables)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    variables = jax.tree.unflatten(tree, [a + 0.2 * jax.random.normal(k, a.shape)
+                                          for a, k in zip(leaves, keys)])
+    def out(model):
+        loss = lambda v: jnp.sum(jnp.sin(model.apply(v, x)))
+        return model.apply(variables, x), jax.grad(loss)(variables)
+    want_logits, want_grads = out(ref)
+    assert float(jnp.abs(want_logits).max()) > 0.1
+    programs = {}
+    for impl in ("auto", "fused_sdpa", "separate"):
+        model = models.create({**cfg, "attention_impl": impl}, num_classes=4)
+        logits, grads = out(model)
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        programs[impl] = str(jax.make_jaxpr(lambda v: model.apply(v, x))(variables))
+    fused_program = str(jax.make_jaxpr(lambda v: ref.apply(v, x))(variables))
+    assert jax.default_backend() != "cpu" or programs["auto"] == fused_program
+    assert programs["fused_sdpa"] != fused_program

@@ -9,6 +9,7 @@ the normalizer in it, so one renaming table serves every norm.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -33,7 +34,7 @@ POSEMBS = ("learn", "sincos2d", "none")
 PLACEMENTS = ("pre", "post", "sandwich")
 PATCH_NORMS = ("none", "pre", "post", "dual", "post_posemb")
 RESIDUALS = ("none", "rescale")
-ATTENTION_IMPLS = ("fused", "separate")
+ATTENTION_IMPLS = ("auto", "fused", "fused_sdpa", "separate")
 FUSION_BARRIERS = ("auto", "on", "off")
 
 
@@ -263,21 +264,37 @@ def _dense_stored_bwd(res, dy):
 _dense_stored.defvjp(_dense_stored_fwd, _dense_stored_bwd)
 
 
+def sdpa(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``jax.nn.dot_product_attention`` on (B, T, H, Dh): cuDNN's fused attention when compiling
+    for GPU in a half dtype (JAX's own default is XLA's implementation everywhere), XLA's if cuDNN
+    refuses the shapes or is absent."""
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            logging.warning("cuDNN attention not used (%s); XLA's attention instead", e)
+    return jax.nn.dot_product_attention(q, k, v)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with Google's parameter layout: query/key/value kernels (D, H, Dh),
     out kernel (H, Dh, D); the same initialisation as flax's DenseGeneral.
 
-    impl 'fused' (default): the three kernels are concatenated in the forward and applied as one
+    impl 'fused': the three kernels are concatenated in the forward and applied as one
     (B*T, D) x (D, 3D) matmul, then all heads attend in two einsums with a float32 softmax; on
     XLA:CPU this is faster than three projections and ``jax.nn.dot_product_attention`` (measured
-    in docs/benchmarks.md). 'separate': three DenseGeneral and the fused-attention primitive.
-    Attention weights are only materialised as an output when ``capture`` is on.
+    in docs/benchmarks.md). 'fused_sdpa': the same projection, then
+    ``jax.nn.dot_product_attention`` with cuDNN's fused (flash) attention on GPU in bfloat16 or
+    float16 (``sdpa``), XLA's otherwise. 'auto' (default): 'fused_sdpa' when compiling for GPU,
+    'fused' elsewhere. 'separate': three DenseGeneral and ``sdpa``.
+    Capture and attention dropout need the weights, so they always take the einsum path.
+    Every impl has the same parameters.
     """
 
     num_heads: int
     dtype: Any
     dropout_rate: float = 0.0
-    impl: str = "fused"
+    impl: str = "auto"
     barriers: bool = False
 
     @nn.compact
@@ -286,13 +303,16 @@ class Attention(nn.Module):
         h = self.num_heads
         hd = d // h
         use_dropout = train and self.dropout_rate > 0
-        if self.impl == "separate":
+        impl = self.impl
+        if impl == "auto":
+            impl = "fused_sdpa" if jax.default_backend() == "gpu" else "fused"
+        if impl == "separate":
             general = lambda name: nn.DenseGeneral((h, hd), dtype=self.dtype, param_dtype=jnp.float32,
                                                    kernel_init=nn.initializers.xavier_uniform(),
                                                    name=name)
             q, k, v = general("query")(x), general("key")(x), general("value")(x)
             if not (capture or use_dropout):
-                out = jax.nn.dot_product_attention(q, k, v)
+                out = sdpa(q, k, v)
                 return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
                                        kernel_init=nn.initializers.xavier_uniform(),
                                        name="out")(out)
@@ -306,6 +326,10 @@ class Attention(nn.Module):
             qkv = qkv.reshape(b, t, 3, h, hd)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             wo, bo = _Projection((h, hd, d), (d,), (d, d), name="out")()
+            if impl == "fused_sdpa" and not (capture or use_dropout):
+                out = sdpa(q, k, v)  # (B, T, H, Dh)
+                y = dense(out.reshape(b * t, d), wo.reshape(d, d), bo, self.dtype, self.barriers)
+                return y.reshape(b, t, d)
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
         weights = jax.nn.softmax(logits / math.sqrt(hd), axis=-1)
         if capture:
@@ -411,7 +435,7 @@ class EncoderBlock(nn.Module):
     attention_dropout_rate: float = 0.0
     drop_path_rate: float = 0.0
     gelu_approximate: bool = True
-    attention_impl: str = "fused"
+    attention_impl: str = "auto"
     fusion_barriers: bool = False
     dtype: Any = jnp.float32
 
@@ -508,7 +532,7 @@ class ViT(nn.Module):
     attention_dropout_rate: float = 0.0
     stochastic_depth: float = 0.0
     gelu_approximate: bool = True
-    attention_impl: str = "fused"
+    attention_impl: str = "auto"
     fusion_barriers: str = "auto"
     scan: bool = False
     remat: bool = False
