@@ -43,9 +43,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.patch_size = ml_collections.config_dict.placeholder(int)
     c.model.classifier = "token"    # token (class token) | gap (global average pooling)
     c.model.posemb = "learn"        # learn | sincos2d | none
-    c.model.cls_token_at_block = 0  # >0: the class token joins before this block (DTN's layout)
+    c.model.cls_token_at_block = 0  # >0: the class token joins before this block (DTN's layout); <0: depth + value
     c.model.norm = ml_collections.ConfigDict({"name": "layernorm"})  # the norm of every slot; options beside name
-    c.model.norm_overrides = ml_collections.ConfigDict()  # 'final' | 'block_<i>' | 'blocks_<a>_<b>' -> norm config
+    c.model.norm_overrides = ml_collections.ConfigDict()  # 'final' | 'block_<i>' | 'blocks_<a>_<b>' | 'last_<k>' -> norm config
     c.model.norm_placement = "pre"  # pre | post | sandwich
     c.model.patch_norm = "none"     # Dual PatchNorm stem: none | pre | post | dual | post_posemb
     c.model.residual_scaling = "none"  # none | rescale (RescaleViT's residual scaling)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ml_collections
 
 from configs import default
-from normvit_jax.models import resolve_model_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -27,12 +26,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         "pool_size": 14,                # grids above 14 that are multiples of 14: pooled as the reference
     })
     c = default.apply_variants(c, arg)
-    depth = resolve_model_config(c.model.to_dict())["depth"]
-    first_ln = max(depth - 2, 1)        # 10 of 12 blocks as the reference; demo (4): blocks 0-1
-    c.model.cls_token_at_block = first_ln  # the class token joins the LN blocks only
+    # Counted from the end, so `--config.model.depth=N` keeps the layout: DTN in blocks 0..N-3
+    # (10 of 12 as the reference; the demo's depth 4: blocks 0-1), the class token joining the
+    # last two blocks, which use LayerNorm, as does the final norm.
+    c.model.cls_token_at_block = -2     # resolved to depth - 2
     ln = {"name": "layernorm", "epsilon": 1e-5}
     c.model.norm_overrides = ml_collections.ConfigDict({
-        f"blocks_{first_ln}_{depth}": dict(ln),  # LN after the DTN blocks
+        "last_2": dict(ln),             # LN in the last two blocks (resolved to blocks_<d-2>_<d>)
         "final": dict(ln),              # LN as the final norm
     })
     return c

@@ -139,8 +139,8 @@ def fold(model_cfg: Any, variables: Mapping[str, Any]) -> tuple[dict, dict, Fold
         elif not foldable(final_cfg):
             report.kept.append(("Transformer/encoder_norm", _why_kept(final_cfg)))
     new_cfg = dict(cfg)
-    # New entries first: the first override key that matches a slot wins.
-    new_cfg["norm_overrides"] = {**new_overrides, **dict(overrides or {})} or None
+    # 'block_<i>' is the narrowest key, so it wins over any range that also covers block i.
+    new_cfg["norm_overrides"] = {**dict(overrides or {}), **new_overrides} or None
     out = {"params": params}
     if _has_leaves(stats):
         out["batch_stats"] = stats

@@ -150,3 +150,15 @@ def test_attention_impls_compute_the_same_function():
     fused_program = str(jax.make_jaxpr(lambda v: ref.apply(v, x))(variables))
     assert jax.default_backend() != "cpu" or programs["auto"] == fused_program
     assert programs["fused_sdpa"] != fused_program
+
+
+def test_overlapping_norm_overrides_the_narrowest_wins():
+    """Keys of a ConfigDict come back sorted, so precedence cannot be the keys' order."""
+    from normvit_jax.models.vit import norm_for_slot
+    ov = {"last_3": {"name": "rmsnorm"}, "block_4": {"name": "identity"},
+          "blocks_0_5": {"name": "groupnorm"}, "final": {"name": "scalenorm"}}
+    cfg = models.resolve_model_config({"variant": "Ti/16", "depth": 6, "norm_overrides": ov})
+    got = [norm_for_slot({"name": "layernorm"}, cfg["norm_overrides"], "block", i)["name"]
+           for i in range(6)]
+    assert got == ["groupnorm", "groupnorm", "groupnorm", "rmsnorm", "identity", "rmsnorm"]
+    assert norm_for_slot(None, cfg["norm_overrides"], "encoder_norm", None)["name"] == "scalenorm"

@@ -66,7 +66,15 @@ def test_config_full_size_resolves(name, variant):
 
 
 def test_dtn_layout():
-    c = importlib.import_module("configs.vit_dtn").get_config(None)
-    assert c.model.cls_token_at_block == 10 and "blocks_10_12" in c.model.norm_overrides
-    d = importlib.import_module("configs.vit_dtn").get_config("demo")
-    assert d.model.cls_token_at_block == 2 and "blocks_2_4" in d.model.norm_overrides
+    """The reference layout, counted from the end: it follows a depth override."""
+    for variant, depth in ((None, 12), ("demo", 4), (None, 16)):
+        c = importlib.import_module("configs.vit_dtn").get_config(variant)
+        c.model.depth = depth  # what --config.model.depth=N does after get_config
+        m = models.resolve_model_config(c.model.to_dict())
+        assert m["cls_token_at_block"] == depth - 2
+        assert set(m["norm_overrides"]) == {f"blocks_{depth - 2}_{depth}", "final"}
+        assert models.vit.scan_length(m) == depth - 2
+    with pytest.raises(ValueError, match="cls_token_at_block=-2 with depth=2"):
+        models.resolve_model_config({**m, "depth": 2, "cls_token_at_block": -2})
+    with pytest.raises(ValueError, match="last_0"):
+        models.resolve_model_config({**m, "norm_overrides": {"last_0": {"name": "layernorm"}}})

@@ -76,6 +76,33 @@ def resolve_model_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
                          ("fusion_barriers", FUSION_BARRIERS)):
         if key in cfg and cfg[key] not in allowed:
             raise ValueError(f"model.{key}={cfg[key]!r} is not accepted; accepted: {list(allowed)}")
+    return _absolute_blocks(cfg)
+
+
+def _absolute_blocks(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Block positions counted from the end, so a layout survives a depth override: a negative
+    ``cls_token_at_block`` is depth + value; a ``last_K`` override key is ``blocks_<depth-K>_<depth>``
+    (key order kept: the first matching key wins)."""
+    depth = int(cfg["depth"])
+    at = cfg.get("cls_token_at_block") or 0
+    if at < 0:
+        if depth + at < 1:
+            raise ValueError(f"model.cls_token_at_block={at} with depth={depth} is not accepted; "
+                             f"accepted: 0, 1..depth, or -1..-{depth - 1} (counted from the end)")
+        cfg["cls_token_at_block"] = depth + at
+    overrides = cfg.get("norm_overrides")
+    if overrides and any(str(k).startswith("last_") for k in overrides):
+        items = overrides.items()
+        out = {}
+        for key, value in items:
+            parts = str(key).split("_")
+            if parts[0] == "last":
+                if len(parts) != 2 or not parts[1].isdigit() or not 1 <= int(parts[1]) <= depth:
+                    raise ValueError(f"model.norm_overrides key {key!r} is not accepted; accepted: "
+                                     f"'last_<k>' with 1 <= k <= depth={depth}")
+                key = f"blocks_{depth - int(parts[1])}_{depth}"
+            out[key] = value
+        cfg["norm_overrides"] = out
     return cfg
 
 
@@ -112,8 +139,11 @@ def norm_for_slot(model_cfg_norm: Any, overrides: Mapping[str, Any] | None, slot
     """The norm config of a slot: ``model.norm`` unless an override selects the slot.
 
     Override keys: 'final' (the encoder norm), 'blocks_A_B' (every slot of blocks A..B-1),
-    'block_A' (one block).
+    'block_A' (one block); 'last_K' (the last K blocks) is rewritten to 'blocks_A_B' by
+    ``resolve_model_config``. Where keys overlap the narrowest wins ('block_A' over any range),
+    whatever the keys' order (a ConfigDict sorts them).
     """
+    best, width = model_cfg_norm, None
     for key, cfg in (overrides or {}).items():
         if key == "final" and slot == "encoder_norm":
             return cfg
@@ -121,10 +151,14 @@ def norm_for_slot(model_cfg_norm: Any, overrides: Mapping[str, Any] | None, slot
             continue
         parts = key.split("_")
         if parts[0] == "blocks" and len(parts) == 3 and int(parts[1]) <= block < int(parts[2]):
-            return cfg
-        if parts[0] == "block" and len(parts) == 2 and int(parts[1]) == block:
-            return cfg
-    return model_cfg_norm
+            w = int(parts[2]) - int(parts[1])
+        elif parts[0] == "block" and len(parts) == 2 and int(parts[1]) == block:
+            w = 0
+        else:
+            continue
+        if width is None or w < width:
+            best, width = cfg, w
+    return best
 
 
 def check_override_keys(overrides: Mapping[str, Any] | None, depth: int) -> None:
@@ -137,7 +171,8 @@ def check_override_keys(overrides: Mapping[str, Any] | None, depth: int) -> None
         if not ok:
             raise ValueError(
                 f"model.norm_overrides key {key!r} is not accepted; accepted: 'final', "
-                f"'block_<i>' or 'blocks_<start>_<end>' (end exclusive) with 0 <= i < depth={depth}")
+                f"'block_<i>', 'blocks_<start>_<end>' (end exclusive) with 0 <= i < depth={depth}, "
+                "or 'last_<k>'")
 
 
 def drop_path_rate(stochastic_depth: float, index: int, depth: int) -> float:
@@ -173,7 +208,7 @@ def scan_length(model_cfg: Mapping[str, Any]) -> int:
     cfg.setdefault("norm", None)
     cfg.setdefault("cls_token_at_block", 0)
     cfg.setdefault("classifier", "token")
-    return _scan_length(cfg)
+    return _scan_length(_absolute_blocks(cfg))
 
 
 class PatchEmbed(nn.Module):
