@@ -8,21 +8,26 @@ class-token pick and the global average pool commute with a per-channel affine).
 (C_in, ...) and bias b: K' = a[:, None] * K, b' = b + c @ K, and the slot becomes 'identity': the
 same function without a pass over the activations (UN's "faster inference").
 
-    python -m normvit_jax.reparam --workdir=runs/demo_un     # fold, check, time
+    python -m normvit_jax.reparam --workdir=runs/demo_un [--out=runs/demo_un/folded]
+                                                             # fold, check, time [, save]
 
 ``fold(model_cfg, variables)`` returns the folded model config, variables and a report;
-``max_logit_difference`` is the equivalence check. PowerNorm (per-token group scaling at
+``max_logit_difference`` is the equivalence check; ``save``/``load`` write and read a folded
+model (``model.json`` + ``variables.msgpack``, local or gs://). PowerNorm (per-token group scaling at
 inference), LayerNorm and the other per-token norms do not fold and are kept.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
+from flax import serialization
 
 from normvit_jax import norms
 from normvit_jax.models import scan_convert
@@ -159,6 +164,41 @@ def max_logit_difference(model_cfg: Any, variables: Mapping, folded_cfg: Mapping
     return float(jnp.max(jnp.abs(a - b)))
 
 
+def _jsonable(cfg: Any) -> Any:
+    if hasattr(cfg, "to_dict"):
+        cfg = cfg.to_dict()
+    if isinstance(cfg, Mapping):
+        return {str(k): _jsonable(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [_jsonable(v) for v in cfg]
+    return cfg.item() if isinstance(cfg, np.generic) else cfg
+
+
+def save(path: str, model_cfg: Mapping, variables: Mapping, num_classes: int) -> None:
+    """Writes a folded model to the folder ``path``: ``variables.msgpack`` (written to a temporary
+    name, then renamed) and ``model.json`` ({'model': config, 'num_classes': n})."""
+    d = epath.Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / "variables.msgpack.tmp"
+    tmp.write_bytes(serialization.msgpack_serialize(jax.tree.map(np.asarray, dict(variables))))
+    tmp.rename(d / "variables.msgpack")
+    (d / "model.json").write_text(json.dumps(
+        {"model": _jsonable(model_cfg), "num_classes": int(num_classes)}, indent=2))
+
+
+def load(path: str) -> tuple[dict, dict, int]:
+    """(model config, variables, num_classes) of a folder written by ``save``:
+    ``models.create(cfg, num_classes).apply(variables, images)``."""
+    d = epath.Path(path)
+    for name in ("model.json", "variables.msgpack"):
+        if not (d / name).exists():
+            raise FileNotFoundError(f"{d / name} not found: is {path} a folder written by "
+                                    "normvit_jax.reparam.save (or the CLI's --out)?")
+    meta = json.loads((d / "model.json").read_text())
+    variables = serialization.msgpack_restore((d / "variables.msgpack").read_bytes())
+    return meta["model"], variables, int(meta["num_classes"])
+
+
 def _time(fn, variables, images, reps: int) -> float:
     jax.block_until_ready(fn(variables, images))
     ts = []
@@ -181,6 +221,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--batch", type=int, default=64, help="images for the check and the timing")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--out", default=None,
+                   help="folder to save the folded model in (model.json + variables.msgpack; "
+                        "read back with normvit_jax.reparam.load)")
     args = p.parse_args(argv)
     variables, config = checkpoints.load_variables(args.workdir, args.step)
     num_classes = int(variables["params"]["head"]["bias"].shape[-1])
@@ -197,6 +240,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t1 = _time(run(folded_cfg), folded, images, args.reps)
     print(f"eval batch of {args.batch}: {t0 * 1e3:.1f} ms unfolded, {t1 * 1e3:.1f} ms folded "
           f"({t0 / t1:.2f}x), median of {args.reps}")
+    if args.out:
+        save(args.out, folded_cfg, folded, num_classes)
+        print(f"folded model saved in {args.out}")
     return {"folded": report.folded, "kept": report.kept, "max_diff": diff, "unfolded_s": t0,
             "folded_s": t1}
 

@@ -129,7 +129,20 @@ def test_command_folds_a_trained_run(tmp_path, capsys):
     cfg = tiny_demo_config(total_steps=3, checkpoint_every=3, eval_every=3)
     cfg.model.norm = {"name": "batchnorm"}
     loop.train_and_evaluate(cfg, str(tmp_path))
-    out = reparam.main(["--workdir", str(tmp_path), "--batch", "4", "--reps", "1"])
+    saved = tmp_path / "folded"
+    out = reparam.main(["--workdir", str(tmp_path), "--batch", "4", "--reps", "1",
+                        "--out", str(saved)])
     text = capsys.readouterr().out
-    assert "folded 5 norm slot(s)" in text and "folded Transformer/encoder_norm" in text
+    assert "folded 5 norm slot(s)" in text and "folded Transformer/encoderblock_1/LayerNorm_2" in text
     assert out["max_diff"] < 1e-3
+    # The saved folded model loads back and computes the trained run's eval logits.
+    from normvit_jax import checkpoints
+    variables, config = checkpoints.load_variables(str(tmp_path))
+    model_cfg, folded, num_classes = reparam.load(str(saved))
+    images = jax.random.normal(jax.random.key(3), (4, config.data.image_size, config.data.image_size, 3))
+    want = models.create(config.model, num_classes).apply(variables, images, train=False)
+    got = models.create(model_cfg, num_classes).apply(folded, images, train=False)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
+    assert "LayerNorm_0" not in folded["params"]["Transformer"]["encoderblock_0"]
+    with pytest.raises(FileNotFoundError, match="reparam.save"):
+        reparam.load(str(tmp_path / "nothing"))
