@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from etils import epath
 from flax import serialization
@@ -147,31 +148,22 @@ def fold(model_cfg: Any, variables: Mapping[str, Any]) -> tuple[dict, dict, Fold
     # 'block_<i>' is the narrowest key, so it wins over any range that also covers block i.
     new_cfg["norm_overrides"] = {**dict(overrides or {}), **new_overrides} or None
     out = {"params": params}
-    if _has_leaves(stats):
+    if jax.tree.leaves(stats):
         out["batch_stats"] = stats
     return new_cfg, scan_convert.to_layout(out, new_cfg), report
 
 
-def _has_leaves(tree: Any) -> bool:
-    return bool(jax.tree.leaves(tree))
+def _eval_logits(model_cfg: Any, variables: Mapping, images: jax.Array,
+                 num_classes: int) -> jax.Array:
+    return create(model_cfg, num_classes).apply(variables, images, train=False)
 
 
 def max_logit_difference(model_cfg: Any, variables: Mapping, folded_cfg: Mapping,
                          folded_variables: Mapping, images: jax.Array, num_classes: int) -> float:
     """max |logits(model) - logits(folded model)| in eval mode on ``images``."""
-    a = create(model_cfg, num_classes).apply(variables, images, train=False)
-    b = create(folded_cfg, num_classes).apply(folded_variables, images, train=False)
+    a = _eval_logits(model_cfg, variables, images, num_classes)
+    b = _eval_logits(folded_cfg, folded_variables, images, num_classes)
     return float(jnp.max(jnp.abs(a - b)))
-
-
-def _jsonable(cfg: Any) -> Any:
-    if hasattr(cfg, "to_dict"):
-        cfg = cfg.to_dict()
-    if isinstance(cfg, Mapping):
-        return {str(k): _jsonable(v) for k, v in cfg.items()}
-    if isinstance(cfg, (list, tuple)):
-        return [_jsonable(v) for v in cfg]
-    return cfg.item() if isinstance(cfg, np.generic) else cfg
 
 
 def save(path: str, model_cfg: Mapping, variables: Mapping, num_classes: int) -> None:
@@ -183,7 +175,8 @@ def save(path: str, model_cfg: Mapping, variables: Mapping, num_classes: int) ->
     tmp.write_bytes(serialization.msgpack_serialize(jax.tree.map(np.asarray, dict(variables))))
     tmp.rename(d / "variables.msgpack")
     (d / "model.json").write_text(json.dumps(
-        {"model": _jsonable(model_cfg), "num_classes": int(num_classes)}, indent=2))
+        {"model": json.loads(ml_collections.ConfigDict(dict(model_cfg)).to_json_best_effort()),
+         "num_classes": int(num_classes)}, indent=2))
 
 
 def load(path: str) -> tuple[dict, dict, int]:
@@ -231,8 +224,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     images = jax.random.normal(jax.random.key(0), (args.batch, size, size, 3))
     folded_cfg, folded, report = fold(config.model, variables)
     print(report)
-    diff = max_logit_difference(config.model, variables, folded_cfg, folded, images, num_classes)
-    scale = float(jnp.max(jnp.abs(create(config.model, num_classes).apply(variables, images))))
+    want = _eval_logits(config.model, variables, images, num_classes)
+    diff = float(jnp.max(jnp.abs(_eval_logits(folded_cfg, folded, images, num_classes) - want)))
+    scale = float(jnp.max(jnp.abs(want)))
     print(f"max |logit difference| on {args.batch} random images: {diff:.3g} "
           f"(largest |logit| {scale:.3g})")
     run = lambda c: jax.jit(lambda v, x: create(c, num_classes).apply(v, x, train=False))

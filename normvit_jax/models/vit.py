@@ -81,8 +81,8 @@ def resolve_model_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def _absolute_blocks(cfg: dict[str, Any]) -> dict[str, Any]:
     """Block positions counted from the end, so a layout survives a depth override: a negative
-    ``cls_token_at_block`` is depth + value; a ``last_K`` override key is ``blocks_<depth-K>_<depth>``
-    (key order kept: the first matching key wins)."""
+    ``cls_token_at_block`` is depth + value; a ``last_K`` override key is
+    ``blocks_<depth-K>_<depth>``."""
     depth = int(cfg["depth"])
     at = cfg.get("cls_token_at_block") or 0
     if at < 0:
@@ -92,9 +92,8 @@ def _absolute_blocks(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg["cls_token_at_block"] = depth + at
     overrides = cfg.get("norm_overrides")
     if overrides and any(str(k).startswith("last_") for k in overrides):
-        items = overrides.items()
         out = {}
-        for key, value in items:
+        for key, value in overrides.items():
             parts = str(key).split("_")
             if parts[0] == "last":
                 if len(parts) != 2 or not parts[1].isdigit() or not 1 <= int(parts[1]) <= depth:
