@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import pytest
 
 from configs import vit_ln
@@ -38,3 +39,13 @@ def tiny_config():
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def float32_matmuls():
+    """Full float32 matrix products for tests that compare float32 numerics at ~1e-5: on GPU
+    (Ampere and later) XLA's default precision runs float32 dots in TF32 (10-bit mantissa, errors
+    ~1e-3), which such tolerances are not meant to absorb. On CPU the default is float32 already,
+    so this changes nothing there; the tolerances stay what they are."""
+    with jax.default_matmul_precision("float32"):
+        yield
