@@ -2,12 +2,17 @@
 
     python -m benchmarks.train_step --model=S/16 --norm=dtn --batch=128 --dtype=bfloat16 --steps=50
     python -m benchmarks.train_step --model=Ti/4 --norm=all --batch=128 --steps=7
+    python -m benchmarks.train_step --model=B/16 --norm=all --isolate --batch=256 --dtype=bfloat16
 
 The step is the train loop's own (``steps.make_train_step``, jitted with the loop's shardings and
-donated state) on a fixed synthetic batch. FLOPs come from XLA's cost analysis of the compiled
-step; MFU is model FLOPs / time / peak, the peak given by ``--peak_tflops`` or measured with a
-large matmul (then labelled 'probe'). With several norms every step is timed round-robin in one
-process and each norm's time is reported as the median of its per-round ratio to LayerNorm's.
+donated state) on a fixed synthetic batch. MFU is analytic model FLOPs (``benchmarks.model_flops``:
+3x the forward's matrix products) / step time / peak; XLA's cost-analysis count is printed next to
+it (on GPU it leaves out the cuBLAS/cuDNN calls). The peak is ``--peak_tflops``, else the
+datasheet figure for the device (GPUs in ``model_flops.PEAK_TFLOPS``), else a large matmul's
+measured rate ('probe'). With several norms every step is timed round-robin in one process and
+each norm's time is reported as the median of its per-round ratio to LayerNorm's; with
+``--isolate`` each norm runs in its own process (``benchmarks.isolate``, ``--norm_timeout``) and
+the ratio is of the medians.
 """
 from __future__ import annotations
 
@@ -16,12 +21,16 @@ from benchmarks import xla_flags
 xla_flags.apply()
 
 import argparse  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, isolate, model_flops  # noqa: E402
+from normvit_jax import models  # noqa: E402
 
 SLACK = 0.05  # the target: time ratio <= FLOP ratio + SLACK
+XLA_AGREES = 0.25  # XLA's count is used for the FLOP ratio only within 25% of the analytic one
+DTN_NORMS = ("dtn", "dtn_var")
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -42,66 +51,157 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--grad_accum", type=int, default=1, help="config.grad_accum_steps")
     p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
     p.add_argument("--peak_tflops", type=float, default=None,
-                   help="device peak for MFU; default: measured by a matmul probe")
+                   help="device peak for MFU; default: the datasheet's (GPUs), else a matmul probe")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
+    p.add_argument("--isolate", action="store_true",
+                   help="each norm in its own process (benchmarks.isolate); ratios of medians")
+    p.add_argument("--norm_timeout", type=float, default=300.0,
+                   help="with --isolate: seconds per norm before it is stopped and reported")
+    p.add_argument("--isolate_dir", default=None,
+                   help="with --isolate: per-norm logs and JSON (default: next to --json, or ./runs)")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args(argv)
 
 
+def analytic_flops(args: argparse.Namespace, cfg: Any, norm: str) -> tuple[float, float]:
+    """(ViT model FLOPs per step, the same + the norm's own matrix products) for MFU and ratios."""
+    model_cfg = models.resolve_model_config(cfg.model.to_dict())
+    shape = model_flops.shape_from_config(model_cfg, int(cfg.data.image_size), args.num_classes)
+    vit = model_flops.train_step_flops(shape, args.batch)
+    extra = 0.0
+    if norm in DTN_NORMS:  # every norm slot: 2 per block + the final norm
+        extra = model_flops.dtn_statistics_flops(shape, 2 * shape.depth + 1)
+    return vit, model_flops.train_step_flops(shape, args.batch, extra)
+
+
+def peak(args: argparse.Namespace) -> tuple[float, str]:
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12, "given"
+    import jax
+    kind = jax.devices()[0].device_kind
+    table = model_flops.peak_tflops(kind, args.dtype) if jax.default_backend() == "gpu" else None
+    if table:
+        return table * 1e12, f"datasheet {kind}"
+    return common.matmul_probe(common.DTYPES[args.dtype]), "probe"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     names = common.norm_names(args.norm)
+    if args.isolate and len(names) > 1:
+        return run_isolated(args, names)
     overrides = {"attention_impl": args.attention_impl} if args.attention_impl else None
-    benches = {}
+    benches, flops = {}, {}
     for n in names:
         cfg = common.bench_config(args.model, n, image_size=args.image_size, batch=args.batch,
                                   dtype=args.dtype, remat=args.remat, scan=args.scan,
                                   grad_accum=args.grad_accum, num_classes=args.num_classes,
                                   depth=args.depth, model_overrides=overrides)
+        flops[n] = analytic_flops(args, cfg, n)
         benches[n] = common.compile_train(n, cfg, num_classes=args.num_classes)
         print(f"compiled {n}: {benches[n].compile_s:.1f} s", file=sys.stderr, flush=True)
     times = common.interleaved({n: b.step for n, b in benches.items()}, args.steps, args.warmup)
-    if args.peak_tflops:
-        peak, peak_src = args.peak_tflops * 1e12, "given"
-    else:
-        peak, peak_src = common.matmul_probe(common.DTYPES[args.dtype]), "probe"
-    ratios = common.paired_ratios(times, "layernorm") if "layernorm" in benches else {}
-    base_flops = benches["layernorm"].flops if "layernorm" in benches else None
+    peak_flops, peak_src = peak(args)
     rows = []
     for n, b in benches.items():
         s = common.summarize(times[n])
-        row: dict[str, Any] = {
+        vit, with_norm = flops[n]
+        rows.append({
             "norm": n, "compile_s": round(b.compile_s, 1), "step_s": s.fmt(), "step_median_s": s.median,
             "images_per_s": round(args.batch / s.median, 1),
-            "gflops_per_step": None if b.flops is None else round(b.flops / 1e9, 2),
-            "tflops_per_s": None if b.flops is None else round(b.flops / s.median / 1e12, 4),
-            "mfu": None if b.flops is None else round(b.flops / s.median / peak, 4),
+            "model_gflops": vit / 1e9, "norm_gflops": (with_norm - vit) / 1e9,
+            "xla_gflops": None if b.flops is None else b.flops / 1e9,
+            "mfu": round(model_flops.mfu(vit, s.median, peak_flops), 4),
             "xla_peak_gib": common.gib(b.memory.get("xla_peak")),
-        }
-        if ratios and len(benches) > 1:
-            r = ratios[n]
-            row["time_ratio"] = r.fmt(digits=3)
-            row["time_ratio_median"] = r.median
-            if b.flops and base_flops:
-                row["flop_ratio"] = round(b.flops / base_flops, 4)
-                row["bound"] = round(b.flops / base_flops + SLACK, 4)
-                row["within"] = "yes" if r.median <= row["bound"] else "NO"
-        rows.append(row)
+        })
+    if len(benches) > 1 and "layernorm" in benches:
+        add_ratios(rows, common.paired_ratios(times, "layernorm"))
     device_peak = common.device_peak_bytes()
     return {"machine": common.machine(), "args": vars(args), "rows": rows, "times": times,
-            "peak_flops": peak, "peak_source": peak_src,
+            "peak_flops": peak_flops, "peak_source": peak_src,
             "device_peak_gib": common.gib(device_peak)}
+
+
+def add_ratios(rows: list[dict[str, Any]], ratios: dict[str, common.Summary]) -> None:
+    """Time ratio to LayerNorm's next to the FLOP ratio and its bound. FLOPs: XLA's counts where
+    both agree with the analytic ones (CPU), else the analytic ones with the norm's products."""
+    base = next(r for r in rows if r["norm"] == "layernorm")
+    use_xla = all(r.get("xla_gflops") and abs(r["xla_gflops"] / (r["model_gflops"] + r["norm_gflops"])
+                                               - 1) <= XLA_AGREES for r in rows)
+    total = (lambda r: r["xla_gflops"]) if use_xla else (lambda r: r["model_gflops"] + r["norm_gflops"])
+    for r in rows:
+        ratio = ratios[r["norm"]]
+        r["time_ratio"] = ratio.fmt(digits=3)
+        r["time_ratio_median"] = ratio.median
+        r["flop_ratio"] = round(total(r) / total(base), 4)
+        r["flop_source"] = "xla" if use_xla else "analytic"
+        r["bound"] = round(r["flop_ratio"] + SLACK, 4)
+        r["within"] = "yes" if ratio.median <= r["bound"] else "NO"
+
+
+def child_argv(args: argparse.Namespace, norm: str, json_path: str) -> list[str]:
+    """This run's flags for one norm in its own process."""
+    out = [f"--model={args.model}", f"--norm={norm}", f"--batch={args.batch}",
+           f"--dtype={args.dtype}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+           f"--num_classes={args.num_classes}", f"--grad_accum={args.grad_accum}",
+           f"--xla_preset={args.xla_preset}", f"--json={json_path}"]
+    for flag in ("image_size", "depth", "attention_impl", "peak_tflops"):
+        if getattr(args, flag) is not None:
+            out.append(f"--{flag}={getattr(args, flag)}")
+    out += [f"--{flag}" for flag in ("remat", "scan") if getattr(args, flag)]
+    return out
+
+
+def run_isolated(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+    """One process per norm; failures and timeouts are reported, the others still measured. The
+    time ratio is the ratio of medians from separate processes (no per-round pairing)."""
+    out_dir = args.isolate_dir or os.path.join(
+        os.path.dirname(os.path.abspath(args.json)) if args.json else "runs", "train_step_isolated")
+    outcomes = isolate.run_isolated(names, lambda n, j: child_argv(args, n, j),
+                                    "benchmarks.train_step", out_dir, args.norm_timeout)
+    rows, times, failures, first = [], {}, [], None
+    for o in outcomes:
+        if o.status != "ok":
+            failures.append({"norm": o.name, "status": o.status, "reason": o.reason, "log": o.log})
+            continue
+        first = first or o.result
+        row = dict(o.result["rows"][0], device_peak_gib=o.result.get("device_peak_gib"),
+                   wall_s=round(o.seconds, 1))
+        rows.append(row)
+        times[o.name] = o.result["times"][o.name]
+    if any(r["norm"] == "layernorm" for r in rows) and len(rows) > 1:
+        base = common.summarize(times["layernorm"])
+        add_ratios(rows, {n: _ratio_of_medians(common.summarize(ts), base) for n, ts in times.items()})
+    return {"machine": (first or {}).get("machine", {}), "args": vars(args), "rows": rows,
+            "times": times, "failures": failures,
+            "peak_flops": (first or {}).get("peak_flops", float("nan")),
+            "peak_source": (first or {}).get("peak_source", "-"),
+            "device_peak_gib": max((r["device_peak_gib"] for r in rows
+                                    if r.get("device_peak_gib") is not None), default=None)}
+
+
+def _ratio_of_medians(s: common.Summary, base: common.Summary) -> common.Summary:
+    """median/median, the quartiles as p25/p75 over base's median (an indication of spread)."""
+    return common.Summary(s.median / base.median, s.lo / base.median, s.hi / base.median, s.n)
 
 
 def report(res: dict[str, Any]) -> str:
     a = res["args"]
+    how = ("one process per norm, ratio of medians" if a.get("isolate") and len(res["rows"]) > 1
+           else "round-robin in one process")
     head = (f"train step: model={a['model']} image={a['image_size'] or 'default'} batch={a['batch']} "
             f"dtype={a['dtype']} remat={a['remat']} scan={a['scan']} grad_accum={a['grad_accum']}; "
-            f"{a['steps']} timed rounds after {a['warmup']} warm-up; step time median [p25, p75] s; "
-            f"peak {res['peak_flops'] / 1e12:.3f} TFLOP/s ({res['peak_source']})")
-    cols = ["norm", "compile_s", "step_s", "images_per_s", "gflops_per_step", "mfu", "xla_peak_gib"]
+            f"{a['steps']} timed rounds after {a['warmup']} warm-up ({how}); step time median "
+            f"[p25, p75] s; MFU from analytic model FLOPs; peak {res['peak_flops'] / 1e12:.3f} "
+            f"TFLOP/s ({res['peak_source']})")
+    cols = ["norm", "compile_s", "step_s", "images_per_s", "model_gflops", "xla_gflops", "mfu",
+            "xla_peak_gib"]
+    if any("device_peak_gib" in r for r in res["rows"]):
+        cols.append("device_peak_gib")
     if any("time_ratio" in r for r in res["rows"]):
         cols += ["time_ratio", "flop_ratio", "bound", "within"]
     out = [head, common.table(res["rows"], cols)]
+    for f in res.get("failures", []):
+        out.append(f"NOT MEASURED {f['norm']}: {f['status']}: {f['reason']} (log: {f['log']})")
     if res["device_peak_gib"] is not None:
         out.append(f"device peak memory: {res['device_peak_gib']:.2f} GiB")
     else:
