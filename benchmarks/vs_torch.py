@@ -4,10 +4,13 @@
 
 Same depth, width, heads, MLP width, patch, image size, classes, batch and dtype; both with a
 class token, learned position embedding, pre-norm LayerNorm (eps 1e-6), tanh GELU (``--gelu``),
-AdamW (weight decay 0.05) with global-norm clipping at 1.0; cross-entropy loss. timm runs eager
-with its defaults (fused ``scaled_dot_product_attention``). Steps alternate (which side goes
-first alternates too) and the report gives the median per-pair ratio timm_time / jax_time:
-above 1 this project is faster.
+AdamW (weight decay 0.05) with global-norm clipping at 1.0; cross-entropy loss. timm runs with
+its defaults (fused ``scaled_dot_product_attention``). Where torch sees a GPU (``torch_plan``) it
+runs on that GPU like JAX does, eager and ``torch.compile``d, with bfloat16 autocast for
+``--dtype=bfloat16``, TF32 float32 matmuls (XLA's GPU default too) and fused AdamW; JAX then
+allocates GPU memory on demand so both fit. On CPU timm runs eager, as before. Steps alternate
+(the order rotates) and the report gives the median per-round ratio timm_time / jax_time for
+each timm variant: above 1 this project is faster.
 
 Needs the optional extra: ``pip install torch==2.13.0 timm`` (``pip install -e '.[torch]'``).
 """
@@ -18,7 +21,8 @@ from benchmarks import xla_flags
 xla_flags.apply()
 
 import argparse  # noqa: E402
-import math  # noqa: E402
+import dataclasses  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
@@ -72,47 +76,109 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="both sides; timm's default is exact, Google's checkpoints use tanh")
     p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
     p.add_argument("--torch_threads", type=int, default=None, help="default: torch's own")
+    p.add_argument("--torch_device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto: cuda when torch sees a GPU")
+    p.add_argument("--torch_compile", default="auto", choices=["auto", "yes", "no"],
+                   help="also time a torch.compile'd timm; auto: on cuda only")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
-def torch_step(torch: Any, timm: Any, cfg: dict[str, Any], args: argparse.Namespace, size: int):
-    """timm's VisionTransformer with this project's hyperparameters and a full AdamW step."""
+@dataclasses.dataclass(frozen=True)
+class TorchPlan:
+    """How the timm side runs: where, which variants, which numerics."""
+
+    device: str                # 'cuda' or 'cpu'
+    variants: tuple[str, ...]  # 'eager' and/or 'compiled' (torch.compile)
+    autocast: str | None       # 'bfloat16' or None
+    fused_adamw: bool          # one fused CUDA kernel for the AdamW update
+    tf32: bool                 # float32 matmuls in TF32, as XLA's GPU default precision does
+    jax_preallocate: bool      # False: JAX allocates on demand, sharing the GPU with torch
+
+
+def torch_plan(cuda_available: bool, dtype: str, device: str = "auto",
+               compile_: str = "auto") -> TorchPlan:
+    """The timm side for this host: the GPU (eager and compiled) when torch sees one, else the
+    CPU (eager, the behaviour measured in docs/benchmarks.md)."""
+    if device == "cuda" and not cuda_available:
+        raise SystemExit("--torch_device=cuda: torch sees no CUDA device")
+    on_gpu = device == "cuda" or (device == "auto" and cuda_available)
+    compiled = compile_ == "yes" or (compile_ == "auto" and on_gpu)
+    return TorchPlan(device="cuda" if on_gpu else "cpu",
+                     variants=("eager", "compiled") if compiled else ("eager",),
+                     autocast="bfloat16" if dtype == "bfloat16" else None,
+                     fused_adamw=on_gpu, tf32=on_gpu, jax_preallocate=not on_gpu)
+
+
+def share_gpu_with_torch(plan: TorchPlan) -> bool:
+    """JAX takes 75% of GPU memory when its backend starts unless told otherwise: on a plan that
+    puts torch on the GPU, ask for on-demand allocation. False if JAX had started already."""
+    if plan.jax_preallocate:
+        return True
+    if xla_flags.backend_started():
+        return False
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return True
+
+
+def torch_steps(torch: Any, timm: Any, cfg: dict[str, Any], args: argparse.Namespace, size: int,
+                plan: TorchPlan) -> tuple[dict[str, Any], int]:
+    """{'timm' (eager), 'timm_compiled'}: timm's VisionTransformer with this project's
+    hyperparameters and a full AdamW step each (separate models, the same initialisation)."""
     from timm.models.vision_transformer import VisionTransformer
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    if plan.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    dev = torch.device(plan.device)
     act = (lambda: torch.nn.GELU(approximate="tanh")) if args.gelu == "tanh" else torch.nn.GELU
-    model = VisionTransformer(
-        img_size=size, patch_size=cfg["patch_size"], embed_dim=cfg["hidden_size"],
-        depth=cfg["depth"], num_heads=cfg["num_heads"], mlp_ratio=cfg["mlp_dim"] / cfg["hidden_size"],
-        num_classes=args.num_classes, qkv_bias=True, class_token=True, global_pool="token",
-        act_layer=act)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.05)
     g = torch.Generator().manual_seed(0)
-    x = torch.rand((args.batch, 3, size, size), generator=g) * 2 - 1
-    y = torch.randint(0, args.num_classes, (args.batch,), generator=g)
-    autocast = args.dtype == "bfloat16"
+    x = (torch.rand((args.batch, 3, size, size), generator=g) * 2 - 1).to(dev)
+    y = torch.randint(0, args.num_classes, (args.batch,), generator=g).to(dev)
+    sync = torch.cuda.synchronize if plan.device == "cuda" else (lambda: None)
 
-    def step() -> float:
-        t = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float(), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        float(loss.detach())  # synchronise (CPU eager is synchronous already; keeps the contract)
-        return time.perf_counter() - t
+    def make(variant: str) -> tuple[Any, int]:
+        torch.manual_seed(0)
+        model = VisionTransformer(
+            img_size=size, patch_size=cfg["patch_size"], embed_dim=cfg["hidden_size"],
+            depth=cfg["depth"], num_heads=cfg["num_heads"], mlp_ratio=cfg["mlp_dim"] / cfg["hidden_size"],
+            num_classes=args.num_classes, qkv_bias=True, class_token=True, global_pool="token",
+            act_layer=act).to(dev)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.05,
+                                **({"fused": True} if plan.fused_adamw else {}))
+        forward = torch.compile(model) if variant == "compiled" else model
 
-    n_params = sum(p.numel() for p in model.parameters())
-    return step, n_params
+        def step() -> float:
+            t = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(plan.device, dtype=torch.bfloat16, enabled=plan.autocast is not None):
+                logits = forward(x)
+            loss = torch.nn.functional.cross_entropy(logits.float(), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sync()
+            float(loss.detach())
+            return time.perf_counter() - t
+
+        return step, sum(p.numel() for p in model.parameters())
+
+    steps, n_params = {}, 0
+    for variant in plan.variants:
+        steps["timm" if variant == "eager" else "timm_compiled"], n_params = make(variant)
+    return steps, n_params
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch, timm = import_torch_timm()
+    plan = torch_plan(bool(torch.cuda.is_available()), args.dtype, args.torch_device, args.torch_compile)
+    if not share_gpu_with_torch(plan):
+        print("warning: JAX started before vs_torch could turn its GPU preallocation off; torch "
+              "may run out of memory", file=sys.stderr)
+    import jax
     overrides = {"gelu_approximate": args.gelu == "tanh"}
     if args.attention_impl:
         overrides["attention_impl"] = args.attention_impl
@@ -121,30 +187,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               model_overrides=overrides)
     size = int(cfg.data.image_size)
     jb = common.compile_train("jax", cfg, num_classes=args.num_classes)
-    n_jax = sum(int(np.prod(x.shape)) for x in __import__("jax").tree.leaves(jb.state.params))
+    n_jax = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jb.state.params))
     model_cfg = models.resolve_model_config(cfg.model.to_dict())
-    tstep, n_torch = torch_step(torch, timm, model_cfg, args, size)
+    tsteps, n_torch = torch_steps(torch, timm, model_cfg, args, size, plan)
     if n_jax != n_torch:
         print(f"warning: parameter counts differ: jax {n_jax:,} vs timm {n_torch:,}", file=sys.stderr)
-    times = common.interleaved({"jax": jb.step, "timm": tstep}, args.steps, args.warmup)
-    speed = common.summarize([t / j for t, j in zip(times["timm"], times["jax"])])
+    times = common.interleaved({"jax": jb.step, **tsteps}, args.steps, args.warmup)
+    speeds = {name: common.summarize([t / j for t, j in zip(times[name], times["jax"])])
+              for name in tsteps}
     rows = [{"impl": name, "step_s": common.summarize(ts).fmt(),
+             "step_median_s": common.summarize(ts).median,
              "images_per_s": round(args.batch / common.summarize(ts).median, 1),
              "params": n_jax if name == "jax" else n_torch} for name, ts in times.items()]
-    return {"machine": {**common.machine(), "torch_threads": torch.get_num_threads()},
-            "args": vars(args), "rows": rows, "times": times, "speed_vs_timm": speed,
-            "jax_compile_s": jb.compile_s, "jax_flops": jb.flops}
+    torch_peak = torch.cuda.max_memory_allocated() / 2 ** 30 if plan.device == "cuda" else None
+    return {"machine": {**common.machine(), "torch_threads": torch.get_num_threads(),
+                        "torch_device": plan.device},
+            "args": vars(args), "plan": dataclasses.asdict(plan), "rows": rows, "times": times,
+            "speed_vs_timm": speeds["timm"], "speeds": speeds, "jax_compile_s": jb.compile_s,
+            "jax_flops": jb.flops, "jax_device_peak_gib": common.gib(common.device_peak_bytes()),
+            "torch_peak_gib": torch_peak}
 
 
 def report(res: dict[str, Any]) -> str:
     a = res["args"]
-    s = res["speed_vs_timm"]
+    p = res.get("plan", {})
     head = (f"vs timm: model={a['model']} batch={a['batch']} dtype={a['dtype']} gelu={a['gelu']}; "
-            f"{a['steps']} timed pairs after {a['warmup']}; step time median [p25, p75] s")
-    verdict = (f"speed of this project relative to timm eager (timm time / jax time, per pair): "
-               f"median {s.median:.3f} [p25 {s.lo:.3f}, p75 {s.hi:.3f}]")
-    return "\n".join([head, common.table(res["rows"], ["impl", "step_s", "images_per_s", "params"]),
-                      verdict])
+            f"timm on {p.get('device', 'cpu')} ({', '.join(p.get('variants', ['eager']))}, autocast "
+            f"{p.get('autocast')}, fused AdamW {p.get('fused_adamw', False)}); {a['steps']} timed "
+            f"rounds after {a['warmup']}; step time median [p25, p75] s")
+    out = [head, common.table(res["rows"], ["impl", "step_s", "images_per_s", "params"])]
+    for name, s in res.get("speeds", {"timm": res["speed_vs_timm"]}).items():
+        what = "timm eager" if name == "timm" else "timm torch.compile"
+        out.append(f"speed of this project relative to {what} ({name} time / jax time, per round): "
+                   f"median {s.median:.3f} [p25 {s.lo:.3f}, p75 {s.hi:.3f}]")
+    if res.get("torch_peak_gib") is not None:
+        out.append(f"peak memory: jax {res['jax_device_peak_gib']} GiB, torch {res['torch_peak_gib']:.2f} GiB")
+    return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -126,6 +126,21 @@ def test_vs_torch_without_torch_fails_clearly(monkeypatch):
         vs_torch.import_torch_timm()
 
 
+def test_torch_plan_runs_timm_where_jax_runs():
+    """Without torch: the plan for a CUDA host and for a CPU host."""
+    from benchmarks import vs_torch
+    gpu = vs_torch.torch_plan(True, "bfloat16")
+    assert (gpu.device, gpu.variants, gpu.autocast) == ("cuda", ("eager", "compiled"), "bfloat16")
+    assert gpu.fused_adamw and gpu.tf32 and not gpu.jax_preallocate
+    cpu = vs_torch.torch_plan(False, "float32")
+    assert (cpu.device, cpu.variants, cpu.autocast) == ("cpu", ("eager",), None)
+    assert not cpu.fused_adamw and cpu.jax_preallocate
+    assert vs_torch.torch_plan(True, "float32", compile_="no").variants == ("eager",)
+    assert vs_torch.torch_plan(True, "float32", device="cpu").device == "cpu"
+    with pytest.raises(SystemExit, match="no CUDA"):
+        vs_torch.torch_plan(False, "float32", device="cuda")
+
+
 def test_xla_flags_are_set_before_jax_starts():
     code = ("import os, sys; from benchmarks import xla_flags; r = xla_flags.apply(); "
             "assert 'jax' not in sys.modules; print(os.environ['XLA_FLAGS'])")
