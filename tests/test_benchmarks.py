@@ -64,6 +64,27 @@ def test_isolate_reports_failures_and_timeouts_and_goes_on(tmp_path):
     assert "timed out" in outs[2].reason and outs[2].seconds < 10
 
 
+def test_gpu_table_dry_run_lists_the_commands(capsys):
+    from benchmarks import gpu_table
+    res = gpu_table.main(["--out=runs/gpu", "--dry-run"])
+    text = capsys.readouterr().out
+    assert "benchmarks.train_step --model=B/16 --norm=all --isolate" in text
+    assert "benchmarks.vs_torch --model=S/16" in text and "--dtype=bfloat16" in text
+    assert len(res["commands"]) == 4
+
+
+def test_gpu_table_tiny_writes_the_table_between_markers(tmp_path):
+    from benchmarks import gpu_table
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# x\n{gpu_table.BEGIN}\nold\n{gpu_table.END}\nafter\n")
+    res = gpu_table.main(["--tiny", "--no_torch", f"--out={tmp_path / 'out'}", f"--doc={doc}"])
+    text = doc.read_text()
+    assert "old" not in text and text.endswith(f"{gpu_table.END}\nafter\n")
+    assert "| Ti/4 | layernorm |" in text and "| Ti/4 | rmsnorm |" in text
+    assert "vs_torch: not run (--no_torch)" in text and "jax 0." in text
+    assert (tmp_path / "out" / "gpu_table.md").read_text().strip() == res["markdown"]
+
+
 def test_inference():
     from benchmarks import inference
     res = inference.main(TINY + ["--norm=layernorm,batchnorm", "--batch=4", "--steps=1",

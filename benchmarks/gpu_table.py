@@ -1,0 +1,205 @@
+"""The GPU table of docs/benchmarks.md in one command.
+
+    python -m benchmarks.gpu_table --out=runs/gpu              # on the GPU host
+    python -m benchmarks.gpu_table --out=runs/gpu --dry-run    # print the commands only
+    python -m benchmarks.gpu_table --out=/tmp/t --tiny         # CPU smoke test, tiny model
+
+Runs, per model, ``benchmarks.train_step --isolate`` (every norm in its own process, with a
+per-norm timeout) and ``benchmarks.vs_torch`` (timm eager and torch.compile on the same GPU), each
+as a subprocess under a timeout with its log written as it runs (``<out>/*.log``); then writes
+the markdown (machine, versions, date; step time, images/s, analytic MFU, peak memory, ratio to
+LayerNorm per norm; this project against timm eager and compiled) to ``<out>/gpu_table.md`` and
+between the markers ``<!-- gpu-table:begin -->`` / ``<!-- gpu-table:end -->`` of ``--doc``.
+A command that fails or times out is reported in the table and the others still run.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from typing import Any, Sequence
+
+from benchmarks import isolate
+
+BEGIN, END = "<!-- gpu-table:begin -->", "<!-- gpu-table:end -->"
+# The XLA GPU flags worth a try (docs/benchmarks.md); pass any of them with --xla_flags.
+GPU_FLAGS_TO_TRY = ("--xla_gpu_enable_latency_hiding_scheduler=true",
+                    "--xla_gpu_enable_triton_gemm=false", "--xla_gpu_autotune_level=4")
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_table", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/gpu", help="logs, JSON results and gpu_table.md")
+    p.add_argument("--models", default="B/16,S/16")
+    p.add_argument("--norm", default="all", help="train_step --norm")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--num_classes", type=int, default=1000)
+    p.add_argument("--norm_timeout", type=float, default=300.0, help="seconds per norm")
+    p.add_argument("--torch_timeout", type=float, default=900.0, help="seconds per vs_torch run")
+    p.add_argument("--no_torch", action="store_true", help="skip vs_torch")
+    p.add_argument("--xla_flags", default="", help="appended to XLA_FLAGS of every run")
+    p.add_argument("--doc", default=None,
+                   help="markdown file to update between the markers (default: docs/benchmarks.md; "
+                        "with --tiny: none)")
+    p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the commands only")
+    p.add_argument("--tiny", action="store_true",
+                   help="Ti/4, depth 1, 8x8 images, batch 4, LN and RMSNorm, 1 step: a CPU smoke test")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.models, args.norm, args.batch, args.dtype = "Ti/4", "layernorm,rmsnorm", 4, "float32"
+        args.steps, args.warmup, args.num_classes = 1, 0, 10
+    elif args.doc is None:
+        args.doc = os.path.join("docs", "benchmarks.md")
+    return args
+
+
+def _slug(model: str) -> str:
+    return model.replace("/", "")
+
+
+def commands(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]]:
+    """(name, command, json path, timeout) for every run, in order."""
+    py = [sys.executable, "-m"]
+    tiny = ["--depth=1", "--image_size=8"] if args.tiny else []
+    common = [f"--batch={args.batch}", f"--dtype={args.dtype}", f"--steps={args.steps}",
+              f"--warmup={args.warmup}", f"--num_classes={args.num_classes}", *tiny]
+    out = []
+    models = [m for m in args.models.split(",") if m]
+    n_norms = 14 if args.norm == "all" else len(args.norm.split(",")) + 1
+    for m in models:
+        j = os.path.join(args.out, f"train_{_slug(m)}.json")
+        cmd = py + ["benchmarks.train_step", f"--model={m}", f"--norm={args.norm}", "--isolate",
+                    f"--norm_timeout={args.norm_timeout}",
+                    f"--isolate_dir={os.path.join(args.out, 'train_' + _slug(m))}", *common,
+                    f"--json={j}"]
+        out.append((f"train_{_slug(m)}", cmd, j, args.norm_timeout * n_norms + 120))
+    torch_ok = importlib.util.find_spec("torch") and importlib.util.find_spec("timm")
+    if not args.no_torch and (torch_ok or args.dry_run):
+        for m in models:
+            j = os.path.join(args.out, f"vs_torch_{_slug(m)}.json")
+            out.append((f"vs_torch_{_slug(m)}",
+                        py + ["benchmarks.vs_torch", f"--model={m}", *common, f"--json={j}"],
+                        j, args.torch_timeout))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cmds = commands(args)
+    if args.dry_run:
+        for _, cmd, _, timeout in cmds:
+            print(f"timeout {timeout:.0f} " + shlex.join(cmd))
+        return {"commands": [c for _, c, _, _ in cmds], "results": {}}
+    os.makedirs(args.out, exist_ok=True)
+    env = dict(os.environ)
+    if args.xla_flags:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
+    results, failures = {}, []
+    for name, cmd, j, timeout in cmds:
+        o = isolate.run_one(name, cmd, j, os.path.join(args.out, f"{name}.log"), timeout, env=env)
+        print(f"[gpu_table] {name}: {o.status} in {o.seconds:.0f} s" +
+              (f" ({o.reason})" if o.reason else ""), file=sys.stderr, flush=True)
+        if o.status == "ok":
+            results[name] = o.result
+        else:
+            failures.append(f"{name}: {o.status}: {o.reason} (log {o.log})")
+    if args.no_torch or not any(n.startswith("vs_torch") for n, *_ in cmds):
+        failures.append("vs_torch: not run (" + ("--no_torch" if args.no_torch else
+                                                 "torch/timm not installed") + ")")
+    md = render(results, failures, args)
+    with open(os.path.join(args.out, "gpu_table.md"), "w") as f:
+        f.write(md + "\n")
+    if args.doc:
+        write_between_markers(args.doc, md)
+    print(md)
+    return {"commands": [c for _, c, _, _ in cmds], "results": results, "failures": failures,
+            "markdown": md}
+
+
+def _f(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def render(results: dict[str, Any], failures: list[str], args: argparse.Namespace) -> str:
+    """The markdown: machine and versions, then the per-norm and the timm tables."""
+    first = next(iter(results.values()), {})
+    m = first.get("machine", {})
+    versions = ", ".join(f"{k} {m[k]}" for k in ("python", "jax", "jaxlib", "flax", "optax", "torch",
+                                               "timm") if k in m)
+    torch_res = next((r for n, r in results.items() if n.startswith("vs_torch")), {})
+    for k in ("torch", "timm"):
+        tm = torch_res.get("machine", {})
+        if k in tm and k not in m:
+            versions += f", {k} {tm[k]}"
+    lines = [f"Measured {m.get('date', '?')} on {m.get('devices', '?')} (host {m.get('host', '?')}, "
+             f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores); {versions}; {m.get('xla', '')}.",
+             f"Batch {args.batch}, {args.dtype}, {args.num_classes} classes, {args.steps} timed steps "
+             f"after {args.warmup}; each norm in its own process (ratio to LayerNorm: ratio of "
+             f"medians); MFU: analytic model FLOPs / step time / "
+             f"{_f(first.get('peak_flops', float('nan')) / 1e12, 4)} TFLOP/s "
+             f"({first.get('peak_source', '-')}).", "",
+             "| model | norm | step_s | img/s | TFLOP/step | MFU | peak GiB | ratio to LN | "
+             "FLOP ratio | within | compile_s |", "|" + "---|" * 11]
+    for name, res in results.items():
+        if not name.startswith("train_"):
+            continue
+        model = res["args"]["model"]
+        for r in res["rows"]:
+            mem = r.get("device_peak_gib") if r.get("device_peak_gib") is not None else r.get("xla_peak_gib")
+            lines.append(" | ".join(["", model, r["norm"], r["step_s"], _f(r["images_per_s"], 4),
+                                     _f(r["model_gflops"] / 1e3, 4), _f(r["mfu"]), _f(mem),
+                                     r.get("time_ratio", "-"), _f(r.get("flop_ratio")),
+                                     r.get("within", "-"), _f(r["compile_s"])]).strip() + " |")
+        for fl in res.get("failures", []):
+            failures.append(f"{model} {fl['norm']}: {fl['status']}: {fl['reason']}")
+    torch_rows = [(n, r) for n, r in results.items() if n.startswith("vs_torch")]
+    if torch_rows:
+        lines += ["", "| model | impl | step_s | img/s | this project's speed vs it (per round) |",
+                  "|---|---|---|---|---|"]
+        for _, res in torch_rows:
+            speeds = res.get("speeds", {"timm": res.get("speed_vs_timm")})
+            for r in res["rows"]:
+                s = speeds.get(r["impl"])
+                rel = "-" if r["impl"] == "jax" or s is None else \
+                    f"{s['median']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}]"
+                lines.append(f"| {res['args']['model']} | {r['impl']} | {r['step_s']} | "
+                             f"{_f(r['images_per_s'], 4)} | {rel} |")
+            if res.get("torch_peak_gib") is not None:
+                lines.append(f"| {res['args']['model']} | peak GiB | jax {_f(res.get('jax_device_peak_gib'))}"
+                             f" | torch {_f(res['torch_peak_gib'])} | |")
+    if failures:
+        lines += ["", "Not measured: " + "; ".join(failures) + "."]
+    lines += ["", f"Command: `python -m benchmarks.gpu_table --out={args.out}`"
+              + (f" (XLA_FLAGS += `{args.xla_flags}`)" if args.xla_flags else "")]
+    return "\n".join(lines)
+
+
+def write_between_markers(path: str, text: str) -> None:
+    """Replaces what lies between BEGIN and END in ``path`` (both markers must be there)."""
+    with open(path) as f:
+        doc = f.read()
+    if BEGIN not in doc or END not in doc or doc.index(BEGIN) > doc.index(END):
+        raise SystemExit(f"{path}: needs the markers {BEGIN} ... {END} (in this order)")
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
