@@ -37,6 +37,7 @@ def test_output_shape_and_google_names():
     assert model.apply(variables, x).shape == (2, 7)
 
 
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 def test_patch_embedding_equals_convolution():
     """The (ph, pw, c)-ordered patchify + matmul is the conv with Google's kernel layout."""
     model = models.create({"variant": "Ti/8", "depth": 1}, num_classes=3)
@@ -66,6 +67,7 @@ def test_placements_and_classifiers_run(placement, classifier):
     assert "patch_norm_pre" in variables["params"]["embedding"]
 
 
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 def test_attention_capture_rows_sum_to_one_and_match_fused_path():
     model = models.create({"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2},
                           num_classes=4)
@@ -122,6 +124,7 @@ def test_switching_the_norm_by_name_on_another_methods_config():
         models.create(c.model, num_classes=10).init(jax.random.key(1), x)
 
 
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 def test_attention_impls_compute_the_same_function():
     """'fused' (einsum attention), 'fused_sdpa' (jax.nn.dot_product_attention, cuDNN's on GPU),
     'separate' and 'auto' share parameters and agree in logits and gradients; on CPU 'auto' is

@@ -100,3 +100,7 @@ def test_padded_length_and_implementation_choice():
     assert pa.choose_implementation(jnp.float32, "gpu") is None
     assert pa.choose_implementation(jnp.bfloat16, "cpu") is None
     assert pa.choose_implementation(jnp.bfloat16, "tpu") is None
+
+
+def test_float32_matmuls_fixture_holds_inside_the_tests():
+    assert jax.config.jax_default_matmul_precision == "float32"

@@ -210,6 +210,7 @@ def load(params, path, cfg, ncls, **kw):
 
 # ---------------------------------------------------------------------------------------- layouts
 
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 @pytest.mark.parametrize("px", [16, 32])
 def test_vit_jax_layout_values_and_logits(tmp_path, px):
     w = logical(0, rep=6)
@@ -255,6 +256,7 @@ def test_augreg_layout_new_class_count(tmp_path):
     assert all(r.action in ("loaded", "resampled") for k, r in rows.items() if not k.startswith("head"))
 
 
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 @pytest.mark.parametrize("scanned,bf16", [(True, True), (False, False)])
 def test_big_vision_layout(tmp_path, scanned, bf16):
     w = logical(2, slot=False)

@@ -62,6 +62,7 @@ IMAGES = jax.random.normal(jax.random.key(7), (6, SIZE, SIZE, 3))
     ("rescale", {"residual_scaling": "rescale", "final_norm": False}),
     ("batchnorm", {"representation_size": 24, "scan": True}),
 ])
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 def test_folded_model_computes_the_same_logits(norm, extra):
     cfg = tiny_model_cfg(norm, **extra)
     variables = random_variables(cfg)
@@ -94,6 +95,7 @@ def test_folded_model_computes_the_same_logits(norm, extra):
     assert np.abs(wrong - want).max() > 100 * np.abs(got - want).max() + 1e-3
 
 
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 def test_only_the_foldable_slots_fold_in_a_mixed_model():
     cfg = tiny_model_cfg("unified", norm_overrides={"block_1": {"name": "dtn"},
                                                     "final": {"name": "powernorm"}})
@@ -125,6 +127,7 @@ def test_post_norm_placement_is_refused():
         reparam.fold(cfg, random_variables(cfg))
 
 
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 def test_command_folds_a_trained_run(tmp_path, capsys):
     cfg = tiny_demo_config(total_steps=3, checkpoint_every=3, eval_every=3)
     cfg.model.norm = {"name": "batchnorm"}

@@ -43,6 +43,7 @@ def _assert_trees_close(a, b, **tol):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
 
 
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_scanned_and_unrolled_give_the_same_outputs(name):
     cfg, unrolled, scanned = _pair(LAYOUTS[name])
@@ -70,6 +71,7 @@ def test_scan_lengths():
     assert scan_length({**TINY, "cls_token_at_block": 2, "classifier": "gap"}) == 3
 
 
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 def test_train_steps_match_and_state_converts_both_ways():
     """Two optimizer steps of the scanned model == of the unrolled one (PowerNorm: its state and
     its backward-updated statistics go through the scan); the whole TrainState converts."""

@@ -53,6 +53,7 @@ def test_compiles_once_no_host_transfer_donated(norm):
         assert ts and all(float(t) == 4.0 for t in ts)
 
 
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 def test_grad_accumulation_equals_the_large_batch():
     """4 micro-batches of 4 == one batch of 16 for a per-sample norm, to float rounding."""
     step1, s1, _ = _setup(batch=16)
@@ -73,6 +74,7 @@ def test_grad_accumulation_equals_the_large_batch():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
 def test_remat_gives_the_same_step():
     step_a, sa, batches = _setup()
     _, sb, _ = _setup()
