@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shlex
 import sys
@@ -95,6 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.dry_run:
         for _, cmd, _, timeout in cmds:
             print(f"timeout {timeout:.0f} " + shlex.join(cmd))
+        print("# then, one run each: --xla_flags=" + " | --xla_flags=".join(GPU_FLAGS_TO_TRY))
         return {"commands": [c for _, c, _, _ in cmds], "results": {}}
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ)
