@@ -8,6 +8,7 @@
     matmul          the model's matmul shapes in XLA and in torch (is a gap the kernel library?)
     memory          largest per-device batch that fits, per model size, with and without remat
     compile_time    compile time against depth, unrolled and with ``model.scan``
+    gpu_table       the GPU table of docs/benchmarks.md: isolated per-norm train_step + vs_torch
 
 Every entry point sets XLA flags (``benchmarks.xla_flags``) before JAX is imported. Nothing in
 this package is imported by the library.
