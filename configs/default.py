@@ -83,7 +83,21 @@ def get_config() -> ml_collections.ConfigDict:
     c.schedule.name = "cosine"      # cosine | linear | constant (after warmup)
     c.schedule.warmup_steps = 500
     c.schedule.end_factor = 0.0     # final lr as a fraction of the peak
-    c.label_smoothing = 0.0
+    c.label_smoothing = 0.0         # also applied to Mixup/CutMix's soft targets (as timm)
+    c.layer_decay = 1.0             # layer-wise lr decay (BEiT/MAE fine-tuning): lr of block i scaled by
+                                    # layer_decay^(depth - i), embeddings by ^(depth + 1), head/final norm 1
+                                    # (1.0: off; train/layer_decay.py)
+    c.ema_decay = 0.0               # EMA of the weights per step (DeiT's model EMA: 0.99996; 0: off); kept in
+                                    # the optimizer state, evaluated beside the raw weights as eval/ema_*
+
+    # ---- on-device batch augmentation in the train step (train/batch_aug.py; timm semantics) ----
+    c.mixup_alpha = 0.0             # Mixup's Beta(a, a) (DeiT: 0.8; 0: off)
+    c.cutmix_alpha = 0.0            # CutMix's Beta(a, a) (DeiT: 1.0; 0: off); box lam corrected by area
+    c.mix_prob = 1.0                # probability that a batch/pair/row is mixed
+    c.switch_prob = 0.5             # with both alphas > 0: probability of CutMix instead of Mixup
+    c.mix_mode = "batch"            # batch (one draw per batch) | pair (per pair i, B-1-i) | elem (per row)
+    c.random_erase_prob = 0.0       # random erasing per image (DeiT: 0.25; 0: off), before mixing
+    c.random_erase_mode = "pixel"   # pixel (per-pixel normal noise) | rand (per channel) | const (zeros)
 
     # ---- precision and memory ----
     c.dtype = "float32"             # compute dtype: float32 | bfloat16 (params and stats stay float32)

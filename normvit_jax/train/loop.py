@@ -27,7 +27,7 @@ from clu import metric_writers, periodic_actions
 from normvit_jax import checkpoints, data, models, preemption, sharding, summaries
 from normvit_jax import workdir as workdir_lib
 from normvit_jax.analysis import live
-from normvit_jax.train import guards
+from normvit_jax.train import batch_aug, guards
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
@@ -74,6 +74,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
             f"{model_cfg['patch_size']} (model.patch_size / model.variant); accepted: a multiple of "
             f"{model_cfg['patch_size']}")
     optim.validate(config)
+    batch_aug.validate(config)
     if config.dtype not in DTYPES:
         raise ValueError(f"config.dtype={config.dtype!r} is not accepted; accepted: {list(DTYPES)}")
     n = num_devices or jax.device_count()
@@ -193,7 +194,8 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
     train_step = jax.jit(
         steps_lib.make_train_step(model, tx, lr_schedule, label_smoothing=config.label_smoothing,
                                   grad_accum_steps=config.grad_accum_steps,
-                                  skip_nonfinite=config.skip_nonfinite_steps > 0),
+                                  skip_nonfinite=config.skip_nonfinite_steps > 0,
+                                  batch_transform=batch_aug.make(config, num_classes)),
         in_shardings=(state_sharding, bat), out_shardings=(state_sharding, rep), donate_argnums=0)
     eval_step = jax.jit(steps_lib.make_eval_step(model), in_shardings=(state_sharding, bat),
                         out_shardings=rep)

@@ -16,6 +16,7 @@ import optax
 from clu import metrics as clu_metrics
 import flax.struct
 
+from normvit_jax.train import batch_aug
 from normvit_jax.train.state import TrainState
 
 
@@ -36,12 +37,19 @@ class EvalMetrics(clu_metrics.Collection):
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, smoothing: float = 0.0) -> jax.Array:
-    """Per-example softmax cross-entropy in float32 with label smoothing."""
+    """Per-example softmax cross-entropy in float32 with label smoothing. ``labels``: int class
+    ids (B,) or soft targets (B, classes) (Mixup/CutMix), smoothed the same way."""
     n = logits.shape[-1]
-    onehot = jax.nn.one_hot(labels, n, dtype=jnp.float32)
+    soft = labels.ndim == logits.ndim
+    onehot = labels.astype(jnp.float32) if soft else jax.nn.one_hot(labels, n, dtype=jnp.float32)
     if smoothing:
         onehot = onehot * (1.0 - smoothing) + smoothing / n
     return optax.softmax_cross_entropy(logits.astype(jnp.float32), onehot)
+
+
+def hard_labels(labels: jax.Array) -> jax.Array:
+    """Class ids; for soft targets the class of largest weight (train accuracy under Mixup)."""
+    return jnp.argmax(labels, -1) if labels.ndim == 2 else labels
 
 
 def _tree_where(pred: jax.Array, a: Any, b: Any) -> Any:
@@ -50,12 +58,14 @@ def _tree_where(pred: jax.Array, a: Any, b: Any) -> Any:
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
                     *, label_smoothing: float = 0.0, grad_accum_steps: int = 1,
-                    skip_nonfinite: bool = False) -> Callable:
+                    skip_nonfinite: bool = False,
+                    batch_transform: batch_aug.BatchTransform | None = None) -> Callable:
     """Returns ``train_step(state, batch) -> (state, metrics)``.
 
     With ``grad_accum_steps > 1`` the batch is split into that many micro-batches whose gradients
     are averaged (sequentially, so memory is that of one micro-batch); norm state flows through
-    the micro-batches in order.
+    the micro-batches in order. ``batch_transform`` (``batch_aug.make``): on-device augmentation
+    of the whole batch (random erasing, Mixup/CutMix) before any split; None: none.
     """
 
     def loss_and_grads(params, batch_stats, images, labels, rng):
@@ -69,12 +79,14 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
         (loss, (logits, new_bs)), (g_params, g_bs) = jax.value_and_grad(
             loss_fn, argnums=(0, 1), has_aux=True)(params, batch_stats)
         new_bs = jax.tree.map(jnp.add, new_bs, g_bs) if batch_stats else new_bs
-        correct = jnp.mean((jnp.argmax(logits, -1) == labels).astype(jnp.float32))
+        correct = jnp.mean((jnp.argmax(logits, -1) == hard_labels(labels)).astype(jnp.float32))
         return loss, correct, g_params, new_bs
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, TrainMetrics]:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         images, labels = batch["image"], batch["label"]
+        if batch_transform is not None:  # labels may become soft targets (B, classes)
+            images, labels = batch_transform(rng, images, labels)
         if grad_accum_steps == 1:
             loss, acc, grads, new_bs = loss_and_grads(state.params, state.batch_stats, images,
                                                       labels, rng)
