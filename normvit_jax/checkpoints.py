@@ -133,7 +133,20 @@ def mismatch(mngr: ocp.CheckpointManager, step: int, abstract_state: Any
     if not diffs:
         return None
     more = f" (and {len(diffs) - 5} more arrays)" if len(diffs) > 5 else ""
-    return "mismatch", "; ".join(diffs[:5]) + more
+    return "mismatch", _ema_hint(saved, wanted) + "; ".join(diffs[:5]) + more
+
+
+def _ema_hint(saved: dict, wanted: dict) -> str:
+    """The weight EMA lives in the optimizer state (train/ema.py): turning ``config.ema_decay`` on
+    or off changes every optimizer path, so say that first."""
+    has = lambda specs: any("/ema_params/" in p for p in specs)  # noqa: E731
+    if has(wanted) and not has(saved):
+        return ("the checkpoint keeps no EMA of the weights but config.ema_decay > 0 asks for one "
+                "(set ema_decay to its value in that run, 0, to continue it); ")
+    if has(saved) and not has(wanted):
+        return ("the checkpoint keeps an EMA of the weights but config.ema_decay is 0 (set it to "
+                "that run's value to continue it); ")
+    return ""
 
 
 def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:

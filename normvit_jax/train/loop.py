@@ -27,7 +27,7 @@ from clu import metric_writers, periodic_actions
 from normvit_jax import checkpoints, data, models, preemption, sharding, summaries
 from normvit_jax import workdir as workdir_lib
 from normvit_jax.analysis import live
-from normvit_jax.train import batch_aug, guards
+from normvit_jax.train import batch_aug, ema, guards
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
@@ -213,6 +213,10 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
         gates, attention distance, attention maps), all written to TensorBoard."""
         with report.timed("eval"):
             metrics = evaluate(eval_step, state, eval_data, mesh)
+            ema_params = ema.find(state.opt_state)  # config.ema_decay: the EMA weights too
+            if ema_params is not None:
+                metrics.update({f"ema_{k}": v for k, v in evaluate(
+                    eval_step, state.replace(params=ema_params), eval_data, mesh).items()})
         writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
         if fixed_images is not None:
             with report.timed("eval_analysis"):

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from normvit_jax.train import ema, layer_decay
+
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 SCHEDULES = ("cosine", "linear", "constant")
 # Weight decay applies to matrices only: every 1-D parameter (biases, norm gains and shifts, DTN's
@@ -25,6 +27,10 @@ def validate(config: Any) -> None:
         raise ValueError(f"config.optimizer.learning_rate={o.learning_rate!r} must be > 0")
     if s.warmup_steps < 0:
         raise ValueError(f"config.schedule.warmup_steps={s.warmup_steps} must be >= 0")
+    if config.get("layer_decay", 1.0) != 1.0:
+        layer_decay.scale_by_layer(config.layer_decay)  # raises for a value out of range
+    if config.get("ema_decay", 0.0):
+        ema.track(config.ema_decay)
 
 
 def schedule(config: Any, total_steps: int) -> optax.Schedule:
@@ -66,4 +72,9 @@ def create(config: Any, total_steps: int) -> tuple[optax.GradientTransformation,
                          optax.sgd(lr, momentum=o.momentum or None, nesterov=o.nesterov))
     if o.grad_clip:
         tx = optax.chain(optax.clip_by_global_norm(o.grad_clip), tx)
+    # Only when on, so the default optimizer state (and checkpoints) keep their tree.
+    if config.get("layer_decay", 1.0) != 1.0:
+        tx = optax.chain(tx, layer_decay.scale_by_layer(config.layer_decay))
+    if config.get("ema_decay", 0.0):
+        tx = optax.chain(tx, ema.track(config.ema_decay))  # last: it sees the final updates
     return tx, lr
