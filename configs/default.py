@@ -25,6 +25,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.min_crop_area = 0.08     # smallest area fraction for random_resized_crop
     c.data.flip = True              # train: random horizontal flip
     c.data.eval_crop_fraction = 1.0  # eval: central crop fraction before resizing (0.875 for ImageNet)
+    c.data.repeated_aug = 1         # DeiT's repeated augmentation: each example r times per batch (own
+                                    # augmentations), epochs keep N samples (data/order.py; 1: off; DeiT: 3)
     c.data.prefetch = 2             # host batches prepared ahead of the train step
     c.data.num_train_examples = None  # use only the first N train examples (tests with mock data)
     c.data.num_eval_examples = None   # use only the first N eval examples (tests with mock data)

@@ -10,6 +10,13 @@ Host sharding: process i of P owns rows ``[i*B/P, (i+1)*B/P)`` of every global b
 only those examples. Augmentation draws are generated for the whole global batch from (seed, step)
 and sliced the same way, so the draws of an example depend on (seed, step, row), never on P.
 
+Repeated augmentation (DeiT's RASampler, ``repeats`` r > 1): epoch e's N positions hold
+``perm(seed, e)[q // r]``, i.e. the first ceil(N/r) examples of the permutation, each r times in a
+row (an epoch keeps N samples and its step count, as in DeiT). Within a global batch, rows take
+the batch's stream positions sorted by (position mod r, position), so the r copies of an example
+sit about B/r rows apart: on r different processes when there are at least r of them, whatever P
+is. Each copy has its own row, hence its own augmentation draws. r = 1 is the plain order.
+
 Eval: no shuffle; global batch b covers positions ``[b*B, (b+1)*B)``, positions >= N are padding.
 """
 from __future__ import annotations
@@ -54,10 +61,15 @@ def num_eval_batches(n: int, global_batch: int) -> int:
 class TrainOrder:
     """Maps (step, rows) to example indices, caching the few most recent epoch permutations."""
 
-    def __init__(self, seed: int, n: int, global_batch: int):
+    def __init__(self, seed: int, n: int, global_batch: int, repeats: int = 1):
         if n < 1:
             raise ValueError("the training split is empty")
-        self.seed, self.n, self.global_batch = seed, n, global_batch
+        if repeats < 1:
+            raise ValueError(f"repeats={repeats} must be >= 1")
+        self.seed, self.n, self.global_batch, self.repeats = seed, n, global_batch, int(repeats)
+        o = np.arange(global_batch, dtype=np.int64)
+        # row -> stream offset in the batch: copy c of every group first for c = 0, 1, ...
+        self._row_offset = np.argsort((o % repeats) * global_batch + o, kind="stable")
         self._cache: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()  # several iterators may share one pipeline
 
@@ -73,8 +85,12 @@ class TrainOrder:
 
     def indices(self, step: int, lo: int, hi: int) -> np.ndarray:
         """Example indices of rows [lo, hi) of global batch ``step``."""
-        pos = step * self.global_batch + np.arange(lo, hi, dtype=np.int64)
+        if self.repeats == 1:
+            pos = step * self.global_batch + np.arange(lo, hi, dtype=np.int64)
+        else:
+            pos = step * self.global_batch + self._row_offset[lo:hi]
         epoch, offset = np.divmod(pos, self.n)
+        offset //= self.repeats  # the group of r consecutive positions shares one example
         out = np.empty(len(pos), np.int64)
         for e in np.unique(epoch):
             m = epoch == e

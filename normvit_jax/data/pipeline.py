@@ -73,7 +73,7 @@ class Pipeline:
         self._train_geo = Geometry(size, bool(d.random_resized_crop), float(d.min_crop_area), 1.0)
         self._eval_geo = Geometry(size, False, 1.0, float(d.eval_crop_fraction))
         self._scale, self._shift = stats.affine(d.name, d.normalize)
-        self._order = order.TrainOrder(self.seed, n, b)
+        self._order = order.TrainOrder(self.seed, n, b, int(d.get("repeated_aug", 1)))
 
     def _finish(self, x: np.ndarray, labels: np.ndarray) -> Batch:
         x = (x * self._scale + self._shift).astype(np.float32)

@@ -52,6 +52,9 @@ def validate(config: Any) -> None:
         v = _get(d, key, 0)
         if not _is_int(v) or v < 0:
             _fail(f"data.{key}", v, "an integer >= 0")
+    r = _get(d, "repeated_aug", 1)
+    if not _is_int(r) or r < 1:
+        _fail("data.repeated_aug", r, "an integer >= 1 (1: off)")
     for key in ("num_train_examples", "num_eval_examples", "num_workers"):
         v = _get(d, key)
         if v is not None and (not _is_int(v) or v < 1):
