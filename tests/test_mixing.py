@@ -118,7 +118,7 @@ def test_mix_lambda_distribution_is_beta():
     np.testing.assert_allclose(lam.var(), 1 / (4 * (2 * a + 1)), rtol=0.05)
 
 
-def _tiny_step(transform, soft_ok=True):
+def _tiny_step(transform):
     mdl = models.create({"variant": "Ti/4", "depth": 1, "hidden_size": 16, "num_heads": 2,
                          "mlp_dim": 32, "dropout_rate": 0.1}, 5)
     tx = optax.adamw(1e-3)
