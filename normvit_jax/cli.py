@@ -32,10 +32,11 @@ def quiet_library_logs() -> None:
 
 def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) -> int:
     """Trains; returns the exit code (the table above)."""
-    from normvit_jax import preemption, sharding, workdir as workdir_lib
+    from normvit_jax import preemption, preflight, sharding, workdir as workdir_lib
 
     quiet_library_logs()
     try:
+        preflight.check(config, workdir)  # before anything is written: a failed start leaves nothing
         # First: with several processes JAX installs its own SIGTERM notifier here.
         sharding.maybe_initialize_distributed()
         with preemption.SigtermFlag():  # from here on a SIGTERM means: checkpoint, exit 42

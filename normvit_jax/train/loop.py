@@ -24,7 +24,7 @@ import numpy as np
 from absl import logging
 from clu import metric_writers, periodic_actions
 
-from normvit_jax import checkpoints, data, models, preemption, sharding, summaries
+from normvit_jax import checkpoints, data, models, preemption, preflight, sharding, summaries
 from normvit_jax import workdir as workdir_lib
 from normvit_jax.analysis import live
 from normvit_jax.train import guards
@@ -62,6 +62,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     accepted.
     """
     data.validate(config)
+    preflight.check_run_length(config)
     model_cfg = models.resolve_model_config(config.model.to_dict())
     models.vit.check_override_keys(model_cfg.get("norm_overrides"), model_cfg["depth"])
     from normvit_jax import norms
