@@ -13,6 +13,7 @@ EXIT_NONFINITE = 3     # NaN/Inf loss or gradient (the last good checkpoint is k
 EXIT_CHECKPOINT = 4    # a checkpoint does not fit this config, or none restores
 EXIT_WORKDIR = 5       # workdir not writable, no credentials, a checkpoint write failed
 EXIT_BUSY = 6          # another live process uses the workdir
+EXIT_DISTRIBUTED = 7   # (normvit_jax/distributed.py)  the processes of a multi-process run did not all meet in time
 EXIT_PREEMPTED = 42    # SIGTERM: checkpoint written, re-run to continue
 
 
@@ -32,7 +33,7 @@ def quiet_library_logs() -> None:
 
 def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) -> int:
     """Trains; returns the exit code (the table above)."""
-    from normvit_jax import preemption, preflight, sharding, workdir as workdir_lib
+    from normvit_jax import distributed, preemption, preflight, sharding, workdir as workdir_lib
 
     quiet_library_logs()
     try:
@@ -43,6 +44,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) ->
             return _train(config, workdir, fresh)
     except workdir_lib.WorkdirBusyError as e:
         return _stop(e, EXIT_BUSY)
+    except distributed.DistributedStartError as e:
+        return _stop(e, EXIT_DISTRIBUTED)
     except workdir_lib.WorkdirError as e:
         return _stop(e, EXIT_WORKDIR)
     except (workdir_lib.ConfigChangedError, ValueError) as e:
