@@ -212,3 +212,46 @@ def test_failed_init_from_does_not_lock_in_its_config(tmp_path):
     corrected = conftest.tiny_demo_config()
     with workdir.prepare(corrected, str(tmp_path / "wd")):  # used to raise ConfigChangedError
         pass
+
+
+# ------------------------------------------------------------------ report and reparam
+
+
+def test_report_skips_a_failed_run_and_says_so(tmp_path, capsys):
+    from normvit_jax.analysis import report
+    good = tmp_path / "good"
+    loop.train_and_evaluate(conftest.tiny_demo_config(total_steps=2, eval_every=2,
+                                                      checkpoint_every=2), str(good))
+    failed = tmp_path / "failed"  # ended before its first checkpoint
+    failed.mkdir()
+    (failed / "config.json").write_text((good / "config.json").read_text())
+    never = tmp_path / "never"
+    rc = report.main([str(good), str(failed), str(never), f"--out={tmp_path}/rep", "--no_attention"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert f"skipping {failed}" in err and f"skipping {never}: not a normvit_jax workdir" in err
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert f"- skipped {failed}: " in md and f"- skipped {never}: " in md
+    rows = json.load(open(tmp_path / "rep" / "report.json"))
+    assert [r["workdir"] for r in rows] == [str(good)]
+    assert report.main([str(never), f"--out={tmp_path}/rep2", "--no_attention"]) == 2
+
+
+def test_reparam_timing_reports_the_spread_and_no_ratio_when_nothing_folded():
+    from normvit_jax import reparam
+    nothing = reparam.timing_summary([0.010, 0.012, 0.011], None, 64)
+    assert "no speed ratio" in nothing and "x as fast" not in nothing
+    assert "min 10.0, max 12.0" in nothing
+    noise = reparam.timing_summary([0.010, 0.013, 0.011], [0.009, 0.0105, 0.012], 64)
+    assert "no measurable difference" in noise and "x as fast" not in noise
+    faster = reparam.timing_summary([0.020, 0.021, 0.022], [0.010, 0.0105, 0.011], 64)
+    assert "folded 2.00x as fast" in faster
+
+
+def test_reparam_help_points_to_an_existing_doc(capsys):
+    from normvit_jax import reparam
+    with pytest.raises(SystemExit):
+        reparam.main(["--help"])
+    out = capsys.readouterr().out
+    assert "NORMS.md" not in out and "docs/norms.md" in out
+    assert os.path.exists(os.path.join(REPO_ROOT, "docs", "norms.md"))
