@@ -222,8 +222,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Folds a run's checkpoint, checks the logits on random images and times both models."""
     import argparse
 
-    from normvit_jax import checkpoints
+    from normvit_jax import checkpoints, logs
 
+    logs.quiet_library_logs()
     p = argparse.ArgumentParser(prog="python -m normvit_jax.reparam", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True, help="run directory with checkpoints")

@@ -255,3 +255,93 @@ def test_reparam_help_points_to_an_existing_doc(capsys):
     out = capsys.readouterr().out
     assert "NORMS.md" not in out and "docs/norms.md" in out
     assert os.path.exists(os.path.join(REPO_ROOT, "docs", "norms.md"))
+
+
+# ------------------------------------------------------------------ log noise, ETA, titles
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_eta_leaves_out_compilation_and_evals():
+    """100 steps at 0.1 s each, 20 s of compilation before step 10 and a 30 s eval at step 50:
+    the estimate is the true remaining train time at every log step, before and after the eval."""
+    from normvit_jax.train import progress
+    clock = FakeClock()
+    eta = progress.Eta(100, clock=clock)
+    clock.t = 20.0 + 10 * 0.1          # compile + the first 10 steps
+    eta.mark(10)
+    assert eta.remaining_s(10) is None and eta.describe(10) == "estimating"
+    for step in range(20, 101, 10):
+        clock.t += 10 * 0.1
+        eta.mark(step)
+        assert eta.remaining_s(step) == pytest.approx((100 - step) * 0.1, rel=1e-9), step
+        assert eta.interval_steps_per_s() == pytest.approx(10.0)
+        if step == 50:
+            with eta.paused():
+                clock.t += 30.0       # an eval: no effect on the rate
+    assert eta.describe(100) == "0m00s"
+    assert progress.fmt_time(3725) == "1h02m05s" and progress.fmt_time(65) == "1m05s"
+
+
+def test_model_line_says_the_sizes_built():
+    from normvit_jax import models
+    from normvit_jax.train import progress
+    b16 = models.resolve_model_config({"variant": "B/16"})
+    assert progress.describe_model(b16) == "ViT-B/16 (depth 12, width 768, 12 heads, MLP 3072, patch 16)"
+    small = models.resolve_model_config({"variant": "B/16", "depth": 4, "hidden_size": 96})
+    assert progress.describe_model(small) == ("ViT (depth 4, width 96, 12 heads, MLP 3072, patch 16; "
+                                              "model.variant B/16 with depth, hidden_size overridden)")
+
+
+def test_library_log_filter():
+    import logging as std_logging
+    from normvit_jax import logs
+
+    def record(path, level, msg):
+        return std_logging.LogRecord("absl", level, path, 1, msg, (), None)
+
+    f = logs.QuietLibraries()
+    orbax = "/x/site-packages/orbax/checkpoint/_src/metadata/checkpoint.py"
+    assert not f.filter(record(orbax, std_logging.INFO, "Restoring item"))
+    assert not f.filter(record(orbax, std_logging.WARNING, "Metadata file does not exist: %s"))
+    assert f.filter(record(orbax, std_logging.WARNING, "Something else went wrong"))
+    assert f.filter(record("/x/normvit_jax/train/loop.py", std_logging.INFO, "step 1/2"))
+
+
+def test_tensorflow_banner_printed_once():
+    r = subprocess.run([sys.executable, "-c", "from normvit_jax import logs; logs.import_tensorflow_once()"],
+                       cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    assert r.stderr.count("oneDNN custom operations") <= 1
+    assert r.stderr.count("before absl::InitializeLog") <= 1
+
+
+def test_long_title_on_a_one_head_figure_fits():
+    from normvit_jax.analysis import plots_attention
+    title = ("Attention matrix of block 3 in run demo_dtn_with_a_long_name (step 880), the "
+             "class token and 16 patches, head 0 only")
+    fig = plots_attention.matrix_figure([np.eye(17) / 17], [0], 1, title)
+    fig.canvas.draw()
+    box = fig._suptitle.get_window_extent()
+    width = fig.get_figwidth() * fig.dpi
+    assert box.x0 >= 0 and box.x1 <= width, (box, width)
+    assert "\n" in fig._suptitle.get_text()
+
+
+def test_tiny_run_logs_each_thing_once(tmp_path):
+    r = main_py("--config=configs/vit_ln.py:demo", *TINY, "--config.model.variant=S/16",
+                f"--workdir={tmp_path}/wd")
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = r.stderr
+    assert log.count("oneDNN custom operations") <= 1
+    assert "Model: ViT (depth 1, width 16, 2 heads, MLP 16, patch 2; model.variant S/16 with" in log
+    assert log.count("step 2/2:") == 1 and "train/loss" not in log  # no CLU LoggingWriter copy
+    assert "hparams" not in log.lower() and max(len(line) for line in log.splitlines()) < 400
+    assert "Setting work unit notes" not in log

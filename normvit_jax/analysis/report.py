@@ -166,6 +166,8 @@ def _read_runs(workdirs: Sequence[str]) -> tuple[list[dict], dict, list[tuple[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from normvit_jax import logs
+    logs.quiet_library_logs()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("workdirs", nargs="+", help="run workdirs (config.json, checkpoints/, events)")
     ap.add_argument("--out", required=True, help="folder for report.md, report.json and the PNGs")
