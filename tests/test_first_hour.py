@@ -3,6 +3,7 @@ line, failed starts leave nothing behind, bad values are refused with exit 2, an
 what it means once."""
 from __future__ import annotations
 
+import datetime
 import glob
 import json
 import os
@@ -345,3 +346,29 @@ def test_tiny_run_logs_each_thing_once(tmp_path):
     assert log.count("step 2/2:") == 1 and "train/loss" not in log  # no CLU LoggingWriter copy
     assert "hparams" not in log.lower() and max(len(line) for line in log.splitlines()) < 400
     assert "Setting work unit notes" not in log
+
+
+# ------------------------------------------------------------------ README's demo table
+
+
+def test_demo_table_reruns_one_method_and_rewrites_its_row(tmp_path):
+    from benchmarks import demo_table
+    readme = tmp_path / "README.md"
+    original = open(os.path.join(REPO_ROOT, "README.md")).read()
+    readme.write_text(original)
+    rc = demo_table.main(["--only=ln", f"--readme={readme}", f"--root={tmp_path}/runs", *TINY])
+    assert rc == 0
+    text = readme.read_text()
+    top1, top5 = demo_table.last_eval(str(tmp_path / "runs" / "ln"))
+    rows = [line for line in text.splitlines() if line.startswith("| LayerNorm |")]
+    assert len(rows) == 1 and rows[0].startswith(
+        f"| LayerNorm | `vit_ln.py:demo` | {100 * top1:.2f}% | {100 * top5:.2f}% | ")
+    assert re.fullmatch(r".* \| \d+ s \|", rows[0])
+    # every other row and everything outside the markers is unchanged
+    untouched = [line for line in original.splitlines() if not line.startswith("| LayerNorm |")
+                 and "Measured on this machine on" not in line]
+    assert [line for line in text.splitlines() if not line.startswith("| LayerNorm |")
+            and "Measured on this machine on" not in line] == untouched
+    assert f"Measured on this machine on {datetime.date.today()}" in text
+    with pytest.raises(ValueError, match="demo-table:begin"):
+        demo_table.rewrite("no markers here", {})
