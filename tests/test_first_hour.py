@@ -218,11 +218,20 @@ def test_failed_init_from_does_not_lock_in_its_config(tmp_path):
 # ------------------------------------------------------------------ report and reparam
 
 
-def test_report_skips_a_failed_run_and_says_so(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny main.py run (2 steps; model.variant set and every size overridden), shared by the
+    tests that read its log or its workdir."""
+    wd = tmp_path_factory.mktemp("tiny") / "wd"
+    r = main_py("--config=configs/vit_ln.py:demo", *TINY, "--config.model.variant=S/16",
+                f"--workdir={wd}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, wd
+
+
+def test_report_skips_a_failed_run_and_says_so(tiny_run, tmp_path, capsys):
     from normvit_jax.analysis import report
-    good = tmp_path / "good"
-    loop.train_and_evaluate(conftest.tiny_demo_config(total_steps=2, eval_every=2,
-                                                      checkpoint_every=2), str(good))
+    good = tiny_run[1]
     failed = tmp_path / "failed"  # ended before its first checkpoint
     failed.mkdir()
     (failed / "config.json").write_text((good / "config.json").read_text())
@@ -336,11 +345,8 @@ def test_long_title_on_a_one_head_figure_fits():
     assert "\n" in fig._suptitle.get_text()
 
 
-def test_tiny_run_logs_each_thing_once(tmp_path):
-    r = main_py("--config=configs/vit_ln.py:demo", *TINY, "--config.model.variant=S/16",
-                f"--workdir={tmp_path}/wd")
-    assert r.returncode == 0, r.stderr[-3000:]
-    log = r.stderr
+def test_tiny_run_logs_each_thing_once(tiny_run):
+    log = tiny_run[0].stderr
     assert log.count("oneDNN custom operations") <= 1
     assert "Model: ViT (depth 1, width 16, 2 heads, MLP 16, patch 2; model.variant S/16 with" in log
     assert log.count("step 2/2:") == 1 and "train/loss" not in log  # no CLU LoggingWriter copy
