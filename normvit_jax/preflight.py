@@ -25,12 +25,15 @@ def check(config: Any, workdir: str) -> None:
     check_loaded(config)
     check_run_length(config)
     check_workdir_path(workdir)
-    for key, path in (("data.data_dir", config.data.get("data_dir")),
-                      ("init_from", config.get("init_from"))):
+    # init_from is read only by a run that starts at step 0: a resumed run does not need it
+    resuming = not workdir_lib.is_remote(workdir) and os.path.isdir(workdir) \
+        and workdir_lib.has_checkpoint(os.path.abspath(workdir))
+    init_from = None if resuming else config.get("init_from")
+    for key, path in (("data.data_dir", config.data.get("data_dir")), ("init_from", init_from)):
         if path and str(path).startswith("gs://"):
             workdir_lib.check_gcs_credentials(str(path), what=f"config.{key}")
-    if config.get("init_from") and not workdir_lib.is_remote(config.init_from):
-        check_npz(config.init_from, key="config.init_from")
+    if init_from and not workdir_lib.is_remote(init_from):
+        check_npz(init_from, key="config.init_from")
 
 
 def check_loaded(config: Any) -> None:

@@ -59,7 +59,7 @@ def utc_stamp() -> str:
 def check_writable(workdir: str, remote_timeout_s: float = 120.0) -> None:
     """Creates ``workdir`` and writes a probe file in it, or raises WorkdirError saying why."""
     if is_remote(workdir):
-        _check_gcs_credentials(workdir)
+        check_gcs_credentials(workdir)
         _with_deadline(lambda: _probe(workdir), remote_timeout_s,
                        f"writing to {workdir} did not finish within {remote_timeout_s:.0f} s")
     else:
@@ -79,10 +79,6 @@ def _probe(workdir: str) -> None:
     except Exception as e:  # noqa: BLE001  (OSError locally, various for gs://)
         raise WorkdirError(f"the workdir {workdir} is not writable ({type(e).__name__}: {e}); "
                            "fix its permissions or pass another --workdir") from e
-
-
-def _check_gcs_credentials(workdir: str) -> None:
-    check_gcs_credentials(workdir)
 
 
 def check_gcs_credentials(path: str, what: str = "the workdir") -> None:

@@ -378,3 +378,13 @@ def test_demo_table_reruns_one_method_and_rewrites_its_row(tmp_path):
     assert f"Measured on this machine on {datetime.date.today()}" in text
     with pytest.raises(ValueError, match="demo-table:begin"):
         demo_table.rewrite("no markers here", {})
+
+
+def test_resumed_run_does_not_need_its_init_from(tmp_path):
+    """init_from is read at step 0 only: a run with checkpoints resumes after the file is gone."""
+    from normvit_jax import preflight
+    config = conftest.tiny_demo_config(init_from=str(tmp_path / "gone.npz"))
+    with pytest.raises(ValueError, match="does not exist"):
+        preflight.check(config, str(tmp_path / "wd"))
+    (tmp_path / "wd" / "checkpoints" / "6").mkdir(parents=True)
+    preflight.check(config, str(tmp_path / "wd"))
