@@ -6,12 +6,16 @@ Re-running the same command with the same workdir continues the run from its new
 Multi-host (Cloud TPU pod, SLURM): run the same command on every host; JAX's distributed runtime
 is initialised when the process is one of several.
 """
+import os
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+# Before TensorFlow and jaxlib load: each prints the same oneDNN banner through its C++ INFO log.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
-from normvit_jax import cli
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from normvit_jax import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vit_ln.py:demo",

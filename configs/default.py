@@ -6,6 +6,13 @@ Method configs (``vit_<method>.py``) start from ``get_config()`` here and change
 from __future__ import annotations
 
 import ml_collections
+from ml_collections.config_dict import placeholder
+
+
+def typed(value, field_type: type) -> ml_collections.FieldReference:
+    """A field that keeps its type when a variant sets it to None, so that
+    ``--config.<key>=...`` can still set it afterwards (a plain None field cannot be overridden)."""
+    return ml_collections.FieldReference(value, field_type=field_type)
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -15,7 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
     # ---- data (normvit_jax/data) ----
     c.data = ml_collections.ConfigDict()
     c.data.name = "cifar10"         # digits | cifar10 | cifar100 | imagenet2012
-    c.data.data_dir = None          # tfds data dir (None: $TFDS_DATA_DIR or ~/tensorflow_datasets); gs:// ok
+    c.data.data_dir = placeholder(str)  # tfds data dir (None: $TFDS_DATA_DIR or ~/tensorflow_datasets); gs:// ok
     c.data.train_split = "train"    # tfds split string used for training
     c.data.eval_split = "test"      # tfds split used for evaluation ('validation' for imagenet2012)
     c.data.image_size = 32          # model input resolution (square); images are resized to it
@@ -28,21 +35,21 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.repeated_aug = 1         # DeiT's repeated augmentation: each example r times per batch (own
                                     # augmentations), epochs keep N samples (data/order.py; 1: off; DeiT: 3)
     c.data.prefetch = 2             # host batches prepared ahead of the train step
-    c.data.num_train_examples = None  # use only the first N train examples (tests with mock data)
-    c.data.num_eval_examples = None   # use only the first N eval examples (tests with mock data)
-    c.data.num_workers = None       # threads decoding JPEGs / reading records (None: min(32, CPUs))
+    c.data.num_train_examples = placeholder(int)  # use only the first N train examples (tests with mock data)
+    c.data.num_eval_examples = placeholder(int)   # use only the first N eval examples (tests with mock data)
+    c.data.num_workers = placeholder(int)  # threads decoding JPEGs / reading records (None: min(32, CPUs))
     c.data.return_index = False     # batches also carry 'index' (int32 position in the split; -1 = padding)
 
     # ---- model (normvit_jax/models/vit.py) ----
     c.model = ml_collections.ConfigDict()
     c.model.name = "vit"
-    c.model.variant = "Ti/4"        # '<Ti|S|B|L|H>/<patch>'; explicit fields below win over it
-    c.model.hidden_size = ml_collections.config_dict.placeholder(int)  # None: from variant
-    c.model.depth = ml_collections.config_dict.placeholder(int)
-    c.model.num_heads = ml_collections.config_dict.placeholder(int)
-    c.model.mlp_dim = ml_collections.config_dict.placeholder(int)      # None: mlp_ratio * hidden
+    c.model.variant = typed("Ti/4", str)  # '<Ti|S|B|L|H>/<patch>'; explicit fields below win over it
+    c.model.hidden_size = placeholder(int)  # None: from variant
+    c.model.depth = placeholder(int)
+    c.model.num_heads = placeholder(int)
+    c.model.mlp_dim = placeholder(int)      # None: mlp_ratio * hidden
     c.model.mlp_ratio = 4.0
-    c.model.patch_size = ml_collections.config_dict.placeholder(int)
+    c.model.patch_size = placeholder(int)
     c.model.classifier = "token"    # token (class token) | gap (global average pooling)
     c.model.posemb = "learn"        # learn | sincos2d | none
     c.model.cls_token_at_block = 0  # >0: the class token joins before this block (DTN's layout); <0: depth + value
@@ -52,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.patch_norm = "none"     # Dual PatchNorm stem: none | pre | post | dual | post_posemb
     c.model.residual_scaling = "none"  # none | rescale (RescaleViT's residual scaling)
     c.model.final_norm = True       # the encoder's last norm ('encoder_norm')
-    c.model.representation_size = ml_collections.config_dict.placeholder(int)  # pre_logits width
+    c.model.representation_size = placeholder(int)  # pre_logits width
     c.model.dropout_rate = 0.0
     c.model.attention_dropout_rate = 0.0
     c.model.stochastic_depth = 0.0  # drop-path rate of the last block (linear from 0)
@@ -69,8 +76,8 @@ def get_config() -> ml_collections.ConfigDict:
     # ---- optimization (normvit_jax/train) ----
     c.batch_size = 128              # global batch over all devices and hosts
     c.eval_batch_size = 256         # global eval batch; the last batch is padded and masked
-    c.num_epochs = 100.0            # used when total_steps is None
-    c.total_steps = ml_collections.config_dict.placeholder(int)
+    c.num_epochs = 100.0            # used when total_steps is None; > 0
+    c.total_steps = placeholder(int)  # None: num_epochs; else >= 1
     c.grad_accum_steps = 1          # micro-batches per update (the global batch is split)
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.name = "adamw"      # adamw | sgd | lamb
@@ -80,7 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.999          # adam/lamb beta2
     c.optimizer.momentum = 0.9      # sgd momentum
     c.optimizer.nesterov = False    # sgd
-    c.optimizer.grad_clip = 1.0     # global-norm clip (None or 0: off)
+    c.optimizer.grad_clip = typed(1.0, float)  # global-norm clip (None or 0: off)
     c.schedule = ml_collections.ConfigDict()
     c.schedule.name = "cosine"      # cosine | linear | constant (after warmup)
     c.schedule.warmup_steps = 500
@@ -110,8 +117,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_every = 1000             # steps between evaluations (and at the end)
     c.checkpoint_every = 1000       # steps between checkpoints (and at the end)
     c.keep_checkpoints = 3          # newest checkpoints kept
-    c.init_from = None              # path or gs:// of a Google ViT .npz to start from (docs/pretrained.md)
-    c.init_keep_pre_logits = None   # keep the file's pre_logits layer (None: if model.representation_size)
+    c.init_from = placeholder(str)  # path or gs:// of a Google ViT .npz to start from (docs/pretrained.md)
+    c.init_keep_pre_logits = placeholder(bool)  # keep the file's pre_logits layer (None: if model.representation_size)
     c.allow_config_change = False   # resume a workdir whose saved config differs
     c.skip_nonfinite_steps = 0      # 0: stop on a NaN/Inf; N: skip such updates, stop after N in a row
     c.eval_analysis_images = 16     # eval images whose token statistics, norm gates and attention

@@ -2,8 +2,6 @@
 with distinct exit codes."""
 from __future__ import annotations
 
-import logging as std_logging
-
 from absl import logging
 import ml_collections
 
@@ -13,35 +11,30 @@ EXIT_NONFINITE = 3     # NaN/Inf loss or gradient (the last good checkpoint is k
 EXIT_CHECKPOINT = 4    # a checkpoint does not fit this config, or none restores
 EXIT_WORKDIR = 5       # workdir not writable, no credentials, a checkpoint write failed
 EXIT_BUSY = 6          # another live process uses the workdir
+EXIT_DISTRIBUTED = 7   # the processes of a multi-process run did not all meet (distributed.py)
 EXIT_PREEMPTED = 42    # SIGTERM: checkpoint written, re-run to continue
 
 
-class _QuietLibraries(std_logging.Filter):
-    """Drops the INFO chatter of Orbax and absl's own internals; warnings and errors still show."""
-
-    def filter(self, record: std_logging.LogRecord) -> bool:
-        return record.levelno >= std_logging.WARNING or not any(
-            part in record.pathname for part in ("/orbax/", "/jax/_src/"))
-
-
 def quiet_library_logs() -> None:
-    std_logging.getLogger("absl").addFilter(_QuietLibraries())
-    for handler in std_logging.getLogger().handlers:
-        handler.addFilter(_QuietLibraries())
+    from normvit_jax import logs
+    logs.quiet_library_logs()
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) -> int:
     """Trains; returns the exit code (the table above)."""
-    from normvit_jax import preemption, sharding, workdir as workdir_lib
+    from normvit_jax import distributed, preemption, preflight, sharding, workdir as workdir_lib
 
     quiet_library_logs()
     try:
+        preflight.check(config, workdir)  # before anything is written: a failed start leaves nothing
         # First: with several processes JAX installs its own SIGTERM notifier here.
         sharding.maybe_initialize_distributed()
         with preemption.SigtermFlag():  # from here on a SIGTERM means: checkpoint, exit 42
             return _train(config, workdir, fresh)
     except workdir_lib.WorkdirBusyError as e:
         return _stop(e, EXIT_BUSY)
+    except distributed.DistributedStartError as e:
+        return _stop(e, EXIT_DISTRIBUTED)
     except workdir_lib.WorkdirError as e:
         return _stop(e, EXIT_WORKDIR)
     except (workdir_lib.ConfigChangedError, ValueError) as e:
@@ -51,6 +44,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) ->
 def _train(config: ml_collections.ConfigDict, workdir: str, fresh: bool) -> int:
     """Checks and locks the workdir before the slow imports (TensorFlow, via CLU), so a busy,
     unwritable or changed workdir is refused in seconds; then trains."""
+    from normvit_jax import logs
+    logs.import_tensorflow_once()  # (via CLU and tfds) before JAX, with its banner once
     import jax
     from normvit_jax import workdir as workdir_lib
 

@@ -36,6 +36,8 @@ def run(workdir: str, out: str, step: int | None = None) -> dict[str, Any]:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {list(argv[1:])}")
+    from normvit_jax import logs
+    logs.quiet_library_logs()  # Orbax logs ~30 INFO lines per restore
     if not FLAGS.workdir or not FLAGS.out:
         raise app.UsageError("--workdir and --out are required")
     run(FLAGS.workdir, FLAGS.out, FLAGS.step)

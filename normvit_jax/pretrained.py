@@ -20,6 +20,7 @@ from flax import traverse_util
 from flax.core import frozen_dict
 
 from normvit_jax.models import vit
+from normvit_jax.preflight import npz_problem
 
 POSEMB = "Transformer/posembed_input/pos_embedding"
 # Module names this ViT gives its norm slots. Those in CKPT_NORM_SLOTS exist in Google's checkpoints.
@@ -59,6 +60,11 @@ def _read_npz(path: str) -> tuple[dict[str, np.ndarray], int]:
     out, n_bf16 = {}, 0
     try:
         with p.open("rb") as f:
+            # numpy takes any file that is neither zip nor .npy for a pickle: say what it is
+            problem = npz_problem(f.read(8))
+            if problem:
+                raise CheckpointError(f"{path}: {problem}")
+            f.seek(0)
             npz = np.load(f, allow_pickle=False)
             if not isinstance(npz, np.lib.npyio.NpzFile):
                 raise CheckpointError(f"{path}: a single .npy array, not an .npz archive of parameters")

@@ -1,4 +1,4 @@
-"""Folds inference-time affine norms into the next linear layer (NORMS.md, re-parameterization).
+"""Folds inference-time affine norms into the next linear layer (docs/norms.md, re-parameterization).
 
 In eval mode BatchNorm, UN, LearnableScaler and Rescale compute n(x) = a * x + c per channel (a
 norm class says so by having ``inference_affine(params, stats) -> (a, c)``). In a pre-norm ViT
@@ -192,22 +192,39 @@ def load(path: str) -> tuple[dict, dict, int]:
     return meta["model"], variables, int(meta["num_classes"])
 
 
-def _time(fn, variables, images, reps: int) -> float:
+def _time(fn, variables, images, reps: int) -> list[float]:
     jax.block_until_ready(fn(variables, images))
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         jax.block_until_ready(fn(variables, images))
         ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return ts
+
+
+def timing_summary(unfolded: Sequence[float], folded: Sequence[float] | None, batch: int) -> str:
+    """Medians with their min-max spread; a ratio only when something was folded and the spreads
+    do not overlap (otherwise the difference is timing noise)."""
+    def fmt(ts):
+        return f"{np.median(ts) * 1e3:.1f} ms (min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})"
+    if folded is None:
+        return (f"eval batch of {batch}: {fmt(unfolded)}, median of {len(unfolded)}; nothing was "
+                "folded, so the folded model is the same model (no speed ratio)")
+    ratio = float(np.median(unfolded) / np.median(folded))
+    overlap = min(unfolded) <= max(folded) and min(folded) <= max(unfolded)
+    verdict = ("the spreads overlap: no measurable difference" if overlap
+               else f"folded {ratio:.2f}x as fast")
+    return (f"eval batch of {batch}: unfolded {fmt(unfolded)}, folded {fmt(folded)}, median of "
+            f"{len(unfolded)}; {verdict}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Folds a run's checkpoint, checks the logits on random images and times both models."""
     import argparse
 
-    from normvit_jax import checkpoints
+    from normvit_jax import checkpoints, logs
 
+    logs.quiet_library_logs()
     p = argparse.ArgumentParser(prog="python -m normvit_jax.reparam", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True, help="run directory with checkpoints")
@@ -230,10 +247,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"max |logit difference| on {args.batch} random images: {diff:.3g} "
           f"(largest |logit| {scale:.3g})")
     run = lambda c: jax.jit(lambda v, x: create(c, num_classes).apply(v, x, train=False))
-    t0 = _time(run(config.model), variables, images, args.reps)
-    t1 = _time(run(folded_cfg), folded, images, args.reps)
-    print(f"eval batch of {args.batch}: {t0 * 1e3:.1f} ms unfolded, {t1 * 1e3:.1f} ms folded "
-          f"({t0 / t1:.2f}x), median of {args.reps}")
+    ts0 = _time(run(config.model), variables, images, args.reps)
+    ts1 = _time(run(folded_cfg), folded, images, args.reps) if report.folded else None
+    print(timing_summary(ts0, ts1, args.batch))
+    t0 = float(np.median(ts0))
+    t1 = float(np.median(ts1)) if ts1 else t0
     if args.out:
         save(args.out, folded_cfg, folded, num_classes)
         print(f"folded model saved in {args.out}")

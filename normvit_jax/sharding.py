@@ -51,23 +51,10 @@ def to_global(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
 
 
 def maybe_initialize_distributed() -> None:
-    """Joins JAX's distributed runtime when this process is one of several.
-
-    Cloud TPU pods and SLURM jobs are detected by ``jax.distributed.initialize()`` itself; elsewhere
-    set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (JAX reads only the first,
-    so the other two are passed here). A single process does nothing.
-    """
-    import os
-    env = os.environ
-    multi = (env.get("JAX_COORDINATOR_ADDRESS") or env.get("SLURM_NTASKS", "1") != "1"
-             or env.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0)
-    if not multi:
-        return
-    kwargs = {}
-    if env.get("JAX_NUM_PROCESSES") and env.get("JAX_PROCESS_ID"):
-        kwargs = {"num_processes": int(env["JAX_NUM_PROCESSES"]),
-                  "process_id": int(env["JAX_PROCESS_ID"])}
-    jax.distributed.initialize(**kwargs)
+    """Joins JAX's distributed runtime when this process is one of several (srun step, TPU pod,
+    JAX_COORDINATOR_ADDRESS), with a bounded wait: normvit_jax/distributed.py."""
+    from normvit_jax import distributed
+    distributed.initialize()
 
 
 def sync_hosts(name: str) -> None:

@@ -59,7 +59,7 @@ def utc_stamp() -> str:
 def check_writable(workdir: str, remote_timeout_s: float = 120.0) -> None:
     """Creates ``workdir`` and writes a probe file in it, or raises WorkdirError saying why."""
     if is_remote(workdir):
-        _check_gcs_credentials(workdir)
+        check_gcs_credentials(workdir)
         _with_deadline(lambda: _probe(workdir), remote_timeout_s,
                        f"writing to {workdir} did not finish within {remote_timeout_s:.0f} s")
     else:
@@ -69,6 +69,9 @@ def check_writable(workdir: str, remote_timeout_s: float = 120.0) -> None:
 def _probe(workdir: str) -> None:
     path = epath.Path(workdir)
     probe = path / f".write_probe.{socket.gethostname()}.{os.getpid()}"
+    if path.exists() and not path.is_dir():
+        raise WorkdirError(f"the workdir {workdir} is a file, not a directory; pass another "
+                           "--workdir")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe.write_text("ok")
@@ -78,11 +81,12 @@ def _probe(workdir: str) -> None:
                            "fix its permissions or pass another --workdir") from e
 
 
-def _check_gcs_credentials(workdir: str) -> None:
+def check_gcs_credentials(path: str, what: str = "the workdir") -> None:
     """Google Cloud credentials come from GOOGLE_APPLICATION_CREDENTIALS, gcloud's application
     default credentials, or the metadata server of a Cloud VM; without any, GCS clients retry for
-    minutes before failing, so this fails at once instead."""
-    if not workdir.startswith("gs://"):
+    minutes before failing (or end in a long TensorFlow traceback), so this fails at once instead.
+    ``what`` names the setting that holds ``path`` (the workdir, config.init_from, ...)."""
+    if not path.startswith("gs://"):
         return
     key = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
     if key and os.path.exists(key):
@@ -100,7 +104,7 @@ def _check_gcs_credentials(workdir: str) -> None:
     except Exception:  # noqa: BLE001  (no metadata server: not on a Cloud VM)
         pass
     raise WorkdirError(
-        f"{workdir}: no Google Cloud credentials found (GOOGLE_APPLICATION_CREDENTIALS is "
+        f"{what} {path}: no Google Cloud credentials found (GOOGLE_APPLICATION_CREDENTIALS is "
         f"{'set to a missing file' if key else 'unset'}, no application default credentials in "
         f"{gcloud}, no metadata server at {host}). Run `gcloud auth application-default login`, "
         "set GOOGLE_APPLICATION_CREDENTIALS to a service-account key, or run on a Cloud VM.")
@@ -224,12 +228,26 @@ def check_config(config: Any, workdir: str) -> None:
     if not path.exists():
         return
     diff = config_diff(json.loads(path.read_text()), json.loads(config.to_json_best_effort()))
+    if diff and not has_checkpoint(workdir):
+        # An earlier start failed before its first checkpoint (a wrong init_from, data not yet
+        # prepared): nothing was trained with the old config, so the corrected command goes on;
+        # write_config keeps the old file as config.before-<time>.json.
+        logging.warning("%s has no checkpoint yet: taking the new config (changed keys:\n%s)",
+                        workdir, "\n".join(diff))
+        return
     if diff and not config.get("allow_config_change"):
         raise ConfigChangedError(
             f"{workdir} holds a run made with another config; changed keys:\n" + "\n".join(diff)
             + "\nUse another --workdir, pass --config.allow_config_change=True to continue "
               "this run with the new values, or --fresh to start over (the old run is moved "
               f"to {REPLACED_DIR}/).")
+
+
+def has_checkpoint(workdir: str) -> bool:
+    """Whether ``workdir/checkpoints`` holds a step folder (complete or not: a partial one means
+    training ran with the saved config)."""
+    root = epath.Path(workdir) / "checkpoints"
+    return root.exists() and any(p.name.split(".")[0].isdigit() for p in root.iterdir())
 
 
 def write_config(config: Any, workdir: str) -> None:
@@ -243,8 +261,9 @@ def write_config(config: Any, workdir: str) -> None:
         diff = config_diff(json.loads(old), current)
         if not diff:
             return
-        logging.warning("Continuing %s with a changed config (allow_config_change):\n%s", workdir,
-                        "\n".join(diff))
+        if has_checkpoint(workdir):
+            logging.warning("Continuing %s with a changed config (allow_config_change):\n%s",
+                            workdir, "\n".join(diff))
         (path.parent / f"config.before-{utc_stamp()}.json").write_text(old)
     tmp = path.parent / (path.name + ".tmp")
     tmp.write_text(json.dumps(current, indent=2, sort_keys=True))

@@ -119,6 +119,8 @@ def write_summaries(runs: Sequence[RunAnalysis], out: str, title: str) -> list[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from normvit_jax import logs
+    logs.quiet_library_logs()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", required=True, help="a run's workdir (config.json, checkpoints/)")
     ap.add_argument("--out", required=True, help="folder for the PNG and CSV files")

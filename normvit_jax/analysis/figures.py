@@ -32,6 +32,17 @@ def to_uint8(fig: Figure, dpi: int = DPI) -> np.ndarray:
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
 
 
+def wrap(fig: Figure, text: str, fontsize: float, width: float | None = None) -> str:
+    """``text`` wrapped to ``width`` inches (default: the figure's), so a long title on a narrow
+    figure (one attention head) is not cut at both edges."""
+    chars = max(int(((width or fig.get_figwidth()) - 0.3) * 72 / (0.6 * fontsize)), 12)
+    return "\n".join(textwrap.fill(part, chars) for part in text.split("\n"))
+
+
+def suptitle(fig: Figure, text: str, fontsize: float = 10) -> None:
+    fig.suptitle(wrap(fig, text, fontsize), fontsize=fontsize)
+
+
 def note(fig: Figure, text: str, fontsize: int = 7) -> None:
     """A footnote under the axes, wrapped to the figure's width."""
     chars = int((fig.get_figwidth() - 0.3) * 72 / (0.62 * fontsize))

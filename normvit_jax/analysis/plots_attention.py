@@ -40,7 +40,7 @@ def overlay_grid(base: Sequence[np.ndarray], maps: Sequence[Sequence[np.ndarray]
         axes[0, c].set_title(text, fontsize=9)
     if im is not None:
         fig.colorbar(im, ax=axes[:, -1].tolist(), shrink=0.6, label="attention / panel max")
-    fig.suptitle(title, fontsize=10)
+    figures.suptitle(fig, title, fontsize=10)
     figures.note(fig, note)
     return fig
 
@@ -65,7 +65,7 @@ def matrix_figure(matrices: Sequence[np.ndarray], heads: Sequence[int], prefix: 
         ax.set_xticks(ticks, names, fontsize=7)
         ax.set_yticks(ticks, names, fontsize=7)
         fig.colorbar(im, ax=ax, shrink=0.8, label="attention weight")
-    fig.suptitle(title, fontsize=10)
+    figures.suptitle(fig, title, fontsize=10)
     figures.note(fig, "p<k>: patch k of the row-major patch grid" + ("; CLS: the class token" if prefix else ""))
     return fig
 
@@ -97,7 +97,8 @@ def distance_figure(runs: Sequence[tuple[str, tuple, np.ndarray]], uniform_px: f
     ax.set_ylim(0, 1.12 * top if top > 0 else 1.0)
     ax.grid(alpha=0.3)
     figures.legend(fig, [ax], [r[0] for r in runs])
-    ax.set_title(title, fontsize=10)
+    ax.set_title(figures.wrap(fig, title, 10, width=ax.get_position().width * fig.get_figwidth()),
+                 fontsize=10)
     figures.note(fig, "one dot per head, averaged over images; line: mean over heads; distance "
                       "between the query patch and the key patches, in input pixels")
     return fig

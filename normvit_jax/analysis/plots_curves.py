@@ -32,5 +32,5 @@ def curves_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Series]]], x: st
         ax.set_ylabel(unit, fontsize=8)
         ax.grid(alpha=0.3)
     figures.legend(fig, axes, [r[0] for r in runs])
-    fig.suptitle(title, fontsize=10)
+    figures.suptitle(fig, title, fontsize=10)
     return fig

@@ -53,7 +53,7 @@ def token_stats_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Mapping]]],
             if r == 1:
                 ax.set_xlabel("block", fontsize=8)
     figures.legend(fig, axes, [r[0] for r in runs])
-    fig.suptitle(title, fontsize=10)
+    figures.suptitle(fig, title, fontsize=10)
     figures.note(fig, X_NOTE + "; statistics averaged over the images")
     return fig
 
@@ -114,6 +114,6 @@ def gates_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Mapping[str, floa
         else:
             ax.ticklabel_format(axis="y", useOffset=False)
     figures.legend(fig, axes[:len(kinds)], [r[0] for r in runs])
-    fig.suptitle(title, fontsize=10)
+    figures.suptitle(fig, title, fontsize=10)
     figures.note(fig, X_NOTE)
     return fig

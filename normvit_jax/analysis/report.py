@@ -109,12 +109,15 @@ NOTES = f"""
 
 def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, images: int = 8,
                  stat_images: int = 64, tags: Sequence[str] = ()) -> list[str]:
-    summaries = {w: events.read_run(w) for w in workdirs}
-    rows = [run_row(w, summaries[w]) for w in workdirs]
+    rows, summaries, skipped = _read_runs(workdirs)
+    workdirs = [r["workdir"] for r in rows]
+    if not rows:
+        raise ValueError("no run could be read: " + "; ".join(f"{w}: {why}" for w, why in skipped))
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, "report.md"), os.path.join(out, "report.json")]
     with open(paths[0], "w") as f:
-        f.write("# Comparison of runs\n\n" + markdown_table(rows) + NOTES)
+        f.write("# Comparison of runs\n\n" + markdown_table(rows) + NOTES
+                + "".join(f"- skipped {w}: {why}\n" for w, why in skipped))
     with open(paths[1], "w") as f:
         json.dump(rows, f, indent=2)
     dup = len({r["method"] for r in rows}) < len(rows)
@@ -129,12 +132,42 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         fig = plots_curves.curves_figure(curves, "step", "Logged scalars per normalizer", panels)
         paths.append(figures.save(fig, os.path.join(out, "tags.png")))
     if not no_attention:
-        runs = [attention.analyze_run(w, images, stat_images) for w in workdirs]
-        paths += attention.write_summaries(runs, out, "All runs")
+        runs = []
+        for w in workdirs:
+            try:
+                runs.append(attention.analyze_run(w, images, stat_images))
+            except Exception as e:  # noqa: BLE001  (one run's eval data or model must not end all)
+                _skip(w, f"attention analysis failed ({type(e).__name__}: {e})")
+        if runs:
+            paths += attention.write_summaries(runs, out, "All runs")
     return paths
 
 
+def _skip(workdir: str, why: str) -> None:
+    print(f"report: skipping {workdir}: {why}", file=sys.stderr)
+
+
+def _read_runs(workdirs: Sequence[str]) -> tuple[list[dict], dict, list[tuple[str, str]]]:
+    """The rows of the runs that can be read; a run that failed (no config.json, no checkpoint,
+    unreadable summaries) is left out with the reason instead of ending the whole report."""
+    rows, summaries, skipped = [], {}, []
+    for w in workdirs:
+        try:
+            if not os.path.exists(checkpoints.config_path(w)):
+                raise FileNotFoundError("not a normvit_jax workdir (no config.json)")
+            summaries[str(w)] = events.read_run(w)
+            rows.append(run_row(w, summaries[str(w)]))
+        except Exception as e:  # noqa: BLE001
+            why = str(e) if isinstance(e, FileNotFoundError) and "config.json" in str(e) else \
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            _skip(w, why)
+            skipped.append((str(w), why))
+    return rows, summaries, skipped
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from normvit_jax import logs
+    logs.quiet_library_logs()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("workdirs", nargs="+", help="run workdirs (config.json, checkpoints/, events)")
     ap.add_argument("--out", required=True, help="folder for report.md, report.json and the PNGs")
@@ -145,13 +178,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="eval images averaged for distances and token statistics")
     ap.add_argument("--tags", default="", help="comma list of other scalar tags to plot vs steps")
     args = ap.parse_args(argv)
-    missing = [w for w in args.workdirs if not os.path.exists(checkpoints.config_path(w))]
-    if missing:
-        print(f"error: not a normvit_jax workdir (no config.json): {', '.join(missing)}", file=sys.stderr)
-        return 2
     tags = [t for t in args.tags.split(",") if t.strip()]
-    print("\n".join(write_report(args.workdirs, args.out, args.no_attention, args.images,
-                                 args.stat_images, tags)))
+    try:
+        paths = write_report(args.workdirs, args.out, args.no_attention, args.images,
+                             args.stat_images, tags)
+    except ValueError as e:
+        if not str(e).startswith("no run could be read"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(paths))
     return 0
 
 

@@ -24,11 +24,12 @@ import numpy as np
 from absl import logging
 from clu import metric_writers, periodic_actions
 
-from normvit_jax import checkpoints, data, models, preemption, sharding, summaries
+from normvit_jax import checkpoints, data, models, preemption, preflight, sharding, summaries
 from normvit_jax import workdir as workdir_lib
 from normvit_jax.analysis import live
 from normvit_jax.train import batch_aug, ema, guards
 from normvit_jax.train import optimizer as optim
+from normvit_jax.train import progress
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
 
@@ -62,6 +63,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     accepted.
     """
     data.validate(config)
+    preflight.check_run_length(config)
     model_cfg = models.resolve_model_config(config.model.to_dict())
     models.vit.check_override_keys(model_cfg.get("norm_overrides"), model_cfg["depth"])
     from normvit_jax import norms
@@ -148,7 +150,7 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
     state, state_sharding = create_train_state(config, model, tx, train_data.image_shape, mesh, rng)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     logging.info("Model: %s, %s parameters; %d devices; %d steps (%d per epoch).",
-                 model_cfg.get("variant") or "custom", f"{n_params:,}", mesh.devices.size, n_steps,
+                 progress.describe_model(model_cfg), f"{n_params:,}", mesh.devices.size, n_steps,
                  train_data.steps_per_epoch)
 
     mngr = checkpoints.make_manager(workdir, keep=config.keep_checkpoints)
@@ -201,6 +203,7 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
                         out_shardings=rep)
 
     report = periodic_actions.ReportProgress(num_train_steps=n_steps, writer=writer)
+    eta = progress.Eta(n_steps)  # train time only: no compile, eval or checkpoint time
     eval_metrics: dict[str, Any] = {}
     t_log, step_log = time.time(), start_step
     step = start_step
@@ -249,16 +252,16 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
                 save = step % config.checkpoint_every == 0 or is_last or preempt or pause
                 if step % config.log_every == 0 or is_last:
                     values, skipped, problem = guards.check_finite(config, window, state, step, saver)
+                    eta.mark(step)  # check_finite waited for the step's results
                     skipped_total += skipped
                     dt = max(time.time() - t_log, 1e-9)
                     values["skipped_nonfinite_total"] = skipped_total
-                    values["steps_per_sec"] = (step - step_log) / dt
+                    values["steps_per_sec"] = eta.interval_steps_per_s() or (step - step_log) / dt
                     values["examples_per_sec"] = values["steps_per_sec"] * config.batch_size
                     writer.write_scalars(step, {f"train/{k}": v for k, v in values.items()})
-                    eta = (n_steps - step) / max(values["steps_per_sec"], 1e-9)
                     logging.info("step %d/%d: loss %.4f, accuracy %.4f, %.2f steps/s, %.0f examples/s, "
                                  "ETA %s", step, n_steps, values["loss"], values["accuracy"],
-                                 values["steps_per_sec"], values["examples_per_sec"], _fmt_time(eta))
+                                 values["steps_per_sec"], values["examples_per_sec"], eta.describe(step))
                     if problem:  # after writing: the bad values are in the summaries too
                         raise NonFiniteError(problem)
                     window, t_log, step_log = guards.MetricsWindow(step), time.time(), step
@@ -267,7 +270,8 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
                     if problem:
                         raise NonFiniteError(problem)
                 if step % config.eval_every == 0 or is_last:
-                    eval_metrics = run_eval(step)
+                    with eta.paused():
+                        eval_metrics = run_eval(step)
                 if save:
                     if not guards.all_finite(state):
                         raise NonFiniteError(
@@ -277,7 +281,7 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
                             "grad clipping (config.optimizer.grad_clip).")
                     writer.flush()  # summaries up to this step are on disk before its checkpoint
                     meta = guards.checkpoint_meta(window, skipped_total)
-                    with report.timed("checkpoint"):
+                    with report.timed("checkpoint"), eta.paused():
                         saver.save(step, state, meta)
                 if pause:
                     logging.info("Stopping at step %d as asked (stop_at); re-run to continue.", step)
@@ -296,20 +300,13 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
 
 
 def _writers(workdir: str) -> tuple[Any, Any]:
-    """(writer, analysis_writer): the first logs and, on process 0, writes TensorBoard summaries;
-    the second (process 0, else None) writes the same event file without logging."""
+    """(writer, analysis_writer): TensorBoard summaries on process 0 (both the same writer; no
+    metrics writer elsewhere). Not logged: the progress line already shows the train metrics, and
+    CLU's LoggingWriter repeated them, and the hyperparameters, as long lines."""
     if jax.process_index() > 0:
-        return metric_writers.create_default_writer(just_logging=True, asynchronous=True), None
+        return metric_writers.MultiWriter([]), None
     tensorboard = metric_writers.AsyncWriter(metric_writers.SummaryWriter(workdir))
-    logs = metric_writers.AsyncWriter(metric_writers.LoggingWriter())
-    return metric_writers.MultiWriter([logs, tensorboard]), tensorboard
-
-
-def _fmt_time(seconds: float) -> str:
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+    return tensorboard, tensorboard
 
 
 def _init_from_pretrained(config, model_cfg, num_classes, state, tx, state_sharding) -> TrainState:

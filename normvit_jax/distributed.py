@@ -1,0 +1,143 @@
+"""When to join JAX's distributed runtime, and a rendezvous that ends with a message instead of
+hanging.
+
+Several processes are assumed only when something started several: JAX_COORDINATOR_ADDRESS
+(set by hand), a SLURM job step with more than one task (``srun`` sets SLURM_STEP_ID and
+SLURM_STEP_NUM_TASKS; a batch script alone only has SLURM_NTASKS of the allocation), or a Cloud
+TPU pod (TPU_WORKER_HOSTNAMES lists several workers). The rendezvous waits at most
+NORMVIT_DISTRIBUTED_TIMEOUT seconds (default 300), then names the processes that did not join.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import threading
+from typing import Any, Mapping
+
+from absl import logging
+
+TIMEOUT_ENV = "NORMVIT_DISTRIBUTED_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300
+EXIT_CODE = 7  # cli.EXIT_DISTRIBUTED
+
+
+class DistributedStartError(RuntimeError):
+    """The processes of a multi-process run did not all meet (cli: EXIT_DISTRIBUTED)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How this process joins: ``kwargs`` go to ``jax.distributed.initialize``."""
+
+    source: str                     # 'env' (JAX_COORDINATOR_ADDRESS) | 'slurm' | 'tpu'
+    num_processes: int | None       # None: JAX finds out (TPU)
+    process_id: int | None
+    coordinator: str | None         # None: JAX finds out (SLURM: first node of the step; TPU)
+    kwargs: dict[str, Any]
+
+
+def _int(env: Mapping[str, str], key: str) -> int | None:
+    value = env.get(key, "").strip()
+    return int(value) if value.lstrip("-").isdigit() else None
+
+
+def plan(env: Mapping[str, str] | None = None) -> Plan | None:
+    """The way this process joins the others, or None when it runs alone (with a warning when
+    the environment suggests several processes but nothing started them)."""
+    env = os.environ if env is None else env
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        n, pid = _int(env, "JAX_NUM_PROCESSES"), _int(env, "JAX_PROCESS_ID")
+        kwargs = {"num_processes": n, "process_id": pid} if n is not None and pid is not None else {}
+        return Plan("env", n, pid, env["JAX_COORDINATOR_ADDRESS"], kwargs)
+    ntasks = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
+    in_step = all(env.get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID",
+                                       "SLURM_LOCALID", "SLURM_STEP_NODELIST"))
+    if in_step and ntasks and ntasks > 1:
+        return Plan("slurm", ntasks, _int(env, "SLURM_PROCID"), None, {})
+    if (_int(env, "SLURM_NTASKS") or 1) > 1 and not in_step:
+        where = ("inside a SLURM allocation" if env.get("SLURM_JOB_ID")
+                 else "outside SLURM (SLURM_JOB_ID is unset)")
+        logging.warning(
+            "SLURM_NTASKS=%s but this process was not started by srun (%s: no SLURM_STEP_ID): "
+            "running as ONE process. For %s processes start it with `srun python main.py ...` "
+            "(launch/slurm_gpu.sbatch).", env.get("SLURM_NTASKS"), where, env.get("SLURM_NTASKS"))
+    if env.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
+        return Plan("tpu", env["TPU_WORKER_HOSTNAMES"].count(",") + 1, _int(env, "TPU_WORKER_ID"),
+                    None, {})
+    return None
+
+
+def timeout_s(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    raw = env.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a whole number of seconds >= 1")
+    return int(raw)
+
+
+def describe_failure(p: Plan, timeout: int, error: BaseException) -> str:
+    """Names who did not join: the task ids in the coordination service's error where it lists
+    them, else every other process (this one cannot see which of them are missing)."""
+    text = str(error)
+    missing = sorted({int(t) for t in re.findall(r"task:(\d+)", text)} - {p.process_id})
+    if not missing and p.num_processes:
+        missing = [i for i in range(p.num_processes) if i != p.process_id]
+        others = [i for i in missing if i != 0]
+        who = (f"processes {_ranges(missing)} (some or all of them)" if p.process_id == 0
+               and len(missing) > 1 else f"process {missing[0]}" if p.process_id == 0 else
+               "process 0 (the coordinator)" + (f" and/or processes {_ranges(others)}" if others else ""))
+    else:
+        who = f"processes {_ranges(missing)}" if missing else "the other processes"
+    at = p.coordinator or {"slurm": "the first node of the SLURM step", "tpu": "TPU worker 0"}.get(
+        p.source, "the coordinator")
+    hint = {"slurm": "start every task with srun (one per GPU, launch/slurm_gpu.sbatch) and check "
+                     "that no task failed to start",
+            "tpu": "run the same command on every worker (launch/tpu_pod.sh)",
+            "env": "start every process with the same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES "
+                   "and a distinct JAX_PROCESS_ID"}[p.source]
+    first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return (f"process {p.process_id if p.process_id is not None else '?'} of "
+            f"{p.num_processes or '?'} ({p.source}): the other processes did not all join within "
+            f"{timeout} s at {at}; missing: {who}. {hint[0].upper()}{hint[1:]}; "
+            f"{TIMEOUT_ENV} sets the wait. ({type(error).__name__}: {first_line[:300]})")
+
+
+def _ranges(ids: list[int]) -> str:
+    if len(ids) > 8:
+        return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else str(ids)
+    return ", ".join(map(str, ids))
+
+
+def initialize(env: Mapping[str, str] | None = None) -> Plan | None:
+    """Joins the others (or does nothing alone). After the timeout the process stops with
+    EXIT_CODE and a message: XLA's client would abort the process with a C++ stack trace (a few
+    seconds after its own deadline), so a watchdog thread ends it first."""
+    p = plan(env)
+    if p is None:
+        return None
+    timeout = timeout_s(env)
+    import jax
+    logging.info("Joining %s processes (%s) within %d s.", p.num_processes or "the", p.source, timeout)
+    watchdog = threading.Timer(timeout, _give_up, args=(p, timeout))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        # XLA's own deadline comes later, so the message above wins the race
+        jax.distributed.initialize(initialization_timeout=timeout + 60, **p.kwargs)
+    except Exception as e:  # noqa: BLE001  (XLA raises JaxRuntimeError/RuntimeError/ValueError)
+        raise DistributedStartError(describe_failure(p, timeout, e)) from e
+    finally:
+        watchdog.cancel()
+    return p
+
+
+def _give_up(p: Plan, timeout: int) -> None:
+    message = describe_failure(p, timeout, TimeoutError("no rendezvous"))
+    logging.error("Stopped: %s", message)
+    logging.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)

@@ -1,0 +1,103 @@
+"""Checks that run before anything is written or JAX starts (``cli.run`` calls ``check`` first):
+the config loaded, its run length is valid, the workdir path can be a directory, every gs://
+input has credentials, and ``init_from`` is a readable .npz. A failed check changes nothing on
+disk, so the corrected command starts cleanly.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from etils import epath
+
+from normvit_jax import workdir as workdir_lib
+
+ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # an .npz is a zip archive (empty archive: the 2nd)
+NPY_MAGIC = b"\x93NUMPY"
+
+
+class ConfigFileError(ValueError):
+    """--config names a file that cannot be loaded (exit 2)."""
+
+
+def check(config: Any, workdir: str) -> None:
+    """Raises ValueError (exit 2) or workdir.WorkdirError (exit 5) naming the first problem."""
+    check_loaded(config)
+    check_run_length(config)
+    check_workdir_path(workdir)
+    # init_from is read only by a run that starts at step 0: a resumed run does not need it
+    resuming = not workdir_lib.is_remote(workdir) and os.path.isdir(workdir) \
+        and workdir_lib.has_checkpoint(os.path.abspath(workdir))
+    init_from = None if resuming else config.get("init_from")
+    for key, path in (("data.data_dir", config.data.get("data_dir")), ("init_from", init_from)):
+        if path and str(path).startswith("gs://"):
+            workdir_lib.check_gcs_credentials(str(path), what=f"config.{key}")
+    if init_from and not workdir_lib.is_remote(init_from):
+        check_npz(init_from, key="config.init_from")
+
+
+def check_loaded(config: Any) -> None:
+    """config_flags defers a failed load (a missing file, an error inside it) to the first access
+    of the config; this turns it into one line instead of a traceback from the training loop."""
+    try:
+        config.get("data")
+    except Exception as e:  # noqa: BLE001  (config_flags raises IOError wrapping the cause)
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        cause = lines[-1] if lines else type(e).__name__
+        raise ConfigFileError(f"cannot load the --config file: {cause}") from None
+
+
+def check_run_length(config: Any) -> None:
+    """total_steps (None or >= 1) and num_epochs (> 0): 0 or negative values used to train the
+    whole run, a single step or nothing, all with exit 0."""
+    steps = config.get("total_steps")
+    if steps is not None and (isinstance(steps, bool) or int(steps) != steps or steps < 1):
+        raise ValueError(f"config.total_steps={steps!r} must be None (use num_epochs) or an "
+                         "integer >= 1")
+    epochs = config.get("num_epochs")
+    if (epochs is None and steps is None) or (epochs is not None and not epochs > 0):
+        raise ValueError(f"config.num_epochs={epochs!r} must be > 0 (or set config.total_steps)")
+
+
+def check_workdir_path(workdir: str) -> None:
+    if workdir_lib.is_remote(workdir):
+        return
+    path = os.path.abspath(workdir)
+    probe = path
+    while probe and not os.path.exists(probe):  # the nearest existing ancestor must be a folder
+        probe = os.path.dirname(probe) if os.path.dirname(probe) != probe else ""
+    if probe and not os.path.isdir(probe):
+        what = "the workdir" if probe == path else f"the workdir's parent {probe}"
+        raise workdir_lib.WorkdirError(
+            f"{what} is a file, not a directory ({path}); pass another --workdir")
+
+
+def npz_problem(head: bytes) -> str | None:
+    """None if ``head`` (the first bytes of a file) starts an .npz archive, else what it is."""
+    if head.startswith(ZIP_MAGIC):
+        return None
+    if head.startswith(NPY_MAGIC):
+        return "a single .npy array, not an .npz archive of parameters"
+    if not head:
+        return "an empty file, not an .npz archive"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "a pickle, not an .npz archive; refusing to load it"
+    return ("not an .npz archive (it does not start with the zip signature 'PK'; truncated, an "
+            "HTML error page, or another format?)")
+
+
+def check_npz(path: str, key: str = "path") -> None:
+    """A local file that exists, is readable and starts like an .npz (zip) archive."""
+    p = epath.Path(path)
+    if not p.exists():
+        raise ValueError(f"{key}={path!r} does not exist")
+    if p.is_dir():
+        raise ValueError(f"{key}={path!r} is a directory, not an .npz file")
+    try:
+        with p.open("rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ValueError(f"{key}={path!r} cannot be read ({type(e).__name__}: {e})") from None
+    problem = npz_problem(head)
+    if problem:
+        raise ValueError(f"{key}={path!r}: {problem}")

@@ -1,0 +1,95 @@
+"""The ETA of the progress line: steps per second of training alone.
+
+The first interval (start to the first log step) holds the compilation, and evals and checkpoint
+writes stop the steps for a while; counting either made the ETA far too long at first and jump
+after each eval. ``Eta`` measures from the first log step on, with paused sections left out, and
+averages over the whole run so far (not the last interval), so the estimate settles.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator, Mapping
+
+
+class Eta:
+    """``mark(step)`` at each log step (after the step's results are on the host), ``paused()``
+    around evals and checkpoint writes, ``remaining_s(step)`` for the estimate."""
+
+    def __init__(self, total_steps: int, clock: Callable[[], float] = time.monotonic):
+        self.total_steps = total_steps
+        self._clock = clock
+        self._base_step: int | None = None   # the first mark: everything before is compilation
+        self._base_time = 0.0
+        self._paused_s = 0.0                  # paused time since the first mark
+        self._last: tuple[int, float, float] | None = None  # step, time, paused_s then
+        self._prev: tuple[int, float, float] | None = None  # the mark before _last
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent in here is not training time (an eval, a checkpoint write)."""
+        t = self._clock()
+        try:
+            yield
+        finally:
+            if self._base_step is not None:
+                self._paused_s += self._clock() - t
+
+    def mark(self, step: int) -> None:
+        now = self._clock()
+        if self._base_step is None:
+            self._base_step, self._base_time = step, now
+            self._last = (step, now, 0.0)
+        else:
+            self._prev, self._last = self._last, (step, now, self._paused_s)
+
+    def steps_per_s(self) -> float | None:
+        """Training steps per second since the first mark, pauses left out; None before two marks."""
+        if self._prev is None:
+            return None
+        step, now, paused_s = self._last
+        train_s = now - self._base_time - paused_s
+        return (step - self._base_step) / train_s if train_s > 0 and step > self._base_step else None
+
+    def interval_steps_per_s(self) -> float | None:
+        """Steps per second between the last two marks, pauses left out; None before two marks."""
+        if self._prev is None:
+            return None
+        (s0, t0, p0), (s1, t1, p1) = self._prev, self._last
+        train_s = t1 - t0 - (p1 - p0)
+        return (s1 - s0) / train_s if train_s > 0 else None
+
+    def remaining_s(self, step: int) -> float | None:
+        rate = self.steps_per_s()
+        return None if rate is None else max(self.total_steps - step, 0) / rate
+
+    def describe(self, step: int) -> str:
+        """'1m05s', or what is known before a rate exists."""
+        if step >= self.total_steps:
+            return "0m00s"
+        left = self.remaining_s(step)
+        return "estimating" if left is None else fmt_time(left)
+
+
+def fmt_time(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def describe_model(model_cfg: Mapping[str, Any]) -> str:
+    """The sizes the model is built with, e.g. 'ViT-B/16 (depth 12, width 768, 12 heads, MLP 3072,
+    patch 16)'; the variant's name only where no size was overridden."""
+    from normvit_jax.models import vit
+    keys = ("depth", "hidden_size", "num_heads", "mlp_dim", "patch_size")
+    sizes = (f"depth {model_cfg['depth']}, width {model_cfg['hidden_size']}, "
+             f"{model_cfg['num_heads']} heads, MLP {model_cfg['mlp_dim']}, patch {model_cfg['patch_size']}")
+    variant = model_cfg.get("variant")
+    if not variant:
+        return f"ViT ({sizes})"
+    preset = vit.resolve_model_config({"variant": variant})
+    changed = [k for k in keys if preset[k] != model_cfg[k]]
+    if not changed:
+        return f"ViT-{variant} ({sizes})"
+    return f"ViT ({sizes}; model.variant {variant} with {', '.join(changed)} overridden)"

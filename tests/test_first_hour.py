@@ -1,0 +1,390 @@
+"""A new user's first hour (issue 15): every documented config field can be set on the command
+line, failed starts leave nothing behind, bad values are refused with exit 2, and the log says
+what it means once."""
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from configs import default
+from normvit_jax import cli, pretrained, workdir
+from normvit_jax.train import loop
+from tests import conftest
+from tests.conftest import REPO_ROOT
+
+CONFIG_FILES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO_ROOT, "configs", "*.py"))
+                      if not os.path.basename(p).startswith("__") and not p.endswith("default.py"))
+# model.norm is a dict of options (its `name` is set instead); model.norm_overrides starts empty:
+# its keys name blocks and are added in config files, not on the command line.
+NOT_LEAVES = ("model.norm_overrides",)
+
+
+def _leaves(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    out = []
+    for k in c.keys():
+        key = f"{prefix}{k}"
+        if isinstance(c[k], ml_collections.ConfigDict):
+            if key not in NOT_LEAVES:
+                out += _leaves(c[k], key + ".")
+        else:
+            out.append(key)
+    return out
+
+
+def _value_for(field_type: type) -> tuple[str, object]:
+    """A command-line string for a field of this type and the value it must parse to."""
+    return {int: ("7", 7), float: ("0.25", 0.25), bool: ("True", True),
+            str: ("some/value", "some/value")}[field_type]
+
+
+def _parse(spec: str, argv_tail: list[str]) -> ml_collections.ConfigDict:
+    """main.py's parser (config_flags reads the override names from sys.argv)."""
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True)
+    argv = ["main.py", f"--config={spec}"] + argv_tail
+    saved, sys.argv = sys.argv, argv
+    try:
+        fv(argv)
+    finally:
+        sys.argv = saved
+    return fv.config
+
+
+def _get(c, key):
+    for part in key.split("."):
+        c = c[part]
+    return c
+
+
+DEFAULT_FIELDS = _leaves(default.get_config())
+
+
+def test_default_fields_are_all_typed():
+    """A field whose default is a bare None cannot be set from the command line at all."""
+    c = default.get_config()
+    untyped = [k for k in DEFAULT_FIELDS if _get(c, k) is None and _field_type(c, k) is type(None)]
+    assert not untyped, untyped
+    assert len(DEFAULT_FIELDS) > 60  # the walk reached every section
+
+
+def _field_type(c, key):
+    *path, last = key.split(".")
+    for p in path:
+        c = c[p]
+    return c.get_type(last)
+
+
+@pytest.mark.parametrize("config_file", CONFIG_FILES)
+def test_every_documented_field_is_settable_from_the_command_line(config_file):
+    variants = ["", ":b32,cifar100"] if config_file == "finetune_cifar.py" else ["", ":demo"]
+    base_types = {k: _field_type(default.get_config(), k) for k in DEFAULT_FIELDS}
+    for variant in variants:
+        spec = os.path.join(REPO_ROOT, "configs", config_file) + variant
+        argv, expected = [], {}
+        for key in DEFAULT_FIELDS:
+            text, value = _value_for(base_types[key])
+            argv.append(f"--config.{key}={text}")
+            expected[key] = value
+        config = _parse(spec, argv)  # raised UnsupportedOperationError for None-typed fields
+        for key, value in expected.items():
+            assert _get(config, key) == value, (spec, key)
+        # the norm's own options stay settable too (its name is the documented switch)
+        config = _parse(spec, ["--config.model.norm.name=rmsnorm"])
+        assert config.model.norm.name == "rmsnorm"
+
+
+# ------------------------------------------------------------------ failed starts, exit codes
+
+TINY = ["--config.model.hidden_size=16", "--config.model.depth=1", "--config.model.num_heads=2",
+        "--config.model.mlp_dim=16", "--config.batch_size=32", "--config.eval_batch_size=128",
+        "--config.total_steps=2", "--config.log_every=1", "--config.eval_every=2",
+        "--config.checkpoint_every=2", "--config.eval_analysis_images=0"]
+NO_GCS = {"GOOGLE_APPLICATION_CREDENTIALS": "", "GCE_METADATA_HOST": "127.0.0.1:9"}
+
+
+def main_py(*args: str, env: dict | None = None, cwd: str = REPO_ROOT,
+            timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "main.py"), *args], cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": REPO_ROOT, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _messages(r: subprocess.CompletedProcess) -> list[str]:
+    """The log lines of a run that stopped (absl's 'E... ] Stopped: ...')."""
+    return [line for line in (r.stdout + r.stderr).splitlines() if "Stopped:" in line]
+
+
+def test_missing_config_file_exits_2_and_creates_nothing(tmp_path):
+    wd = tmp_path / "wd"
+    r = main_py("--config=configs/no_such_file.py:demo", f"--workdir={wd}", cwd=str(tmp_path))
+    assert r.returncode == cli.EXIT_CONFIG, r.stderr[-3000:]
+    stopped = _messages(r)
+    assert len(stopped) == 1 and "no_such_file.py" in stopped[0] and "No such file" in stopped[0]
+    assert "Traceback" not in r.stderr
+    assert os.listdir(tmp_path) == []  # no workdir, no lock
+
+
+@pytest.mark.parametrize("override,key", [
+    ("--config.total_steps=0", "total_steps"), ("--config.total_steps=-5", "total_steps"),
+    ("--config.num_epochs=-1", "num_epochs"), ("--config.num_epochs=0", "num_epochs")])
+def test_run_length_is_validated(tmp_path, override, key):
+    r = main_py("--config=configs/vit_ln.py:demo", override, f"--workdir={tmp_path}/wd")
+    assert r.returncode == cli.EXIT_CONFIG, r.stderr[-3000:]
+    assert f"config.{key}=" in r.stderr
+    assert not (tmp_path / "wd").exists()
+    config = conftest.tiny_demo_config()  # the loop's own validation says the same
+    config[key] = int(override.split("=")[1]) if key == "total_steps" else float(override.split("=")[1])
+    with pytest.raises(ValueError, match=f"config.{key}="):
+        loop.validate_config(config, 1)
+
+
+def test_gs_weights_without_credentials_fail_fast_with_exit_5(tmp_path):
+    """finetune_cifar.py's default weights are on gs://: no 48-line TensorFlow traceback."""
+    r = main_py("--config=configs/finetune_cifar.py:b16", f"--workdir={tmp_path}/wd",
+                env={**NO_GCS, "CLOUDSDK_CONFIG": str(tmp_path / "gcloud")}, timeout=60)
+    assert r.returncode == cli.EXIT_WORKDIR, r.stderr[-3000:]
+    assert re.search(r"config.init_from gs://vit_models/imagenet21k/ViT-B_16.npz: no Google Cloud "
+                     r"credentials found .*gcloud auth application-default login", r.stderr)
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "wd").exists()
+
+
+def test_init_from_that_is_not_an_npz_is_named(tmp_path):
+    junk = tmp_path / "weights.npz"
+    junk.write_bytes(np.random.default_rng(0).bytes(4096))
+    r = main_py("--config=configs/vit_ln.py:demo", f"--config.init_from={junk}",
+                f"--workdir={tmp_path}/wd")
+    assert r.returncode == cli.EXIT_CONFIG, r.stderr[-3000:]
+    assert "not an .npz archive" in r.stderr and "pickle" not in r.stderr
+    assert not (tmp_path / "wd").exists()
+    with pytest.raises(pretrained.CheckpointError, match="not an .npz archive"):
+        pretrained.load_npz(str(junk))  # the loader says the same
+    missing = main_py("--config=configs/vit_ln.py:demo", f"--config.init_from={tmp_path}/nope.npz",
+                      f"--workdir={tmp_path}/wd")
+    assert missing.returncode == cli.EXIT_CONFIG and "does not exist" in missing.stderr
+    assert not (tmp_path / "wd").exists()
+
+
+def test_workdir_that_is_a_file_is_named(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    r = main_py("--config=configs/vit_ln.py:demo", f"--workdir={f}")
+    assert r.returncode == cli.EXIT_WORKDIR
+    assert "is a file, not a directory" in r.stderr and "ermission" not in r.stderr
+    r = main_py("--config=configs/vit_ln.py:demo", f"--workdir={f}/sub")
+    assert r.returncode == cli.EXIT_WORKDIR and "is a file, not a directory" in r.stderr
+
+
+def test_config_of_a_workdir_without_checkpoint_can_change(tmp_path):
+    """A start that failed before its first checkpoint does not lock in its config."""
+    a = conftest.tiny_demo_config()
+    b = conftest.tiny_demo_config(**{"optimizer.learning_rate": 0.01})
+    workdir.write_config(a, str(tmp_path))
+    workdir.check_config(b, str(tmp_path))  # no checkpoint: accepted
+    workdir.write_config(b, str(tmp_path))
+    before = glob.glob(str(tmp_path / "config.before-*.json"))
+    assert len(before) == 1 and json.load(open(before[0]))["optimizer"]["learning_rate"] == 0.003
+    assert json.load(open(tmp_path / "config.json"))["optimizer"]["learning_rate"] == 0.01
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)  # once trained, a change is refused
+    with pytest.raises(workdir.ConfigChangedError, match="learning_rate: 0.01 -> 0.003"):
+        workdir.check_config(a, str(tmp_path))
+
+
+def test_failed_init_from_does_not_lock_in_its_config(tmp_path):
+    """End to end: weights that do not fit fail after config.json was written; the corrected
+    command is accepted by the workdir checks (the training itself is tested elsewhere)."""
+    bad = tmp_path / "other.npz"
+    np.savez(bad, unrelated=np.zeros(3, np.float32))
+    r = main_py("--config=configs/vit_ln.py:demo", *TINY, f"--config.init_from={bad}",
+                f"--workdir={tmp_path}/wd")
+    assert r.returncode == cli.EXIT_CONFIG, r.stderr[-3000:]
+    assert (tmp_path / "wd" / "config.json").exists() and not workdir.has_checkpoint(str(tmp_path / "wd"))
+    corrected = conftest.tiny_demo_config()
+    with workdir.prepare(corrected, str(tmp_path / "wd")):  # used to raise ConfigChangedError
+        pass
+
+
+# ------------------------------------------------------------------ report and reparam
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny main.py run (2 steps; model.variant set and every size overridden), shared by the
+    tests that read its log or its workdir."""
+    wd = tmp_path_factory.mktemp("tiny") / "wd"
+    r = main_py("--config=configs/vit_ln.py:demo", *TINY, "--config.model.variant=S/16",
+                f"--workdir={wd}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, wd
+
+
+def test_report_skips_a_failed_run_and_says_so(tiny_run, tmp_path, capsys):
+    from normvit_jax.analysis import report
+    good = tiny_run[1]
+    failed = tmp_path / "failed"  # ended before its first checkpoint
+    failed.mkdir()
+    (failed / "config.json").write_text((good / "config.json").read_text())
+    never = tmp_path / "never"
+    rc = report.main([str(good), str(failed), str(never), f"--out={tmp_path}/rep", "--no_attention"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert f"skipping {failed}" in err and f"skipping {never}: not a normvit_jax workdir" in err
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert f"- skipped {failed}: " in md and f"- skipped {never}: " in md
+    rows = json.load(open(tmp_path / "rep" / "report.json"))
+    assert [r["workdir"] for r in rows] == [str(good)]
+    assert report.main([str(never), f"--out={tmp_path}/rep2", "--no_attention"]) == 2
+
+
+def test_reparam_timing_reports_the_spread_and_no_ratio_when_nothing_folded():
+    from normvit_jax import reparam
+    nothing = reparam.timing_summary([0.010, 0.012, 0.011], None, 64)
+    assert "no speed ratio" in nothing and "x as fast" not in nothing
+    assert "min 10.0, max 12.0" in nothing
+    noise = reparam.timing_summary([0.010, 0.013, 0.011], [0.009, 0.0105, 0.012], 64)
+    assert "no measurable difference" in noise and "x as fast" not in noise
+    faster = reparam.timing_summary([0.020, 0.021, 0.022], [0.010, 0.0105, 0.011], 64)
+    assert "folded 2.00x as fast" in faster
+
+
+def test_reparam_help_points_to_an_existing_doc(capsys):
+    from normvit_jax import reparam
+    with pytest.raises(SystemExit):
+        reparam.main(["--help"])
+    out = capsys.readouterr().out
+    assert "NORMS.md" not in out and "docs/norms.md" in out
+    assert os.path.exists(os.path.join(REPO_ROOT, "docs", "norms.md"))
+
+
+# ------------------------------------------------------------------ log noise, ETA, titles
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_eta_leaves_out_compilation_and_evals():
+    """100 steps at 0.1 s each, 20 s of compilation before step 10 and a 30 s eval at step 50:
+    the estimate is the true remaining train time at every log step, before and after the eval."""
+    from normvit_jax.train import progress
+    clock = FakeClock()
+    eta = progress.Eta(100, clock=clock)
+    clock.t = 20.0 + 10 * 0.1          # compile + the first 10 steps
+    eta.mark(10)
+    assert eta.remaining_s(10) is None and eta.describe(10) == "estimating"
+    for step in range(20, 101, 10):
+        clock.t += 10 * 0.1
+        eta.mark(step)
+        assert eta.remaining_s(step) == pytest.approx((100 - step) * 0.1, rel=1e-9), step
+        assert eta.interval_steps_per_s() == pytest.approx(10.0)
+        if step == 50:
+            with eta.paused():
+                clock.t += 30.0       # an eval: no effect on the rate
+    assert eta.describe(100) == "0m00s"
+    assert progress.fmt_time(3725) == "1h02m05s" and progress.fmt_time(65) == "1m05s"
+
+
+def test_model_line_says_the_sizes_built():
+    from normvit_jax import models
+    from normvit_jax.train import progress
+    b16 = models.resolve_model_config({"variant": "B/16"})
+    assert progress.describe_model(b16) == "ViT-B/16 (depth 12, width 768, 12 heads, MLP 3072, patch 16)"
+    small = models.resolve_model_config({"variant": "B/16", "depth": 4, "hidden_size": 96})
+    assert progress.describe_model(small) == ("ViT (depth 4, width 96, 12 heads, MLP 3072, patch 16; "
+                                              "model.variant B/16 with depth, hidden_size overridden)")
+
+
+def test_library_log_filter():
+    import logging as std_logging
+    from normvit_jax import logs
+
+    def record(path, level, msg):
+        return std_logging.LogRecord("absl", level, path, 1, msg, (), None)
+
+    f = logs.QuietLibraries()
+    orbax = "/x/site-packages/orbax/checkpoint/_src/metadata/checkpoint.py"
+    assert not f.filter(record(orbax, std_logging.INFO, "Restoring item"))
+    assert not f.filter(record(orbax, std_logging.WARNING, "Metadata file does not exist: %s"))
+    assert f.filter(record(orbax, std_logging.WARNING, "Something else went wrong"))
+    assert f.filter(record("/x/normvit_jax/train/loop.py", std_logging.INFO, "step 1/2"))
+
+
+def test_tensorflow_banner_printed_once():
+    r = subprocess.run([sys.executable, "-c", "from normvit_jax import logs; logs.import_tensorflow_once()"],
+                       cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    assert r.stderr.count("oneDNN custom operations") <= 1
+    assert r.stderr.count("before absl::InitializeLog") <= 1
+
+
+def test_long_title_on_a_one_head_figure_fits():
+    from normvit_jax.analysis import plots_attention
+    title = ("Attention matrix of block 3 in run demo_dtn_with_a_long_name (step 880), the "
+             "class token and 16 patches, head 0 only")
+    fig = plots_attention.matrix_figure([np.eye(17) / 17], [0], 1, title)
+    fig.canvas.draw()
+    box = fig._suptitle.get_window_extent()
+    width = fig.get_figwidth() * fig.dpi
+    assert box.x0 >= 0 and box.x1 <= width, (box, width)
+    assert "\n" in fig._suptitle.get_text()
+
+
+def test_tiny_run_logs_each_thing_once(tiny_run):
+    log = tiny_run[0].stderr
+    assert log.count("oneDNN custom operations") <= 1
+    assert "Model: ViT (depth 1, width 16, 2 heads, MLP 16, patch 2; model.variant S/16 with" in log
+    assert log.count("step 2/2:") == 1 and "train/loss" not in log  # no CLU LoggingWriter copy
+    assert "hparams" not in log.lower() and max(len(line) for line in log.splitlines()) < 400
+    assert "Setting work unit notes" not in log
+
+
+# ------------------------------------------------------------------ README's demo table
+
+
+def test_demo_table_reruns_one_method_and_rewrites_its_row(tmp_path):
+    from benchmarks import demo_table
+    readme = tmp_path / "README.md"
+    original = open(os.path.join(REPO_ROOT, "README.md")).read()
+    readme.write_text(original)
+    rc = demo_table.main(["--only=ln", f"--readme={readme}", f"--root={tmp_path}/runs", *TINY])
+    assert rc == 0
+    text = readme.read_text()
+    top1, top5 = demo_table.last_eval(str(tmp_path / "runs" / "ln"))
+    rows = [line for line in text.splitlines() if line.startswith("| LayerNorm |")]
+    assert len(rows) == 1 and rows[0].startswith(
+        f"| LayerNorm | `vit_ln.py:demo` | {100 * top1:.2f}% | {100 * top5:.2f}% | ")
+    assert re.fullmatch(r".* \| \d+ s \|", rows[0])
+    # every other row and everything outside the markers is unchanged
+    untouched = [line for line in original.splitlines() if not line.startswith("| LayerNorm |")
+                 and "Measured on this machine on" not in line]
+    assert [line for line in text.splitlines() if not line.startswith("| LayerNorm |")
+            and "Measured on this machine on" not in line] == untouched
+    assert f"Measured on this machine on {datetime.date.today()}" in text
+    with pytest.raises(ValueError, match="demo-table:begin"):
+        demo_table.rewrite("no markers here", {})
+
+
+def test_resumed_run_does_not_need_its_init_from(tmp_path):
+    """init_from is read at step 0 only: a run with checkpoints resumes after the file is gone."""
+    from normvit_jax import preflight
+    config = conftest.tiny_demo_config(init_from=str(tmp_path / "gone.npz"))
+    with pytest.raises(ValueError, match="does not exist"):
+        preflight.check(config, str(tmp_path / "wd"))
+    (tmp_path / "wd" / "checkpoints" / "6").mkdir(parents=True)
+    preflight.check(config, str(tmp_path / "wd"))

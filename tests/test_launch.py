@@ -1,0 +1,230 @@
+"""Launching on many processes: when the distributed runtime is joined (normvit_jax/distributed.py)
+and what the launch scripts run (their --dry-run, with stand-in gcloud/srun/sbatch on PATH)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from normvit_jax import cli, distributed
+from tests.conftest import REPO_ROOT
+
+SRUN_STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5",
+             "SLURM_LOCALID": "5", "SLURM_STEP_NODELIST": "gpu[001-002]", "SLURM_NTASKS": "16",
+             "SLURM_STEP_NUM_TASKS": "16"}
+
+
+@pytest.fixture
+def warnings(monkeypatch):
+    seen: list[str] = []
+    monkeypatch.setattr(distributed.logging, "warning", lambda msg, *a: seen.append(msg % a))
+    return seen
+
+
+def test_single_process_by_default(warnings):
+    assert distributed.plan({}) is None and not warnings
+
+
+def test_slurm_ntasks_outside_slurm_runs_alone(warnings):
+    """Used to fail with 'coordinator_address should be defined'."""
+    assert distributed.plan({"SLURM_NTASKS": "4"}) is None
+    assert len(warnings) == 1 and "outside SLURM" in warnings[0] and "srun" in warnings[0]
+
+
+def test_slurm_allocation_without_srun_runs_alone(warnings):
+    """sbatch's script (or salloc's shell) has SLURM_NTASKS of the allocation but is one process:
+    it used to wait minutes for peers that were never started."""
+    env = {"SLURM_JOB_ID": "1234", "SLURM_NTASKS": "16", "SLURM_JOB_NODELIST": "gpu[001-002]"}
+    assert distributed.plan(env) is None
+    assert len(warnings) == 1 and "not started by srun" in warnings[0]
+    assert "inside a SLURM allocation" in warnings[0]
+
+
+def test_srun_step_with_several_tasks_joins(warnings):
+    p = distributed.plan(SRUN_STEP)
+    assert (p.source, p.num_processes, p.process_id, p.kwargs) == ("slurm", 16, 5, {})
+    assert not warnings
+    one_task = {**SRUN_STEP, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}
+    assert distributed.plan(one_task) is None
+
+
+def test_explicit_coordinator_and_tpu_pod():
+    p = distributed.plan({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
+                          "JAX_PROCESS_ID": "2"})
+    assert p.kwargs == {"num_processes": 4, "process_id": 2} and p.coordinator == "10.0.0.1:1234"
+    assert distributed.plan({"JAX_COORDINATOR_ADDRESS": "h:1"}).kwargs == {}  # JAX reads the rest
+    p = distributed.plan({"TPU_WORKER_HOSTNAMES": "a,b,c,d", "TPU_WORKER_ID": "3"})
+    assert (p.source, p.num_processes, p.process_id) == ("tpu", 4, 3)
+    assert distributed.plan({"TPU_WORKER_HOSTNAMES": "a"}) is None
+
+
+def test_timeout_setting():
+    assert distributed.timeout_s({}) == 300
+    assert distributed.timeout_s({distributed.TIMEOUT_ENV: "20"}) == 20
+    for bad in ("0", "-3", "ten"):
+        with pytest.raises(ValueError, match=distributed.TIMEOUT_ENV):
+            distributed.timeout_s({distributed.TIMEOUT_ENV: bad})
+
+
+def test_failure_names_the_missing_processes():
+    p = distributed.plan(SRUN_STEP)
+    listed = distributed.describe_failure(p, 30, RuntimeError(
+        "DEADLINE_EXCEEDED: tasks not connected: /job:jax_worker/replica:0/task:3, "
+        "/job:jax_worker/replica:0/task:7"))
+    assert "missing: processes 3, 7" in listed and "within 30 s" in listed and "srun" in listed
+    coordinator = distributed.Plan("env", 3, 0, "h:1", {})
+    assert "missing: processes 1, 2 (some or all" in distributed.describe_failure(
+        coordinator, 5, TimeoutError())
+    assert "missing: process 0 (the coordinator) and/or processes 2" in distributed.describe_failure(
+        distributed.Plan("env", 3, 1, "h:1", {}), 5, TimeoutError())
+
+
+def test_rendezvous_times_out_with_exit_code_and_message(tmp_path):
+    """A real rendezvous with a peer that never comes: a message and EXIT_DISTRIBUTED after the
+    timeout, instead of a silent wait (or XLA's abort with a C++ stack trace)."""
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, distributed.TIMEOUT_ENV: "2",
+           "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "main.py", "--config=configs/vit_ln.py:demo",
+                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == cli.EXIT_DISTRIBUTED == distributed.EXIT_CODE, r.stderr[-3000:]
+    assert "did not all join within 2 s at 127.0.0.1:1" in r.stderr
+    assert "missing: process 0 (the coordinator)" in r.stderr
+    assert "Check failure stack trace" not in r.stderr
+    assert time.time() - t0 < 60
+    assert not (tmp_path / "wd").exists()
+
+
+# ------------------------------------------------------------------------- launch scripts
+
+STUB = r"""#!/usr/bin/env bash
+# Stand-in: records its name and arguments (NUL-separated, one file per call), then exits with
+# $STUB_RC_<name> (default 0), or 3 when an argument contains $STUB_FAIL.
+n=$(ls "$STUB_CALLS" | wc -l)
+printf '%s\0' "$(basename "$0")" "$@" > "$STUB_CALLS/$(printf '%04d' "$n")"
+name=$(basename "$0")
+if [ -n "${STUB_FAIL:-}" ]; then for a in "$@"; do case "$a" in *"$STUB_FAIL"*) exit 3 ;; esac; done; fi
+rc_var="STUB_RC_${name//-/_}"
+exit "${!rc_var:-0}"
+"""
+
+
+@pytest.fixture
+def stubs(tmp_path):
+    """A PATH with stand-in gcloud, srun, sbatch, scontrol, git, pip and python (the real python
+    stays reachable as sys.executable), and a reader of the calls they saw."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    calls.mkdir()
+    for name in ("gcloud", "srun", "sbatch", "scontrol", "git", "pip", "python"):
+        (bin_dir / name).write_text(STUB)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_CALLS": str(calls)}
+
+    def seen() -> list[list[str]]:
+        return [open(p, "rb").read().decode().split("\0")[:-1] for p in sorted(calls.iterdir())]
+
+    return env, seen
+
+
+def script(name: str, *args: str, env: dict, cwd: str = REPO_ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", os.path.join(REPO_ROOT, "launch", name), *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+CONFIG = "configs/vit_ln.py:s16,cifar100"  # the comma used to split sbatch --export
+
+
+@pytest.mark.parametrize("name", ["slurm_gpu.sbatch", "tpu_pod.sh", "sweep.sh"])
+def test_help_runs_nothing(stubs, name):
+    env, seen = stubs
+    r = script(name, "--help", env=env)
+    assert r.returncode == 0 and "--dry-run" in r.stdout, r.stderr
+    assert seen() == []
+    assert not os.path.exists(os.path.join(REPO_ROOT, "runs", "demo_--help"))
+
+
+def test_slurm_script_gpus_and_arguments(stubs):
+    env, seen = stubs
+    text = open(os.path.join(REPO_ROOT, "launch", "slurm_gpu.sbatch")).read()
+    assert "--gpus-per-task" not in text.replace("With --gpus-per-task", "")
+    assert "#SBATCH --gres=gpu:8" in text and "#SBATCH --ntasks-per-node=8" in text
+    r = script("slurm_gpu.sbatch", "--dry-run", CONFIG, "/shared/my runs/ln", "--config.batch_size=256",
+               env=env)
+    assert r.returncode == 0 and seen() == []
+    assert r.stdout.splitlines()[0] == ("srun --kill-on-bad-exit=1 python main.py "
+                                        r"--config=configs/vit_ln.py:s16\,cifar100 "
+                                        r"--workdir=/shared/my\ runs/ln --config.batch_size=256 ")
+    # as the job runs it: srun preempted (42) -> requeue, and the exit code passed on
+    job = {**env, "SLURM_JOB_ID": "1234", "SLURM_SUBMIT_DIR": REPO_ROOT, "STUB_RC_srun": "42"}
+    r = script("slurm_gpu.sbatch", CONFIG, "/shared/my runs/ln", "--config.batch_size=256", env=job)
+    assert r.returncode == 42
+    assert seen() == [["srun", "--kill-on-bad-exit=1", "python", "main.py", f"--config={CONFIG}",
+                       "--workdir=/shared/my runs/ln", "--config.batch_size=256"],
+                      ["scontrol", "requeue", "1234"]]
+
+
+def test_slurm_script_needs_config_and_workdir(stubs):
+    env, seen = stubs
+    r = script("slurm_gpu.sbatch", env=env)
+    assert r.returncode == 2 and "CONFIG and WORKDIR are required" in r.stderr and seen() == []
+
+
+def test_tpu_script_runs_training_detached_on_every_worker(stubs, tmp_path):
+    env, seen = stubs
+    env = {**env, "TPU": "my-v4-32", "ZONE": "us-central2-b", "REPO": "https://example.org/n.git",
+           "REF": "abc123"}
+    args = (CONFIG, "gs://bucket/run", "--config.data.data_dir=gs://bucket/tfds")
+    dry = script("tpu_pod.sh", "--dry-run", *args, env=env)
+    assert dry.returncode == 0 and seen() == []
+    assert dry.stdout.startswith("gcloud compute tpus tpu-vm ssh my-v4-32 --zone us-central2-b "
+                                 "--worker=all --command ")
+    r = script("tpu_pod.sh", *args, env=env)
+    assert r.returncode == 0, r.stderr
+    (gcloud,) = seen()
+    assert gcloud[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v4-32", "--zone",
+                          "us-central2-b"] and gcloud[8:10] == ["--worker=all", "--command"]
+    remote = gcloud[10]
+    assert "setsid nohup" in remote and "git clone -q https://example.org/n.git" in remote
+    assert remote in dry.stdout  # the dry run printed the same script
+    # run the worker's script here with stand-in git/pip/python: it returns while training goes on
+    home = tmp_path / "home"
+    (home / "normvit_jax").mkdir(parents=True)
+    worker = {**env, "HOME": str(home), "STUB_RC_python": "42"}
+    t0 = time.time()
+    w = subprocess.run(["bash", "-c", remote], cwd=home, env=worker, capture_output=True, text=True,
+                       timeout=60)
+    assert w.returncode == 0 and "started on" in w.stdout, w.stderr
+    rc_file = home / "normvit_run.log.rc"
+    while not rc_file.exists() and time.time() - t0 < 30:
+        time.sleep(0.1)
+    assert rc_file.read_text().strip() == "42"  # the exit code is kept for the user
+    python = [c for c in seen() if c[0] == "python"]
+    assert python == [["python", "main.py", f"--config={CONFIG}", "--workdir=gs://bucket/run",
+                       "--config.data.data_dir=gs://bucket/tfds"]]
+    assert ["git", "checkout", "-q", "abc123"] in seen()
+
+
+def test_sweep_continues_after_a_failure_and_writes_the_report(stubs):
+    env, seen = stubs
+    env = {**env, "PYTHON": "python"}  # the stand-in
+    dry = script("sweep.sh", "--dry-run", "ln", "bn", "--", "--config.total_steps=5", env=env)
+    assert dry.returncode == 0 and seen() == []
+    assert dry.stdout.splitlines() == [
+        "python main.py --config=configs/vit_ln.py:demo --workdir=runs/demo_ln --config.total_steps=5 ",
+        "python main.py --config=configs/vit_bn.py:demo --workdir=runs/demo_bn --config.total_steps=5 ",
+        "python -m normvit_jax.analysis.report runs/demo_ln runs/demo_bn --out=report/demo "]
+    r = script("sweep.sh", "ln", "bn", "dtn", env={**env, "STUB_FAIL": "vit_bn.py"})
+    assert r.returncode == 1
+    assert "bn (exit 3)" in r.stderr
+    assert [c[2] for c in seen()[:3]] == ["--config=configs/vit_ln.py:demo",
+                                          "--config=configs/vit_bn.py:demo",
+                                          "--config=configs/vit_dtn.py:demo"]
+    assert seen()[3] == ["python", "-m", "normvit_jax.analysis.report", "runs/demo_ln",
+                         "runs/demo_dtn", "--out=report/demo"]
+    bad = script("sweep.sh", "--hlep", env=env)
+    assert bad.returncode == 2 and seen()[4:] == []
