@@ -215,10 +215,24 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_diff(saved: dict, current: dict) -> list[str]:
+def _default_values() -> dict:
+    """Flattened values of configs/default.py: a key a newer version added is absent from an
+    older run's config.json; at its default it keeps the old behaviour, so it is no change."""
+    from configs import default  # pylint: disable=import-outside-toplevel
+    return _flatten(json.loads(default.get_config().to_json_best_effort()))
+
+
+def config_diff(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
     a, b = _flatten(saved), _flatten(current)
+    defaults = _default_values() if defaults is None else defaults
+
+    def changed(k: str) -> bool:
+        if k in ALWAYS_CHANGEABLE or a.get(k) == b.get(k):
+            return False
+        return not (k not in a and k in defaults and b.get(k) == defaults[k])
+
     return [f"  {k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
-            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in ALWAYS_CHANGEABLE]
+            for k in sorted(set(a) | set(b)) if changed(k)]
 
 
 def check_config(config: Any, workdir: str) -> None:

@@ -201,6 +201,26 @@ def test_config_of_a_workdir_without_checkpoint_can_change(tmp_path):
         workdir.check_config(a, str(tmp_path))
 
 
+def test_keys_added_since_a_run_are_no_change_at_their_default():
+    """A config.json written before a key existed (e.g. ema_decay) still matches a config that
+    leaves the key at its default; set to another value, the key is a change."""
+    saved = {"optimizer": {"learning_rate": 0.003}, "batch_size": 8}
+    defaults = {"ema_decay": 0.0, "data.repeated_aug": 1}
+    same = {"optimizer": {"learning_rate": 0.003}, "batch_size": 8, "ema_decay": 0.0,
+            "data": {"repeated_aug": 1}}
+    assert workdir.config_diff(saved, same, defaults) == []
+    other = dict(same, ema_decay=0.999)
+    assert workdir.config_diff(saved, other, defaults) == ["  ema_decay: '<absent>' -> 0.999"]
+    # a key missing from the defaults (a method's own key) stays a change when absent before
+    assert workdir.config_diff(saved, dict(same, extra=1), defaults) == ["  extra: '<absent>' -> 1"]
+    # the real defaults: an old config.json without the recipe keys matches today's config
+    cfg = conftest.tiny_demo_config()
+    old = json.loads(cfg.to_json_best_effort())
+    for k in ("ema_decay", "mixup_alpha", "layer_decay"):
+        old.pop(k)
+    assert workdir.config_diff(old, json.loads(cfg.to_json_best_effort())) == []
+
+
 def test_failed_init_from_does_not_lock_in_its_config(tmp_path):
     """End to end: weights that do not fit fail after config.json was written; the corrected
     command is accepted by the workdir checks (the training itself is tested elsewhere)."""
