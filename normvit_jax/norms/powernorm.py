@@ -1,7 +1,7 @@
 """PowerNorm (Shen et al., ICML 2020): group scaling, then a quadratic-mean "batch norm" without
 centring whose backward is approximated with a running statistic (ema_gz) instead of the exact
 batch-statistic term. ema_gz is updated by the custom backward and returned as the cotangent of
-its own input (the increment): see ``normvit_jax.norms.stateful``.
+its own input (the increment): see ``normvit_jax.norms.gradient_rule``.
 """
 from __future__ import annotations
 

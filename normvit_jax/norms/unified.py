@@ -2,7 +2,7 @@
 whose statistics are smoothed over a window of steps (geometric mean), with outlier filtration and
 a custom backward smoothed the same way. Every piece of state lives in ``batch_stats``; the gz
 window and ema_gz are updated by the custom backward and returned as the cotangent (increment) of
-their own inputs (see ``normvit_jax.norms.stateful``).
+their own inputs (see ``normvit_jax.norms.gradient_rule``).
 """
 from __future__ import annotations
 
