@@ -4,7 +4,6 @@ Backward-updated norm statistics (PowerNorm, UN) follow the one rule of
 ``normvit_jax.norms.gradient_rule.train_grads``, which the train step calls.
 """
 
-import functools
 from typing import Any, Callable
 
 import flax.linen as nn
