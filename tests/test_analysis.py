@@ -16,7 +16,7 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
 from normvit_jax import models, summaries
-from normvit_jax.analysis import (attention, capture, colors, distance, events, flops, gates, layout,
+from normvit_jax.analysis import (attention, capture, colors, distance, flops, gates, layout,
                                   eval_hook, report)
 from tests.conftest import tiny_demo_config
 
@@ -98,7 +98,7 @@ def _write_run(workdir):
 
 def test_read_run_last_write_wins_and_wall_time_skips_the_restart_gap(tmp_path):
     _write_run(str(tmp_path))
-    run = events.read_run(str(tmp_path))
+    run = summaries.read_run(str(tmp_path))
     loss = run.scalars["train/loss"]
     np.testing.assert_array_equal(loss.steps, [1, 2, 3, 4])
     np.testing.assert_allclose(loss.values, [2.0, 1.5, 1.3, 1.1], rtol=1e-6)  # step 3 from the resume

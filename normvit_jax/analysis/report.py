@@ -21,7 +21,8 @@ import jax
 import numpy as np
 
 from normvit_jax import checkpoints, models
-from normvit_jax.analysis import attention, colors, events, figures, flops, plots_curves, tables
+from normvit_jax import summaries as events  # the TensorBoard reader (read_run, Series)
+from normvit_jax.analysis import attention, colors, figures, flops, plots_curves, tables
 
 FLOPS_SOURCE = "XLA cost analysis of the compiled eval forward (batch 1, CPU backend)"
 
