@@ -13,8 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import as_groups, check_group_size, updating
-from normvit_jax.norms.registry import NormContext, check_options
+from normvit_jax.norms._common import (NormContext, as_groups, check_group_size, check_options,
+                                       updating)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
@@ -68,8 +68,7 @@ class UnifiedNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("unified", opts, {"window", "warmup", "epsilon", "momentum",
-                                        "outlier_filtration", "stats_group_size", "ratio_warmup"})
+        check_options("unified", opts, cls)
         opts = dict(opts)
         w = opts.get("window", 4)
         w = (w, w) if isinstance(w, int) else tuple(w)

@@ -37,9 +37,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     data.validate(config)
     model_cfg = resolve_model_config(config)
     models.vit.check_override_keys(model_cfg.get("norm_overrides"), model_cfg["depth"])
-    norms.resolve(model_cfg["norm"]["name"])
+    norms.resolve(norms.name_of(model_cfg["norm"]))
     for ov in (model_cfg.get("norm_overrides") or {}).values():
-        norms.resolve(ov["name"])
+        norms.resolve(norms.name_of(ov))
     if config.data.image_size % model_cfg["patch_size"]:
         raise ValueError(
             f"config.data.image_size={config.data.image_size} is not divisible by the patch size "
