@@ -15,18 +15,17 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
-import argparse  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from normvit_jax import tool_flags  # noqa: E402
 
 SLACK = 0.05  # the target: time ratio <= FLOP ratio + SLACK
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.train_step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+    p = tool_flags.Parser("python -m benchmarks.train_step", __doc__)
     p.add_argument("--model", default="Ti/4", help="preset '<Ti|S|B|L|H>/<patch>'")
     p.add_argument("--norm", default="layernorm",
                    help=f"'all' or a comma list of {list(common.NORMS)}")
@@ -48,7 +47,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: tool_flags.Args) -> dict[str, Any]:
     names = common.norm_names(args.norm)
     overrides = {"attention_impl": args.attention_impl} if args.attention_impl else None
     benches = {}

@@ -17,7 +17,6 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
-import argparse  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -26,6 +25,7 @@ from typing import Any, Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from normvit_jax import tool_flags  # noqa: E402
 from normvit_jax import models  # noqa: E402
 
 INSTALL_HINT = ("benchmarks.vs_torch needs PyTorch and timm: pip install torch==2.13.0 timm "
@@ -57,9 +57,8 @@ def import_torch_timm() -> tuple[Any, Any]:
     return torch, timm
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.vs_torch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+    p = tool_flags.Parser("python -m benchmarks.vs_torch", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -77,7 +76,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def torch_step(torch: Any, timm: Any, cfg: dict[str, Any], args: argparse.Namespace, size: int):
+def torch_step(torch: Any, timm: Any, cfg: dict[str, Any], args: tool_flags.Args, size: int):
     """timm's VisionTransformer with this project's hyperparameters and a full AdamW step."""
     from timm.models.vision_transformer import VisionTransformer
     if args.torch_threads:
@@ -111,7 +110,7 @@ def torch_step(torch: Any, timm: Any, cfg: dict[str, Any], args: argparse.Namesp
     return step, n_params
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: tool_flags.Args) -> dict[str, Any]:
     torch, timm = import_torch_timm()
     overrides = {"gelu_approximate": args.gelu == "tanh"}
     if args.attention_impl:

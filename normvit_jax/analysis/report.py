@@ -11,7 +11,6 @@ statistics 'tokens/encoderblock_0/LayerNorm_0/in/max_abs') against steps.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,7 +19,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from normvit_jax import checkpoints, models
+from normvit_jax import checkpoints, models, tool_flags
 from normvit_jax import summaries as events  # the TensorBoard reader (read_run, Series)
 from normvit_jax.analysis import attention, colors, figures, flops, plots_curves, tables
 
@@ -136,7 +135,7 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = tool_flags.Parser("python -m normvit_jax.analysis.report", __doc__)
     ap.add_argument("workdirs", nargs="+", help="run workdirs (config.json, checkpoints/, events)")
     ap.add_argument("--out", required=True, help="folder for report.md, report.json and the PNGs")
     ap.add_argument("--no_attention", action="store_true",
