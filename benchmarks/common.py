@@ -26,7 +26,7 @@ from benchmarks import xla_flags
 from configs import default
 from normvit_jax import models, sharding
 from normvit_jax.train import optimizer as optim
-from normvit_jax.train import steps as steps_lib
+from normvit_jax.train import setup
 from normvit_jax.train.state import TrainState
 
 ATTENTION_IMPLS = list(models.vit.ATTENTION_IMPLS)  # --attention_impl choices
@@ -49,7 +49,7 @@ NORMS: dict[str, dict[str, Any]] = {
     "identity": {"norm": {"name": "identity"}},
     "dpn": {"patch_norm": "dual"},
 }
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = setup.DTYPES
 
 
 def norm_names(arg: str) -> list[str]:
@@ -154,44 +154,12 @@ def device_peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def _state_init(model: Any, tx: Any, image_shape: tuple[int, ...]) -> Callable[[Any], TrainState]:
-    """rng -> TrainState, as ``loop.create_train_state`` initialises it."""
-    def init(rng):
-        params_rng, state_rng = jax.random.split(rng)
-        variables = model.init({"params": params_rng, "dropout": params_rng},
-                               jnp.zeros((1,) + tuple(image_shape), jnp.float32), train=False)
-        return TrainState.create(variables["params"], variables.get("batch_stats", {}), tx,
-                                 jax.random.key_data(state_rng))
-    return init
-
-
-def create_train_state(model: Any, tx: Any, image_shape: tuple[int, ...], mesh: Any,
-                       seed: int = 0) -> tuple[TrainState, Any]:
-    """As ``loop.create_train_state`` (replicated state, initialised in place), without importing
-    the loop, which pulls in TensorFlow through CLU's writers (seconds of import time)."""
-    init = _state_init(model, tx, image_shape)
-    rng = jax.random.key(seed)
-    abstract = jax.eval_shape(init, rng)
-    state_sharding = jax.tree.map(lambda _: sharding.replicated(mesh), abstract)
-    return jax.jit(init, out_shardings=state_sharding)(rng), state_sharding
-
-
 def _train_parts(config: ml_collections.ConfigDict, num_classes: int) -> tuple[Any, Any, Any, Callable]:
     """(mesh, model, optimizer, train-step function) as the loop builds them from ``config``."""
     mesh = sharding.make_mesh()
-    model_cfg = models.resolve_model_config(config.model.to_dict())
-    model = models.create(model_cfg, num_classes, dtype=DTYPES[config.dtype], remat=config.remat)
+    model = setup.create_model(config, num_classes)
     tx, lr = optim.create(config, int(config.total_steps))
-    fn = steps_lib.make_train_step(model, tx, lr, label_smoothing=config.label_smoothing,
-                                   grad_accum_steps=config.grad_accum_steps)
-    return mesh, model, tx, fn
-
-
-def _jit_train_step(fn: Callable, state_sharding: Any, mesh: Any) -> Any:
-    """The loop's jit of the train step: its shardings, the state donated."""
-    rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
-    return jax.jit(fn, in_shardings=(state_sharding, bat), out_shardings=(state_sharding, rep),
-                   donate_argnums=0)
+    return mesh, model, tx, setup.make_train_step(config, model, tx, lr, num_classes)
 
 
 def lower_abstract_train_step(config: ml_collections.ConfigDict, num_classes: int = 10
@@ -200,25 +168,24 @@ def lower_abstract_train_step(config: ml_collections.ConfigDict, num_classes: in
     allocated, for compile-time and memory measurements of any size."""
     mesh, model, tx, fn = _train_parts(config, num_classes)
     size, b = int(config.data.image_size), int(config.batch_size)
-    rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
-    abstract = jax.eval_shape(_state_init(model, tx, (size, size, 3)), jax.random.key(0))
-    state_sharding = jax.tree.map(lambda _: rep, abstract)
-    state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), abstract)
+    state, state_sharding = setup.abstract_train_state(model, tx, (size, size, 3), mesh)
+    bat = sharding.batch_sharding(mesh)
     batch = {"image": jax.ShapeDtypeStruct((b, size, size, 3), np.float32, sharding=bat),
              "label": jax.ShapeDtypeStruct((b,), np.int32, sharding=bat)}
-    return _jit_train_step(fn, state_sharding, mesh).lower(state, batch), state
+    return setup.jit_train_step(fn, state_sharding, mesh).lower(state, batch), state
 
 
 def compile_train(name: str, config: ml_collections.ConfigDict, *, num_classes: int = 10,
                   seed: int = 0) -> TrainBench:
     """Builds the model, optimizer and state as the train loop does, and compiles the train step
-    with the loop's shardings and donation (loop.train_and_evaluate), with the preset's flags."""
+    with the loop's shardings and donation (normvit_jax.train.setup), with the preset's flags."""
     mesh, model, tx, fn = _train_parts(config, num_classes)
     size = int(config.data.image_size)
-    state, state_sharding = create_train_state(model, tx, (size, size, 3), mesh, seed)
+    state, state_sharding = setup.create_train_state(model, tx, (size, size, 3), mesh,
+                                                     jax.random.key(seed))
     batch = synthetic_batch(int(config.batch_size), size, num_classes, mesh, seed)
     t = time.perf_counter()
-    compiled = _jit_train_step(fn, state_sharding, mesh).lower(state, batch).compile(
+    compiled = setup.jit_train_step(fn, state_sharding, mesh).lower(state, batch).compile(
         compiler_options=xla_flags.compiler_options())
     compile_s = time.perf_counter() - t
     return TrainBench(name, config, compiled, state, batch, compile_s, cost_flops(compiled),

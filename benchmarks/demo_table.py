@@ -11,7 +11,6 @@ Run it on an otherwise idle machine: the wall times are what the table reports.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import re
@@ -20,6 +19,8 @@ import subprocess
 import sys
 import time
 from typing import Sequence
+
+from normvit_jax import tool_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- demo-table:begin -->", "<!-- demo-table:end -->"
@@ -94,25 +95,25 @@ def rewrite(readme: str, new_rows: dict[str, str], date: str | None = None) -> s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.demo_table",
-                                 description=__doc__.split("\n\n")[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # main.py's own flags (--config.*, --fresh) pass through to every run
+    extra = [a for a in argv if a.startswith(("--config.", "--fresh"))]
+    ap = tool_flags.Parser("python -m benchmarks.demo_table", __doc__.split("\n\n")[0]
+                           + "\nFlags --config.* and --fresh are passed on to main.py.")
     ap.add_argument("--only", default="", help="comma list of methods to re-run: "
                     + ",".join(k for k, _, _ in METHODS))
-    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--dry-run", dest="dry_run", action="store_true",
+                    help="print the commands, run nothing")
     ap.add_argument("--readme", default=os.path.join(REPO, "README.md"))
     ap.add_argument("--root", default=os.path.join(REPO, "runs", "demo_table"),
                     help="parent of the runs' workdirs (each replaced)")
-    ap.add_argument("extra", nargs="*", help="more main.py flags, e.g. --config.total_steps=20")
-    args, unknown = ap.parse_known_args(argv)
-    bad = [u for u in unknown if not u.startswith(("--config.", "--fresh"))]
-    if bad:
-        ap.error(f"unrecognized arguments: {bad}")
-    args.extra = [*args.extra, *unknown]  # --config.* overrides go to main.py
+    args = ap.parse_args([a for a in argv if a not in extra])
+    args.extra = extra
     known = {k: (label, f) for k, label, f in METHODS}
     only = [k.strip() for k in args.only.split(",") if k.strip()] or list(known)
     unknown = [k for k in only if k not in known]
     if unknown:
-        ap.error(f"unknown method(s) {unknown}; accepted: {list(known)}")
+        ap._fail(f"unknown method(s) {unknown}; accepted: {list(known)}")
     if args.dry_run:
         for k in only:
             print(" ".join(command(known[k][1], os.path.join(args.root, k), args.extra)))

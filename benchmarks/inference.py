@@ -12,7 +12,6 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
-import argparse  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
@@ -20,12 +19,12 @@ from typing import Any, Callable, Sequence  # noqa: E402
 import jax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from normvit_jax import tool_flags  # noqa: E402
 from normvit_jax import models, reparam, sharding  # noqa: E402
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.inference", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+    p = tool_flags.Parser("python -m benchmarks.inference", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--norm", default="all", help=f"'all' or a comma list of {list(common.NORMS)}")
     p.add_argument("--batch", type=int, default=256)
@@ -43,7 +42,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def compile_eval(name: str, args: argparse.Namespace,
+def compile_eval(name: str, args: tool_flags.Args,
                  fold: bool = False) -> tuple[Callable[[], float], float, Any]:
     cfg = common.bench_config(args.model, name, image_size=args.image_size, batch=args.batch,
                               dtype=args.dtype, scan=args.scan, num_classes=args.num_classes,
@@ -72,7 +71,7 @@ def compile_eval(name: str, args: argparse.Namespace,
     return run, compile_s, common.cost_flops(compiled)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: tool_flags.Args) -> dict[str, Any]:
     names = common.norm_names(args.norm)
     runners, compile_s, flops = {}, {}, {}
     jobs = [(n, n, False) for n in names]

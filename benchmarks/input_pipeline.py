@@ -21,7 +21,6 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
-import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import io  # noqa: E402
 import itertools  # noqa: E402
@@ -36,6 +35,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from normvit_jax import tool_flags  # noqa: E402
 from configs import default  # noqa: E402
 from normvit_jax import data  # noqa: E402
 
@@ -43,9 +43,8 @@ DATASETS = ("digits", "cifar10", "cifar100", "imagenet2012")
 CPU_STEP_BATCH = 128  # default cap of the step-rate batch on CPU (see step_batch)
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.input_pipeline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+    p = tool_flags.Parser("python -m benchmarks.input_pipeline", __doc__)
     p.add_argument("--datasets", default="digits,cifar10,imagenet2012",
                    help=f"comma list of {list(DATASETS)}")
     p.add_argument("--data_dir", default=None, help="prepared tfds data (default: tfds's)")
@@ -66,7 +65,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def dataset_config(name: str, args: argparse.Namespace) -> ml_collections.ConfigDict:
+def dataset_config(name: str, args: tool_flags.Args) -> ml_collections.ConfigDict:
     c = default.get_config()
     if name == "digits":
         c = default.get_demo(c)
@@ -115,7 +114,7 @@ def synthetic_imagenet(root: str, n: int) -> None:
 
 @contextlib.contextmanager
 def open_train_pipeline(name: str, c: ml_collections.ConfigDict,
-                        args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
+                        args: tool_flags.Args) -> Iterator[tuple[Any, str]]:
     """The train pipeline of ``name``: real data if prepared, else a stand-in (see the doc)."""
     try:
         p = data.make_pipeline(c, "train")
@@ -154,7 +153,7 @@ def pipeline_rate(p: Any, batches: int) -> float:
     return n / dt
 
 
-def step_batch(c: ml_collections.ConfigDict, args: argparse.Namespace) -> int:
+def step_batch(c: ml_collections.ConfigDict, args: tool_flags.Args) -> int:
     """--step_batch, else the config's batch, capped on CPU (ImageNet's 4,096 at 224 would need
     ~100 GB there): examples/s hardly depends on the batch once it fills the cores."""
     import jax
@@ -164,7 +163,7 @@ def step_batch(c: ml_collections.ConfigDict, args: argparse.Namespace) -> int:
     return min(batch, CPU_STEP_BATCH) if jax.default_backend() == "cpu" else batch
 
 
-def step_rate(c: ml_collections.ConfigDict, args: argparse.Namespace) -> tuple[float, Any]:
+def step_rate(c: ml_collections.ConfigDict, args: tool_flags.Args) -> tuple[float, Any]:
     from normvit_jax.models import resolve_model_config
     model = resolve_model_config(c.model.to_dict())
     cfg = common.bench_config(
@@ -196,7 +195,7 @@ def run_together(p: Any, bench: Any, steps: int) -> float:
     return wait / total
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: tool_flags.Args) -> dict[str, Any]:
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     bad = [n for n in names if n not in DATASETS]
     if bad:

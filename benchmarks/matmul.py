@@ -16,7 +16,6 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
-import argparse  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
@@ -25,12 +24,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from normvit_jax import tool_flags  # noqa: E402
 from normvit_jax import models  # noqa: E402
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.matmul", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+    p = tool_flags.Parser("python -m benchmarks.matmul", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--image_size", type=int, default=None)
@@ -97,7 +96,7 @@ def torch_runner(torch: Any, lhs: tuple, rhs: tuple, lc: int, rc: int,
     return run
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: tool_flags.Args) -> dict[str, Any]:
     torch = None
     if not args.no_torch:
         try:

@@ -16,7 +16,6 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
-import argparse  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
@@ -24,11 +23,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from normvit_jax import tool_flags  # noqa: E402
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+    p = tool_flags.Parser("python -m benchmarks.memory", __doc__)
     p.add_argument("--models", default="Ti/16,S/16,B/16,L/16")
     p.add_argument("--norm", default="layernorm", help=f"one of {list(common.NORMS)}")
     p.add_argument("--image_size", type=int, default=None)
@@ -45,7 +44,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def step_bytes(model_name: str, args: argparse.Namespace, per_device_batch: int,
+def step_bytes(model_name: str, args: tool_flags.Args, per_device_batch: int,
                remat: bool) -> tuple[int, int]:
     """(XLA's peak bytes of one train step at this per-device batch, parameter count)."""
     n_dev = jax.device_count()
@@ -58,7 +57,7 @@ def step_bytes(model_name: str, args: argparse.Namespace, per_device_batch: int,
     return common.memory_stats(compiled)["xla_peak"], n_params
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: tool_flags.Args) -> dict[str, Any]:
     budgets = [float(x) for x in args.memory_gb.split(",") if x.strip()]
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     if limit:

@@ -14,7 +14,6 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
-import argparse  # noqa: E402
 import collections  # noqa: E402
 import glob  # noqa: E402
 import re  # noqa: E402
@@ -24,6 +23,7 @@ from typing import Any, Sequence  # noqa: E402
 import jax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from normvit_jax import tool_flags  # noqa: E402
 
 PARTS = (("optimizer", ("optax", "adam", "clip", "tree_norm", "apply_updates", "/scale_by")),
          ("norm", ("LayerNorm_", "encoder_norm", "PostNorm_", "patch_norm_")),
@@ -31,9 +31,8 @@ PARTS = (("optimizer", ("optax", "adam", "clip", "tree_norm", "apply_updates", "
          ("embedding", ("embedding", "posembed")), ("head/loss", ("head", "softmax_cross", "log_softmax")))
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+    p = tool_flags.Parser("python -m benchmarks.profile", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--norm", default="layernorm", help=f"one of {list(common.NORMS)}")
     p.add_argument("--batch", type=int, default=128)
@@ -82,7 +81,7 @@ def classify(hlo_text: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: tool_flags.Args) -> dict[str, Any]:
     overrides = {"attention_impl": args.attention_impl} if args.attention_impl else None
     cfg = common.bench_config(args.model, args.norm, image_size=args.image_size, batch=args.batch,
                               depth=args.depth, model_overrides=overrides)

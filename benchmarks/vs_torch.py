@@ -20,7 +20,6 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -30,6 +29,7 @@ from typing import Any, Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from normvit_jax import tool_flags  # noqa: E402
 from normvit_jax import models  # noqa: E402
 
 INSTALL_HINT = ("benchmarks.vs_torch needs PyTorch and timm: pip install torch==2.13.0 timm "
@@ -61,9 +61,8 @@ def import_torch_timm() -> tuple[Any, Any]:
     return torch, timm
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.vs_torch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+    p = tool_flags.Parser("python -m benchmarks.vs_torch", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -122,7 +121,7 @@ def share_gpu_with_torch(plan: TorchPlan) -> bool:
     return True
 
 
-def torch_steps(torch: Any, timm: Any, cfg: dict[str, Any], args: argparse.Namespace, size: int,
+def torch_steps(torch: Any, timm: Any, cfg: dict[str, Any], args: tool_flags.Args, size: int,
                 plan: TorchPlan) -> tuple[dict[str, Any], int]:
     """{'timm' (eager), 'timm_compiled'}: timm's VisionTransformer with this project's
     hyperparameters and a full AdamW step each (separate models, the same initialisation)."""
@@ -172,7 +171,7 @@ def torch_steps(torch: Any, timm: Any, cfg: dict[str, Any], args: argparse.Names
     return steps, n_params
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: tool_flags.Args) -> dict[str, Any]:
     torch, timm = import_torch_timm()
     plan = torch_plan(bool(torch.cuda.is_available()), args.dtype, args.torch_device, args.torch_compile)
     if not share_gpu_with_torch(plan):

@@ -190,10 +190,6 @@ def complete_steps(workdir: str) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
-def checkpoint_dir_of(mngr: ocp.CheckpointManager) -> str:
-    return str(mngr.directory)
-
-
 def describe_error(e: BaseException, n: int = 500) -> str:
     """The innermost cause (TensorStore's wrapper hides which file failed), on one line; when
     long, its head (what) and tail (why, e.g. 'File too large [os_error_code=27]')."""

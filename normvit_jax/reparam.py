@@ -220,13 +220,10 @@ def timing_summary(unfolded: Sequence[float], folded: Sequence[float] | None, ba
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Folds a run's checkpoint, checks the logits on random images and times both models."""
-    import argparse
-
-    from normvit_jax import checkpoints, logs
+    from normvit_jax import checkpoints, logs, tool_flags
 
     logs.quiet_library_logs()
-    p = argparse.ArgumentParser(prog="python -m normvit_jax.reparam", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_flags.Parser("python -m normvit_jax.reparam", __doc__)
     p.add_argument("--workdir", required=True, help="run directory with checkpoints")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--batch", type=int, default=64, help="images for the check and the timing")

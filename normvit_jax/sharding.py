@@ -30,16 +30,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(DATA_AXIS))
 
 
-def check_batch(global_batch: int, mesh: Mesh, key: str = "batch_size") -> None:
-    n = mesh.devices.size
-    if global_batch % n:
-        raise ValueError(f"config.{key}={global_batch} is not divisible by the number of devices "
-                         f"({n}); accepted: a multiple of {n}")
-    if global_batch % jax.process_count():
-        raise ValueError(f"config.{key}={global_batch} is not divisible by the number of processes "
-                         f"({jax.process_count()})")
-
-
 def to_global(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
     """Host-local batch rows -> global ``jax.Array``s sharded on the batch axis.
 

@@ -9,10 +9,15 @@ wins. The result is the history of the run that reached the end, whatever was ki
 Resumes are exact, so the dropped points equal their rewrites except the timing scalars
 (``TIMING_TAGS``).
 
+``read_run`` adds the training wall time: each event file belongs to one process; a point's
+``elapsed`` is the time spent inside the files' spans (first to last event) before it, so idle
+time between a stop and a restart is not counted.
+
 No TensorFlow needed: TFRecord framing is read here, the protos come from ``tensorboard``.
 """
 from __future__ import annotations
 
+import dataclasses
 import struct
 from typing import Iterator
 
@@ -23,6 +28,30 @@ SEGMENT_TAG = "run/start_step"
 TIMING_TAGS = ("steps_per_sec", "uptime", "train/steps_per_sec", "train/examples_per_sec")
 
 Point = tuple[int, float, float]  # (step, value, wall_time)
+
+
+@dataclasses.dataclass
+class Series:
+    """One scalar tag, sorted by step. elapsed: training seconds since the run started."""
+
+    steps: np.ndarray
+    values: np.ndarray
+    wall: np.ndarray
+    elapsed: np.ndarray
+
+
+@dataclasses.dataclass
+class RunSummaries:
+    scalars: dict[str, Series]
+    wall_time_s: float  # sum over event files of (last event - first event)
+
+
+@dataclasses.dataclass
+class _EventFile:
+    path: epath.Path
+    scalars: list[tuple[str, int, float, float]]  # (tag, step, value, wall_time) in file order
+    first: float  # wall time of the first event (inf if none could be read)
+    last: float
 
 
 def _records(data: bytes) -> Iterator[bytes]:
@@ -37,17 +66,22 @@ def _records(data: bytes) -> Iterator[bytes]:
         pos = end + 4
 
 
-def _scalar_events(path: epath.Path) -> Iterator[tuple[str, int, float, float]]:
+def _read_file(path: epath.Path) -> _EventFile:
+    """Every scalar of one event file and its first/last wall time, in one pass."""
     from tensorboard.compat.proto import event_pb2
     from tensorboard.util import tensor_util
 
     scalar_tags: set[str] = set()
+    rows: list[tuple[str, int, float, float]] = []
+    first, last = float("inf"), float("-inf")
     for raw in _records(path.read_bytes()):
         event = event_pb2.Event()
         try:
             event.ParseFromString(raw)
         except Exception:  # noqa: BLE001  (a damaged record ends what can be trusted)
-            return
+            break
+        first = event.wall_time if first == float("inf") else first
+        last = event.wall_time
         for v in event.summary.value:
             if v.metadata.plugin_data.plugin_name == "scalars":
                 scalar_tags.add(v.tag)
@@ -60,40 +94,30 @@ def _scalar_events(path: epath.Path) -> Iterator[tuple[str, int, float, float]]:
                 value = float(np.asarray(arr).reshape(()))
             else:
                 continue
-            yield v.tag, int(event.step), value, float(event.wall_time)
+            rows.append((v.tag, int(event.step), value, float(event.wall_time)))
+    return _EventFile(path, rows, first, last)
+
+
+def _event_paths(workdir: str) -> list[epath.Path]:
+    root = epath.Path(workdir)
+    return [p for p in root.iterdir() if p.name.startswith("events.out.tfevents")] \
+        if root.exists() else []
+
+
+def _read_files(workdir: str) -> list[_EventFile]:
+    """The run's event files (directly in ``workdir``), oldest first by their first event."""
+    return sorted((_read_file(p) for p in _event_paths(workdir)), key=lambda f: (f.first, f.path.name))
 
 
 def event_files(workdir: str) -> list[epath.Path]:
-    """The run's event files (directly in ``workdir``), oldest first by their first record."""
-    root = epath.Path(workdir)
-    files = [p for p in root.iterdir() if p.name.startswith("events.out.tfevents")] \
-        if root.exists() else []
-
-    def created(p: epath.Path) -> tuple[float, str]:
-        from tensorboard.compat.proto import event_pb2
-        first = next(_records(p.read_bytes()[:4096]), None)
-        t = float("inf")
-        if first is not None:
-            e = event_pb2.Event()
-            try:
-                e.ParseFromString(first)
-                t = e.wall_time
-            except Exception:  # noqa: BLE001
-                pass
-        return t, p.name
-
-    return sorted(files, key=created)
+    """The run's event files, oldest first by their first event."""
+    return [f.path for f in _read_files(workdir)]
 
 
-def read_scalars(workdir: str, *, include_timing: bool = True
-                 ) -> dict[str, list[Point]]:
-    """``{tag: [(step, value, wall_time), ...]}`` sorted by step, one point per step: the run's
-    history after dropping what a resume superseded (module docstring). ``SEGMENT_TAG`` itself is
-    left out; ``include_timing=False`` also leaves out ``TIMING_TAGS`` (they differ between an
-    interrupted run and an uninterrupted one by nature)."""
+def _history(files: list[_EventFile], include_timing: bool) -> dict[str, list[Point]]:
     history: dict[str, dict[int, tuple[float, float]]] = {}
-    for path in event_files(workdir):
-        for tag, step, value, wall in _scalar_events(path):
+    for f in files:
+        for tag, step, value, wall in f.scalars:
             if tag == SEGMENT_TAG:  # a (re)start at `step`: later points of earlier files are void
                 for points in history.values():
                     for s in [s for s in points if s > step]:
@@ -104,3 +128,31 @@ def read_scalars(workdir: str, *, include_timing: bool = True
             history.setdefault(tag, {})[step] = (value, wall)
     return {tag: [(s, v, w) for s, (v, w) in sorted(points.items())]
             for tag, points in sorted(history.items()) if points}
+
+
+def read_scalars(workdir: str, *, include_timing: bool = True
+                 ) -> dict[str, list[Point]]:
+    """``{tag: [(step, value, wall_time), ...]}`` sorted by step, one point per step: the run's
+    history after dropping what a resume superseded (module docstring). ``SEGMENT_TAG`` itself is
+    left out; ``include_timing=False`` also leaves out ``TIMING_TAGS`` (they differ between an
+    interrupted run and an uninterrupted one by nature)."""
+    return _history(_read_files(workdir), include_timing)
+
+
+def read_run(workdir: str) -> RunSummaries:
+    """All scalar tags of a workdir as ``Series`` (as ``read_scalars``) and its training wall time."""
+    files = _read_files(workdir)
+    spans = [(f.first, f.last) for f in files if f.first <= f.last]
+    scalars = {}
+    for tag, points in _history(files, include_timing=True).items():
+        pts = np.array(points, np.float64).reshape(-1, 3)
+        scalars[tag] = Series(pts[:, 0].astype(np.int64), pts[:, 1], pts[:, 2],
+                              elapsed(pts[:, 2], spans))
+    return RunSummaries(scalars, float(sum(last - first for first, last in spans)))
+
+
+def elapsed(wall: np.ndarray, spans: list[tuple[float, float]]) -> np.ndarray:
+    """Training seconds at each wall time: the time spent inside the event files' (first, last)
+    spans before it, so the gaps between a stop and a restart are not counted."""
+    wall = np.asarray(wall, np.float64)
+    return sum((np.clip(wall - a, 0.0, b - a) for a, b in spans), np.zeros_like(wall))

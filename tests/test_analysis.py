@@ -1,4 +1,4 @@
-"""normvit_jax.analysis: attention distance, summaries reader, gates, CLI outputs, report, live hook."""
+"""normvit_jax.analysis: attention distance, summaries reader, gates, CLI outputs, report, eval hook."""
 from __future__ import annotations
 
 import csv
@@ -16,8 +16,8 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
 from normvit_jax import models, summaries
-from normvit_jax.analysis import (attention, capture, colors, distance, events, flops, gates, layout,
-                                  live, report)
+from normvit_jax.analysis import (attention, capture, colors, distance, flops, gates, layout,
+                                  eval_hook, report)
 from tests.conftest import tiny_demo_config
 
 
@@ -98,7 +98,7 @@ def _write_run(workdir):
 
 def test_read_run_last_write_wins_and_wall_time_skips_the_restart_gap(tmp_path):
     _write_run(str(tmp_path))
-    run = events.read_run(str(tmp_path))
+    run = summaries.read_run(str(tmp_path))
     loss = run.scalars["train/loss"]
     np.testing.assert_array_equal(loss.steps, [1, 2, 3, 4])
     np.testing.assert_allclose(loss.values, [2.0, 1.5, 1.3, 1.1], rtol=1e-6)  # step 3 from the resume
@@ -239,9 +239,9 @@ def test_report_table_equals_the_summaries(trained, tmp_path):
 
 def test_live_eval_summaries(trained):
     run = capture.load_run(trained[0])
-    images = live.fixed_images(run.config, 4)
+    images = eval_hook.fixed_images(run.config, 4)
     run.config.eval_attention_images = 2
-    analyzer = live.EvalAnalyzer(run.model, run.config)
+    analyzer = eval_hook.EvalAnalyzer(run.model, run.config)
     scalars, pictures = analyzer(run.variables, images)
     a = capture.analyze(run, images, full=True)  # compiled by an earlier test for 4 images
     assert scalars["tokens/encoder_norm/in/max_abs"] == pytest.approx(a.stats["encoder_norm"]["in"]["max_abs"])
@@ -262,8 +262,8 @@ def test_training_writes_the_eval_analysis_to_tensorboard(trained):
     workdir = trained[0]
     run = capture.load_run(workdir)
     run.config.eval_attention_images = 0
-    expected, _ = live.EvalAnalyzer(run.model, run.config)(run.variables,
-                                                           live.fixed_images(run.config, 4))
+    expected, _ = eval_hook.EvalAnalyzer(run.model, run.config)(run.variables,
+                                                           eval_hook.fixed_images(run.config, 4))
     written = summaries.read_scalars(workdir)
     assert len(expected) > 50
     for tag, value in expected.items():

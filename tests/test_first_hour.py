@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from configs import default
 from normvit_jax import cli, pretrained, workdir
-from normvit_jax.train import loop
+from normvit_jax.train import loop, setup
 from tests import conftest
 from tests.conftest import REPO_ROOT
 
@@ -146,7 +146,7 @@ def test_run_length_is_validated(tmp_path, override, key):
     config = conftest.tiny_demo_config()  # the loop's own validation says the same
     config[key] = int(override.split("=")[1]) if key == "total_steps" else float(override.split("=")[1])
     with pytest.raises(ValueError, match=f"config.{key}="):
-        loop.validate_config(config, 1)
+        setup.validate_config(config, 1)
 
 
 def test_gs_weights_without_credentials_fail_fast_with_exit_5(tmp_path):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from normvit_jax import norms
-from normvit_jax.norms.stateful import train_grads
+from normvit_jax.norms.gradient_rule import train_grads
 
 TOL = 1e-5  # float32 against float64
 

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(r'''
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from normvit_jax import norms
-    from normvit_jax.norms.stateful import train_grads
+    from normvit_jax.norms.gradient_rule import train_grads
 
     assert jax.device_count() == 8, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("data",))

@@ -2,8 +2,8 @@
 (NORMS.md): forward, the custom backward (dx, dgamma, dbeta) and every piece of state after each
 of several steps, across the warmup boundaries, a skip and an outlier step (UN).
 
-The JAX side runs the rule a train step uses: grads w.r.t. params and the input batch_stats,
-new_batch_stats = forward-mutated + cotangent (normvit_jax.norms.stateful.merge_state).
+The JAX side runs the rule the train step calls (normvit_jax.norms.gradient_rule.train_grads):
+grads w.r.t. params and the input batch_stats, new_batch_stats = forward-mutated + cotangent.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from normvit_jax.norms.stateful import merge_state
+from normvit_jax.norms.gradient_rule import train_grads
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # shared helpers, package or not
 from test_norms_common import assert_rel, build, fast_jit, jit_init, randomize
@@ -24,15 +24,17 @@ TOL = 1e-5
 
 
 def make_step(module):
+    """One step through ``train_grads``, the function the train step calls; the input x rides
+    along with the params so that its gradient (dx) comes back too."""
     @fast_jit
     def step(params, stats, x, w):
-        def f(p, s, xx):
-            y, mut = module.apply({"params": p, "batch_stats": s}, xx, train=True,
-                                  mutable=["batch_stats"])
-            return jnp.sum(w * y), (y, mut["batch_stats"])
-        (_, (y, mut)), (gp, gs, gx) = jax.value_and_grad(
-            f, argnums=(0, 1, 2), has_aux=True, allow_int=True)(params, stats, x)
-        return y, gp, gx, merge_state(mut, gs)
+        def apply_fn(v):
+            p, xx = v["params"]
+            return module.apply({"params": p, "batch_stats": v["batch_stats"]}, xx, train=True,
+                                mutable=["batch_stats"])
+        _, (gp, gx), new_stats, y = train_grads(apply_fn, (params, x), stats,
+                                                lambda y: jnp.sum(w * y))
+        return y, gp, gx, new_stats
     return step
 
 

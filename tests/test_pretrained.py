@@ -584,7 +584,7 @@ def test_export_cli_with_real_run_checkpoint(tmp_path):
 
 def test_finetune_cifar_config_variants():
     from configs import finetune_cifar
-    from normvit_jax.train import loop
+    from normvit_jax.train import setup
 
     c = finetune_cifar.get_config()
     assert (c.model.variant, c.data.image_size, c.data.name, c.batch_size, c.total_steps) == \
@@ -595,7 +595,7 @@ def test_finetune_cifar_config_variants():
     for arg, variant, res in (("b32", "B/32", 224), ("l16,384,cifar100,accum8", "L/16", 384),
                               ("l32,identity", "L/32", 224), ("b16,augreg", "B/16", 224)):
         c = finetune_cifar.get_config(arg)
-        loop.validate_config(c, 1)
+        setup.validate_config(c, 1)
         assert (c.model.variant, c.data.image_size) == (variant, res)
     assert c.init_from.startswith("gs://vit_models/augreg/B_16-i21k")
     c = finetune_cifar.get_config("l16,384,cifar100,accum8")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from normvit_jax import checkpoints
-from normvit_jax.train import loop
+from normvit_jax import workdir as workdir_lib
+from normvit_jax.train import loop, setup
 from tests.conftest import REPO_ROOT, tiny_demo_config
 
 
@@ -83,13 +84,13 @@ def test_eval_counts_every_example_once(tmp_path):
 def test_bad_config_values_fail_before_compilation(override, match):
     cfg = tiny_demo_config(**override)
     with pytest.raises(ValueError, match=match):
-        loop.validate_config(cfg, num_devices=1)
+        setup.validate_config(cfg, num_devices=1)
 
 
 def test_batch_not_divisible_by_devices_is_named():
     cfg = tiny_demo_config(batch_size=36)
     with pytest.raises(ValueError, match="batch_size=36 is not divisible by the number of devices \\(8\\)"):
-        loop.validate_config(cfg, num_devices=8)
+        setup.validate_config(cfg, num_devices=8)
 
 
 def test_unknown_key_on_the_command_line_is_named():
@@ -103,7 +104,7 @@ def test_unknown_key_on_the_command_line_is_named():
 
 def test_config_change_is_refused_with_a_diff(tmp_path):
     loop.train_and_evaluate(tiny_demo_config(total_steps=2), str(tmp_path))
-    with pytest.raises(loop.ConfigChangedError, match="optimizer.learning_rate: 0.003 -> 0.01"):
+    with pytest.raises(workdir_lib.ConfigChangedError, match="optimizer.learning_rate: 0.003 -> 0.01"):
         loop.train_and_evaluate(tiny_demo_config(total_steps=2, **{"optimizer.learning_rate": 0.01}),
                                 str(tmp_path))
 
@@ -114,7 +115,7 @@ def test_eight_devices_match_one_device():
         import jax, numpy as np
         from normvit_jax import models, sharding
         from normvit_jax.train import optimizer, steps
-        from normvit_jax.train.loop import create_train_state
+        from normvit_jax.train.setup import create_train_state
         from tests.conftest import tiny_demo_config
         assert jax.device_count() == 8
         cfg = tiny_demo_config()
@@ -126,7 +127,7 @@ def test_eight_devices_match_one_device():
         out = {}
         for n in (1, 8):
             mesh = sharding.make_mesh(jax.devices()[:n])
-            state, ss = create_train_state(cfg, model, tx, (8, 8, 3), mesh, jax.random.key(0))
+            state, ss = create_train_state(model, tx, (8, 8, 3), mesh, jax.random.key(0))
             step = jax.jit(steps.make_train_step(model, tx, lr), in_shardings=(ss, sharding.batch_sharding(mesh)))
             gb = sharding.to_global(batch, mesh)
             assert len(gb["image"].sharding.device_set) == n
@@ -143,3 +144,25 @@ def test_eight_devices_match_one_device():
     r = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_setup_and_benchmarks_do_not_import_tensorflow():
+    """normvit_jax.train.setup (and so the benchmarks) stays free of TensorFlow and the CLU
+    writers, which only the loop needs."""
+    code = ("import sys, normvit_jax.train.setup, benchmarks.common; "
+            "print(sorted(m for m in ('tensorflow', 'clu.metric_writers', 'matplotlib') "
+            "if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_loop_imports_the_eval_hook_only_when_enabled():
+    """The eval-analysis hook (matplotlib figures) is imported by the loop only when
+    config.eval_analysis_images or eval_attention_images asks for it."""
+    code = "import sys, normvit_jax.train.loop; print('normvit_jax.analysis.eval_hook' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "False", r.stdout

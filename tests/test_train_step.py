@@ -85,3 +85,34 @@ def test_remat_gives_the_same_step():
     sb, mb = step_r(sb, batches[0])
     np.testing.assert_allclose(ma.compute()["loss"], mb.compute()["loss"], rtol=1e-6)
     np.testing.assert_allclose(ma.compute()["grad_norm"], mb.compute()["grad_norm"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["powernorm", "unified"])
+def test_step_updates_backward_stats_by_the_gradient_rule(norm):
+    """The jitted train step's new batch_stats == the forward's updated statistics + the cotangent
+    of the loss w.r.t. the input batch_stats (normvit_jax.norms.gradient_rule), computed here
+    with plain jax.grad; the backward-updated ema_gz must actually move. Checked at the second
+    step: the zero-initialised head gives the norms no gradient at the first."""
+    step, state, batches = _setup(norm)
+    state, _ = step(state, batches[1])
+    mdl = models.create({**TINY, "norm": {"name": norm}}, 4)
+    params, stats = jax.tree.map(jnp.copy, (state.params, state.batch_stats))  # state is donated
+    rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    images, labels = batches[0]["image"], batches[0]["label"]
+
+    def loss_of(p, s):
+        logits, mutated = mdl.apply({"params": p, "batch_stats": s}, images, train=True,
+                                    rngs={"dropout": rng}, mutable=["batch_stats"])
+        return jnp.mean(steps_lib.cross_entropy(logits, labels)), mutated["batch_stats"]
+
+    _, forward_stats = loss_of(params, stats)
+    cotangent = jax.grad(lambda s: loss_of(params, s)[0])(stats)
+    want = jax.tree.map(lambda m, g: np.asarray(m, np.float64) + np.asarray(g, np.float64),
+                        forward_stats, cotangent)
+    new_state, _ = step(state, batches[0])
+    got = jax.device_get(new_state.batch_stats)
+    for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    moved = [np.abs(g).max() for p, g in jax.tree_util.tree_leaves_with_path(got)
+             if jax.tree_util.keystr(p).endswith("['ema_gz']")]
+    assert moved and min(moved) > 0, "ema_gz was not updated by the backward"

@@ -14,7 +14,6 @@ Distances and statistics are averaged over --stat_images eval images (one batch)
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -22,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from normvit_jax import tool_flags
 from normvit_jax.analysis import (capture, colors, distance, figures, gates, plots_attention,
                                   plots_stats, tables)
 
@@ -121,7 +121,7 @@ def write_summaries(runs: Sequence[RunAnalysis], out: str, title: str) -> list[s
 def main(argv: Sequence[str] | None = None) -> int:
     from normvit_jax import logs
     logs.quiet_library_logs()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = tool_flags.Parser("python -m normvit_jax.analysis.attention", __doc__)
     ap.add_argument("--workdir", required=True, help="a run's workdir (config.json, checkpoints/)")
     ap.add_argument("--out", required=True, help="folder for the PNG and CSV files")
     ap.add_argument("--images", type=int, default=8, help="eval images shown in the maps")

@@ -6,6 +6,8 @@ from typing import Any, Mapping
 
 from matplotlib import colormaps
 
+from normvit_jax import norms
+
 _TAB10 = colormaps["tab10"].colors
 _TAB20 = colormaps["tab20"].colors
 
@@ -32,7 +34,7 @@ _SPARE = [_TAB20[i] for i in (7, 9, 11, 13, 17, 19)]
 def method_of(config: Mapping[str, Any]) -> str:
     """The method of a run: the norm of its blocks, or 'dpn' for LN with a Dual PatchNorm stem."""
     model = config["model"]
-    name = (model.get("norm") or {}).get("name", "layernorm")
+    name = norms.name_of(model.get("norm"))
     patch_norm = model.get("patch_norm", "none")
     if patch_norm not in (None, "none"):
         return "dpn" if name == "layernorm" else f"{name}+dpn"

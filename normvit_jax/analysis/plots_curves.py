@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 from matplotlib.figure import Figure
 
 from normvit_jax.analysis import figures
-from normvit_jax.analysis.events import Series
+from normvit_jax.summaries import Series
 
 PANELS = (("train/loss", "train loss", "cross-entropy", 1.0),
           ("eval/loss", "eval loss", "cross-entropy", 1.0),

@@ -11,7 +11,6 @@ statistics 'tokens/encoderblock_0/LayerNorm_0/in/max_abs') against steps.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,8 +19,9 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from normvit_jax import checkpoints, models
-from normvit_jax.analysis import attention, colors, events, figures, flops, plots_curves, tables
+from normvit_jax import checkpoints, models, tool_flags
+from normvit_jax import summaries as events  # the TensorBoard reader (read_run, Series)
+from normvit_jax.analysis import attention, colors, figures, flops, plots_curves, tables
 
 FLOPS_SOURCE = "XLA cost analysis of the compiled eval forward (batch 1, CPU backend)"
 
@@ -168,7 +168,7 @@ def _read_runs(workdirs: Sequence[str]) -> tuple[list[dict], dict, list[tuple[st
 def main(argv: Sequence[str] | None = None) -> int:
     from normvit_jax import logs
     logs.quiet_library_logs()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = tool_flags.Parser("python -m normvit_jax.analysis.report", __doc__)
     ap.add_argument("workdirs", nargs="+", help="run workdirs (config.json, checkpoints/, events)")
     ap.add_argument("--out", required=True, help="folder for report.md, report.json and the PNGs")
     ap.add_argument("--no_attention", action="store_true",

@@ -9,6 +9,8 @@ training forward. A norm whose custom backward updates statistics (PowerNorm, UN
 increment of those statistics as their cotangent: the train step differentiates the loss with
 respect to ``batch_stats`` too and adds that cotangent to the state after the forward's updates.
 """
-from normvit_jax.norms.registry import REGISTRY, NormContext, create, known_names, resolve
+from normvit_jax.norms.registry import (DEFAULT, REGISTRY, NormContext, as_dict, create, known_names,
+                                        name_of, resolve)
 
-__all__ = ["REGISTRY", "NormContext", "create", "known_names", "resolve"]
+__all__ = ["DEFAULT", "REGISTRY", "NormContext", "as_dict", "create", "known_names", "name_of",
+           "resolve"]

@@ -1,10 +1,46 @@
-"""Small helpers shared by the normalizers (float32 statistics, ghost groups, option checks)."""
+"""What the normalizers share: their context, option checks, float32 statistics, ghost groups.
+
+The norm files import this module, never the registry (which imports them).
+"""
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class NormContext:
+    """What a norm may need to know about where it sits.
+
+    dim: channels C. num_heads: attention heads H of the model. grid: (rows, cols) of the patch
+    grid, or None where tokens have no grid. num_prefix_tokens: leading non-patch tokens (the class
+    token) in the sequence this norm sees. slot: the slot name, for error messages.
+    """
+
+    dim: int
+    num_heads: int = 1
+    grid: tuple[int, int] | None = None
+    num_prefix_tokens: int = 0
+    slot: str = ""
+
+
+def accepted_options(cls: type) -> set[str]:
+    """The config options of a norm class: its dataclass fields, less Flax's own (parent, name)
+    and those filled from the NormContext (the class's ``CONTEXT_FIELDS``)."""
+    return ({f.name for f in dataclasses.fields(cls)} - {"parent", "name"}
+            - set(getattr(cls, "CONTEXT_FIELDS", ())))
+
+
+def check_options(norm_name: str, opts: Mapping[str, Any], cls: type) -> None:
+    """Raises a ValueError naming unknown options of a norm and the accepted ones."""
+    accepted = accepted_options(cls)
+    unknown = sorted(set(opts) - accepted)
+    if unknown:
+        raise ValueError(
+            f"Unknown option(s) {unknown} for norm {norm_name!r}; accepted: {sorted(accepted)}")
 
 
 def as_groups(x: jax.Array, group_size: int | None, norm_name: str) -> jax.Array:

@@ -7,8 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import as_groups, check_group_size, updating
-from normvit_jax.norms.registry import NormContext, check_options
+from normvit_jax.norms._common import (NormContext, as_groups, check_group_size, check_options,
+                                       updating)
 
 
 class BatchNorm(nn.Module):
@@ -30,8 +30,7 @@ class BatchNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("batchnorm", opts, {"momentum", "epsilon", "unbiased_running_var",
-                                          "stats_group_size", "use_scale", "use_bias"})
+        check_options("batchnorm", opts, cls)
         check_group_size("batchnorm", opts.get("stats_group_size"))
         return cls(name=name, **opts)
 

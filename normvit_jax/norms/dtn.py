@@ -15,12 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from normvit_jax.norms._common import group_rms_scale, resolve_groups
-from normvit_jax.norms.registry import NormContext, check_options
+from normvit_jax.norms._common import NormContext, check_options, group_rms_scale, resolve_groups
 
 POSITION_INITS = ("reference", "local")
-OPTIONS = {"heads", "epsilon", "mix_mean", "ln_unbiased", "position_init", "locality_strength",
-           "pool_size"}
 
 
 def relative_offsets(side: int) -> np.ndarray:
@@ -63,6 +60,8 @@ class DTN(nn.Module):
     of its DTN blocks (``model.cls_token_at_block``).
     """
 
+    CONTEXT_FIELDS = ("grid", "num_prefix_tokens")  # from the NormContext, not options
+
     heads: int
     grid: tuple[int, int]
     num_prefix_tokens: int = 0
@@ -76,7 +75,7 @@ class DTN(nn.Module):
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None,
                     norm_name: str = "dtn"):
-        check_options(norm_name, opts, OPTIONS)
+        check_options(norm_name, opts, cls)
         opts = dict(opts)
         opts["heads"] = resolve_groups(norm_name, "heads", opts.get("heads"), ctx.dim, ctx.num_heads)
         if ctx.grid is None or len(ctx.grid) != 2 or ctx.grid[0] != ctx.grid[1] or ctx.grid[0] < 1:

@@ -7,8 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import resolve_groups
-from normvit_jax.norms.registry import NormContext, check_options
+from normvit_jax.norms._common import NormContext, check_options, resolve_groups
 
 
 def _affine(module: nn.Module, y: jax.Array, use_scale: bool, use_bias: bool) -> jax.Array:
@@ -33,7 +32,7 @@ class GroupNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("groupnorm", opts, {"groups", "epsilon", "use_scale", "use_bias"})
+        check_options("groupnorm", opts, cls)
         opts = dict(opts)
         opts["groups"] = resolve_groups("groupnorm", "groups", opts.get("groups"), ctx.dim,
                                         ctx.num_heads)
@@ -63,7 +62,7 @@ class InstanceNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("instancenorm", opts, {"epsilon", "unbiased", "use_scale", "use_bias"})
+        check_options("instancenorm", opts, cls)
         return cls(name=name, **opts)
 
     @nn.compact

@@ -6,13 +6,13 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax
 
-from normvit_jax.norms.registry import NormContext, check_options
+from normvit_jax.norms._common import NormContext, check_options
 
 
 class Identity(nn.Module):
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("identity", opts, set())
+        check_options("identity", opts, cls)
         return cls(name=name)
 
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:

@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms.registry import NormContext, check_options
+from normvit_jax.norms._common import NormContext, check_options
 
 
 class LayerNorm(nn.Module):
@@ -23,7 +23,7 @@ class LayerNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("layernorm", opts, {"epsilon", "use_scale", "use_bias"})
+        check_options("layernorm", opts, cls)
         return cls(name=name, **opts)
 
     @nn.compact

@@ -1,7 +1,7 @@
 """PowerNorm (Shen et al., ICML 2020): group scaling, then a quadratic-mean "batch norm" without
 centring whose backward is approximated with a running statistic (ema_gz) instead of the exact
 batch-statistic term. ema_gz is updated by the custom backward and returned as the cotangent of
-its own input (the increment): see ``normvit_jax.norms.stateful``.
+its own input (the increment): see ``normvit_jax.norms.gradient_rule``.
 """
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import (as_groups, check_group_size, group_rms_scale,
-                                       resolve_groups, updating)
-from normvit_jax.norms.registry import NormContext, check_options
+from normvit_jax.norms._common import (NormContext, as_groups, check_group_size, check_options,
+                                       group_rms_scale, resolve_groups, updating)
 
 BACKWARDS = ("reference", "dtn")
 
@@ -63,8 +62,7 @@ class PowerNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("powernorm", opts, {"groups", "warmup", "alpha_fwd", "alpha_bkw", "epsilon",
-                                          "group_epsilon", "backward", "stats_group_size"})
+        check_options("powernorm", opts, cls)
         opts = dict(opts)
         opts["groups"] = resolve_groups("powernorm", "groups", opts.get("groups", 1), ctx.dim,
                                         ctx.num_heads)

@@ -1,17 +1,20 @@
 """Maps a config name to a normalization module class.
 
 Adding a normalizer: write one file in this package with a ``flax.linen.Module`` subclass that has
-a ``from_config(cfg, ctx)`` classmethod, and add one line to ``_ENTRIES`` below.
+a ``from_config(cfg, ctx)`` classmethod (its options are its dataclass fields: ``_common``), and
+add one line to ``_ENTRIES`` below.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import logging
+import types
 from typing import Any, Mapping
 
 import flax.linen as nn
+
+from normvit_jax.norms._common import NormContext, accepted_options
 
 # name -> "module:Class". Imported lazily so a broken optional norm never breaks the others.
 _ENTRIES: dict[str, str] = {
@@ -32,27 +35,18 @@ _ENTRIES: dict[str, str] = {
 REGISTRY = _ENTRIES
 
 
-@dataclasses.dataclass(frozen=True)
-class NormContext:
-    """What a norm may need to know about where it sits.
-
-    dim: channels C. num_heads: attention heads H of the model. grid: (rows, cols) of the patch
-    grid, or None where tokens have no grid. num_prefix_tokens: leading non-patch tokens (the class
-    token) in the sequence this norm sees. slot: the slot name, for error messages.
-    """
-
-    dim: int
-    num_heads: int = 1
-    grid: tuple[int, int] | None = None
-    num_prefix_tokens: int = 0
-    slot: str = ""
+# The norm of a slot no config names.
+DEFAULT: Mapping[str, Any] = types.MappingProxyType({"name": "layernorm"})
 
 
 def known_names() -> list[str]:
     return sorted(_ENTRIES)
 
 
-def _as_dict(cfg: Any) -> dict[str, Any]:
+def as_dict(cfg: Any) -> dict[str, Any]:
+    """A norm config as a plain dict: a name, a mapping or ConfigDict; None means ``DEFAULT``."""
+    if cfg is None:
+        return dict(DEFAULT)
     if isinstance(cfg, str):
         return {"name": cfg}
     if hasattr(cfg, "to_dict"):
@@ -60,6 +54,11 @@ def _as_dict(cfg: Any) -> dict[str, Any]:
     if isinstance(cfg, Mapping):
         return dict(cfg)
     raise TypeError(f"norm config must be a name or a mapping with 'name', got {cfg!r}")
+
+
+def name_of(cfg: Any) -> str:
+    """The registry name a norm config selects (a mapping without 'name': ``DEFAULT``'s)."""
+    return as_dict(cfg).get("name", DEFAULT["name"])
 
 
 def resolve(name: str) -> type[nn.Module]:
@@ -77,7 +76,7 @@ def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | No
 
     Options a norm does not know raise a ValueError naming them and the accepted ones.
     """
-    opts = _as_dict(cfg)
+    opts = as_dict(cfg)
     if "name" not in opts:
         raise ValueError(f"norm config {opts!r} has no 'name'; known: {', '.join(known_names())}")
     norm_name = opts.pop("name")
@@ -90,8 +89,8 @@ def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | No
         # `--config.model.norm.name=layernorm` on a config written for another norm leaves that
         # norm's options behind (a locked ConfigDict cannot drop keys): ignore options that belong
         # to another registered norm, and fail on anything nobody knows.
-        foreign = {k for k in opts if k not in _fields(cls) and any(
-            k in _fields(resolve(other)) for other in _ENTRIES if other != norm_name)}
+        foreign = {k for k in opts if k not in accepted_options(cls) and any(
+            k in accepted_options(resolve(other)) for other in _ENTRIES if other != norm_name)}
         if not foreign:
             raise
         _warn_once(f"norm {norm_name!r} ignores options of other norms: {sorted(foreign)}")
@@ -101,15 +100,3 @@ def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | No
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     logging.warning(message)
-
-
-def _fields(cls: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)} - {"parent", "name"}
-
-
-def check_options(norm_name: str, opts: Mapping[str, Any], accepted: set[str] | dict) -> None:
-    """Raises a ValueError naming unknown options of a norm and the accepted ones."""
-    unknown = sorted(set(opts) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"Unknown option(s) {unknown} for norm {norm_name!r}; accepted: {sorted(accepted)}")

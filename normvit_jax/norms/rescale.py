@@ -10,8 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import updating
-from normvit_jax.norms.registry import NormContext, check_options
+from normvit_jax.norms._common import NormContext, check_options, updating
 
 
 class Rescale(nn.Module):
@@ -28,7 +27,7 @@ class Rescale(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("rescale", opts, {"threshold", "warm_bias_scale"})
+        check_options("rescale", opts, cls)
         return cls(name=name, **opts)
 
     def inference_affine(self, params: Mapping[str, Any], stats: Mapping[str, Any]):

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms.registry import NormContext, check_options
+from normvit_jax.norms._common import NormContext, check_options
 
 
 class RMSNorm(nn.Module):
@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("rmsnorm", opts, {"epsilon", "use_scale", "use_bias"})
+        check_options("rmsnorm", opts, cls)
         return cls(name=name, **opts)
 
     @nn.compact
@@ -48,7 +48,7 @@ class ScaleNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("scalenorm", opts, {"epsilon", "per_channel"})
+        check_options("scalenorm", opts, cls)
         return cls(name=name, **opts)
 
     @nn.compact

@@ -2,7 +2,7 @@
 whose statistics are smoothed over a window of steps (geometric mean), with outlier filtration and
 a custom backward smoothed the same way. Every piece of state lives in ``batch_stats``; the gz
 window and ema_gz are updated by the custom backward and returned as the cotangent (increment) of
-their own inputs (see ``normvit_jax.norms.stateful``).
+their own inputs (see ``normvit_jax.norms.gradient_rule``).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import as_groups, check_group_size, updating
-from normvit_jax.norms.registry import NormContext, check_options
+from normvit_jax.norms._common import (NormContext, as_groups, check_group_size, check_options,
+                                       updating)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
@@ -68,8 +68,7 @@ class UnifiedNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("unified", opts, {"window", "warmup", "epsilon", "momentum",
-                                        "outlier_filtration", "stats_group_size", "ratio_warmup"})
+        check_options("unified", opts, cls)
         opts = dict(opts)
         w = opts.get("window", 4)
         w = (w, w) if isinstance(w, int) else tuple(w)

@@ -18,28 +18,19 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
 from clu import metric_writers, periodic_actions
 
-from normvit_jax import checkpoints, data, models, preemption, preflight, sharding, summaries
+from normvit_jax import checkpoints, data, preemption, sharding, summaries
 from normvit_jax import workdir as workdir_lib
-from normvit_jax.analysis import live
-from normvit_jax.train import batch_aug, ema, guards
+from normvit_jax.train import ema, guards
 from normvit_jax.train import optimizer as optim
-from normvit_jax.train import progress
-from normvit_jax.train import steps as steps_lib
+from normvit_jax.train import progress, setup
 from normvit_jax.train.state import TrainState
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 EXIT_PREEMPTED = 42  # main.py's exit code after a SIGTERM-triggered checkpoint
-# Kept here for callers that imported them from the loop.
-ConfigChangedError = workdir_lib.ConfigChangedError
-absolute_workdir = workdir_lib.absolute
-check_or_write_config = workdir_lib.check_or_write_config
-_flatten = workdir_lib._flatten
 
 
 class NonFiniteError(RuntimeError):
@@ -54,59 +45,6 @@ def total_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
     if config.total_steps:
         return int(config.total_steps)
     return max(1, int(math.ceil(config.num_epochs * steps_per_epoch)))
-
-
-def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> dict:
-    """Checks every choice by name and every size constraint before anything is compiled.
-
-    Returns the resolved model config. Raises ValueError naming the key, its value and what is
-    accepted.
-    """
-    data.validate(config)
-    preflight.check_run_length(config)
-    model_cfg = models.resolve_model_config(config.model.to_dict())
-    models.vit.check_override_keys(model_cfg.get("norm_overrides"), model_cfg["depth"])
-    from normvit_jax import norms
-    norms.resolve(model_cfg["norm"]["name"])
-    for ov in (model_cfg.get("norm_overrides") or {}).values():
-        norms.resolve(ov["name"])
-    if config.data.image_size % model_cfg["patch_size"]:
-        raise ValueError(
-            f"config.data.image_size={config.data.image_size} is not divisible by the patch size "
-            f"{model_cfg['patch_size']} (model.patch_size / model.variant); accepted: a multiple of "
-            f"{model_cfg['patch_size']}")
-    optim.validate(config)
-    batch_aug.validate(config)
-    if config.dtype not in DTYPES:
-        raise ValueError(f"config.dtype={config.dtype!r} is not accepted; accepted: {list(DTYPES)}")
-    n = num_devices or jax.device_count()
-    k = config.grad_accum_steps
-    if k < 1 or config.batch_size % k:
-        raise ValueError(f"config.grad_accum_steps={k} must be >= 1 and divide "
-                         f"config.batch_size={config.batch_size}")
-    for key, value in (("batch_size", config.batch_size // k), ("eval_batch_size", config.eval_batch_size)):
-        if value % n:
-            what = "batch_size / grad_accum_steps" if key == "batch_size" and k > 1 else key
-            raise ValueError(f"config.{what}={value} is not divisible by the number of devices ({n}); "
-                             f"accepted: a multiple of {n}")
-    for key in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
-        if config[key] < 1:
-            raise ValueError(f"config.{key}={config[key]} must be >= 1")
-    return model_cfg
-
-
-def create_train_state(config, model, tx, image_shape, mesh, rng) -> tuple[TrainState, Any]:
-    """Initialises the state directly into its (replicated) sharding, tracing the model once."""
-    def init(rng):
-        params_rng, state_rng = jax.random.split(rng)
-        variables = model.init({"params": params_rng, "dropout": params_rng},
-                               jnp.zeros((1,) + tuple(image_shape), jnp.float32), train=False)
-        return TrainState.create(variables["params"], variables.get("batch_stats", {}), tx,
-                                 jax.random.key_data(state_rng))
-
-    rep = sharding.replicated(mesh)
-    state = jax.jit(init, out_shardings=rep)(rng)
-    return state, jax.tree.map(lambda _: rep, state)
 
 
 def evaluate(eval_step, state, pipeline, mesh) -> dict[str, float]:
@@ -130,7 +68,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     last eval metrics and the state.
     """
     mesh = sharding.make_mesh()
-    model_cfg = validate_config(config, mesh.devices.size)
+    model_cfg = setup.validate_config(config, mesh.devices.size)
     workdir = workdir_lib.absolute(workdir)
     with preemption.SigtermFlag() as sigterm, workdir_lib.prepare(
             config, workdir, fresh=fresh, process_index=jax.process_index()):
@@ -143,11 +81,10 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
     eval_data = data.make_pipeline(config, "eval")
     num_classes = data.num_classes(config.data.name)
     n_steps = total_steps(config, train_data.steps_per_epoch)
-    model = models.create(model_cfg, num_classes, dtype=DTYPES[config.dtype], remat=config.remat)
+    model = setup.create_model(config, num_classes, model_cfg)
     tx, lr_schedule = optim.create(config, n_steps)
-
-    rng = jax.random.key(config.seed)
-    state, state_sharding = create_train_state(config, model, tx, train_data.image_shape, mesh, rng)
+    state, state_sharding = setup.create_train_state(model, tx, train_data.image_shape, mesh,
+                                                     jax.random.key(config.seed))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     logging.info("Model: %s, %s parameters; %d devices; %d steps (%d per epoch).",
                  progress.describe_model(model_cfg), f"{n_params:,}", mesh.devices.size, n_steps,
@@ -189,18 +126,12 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
     # Marks where this segment of the run starts: readers drop older points after it (summaries.py).
     writer.write_scalars(start_step, {summaries.SEGMENT_TAG: start_step})
     if start_step == 0:
-        writer.write_hparams({k: v for k, v in _flatten(json.loads(config.to_json_best_effort())).items()
+        writer.write_hparams({k: v for k, v in workdir_lib._flatten(json.loads(config.to_json_best_effort())).items()
                               if isinstance(v, (int, float, str, bool))})
 
-    rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
-    train_step = jax.jit(
-        steps_lib.make_train_step(model, tx, lr_schedule, label_smoothing=config.label_smoothing,
-                                  grad_accum_steps=config.grad_accum_steps,
-                                  skip_nonfinite=config.skip_nonfinite_steps > 0,
-                                  batch_transform=batch_aug.make(config, num_classes)),
-        in_shardings=(state_sharding, bat), out_shardings=(state_sharding, rep), donate_argnums=0)
-    eval_step = jax.jit(steps_lib.make_eval_step(model), in_shardings=(state_sharding, bat),
-                        out_shardings=rep)
+    train_step = setup.jit_train_step(
+        setup.make_train_step(config, model, tx, lr_schedule, num_classes), state_sharding, mesh)
+    eval_step = setup.jit_eval_step(model, state_sharding, mesh)
 
     report = periodic_actions.ReportProgress(num_train_steps=n_steps, writer=writer)
     eta = progress.Eta(n_steps)  # train time only: no compile, eval or checkpoint time
@@ -208,8 +139,11 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
     t_log, step_log = time.time(), start_step
     step = start_step
     n_fixed = max(config.eval_analysis_images, config.eval_attention_images)
-    fixed_images = live.fixed_images(config, n_fixed) if n_fixed else None
-    analyzer = live.EvalAnalyzer(model, config) if n_fixed else None
+    fixed_images = analyzer = None
+    if n_fixed:  # imported only here: it pulls in matplotlib
+        from normvit_jax.analysis import eval_hook
+        fixed_images = eval_hook.fixed_images(config, n_fixed)
+        analyzer = eval_hook.EvalAnalyzer(model, config)
 
     def run_eval(step: int) -> dict[str, Any]:
         """Eval over the whole split, then the analysis of a fixed batch (token statistics, norm
@@ -225,7 +159,7 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
             with report.timed("eval_analysis"):
                 scalars, pictures = analyzer(
                     {"params": state.params, "batch_stats": state.batch_stats}, fixed_images,
-                    sharding=rep)
+                    sharding=sharding.replicated(mesh))
             if analysis_writer is not None:  # process 0; kept out of the log: ~100 scalars
                 analysis_writer.write_scalars(step, scalars)
                 if pictures:

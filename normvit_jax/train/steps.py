@@ -1,12 +1,9 @@
 """Pure train and eval steps; the loop jits them over the mesh.
 
-Backward-updated norm statistics: the loss is differentiated with respect to the input
-``batch_stats`` as well as the params, and the cotangent is ADDED to the forward's updated
-``batch_stats`` (see normvit_jax/norms/__init__.py). Norms read running state through
-``stop_gradient``, so every other statistic gets a zero cotangent.
+Backward-updated norm statistics (PowerNorm, UN) follow the one rule of
+``normvit_jax.norms.gradient_rule.train_grads``, which the train step calls.
 """
 
-import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -17,6 +14,7 @@ from clu import metrics as clu_metrics
 import flax.struct
 
 from normvit_jax.train import batch_aug
+from normvit_jax.norms import gradient_rule
 from normvit_jax.train.state import TrainState
 
 
@@ -69,16 +67,11 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
     """
 
     def loss_and_grads(params, batch_stats, images, labels, rng):
-        def loss_fn(p, bs):
-            variables = {"params": p, "batch_stats": bs} if bs else {"params": p}
-            logits, mutated = model.apply(variables, images, train=True, rngs={"dropout": rng},
-                                          mutable=["batch_stats"])
-            loss = jnp.mean(cross_entropy(logits, labels, label_smoothing))
-            return loss, (logits, mutated.get("batch_stats", {}))
-
-        (loss, (logits, new_bs)), (g_params, g_bs) = jax.value_and_grad(
-            loss_fn, argnums=(0, 1), has_aux=True)(params, batch_stats)
-        new_bs = jax.tree.map(jnp.add, new_bs, g_bs) if batch_stats else new_bs
+        loss, g_params, new_bs, logits = gradient_rule.train_grads(
+            lambda v: model.apply(v, images, train=True, rngs={"dropout": rng},
+                                  mutable=["batch_stats"]),
+            params, batch_stats,
+            lambda logits: jnp.mean(cross_entropy(logits, labels, label_smoothing)))
         correct = jnp.mean((jnp.argmax(logits, -1) == hard_labels(labels)).astype(jnp.float32))
         return loss, correct, g_params, new_bs
 

@@ -7,15 +7,14 @@ the loss with respect to the params AND the input ``batch_stats`` and sets
     new_batch_stats = forward_mutated_batch_stats + cotangent_of_batch_stats
 
 Every other statistic is read through ``stop_gradient`` and gets a zero cotangent; integer
-leaves (step counters) get float0 cotangents, which are ignored. ``train_grads`` does exactly this
-and is what tests use; a train step may call it or implement the same rule.
+leaves (step counters) get float0 cotangents, which are ignored. ``train_grads`` is the one
+implementation: the train step (normvit_jax/train/steps.py) calls it, and the tests check it.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 
 def merge_state(mutated: Any, cotangent: Any) -> Any:
@@ -33,16 +32,13 @@ def train_grads(apply_fn: Callable[..., Any], params: Any, batch_stats: Any,
 
     apply_fn(variables) must call ``model.apply(variables, ..., train=True,
     mutable=['batch_stats'])`` and return (output, mutated_collections); loss_fn(output) -> scalar.
+    An empty ``batch_stats`` (a model without running state) is left out of the variables.
     Returns (loss, grads, new_batch_stats, output).
     """
     def f(p, s):
-        out, mutated = apply_fn({"params": p, "batch_stats": s})
+        out, mutated = apply_fn({"params": p, "batch_stats": s} if s else {"params": p})
         return loss_fn(out), (mutated.get("batch_stats", s), out)
 
     (loss, (mutated, out)), (grads, stats_ct) = jax.value_and_grad(
         f, argnums=(0, 1), has_aux=True, allow_int=True)(params, batch_stats)
     return loss, grads, merge_state(mutated, stats_ct), out
-
-
-def zero_tree(tree: Any) -> Any:
-    return jax.tree.map(jnp.zeros_like, tree)

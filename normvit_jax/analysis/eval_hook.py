@@ -2,8 +2,8 @@
 and (if ``config.eval_attention_images > 0``) attention-map images, from one jitted capture
 forward on a small fixed batch. Training steps never capture.
 
-    analyzer = live.EvalAnalyzer(model, config)                 # once, before the loop
-    images = live.fixed_images(config, 16)
+    analyzer = eval_hook.EvalAnalyzer(model, config)                 # once, before the loop
+    images = eval_hook.fixed_images(config, 16)
     scalars, pictures = analyzer(variables, images)             # at each eval (compiled once)
     writer.write_scalars(step, scalars); writer.write_images(step, pictures)
 

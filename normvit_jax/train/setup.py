@@ -1,0 +1,131 @@
+"""What a run builds before its first step, shared by the train loop and the benchmarks: config
+checks, the model, the train state (real or abstract) and the jitted steps over the mesh.
+
+No TensorFlow here (the loop's CLU writers import it, seconds of import time): benchmarks and
+tools import this module alone. tests/test_train.py checks that.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import linen as nn
+from jax.sharding import Mesh
+
+from normvit_jax import data, models, norms, preflight, sharding
+from normvit_jax.train import batch_aug
+from normvit_jax.train import optimizer as optim
+from normvit_jax.train import steps as steps_lib
+from normvit_jax.train.state import TrainState
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_model_config(config: ml_collections.ConfigDict) -> dict:
+    """The model config of a run with the variant's sizes filled in."""
+    return models.resolve_model_config(config.model.to_dict())
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> dict:
+    """Checks every choice by name and every size constraint before anything is compiled.
+
+    Returns the resolved model config. Raises ValueError naming the key, its value and what is
+    accepted.
+    """
+    data.validate(config)
+    preflight.check_run_length(config)
+    model_cfg = resolve_model_config(config)
+    models.vit.check_override_keys(model_cfg.get("norm_overrides"), model_cfg["depth"])
+    norms.resolve(norms.name_of(model_cfg["norm"]))
+    for ov in (model_cfg.get("norm_overrides") or {}).values():
+        norms.resolve(norms.name_of(ov))
+    if config.data.image_size % model_cfg["patch_size"]:
+        raise ValueError(
+            f"config.data.image_size={config.data.image_size} is not divisible by the patch size "
+            f"{model_cfg['patch_size']} (model.patch_size / model.variant); accepted: a multiple of "
+            f"{model_cfg['patch_size']}")
+    optim.validate(config)
+    batch_aug.validate(config)
+    if config.dtype not in DTYPES:
+        raise ValueError(f"config.dtype={config.dtype!r} is not accepted; accepted: {list(DTYPES)}")
+    n = num_devices or jax.device_count()
+    k = config.grad_accum_steps
+    if k < 1 or config.batch_size % k:
+        raise ValueError(f"config.grad_accum_steps={k} must be >= 1 and divide "
+                         f"config.batch_size={config.batch_size}")
+    for key, value in (("batch_size", config.batch_size // k), ("eval_batch_size", config.eval_batch_size)):
+        if value % n:
+            what = "batch_size / grad_accum_steps" if key == "batch_size" and k > 1 else key
+            raise ValueError(f"config.{what}={value} is not divisible by the number of devices ({n}); "
+                             f"accepted: a multiple of {n}")
+    for key in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+        if config[key] < 1:
+            raise ValueError(f"config.{key}={config[key]} must be >= 1")
+    return model_cfg
+
+
+def create_model(config: ml_collections.ConfigDict, num_classes: int,
+                 model_cfg: dict | None = None) -> nn.Module:
+    """The run's model in its compute dtype; ``model_cfg`` as ``validate_config`` returns it."""
+    model_cfg = resolve_model_config(config) if model_cfg is None else model_cfg
+    return models.create(model_cfg, num_classes, dtype=DTYPES[config.dtype], remat=config.remat)
+
+
+def state_init(model: nn.Module, tx: optax.GradientTransformation,
+               image_shape: tuple[int, ...]) -> Callable[[jax.Array], TrainState]:
+    """rng -> the initial TrainState (the model traced once on a zero image)."""
+    def init(rng: jax.Array) -> TrainState:
+        params_rng, state_rng = jax.random.split(rng)
+        variables = model.init({"params": params_rng, "dropout": params_rng},
+                               jnp.zeros((1,) + tuple(image_shape), jnp.float32), train=False)
+        return TrainState.create(variables["params"], variables.get("batch_stats", {}), tx,
+                                 jax.random.key_data(state_rng))
+    return init
+
+
+def abstract_train_state(model: nn.Module, tx: optax.GradientTransformation,
+                         image_shape: tuple[int, ...], mesh: Mesh) -> tuple[TrainState, Any]:
+    """(the state's shapes as ShapeDtypeStructs carrying their sharding, the state's shardings):
+    nothing is allocated."""
+    rep = sharding.replicated(mesh)
+    abstract = jax.eval_shape(state_init(model, tx, image_shape), jax.random.key(0))
+    state_sharding = jax.tree.map(lambda _: rep, abstract)
+    shaped = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), abstract)
+    return shaped, state_sharding
+
+
+def create_train_state(model: nn.Module, tx: optax.GradientTransformation,
+                       image_shape: tuple[int, ...], mesh: Mesh,
+                       rng: jax.Array) -> tuple[TrainState, Any]:
+    """(the initial state, initialised directly into its replicated sharding; its shardings)."""
+    _, state_sharding = abstract_train_state(model, tx, image_shape, mesh)
+    state = jax.jit(state_init(model, tx, image_shape), out_shardings=state_sharding)(rng)
+    return state, state_sharding
+
+
+def make_train_step(config: ml_collections.ConfigDict, model: nn.Module,
+                    tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
+                    num_classes: int) -> Callable:
+    """The pure train step with the config's label smoothing, accumulation, NaN policy and
+    on-device batch augmentation (train/batch_aug.py)."""
+    return steps_lib.make_train_step(model, tx, lr_schedule, label_smoothing=config.label_smoothing,
+                                     grad_accum_steps=config.grad_accum_steps,
+                                     skip_nonfinite=config.skip_nonfinite_steps > 0,
+                                     batch_transform=batch_aug.make(config, num_classes))
+
+
+def jit_train_step(fn: Callable, state_sharding: Any, mesh: Mesh) -> Any:
+    """The train step jitted over the mesh: batch split on 'data', state replicated and donated."""
+    rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    return jax.jit(fn, in_shardings=(state_sharding, bat), out_shardings=(state_sharding, rep),
+                   donate_argnums=0)
+
+
+def jit_eval_step(model: nn.Module, state_sharding: Any, mesh: Mesh) -> Any:
+    """The eval step jitted over the mesh; metrics come back replicated."""
+    rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    return jax.jit(steps_lib.make_eval_step(model), in_shardings=(state_sharding, bat),
+                   out_shardings=rep)

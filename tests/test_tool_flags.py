@@ -1,0 +1,100 @@
+"""The ``python -m`` tools parse their flags with absl through normvit_jax.tool_flags: --help of
+every tool lists its flags and exits 0; values, booleans, enums, required flags, positionals and
+errors behave as documented; tools sharing flag names parse independently in one process."""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from normvit_jax import tool_flags
+from tests.conftest import REPO_ROOT
+
+# module -> flags its --help must list
+TOOLS = {
+    "benchmarks.compile_time": ["--model", "--depths", "--[no]remat", "--xla_preset", "--json"],
+    "benchmarks.inference": ["--norm", "--dtype", "--[no]fold", "--json"],
+    "benchmarks.input_pipeline": ["--datasets", "--batches", "--[no]skip_run"],
+    "benchmarks.matmul": ["--model", "--repeats", "--[no]no_torch"],
+    "benchmarks.memory": ["--models", "--memory_gb", "--[no]verify"],
+    "benchmarks.profile": ["--norm", "--top", "--part"],
+    "benchmarks.train_step": ["--model", "--norm", "--batch", "--peak_tflops", "--[no]scan"],
+    "benchmarks.vs_torch": ["--gelu", "--torch_threads"],
+    "normvit_jax.analysis.attention": ["--workdir", "--heads", "--blocks", "--step"],
+    "normvit_jax.analysis.report": ["workdirs", "--out", "--[no]no_attention", "--tags"],
+    "normvit_jax.reparam": ["--workdir", "--batch", "--reps", "--out"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(TOOLS))
+def test_help_of_every_tool_lists_its_flags(module, capsys):
+    mod = importlib.import_module(module)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m {module} ")
+    for flag in TOOLS[module]:
+        assert f"  {flag}" in out, (flag, out)
+
+
+def test_help_through_python_dash_m():
+    r = subprocess.run([sys.executable, "-m", "benchmarks.matmul", "--help"], cwd=REPO_ROOT,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "usage: python -m benchmarks.matmul" in r.stdout and "--[no]no_torch" in r.stdout
+
+
+def _parser(default_batch: int = 128) -> tool_flags.Parser:
+    p = tool_flags.Parser("python -m tool", "A tool.")
+    p.add_argument("--model", default="Ti/4", help="preset")
+    p.add_argument("--batch", type=int, default=default_batch)
+    p.add_argument("--peak", type=float, default=None)
+    p.add_argument("--impl", default=None, choices=["xla", "cudnn"])
+    p.add_argument("--scan", action="store_true")
+    p.add_argument("--workdir", required=True)
+    return p
+
+
+def test_values_booleans_enums_and_both_spellings():
+    args = _parser().parse_args(["--workdir", "w", "--batch=4", "--peak", "1.5", "--impl=xla",
+                                 "--scan"])
+    assert vars(args) == {"model": "Ti/4", "batch": 4, "peak": 1.5, "impl": "xla", "scan": True,
+                          "workdir": "w"}
+    args = _parser().parse_args(["--workdir=w", "--noscan"])
+    assert (args.batch, args.peak, args.impl, args.scan) == (128, None, None, False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "required: --workdir"),
+    (["--workdir=w", "--bogus=1"], "bogus"),
+    (["--workdir=w", "--impl=tpu"], "impl"),
+    (["--workdir=w", "--batch=four"], "batch"),
+    (["--workdir=w", "stray"], "unexpected arguments: ['stray']"),
+])
+def test_bad_flags_exit_2_with_the_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_positional_list():
+    p = tool_flags.Parser("python -m tool")
+    p.add_argument("workdirs", nargs="+", help="runs")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(["a", "--out=o", "b"])
+    assert args.workdirs == ["a", "b"] and args.out == "o"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--out=o"])
+
+
+def test_parsers_with_the_same_flags_are_independent():
+    a, b = _parser(1), _parser(2)
+    assert a.parse_args(["--workdir=w", "--batch=7"]).batch == 7
+    assert b.parse_args(["--workdir=w"]).batch == 2
+    assert a.parse_args(["--workdir=w"]).batch == 1  # no value kept from the first parse
