@@ -29,7 +29,7 @@ from normvit_jax.train import optimizer as optim
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
 
-ATTENTION_IMPLS = list(models.vit.ATTENTION_IMPLS)  # --attention_impl choices
+ATTENTION_IMPLS = list(models.spec.ATTENTION_IMPLS)  # --attention_impl choices
 
 # Every normalizer of the registry (+ DPN, a patch norm), each in every norm slot of the model:
 # the norm's own cost, not a method's layout. name -> model config changes.
@@ -179,8 +179,7 @@ def create_train_state(model: Any, tx: Any, image_shape: tuple[int, ...], mesh: 
 def _train_parts(config: ml_collections.ConfigDict, num_classes: int) -> tuple[Any, Any, Any, Callable]:
     """(mesh, model, optimizer, train-step function) as the loop builds them from ``config``."""
     mesh = sharding.make_mesh()
-    model_cfg = models.resolve_model_config(config.model.to_dict())
-    model = models.create(model_cfg, num_classes, dtype=DTYPES[config.dtype], remat=config.remat)
+    model = models.create(config.model, num_classes, dtype=DTYPES[config.dtype], remat=config.remat)
     tx, lr = optim.create(config, int(config.total_steps))
     fn = steps_lib.make_train_step(model, tx, lr, label_smoothing=config.label_smoothing,
                                    grad_accum_steps=config.grad_accum_steps)

@@ -77,15 +77,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def torch_step(torch: Any, timm: Any, cfg: dict[str, Any], args: argparse.Namespace, size: int):
+def torch_step(torch: Any, timm: Any, spec: Any, args: argparse.Namespace, size: int):
     """timm's VisionTransformer with this project's hyperparameters and a full AdamW step."""
     from timm.models.vision_transformer import VisionTransformer
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     act = (lambda: torch.nn.GELU(approximate="tanh")) if args.gelu == "tanh" else torch.nn.GELU
     model = VisionTransformer(
-        img_size=size, patch_size=cfg["patch_size"], embed_dim=cfg["hidden_size"],
-        depth=cfg["depth"], num_heads=cfg["num_heads"], mlp_ratio=cfg["mlp_dim"] / cfg["hidden_size"],
+        img_size=size, patch_size=spec.patch_size, embed_dim=spec.hidden_size,
+        depth=spec.depth, num_heads=spec.num_heads, mlp_ratio=spec.mlp_dim / spec.hidden_size,
         num_classes=args.num_classes, qkv_bias=True, class_token=True, global_pool="token",
         act_layer=act)
     model.train()
@@ -122,8 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = int(cfg.data.image_size)
     jb = common.compile_train("jax", cfg, num_classes=args.num_classes)
     n_jax = sum(int(np.prod(x.shape)) for x in __import__("jax").tree.leaves(jb.state.params))
-    model_cfg = models.resolve_model_config(cfg.model.to_dict())
-    tstep, n_torch = torch_step(torch, timm, model_cfg, args, size)
+    tstep, n_torch = torch_step(torch, timm, models.spec_of(cfg.model), args, size)
     if n_jax != n_torch:
         print(f"warning: parameter counts differ: jax {n_jax:,} vs timm {n_torch:,}", file=sys.stderr)
     times = common.interleaved({"jax": jb.step, "timm": tstep}, args.steps, args.warmup)

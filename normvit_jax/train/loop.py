@@ -55,24 +55,19 @@ def total_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
     return max(1, int(math.ceil(config.num_epochs * steps_per_epoch)))
 
 
-def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> dict:
+def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Any:
     """Checks every choice by name and every size constraint before anything is compiled.
 
-    Returns the resolved model config. Raises ValueError naming the key, its value and what is
-    accepted.
+    Returns the model's spec (``models.spec_of``; float32, without remat: ``_run`` sets them).
+    Raises ValueError naming the key, its value and what is accepted.
     """
     data.validate(config)
-    model_cfg = models.resolve_model_config(config.model.to_dict())
-    models.vit.check_override_keys(model_cfg.get("norm_overrides"), model_cfg["depth"])
-    from normvit_jax import norms
-    norms.resolve(model_cfg["norm"]["name"])
-    for ov in (model_cfg.get("norm_overrides") or {}).values():
-        norms.resolve(ov["name"])
-    if config.data.image_size % model_cfg["patch_size"]:
+    spec = models.spec_of(config)
+    if config.data.image_size % spec.patch_size:
         raise ValueError(
             f"config.data.image_size={config.data.image_size} is not divisible by the patch size "
-            f"{model_cfg['patch_size']} (model.patch_size / model.variant); accepted: a multiple of "
-            f"{model_cfg['patch_size']}")
+            f"{spec.patch_size} (model.patch_size / model.variant); accepted: a multiple of "
+            f"{spec.patch_size}")
     optim.validate(config)
     if config.dtype not in DTYPES:
         raise ValueError(f"config.dtype={config.dtype!r} is not accepted; accepted: {list(DTYPES)}")
@@ -89,7 +84,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     for key in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
         if config[key] < 1:
             raise ValueError(f"config.{key}={config[key]} must be >= 1")
-    return model_cfg
+    return spec
 
 
 def create_train_state(config, model, tx, image_shape, mesh, rng) -> tuple[TrainState, Any]:
@@ -127,27 +122,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     last eval metrics and the state.
     """
     mesh = sharding.make_mesh()
-    model_cfg = validate_config(config, mesh.devices.size)
+    spec = validate_config(config, mesh.devices.size)
     workdir = workdir_lib.absolute(workdir)
     with preemption.SigtermFlag() as sigterm, workdir_lib.prepare(
             config, workdir, fresh=fresh, process_index=jax.process_index()):
         sharding.sync_hosts("normvit_workdir_ready")  # process 0 has moved/written what it must
-        return _run(config, workdir, stop_at, model_cfg, mesh, sigterm)
+        return _run(config, workdir, stop_at, spec, mesh, sigterm)
 
 
-def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
+def _run(config, workdir, stop_at, spec, mesh, sigterm) -> dict[str, Any]:
     train_data = data.make_pipeline(config, "train")
     eval_data = data.make_pipeline(config, "eval")
     num_classes = data.num_classes(config.data.name)
     n_steps = total_steps(config, train_data.steps_per_epoch)
-    model = models.create(model_cfg, num_classes, dtype=DTYPES[config.dtype], remat=config.remat)
+    spec = models.spec_of(spec, num_classes, dtype=DTYPES[config.dtype], remat=config.remat)
+    model = models.create(spec)
     tx, lr_schedule = optim.create(config, n_steps)
 
     rng = jax.random.key(config.seed)
     state, state_sharding = create_train_state(config, model, tx, train_data.image_shape, mesh, rng)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     logging.info("Model: %s, %s parameters; %d devices; %d steps (%d per epoch).",
-                 model_cfg.get("variant") or "custom", f"{n_params:,}", mesh.devices.size, n_steps,
+                 spec.variant or "custom", f"{n_params:,}", mesh.devices.size, n_steps,
                  train_data.steps_per_epoch)
 
     mngr = checkpoints.make_manager(workdir, keep=config.keep_checkpoints)
@@ -176,7 +172,7 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
             logging.warning("No checkpoint in %s: starting at step 0 (an earlier attempt of this "
                             "run ended before its first checkpoint).", mngr.directory)
         if config.init_from:
-            state = _init_from_pretrained(config, model_cfg, num_classes, state, tx, state_sharding)
+            state = _init_from_pretrained(config, spec, num_classes, state, tx, state_sharding)
 
     if sigterm.received and not preemption.multi_process():  # SIGTERM while starting up
         mngr.close()
@@ -306,10 +302,10 @@ def _fmt_time(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def _init_from_pretrained(config, model_cfg, num_classes, state, tx, state_sharding) -> TrainState:
+def _init_from_pretrained(config, spec, num_classes, state, tx, state_sharding) -> TrainState:
     from normvit_jax import pretrained
     params = jax.tree.map(np.asarray, state.params)
-    params, _ = pretrained.init_from_npz(params, config.init_from, model_cfg, num_classes,
+    params, _ = pretrained.init_from_npz(params, config.init_from, spec, num_classes,
                                          keep_pre_logits=config.get("init_keep_pre_logits"),
                                          image_size=config.data.image_size, log=logging.info)
     new = state.replace(params=params, opt_state=tx.init(params))
