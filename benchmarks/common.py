@@ -29,7 +29,7 @@ from normvit_jax.train import optimizer as optim
 from normvit_jax.train import setup
 from normvit_jax.train.state import TrainState
 
-ATTENTION_IMPLS = list(models.vit.ATTENTION_IMPLS)  # --attention_impl choices
+ATTENTION_IMPLS = list(models.spec.ATTENTION_IMPLS)  # --attention_impl choices
 
 # Every normalizer of the registry (+ DPN, a patch norm), each in every norm slot of the model:
 # the norm's own cost, not a method's layout. name -> model config changes.

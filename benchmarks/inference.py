@@ -53,8 +53,8 @@ def compile_eval(name: str, args: tool_flags.Args,
     variables = jax.jit(lambda r: model.init(r, jax.numpy.zeros((1, size, size, 3)), train=False),
                         out_shardings=sharding.replicated(mesh))(jax.random.key(0))
     if fold:
-        folded_cfg, variables, _ = reparam.fold(cfg.model, variables)
-        model = models.create(folded_cfg, args.num_classes, dtype=common.DTYPES[args.dtype])
+        folded, variables, _ = reparam.fold(model.spec, variables)
+        model = models.create(folded)
         variables = jax.device_put(variables, sharding.replicated(mesh))
     images = common.synthetic_batch(args.batch, size, args.num_classes, mesh)["image"]
     fn = jax.jit(lambda v, x: model.apply(v, x, train=False),

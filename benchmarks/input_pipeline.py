@@ -164,14 +164,14 @@ def step_batch(c: ml_collections.ConfigDict, args: tool_flags.Args) -> int:
 
 
 def step_rate(c: ml_collections.ConfigDict, args: tool_flags.Args) -> tuple[float, Any]:
-    from normvit_jax.models import resolve_model_config
-    model = resolve_model_config(c.model.to_dict())
+    from normvit_jax.models import spec_of
+    model = spec_of(c.model)
     cfg = common.bench_config(
         c.model.variant or "Ti/4", "layernorm", image_size=int(c.data.image_size),
         batch=step_batch(c, args), dtype=c.dtype,
         num_classes=data.num_classes(c.data.name),
-        model_overrides={k: model[k] for k in ("hidden_size", "depth", "num_heads", "mlp_dim",
-                                                "patch_size")})
+        model_overrides={k: getattr(model, k) for k in ("hidden_size", "depth", "num_heads",
+                                                         "mlp_dim", "patch_size")})
     bench = common.compile_train("layernorm", cfg, num_classes=data.num_classes(c.data.name))
     times = common.interleaved({"step": bench.step}, args.steps, warmup=1)["step"]
     return int(cfg.batch_size) / common.summarize(times).median, bench

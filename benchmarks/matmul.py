@@ -105,14 +105,14 @@ def run(args: tool_flags.Args) -> dict[str, Any]:
             torch = None
     cfg = common.bench_config(args.model, "layernorm", image_size=args.image_size, batch=args.batch,
                               depth=args.depth)
-    m = models.resolve_model_config(cfg.model.to_dict())
-    grid = int(cfg.data.image_size) // m["patch_size"]
+    m = models.spec_of(cfg.model)
+    grid = int(cfg.data.image_size) // m.patch_size
     t = grid * grid + 1
-    depth = m["depth"]
+    depth = m.depth
     rows = []
     tot = {"xla": 0.0, "torch": 0.0}
-    for name, lhs, rhs, lc, rc, batched in shapes(args.batch, t, m["hidden_size"], m["mlp_dim"],
-                                                  m["num_heads"]):
+    for name, lhs, rhs, lc, rc, batched in shapes(args.batch, t, m.hidden_size, m.mlp_dim,
+                                                  m.num_heads):
         runners = {"xla": xla_runner(lhs, rhs, lc, rc, batched)}
         if torch is not None:
             runners["torch"] = torch_runner(torch, lhs, rhs, lc, rc, batched)

@@ -19,7 +19,7 @@ Conventions (docs/benchmarks.md, "How FLOPs are counted"):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 # Dense (no sparsity) peak TFLOP/s from the vendors' datasheets, per compute dtype. 'float32' is
 # TF32 tensor-core math, which XLA uses for float32 dots on Ampere and later at its default
@@ -58,15 +58,13 @@ class VitShape:
         return self.patches + int(self.class_token and block >= self.cls_token_at_block)
 
 
-def shape_from_config(model_cfg: Mapping[str, Any], image_size: int, num_classes: int) -> VitShape:
-    """From a resolved model config (``models.resolve_model_config``)."""
-    return VitShape(hidden=int(model_cfg["hidden_size"]), depth=int(model_cfg["depth"]),
-                    heads=int(model_cfg["num_heads"]), mlp_dim=int(model_cfg["mlp_dim"]),
-                    patch=int(model_cfg["patch_size"]), image_size=int(image_size),
-                    num_classes=int(num_classes),
-                    class_token=model_cfg.get("classifier", "token") == "token",
-                    cls_token_at_block=int(model_cfg.get("cls_token_at_block") or 0),
-                    representation_size=model_cfg.get("representation_size") or None)
+def shape_from_spec(spec: Any, image_size: int, num_classes: int) -> VitShape:
+    """From a model spec (``models.spec_of``)."""
+    return VitShape(hidden=spec.hidden_size, depth=spec.depth, heads=spec.num_heads,
+                    mlp_dim=spec.mlp_dim, patch=spec.patch_size, image_size=int(image_size),
+                    num_classes=int(num_classes), class_token=spec.classifier == "token",
+                    cls_token_at_block=int(spec.cls_token_at_block or 0),
+                    representation_size=spec.representation_size or None)
 
 
 def forward_flops(s: VitShape) -> dict[str, float]:

@@ -63,8 +63,8 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
 
 def analytic_flops(args: tool_flags.Args, cfg: Any, norm: str) -> tuple[float, float]:
     """(ViT model FLOPs per step, the same + the norm's own matrix products) for MFU and ratios."""
-    model_cfg = models.resolve_model_config(cfg.model.to_dict())
-    shape = model_flops.shape_from_config(model_cfg, int(cfg.data.image_size), args.num_classes)
+    shape = model_flops.shape_from_spec(models.spec_of(cfg.model), int(cfg.data.image_size),
+                                        args.num_classes)
     vit = model_flops.train_step_flops(shape, args.batch)
     extra = 0.0
     if norm in DTN_NORMS:  # every norm slot: 2 per block + the final norm

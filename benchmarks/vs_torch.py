@@ -121,7 +121,7 @@ def share_gpu_with_torch(plan: TorchPlan) -> bool:
     return True
 
 
-def torch_steps(torch: Any, timm: Any, cfg: dict[str, Any], args: tool_flags.Args, size: int,
+def torch_steps(torch: Any, timm: Any, spec: Any, args: tool_flags.Args, size: int,
                 plan: TorchPlan) -> tuple[dict[str, Any], int]:
     """{'timm' (eager), 'timm_compiled'}: timm's VisionTransformer with this project's
     hyperparameters and a full AdamW step each (separate models, the same initialisation)."""
@@ -141,8 +141,8 @@ def torch_steps(torch: Any, timm: Any, cfg: dict[str, Any], args: tool_flags.Arg
     def make(variant: str) -> tuple[Any, int]:
         torch.manual_seed(0)
         model = VisionTransformer(
-            img_size=size, patch_size=cfg["patch_size"], embed_dim=cfg["hidden_size"],
-            depth=cfg["depth"], num_heads=cfg["num_heads"], mlp_ratio=cfg["mlp_dim"] / cfg["hidden_size"],
+            img_size=size, patch_size=spec.patch_size, embed_dim=spec.hidden_size,
+            depth=spec.depth, num_heads=spec.num_heads, mlp_ratio=spec.mlp_dim / spec.hidden_size,
             num_classes=args.num_classes, qkv_bias=True, class_token=True, global_pool="token",
             act_layer=act).to(dev)
         model.train()
@@ -187,8 +187,7 @@ def run(args: tool_flags.Args) -> dict[str, Any]:
     size = int(cfg.data.image_size)
     jb = common.compile_train("jax", cfg, num_classes=args.num_classes)
     n_jax = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jb.state.params))
-    model_cfg = models.resolve_model_config(cfg.model.to_dict())
-    tsteps, n_torch = torch_steps(torch, timm, model_cfg, args, size, plan)
+    tsteps, n_torch = torch_steps(torch, timm, models.spec_of(cfg.model), args, size, plan)
     if n_jax != n_torch:
         print(f"warning: parameter counts differ: jax {n_jax:,} vs timm {n_torch:,}", file=sys.stderr)
     times = common.interleaved({"jax": jb.step, **tsteps}, args.steps, args.warmup)

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from absl import app, flags
 
-from normvit_jax import pretrained
+from normvit_jax import models, pretrained
 
 FLAGS = flags.FLAGS
 
@@ -30,7 +30,8 @@ def run(workdir: str, out: str, step: int | None = None) -> dict[str, Any]:
     from normvit_jax import checkpoints  # the train side's restore; imported late on purpose
 
     params, config = checkpoints.load_params(workdir, step=step)
-    return pretrained.export_npz(params, out, config.model)
+    # a scanned run's stacked blocks are written per block (encoderblock_{i})
+    return pretrained.export_npz(params, out, models.spec_of(config.model))
 
 
 def main(argv: Sequence[str]) -> None:

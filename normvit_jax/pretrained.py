@@ -19,7 +19,9 @@ from etils import epath
 from flax import traverse_util
 from flax.core import frozen_dict
 
-from normvit_jax.models import vit
+from normvit_jax import models
+from normvit_jax.models import scan_convert
+from normvit_jax.models.spec import ViTSpec
 from normvit_jax.preflight import npz_problem
 
 POSEMB = "Transformer/posembed_input/pos_embedding"
@@ -140,10 +142,7 @@ def canonicalize(raw: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], 
         if len(depths) != 1:
             raise CheckpointError("scanned blocks disagree on depth (leading axis): "
                                   + ", ".join(f"{k} {src[k].shape}" for k in scanned_keys))
-        for k in scanned_keys:
-            stacked, rest = src.pop(k), k[len("Transformer/encoderblock/"):]
-            for i in range(stacked.shape[0]):
-                src[f"Transformer/encoderblock_{i}/{rest}"] = stacked[i]
+        src = scan_convert.unstack_blocks(src)
 
     mods = {k.split("/")[2] for k in src if _BLOCK.match(k)}
     old = mods & {"MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3"}
@@ -208,10 +207,6 @@ def _dtype(x: Any) -> np.dtype:
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype  # no device->host copy
 
 
-def _to_dict(cfg: Any) -> dict:
-    return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
-
-
 def _slot_of(name: str) -> tuple[str, str] | None:
     """('Transformer/encoderblock_3/LayerNorm_0', 'scale') for a parameter inside a norm slot."""
     parts = name.split("/")
@@ -219,17 +214,6 @@ def _slot_of(name: str) -> tuple[str, str] | None:
         if p in NORM_SLOTS:
             return "/".join(parts[: i + 1]), "/".join(parts[i + 1:])
     return None
-
-
-def _slot_norm(cfg: dict, slot: str) -> str:
-    """The registry name of the norm the model config puts in a slot."""
-    if slot.split("/")[-1].startswith("patch_norm"):
-        return "layernorm"
-    m = _BLOCK.match(slot + "/")
-    norm = (vit.norm_for_slot(cfg.get("norm"), cfg.get("norm_overrides"), "block", int(m.group(1)))
-            if m else vit.norm_for_slot(cfg.get("norm"), cfg.get("norm_overrides"), "encoder_norm", None))
-    norm = norm or {"name": "layernorm"}
-    return norm if isinstance(norm, str) else _to_dict(norm).get("name", "layernorm")
 
 
 def _dims(flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -256,11 +240,13 @@ def _flat_heads(name: str, src: np.ndarray, shape: tuple) -> bool:
     return m.group(2) == "bias" or src.shape[0] == shape[0]
 
 
-class _Merge:
-    """Checkpoint arrays (canonical names) merged into the model's flat parameters, with a report."""
+class _ParamLoader:
+    """Fills the model's flat per-block parameters from checkpoint arrays (canonical names),
+    recording a report row per parameter and every mismatch."""
 
-    def __init__(self, tgt: dict[str, Any], src: dict[str, np.ndarray], layout: Layout, cfg: dict):
-        self.tgt, self.src, self.layout, self.cfg = tgt, src, layout, cfg
+    def __init__(self, tgt: dict[str, Any], src: dict[str, np.ndarray], layout: Layout,
+                 spec: ViTSpec):
+        self.tgt, self.src, self.layout, self.spec = tgt, src, layout, spec
         self.new: dict[str, Any] = dict(tgt)
         self.rows: list[Row] = []
         self.errors: list[str] = []
@@ -333,16 +319,15 @@ class _Merge:
 
     def posemb_and_cls(self, image_size: Any, source_grid: Sequence[int] | None) -> None:
         """Class slots are decided by the model config and the layout, never from shapes."""
-        cfg, src, layout = self.cfg, self.src, self.layout
-        has_slot = (cfg.get("classifier", "token") == "token" and not cfg.get("cls_token_at_block", 0)
-                    and cfg.get("posemb", "learn") == "learn")
+        spec, src, layout = self.spec, self.src, self.layout
+        has_slot = spec.uses_cls and not spec.cls_token_at_block and spec.posemb == "learn"
         pe = src.get(POSEMB)
         if POSEMB in self.tgt:
             ts = self.shape(POSEMB)
             grid_t = None
             if image_size is not None:
                 hw = (image_size, image_size) if np.ndim(image_size) == 0 else tuple(image_size)
-                grid_t = (hw[0] // cfg["patch_size"], hw[1] // cfg["patch_size"])
+                grid_t = (hw[0] // spec.patch_size, hw[1] // spec.patch_size)
             if pe is None:
                 self.errors.append(f"missing in checkpoint: position embedding (model {POSEMB} {ts}); a "
                                    "checkpoint trained without one needs model.posemb='sincos2d' or 'none'")
@@ -369,7 +354,7 @@ class _Merge:
                     self.put(POSEMB, np.concatenate(parts, 1), "resampled" if gs != gt else "loaded",
                              POSEMB, "; ".join(notes))
         elif pe is not None:
-            self.drop(POSEMB, f"model.posemb={cfg.get('posemb')!r} has no learned table")
+            self.drop(POSEMB, f"model.posemb={spec.posemb!r} has no learned table")
         if "cls" in self.tgt:
             if "cls" not in src:
                 self.errors.append(f"missing in checkpoint: cls (model {self.shape('cls')}); the checkpoint "
@@ -401,7 +386,7 @@ class _Merge:
                     self.same(k)
                 continue
             s, rest = slot
-            norm = _slot_norm(self.cfg, s)
+            norm = self.spec.slot_norm_name(s)
             if rest in ("scale", "bias") and k in self.src and self.src[k].shape == self.shape(k):
                 self.put(k, self.src[k], "loaded", k,
                          "" if norm == "layernorm" else f"LN {rest} -> {norm} {rest}")
@@ -419,11 +404,11 @@ class _Merge:
         for k in sorted(set(self.src) - self.used):
             slot, m = _slot_of(k), _BLOCK.match(k)
             if (slot is None or slot[0].split("/")[-1] not in CKPT_NORM_SLOTS
-                    or (m and int(m.group(1)) >= self.cfg["depth"])):
+                    or (m and int(m.group(1)) >= self.spec.depth)):
                 self.errors.append(f"unexpected in checkpoint: {k} {self.src[k].shape}")
                 continue
-            norm = _slot_norm(self.cfg, slot[0])
-            if slot[0] == "Transformer/encoder_norm" and not self.cfg.get("final_norm", True):
+            norm = self.spec.slot_norm_name(slot[0])
+            if slot[0] == "Transformer/encoder_norm" and not self.spec.final_norm:
                 self.drop(k, "model.final_norm=False")
             elif k in self.tgt:
                 self.drop(k, f"{norm} '{slot[1]}' has another shape")
@@ -433,12 +418,15 @@ class _Merge:
                 self.drop(k, f"{norm} has no parameters")
 
 
-def init_from_npz(params: Any, path: str, model_cfg: Any, num_classes: int, *,
+def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
                   keep_pre_logits: bool | None = None,
                   image_size: int | Sequence[int] | None = None,
                   source_grid: Sequence[int] | None = None,
                   log: Callable[[str], Any] | None = print) -> tuple[Any, list[Row]]:
     """Returns ``params`` (freshly initialised, same structure) with the checkpoint's weights in.
+
+    model: the ``ViTSpec`` (or ``config.model``) of the model ``params`` belong to; a scanned
+    model (``model.scan``) loads every layout a per-block one loads.
 
     keep_pre_logits: None follows the model (``representation_size`` set: load pre_logits; unset:
     drop them); False leaves the model's pre_logits at init; True requires them in both.
@@ -447,15 +435,16 @@ def init_from_npz(params: Any, path: str, model_cfg: Any, num_classes: int, *,
     The head is zeroed unless the checkpoint's head has the same shape and saw the same features.
     Raises CheckpointError listing every missing, unexpected or mis-shaped key.
     """
-    cfg = vit.resolve_model_config(_to_dict(model_cfg))
+    spec = models.spec_of(model, num_classes)
     frozen = isinstance(params, frozen_dict.FrozenDict)
     tree = frozen_dict.unfreeze(params) if frozen else params
     wrapped = set(tree) == {"params"}
-    tgt = traverse_util.flatten_dict(tree["params"] if wrapped else tree, sep="/")
+    tree = scan_convert.unstack_blocks(tree["params"] if wrapped else tree)  # matched per block
+    tgt = traverse_util.flatten_dict(tree, sep="/")
     raw, n_bf16 = _read_npz(path)
     src, layout = canonicalize(raw)
 
-    m = _Merge(tgt, src, layout, cfg)
+    m = _ParamLoader(tgt, src, layout, spec)
     m.head(num_classes, keep_pre_logits)
     m.posemb_and_cls(image_size, source_grid)
     m.body()
@@ -472,7 +461,7 @@ def init_from_npz(params: Any, path: str, model_cfg: Any, num_classes: int, *,
         errors += m.errors
         shown = errors[:40] + ([f"... and {len(errors) - 40} more"] if len(errors) > 40 else [])
         raise CheckpointError(f"cannot load {header}\n  " + "\n  ".join(shown))
-    if not cfg.get("gelu_approximate", True):
+    if not spec.gelu_approximate:
         header += ("\n  note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
                    "form (logits differ by ~5e-4)")
     order = {k: i for i, k in enumerate(tgt)}
@@ -480,6 +469,8 @@ def init_from_npz(params: Any, path: str, model_cfg: Any, num_classes: int, *,
     if log is not None:
         log(format_report(rows, header))
     out = traverse_util.unflatten_dict(m.new, sep="/")
+    if spec.scan:
+        out = scan_convert.to_layout(out, spec)
     out = {"params": out} if wrapped else out
     return (frozen_dict.freeze(out) if frozen else out), rows
 
@@ -513,30 +504,32 @@ def format_report(rows: Sequence[Row], header: str = "") -> str:
 
 # ------------------------------------------------------------------------------------------ export
 
-def _compat_notes(cfg: dict) -> list[str]:
+def _compat_notes(spec: ViTSpec) -> list[str]:
     """Where a model differs from the architecture other ViT codebases assume for this format."""
     notes = []
-    names = {_slot_norm(cfg, f"Transformer/encoderblock_{i}/LayerNorm_0") for i in range(cfg["depth"])}
-    names.add(_slot_norm(cfg, "Transformer/encoder_norm"))
+    names = {n["name"] for n in spec.slot_norms}
     if names != {"layernorm"}:
         notes.append(f"norms {sorted(names)} (others expect LayerNorm)")
     for key, want in (("norm_placement", "pre"), ("patch_norm", "none"), ("posemb", "learn"),
                       ("residual_scaling", "none"), ("cls_token_at_block", 0), ("final_norm", True),
                       ("gelu_approximate", True)):
-        if cfg.get(key, want) != want:
-            notes.append(f"model.{key}={cfg[key]!r} (others assume {want!r})")
+        if getattr(spec, key) != want:
+            notes.append(f"model.{key}={getattr(spec, key)!r} (others assume {want!r})")
     return notes
 
 
-def export_npz(params: Any, out_path: str, model_cfg: Any,
+def export_npz(params: Any, out_path: str, model: Any,
                log: Callable[[str], Any] | None = print) -> dict[str, np.ndarray]:
-    """Writes ``params`` as a vit_jax-layout .npz (flat '/' names, float32, uncompressed) and returns
-    the arrays written. Only parameters: a norm's running statistics (batch_stats) are not part of
-    the format. The file is written beside the target and renamed, so a crash leaves no half file."""
-    cfg = vit.resolve_model_config(_to_dict(model_cfg))
+    """Writes ``params`` as a vit_jax-layout .npz (flat '/' names, per-block ``encoderblock_{i}``
+    whatever ``model.scan``, float32, uncompressed) and returns the arrays written. ``model``: the
+    ``ViTSpec`` or ``config.model``. Only parameters: a norm's running statistics (batch_stats)
+    are not part of the format. The file is written beside the target and renamed, so a crash
+    leaves no half file."""
+    spec = models.spec_of(model)
     tree = frozen_dict.unfreeze(params) if isinstance(params, frozen_dict.FrozenDict) else params
     if "params" in tree and "embedding" not in tree:
         tree = tree["params"]
+    tree = scan_convert.unstack_blocks(tree)
     flat = {k: np.asarray(v) for k, v in traverse_util.flatten_dict(tree, sep="/").items()}
     if "embedding/kernel" not in flat or "head/kernel" not in flat:
         raise CheckpointError(f"not a ViT parameter tree (no embedding/kernel or head/kernel): "
@@ -559,7 +552,7 @@ def export_npz(params: Any, out_path: str, model_cfg: Any,
     tmp.rename(out)
     if log is not None:
         n = sum(v.size for v in flat.values())
-        notes = _compat_notes(cfg)
+        notes = _compat_notes(spec)
         log(f"exported {len(flat)} arrays ({n:,} values) to {out_path} in the vit_jax layout"
             + "".join(f"\n  note: {x}; loads back here, but other codebases will not build the same model"
                       for x in notes))

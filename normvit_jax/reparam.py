@@ -11,7 +11,7 @@ same function without a pass over the activations (UN's "faster inference").
     python -m normvit_jax.reparam --workdir=runs/demo_un [--out=runs/demo_un/folded]
                                                              # fold, check, time [, save]
 
-``fold(model_cfg, variables)`` returns the folded model config, variables and a report;
+``fold(spec, variables)`` returns the folded model's spec, variables and a report;
 ``max_logit_difference`` is the equivalence check; ``save``/``load`` write and read a folded
 model (``model.json`` + ``variables.msgpack``, local or gs://). PowerNorm (per-token group scaling at
 inference), LayerNorm and the other per-token norms do not fold and are kept.
@@ -30,9 +30,9 @@ import numpy as np
 from etils import epath
 from flax import serialization
 
-from normvit_jax import norms
+from normvit_jax import models, norms
 from normvit_jax.models import scan_convert
-from normvit_jax.models.vit import create, norm_for_slot, resolve_model_config
+from normvit_jax.models.spec import DEFAULT_NORM, ViTSpec
 
 ATTENTION = "MultiHeadDotProductAttention_1"
 # Slot of a block -> the linear layers it feeds (paths inside the block).
@@ -90,29 +90,29 @@ def _why_kept(norm_cfg: Any) -> str:
 
 
 def foldable(norm_cfg: Any) -> bool:
-    return hasattr(norms.resolve(_norm_name(norm_cfg or {"name": "layernorm"})), "inference_affine")
+    return hasattr(norms.resolve(_norm_name(norm_cfg or DEFAULT_NORM)), "inference_affine")
 
 
-def fold(model_cfg: Any, variables: Mapping[str, Any]) -> tuple[dict, dict, FoldReport]:
-    """(folded model config, folded variables, report). The inputs are left unchanged.
+def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldReport]:
+    """(folded model's spec, folded variables, report) of a model (its ``ViTSpec`` or
+    ``config.model``). The inputs are left unchanged.
 
-    Works on either block layout (``model.scan``); the result has the layout of the folded config.
+    Works on either block layout (``model.scan``); the result has the layout of the folded spec.
     Raises ValueError for post-norm or sandwich placements (there a norm feeds the residual
     stream, not one Dense).
     """
-    cfg = resolve_model_config(model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else model_cfg)
-    placement = cfg.get("norm_placement", "pre")
+    spec = models.spec_of(model)
+    placement = spec.norm_placement
     if placement != "pre":
         raise ValueError(f"model.norm_placement={placement!r}: only 'pre' norms fold into the next "
                          "Dense (post and sandwich norms feed the residual stream)")
     flat = scan_convert.unstack_blocks(_plain(variables))
     params, stats = flat["params"], flat.get("batch_stats", {})
     tf_params, tf_stats = params["Transformer"], stats.get("Transformer", {})
-    dim = int(cfg["hidden_size"])
-    norm, overrides = cfg.get("norm"), cfg.get("norm_overrides")
+    dim = spec.hidden_size
     report, new_overrides = FoldReport(), {}
-    for i in range(int(cfg["depth"])):
-        ncfg = norm_for_slot(norm, overrides, "block", i) or {"name": "layernorm"}
+    for i in range(spec.depth):
+        ncfg = spec.block_norm(i)
         block = f"encoderblock_{i}"
         if not foldable(ncfg):
             report.kept.append((f"Transformer/{block}", _why_kept(ncfg)))
@@ -132,43 +132,44 @@ def fold(model_cfg: Any, variables: Mapping[str, Any]) -> tuple[dict, dict, Fold
                 tf_stats[block].pop(slot, None)
             report.folded.append(f"Transformer/{block}/{slot}")
         new_overrides[f"block_{i}"] = {"name": "identity"}
-    final_cfg = norm_for_slot(norm, overrides, "encoder_norm", None) or {"name": "layernorm"}
-    if cfg.get("final_norm", True) and ("encoder_norm" in tf_params or "encoder_norm" in tf_stats):
+    final_cfg = spec.final_norm_config()
+    if spec.final_norm and ("encoder_norm" in tf_params or "encoder_norm" in tf_stats):
         if foldable(final_cfg) and _norm_name(final_cfg) != "identity":
             a, c = _affine(final_cfg, tf_params.get("encoder_norm", {}),
                            tf_stats.get("encoder_norm", {}), dim)
-            _fold_into(params["pre_logits" if cfg.get("representation_size") else "head"], a, c)
+            _fold_into(params["pre_logits" if spec.representation_size else "head"], a, c)
             tf_params.pop("encoder_norm", None)
             tf_stats.pop("encoder_norm", None)
             new_overrides["final"] = {"name": "identity"}
             report.folded.append("Transformer/encoder_norm")
         elif not foldable(final_cfg):
             report.kept.append(("Transformer/encoder_norm", _why_kept(final_cfg)))
-    new_cfg = dict(cfg)
     # 'block_<i>' is the narrowest key, so it wins over any range that also covers block i.
-    new_cfg["norm_overrides"] = {**dict(overrides or {}), **new_overrides} or None
+    new_spec = spec.with_norm_overrides(new_overrides)
     out = {"params": params}
     if jax.tree.leaves(stats):
         out["batch_stats"] = stats
-    return new_cfg, scan_convert.to_layout(out, new_cfg), report
+    return new_spec, scan_convert.to_layout(out, new_spec), report
 
 
-def _eval_logits(model_cfg: Any, variables: Mapping, images: jax.Array,
+def _eval_logits(model: Any, variables: Mapping, images: jax.Array,
                  num_classes: int) -> jax.Array:
-    return create(model_cfg, num_classes).apply(variables, images, train=False)
+    return models.create(model, num_classes).apply(variables, images, train=False)
 
 
-def max_logit_difference(model_cfg: Any, variables: Mapping, folded_cfg: Mapping,
+def max_logit_difference(model: Any, variables: Mapping, folded: Any,
                          folded_variables: Mapping, images: jax.Array, num_classes: int) -> float:
     """max |logits(model) - logits(folded model)| in eval mode on ``images``."""
-    a = _eval_logits(model_cfg, variables, images, num_classes)
-    b = _eval_logits(folded_cfg, folded_variables, images, num_classes)
+    a = _eval_logits(model, variables, images, num_classes)
+    b = _eval_logits(folded, folded_variables, images, num_classes)
     return float(jnp.max(jnp.abs(a - b)))
 
 
-def save(path: str, model_cfg: Mapping, variables: Mapping, num_classes: int) -> None:
-    """Writes a folded model to the folder ``path``: ``variables.msgpack`` (written to a temporary
-    name, then renamed) and ``model.json`` ({'model': config, 'num_classes': n})."""
+def save(path: str, model: Any, variables: Mapping, num_classes: int) -> None:
+    """Writes a folded model (its spec or ``config.model``) to the folder ``path``:
+    ``variables.msgpack`` (written to a temporary name, then renamed) and ``model.json``
+    ({'model': config, 'num_classes': n})."""
+    model_cfg = models.spec_of(model).to_config()
     d = epath.Path(path)
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / "variables.msgpack.tmp"
@@ -236,21 +237,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     num_classes = int(variables["params"]["head"]["bias"].shape[-1])
     size = int(config.data.image_size)
     images = jax.random.normal(jax.random.key(0), (args.batch, size, size, 3))
-    folded_cfg, folded, report = fold(config.model, variables)
+    folded_spec, folded, report = fold(config.model, variables)
     print(report)
     want = _eval_logits(config.model, variables, images, num_classes)
-    diff = float(jnp.max(jnp.abs(_eval_logits(folded_cfg, folded, images, num_classes) - want)))
+    diff = float(jnp.max(jnp.abs(_eval_logits(folded_spec, folded, images, num_classes) - want)))
     scale = float(jnp.max(jnp.abs(want)))
     print(f"max |logit difference| on {args.batch} random images: {diff:.3g} "
           f"(largest |logit| {scale:.3g})")
-    run = lambda c: jax.jit(lambda v, x: create(c, num_classes).apply(v, x, train=False))
+    run = lambda c: jax.jit(lambda v, x: models.create(c, num_classes).apply(v, x, train=False))
     ts0 = _time(run(config.model), variables, images, args.reps)
-    ts1 = _time(run(folded_cfg), folded, images, args.reps) if report.folded else None
+    ts1 = _time(run(folded_spec), folded, images, args.reps) if report.folded else None
     print(timing_summary(ts0, ts1, args.batch))
     t0 = float(np.median(ts0))
     t1 = float(np.median(ts1)) if ts1 else t0
     if args.out:
-        save(args.out, folded_cfg, folded, num_classes)
+        save(args.out, folded_spec, folded, num_classes)
         print(f"folded model saved in {args.out}")
     return {"folded": report.folded, "kept": report.kept, "max_diff": diff, "unfolded_s": t0,
             "folded_s": t1}

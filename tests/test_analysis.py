@@ -16,8 +16,9 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
 from normvit_jax import models, summaries
-from normvit_jax.analysis import (attention, capture, colors, distance, flops, gates, layout,
-                                  eval_hook, report)
+from normvit_jax.models import scan_convert
+from normvit_jax.analysis import (attention, capture, colors, distance, flops, gates, eval_hook,
+                                  report)
 from tests.conftest import tiny_demo_config
 
 
@@ -137,12 +138,10 @@ def test_scanned_encoder_is_analysed_per_block():
     stacked = {"Transformer": {"encoderblock": {"LayerNorm_0": {"var_gate": np.array([[0.0], [1.0]])},
                                                 "rescale_s": np.array([1.0, 2.0])},
                                "encoderblock_2": {"rescale_s": np.array(3.0)}}}
-    flat = layout.unstack_blocks(stacked)["Transformer"]
+    flat = scan_convert.unstack_blocks(stacked)["Transformer"]
     assert sorted(flat) == ["encoderblock_0", "encoderblock_1", "encoderblock_2"]
     assert flat["encoderblock_1"]["rescale_s"] == 2.0
     np.testing.assert_array_equal(flat["encoderblock_1"]["LayerNorm_0"]["var_gate"], [1.0])
-    if "scan" not in models.ViT.__dataclass_fields__:
-        pytest.skip("this model has no scanned encoder (model.scan)")
     cfg = tiny_demo_config(**{"model.scan": True})
     model = models.create(cfg.model, 10)
     shapes = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32))
@@ -167,7 +166,7 @@ def test_analytic_flops_of_the_tiny_model(trained):
     # 16 patches + class token (T=17), D=32, MLP 64, patch 2x2x3, 2 blocks, 10 classes.
     per_block = 4 * 17 * 32 * 32 + 2 * 17 * 17 * 32 + 2 * 17 * 32 * 64
     macs = 16 * 12 * 32 + 2 * per_block + 32 * 10
-    assert flops.analytic_flops(cfg) == 2 * macs
+    assert flops.analytic_flops(models.spec_of(cfg), 8) == 2 * macs
     run = capture.load_run(trained[0])
     xla = flops.xla_flops(run.model, run.variables, 8)  # counts norms, softmax, GELU on top
     assert 2 * macs <= xla <= 1.6 * 2 * macs

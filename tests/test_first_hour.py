@@ -322,9 +322,9 @@ def test_eta_leaves_out_compilation_and_evals():
 def test_model_line_says_the_sizes_built():
     from normvit_jax import models
     from normvit_jax.train import progress
-    b16 = models.resolve_model_config({"variant": "B/16"})
+    b16 = models.spec_of({"variant": "B/16"})
     assert progress.describe_model(b16) == "ViT-B/16 (depth 12, width 768, 12 heads, MLP 3072, patch 16)"
-    small = models.resolve_model_config({"variant": "B/16", "depth": 4, "hidden_size": 96})
+    small = models.spec_of({"variant": "B/16", "depth": 4, "hidden_size": 96})
     assert progress.describe_model(small) == ("ViT (depth 4, width 96, 12 heads, MLP 3072, patch 16; "
                                               "model.variant B/16 with depth, hidden_size overridden)")
 

@@ -1,6 +1,8 @@
 """ViT shapes, published parameter counts, placements and the analysis outputs."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,7 +49,7 @@ def test_patch_embedding_equals_convolution():
     b = variables["params"]["embedding"]["bias"]
     ref = jax.lax.conv_general_dilated(x, k, (8, 8), "VALID",
                                        dimension_numbers=("NHWC", "HWIO", "NHWC")) + b
-    from normvit_jax.models.vit import PatchEmbed
+    from normvit_jax.models.layers import PatchEmbed
     ours = PatchEmbed(8, 192, "none", jnp.float32).apply({"params": variables["params"]["embedding"]}, x)
     np.testing.assert_allclose(ours, ref.reshape(2, 4, 192), rtol=1e-5, atol=1e-5)
 
@@ -159,11 +161,35 @@ def test_attention_impls_compute_the_same_function():
 
 def test_overlapping_norm_overrides_the_narrowest_wins():
     """Keys of a ConfigDict come back sorted, so precedence cannot be the keys' order."""
-    from normvit_jax.models.vit import norm_for_slot
     ov = {"last_3": {"name": "rmsnorm"}, "block_4": {"name": "identity"},
           "blocks_0_5": {"name": "groupnorm"}, "final": {"name": "scalenorm"}}
-    cfg = models.resolve_model_config({"variant": "Ti/16", "depth": 6, "norm_overrides": ov})
-    got = [norm_for_slot({"name": "layernorm"}, cfg["norm_overrides"], "block", i)["name"]
-           for i in range(6)]
+    spec = models.spec_of({"variant": "Ti/16", "depth": 6, "norm_overrides": ov})
+    got = [spec.block_norm(i)["name"] for i in range(6)]
     assert got == ["groupnorm", "groupnorm", "groupnorm", "rmsnorm", "identity", "rmsnorm"]
-    assert norm_for_slot(None, cfg["norm_overrides"], "encoder_norm", None)["name"] == "scalenorm"
+    assert spec.final_norm_config()["name"] == "scalenorm"
+    assert [n["name"] for n in spec.slot_norms] == got + ["scalenorm"]
+
+
+def test_spec_is_resolved_once_hashable_and_round_trips():
+    """from_config fills the variant's sizes, the default norm and absolute block positions;
+    equal configs give equal (and equally hashed) specs; to_config -> from_config is the same
+    spec; ViT's one field is the spec."""
+    from configs import vit_dtn
+    from normvit_jax.models import ViTSpec
+    c = vit_dtn.get_config("demo")
+    spec = ViTSpec.from_config(c.model, 10)
+    again = models.spec_of(c)  # a whole run config: num_classes from its dataset (digits: 10)
+    assert spec == again and hash(spec) == hash(again)
+    assert (spec.depth, spec.hidden_size, spec.cls_token_at_block) == (4, 64, 2)
+    assert dict(spec.norm_overrides) == {"blocks_2_4": {"name": "layernorm", "epsilon": 1e-5},
+                                          "final": {"name": "layernorm", "epsilon": 1e-5}}
+    assert spec.scan_length == 2 and spec.block_has_cls() == [False, False, True, True]
+    assert ViTSpec.from_config(spec.to_config(), 10) == spec
+    plain = models.spec_of({"variant": "S/16"})
+    assert plain.norm == {"name": "layernorm"} and plain.mlp_dim == 1536
+    assert plain.num_classes is None and plain.scan_length == 12
+    model = models.create(spec)
+    assert isinstance(model, models.FAMILIES["vit"]) and model.spec is spec
+    assert [f.name for f in dataclasses.fields(model) if f.name not in ("parent", "name")] == ["spec"]
+    with pytest.raises(ValueError, match="model.name='resnet' is not known"):
+        models.spec_of({"name": "resnet", "variant": "S/16"})

@@ -22,18 +22,18 @@ def _hand(d, depth, mlp, patch, image, classes, batch):
 
 @pytest.mark.parametrize("variant,tflop", [("B/16", 26.98), ("S/16", 7.06)])
 def test_published_sizes_at_batch_256(variant, tflop):
-    cfg = models.resolve_model_config({"variant": variant})
-    s = mf.shape_from_config(cfg, image_size=224, num_classes=1000)
+    spec = models.spec_of({"variant": variant})
+    s = mf.shape_from_spec(spec, image_size=224, num_classes=1000)
     got = mf.train_step_flops(s, 256)
-    assert got == _hand(cfg["hidden_size"], cfg["depth"], cfg["mlp_dim"], 16, 224, 1000, 256)
+    assert got == _hand(spec.hidden_size, spec.depth, spec.mlp_dim, 16, 224, 1000, 256)
     assert round(got / 1e12, 2) == tflop
 
 
 def test_linear_flops_are_twice_the_kernel_parameters_per_token():
     """Independent of the formula: every Dense/conv kernel of the model (eval_shape, nothing
     allocated) costs 2 x its size per token it is applied to; add the attention's two products."""
-    cfg = models.resolve_model_config({"variant": "Ti/16", "depth": 3})
-    model = models.create(cfg, num_classes=10)
+    spec = models.spec_of({"variant": "Ti/16", "depth": 3}, num_classes=10)
+    model = models.create(spec)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 64, 64, 3))))["params"]
     n, t, d = 16, 17, 192
     linear = 0.0
@@ -44,7 +44,7 @@ def test_linear_flops_are_twice_the_kernel_parameters_per_token():
         size = int(np.prod(x.shape))
         linear += 2 * size * (n if "embedding" in name else 1 if "head" in name else t)
     attention = 3 * 2 * (2 * t * t * d)
-    s = mf.shape_from_config(cfg, image_size=64, num_classes=10)
+    s = mf.shape_from_spec(spec, image_size=64, num_classes=10)
     assert sum(mf.forward_flops(s).values()) == pytest.approx(linear + attention, rel=1e-12)
 
 

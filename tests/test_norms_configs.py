@@ -70,11 +70,12 @@ def test_dtn_layout():
     for variant, depth in ((None, 12), ("demo", 4), (None, 16)):
         c = importlib.import_module("configs.vit_dtn").get_config(variant)
         c.model.depth = depth  # what --config.model.depth=N does after get_config
-        m = models.resolve_model_config(c.model.to_dict())
-        assert m["cls_token_at_block"] == depth - 2
-        assert set(m["norm_overrides"]) == {f"blocks_{depth - 2}_{depth}", "final"}
-        assert models.vit.scan_length(m) == depth - 2
+        m = models.spec_of(c.model)
+        assert m.cls_token_at_block == depth - 2
+        assert set(dict(m.norm_overrides)) == {f"blocks_{depth - 2}_{depth}", "final"}
+        assert m.scan_length == depth - 2
+    m = c.model.to_dict()
     with pytest.raises(ValueError, match="cls_token_at_block=-2 with depth=2"):
-        models.resolve_model_config({**m, "depth": 2, "cls_token_at_block": -2})
+        models.spec_of({**m, "depth": 2, "cls_token_at_block": -2})
     with pytest.raises(ValueError, match="last_0"):
-        models.resolve_model_config({**m, "norm_overrides": {"last_0": {"name": "layernorm"}}})
+        models.spec_of({**m, "norm_overrides": {"last_0": {"name": "layernorm"}}})

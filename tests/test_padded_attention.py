@@ -104,3 +104,32 @@ def test_padded_length_and_implementation_choice():
 
 def test_float32_matmuls_fixture_holds_inside_the_tests():
     assert jax.config.jax_default_matmul_precision == "float32"
+
+
+def test_model_through_the_padded_path_gives_the_unpadded_logits(monkeypatch):
+    """The model's GPU path (layers.sdpa -> padded attention) run on CPU with XLA's kernel: the
+    padded tokens never change a logit or a gradient (50 tokens padded to 64). Tolerance 1e-5:
+    the same float32 arithmetic but for the masked softmax's reduction order."""
+    from normvit_jax import models
+    from normvit_jax.models import layers
+
+    spec = models.spec_of({"patch_size": 4, "hidden_size": 32, "depth": 2, "num_heads": 4,
+                           "mlp_dim": 64, "attention_impl": "fused_sdpa"}, num_classes=5)
+    model = models.create(spec)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 28, 28, 3)), jnp.float32)
+    variables = model.init(jax.random.key(0), x, train=False)
+    loss = lambda v: jnp.sum(jnp.sin(model.apply(v, x, train=False)))
+    want, want_g = jax.value_and_grad(loss)(variables)
+    calls = []
+
+    def padded(q, k, v, **kw):
+        calls.append(q.shape)
+        return pa.padded_dot_product_attention(q, k, v, **kw)
+
+    monkeypatch.setattr(layers.padded_attention, "choose_implementation", lambda dtype: "xla")
+    monkeypatch.setattr(layers.padded_attention, "padded_dot_product_attention", padded)
+    got, got_g = jax.value_and_grad(loss)(variables)
+    assert calls and all(shape[1] == 50 for shape in calls)  # 7x7 patches + class token
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

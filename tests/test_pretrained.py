@@ -605,3 +605,52 @@ def test_finetune_cifar_config_variants():
         finetune_cifar.get_config("l32,augreg")
     with pytest.raises(ValueError, match="unknown finetune_cifar variant 'x'"):
         finetune_cifar.get_config("x")
+
+
+# ------------------------------------------------------------------------------ scanned models
+
+@pytest.mark.parametrize("extra", [{}, {"norm_overrides": {"block_1": {"name": "rmsnorm"}}}],
+                         ids=["all_scanned", "block_1_unrolled"])
+@pytest.mark.parametrize("kind", ["vit_jax", "big_vision_scanned", "big_vision_per_block"])
+def test_scanned_model_loads_every_layout_as_the_unrolled_one(tmp_path, kind, extra):
+    """model.scan=True: the same .npz gives the same parameters (stacked) and the same logits as
+    the unrolled model, whose logits are checked against the float64 reference elsewhere."""
+    from normvit_jax.models import scan_convert
+    w = logical(5, slot=kind == "vit_jax")
+    raw = vit_jax_file(w) if kind == "vit_jax" else big_vision_file(
+        w, scanned=kind == "big_vision_scanned", bf16=False)
+    path = write(tmp_path / f"{kind}.npz", raw)
+    cfg = model_cfg(**extra)
+    scfg = {**cfg, "scan": True}
+    spec = models.spec_of(scfg, 5)
+    assert spec.scan_length == (1 if extra else DEPTH)
+    unrolled, _, _ = load(template(cfg, 5), path, cfg, 5)
+    scanned, rows, _ = load(template(scfg, 5), path, spec, 5)
+    assert "Transformer/encoderblock_0/LayerNorm_0/scale" in rows  # reported per block
+    stacked = flat(scanned)["Transformer/encoderblock/LayerNorm_0/scale"]
+    assert stacked.shape == (spec.scan_length, D)
+    a, b = flat(scan_convert.to_layout(unrolled, spec)), flat(scanned)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+    x = images((16, 16))
+    np.testing.assert_allclose(logits(scfg, 5, scanned, x), logits(cfg, 5, unrolled, x),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_export_of_a_scanned_model_is_the_per_block_vit_jax_layout(tmp_path):
+    """Exporting the stacked parameters of a scanned model writes the same keys and values as
+    exporting the same parameters unrolled (docs/pretrained.md: Transformer/encoderblock_{i})."""
+    from normvit_jax.models import scan_convert
+    cfg = model_cfg(representation_size=6)
+    spec = models.spec_of({**cfg, "scan": True})
+    params = random_params(cfg, 5, 13)
+    want = pretrained.export_npz(params, str(tmp_path / "unrolled.npz"), cfg, log=None)
+    got = pretrained.export_npz({"params": scan_convert.to_layout(params, spec)},
+                                str(tmp_path / "scanned.npz"), spec, log=None)
+    assert "Transformer/encoderblock_1/MlpBlock_3/Dense_0/kernel" in got
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
+    with np.load(tmp_path / "scanned.npz", allow_pickle=False) as z:
+        assert set(z.files) == set(want)

@@ -5,6 +5,8 @@ statistic drawn at random (not at their init values, where a fold could be trivi
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +45,7 @@ def random_variables(cfg: dict, seed: int = 0) -> dict:
     return jax.tree_util.tree_unflatten(tree, out)
 
 
-def eval_logits(cfg: dict, variables: dict, images: jax.Array) -> np.ndarray:
+def eval_logits(cfg: Any, variables: dict, images: jax.Array) -> np.ndarray:
     return np.asarray(models.create(cfg, NUM_CLASSES).apply(variables, images, train=False))
 
 
@@ -67,8 +69,8 @@ def test_folded_model_computes_the_same_logits(norm, extra):
     cfg = tiny_model_cfg(norm, **extra)
     variables = random_variables(cfg)
     want = eval_logits(cfg, variables, IMAGES)
-    folded_cfg, folded, report = reparam.fold(cfg, variables)
-    got = eval_logits(folded_cfg, folded, IMAGES)
+    folded_spec, folded, report = reparam.fold(cfg, variables)
+    got = eval_logits(folded_spec, folded, IMAGES)
     # float32 model; the fold itself is computed in float64.
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     final = [] if extra.get("final_norm") is False else ["Transformer/encoder_norm"]
@@ -80,7 +82,7 @@ def test_folded_model_computes_the_same_logits(norm, extra):
     assert not any("LayerNorm_" in n or "encoder_norm" in n for n in names), names
     assert scan_convert.is_scanned(folded) == bool(extra.get("scan"))
     # The check can fail: dropping the norms without changing the Dense layers gives other logits.
-    dropped = scan_convert.to_layout({"params": folded["params"]}, folded_cfg)
+    dropped = scan_convert.to_layout({"params": folded["params"]}, folded_spec)
     unfolded_dense = scan_convert.unstack_blocks(jax.tree.map(np.asarray, variables))["params"]
     flat_dropped = scan_convert.unstack_blocks(dropped)["params"]
     for k in flat_dropped:
@@ -90,7 +92,7 @@ def test_folded_model_computes_the_same_logits(norm, extra):
         if b.startswith("encoderblock_"):
             for sub in block:
                 block[sub] = unfolded_dense["Transformer"][b][sub]
-    wrong = eval_logits(folded_cfg, scan_convert.to_layout({"params": flat_dropped}, folded_cfg),
+    wrong = eval_logits(folded_spec, scan_convert.to_layout({"params": flat_dropped}, folded_spec),
                         IMAGES)
     assert np.abs(wrong - want).max() > 100 * np.abs(got - want).max() + 1e-3
 
@@ -101,21 +103,22 @@ def test_only_the_foldable_slots_fold_in_a_mixed_model():
                                                     "final": {"name": "powernorm"}})
     variables = random_variables(cfg, seed=3)
     want = eval_logits(cfg, variables, IMAGES)
-    folded_cfg, folded, report = reparam.fold(cfg, variables)
-    np.testing.assert_allclose(eval_logits(folded_cfg, folded, IMAGES), want, rtol=1e-4,
+    folded_spec, folded, report = reparam.fold(cfg, variables)
+    np.testing.assert_allclose(eval_logits(folded_spec, folded, IMAGES), want, rtol=1e-4,
                                atol=1e-4 * np.abs(want).max())
     assert report.folded == ["Transformer/encoderblock_0/LayerNorm_0",
                              "Transformer/encoderblock_0/LayerNorm_2"]
     kept = dict(report.kept)
     assert "dtn" in kept["Transformer/encoderblock_1"]
     assert "powernorm" in kept["Transformer/encoder_norm"]
-    assert folded_cfg["norm_overrides"]["block_0"] == {"name": "identity"}
+    assert dict(folded_spec.norm_overrides)["block_0"] == {"name": "identity"}
+    assert [n["name"] for n in folded_spec.slot_norms] == ["identity", "dtn", "powernorm"]
 
 
 def test_layernorm_model_is_left_as_it_is():
     cfg = tiny_model_cfg("layernorm")
     variables = random_variables(cfg, seed=5)
-    folded_cfg, folded, report = reparam.fold(cfg, variables)
+    folded_spec, folded, report = reparam.fold(cfg, variables)
     assert not report.folded and len(report.kept) == 3
     for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(folded)):
         np.testing.assert_array_equal(np.asarray(a), b)

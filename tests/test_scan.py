@@ -10,7 +10,6 @@ import pytest
 
 from normvit_jax import models
 from normvit_jax.models import scan_convert
-from normvit_jax.models.vit import scan_length
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
 
@@ -33,6 +32,14 @@ def _pair(extra):
     return cfg, models.create(cfg, 4), models.create({**cfg, "scan": True}, 4)
 
 
+def scan_length(model_cfg):
+    return models.spec_of(model_cfg).scan_length
+
+
+def _scanned(cfg):
+    return models.spec_of({**cfg, "scan": True})
+
+
 def _x(n=2):
     return jax.random.normal(jax.random.key(0), (n, 8, 8, 3))
 
@@ -48,7 +55,7 @@ def _assert_trees_close(a, b, **tol):
 def test_scanned_and_unrolled_give_the_same_outputs(name):
     cfg, unrolled, scanned = _pair(LAYOUTS[name])
     v = unrolled.init(jax.random.key(1), _x())
-    vs = scan_convert.to_layout(v, {**cfg, "scan": True})
+    vs = scan_convert.to_layout(v, _scanned(cfg))
     assert jax.tree.structure(vs) == jax.tree.structure(
         jax.eval_shape(lambda: scanned.init(jax.random.key(1), _x())))
     k = scan_length(cfg)
@@ -59,7 +66,7 @@ def test_scanned_and_unrolled_give_the_same_outputs(name):
     out_u, st_u = unrolled.apply(v, _x(), train=True, mutable=["batch_stats"])
     out_s, st_s = scanned.apply(vs, _x(), train=True, mutable=["batch_stats"])
     np.testing.assert_allclose(out_u, out_s, rtol=1e-6, atol=1e-6)
-    _assert_trees_close(scan_convert.to_layout(st_u, {**cfg, "scan": True}), st_s,
+    _assert_trees_close(scan_convert.to_layout(st_u, _scanned(cfg)), st_s,
                         rtol=1e-5, atol=1e-6)
 
 
@@ -80,7 +87,7 @@ def test_train_steps_match_and_state_converts_both_ways():
     lr = optax.constant_schedule(1e-2)
     v = unrolled.init(jax.random.key(1), _x())
     state_u = TrainState.create(v["params"], v["batch_stats"], tx, jax.random.key_data(jax.random.key(2)))
-    state_s = scan_convert.to_layout(state_u, {**cfg, "scan": True})
+    state_s = scan_convert.to_layout(state_u, _scanned(cfg))
     step_u = jax.jit(steps_lib.make_train_step(unrolled, tx, lr))
     step_s = jax.jit(steps_lib.make_train_step(scanned, tx, lr))
     batch = {"image": _x(4), "label": jnp.array([0, 1, 2, 3])}
@@ -125,7 +132,7 @@ def test_scanned_drop_path_uses_each_blocks_rate():
     """Block i drops with rate stochastic_depth * i / (depth - 1): block 0 never, so with a rate
     of 1 at the last block some samples keep blocks 0..1 and lose the last block's branches."""
     cfg, unrolled, scanned = _pair({"stochastic_depth": 0.5})
-    v = scan_convert.to_layout(unrolled.init(jax.random.key(1), _x()), {**cfg, "scan": True})
+    v = scan_convert.to_layout(unrolled.init(jax.random.key(1), _x()), _scanned(cfg))
     v["params"]["head"]["kernel"] = jax.random.normal(jax.random.key(5), (16, 4))  # init: zeros
     eval_out = scanned.apply(v, _x(8))
     outs = [scanned.apply(v, _x(8), train=True, rngs={"dropout": jax.random.key(s)}) for s in range(3)]
@@ -136,7 +143,7 @@ def test_scanned_drop_path_uses_each_blocks_rate():
 def test_scan_with_remat_and_capture():
     cfg, unrolled, _ = _pair({})
     scanned = models.create({**cfg, "scan": True}, 4, remat=True)
-    v = scan_convert.to_layout(unrolled.init(jax.random.key(1), _x()), {**cfg, "scan": True})
+    v = scan_convert.to_layout(unrolled.init(jax.random.key(1), _x()), _scanned(cfg))
     logits, inter = scanned.apply(v, _x(), capture=True, mutable=["intermediates"])
     att = inter["intermediates"]["Transformer"]["encoderblock"]["MultiHeadDotProductAttention_1"]
     assert att["attention"][0].shape == (3, 2, 2, 5, 5)  # stacked: (depth, B, H, T, T)

@@ -87,8 +87,9 @@ def write_maps(ra: RunAnalysis, out: str, heads: Sequence[int], blocks: Sequence
 def write_summaries(runs: Sequence[RunAnalysis], out: str, title: str) -> list[str]:
     """Distance scatter, token statistics and gates of one or several runs, with their CSVs."""
     first = runs[0].run
-    grid, p = capture.geometry(first.config)
-    same_grid = all(capture.geometry(r.run.config) == (grid, p) for r in runs)
+    geometry = lambda run: capture.geometry(run.model.spec, run.config.data.image_size)
+    grid, p = geometry(first)
+    same_grid = all(geometry(r.run) == (grid, p) for r in runs)
     dup = len({r.run.method for r in runs}) < len(runs)  # name the run where methods repeat
     entry = lambda r, v: (f"{colors.label(r.run.method)} ({tables.run_name(r.run.workdir)})"
                           if dup else colors.label(r.run.method), colors.color(r.run.method), v)

@@ -16,7 +16,8 @@ import ml_collections
 import numpy as np
 
 from normvit_jax import checkpoints, data, models
-from normvit_jax.analysis import colors, distance, layout
+from normvit_jax.models import scan_convert
+from normvit_jax.analysis import colors, distance
 from normvit_jax.data import stats as data_stats
 
 _BLOCK = re.compile(r"^encoderblock_(\d+)$")
@@ -24,7 +25,8 @@ _BLOCK = re.compile(r"^encoderblock_(\d+)$")
 
 @dataclasses.dataclass
 class Run:
-    """A trained run loaded for analysis (float32 model built from the saved config)."""
+    """A trained run loaded for analysis (float32 model built from the saved config; its
+    hyperparameters are ``model.spec``)."""
 
     workdir: str
     config: ml_collections.ConfigDict
@@ -63,7 +65,8 @@ def latest_step(workdir: str) -> int:
 
 
 def build_model(config: ml_collections.ConfigDict) -> Any:
-    return models.create(config.model, data.num_classes(config.data.name))
+    """The float32 model of a run config (its ``spec`` holds every hyperparameter)."""
+    return models.create(config)
 
 
 def load_run(workdir: str, step: int | None = None) -> Run:
@@ -72,11 +75,10 @@ def load_run(workdir: str, step: int | None = None) -> Run:
     return Run(str(workdir), config, build_model(config), variables, step, colors.method_of(config))
 
 
-def geometry(config: ml_collections.ConfigDict) -> tuple[tuple[int, int], int]:
-    """((rows, cols) of the patch grid, patch size in pixels)."""
-    p = models.resolve_model_config(config.model.to_dict())["patch_size"]
-    s = int(config.data.image_size) // p
-    return (s, s), p
+def geometry(spec: Any, image_size: int) -> tuple[tuple[int, int], int]:
+    """((rows, cols) of the patch grid of square images, patch size in pixels) of a ``ViTSpec``."""
+    s = int(image_size) // spec.patch_size
+    return (s, s), spec.patch_size
 
 
 def eval_images(config: ml_collections.ConfigDict, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,7 +124,7 @@ def parse_intermediates(tree: dict) -> tuple[list[Any], dict[str, dict[str, dict
             elif isinstance(value, dict):
                 walk(value, path + (key,))
 
-    walk(layout.unstack_blocks(tree), ())
+    walk(scan_convert.unstack_blocks(tree), ())
     return [attention[i] for i in sorted(attention)], stats
 
 
@@ -173,15 +175,6 @@ def analyze(run: Run, images: np.ndarray, full: bool = False) -> Analysis:
     """Capture forward of ``run`` on ``images`` (one jitted call, compiled once per model config)."""
     key = (config_key(run.config), full)
     if key not in _ANALYZERS:
-        grid, p = geometry(run.config)
+        grid, p = geometry(run.model.spec, run.config.data.image_size)
         _ANALYZERS[key] = make_analyzer(run.model, grid, p, full)
-    return to_analysis(_ANALYZERS[key](run.variables, images), block_has_cls(run.config))
-
-
-def block_has_cls(config: ml_collections.ConfigDict) -> list[bool]:
-    """Per block: whether the class token is in its sequence (token classifier and joined)."""
-    m = models.resolve_model_config(config.model.to_dict())
-    if m.get("classifier", "token") != "token":
-        return [False] * m["depth"]
-    at = int(m.get("cls_token_at_block", 0) or 0)
-    return [i >= at for i in range(m["depth"])]
+    return to_analysis(_ANALYZERS[key](run.variables, images), run.model.spec.block_has_cls())

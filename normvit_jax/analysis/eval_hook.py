@@ -69,7 +69,8 @@ class EvalAnalyzer:
 
     def __init__(self, model: Any, config: Any):
         self.config = config
-        grid, p = capture.geometry(config)
+        self.spec = model.spec
+        grid, p = capture.geometry(self.spec, config.data.image_size)
         self.forward: Callable = capture.make_analyzer(model, grid, p, full=False)
 
     def __call__(self, variables: Mapping, images: np.ndarray, sharding: Any = None) -> Summaries:
@@ -77,7 +78,7 @@ class EvalAnalyzer:
         variables = {k: v for k, v in variables.items() if k in ("params", "batch_stats") and v}
         inputs = images if sharding is None else jax.make_array_from_callback(
             images.shape, sharding, lambda index: images[index])
-        a = capture.to_analysis(self.forward(variables, inputs), capture.block_has_cls(config))
+        a = capture.to_analysis(self.forward(variables, inputs), self.spec.block_has_cls())
         pictures = {}
         n_maps = int(config.get("eval_attention_images", 0) or 0)
         if n_maps > 0:

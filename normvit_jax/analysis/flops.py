@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from normvit_jax import data, models
 from normvit_jax.analysis import capture
 
 
@@ -43,18 +42,18 @@ def xla_flops(model: Any, variables: Any, image_size: int) -> float:
     return float(cost["flops"])
 
 
-def analytic_flops(config: ml_collections.ConfigDict) -> float:
-    """2 x multiply-adds of the matmuls of one image's forward (see the module docstring)."""
-    m = models.resolve_model_config(config.model.to_dict())
-    d, depth, mlp, p = m["hidden_size"], m["depth"], m["mlp_dim"], m["patch_size"]
-    grid, _ = capture.geometry(config)
+def analytic_flops(spec: Any, image_size: int) -> float:
+    """2 x multiply-adds of the matmuls of one image's forward (see the module docstring) of a
+    ``ViTSpec`` with ``num_classes``."""
+    d, mlp, p = spec.hidden_size, spec.mlp_dim, spec.patch_size
+    grid, _ = capture.geometry(spec, image_size)
     n = grid[0] * grid[1]
     macs = n * p * p * 3 * d  # patch embedding
-    for has_cls in capture.block_has_cls(config):
+    for has_cls in spec.block_has_cls():
         t = n + int(has_cls)
         macs += 4 * t * d * d  # query, key, value, out
         macs += 2 * t * t * d  # logits q.k and the weighted sum of values, all heads
         macs += 2 * t * d * mlp  # MLP
-    rep = m.get("representation_size") or 0
-    macs += d * rep + (rep or d) * data.num_classes(config.data.name)
+    rep = spec.representation_size or 0
+    macs += d * rep + (rep or d) * spec.num_classes
     return 2.0 * macs

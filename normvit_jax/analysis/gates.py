@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from normvit_jax.analysis import layout
+from normvit_jax.models import scan_convert
 
 SLOT = re.compile(r"^(LayerNorm_\d+|PostNorm_\w+|encoder_norm|patch_norm_\w+)$")
 
@@ -58,8 +58,8 @@ def norm_gates(variables: Mapping[str, Any]) -> dict[str, dict[str, float]]:
             else:
                 walk(value, sub_state, where)
 
-    walk(layout.unstack_blocks(variables["params"]),
-         layout.unstack_blocks(variables.get("batch_stats", {})), ())
+    walk(scan_convert.unstack_blocks(variables["params"]),
+         scan_convert.unstack_blocks(variables.get("batch_stats", {})), ())
     return out
 
 

@@ -35,9 +35,9 @@ def _best(s: events.Series | None) -> float | None:
 
 
 def model_name(config: Any) -> str:
-    m = models.resolve_model_config(config.model.to_dict())
-    size = f"d{m['depth']} w{m['hidden_size']} h{m['num_heads']} p{m['patch_size']}"
-    name = m.get("variant") or "custom"
+    s = models.spec_of(config)
+    size = f"d{s.depth} w{s.hidden_size} h{s.num_heads} p{s.patch_size}"
+    name = s.variant or "custom"
     return f"ViT-{name} ({size}, {config.data.image_size}px {config.data.name})"
 
 
@@ -55,7 +55,8 @@ def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
         model=model_name(config),
         params=int(sum(np.size(x) for x in jax.tree.leaves(variables["params"]))),
         flops_per_image=flops.xla_flops_of_config(config, variables),
-        analytic_flops_per_image=flops.analytic_flops(config),
+        analytic_flops_per_image=flops.analytic_flops(models.spec_of(config),
+                                                      int(config.data.image_size)),
         best_top1=_best(sc.get("eval/top1")), final_top1=_last(sc.get("eval/top1")),
         best_top5=_best(sc.get("eval/top5")), final_top5=_last(sc.get("eval/top5")),
         final_eval_loss=_last(sc.get("eval/loss")),

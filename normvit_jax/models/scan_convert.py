@@ -3,12 +3,13 @@
 With ``model.scan=True`` the leading run of identical blocks, blocks 0..k-1, is one ``nn.scan``
 whose variables are stacked on a leading depth axis under ``Transformer/encoderblock/...`` (the
 big_vision layout); blocks k..depth-1, if any, keep their names ``encoderblock_{i}``. k is
-``scan_length(model_cfg)``: the whole depth unless a norm override or a late class token makes
+``ViTSpec.scan_length``: the whole depth unless a norm override or a late class token makes
 the blocks differ.
 
 Both helpers walk any pytree (a params dict, a whole TrainState with its optimizer moments, the
 ``batch_stats`` or ``intermediates`` collections, or a flat '/'-keyed .npz dict) and convert every
 dict that holds the blocks; other leaves pass through. Converting there and back is exact.
+This module is the only place that stacks or unstacks blocks (checkpoints, .npz files, analysis).
 """
 from __future__ import annotations
 
@@ -125,11 +126,9 @@ def is_scanned(tree: Any) -> bool:
     return any(found)
 
 
-def to_layout(tree: Any, model_cfg: Mapping[str, Any]) -> Any:
-    """Converts a tree in either layout to the one the model described by ``model_cfg`` uses."""
-    from normvit_jax.models.vit import resolve_model_config, scan_length
-    cfg = resolve_model_config(dict(model_cfg))
+def to_layout(tree: Any, spec: Any) -> Any:
+    """Converts a tree in either layout to the one the model of ``spec`` (a ``ViTSpec``) uses."""
     flat = unstack_blocks(tree)
-    if not cfg.get("scan"):
+    if not spec.scan:
         return flat
-    return stack_blocks(flat, scan_length(cfg))
+    return stack_blocks(flat, spec.scan_length)

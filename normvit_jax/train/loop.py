@@ -68,26 +68,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     last eval metrics and the state.
     """
     mesh = sharding.make_mesh()
-    model_cfg = setup.validate_config(config, mesh.devices.size)
+    spec = setup.validate_config(config, mesh.devices.size)
     workdir = workdir_lib.absolute(workdir)
     with preemption.SigtermFlag() as sigterm, workdir_lib.prepare(
             config, workdir, fresh=fresh, process_index=jax.process_index()):
         sharding.sync_hosts("normvit_workdir_ready")  # process 0 has moved/written what it must
-        return _run(config, workdir, stop_at, model_cfg, mesh, sigterm)
+        return _run(config, workdir, stop_at, spec, mesh, sigterm)
 
 
-def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
+def _run(config, workdir, stop_at, spec, mesh, sigterm) -> dict[str, Any]:
     train_data = data.make_pipeline(config, "train")
     eval_data = data.make_pipeline(config, "eval")
     num_classes = data.num_classes(config.data.name)
     n_steps = total_steps(config, train_data.steps_per_epoch)
-    model = setup.create_model(config, num_classes, model_cfg)
+    model = setup.create_model(config, num_classes, spec)
     tx, lr_schedule = optim.create(config, n_steps)
     state, state_sharding = setup.create_train_state(model, tx, train_data.image_shape, mesh,
                                                      jax.random.key(config.seed))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     logging.info("Model: %s, %s parameters; %d devices; %d steps (%d per epoch).",
-                 progress.describe_model(model_cfg), f"{n_params:,}", mesh.devices.size, n_steps,
+                 progress.describe_model(model.spec), f"{n_params:,}", mesh.devices.size, n_steps,
                  train_data.steps_per_epoch)
 
     mngr = checkpoints.make_manager(workdir, keep=config.keep_checkpoints)
@@ -116,7 +116,7 @@ def _run(config, workdir, stop_at, model_cfg, mesh, sigterm) -> dict[str, Any]:
             logging.warning("No checkpoint in %s: starting at step 0 (an earlier attempt of this "
                             "run ended before its first checkpoint).", mngr.directory)
         if config.init_from:
-            state = _init_from_pretrained(config, model_cfg, num_classes, state, tx, state_sharding)
+            state = _init_from_pretrained(config, spec, num_classes, state, tx, state_sharding)
 
     if sigterm.received and not preemption.multi_process():  # SIGTERM while starting up
         mngr.close()
@@ -243,10 +243,10 @@ def _writers(workdir: str) -> tuple[Any, Any]:
     return tensorboard, tensorboard
 
 
-def _init_from_pretrained(config, model_cfg, num_classes, state, tx, state_sharding) -> TrainState:
+def _init_from_pretrained(config, spec, num_classes, state, tx, state_sharding) -> TrainState:
     from normvit_jax import pretrained
     params = jax.tree.map(np.asarray, state.params)
-    params, _ = pretrained.init_from_npz(params, config.init_from, model_cfg, num_classes,
+    params, _ = pretrained.init_from_npz(params, config.init_from, spec, num_classes,
                                          keep_pre_logits=config.get("init_keep_pre_logits"),
                                          image_size=config.data.image_size, log=logging.info)
     new = state.replace(params=params, opt_state=tx.init(params))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 
 class Eta:
@@ -78,18 +78,17 @@ def fmt_time(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def describe_model(model_cfg: Mapping[str, Any]) -> str:
+def describe_model(spec: Any) -> str:
     """The sizes the model is built with, e.g. 'ViT-B/16 (depth 12, width 768, 12 heads, MLP 3072,
     patch 16)'; the variant's name only where no size was overridden."""
-    from normvit_jax.models import vit
+    from normvit_jax import models
     keys = ("depth", "hidden_size", "num_heads", "mlp_dim", "patch_size")
-    sizes = (f"depth {model_cfg['depth']}, width {model_cfg['hidden_size']}, "
-             f"{model_cfg['num_heads']} heads, MLP {model_cfg['mlp_dim']}, patch {model_cfg['patch_size']}")
-    variant = model_cfg.get("variant")
-    if not variant:
+    sizes = (f"depth {spec.depth}, width {spec.hidden_size}, {spec.num_heads} heads, "
+             f"MLP {spec.mlp_dim}, patch {spec.patch_size}")
+    if not spec.variant:
         return f"ViT ({sizes})"
-    preset = vit.resolve_model_config({"variant": variant})
-    changed = [k for k in keys if preset[k] != model_cfg[k]]
+    preset = models.spec_of({"variant": spec.variant})
+    changed = [k for k in keys if getattr(preset, k) != getattr(spec, k)]
     if not changed:
-        return f"ViT-{variant} ({sizes})"
-    return f"ViT ({sizes}; model.variant {variant} with {', '.join(changed)} overridden)"
+        return f"ViT-{spec.variant} ({sizes})"
+    return f"ViT ({sizes}; model.variant {spec.variant} with {', '.join(changed)} overridden)"

@@ -15,7 +15,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import Mesh
 
-from normvit_jax import data, models, norms, preflight, sharding
+from normvit_jax import data, models, preflight, sharding
 from normvit_jax.train import batch_aug
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import steps as steps_lib
@@ -24,29 +24,20 @@ from normvit_jax.train.state import TrainState
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def resolve_model_config(config: ml_collections.ConfigDict) -> dict:
-    """The model config of a run with the variant's sizes filled in."""
-    return models.resolve_model_config(config.model.to_dict())
-
-
-def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> dict:
+def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Any:
     """Checks every choice by name and every size constraint before anything is compiled.
 
-    Returns the resolved model config. Raises ValueError naming the key, its value and what is
-    accepted.
+    Returns the model's spec (``models.spec_of``; float32, no remat: ``create_model`` sets them).
+    Raises ValueError naming the key, its value and what is accepted.
     """
     data.validate(config)
     preflight.check_run_length(config)
-    model_cfg = resolve_model_config(config)
-    models.vit.check_override_keys(model_cfg.get("norm_overrides"), model_cfg["depth"])
-    norms.resolve(norms.name_of(model_cfg["norm"]))
-    for ov in (model_cfg.get("norm_overrides") or {}).values():
-        norms.resolve(norms.name_of(ov))
-    if config.data.image_size % model_cfg["patch_size"]:
+    spec = models.spec_of(config)  # checks variant, sizes, norm names and override keys
+    if config.data.image_size % spec.patch_size:
         raise ValueError(
             f"config.data.image_size={config.data.image_size} is not divisible by the patch size "
-            f"{model_cfg['patch_size']} (model.patch_size / model.variant); accepted: a multiple of "
-            f"{model_cfg['patch_size']}")
+            f"{spec.patch_size} (model.patch_size / model.variant); accepted: a multiple of "
+            f"{spec.patch_size}")
     optim.validate(config)
     batch_aug.validate(config)
     if config.dtype not in DTYPES:
@@ -64,14 +55,15 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     for key in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
         if config[key] < 1:
             raise ValueError(f"config.{key}={config[key]} must be >= 1")
-    return model_cfg
+    return spec
 
 
-def create_model(config: ml_collections.ConfigDict, num_classes: int,
-                 model_cfg: dict | None = None) -> nn.Module:
-    """The run's model in its compute dtype; ``model_cfg`` as ``validate_config`` returns it."""
-    model_cfg = resolve_model_config(config) if model_cfg is None else model_cfg
-    return models.create(model_cfg, num_classes, dtype=DTYPES[config.dtype], remat=config.remat)
+def create_model(config: ml_collections.ConfigDict, num_classes: int, spec: Any = None) -> nn.Module:
+    """The run's model in its compute dtype (``config.dtype``, ``config.remat``); ``spec`` as
+    ``validate_config`` returns it, else resolved from ``config``."""
+    spec = models.spec_of(config if spec is None else spec, num_classes,
+                          dtype=DTYPES[config.dtype], remat=config.remat)
+    return models.create(spec)
 
 
 def state_init(model: nn.Module, tx: optax.GradientTransformation,

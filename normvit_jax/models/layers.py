@@ -1,0 +1,316 @@
+"""Layers of the ViT and the backend-specific kernels they run on.
+
+The layers keep Google's vit_jax parameter names and initialisations. ``dense`` (with a custom
+gradient), ``grad_barrier`` and ``barriers_on`` are XLA:CPU speed workarounds; ``sdpa`` picks
+cuDNN's fused attention on GPU. None of them changes what is computed.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from normvit_jax import norms
+from normvit_jax.models import padded_attention
+from normvit_jax.models.spec import DEFAULT_NORM
+
+
+def sincos_2d(grid: tuple[int, int], dim: int, temperature: float = 10_000.0) -> np.ndarray:
+    """Fixed 2-D sine-cosine position embedding (MoCo v3 / big_vision), shape (1, rows*cols, dim)."""
+    if dim % 4:
+        raise ValueError(f"sincos2d position embedding needs hidden_size divisible by 4, got {dim}")
+    y, x = np.mgrid[: grid[0], : grid[1]]
+    omega = 1.0 / temperature ** (np.arange(dim // 4) / (dim // 4 - 1 if dim > 4 else 1))
+    y = y.reshape(-1)[:, None] * omega[None]
+    x = x.reshape(-1)[:, None] * omega[None]
+    pe = np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1)
+    return pe[None].astype(np.float32)
+
+
+def token_stats(x: jax.Array) -> dict[str, jax.Array]:
+    """Per-block summaries of a token tensor (B, T, C), averaged over the batch, in float32.
+
+    chan_*: statistics across channels per token, averaged over tokens; tok_*: across tokens per
+    channel, averaged over channels.
+    """
+    x = x.astype(jnp.float32)
+    return {
+        "chan_mean": jnp.mean(jnp.mean(x, -1)),
+        "chan_var": jnp.mean(jnp.var(x, -1)),
+        "tok_mean": jnp.mean(jnp.mean(x, 1)),
+        "tok_var": jnp.mean(jnp.var(x, 1)),
+        "max_abs": jnp.max(jnp.abs(x)),
+    }
+
+
+def drop_path_rate(stochastic_depth: float, index: int, depth: int) -> float:
+    """Drop-path rate of block ``index``: linear from 0 to ``stochastic_depth`` at the last block."""
+    return stochastic_depth * index / max(depth - 1, 1)
+
+
+class PatchEmbed(nn.Module):
+    """Patchify + linear projection; the kernel (P, P, C_in, D) is Google's conv kernel.
+
+    Patches are flattened in (ph, pw, c) order so a LayerNorm can see each patch's pixels (DPN).
+    """
+
+    patch_size: int
+    hidden_size: int
+    patch_norm: str
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, images: jax.Array) -> jax.Array:
+        b, h, w, c = images.shape
+        p = self.patch_size
+        gh, gw = h // p, w // p
+        x = images.reshape(b, gh, p, gw, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, gh * gw, p * p * c)
+        if self.patch_norm in ("pre", "dual"):
+            x = norms.create(DEFAULT_NORM, dim=p * p * c, name="patch_norm_pre")(x)
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (p, p, c, self.hidden_size),
+                            jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (self.hidden_size,), jnp.float32)
+        x = jnp.dot(x.astype(self.dtype), kernel.reshape(p * p * c, -1).astype(self.dtype))
+        return x + bias.astype(self.dtype)
+
+
+def _xavier(fan_shape: tuple[int, int]) -> Callable:
+    """Xavier-uniform on the flattened (fan_in, fan_out) shape, reshaped: DenseGeneral's init."""
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        return nn.initializers.xavier_uniform()(key, fan_shape, dtype).reshape(shape)
+    return init
+
+
+class _Projection(nn.Module):
+    """Only declares Google's ``kernel``/``bias`` of one projection (initialised as flax's
+    Dense/DenseGeneral would); the parent does the math with ``dense``, so q/k/v can run as ONE
+    matmul while the checkpoint keeps three separate (D, H, Dh) kernels."""
+
+    kernel_shape: tuple[int, ...]
+    bias_shape: tuple[int, ...]
+    fan_shape: tuple[int, int]
+    bias_std: float = 0.0  # 0: zeros (DenseGeneral), else normal(bias_std) (Google's MLP)
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array]:
+        kernel = self.param("kernel", _xavier(self.fan_shape), self.kernel_shape, jnp.float32)
+        bias_init = nn.initializers.normal(self.bias_std) if self.bias_std else nn.initializers.zeros
+        bias = self.param("bias", bias_init, self.bias_shape, jnp.float32)
+        return kernel, bias
+
+
+def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array, dtype: Any,
+          barriers: bool = False) -> jax.Array:
+    """x (N, K) @ kernel (K, F) + bias, computed in ``dtype``.
+
+    ``barriers`` (XLA:CPU, see ``grad_barrier``): a custom backward that reads a stored input and
+    a stored output gradient (so XLA's transposing copies for the weight gradient are plain
+    copies, not a re-run of the norm or GELU that produced them), and whose bias gradient sums
+    the stored gradient (fused with its producer, that column sum ran 10x slower).
+    """
+    k, b = kernel.astype(dtype), bias.astype(dtype)
+    if barriers:
+        return _dense_stored(x.astype(dtype), k, b)
+    return jnp.dot(x.astype(dtype), k) + b
+
+
+@jax.custom_vjp
+def _dense_stored(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.dot(x, w) + b
+
+
+def _dense_stored_fwd(x, w, b):
+    x = jax.lax.optimization_barrier(x)
+    return jnp.dot(x, w) + b, (x, w)
+
+
+def _dense_stored_bwd(res, dy):
+    x, w = res
+    dy = jax.lax.optimization_barrier(dy)
+    dx = jnp.dot(dy, w.T)
+    dw = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())))
+    db = jnp.sum(dy, axis=0)
+    return dx, dw, db
+
+
+_dense_stored.defvjp(_dense_stored_fwd, _dense_stored_bwd)
+
+
+def sdpa(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``jax.nn.dot_product_attention`` on (B, T, H, Dh). When compiling for GPU in a half dtype:
+    cuDNN's fused (flash) attention, with the tokens padded to a multiple of 16 and masked by
+    their true length (cuDNN refuses a ViT's 197 tokens; ``padded_attention``), else XLA's (JAX's
+    own default everywhere) if cuDNN refuses the shapes or is absent."""
+    impl = padded_attention.choose_implementation(q.dtype)
+    if impl is not None:
+        try:
+            return padded_attention.padded_dot_product_attention(q, k, v, implementation=impl)
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            _warn_once(f"{impl} attention not used ({e}); XLA's attention instead")
+    return jax.nn.dot_product_attention(q, k, v)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    """One line per distinct reason and process, not one per layer and compile."""
+    logging.warning(message)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with Google's parameter layout: query/key/value kernels (D, H, Dh),
+    out kernel (H, Dh, D); the same initialisation as flax's DenseGeneral.
+
+    impl 'fused': the three kernels are concatenated in the forward and applied as one
+    (B*T, D) x (D, 3D) matmul, then all heads attend in two einsums with a float32 softmax; on
+    XLA:CPU this is faster than three projections and ``jax.nn.dot_product_attention`` (measured
+    in docs/benchmarks.md). 'fused_sdpa': the same projection, then
+    ``jax.nn.dot_product_attention`` with cuDNN's fused (flash) attention on GPU in bfloat16 or
+    float16 (``sdpa``), XLA's otherwise. 'auto' (default): 'fused_sdpa' when compiling for GPU,
+    'fused' elsewhere. 'separate': three DenseGeneral and ``sdpa``.
+    Capture and attention dropout need the weights, so they always take the einsum path.
+    Every impl has the same parameters.
+    """
+
+    num_heads: int
+    dtype: Any
+    dropout_rate: float = 0.0
+    impl: str = "auto"
+    barriers: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool, capture: bool) -> jax.Array:
+        b, t, d = x.shape
+        h = self.num_heads
+        hd = d // h
+        use_dropout = train and self.dropout_rate > 0
+        impl = self.impl
+        if impl == "auto":
+            impl = "fused_sdpa" if jax.default_backend() == "gpu" else "fused"
+        if impl == "separate":
+            general = lambda name: nn.DenseGeneral((h, hd), dtype=self.dtype, param_dtype=jnp.float32,
+                                                   kernel_init=nn.initializers.xavier_uniform(),
+                                                   name=name)
+            q, k, v = general("query")(x), general("key")(x), general("value")(x)
+            if not (capture or use_dropout):
+                out = sdpa(q, k, v)
+                return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
+                                       kernel_init=nn.initializers.xavier_uniform(),
+                                       name="out")(out)
+            wo, bo = None, None
+        else:
+            proj = lambda name: _Projection((d, h, hd), (h, hd), (d, d), name=name)()
+            (wq, bq), (wk, bk), (wv, bv) = proj("query"), proj("key"), proj("value")
+            w = jnp.concatenate([wq.reshape(d, d), wk.reshape(d, d), wv.reshape(d, d)], axis=1)
+            bias = jnp.concatenate([bq.reshape(d), bk.reshape(d), bv.reshape(d)])
+            qkv = dense(x.reshape(b * t, d), w, bias, self.dtype, self.barriers)
+            qkv = qkv.reshape(b, t, 3, h, hd)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            wo, bo = _Projection((h, hd, d), (d,), (d, d), name="out")()
+            if impl == "fused_sdpa" and not (capture or use_dropout):
+                out = sdpa(q, k, v)  # (B, T, H, Dh)
+                y = dense(out.reshape(b * t, d), wo.reshape(d, d), bo, self.dtype, self.barriers)
+                return y.reshape(b, t, d)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        weights = jax.nn.softmax(logits / math.sqrt(hd), axis=-1)
+        if capture:
+            self.sow("intermediates", "attention", weights)
+        if use_dropout:
+            weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(self.dtype), v)
+        if wo is None:
+            return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
+                                   kernel_init=nn.initializers.xavier_uniform(), name="out")(out)
+        y = dense(out.reshape(b * t, d), wo.reshape(d, d), bo, self.dtype, self.barriers)
+        return y.reshape(b, t, d)
+
+
+class MlpBlock(nn.Module):
+    """Dense_0 -> GELU -> Dense_1 with Google's names and flax Dense's initialisation."""
+
+    mlp_dim: int
+    dtype: Any
+    dropout_rate: float = 0.0
+    gelu_approximate: bool = True
+    barriers: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        b, t, d = x.shape
+        w0, b0 = _Projection((d, self.mlp_dim), (self.mlp_dim,), (d, self.mlp_dim), 1e-6,
+                             name="Dense_0")()
+        y = dense(x.reshape(b * t, d), w0, b0, self.dtype, self.barriers)
+        y = nn.gelu(y, approximate=self.gelu_approximate)
+        y = nn.Dropout(self.dropout_rate)(y, deterministic=not train)
+        w1, b1 = _Projection((self.mlp_dim, d), (d,), (self.mlp_dim, d), 1e-6, name="Dense_1")()
+        y = dense(y, w1, b1, self.dtype, self.barriers).reshape(b, t, d)
+        return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
+
+
+@jax.custom_vjp
+def grad_barrier(x: jax.Array) -> jax.Array:
+    """Identity whose backward passes the cotangent through ``lax.optimization_barrier``.
+
+    Why: the gradient of the residual stream is a sum over every block above; XLA:CPU fuses that
+    elementwise chain into each consumer instead of storing it, and the consumers include the
+    transposing copies of the weight-gradient matmuls, so the chain is recomputed, in a strided
+    order, once per block (a ViT-Ti/4 step took 4.7x longer, docs/benchmarks.md). A barrier stores
+    it once. XLA:CPU drops barriers before fusion unless ``--xla_disable_hlo_passes=
+    cse_barrier_expander`` is set (the benchmarks' 'tuned' preset); otherwise this is a no-op.
+    """
+    return x
+
+
+def _grad_barrier_fwd(x):
+    return x, None
+
+
+def _grad_barrier_bwd(_, g):
+    return (jax.lax.optimization_barrier(g),)
+
+
+grad_barrier.defvjp(_grad_barrier_fwd, _grad_barrier_bwd)
+
+
+def barriers_on(setting: str) -> bool:
+    """``model.fusion_barriers``: 'auto' places them when compiling for CPU (the only backend
+    where they were measured to help), 'on'/'off' force it."""
+    return setting == "on" or (setting == "auto" and jax.default_backend() == "cpu")
+
+
+def rescale_coefficient(index: int) -> float:
+    """RescaleViT's residual coefficient sqrt(i/(i+1)) of block ``index`` (i = index + 1)."""
+    i = index + 1
+    return math.sqrt(i / (i + 1))
+
+
+def drop_path(module: nn.Module, x: jax.Array, rate: float | jax.Array, train: bool,
+              enabled: bool | None = None) -> jax.Array:
+    """Stochastic depth: drops the whole residual branch per sample, rescaling the survivors.
+
+    ``rate`` may be traced (a scanned block's own rate); ``enabled`` then says statically whether
+    any block drops at all.
+    """
+    if enabled is None:
+        enabled = not isinstance(rate, (int, float)) or rate != 0.0
+    if not train or not enabled:
+        return x
+    keep = 1.0 - rate
+    mask = jax.random.bernoulli(module.make_rng("dropout"), keep, (x.shape[0],) + (1,) * (x.ndim - 1))
+    return jnp.where(mask, x / keep, jnp.zeros_like(x))
+
+
+class AddPositionEmbs(nn.Module):
+    """Learned position embedding (Google's 'posembed_input/pos_embedding', class slot included
+    when the class token is in the sequence)."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        pe = self.param("pos_embedding", nn.initializers.normal(stddev=0.02), (1,) + x.shape[1:],
+                        jnp.float32)
+        return x + pe.astype(x.dtype)

@@ -1,0 +1,295 @@
+"""``ViTSpec``: a ViT's hyperparameters resolved once from ``config.model``.
+
+``ViTSpec.from_config`` fills sizes from ``variant``, rewrites block positions counted from the end
+(``cls_token_at_block < 0``, ``last_K`` override keys), checks every choice by name, and resolves
+the norm of every slot (``slot_norms``). The spec is frozen and hashable, so a module can hold it
+as its one attribute and a cache can key on it; ``to_config`` writes it back as ``config.model``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Mapping
+
+import jax.numpy as jnp
+from flax.core import FrozenDict
+
+from normvit_jax import norms
+
+# (hidden_size, depth, num_heads, mlp_dim) of the published presets.
+VARIANTS: dict[str, tuple[int, int, int, int]] = {
+    "Ti": (192, 12, 3, 768),
+    "S": (384, 12, 6, 1536),
+    "B": (768, 12, 12, 3072),
+    "L": (1024, 24, 16, 4096),
+    "H": (1280, 32, 16, 5120),
+}
+PATCH_SIZES = (2, 4, 8, 14, 16, 32)
+CLASSIFIERS = ("token", "gap")
+POSEMBS = ("learn", "sincos2d", "none")
+PLACEMENTS = ("pre", "post", "sandwich")
+PATCH_NORMS = ("none", "pre", "post", "dual", "post_posemb")
+RESIDUALS = ("none", "rescale")
+ATTENTION_IMPLS = ("auto", "fused", "fused_sdpa", "separate")
+FUSION_BARRIERS = ("auto", "on", "off")
+_CHOICES = (("classifier", CLASSIFIERS), ("posemb", POSEMBS), ("norm_placement", PLACEMENTS),
+            ("patch_norm", PATCH_NORMS), ("residual_scaling", RESIDUALS),
+            ("attention_impl", ATTENTION_IMPLS), ("fusion_barriers", FUSION_BARRIERS))
+
+DEFAULT_NORM = FrozenDict({"name": "layernorm"})  # the norm of a slot nothing else names
+# Norm slots, by module name. In a block: pre/post use the first two, sandwich all four.
+BLOCK_SLOTS = ("LayerNorm_0", "LayerNorm_2", "PostNorm_attn", "PostNorm_mlp")
+FINAL_SLOT = "encoder_norm"
+PATCH_SLOTS = ("patch_norm_pre", "patch_norm_post")  # always LayerNorm (Dual PatchNorm)
+
+
+def _freeze(x: Any) -> Any:
+    if hasattr(x, "to_dict"):
+        x = x.to_dict()
+    if isinstance(x, str):
+        return FrozenDict({"name": x})
+    if isinstance(x, Mapping):
+        return FrozenDict({str(k): _freeze_value(v) for k, v in x.items()})
+    raise TypeError(f"norm config must be a name or a mapping with 'name', got {x!r}")
+
+
+def _freeze_value(v: Any) -> Any:
+    if isinstance(v, Mapping) or hasattr(v, "to_dict"):
+        return _freeze(v)
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _thaw(x: Any) -> Any:
+    return {k: _thaw(v) for k, v in x.items()} if isinstance(x, Mapping) else x
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTSpec:
+    """Everything a ViT is built from. Build with ``from_config``; ``dataclasses.replace`` works
+    and re-checks. ``norm_overrides`` keys are absolute ('final', 'block_<i>', 'blocks_<a>_<b>');
+    ``slot_norms`` is derived: the norm of every block, then the encoder norm's."""
+
+    family: ClassVar[str] = "vit"
+
+    patch_size: int
+    hidden_size: int
+    depth: int
+    num_heads: int
+    mlp_dim: int
+    num_classes: int | None = None  # None: a spec for layout and geometry only (no head)
+    variant: str | None = None      # informational: sizes above already include it
+    norm: FrozenDict = DEFAULT_NORM
+    norm_overrides: tuple[tuple[str, FrozenDict], ...] = ()
+    norm_placement: str = "pre"
+    patch_norm: str = "none"
+    classifier: str = "token"
+    posemb: str = "learn"
+    cls_token_at_block: int = 0     # >0: the class token joins before this block
+    residual_scaling: str = "none"
+    final_norm: bool = True
+    representation_size: int | None = None
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    stochastic_depth: float = 0.0
+    gelu_approximate: bool = True
+    attention_impl: str = "auto"
+    fusion_barriers: str = "auto"
+    scan: bool = False
+    remat: bool = False
+    dtype: Any = jnp.float32
+    slot_norms: tuple[FrozenDict, ...] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                             f"model.num_heads={self.num_heads}")
+        for key, allowed in _CHOICES:
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"model.{key}={getattr(self, key)!r} is not accepted; "
+                                 f"accepted: {list(allowed)}")
+        _check_override_keys(dict(self.norm_overrides), self.depth)
+        slots = tuple(_norm_for_slot(self.norm, self.norm_overrides, i)
+                      for i in list(range(self.depth)) + [None])
+        for n in {self.norm, *slots}:
+            norms.resolve(n["name"])  # fail early on a bad name
+        object.__setattr__(self, "slot_norms", slots)
+
+    # ------------------------------------------------------------------------------- building
+
+    @classmethod
+    def from_config(cls, model_config: Any, num_classes: int | None = None, *,
+                    dtype: Any = jnp.float32, remat: bool = False) -> "ViTSpec":
+        """The spec of ``config.model`` (a ConfigDict or mapping); keys the ViT does not read
+        (``name``, ``mlp_ratio``) are consumed here. Raises a ValueError naming the key, its value
+        and the accepted values for anything unknown."""
+        cfg = dict(model_config.to_dict() if hasattr(model_config, "to_dict") else model_config)
+        if cfg.get("name", cls.family) != cls.family:
+            raise ValueError(f"model.name={cfg['name']!r} is not known; accepted: [{cls.family!r}]")
+        _apply_variant(cfg)
+        _absolute_blocks(cfg)
+        fields = {f.name for f in dataclasses.fields(cls) if f.init}
+        kw = {k: v for k, v in cfg.items() if k in fields and v is not None}
+        kw["norm"] = _freeze(cfg.get("norm") or DEFAULT_NORM)
+        kw["norm_overrides"] = tuple(sorted(
+            (str(k), _freeze(v)) for k, v in (cfg.get("norm_overrides") or {}).items()))
+        kw["cls_token_at_block"] = cfg.get("cls_token_at_block") or 0
+        kw.update(num_classes=num_classes, dtype=dtype, remat=remat)
+        return cls(**kw)
+
+    def to_config(self) -> dict[str, Any]:
+        """``config.model`` as a plain dict (sizes explicit); ``from_config`` of it is this spec
+        (but for num_classes, dtype and remat, which are not model-config keys)."""
+        out = {"name": self.family}
+        for f in dataclasses.fields(self):
+            if f.init and f.name not in ("num_classes", "dtype", "remat"):
+                out[f.name] = getattr(self, f.name)
+        out["norm"] = _thaw(self.norm)
+        out["norm_overrides"] = {k: _thaw(v) for k, v in self.norm_overrides} or None
+        return out
+
+    def with_norm_overrides(self, overrides: Mapping[str, Any]) -> "ViTSpec":
+        """This spec with ``overrides`` (absolute keys) added to its norm overrides; a key already
+        there is replaced."""
+        merged = {**dict(self.norm_overrides), **{str(k): _freeze(v) for k, v in overrides.items()}}
+        return dataclasses.replace(self, norm_overrides=tuple(sorted(merged.items())))
+
+    # -------------------------------------------------------------------------------- queries
+
+    def block_norm(self, index: int) -> dict[str, Any]:
+        """The norm config of every slot of block ``index``."""
+        return _thaw(self.slot_norms[index])
+
+    def final_norm_config(self) -> dict[str, Any]:
+        """The norm config of the encoder norm (``norm_overrides.final`` or ``norm``)."""
+        return _thaw(self.slot_norms[-1])
+
+    def slot_norm_name(self, slot_path: str) -> str:
+        """Registry name of the norm in a slot given by its parameter path, e.g.
+        'Transformer/encoderblock_3/LayerNorm_0' or 'Transformer/encoder_norm'."""
+        parts = slot_path.split("/")
+        if parts[-1] in PATCH_SLOTS:
+            return "layernorm"
+        for p in parts:
+            if p.startswith("encoderblock_") and p[len("encoderblock_"):].isdigit():
+                return self.slot_norms[int(p[len("encoderblock_"):])]["name"]
+        return self.slot_norms[-1]["name"]
+
+    @property
+    def uses_cls(self) -> bool:
+        return self.classifier == "token"
+
+    def block_has_cls(self) -> list[bool]:
+        """Per block: whether the class token is in its sequence (token classifier and joined)."""
+        return [self.uses_cls and i >= self.cls_token_at_block for i in range(self.depth)]
+
+    @property
+    def scan_length(self) -> int:
+        """Blocks 0..k-1 that ``scan`` stacks into one ``nn.scan`` (``Transformer/encoderblock``):
+        the leading run with the same norm and the same tokens. Later blocks (after a norm
+        override or where a late class token joins) stay unrolled as ``encoderblock_{i}``."""
+        k = 1
+        while k < self.depth and self.slot_norms[k] == self.slot_norms[0]:
+            k += 1
+        if self.uses_cls and 0 < self.cls_token_at_block < k:
+            k = self.cls_token_at_block  # the sequence grows by the class token there
+        return k
+
+    def grid(self, image_size: int | tuple[int, int]) -> tuple[int, int]:
+        """(rows, cols) of the patch grid of an image size; raises if not divisible."""
+        h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        p = self.patch_size
+        if h % p or w % p:
+            raise ValueError(f"image size {h}x{w} is not divisible by model.patch_size={p}")
+        return h // p, w // p
+
+
+def _apply_variant(cfg: dict[str, Any]) -> None:
+    """Fills hidden_size/depth/num_heads/mlp_dim/patch_size from 'Ti/16'-style ``variant`` where
+    not set: explicit fields win over the preset."""
+    variant = cfg.get("variant")
+    if variant:
+        try:
+            size, patch = str(variant).split("/")
+            hidden, depth, heads, mlp = VARIANTS[size]
+            patch = int(patch)
+        except (ValueError, KeyError):
+            raise ValueError(
+                f"model.variant={variant!r} is not a known preset; accepted: "
+                f"'<size>/<patch>' with size in {sorted(VARIANTS)} and an integer patch, e.g. 'S/16'"
+            ) from None
+        preset = dict(hidden_size=hidden, depth=depth, num_heads=heads, mlp_dim=mlp, patch_size=patch)
+        for k, v in preset.items():
+            if cfg.get(k) is None:
+                cfg[k] = v
+    for k in ("hidden_size", "depth", "num_heads", "patch_size"):
+        if not cfg.get(k):
+            raise ValueError(f"model.{k} is not set and no model.variant gives it")
+    if cfg.get("mlp_dim") is None:
+        cfg["mlp_dim"] = int(cfg["hidden_size"] * cfg.get("mlp_ratio", 4.0))
+    if cfg["hidden_size"] % cfg["num_heads"]:
+        raise ValueError(f"model.hidden_size={cfg['hidden_size']} is not divisible by "
+                         f"model.num_heads={cfg['num_heads']}")
+    for key, allowed in _CHOICES:
+        if key in cfg and cfg[key] not in allowed:
+            raise ValueError(f"model.{key}={cfg[key]!r} is not accepted; accepted: {list(allowed)}")
+
+
+def _absolute_blocks(cfg: dict[str, Any]) -> None:
+    """Block positions counted from the end, so a layout survives a depth override: a negative
+    ``cls_token_at_block`` is depth + value; a ``last_K`` override key is
+    ``blocks_<depth-K>_<depth>``."""
+    depth = int(cfg["depth"])
+    at = cfg.get("cls_token_at_block") or 0
+    if at < 0:
+        if depth + at < 1:
+            raise ValueError(f"model.cls_token_at_block={at} with depth={depth} is not accepted; "
+                             f"accepted: 0, 1..depth, or -1..-{depth - 1} (counted from the end)")
+        cfg["cls_token_at_block"] = depth + at
+    overrides = cfg.get("norm_overrides")
+    if overrides and any(str(k).startswith("last_") for k in overrides):
+        out = {}
+        for key, value in overrides.items():
+            parts = str(key).split("_")
+            if parts[0] == "last":
+                if len(parts) != 2 or not parts[1].isdigit() or not 1 <= int(parts[1]) <= depth:
+                    raise ValueError(f"model.norm_overrides key {key!r} is not accepted; accepted: "
+                                     f"'last_<k>' with 1 <= k <= depth={depth}")
+                key = f"blocks_{depth - int(parts[1])}_{depth}"
+            out[key] = value
+        cfg["norm_overrides"] = out
+
+
+def _check_override_keys(overrides: Mapping[str, Any], depth: int) -> None:
+    for key in overrides:
+        parts = key.split("_")
+        ok = key == "final" or (
+            parts[0] == "blocks" and len(parts) == 3 and all(p.isdigit() for p in parts[1:])
+            and 0 <= int(parts[1]) < int(parts[2]) <= depth) or (
+            parts[0] == "block" and len(parts) == 2 and parts[1].isdigit() and int(parts[1]) < depth)
+        if not ok:
+            raise ValueError(
+                f"model.norm_overrides key {key!r} is not accepted; accepted: 'final', "
+                f"'block_<i>', 'blocks_<start>_<end>' (end exclusive) with 0 <= i < depth={depth}, "
+                "or 'last_<k>'")
+
+
+def _norm_for_slot(norm: FrozenDict, overrides: tuple[tuple[str, FrozenDict], ...],
+                   block: int | None) -> FrozenDict:
+    """The norm of block ``block``'s slots (None: the encoder norm): ``norm`` unless an override
+    selects it. Where keys overlap the narrowest wins ('block_A' over any range), whatever the
+    keys' order."""
+    best, width = norm, None
+    for key, cfg in overrides:
+        if key == "final" and block is None:
+            return cfg
+        if block is None:
+            continue
+        parts = key.split("_")
+        if parts[0] == "blocks" and len(parts) == 3 and int(parts[1]) <= block < int(parts[2]):
+            w = int(parts[2]) - int(parts[1])
+        elif parts[0] == "block" and len(parts) == 2 and int(parts[1]) == block:
+            w = 0
+        else:
+            continue
+        if width is None or w < width:
+            best, width = cfg, w
+    return best
