@@ -139,7 +139,9 @@ def from_config(config: Any) -> RandAugConfig | None:
 def level_to_arg(style: str, name: str, level: jax.Array, sign: jax.Array) -> jax.Array:
     """The op's argument from the magnitude ``level`` and a sign in {-1, 1} (see the table)."""
     frac = level / 10.0
-    trunc = jnp.floor  # Python's int() on the non-negative levels used here
+    # Python's int() of (level / 10) * c on non-negative levels; level * c / 10 is exact in float32
+    # for integer levels, where the float64 reference lands on integers (e.g. 7 / 10 * 110)
+    trunc = lambda c: jnp.floor(level * c / 10.0)  # noqa: E731
     if name == "Rotate":
         return sign * frac * 30.0
     if name in ("ShearX", "ShearY"):
@@ -149,17 +151,17 @@ def level_to_arg(style: str, name: str, level: jax.Array, sign: jax.Array) -> ja
     if name in ("TranslateX", "TranslateY"):
         return sign * frac * 100.0
     if name == "Cutout":
-        return trunc(frac * 40.0)
+        return trunc(40.0)
     if name == "Posterize":
-        return trunc(frac * 4.0)
+        return trunc(4.0)
     if name == "PosterizeIncreasing":
-        return 4.0 - trunc(frac * 4.0)
+        return 4.0 - trunc(4.0)
     if name == "Solarize":
-        return trunc(frac * 256.0) if style == "bigvision" else jnp.minimum(256.0, trunc(frac * 256.0))
+        return trunc(256.0) if style == "bigvision" else jnp.minimum(256.0, trunc(256.0))
     if name == "SolarizeIncreasing":
-        return 256.0 - jnp.minimum(256.0, trunc(frac * 256.0))
+        return 256.0 - jnp.minimum(256.0, trunc(256.0))
     if name == "SolarizeAdd":
-        add = trunc(frac * 110.0)
+        add = trunc(110.0)
         return add if style == "bigvision" else jnp.minimum(128.0, add)
     if name.endswith("Increasing"):
         return jnp.maximum(0.1, 1.0 + sign * frac * 0.9)
@@ -234,16 +236,36 @@ def sample_level(key: jax.Array, cfg: RandAugConfig) -> jax.Array:
     return m
 
 
+def _one_layer(cfg: RandAugConfig, idx: jax.Array, img: jax.Array, level: jax.Array,
+               sign: jax.Array, key: jax.Array) -> jax.Array:
+    """``apply_op`` of op number ``idx``. Under vmap a switch computes every branch, so the
+    geometric ops share one resampling: their branches only build the matrix."""
+    h, w, _ = img.shape
+    geo = [name in GEOMETRIC for name in cfg.ops]
+    pixel = [(lambda x, *_: x) if g else functools.partial(apply_op, cfg, name)
+             for name, g in zip(cfg.ops, geo)]
+    eye = jnp.eye(2, 3, dtype=jnp.float32)
+    matrix = [(lambda lv, sg, name=name: affine_matrix(
+        cfg.style, name, level_to_arg(cfg.style, name, lv, sg), h, w)) if g
+        else (lambda lv, sg: eye) for name, g in zip(cfg.ops, geo)]
+    out = jax.lax.switch(idx, pixel, img, level, sign, key)
+    if not any(geo):
+        return out
+    m = jax.lax.switch(idx, matrix, level, sign)
+    warped = ops.affine(img, m, jnp.asarray(cfg.fill, jnp.float32),
+                        pil_bilinear=cfg.style == "timm")
+    return jnp.where(jnp.asarray(geo)[idx], warped, out)
+
+
 def augment_image(key: jax.Array, img: jax.Array, cfg: RandAugConfig
                   ) -> tuple[jax.Array, jax.Array]:
     """``num_layers`` random ops on one [0, 255] image; returns (image, whether any op ran)."""
-    branches = [functools.partial(apply_op, cfg, name) for name in cfg.ops]
     ran = jnp.zeros((), bool)
     for layer in range(cfg.num_layers):
         k_op, k_apply, k_level, k_sign, k_op_key = jax.random.split(jax.random.fold_in(key, layer), 5)
         idx = jax.random.randint(k_op, (), 0, len(cfg.ops))
         sign = jnp.where(jax.random.uniform(k_sign) > 0.5, -1.0, 1.0)  # timm's _randomly_negate
-        out = jax.lax.switch(idx, branches, img, sample_level(k_level, cfg), sign, k_op_key)
+        out = _one_layer(cfg, idx, img, sample_level(k_level, cfg), sign, k_op_key)
         do = jax.random.uniform(k_apply) < cfg.prob if cfg.prob < 1 else jnp.ones((), bool)
         img = jnp.where(do, out, img)
         ran = ran | do
