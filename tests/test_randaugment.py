@@ -104,14 +104,15 @@ def _timm_geometric(im: Image.Image, name: str, arg: float) -> Image.Image:
 def test_timm_geometric_ops_match_pil(name):
     """Through ``apply_op`` (level -> argument -> matrix -> bilinear sampler). PIL computes source
     coordinates in float64 and we in float32: a weight can differ by ~1e-6, which moves a truncated
-    value by 1 where it sits on an integer; allowed on <= 5% of pixels (measured <= 3.6%). A misplaced
-    edge or fill would show as differences far above 1 on random content."""
+    value by 1 where it sits on an integer; allowed on <= 5% of pixels (measured <= 3.6%). A
+    misplaced edge or fill would show as differences far above 1 on random content."""
     cfg = dataclasses.replace(TIMM, fill=FILL)
     for a in _images(3, 3):
         im, x = Image.fromarray(a), _f(a)
         for level, sign in ((9.0, 1.0), (6.3, -1.0), (10.0, -1.0)):
             arg = float(ra.level_to_arg("timm", name, jnp.float32(level), jnp.float32(sign)))
-            ours = ra.apply_op(cfg, name, x, jnp.float32(level), jnp.float32(sign), jax.random.key(0))
+            ours = ra.apply_op(cfg, name, x, jnp.float32(level), jnp.float32(sign),
+                               jax.random.key(0))
             d = _diff(ours, _timm_geometric(im, name, arg))
             assert d.max() <= 1 and (d > 0).mean() <= 0.05, (level, sign, d.max(), (d > 0).mean())
 
@@ -123,7 +124,8 @@ def _tf_transform(tf, a: np.ndarray, t: list[float]) -> np.ndarray:
     put 128 where the fill landed (exactly so with nearest sampling)."""
     h, w, _ = a.shape
     return tf.raw_ops.ImageProjectiveTransformV3(
-        images=tf.constant(a[None], tf.float32), transforms=tf.constant([t + [0.0, 0.0]], tf.float32),
+        images=tf.constant(a[None], tf.float32),
+        transforms=tf.constant([t + [0.0, 0.0]], tf.float32),
         output_shape=tf.constant([h, w], tf.int32), fill_value=tf.constant(128.0),
         interpolation="NEAREST", fill_mode="CONSTANT").numpy()[0]
 
@@ -137,7 +139,8 @@ def test_bigvision_geometric_ops_match_tf():
         h, w, _ = a.shape
         for name in ("Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY"):
             for level, sign in ((10.0, 1.0), (4.0, -1.0)):
-                arg = float(ra.level_to_arg("bigvision", name, jnp.float32(level), jnp.float32(sign)))
+                arg = float(ra.level_to_arg("bigvision", name, jnp.float32(level),
+                                            jnp.float32(sign)))
                 if name == "Rotate":
                     r = math.radians(arg)
                     c, s = math.cos(r), math.sin(r)
@@ -145,7 +148,8 @@ def test_bigvision_geometric_ops_match_tf():
                          s, c, ((h - 1) - (s * (w - 1) + c * (h - 1))) / 2]
                 else:
                     t = {"ShearX": [1, arg, 0, 0, 1, 0], "ShearY": [1, 0, 0, arg, 1, 0],
-                         "TranslateX": [1, 0, arg, 0, 1, 0], "TranslateY": [1, 0, 0, 0, 1, arg]}[name]
+                         "TranslateX": [1, 0, arg, 0, 1, 0],
+                         "TranslateY": [1, 0, 0, 0, 1, arg]}[name]
                 ours = ra.apply_op(BV, name, _f(a), jnp.float32(level), jnp.float32(sign),
                                    jax.random.key(0))
                 d = _diff(ours, _tf_transform(tf, a, [float(v) for v in t]))
@@ -228,7 +232,8 @@ def _bigvision_arg(name: str, level: float, sign: float):
 def test_level_to_arg_matches_the_published_formulas():
     rng = np.random.default_rng(6)
     levels = [float(v) for v in range(11)] + [float(np.float32(v)) for v in rng.uniform(0, 10, 40)]
-    for style, names, ref, extra in (("timm", set(ra.TIMM_INCREASING + ra.TIMM_PLAIN), _timm_arg, []),
+    timm_names = set(ra.TIMM_INCREASING + ra.TIMM_PLAIN)
+    for style, names, ref, extra in (("timm", timm_names, _timm_arg, []),
                                      ("bigvision", set(ra.BIGVISION), _bigvision_arg,
                                       [15.0, 20.0])):
         for name in sorted(names):
@@ -245,7 +250,8 @@ def test_level_to_arg_matches_the_published_formulas():
 def test_parse_variants_and_errors():
     assert ra.parse("") is None
     assert TIMM.ops == ra.TIMM_INCREASING and len(TIMM.ops) == 15
-    assert (TIMM.magnitude, TIMM.mstd, TIMM.num_layers, TIMM.prob, TIMM.mmax) == (9, 0.5, 2, 0.5, 10)
+    assert (TIMM.magnitude, TIMM.mstd, TIMM.num_layers, TIMM.prob, TIMM.mmax) == (
+        9, 0.5, 2, 0.5, 10)
     c = ra.parse("rand-m7-n3-p0.8-mstd101-mmax12")
     assert (c.ops, c.magnitude, c.num_layers, c.prob, c.mstd, c.mmax) == (
         ra.TIMM_PLAIN, 7, 3, 0.8, math.inf, 12)

@@ -42,7 +42,7 @@ def _per_channel_lut(img: Array, lut: Array) -> Array:
 
 
 def autocontrast(img: Array) -> Array:
-    """Per channel, maps [lo, hi] linearly onto [0, 255] (truncated); constant channels unchanged."""
+    """Per channel, maps [lo, hi] linearly onto [0, 255] (truncated); constant channels kept."""
     lo = img.min(axis=(0, 1))
     hi = img.max(axis=(0, 1))
     span = jnp.maximum(hi - lo, 1.0)
@@ -51,8 +51,8 @@ def autocontrast(img: Array) -> Array:
 
 
 def equalize(img: Array) -> Array:
-    """PIL ``ImageOps.equalize`` per channel: ``lut[i] = (step // 2 + #pixels below i) // step`` with
-    ``step = (#pixels - #pixels at the top value) // 255``; identity when ``step`` is 0."""
+    """PIL ``ImageOps.equalize`` per channel: ``lut[i] = (step // 2 + #pixels below i) // step``
+    with ``step = (#pixels - #pixels at the top value) // 255``; identity when ``step`` is 0."""
     idx = img.astype(jnp.int32).reshape(-1, img.shape[-1])
     n = idx.shape[0]
 
@@ -83,9 +83,9 @@ def color(img: Array, factor: Array) -> Array:
 
 
 def contrast(img: Array, factor: Array, tf_mean_quirk: bool = False) -> Array:
-    """Blend with a uniform grey image: PIL uses the rounded mean luma. The TF EfficientNet code that
-    big_vision runs takes ``sum(histogram) / 256`` = #pixels / 256 instead (a known quirk), clipped
-    to [0, 255] and truncated; ``tf_mean_quirk`` reproduces it."""
+    """Blend with a uniform grey image: PIL uses the rounded mean luma. The TF EfficientNet code
+    that big_vision runs takes ``sum(histogram) / 256`` = #pixels / 256 instead (a known quirk),
+    clipped to [0, 255] and truncated; ``tf_mean_quirk`` reproduces it."""
     h, w, _ = img.shape
     if tf_mean_quirk:
         mean = jnp.floor(jnp.minimum(h * w / 256.0, 255.0))
@@ -142,7 +142,11 @@ def affine(img: Array, m: Array, fill: Array, *, pil_bilinear: bool) -> Array:
         cx = lambda v: jnp.clip(v, 0, w - 1)  # noqa: E731
         cy = lambda v: jnp.clip(v, 0, h - 1)  # noqa: E731
         # clamping both rows is PIL's rule (a missing lower row repeats the upper one)
-        row = lambda yy: img[cy(yy), cx(x0)] + dx * (img[cy(yy), cx(x0 + 1)] - img[cy(yy), cx(x0)])  # noqa: E731
+
+        def row(yy: Array) -> Array:
+            left, right = img[cy(yy), cx(x0)], img[cy(yy), cx(x0 + 1)]
+            return left + dx * (right - left)
+
         top, bot = row(y0), row(y0 + 1)
         out = jnp.floor(jnp.clip(top + dy * (bot - top), 0.0, 255.0))
     else:

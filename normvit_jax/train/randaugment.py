@@ -262,7 +262,8 @@ def augment_image(key: jax.Array, img: jax.Array, cfg: RandAugConfig
     """``num_layers`` random ops on one [0, 255] image; returns (image, whether any op ran)."""
     ran = jnp.zeros((), bool)
     for layer in range(cfg.num_layers):
-        k_op, k_apply, k_level, k_sign, k_op_key = jax.random.split(jax.random.fold_in(key, layer), 5)
+        keys = jax.random.split(jax.random.fold_in(key, layer), 5)
+        k_op, k_apply, k_level, k_sign, k_op_key = keys
         idx = jax.random.randint(k_op, (), 0, len(cfg.ops))
         sign = jnp.where(jax.random.uniform(k_sign) > 0.5, -1.0, 1.0)  # timm's _randomly_negate
         out = _one_layer(cfg, idx, img, sample_level(k_level, cfg), sign, k_op_key)
