@@ -105,6 +105,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.mix_prob = 1.0                # probability that a batch/pair/row is mixed
     c.switch_prob = 0.5             # with both alphas > 0: probability of CutMix instead of Mixup
     c.mix_mode = "batch"            # batch (one draw per batch) | pair (per pair i, B-1-i) | elem (per row)
+    c.randaugment = ""              # RandAugment per image, first (train/randaugment.py; docs/recipes.md):
+                                    # '' off | timm string 'rand-m9-mstd0.5-inc1' (DeiT; sections m n p mstd
+                                    # mmax inc) | 'bigvision-2-10' (big_vision randaug(2, 10))
     c.random_erase_prob = 0.0       # random erasing per image (DeiT: 0.25; 0: off), before mixing
     c.random_erase_mode = "pixel"   # pixel (per-pixel normal noise) | rand (per channel) | const (zeros)
 

@@ -117,11 +117,11 @@ def test_layer_decay_scales_the_updates_and_supports_scan():
 
 
 def test_loop_with_the_recipe_resumes_exactly_and_evaluates_the_ema(tmp_path):
-    """Mixup/CutMix, random erasing, EMA and layer decay on: 6 steps straight == 3 + 3 (params
-    and EMA bitwise), and eval reports the EMA weights beside the raw ones."""
+    """RandAugment, Mixup/CutMix, random erasing, EMA and layer decay on: 6 steps straight ==
+    3 + 3 (params and EMA bitwise), and eval reports the EMA weights beside the raw ones."""
     cfg = tiny_demo_config(total_steps=6, checkpoint_every=100, eval_every=100, ema_decay=0.9,
                            layer_decay=0.75, mixup_alpha=0.8, cutmix_alpha=1.0, mix_mode="elem",
-                           random_erase_prob=0.5)
+                           random_erase_prob=0.5, randaugment="rand-m9-mstd0.5-inc1")
     straight = loop.train_and_evaluate(cfg, str(tmp_path / "a"))
     assert {"ema_top1", "ema_loss", "top1"} <= set(straight["eval"])
     loop.train_and_evaluate(cfg, str(tmp_path / "b"), stop_at=3)
