@@ -20,6 +20,8 @@
 #   --grace=S              after a process fails, the others get S seconds to end by themselves
 #                          before SIGKILL (default 30): a process whose peer died waits in a
 #                          collective; this is what srun --kill-on-bad-exit does on a cluster
+# Environment: PYTHON (default python); ENTRY, the script every process runs (default main.py;
+# the tests run tests/fault_main.py, main.py with test instruments).
 # Each process gets JAX_COORDINATOR_ADDRESS=127.0.0.1:P, JAX_NUM_PROCESSES=N, JAX_PROCESS_ID=i
 # (what normvit_jax/distributed.py reads). SIGTERM/SIGINT to this script go to every process
 # (each finishes the same step, checkpoints and exits 42). The exit code is the first non-zero
@@ -57,6 +59,7 @@ if [ $# -lt 2 ]; then usage >&2; echo "error: CONFIG and WORKDIR are required" >
 CONFIG=$1 WORKDIR=$2
 shift 2
 PYTHON=${PYTHON:-python}
+ENTRY=${ENTRY:-main.py}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -z "$port" ]; then
   if [ "$dry_run" = 1 ]; then port=PORT; else
@@ -78,7 +81,7 @@ env_of() {  # the environment of process $1, as NAME=VALUE words
 if [ "$dry_run" = 1 ]; then
   for ((i = 0; i < nproc_; i++)); do
     mapfile -d '' e < <(env_of "$i")
-    printf '%q ' env "${e[@]}" "$PYTHON" main.py "--config=$CONFIG" "--workdir=$WORKDIR" "$@"
+    printf '%q ' env "${e[@]}" "$PYTHON" "$ENTRY" "--config=$CONFIG" "--workdir=$WORKDIR" "$@"
     if [ -n "$log_dir" ]; then printf '> %q 2>&1 ' "$log_dir/process_$i.log"; fi
     echo "&"
   done
@@ -94,10 +97,10 @@ trap 'forward INT' INT
 for ((i = 0; i < nproc_; i++)); do
   mapfile -d '' e < <(env_of "$i")
   if [ -n "$log_dir" ]; then
-    env "${e[@]}" "$PYTHON" main.py "--config=$CONFIG" "--workdir=$WORKDIR" "$@" \
+    env "${e[@]}" "$PYTHON" "$ENTRY" "--config=$CONFIG" "--workdir=$WORKDIR" "$@" \
       > "$log_dir/process_$i.log" 2>&1 &
   else  # $! is python's pid, not sed's: signals and exit codes are the process's own
-    env "${e[@]}" "$PYTHON" main.py "--config=$CONFIG" "--workdir=$WORKDIR" "$@" \
+    env "${e[@]}" "$PYTHON" "$ENTRY" "--config=$CONFIG" "--workdir=$WORKDIR" "$@" \
       > >(sed -u "s/^/[p$i] /") 2>&1 &
   fi
   index_of[$!]=$i
