@@ -118,7 +118,7 @@ while [ "${#index_of[@]}" -gt 0 ]; do
   if [ -n "$deadline" ]; then sleep 1 & tick=$!; fi  # wakes the wait to check the deadline
   wait -n -p done_pid "${!index_of[@]}" $tick || status=$?
   if [ -n "$tick" ]; then kill "$tick" 2>/dev/null || true; fi
-  if [ -z "$done_pid" ] || [ "$done_pid" = "$tick" ]; then continue; fi  # a signal or the tick
+  if [ -z "${done_pid:-}" ] || [ "$done_pid" = "$tick" ]; then continue; fi  # a signal or the tick
   echo "local.sh: process ${index_of[$done_pid]} exited with $status" >&2
   unset "index_of[$done_pid]"
   if [ "$status" != 0 ] && [ "$rc" = 0 ]; then
