@@ -1,7 +1,10 @@
 """Runs main.py unchanged, with two test-only instruments switched on by environment variables:
 
 NORMVIT_TEST_RECORD=path       appends one line per train batch the loop consumes: its example
-                               indices (config.data.return_index), to check the data order.
+                               indices (config.data.return_index), to check the data order;
+                               "{process}" in the path becomes jax.process_index().
+NORMVIT_TEST_RECORD_EVAL=path  the same for eval batches: the indices of their real (unpadded)
+                               rows, one line per batch.
 NORMVIT_TEST_HOLD_COMMIT=secs  every Orbax checkpoint waits that long before its atomic rename,
                                so a test can SIGKILL the run while a checkpoint is half-written.
 
@@ -15,16 +18,19 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _record(path: str) -> None:
+def _record(train_path: str | None, eval_path: str | None) -> None:
+    import jax
     import numpy as np
     from normvit_jax import sharding
 
     to_global = sharding.to_global
 
     def recording(batch, mesh):
-        if "index" in batch and "mask" not in batch:  # train batches only
-            with open(path, "a") as f:
-                f.write(" ".join(map(str, np.asarray(batch["index"]).tolist())) + "\n")
+        path = eval_path if "mask" in batch else train_path
+        if "index" in batch and path:
+            index = np.asarray(batch["index"])
+            with open(path.format(process=jax.process_index()), "a") as f:
+                f.write(" ".join(map(str, index[index >= 0].tolist())) + "\n")
         return to_global(batch, mesh)
 
     sharding.to_global = recording
@@ -43,8 +49,8 @@ def _hold_commits(seconds: float) -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("NORMVIT_TEST_RECORD"):
-        _record(os.environ["NORMVIT_TEST_RECORD"])
+    if os.environ.get("NORMVIT_TEST_RECORD") or os.environ.get("NORMVIT_TEST_RECORD_EVAL"):
+        _record(os.environ.get("NORMVIT_TEST_RECORD"), os.environ.get("NORMVIT_TEST_RECORD_EVAL"))
     if os.environ.get("NORMVIT_TEST_HOLD_COMMIT"):
         _hold_commits(float(os.environ["NORMVIT_TEST_HOLD_COMMIT"]))
     sys.argv[0] = os.path.join(REPO, "main.py")

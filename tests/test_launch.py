@@ -139,7 +139,7 @@ def script(name: str, *args: str, env: dict, cwd: str = REPO_ROOT) -> subprocess
 CONFIG = "configs/vit_ln.py:s16,cifar100"  # the comma used to split sbatch --export
 
 
-@pytest.mark.parametrize("name", ["slurm_gpu.sbatch", "tpu_pod.sh", "sweep.sh"])
+@pytest.mark.parametrize("name", ["slurm_gpu.sbatch", "tpu_pod.sh", "sweep.sh", "local.sh"])
 def test_help_runs_nothing(stubs, name):
     env, seen = stubs
     r = script(name, "--help", env=env)
@@ -228,3 +228,92 @@ def test_sweep_continues_after_a_failure_and_writes_the_report(stubs):
                          "runs/demo_dtn", "--out=report/demo"]
     bad = script("sweep.sh", "--hlep", env=env)
     assert bad.returncode == 2 and seen()[4:] == []
+
+
+FAKE_PROCESS = r"""#!/usr/bin/env bash
+# Stand-in for `python main.py ...` under launch/local.sh: records its JAX_* environment and
+# arguments, then acts as $FAKE_<JAX_PROCESS_ID> says: 'exit N', or 'wait' (until SIGTERM: exit 42).
+printf '%s\0' "$JAX_COORDINATOR_ADDRESS" "$JAX_NUM_PROCESSES" "$JAX_PROCESS_ID" \
+  "${JAX_PLATFORMS:-}" "${XLA_FLAGS:-}" "${CUDA_VISIBLE_DEVICES:-}" "$@" > "$STUB_CALLS/p$JAX_PROCESS_ID"
+what_var="FAKE_$JAX_PROCESS_ID"
+case "${!what_var}" in
+  exit*) exit "${!what_var#exit }" ;;
+  wait) trap 'kill $!; exit 42' TERM; sleep 30 & wait ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_PROCESS)
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "STUB_CALLS": str(calls)}
+
+    def seen(i: int) -> list[str]:
+        return (calls / f"p{i}").read_bytes().decode().split("\0")[:-1]
+
+    return env, seen
+
+
+def test_local_script_dry_run(fake_python):
+    env, seen = fake_python
+    r = script("local.sh", "--dry-run", "--processes=3", "--gpus-per-process=2", "--port=1234",
+               CONFIG, "/my runs/ln", "--config.batch_size=256", env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 4 and lines[3].startswith("# then: wait for all")
+    fake = env["PYTHON"]
+    for i, line in enumerate(lines[:3]):
+        assert line == (f"env JAX_COORDINATOR_ADDRESS=127.0.0.1:1234 JAX_NUM_PROCESSES=3 "
+                        f"JAX_PROCESS_ID={i} CUDA_VISIBLE_DEVICES={2 * i}\\,{2 * i + 1} {fake} "
+                        r"main.py --config=configs/vit_ln.py:s16\,cifar100 --workdir=/my\ runs/ln "
+                        "--config.batch_size=256 &")
+    cpu = script("local.sh", "--dry-run", "--cpu-devices=2", "--log-dir=/tmp/l", CONFIG, "wd",
+                 env=env).stdout.splitlines()
+    assert "JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 " in cpu[1]
+    assert cpu[1].endswith("> /tmp/l/process_1.log 2>&1 &") and "JAX_PROCESS_ID=1" in cpu[1]
+    for bad in (["--processes=two"], ["--cpu-devices=2", "--gpus-per-process=1"], ["--nope"], []):
+        r = script("local.sh", *bad, *(["a", "b"] if bad else []), env=env)
+        assert r.returncode == 2 and "error:" in r.stderr, bad
+
+
+def test_local_script_sigkills_the_rest_after_a_failure(fake_python, tmp_path):
+    """Process 1 fails; process 0 would wait forever (as in a collective with a dead peer): it is
+    SIGKILLed after the grace and the script exits with process 1's code."""
+    env, seen = fake_python
+    t0 = time.time()
+    r = script("local.sh", "--processes=2", "--cpu-devices=2", "--port=1234", "--grace=1",
+               f"--log-dir={tmp_path}/logs", CONFIG, "wd", "--config.total_steps=3",
+               env={**env, "FAKE_0": "wait", "FAKE_1": "exit 3"})
+    assert r.returncode == 3, r.stderr
+    assert time.time() - t0 < 20
+    assert "process 1 exited with 3" in r.stderr and "SIGKILL" in r.stderr
+    assert "process 0 exited with 137" in r.stderr
+    for i in range(2):
+        assert seen(i) == ["127.0.0.1:1234", "2", str(i), "cpu",
+                           "--xla_force_host_platform_device_count=2", "", "main.py",
+                           f"--config={CONFIG}", "--workdir=wd", "--config.total_steps=3"]
+    ok = script("local.sh", "--port=1234", CONFIG, "wd", env={**env, "FAKE_0": "exit 0",
+                                                               "FAKE_1": "exit 0"})
+    assert ok.returncode == 0 and ok.stderr.count("exited with 0") == 2, ok.stderr
+
+
+def test_local_script_forwards_sigterm(fake_python):
+    """SIGTERM to the script reaches every process (as a scheduler's preemption notice would);
+    they exit 42 and so does the script."""
+    env, seen = fake_python
+    p = subprocess.Popen(["bash", os.path.join(REPO_ROOT, "launch", "local.sh"), "--port=1234",
+                          CONFIG, "wd"], cwd=REPO_ROOT, env={**env, "FAKE_0": "wait", "FAKE_1": "wait"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not all(os.path.exists(os.path.join(env["STUB_CALLS"], f"p{i}")) for i in range(2)):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    time.sleep(0.2)  # the fake's trap is set right after it records its call
+    p.send_signal(15)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 42, err
+    assert err.count("exited with 42") == 2 and "SIGKILL" not in err
