@@ -69,3 +69,18 @@ def test_dtn_statistics_and_peaks_and_mfu():
     assert mf.peak_tflops("NVIDIA A100-SXM4-80GB", "float32") == 156.0
     assert mf.peak_tflops("cpu", "float32") is None
     assert mf.mfu(26.98e12, 0.079, 989.4e12) == pytest.approx(0.3452, abs=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"variant": "B/16"},
+    {"variant": "S/16", "classifier": "gap"},
+    {"variant": "Ti/16", "depth": 4, "cls_token_at_block": 2, "representation_size": 64},
+])
+def test_forward_count_agrees_with_the_analysis_count(overrides):
+    """benchmarks' per-part count and analysis/flops.analytic_flops (the report's column) are
+    written independently; they must give the same forward FLOPs per image."""
+    from normvit_jax.analysis import flops
+    spec = models.spec_of(overrides, num_classes=1000)
+    s = mf.shape_from_spec(spec, image_size=224, num_classes=1000)
+    assert sum(mf.forward_flops(s).values()) == pytest.approx(flops.analytic_flops(spec, 224),
+                                                             rel=1e-12)

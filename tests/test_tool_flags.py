@@ -15,6 +15,8 @@ from tests.conftest import REPO_ROOT
 
 # module -> flags its --help must list
 TOOLS = {
+    "benchmarks.demo_table": ["--only", "--[no]dry-run", "--readme", "--root"],
+    "benchmarks.gpu_table": ["--out", "--models", "--[no]dry-run", "--[no]tiny", "--[no]no_torch"],
     "benchmarks.compile_time": ["--model", "--depths", "--[no]remat", "--xla_preset", "--json"],
     "benchmarks.inference": ["--norm", "--dtype", "--[no]fold", "--json"],
     "benchmarks.input_pipeline": ["--datasets", "--batches", "--[no]skip_run"],
