@@ -79,7 +79,7 @@ def result_path(workdir: str, config: ml_collections.ConfigDict, step: int) -> e
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                         step: int | None = None) -> dict[str, Any]:
-    """Evaluates checkpoint ``step`` (None: the newest that restores) of ``workdir`` on the config's
+    """Evaluates checkpoint ``step`` (None: the newest) of ``workdir`` on the config's
     eval set; writes and returns ``{'step', 'dataset', 'split', 'metrics', 'path'}`` (EMA metrics
     as ``ema_*``). Raises CheckpointMismatchError when the config builds another model and
     FileNotFoundError when there is no checkpoint."""
@@ -89,22 +89,23 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     model = setup.create_model(config, data.num_classes(config.data.name), spec)
     tx, _ = optim.create(config, max(int(config.total_steps or 0), 1))  # only its state's tree
     abstract, _ = setup.abstract_train_state(model, tx, pipeline.image_shape, mesh)
-    mngr = checkpoints.make_manager(workdir, keep=config.keep_checkpoints, async_save=False)
+    if not checkpoints.checkpoint_dir(workdir).exists():
+        raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(workdir)}")
+    mngr = checkpoints.open_read_only(workdir)  # the run may still be training
     try:
         if step is None:
-            restored = checkpoints.restore_latest(mngr, abstract)
-            if restored is None:
+            steps = sorted(mngr.all_steps())
+            if not steps:
                 raise FileNotFoundError(f"no checkpoint in {mngr.directory}")
-            state, step = restored.state, restored.step
-        else:
-            if step not in mngr.all_steps():
-                raise FileNotFoundError(f"no checkpoint for step {step} in {mngr.directory}; "
-                                        f"there are: {sorted(mngr.all_steps())}")
-            problem = checkpoints.mismatch(mngr, step, abstract)
-            if problem is not None:
-                raise checkpoints.CheckpointMismatchError(
-                    f"the checkpoint at step {step} does not fit the config's model: {problem[1]}")
-            state = checkpoints.restore(mngr, abstract, step)
+            step = steps[-1]
+        if step not in mngr.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {mngr.directory}; "
+                                    f"there are: {sorted(mngr.all_steps())}")
+        problem = checkpoints.mismatch(mngr, step, abstract)
+        if problem is not None:
+            raise checkpoints.CheckpointMismatchError(
+                f"the checkpoint at step {step} does not fit the config's model: {problem[1]}")
+        state = checkpoints.restore(mngr, abstract, step)
     finally:
         mngr.close()
     rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)

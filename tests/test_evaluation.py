@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from normvit_jax import data, evaluation
+from normvit_jax import checkpoints, data, evaluation
 from normvit_jax.data import real
 from tests.conftest import tiny_demo_config
 
@@ -53,6 +53,10 @@ def test_eval_mode_gives_the_training_eval_and_the_ema(tmp_path):
     assert saved["metrics"]["top1"] == trained["top1"]
     with pytest.raises(FileNotFoundError, match="step 7"):
         evaluation.evaluate_checkpoint(cfg, str(tmp_path), 7)
+    wider = tiny_demo_config(total_steps=2, ema_decay=0.9, **{"model.hidden_size": 48})
+    with pytest.raises(checkpoints.CheckpointMismatchError):
+        evaluation.evaluate_checkpoint(wider, str(tmp_path))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]  # nothing written
 
 
 def test_eval_name_is_checked_against_the_training_set():
