@@ -3,6 +3,8 @@
 Every config value can be overridden: ``--config.batch_size=256 --config.model.norm.name=dtn``.
 Re-running the same command with the same workdir continues the run from its newest checkpoint;
 ``--fresh`` starts over (the old run is moved aside). Exit codes: normvit_jax/cli.py.
+``--mode=eval [--step=N]`` evaluates a checkpoint without training, on any eval set:
+``--config.data.eval_name=imagenet_v2 --config.data.eval_split=test`` (README: Evaluation).
 Multi-host (Cloud TPU pod, SLURM): run the same command on every host; JAX's distributed runtime
 is initialised when the process is one of several.
 """
@@ -23,6 +25,10 @@ config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vit_l
 flags.DEFINE_string("workdir", None, "Directory (local or gs://) for checkpoints, summaries, config.")
 flags.DEFINE_bool("fresh", False, "Start at step 0 even if the workdir holds a run: its checkpoints, "
                   "config.json and event files are moved to <workdir>/replaced/<time>/ first.")
+flags.DEFINE_enum("mode", "train", ["train", "eval"], "train: train (and evaluate); eval: only "
+                  "evaluate a checkpoint on config.data.eval_name/eval_split, writing "
+                  "<workdir>/eval_<dataset>_<split>_<step>.json.")
+flags.DEFINE_integer("step", None, "--mode=eval: the checkpoint's step (default: the newest).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -38,6 +44,8 @@ def parse_flags(argv):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if FLAGS.mode == "eval":
+        sys.exit(cli.evaluate(FLAGS.config, FLAGS.workdir, step=FLAGS.step))
     sys.exit(cli.run(FLAGS.config, FLAGS.workdir, fresh=FLAGS.fresh))
 
 

@@ -25,6 +25,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.data_dir = placeholder(str)  # tfds data dir (None: $TFDS_DATA_DIR or ~/tensorflow_datasets); gs:// ok
     c.data.train_split = "train"    # tfds split string used for training
     c.data.eval_split = "test"      # tfds split used for evaluation ('validation' for imagenet2012)
+    c.data.eval_name = placeholder(str)  # tfds dataset to evaluate on (None: data.name); ImageNet
+                                    # models also: imagenet_v2 (split 'test'), imagenet2012_real
+                                    # ('validation': adds ReaL top-1); normalized with data.name's stats
     c.data.image_size = 32          # model input resolution (square); images are resized to it
     c.data.normalize = "minus_one_one"  # minus_one_one | zero_one | zscore (per-channel dataset stats) | minmax
     c.data.crop_padding = 4         # train: random crop after zero-padding by this many pixels of image_size (0: off)
@@ -190,20 +193,23 @@ def get_imagenet(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 VARIANTS = {"demo": get_demo, "cifar100": get_cifar100, "imagenet": get_imagenet}
 
 
-def apply_variants(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
+def apply_variants(c: ml_collections.ConfigDict, arg: str | None,
+                   presets: dict | None = None) -> ml_collections.ConfigDict:
     """Applies the comma-separated variants of ``file.py:a,b`` in order (e.g. 'imagenet' or 'demo').
 
-    A model size such as 's16' or 'b32' sets ``model.variant``. Unknown variants raise a ValueError
-    naming the accepted ones.
+    A model size such as 's16' or 'b32' sets ``model.variant``. ``presets``: a method config's own
+    named recipes (``vit_dtn.py:deit_s``), functions of the config like the entries of VARIANTS.
+    Unknown variants raise a ValueError naming the accepted ones.
     """
+    table = {**VARIANTS, **(presets or {})}
     for part in [p.strip() for p in (arg or "").split(",") if p.strip()]:
-        if part in VARIANTS:
-            c = VARIANTS[part](c)
+        if part in table:
+            c = table[part](c)
         elif part[:2].lower() == "ti" and part[2:].isdigit():
             c.model.variant = f"Ti/{part[2:]}"
         elif part[:1].lower() in "sblh" and part[1:].isdigit():
             c.model.variant = f"{part[0].upper()}/{part[1:]}"
         else:
-            raise ValueError(f"unknown config variant {part!r}; accepted: {sorted(VARIANTS)} or a "
+            raise ValueError(f"unknown config variant {part!r}; accepted: {sorted(table)} or a "
                              "model size like 'ti16', 's16', 'b32'")
     return c

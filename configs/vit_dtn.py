@@ -4,14 +4,16 @@ DTN in both norm slots of the first depth-2 blocks (10 of 12), which see the pat
 the class token joins before block depth-2; LayerNorm (eps 1e-5, torch's) in the last two blocks
 and the final norm. DTN on every block with the class token under plain LN statistics instead:
 ``--config.model.cls_token_at_block=0 --config.model.norm_overrides.final.name=dtn`` etc.
-Recipe (DeiT): the ``:imagenet`` variant of default.py. ``:demo`` (depth 4): DTN in blocks 0-1,
+Recipe: the presets ``:deit_t`` (ViT-T*, 4 heads), ``:deit_s``, ``:deit_b`` (ViT-B*, 16 heads): DeiT's
+ImageNet recipe with every value cited in configs/recipes.py (the ``:imagenet`` variant of
+default.py is a shorter DeiT-style setting). ``:demo`` (depth 4): DTN in blocks 0-1,
 class token at block 2.
 """
 from __future__ import annotations
 
 import ml_collections
 
-from configs import default
+from configs import default, recipes
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -25,7 +27,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         "locality_strength": 1.0,       # multiplies the position map's kernel under 'local'
         "pool_size": 14,                # grids above 14 that are multiples of 14: pooled as the reference
     })
-    c = default.apply_variants(c, arg)
+    c = default.apply_variants(c, arg, recipes.DEIT)
     # Counted from the end, so `--config.model.depth=N` keeps the layout: DTN in blocks 0..N-3
     # (10 of 12 as the reference; the demo's depth 4: blocks 0-1), the class token joining the
     # last two blocks, which use LayerNorm, as does the final norm.

@@ -4,12 +4,14 @@ MLP residual is sqrt(i/(i+1)) * x + s/sqrt(L) * MLP(y), and there is no final no
 Recipe of the reference (CIFAR-10, ViT-B/16 at 224, 20k steps): SGD momentum 0.9, lr 0.05, wd 0,
 batch 128, cosine with 500 warmup steps; set as the default outside ``:demo`` (the demo keeps
 default.py's AdamW so it trains in a minute).
+Preset ``:cifar10_b16``: that whole run (ViT-B/16 at 224 on CIFAR-10: LN 69.7, BN 66.5, GN 65.1,
+Rescale 65.2), data and optimizer values cited in configs/recipes.py.
 """
 from __future__ import annotations
 
 import ml_collections
 
-from configs import default
+from configs import default, recipes
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -21,7 +23,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     })
     c.model.residual_scaling = "rescale"  # sqrt(i/(i+1)) * x + s/sqrt(L) * MLP(y)
     c.model.final_norm = False          # RescaleViT has no final norm
-    c = default.apply_variants(c, arg)
+    c = default.apply_variants(c, arg, {"cifar10_b16": recipes.rescale_cifar10_b16})
     if "demo" not in [p.strip() for p in (arg or "").split(",")]:
         c.optimizer.name = "sgd"
         c.optimizer.momentum = 0.9

@@ -43,6 +43,13 @@ def make_manager(workdir: str, keep: int = 3, async_save: bool = True) -> ocp.Ch
     return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_handlers=handlers)
 
 
+def open_read_only(workdir: str) -> ocp.CheckpointManager:
+    """A manager that never writes, deletes or cleans up: safe beside a run still training."""
+    options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_handlers=handlers)
+
+
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict | None = None,
          force: bool = False) -> bool:
     """Starts an (async) save; ``meta`` is a small JSON dict saved beside the state."""

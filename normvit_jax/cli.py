@@ -70,6 +70,25 @@ def _train(config: ml_collections.ConfigDict, workdir: str, fresh: bool) -> int:
     return EXIT_OK
 
 
+def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> int:
+    """Evaluates a checkpoint of ``workdir`` (normvit_jax/evaluation.py), prints the metrics as
+    JSON and writes them beside the checkpoints; returns the exit code (the table above)."""
+    import json
+
+    quiet_library_logs()
+    from normvit_jax import logs
+    logs.import_tensorflow_once()
+    from normvit_jax import checkpoints, data, evaluation
+    try:
+        result = evaluation.evaluate_checkpoint(config, workdir, step)
+    except (checkpoints.CheckpointMismatchError, FileNotFoundError) as e:
+        return _stop(e, EXIT_CHECKPOINT)
+    except (data.DatasetNotFoundError, ValueError) as e:
+        return _stop(e, EXIT_CONFIG)
+    print(json.dumps(result, sort_keys=True))
+    return EXIT_OK
+
+
 def _stop(error: BaseException, code: int) -> int:
     logging.error("Stopped: %s", error)
     return code

@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 
 from normvit_jax.data import digits, order, spec, stats, tfds_source, transforms
+from normvit_jax.data import real as real_labels
 from normvit_jax.data.prefetch import Prefetcher
 from normvit_jax.data.sources import ArraySource, Geometry, JpegSource
 
 Batch = dict[str, np.ndarray]
 
 
-def _open_source(d: Any, tfds_split: str, limit: int | None, workers: int):
-    name = d.name
+def _open_source(d: Any, name: str, tfds_split: str, limit: int | None, workers: int):
     if name == "digits":
         src: Any = ArraySource(*digits.load(tfds_split))
     elif name in spec.IN_MEMORY_TFDS:
@@ -32,6 +32,8 @@ def _open_source(d: Any, tfds_split: str, limit: int | None, workers: int):
     else:
         b = tfds_source.open_builder(name, d.get("data_dir"), random_access=True)
         recs = tfds_source.open_random_access(b, tfds_split)
+        if name == "imagenet2012_real":
+            recs = real_labels.RealRecords(recs)
         src = JpegSource(recs, len(recs), workers)
     if limit is not None:  # use the first `limit` examples of the split
         if limit > len(src):
@@ -74,6 +76,9 @@ class Pipeline:
         self._eval_geo = Geometry(size, False, 1.0, float(d.eval_crop_fraction))
         self._scale, self._shift = stats.affine(d.name, d.normalize)
         self._order = order.TrainOrder(self.seed, n, b, int(d.get("repeated_aug", 1)))
+        # ImageNet-ReaL: eval batches also carry 'real', the multi-hot ReaL label sets
+        self._label_sets = getattr(getattr(source, "records", None), "label_sets", None)
+        self._num_classes = spec.num_classes(d.name)
 
     def _finish(self, x: np.ndarray, labels: np.ndarray) -> Batch:
         x = (x * self._scale + self._shift).astype(np.float32)
@@ -101,6 +106,9 @@ class Pipeline:
             xr, y[real] = self.source.read(pos[real], None, self._eval_geo)
             x[real] = self._finish(xr, y[real])["image"]
         out = {"image": x, "label": y, "mask": real.astype(np.float32)}
+        if self._label_sets is not None:
+            out["real"] = np.zeros((len(pos), self._num_classes), np.uint8)
+            out["real"][real] = real_labels.multi_hot(self._label_sets(pos[real]), self._num_classes)
         if self.return_index:
             out["index"] = np.where(real, pos, -1).astype(np.int32)
         return out
@@ -148,5 +156,6 @@ def make_pipeline(config: Any, split: str, *, process_index: int | None = None,
     tfds_split = d.train_split if split == "train" else d.eval_split
     limit = d.get("num_train_examples") if split == "train" else d.get("num_eval_examples")
     workers = d.get("num_workers") or min(32, os.cpu_count() or 1)
-    source = _open_source(d, tfds_split, limit, workers)
+    name = (d.get("eval_name") or d.name) if split == "eval" else d.name
+    source = _open_source(d, name, tfds_split, limit, workers)
     return Pipeline(config, split, source, process_index, process_count)

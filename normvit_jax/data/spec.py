@@ -12,7 +12,9 @@ NUM_CLASSES: dict[str, int] = {"digits": 10, "cifar10": 10, "cifar100": 100, "im
 NORMALIZE = ("minus_one_one", "zero_one", "zscore", "minmax")
 # tfds datasets small enough to hold a split in host memory; the rest are read by random access.
 IN_MEMORY_TFDS = ("cifar10", "cifar100")
-RANDOM_ACCESS_TFDS = ("imagenet2012",)
+RANDOM_ACCESS_TFDS = ("imagenet2012", "imagenet_v2", "imagenet2012_real")
+# Evaluation-only datasets (config.data.eval_name) and the training set whose labels they share.
+EVAL_ONLY_TFDS = {"imagenet_v2": "imagenet2012", "imagenet2012_real": "imagenet2012"}
 
 
 def num_classes(name: str) -> int:
@@ -71,6 +73,10 @@ def validate(config: Any) -> None:
         v = _get(d, key, "x")
         if not isinstance(v, str) or not v:
             _fail(f"data.{key}", v, "a non-empty tfds split string such as 'train' or 'test[:50%]'")
+    en = _get(d, "eval_name")
+    if en is not None and en != _get(d, "name") and EVAL_ONLY_TFDS.get(en) != _get(d, "name"):
+        _fail("data.eval_name", en, f"None, {_get(d, 'name')!r}, or for imagenet2012: "
+              f"{sorted(EVAL_ONLY_TFDS)}")
     dd = _get(d, "data_dir")
     if dd is not None and not isinstance(dd, str):
         _fail("data.data_dir", dd, "None or a path string")

@@ -1,0 +1,128 @@
+"""Evaluation of a saved checkpoint without training (``main.py --mode=eval``).
+
+Any split of any evaluation set: ``config.data.eval_name`` picks the tfds dataset (None: the
+training set's; 'imagenet_v2' split 'test'; 'imagenet2012_real' split 'validation'), and
+``config.data.eval_split`` the split. Top-1, top-5 and loss as the training loop's eval (the same
+masked means over the real rows), plus ReaL top-1 for 'imagenet2012_real' (Beyer et al. 2020, "Are
+we done with ImageNet?": a prediction is right if it is in the image's set of ReaL labels; images
+whose set is empty are left out). The EMA weights are evaluated too when the run keeps them.
+The metrics go to ``<workdir>/eval_<dataset>_<split>_<step>.json``.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from etils import epath
+
+from normvit_jax import checkpoints, data, sharding
+from normvit_jax.train import ema, setup
+from normvit_jax.train import optimizer as optim
+from normvit_jax.train import steps as steps_lib
+
+
+def real_top1_counts(logits: jax.Array, real: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(hits, counted) for ReaL top-1: ``real`` (B, classes) multi-hot label sets; a row counts if
+    it is a real row (``mask``) with a non-empty set, and hits if its argmax is in the set."""
+    pred = jnp.argmax(logits, -1)
+    counted = (mask > 0) & jnp.any(real > 0, -1)
+    hit = jnp.take_along_axis(real, pred[:, None], axis=-1)[:, 0] > 0
+    return jnp.sum(hit & counted), jnp.sum(counted)
+
+
+def make_eval_sums(model: Any):
+    """``(variables, batch) -> sums`` over the batch's real rows; divided once at the end, so
+    the result equals the training loop's masked means."""
+    def fn(variables: dict, batch: dict) -> dict[str, jax.Array]:
+        logits = model.apply(variables, batch["image"], train=False).astype(jnp.float32)
+        labels, mask = batch["label"], batch["mask"]
+        k = min(5, logits.shape[-1])
+        top5 = jnp.any(jax.lax.top_k(logits, k)[1] == labels[:, None], axis=-1)
+        out = {"count": jnp.sum(mask),
+               "loss": jnp.sum(steps_lib.cross_entropy(logits, labels) * mask),
+               "top1": jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
+               "top5": jnp.sum(top5 * mask)}
+        if "real" in batch:
+            out["real_top1"], out["real_count"] = real_top1_counts(logits, batch["real"], mask)
+        return out
+    return fn
+
+
+def _run_split(fn, variables, pipeline, mesh) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for batch in pipeline.eval_batches():
+        sums = fn(variables, sharding.to_global(batch, mesh))
+        for k, v in sums.items():
+            total[k] = total.get(k, 0.0) + float(v)
+    # Means divided in float32, as the loop's clu metrics: top-1 counts are exact, so the top-1 of
+    # a checkpoint is the training eval's to the last bit.
+    n = np.float32(max(total.get("count", 0.0), 1.0))
+    out = {k: float(np.float32(total[k]) / n) for k in ("loss", "top1", "top5")}
+    out["num_examples"] = int(total.get("count", 0))
+    if "real_count" in total:
+        out["real_top1"] = total["real_top1"] / max(total["real_count"], 1.0)
+        out["real_num_examples"] = int(total["real_count"])
+    return out
+
+
+def result_path(workdir: str, config: ml_collections.ConfigDict, step: int) -> epath.Path:
+    d = config.data
+    name = f"{d.get('eval_name') or d.name}_{d.eval_split}"
+    return epath.Path(workdir) / f"eval_{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}_{step}.json"
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
+                        step: int | None = None) -> dict[str, Any]:
+    """Evaluates checkpoint ``step`` (None: the newest) of ``workdir`` on the config's
+    eval set; writes and returns ``{'step', 'dataset', 'split', 'metrics', 'path'}`` (EMA metrics
+    as ``ema_*``). Raises CheckpointMismatchError when the config builds another model and
+    FileNotFoundError when there is no checkpoint."""
+    mesh = sharding.make_mesh()
+    spec = setup.validate_config(config, mesh.devices.size)
+    pipeline = data.make_pipeline(config, "eval")
+    model = setup.create_model(config, data.num_classes(config.data.name), spec)
+    tx, _ = optim.create(config, max(int(config.total_steps or 0), 1))  # only its state's tree
+    abstract, _ = setup.abstract_train_state(model, tx, pipeline.image_shape, mesh)
+    if not checkpoints.checkpoint_dir(workdir).exists():
+        raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(workdir)}")
+    mngr = checkpoints.open_read_only(workdir)  # the run may still be training
+    try:
+        if step is None:
+            steps = sorted(mngr.all_steps())
+            if not steps:
+                raise FileNotFoundError(f"no checkpoint in {mngr.directory}")
+            step = steps[-1]
+        if step not in mngr.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {mngr.directory}; "
+                                    f"there are: {sorted(mngr.all_steps())}")
+        problem = checkpoints.mismatch(mngr, step, abstract)
+        if problem is not None:
+            raise checkpoints.CheckpointMismatchError(
+                f"the checkpoint at step {step} does not fit the config's model: {problem[1]}")
+        state = checkpoints.restore(mngr, abstract, step)
+    finally:
+        mngr.close()
+    rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    fn = jax.jit(make_eval_sums(model), in_shardings=(rep, bat), out_shardings=rep)
+    metrics = _run_split(fn, state.variables(), pipeline, mesh)
+    ema_params = ema.find(state.opt_state)
+    if ema_params is not None:
+        ema_metrics = _run_split(fn, state.replace(params=ema_params).variables(), pipeline, mesh)
+        metrics.update({f"ema_{k}": v for k, v in ema_metrics.items()})
+    pipeline.close()
+    d = config.data
+    path = result_path(workdir, config, step)
+    result = {"step": int(step), "dataset": d.get("eval_name") or d.name, "split": d.eval_split,
+              "metrics": metrics, "path": str(path)}
+    if jax.process_index() == 0:
+        path.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    logging.info("eval of step %d on %s:%s: %s (written to %s)", step, result["dataset"],
+                 d.eval_split, ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in sorted(metrics.items())), path)
+    return result

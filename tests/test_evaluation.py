@@ -1,0 +1,87 @@
+"""``main.py --mode=eval`` (normvit_jax/evaluation.py): a checkpoint evaluated without training
+gives the training loop's last eval; ReaL top-1 on hand-made label sets; the eval-only tfds sets
+under ``tfds.testing.mock_data``."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from normvit_jax import checkpoints, data, evaluation
+from normvit_jax.data import real
+from tests.conftest import tiny_demo_config
+
+
+def test_real_top1_counts_hand_made_sets():
+    # argmax per row: 2, 0, 1, 3, 1 (row 4 is padding)
+    logits = np.array([[0, 1, 5, 0], [9, 0, 0, 0], [0, 3, 1, 0], [0, 0, 0, 1], [0, 7, 0, 0]],
+                      np.float32)
+    sets = [np.array([2, 3]),   # hit
+            np.array([1]),      # miss
+            np.array([], int),  # empty set: not scored
+            np.array([3]),      # hit
+            np.array([1])]      # padding row: not scored although it would hit
+    mask = np.array([1, 1, 1, 1, 0], np.float32)
+    hits, counted = evaluation.real_top1_counts(logits, real.multi_hot(sets, 4), mask)
+    assert (int(hits), int(counted)) == (2, 3)
+    # the same rule written out in Python
+    pred = logits.argmax(-1)
+    scored = [i for i in range(5) if mask[i] and len(sets[i])]
+    assert int(hits) == sum(pred[i] in set(sets[i].tolist()) for i in scored)
+
+
+def test_multi_hot():
+    m = real.multi_hot([np.array([0, 2]), np.array([], int)], 3)
+    np.testing.assert_array_equal(m, [[1, 0, 1], [0, 0, 0]])
+
+
+def test_eval_mode_gives_the_training_eval_and_the_ema(tmp_path):
+    from normvit_jax.train import loop
+    cfg = tiny_demo_config(total_steps=2, eval_every=2, checkpoint_every=2, log_every=2,
+                           ema_decay=0.9)
+    trained = loop.train_and_evaluate(cfg, str(tmp_path))["eval"]
+    for step in (None, 2):  # the newest checkpoint, and one named by its step
+        out = evaluation.evaluate_checkpoint(cfg, str(tmp_path), step)
+        m = out["metrics"]
+        assert out["step"] == 2 and m["num_examples"] == trained["num_examples"]
+        assert m["top1"] == trained["top1"] and m["ema_top1"] == trained["ema_top1"]
+        assert m["top5"] == trained["top5"]
+        assert m["loss"] == pytest.approx(trained["loss"], rel=1e-6)
+        assert m["ema_loss"] == pytest.approx(trained["ema_loss"], rel=1e-6)
+    saved = json.loads((tmp_path / "eval_digits_test_2.json").read_text())
+    assert saved["metrics"]["top1"] == trained["top1"]
+    with pytest.raises(FileNotFoundError, match="step 7"):
+        evaluation.evaluate_checkpoint(cfg, str(tmp_path), 7)
+    wider = tiny_demo_config(total_steps=2, ema_decay=0.9, **{"model.hidden_size": 48})
+    with pytest.raises(checkpoints.CheckpointMismatchError):
+        evaluation.evaluate_checkpoint(wider, str(tmp_path))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]  # nothing written
+
+
+def test_eval_name_is_checked_against_the_training_set():
+    c = tiny_demo_config()
+    c.data.eval_name = "imagenet_v2"  # an ImageNet test set for a digits model
+    with pytest.raises(ValueError, match="eval_name"):
+        data.validate(c)
+
+
+@pytest.mark.parametrize("name,split", [("imagenet_v2", "test"), ("imagenet2012_real", "validation")])
+def test_eval_only_imagenet_sets_under_mock_data(tmp_path, name, split):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    c = tiny_demo_config()
+    c.data.name, c.data.data_dir, c.data.normalize = "imagenet2012", str(tmp_path), "minus_one_one"
+    c.data.eval_name, c.data.eval_split, c.data.image_size = name, split, 16
+    c.eval_batch_size = 4
+    with tfds.testing.mock_data(num_examples=6):
+        p = data.make_pipeline(c, "eval", process_index=0, process_count=1)
+        batches = list(p.eval_batches())
+        p.close()
+    assert len(batches) == 2 and sum(b["mask"].sum() for b in batches) == 6
+    b = batches[0]
+    assert b["image"].shape == (4, 16, 16, 3) and 0 <= b["label"].min() <= b["label"].max() < 1000
+    if name == "imagenet2012_real":
+        assert b["real"].shape == (4, 1000) and b["real"].dtype == np.uint8
+        assert not batches[1]["real"][batches[1]["mask"] == 0].any()  # padding rows: empty sets
+    else:
+        assert "real" not in b

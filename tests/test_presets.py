@@ -1,0 +1,140 @@
+"""The paper presets (configs/recipes.py): each builds, validates and, shrunk to a tiny model on
+the digits data with its recipe otherwise intact, runs two train steps; the batch augmentations
+act in the train step and not in evaluation."""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import default, recipes
+from normvit_jax import cli, data, sharding
+from normvit_jax.train import batch_aug, optimizer, setup
+from tests.conftest import REPO_ROOT
+
+ALL_PRESETS = [
+    "vit_dtn.py:deit_t", "vit_dtn.py:deit_s", "vit_dtn.py:deit_b", "vit_ln.py:bigvision_s16_90ep",
+    "vit_ln.py:bigvision_s16_300ep", "vit_ln.py:deit_s", "vit_dpn.py:bigvision_s16_90ep",
+    "vit_un.py:deit_s", "vit_learnable_scaler.py:paper", "vit_learnable_scaler.py:paper_d36",
+    "vit_rescale.py:cifar10_b16",
+]
+# Trained shrunk: one per distinct recipe x normalizer (deit_t/_b and paper_d36 differ from
+# deit_s and paper only in the model size, which the shrinking replaces).
+TRAINED = ["vit_dtn.py:deit_s", "vit_ln.py:bigvision_s16_90ep", "vit_dpn.py:bigvision_s16_90ep",
+           "vit_un.py:deit_s", "vit_learnable_scaler.py:paper", "vit_rescale.py:cifar10_b16"]
+
+
+def load(spec: str):
+    return cli.load_config_file(os.path.join(REPO_ROOT, "configs", spec))
+
+
+def shrink(c):
+    """Tiny model on the 8x8 digits; the recipe's optimizer, schedule, augmentation, EMA,
+    accumulation, repeated augmentation, norm and stem stay as the preset set them."""
+    c.data.name, c.data.train_split, c.data.eval_split = "digits", "train", "test"
+    c.data.image_size, c.data.normalize, c.data.random_resized_crop = 8, "zero_one", False
+    c.data.num_eval_examples = 48
+    c.model.variant = None
+    c.model.patch_size, c.model.hidden_size, c.model.depth = 2, 32, 3
+    c.model.num_heads, c.model.mlp_dim = 2, 64
+    if c.model.representation_size:
+        c.model.representation_size = 32
+    c.batch_size, c.eval_batch_size = 48, 48   # divisible by accumulation 8 and repeats 3
+    c.total_steps, c.schedule.warmup_steps = 2, min(c.schedule.warmup_steps, 1)
+    c.dtype = "float32"
+    c.eval_analysis_images = 0
+    return c
+
+
+def build(c):
+    mesh = sharding.make_mesh()
+    spec = setup.validate_config(c, mesh.devices.size)
+    train = data.make_pipeline(c, "train")
+    n_cls = data.num_classes(c.data.name)
+    model = setup.create_model(c, n_cls, spec)
+    tx, lr = optimizer.create(c, 2)
+    state, state_sh = setup.create_train_state(model, tx, train.image_shape, mesh, jax.random.key(0))
+    return mesh, train, model, tx, lr, n_cls, state, state_sh
+
+
+@pytest.mark.parametrize("spec", ALL_PRESETS)
+def test_preset_is_a_valid_run(spec):
+    setup.validate_config(load(spec), 1)  # names, sizes, batch/accumulation, run length
+
+
+@pytest.mark.parametrize("spec", TRAINED)
+def test_preset_trains_two_steps_shrunk(spec):
+    c = shrink(load(spec))
+    mesh, train, model, tx, lr, n_cls, state, state_sh = build(c)
+    step = setup.jit_train_step(setup.make_train_step(c, model, tx, lr, n_cls), state_sh, mesh)
+    before = jax.tree.map(np.asarray, state.params)
+    batches = train.train_batches(0)
+    for _ in range(2):
+        state, m = step(state, sharding.to_global(next(batches), mesh))
+        assert np.isfinite(float(m.compute()["loss"]))
+    batches.close()
+    assert int(state.step) == 2
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), state.params, before)
+    assert max(jax.tree.leaves(moved)) > 0
+
+
+def test_presets_carry_the_cited_values():
+    """Spot checks against the sources quoted in configs/recipes.py."""
+    d = load("vit_dtn.py:deit_s")
+    assert (d.optimizer.learning_rate, d.optimizer.weight_decay, d.num_epochs) == (1e-3, 0.05, 300.0)
+    assert (d.mixup_alpha, d.cutmix_alpha, d.switch_prob, d.random_erase_prob) == (0.8, 1.0, 0.5, 0.25)
+    assert (d.label_smoothing, d.model.stochastic_depth, d.data.repeated_aug) == (0.1, 0.1, 3)
+    assert d.ema_decay == 0.99996 and d.schedule.warmup_steps == 5 * (1_281_167 // 1024)
+    assert load("vit_dtn.py:deit_t").model.num_heads == 4
+    assert load("vit_dtn.py:deit_b").model.num_heads == 16
+    assert d.model.norm.name == "dtn" and d.model.norm_overrides.final.name == "layernorm"
+    b = load("vit_ln.py:bigvision_s16_90ep")
+    assert (b.batch_size, b.optimizer.learning_rate, b.schedule.warmup_steps) == (1024, 1e-3, 10_000)
+    # big_vision's decoupled wd 1e-4 (not scaled by lr) = optax.adamw's weight_decay * lr
+    assert b.optimizer.weight_decay * b.optimizer.learning_rate == pytest.approx(1e-4)
+    assert (b.model.classifier, b.model.posemb, b.mixup_alpha) == ("gap", "sincos2d", 0.2)
+    assert load("vit_dpn.py:bigvision_s16_90ep").model.patch_norm == "dual"
+    ls = load("vit_learnable_scaler.py:paper")
+    assert (ls.optimizer.name, ls.batch_size, ls.grad_accum_steps, ls.optimizer.grad_clip) == \
+        ("lamb", 2048, 8, 14.0)
+    assert (ls.model.depth, ls.model.hidden_size, ls.model.patch_size) == (24, 192, 16)
+    r = load("vit_rescale.py:cifar10_b16")
+    assert (r.model.variant, r.data.image_size, r.total_steps, r.batch_size) == ("B/16", 224, 20_000, 128)
+    assert r.model.norm.name == "rescale" and r.optimizer.name == "sgd"
+
+
+def test_randaugment_is_set_only_where_the_key_exists():
+    c = load("vit_dtn.py:deit_s")
+    if "randaugment" in default.get_config():
+        assert c.randaugment == recipes.RANDAUGMENT_DEIT
+    else:
+        assert "randaugment" not in c
+
+
+def test_augmentation_acts_in_training_and_not_in_evaluation():
+    """DeiT's batch augmentations (erasing, Mixup/CutMix) draw from the step key: the train step's
+    gradient changes with the state's key; eval metrics do not (no augmentation reaches eval)."""
+    c = shrink(load("vit_ln.py:deit_s"))
+    c.model.stochastic_depth = 0.0  # leave the augmentations as the only use of the key
+    c.schedule.warmup_steps = 0     # the first step updates the weights
+    assert batch_aug.make(c, 10) is not None
+    mesh, train, model, tx, lr, n_cls, state, state_sh = build(c)
+    step = jax.jit(setup.make_train_step(c, model, tx, lr, n_cls))  # no donation: state used twice
+    ev = setup.jit_eval_step(model, state_sh, mesh)
+    batch = sharding.to_global(train.train_batch(0), mesh)
+    eval_batch = dict(batch, mask=np.ones(c.batch_size, np.float32))
+    other = state.replace(rng=jax.random.key_data(jax.random.key(123)))
+    # The head starts at zero (loss log(10) for any input): compare gradients, then evaluate the
+    # stepped weights, whose logits depend on the input.
+    outs = [step(s, batch) for s in (state, other)]
+    grad_norms = [float(m.compute()["grad_norm"]) for _, m in outs]
+    assert grad_norms[0] != grad_norms[1]
+    trained = outs[0][0]
+    again = trained.replace(rng=other.rng)
+    e = [ev(s, sharding.to_global(eval_batch, mesh)).compute() for s in (trained, again)]
+    assert float(e[0]["loss"]) != pytest.approx(np.log(10), abs=1e-4)
+    assert float(e[0]["loss"]) == float(e[1]["loss"]) and float(e[0]["top1"]) == float(e[1]["top1"])
+    c.mixup_alpha = c.cutmix_alpha = c.random_erase_prob = 0.0  # all off: no transform at all
+    assert batch_aug.make(c, 10) is None
