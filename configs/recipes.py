@@ -15,16 +15,15 @@ import ml_collections
 
 WIDTH = {"Ti": 192, "S": 384, "B": 768, "L": 1024, "H": 1280}  # ViT widths (Dosovitskiy et al.)
 IMAGENET_TRAIN_EXAMPLES = 1_281_167  # tfds imagenet2012 'train'
-# RandAugment policies (config key ``randaugment``, set only where this checkout has the key).
+# RandAugment policies (config key ``randaugment``; train/randaugment.py parses them).
 RANDAUGMENT_DEIT = "rand-m9-mstd0.5-inc1"  # [DeiT] --aa default
-RANDAUGMENT_BIGVISION = "randaug(2,10)"    # [BV] pp_train
+RANDAUGMENT_BIGVISION = "bigvision-2-10"    # [BV] pp_train: randaug(2, 10)
 RANDAUGMENT_LS = "rand-m7-mstd0.5"         # [LS] --aa
 
 
 def set_randaugment(c: ml_collections.ConfigDict, policy: str) -> None:
-    """RandAugment is a separate change: applied only when this checkout's config has the key."""
-    if "randaugment" in c:
-        c.randaugment = policy
+    """The RandAugment policy (config key ``randaugment``, parsed by train/randaugment.py)."""
+    c.randaugment = policy
 
 
 def steps_per_epoch(batch_size: int, num_examples: int = IMAGENET_TRAIN_EXAMPLES) -> int:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import default, recipes
+from configs import recipes
 from normvit_jax import cli, data, sharding
 from normvit_jax.train import batch_aug, optimizer, setup
 from tests.conftest import REPO_ROOT
@@ -105,16 +105,19 @@ def test_presets_carry_the_cited_values():
     assert r.model.norm.name == "rescale" and r.optimizer.name == "sgd"
 
 
-def test_randaugment_is_set_only_where_the_key_exists():
-    c = load("vit_dtn.py:deit_s")
-    if "randaugment" in default.get_config():
-        assert c.randaugment == recipes.RANDAUGMENT_DEIT
-    else:
-        assert "randaugment" not in c
+def test_presets_name_policies_the_randaugment_parser_accepts():
+    from normvit_jax.train import randaugment
+    assert load("vit_dtn.py:deit_s").randaugment == recipes.RANDAUGMENT_DEIT
+    assert load("vit_ln.py:bigvision_s16_90ep").randaugment == recipes.RANDAUGMENT_BIGVISION
+    for policy, style, n, m in ((recipes.RANDAUGMENT_DEIT, "timm", 2, 9.0),
+                                (recipes.RANDAUGMENT_BIGVISION, "bigvision", 2, 10.0),
+                                (recipes.RANDAUGMENT_LS, "timm", 2, 7.0)):
+        ra = randaugment.parse(policy)
+        assert (ra.style, ra.num_layers, ra.magnitude) == (style, n, m)
 
 
 def test_augmentation_acts_in_training_and_not_in_evaluation():
-    """DeiT's batch augmentations (erasing, Mixup/CutMix) draw from the step key: the train step's
+    """DeiT's batch augmentations (RandAugment, erasing, Mixup/CutMix) draw from the step key: the train step's
     gradient changes with the state's key; eval metrics do not (no augmentation reaches eval)."""
     c = shrink(load("vit_ln.py:deit_s"))
     c.model.stochastic_depth = 0.0  # leave the augmentations as the only use of the key
@@ -137,4 +140,5 @@ def test_augmentation_acts_in_training_and_not_in_evaluation():
     assert float(e[0]["loss"]) != pytest.approx(np.log(10), abs=1e-4)
     assert float(e[0]["loss"]) == float(e[1]["loss"]) and float(e[0]["top1"]) == float(e[1]["top1"])
     c.mixup_alpha = c.cutmix_alpha = c.random_erase_prob = 0.0  # all off: no transform at all
+    c.randaugment = ""
     assert batch_aug.make(c, 10) is None
