@@ -21,14 +21,13 @@ from flax.core import frozen_dict
 
 from normvit_jax import models
 from normvit_jax.models import scan_convert
+from normvit_jax.models import spec as spec_lib
 from normvit_jax.models.spec import ViTSpec
 from normvit_jax.preflight import npz_problem
 
 POSEMB = "Transformer/posembed_input/pos_embedding"
-# Module names this ViT gives its norm slots. Those in CKPT_NORM_SLOTS exist in Google's checkpoints.
-NORM_SLOTS = frozenset({"LayerNorm_0", "LayerNorm_2", "encoder_norm", "PostNorm_attn", "PostNorm_mlp",
-                        "patch_norm_pre", "patch_norm_post"})
-CKPT_NORM_SLOTS = frozenset({"LayerNorm_0", "LayerNorm_2", "encoder_norm"})
+# Module names this ViT gives its norm slots, and those Google's checkpoints hold (models/spec.py).
+NORM_SLOTS, CKPT_NORM_SLOTS = spec_lib.ALL_SLOTS, spec_lib.GOOGLE_SLOTS
 MODEL_ONLY = frozenset({"rescale_s"})  # parameters no Google checkpoint has (RescaleViT's residual scale)
 # Flax linen numbers submodules per class (big_vision, linen vit_jax); the published vit_jax files
 # use pre-linen global numbering, which is what this ViT's parameter names keep.

@@ -32,7 +32,7 @@ from flax import serialization
 
 from normvit_jax import models, norms
 from normvit_jax.models import scan_convert
-from normvit_jax.models.spec import DEFAULT_NORM, ViTSpec
+from normvit_jax.models.spec import ViTSpec
 
 ATTENTION = "MultiHeadDotProductAttention_1"
 # Slot of a block -> the linear layers it feeds (paths inside the block).
@@ -76,21 +76,15 @@ def _affine(norm_cfg: Any, slot_params: Mapping, slot_stats: Mapping, dim: int):
     return np.asarray(a, np.float32), np.asarray(c, np.float32)
 
 
-def _norm_name(cfg: Any) -> str:
-    if isinstance(cfg, str):
-        return cfg
-    return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg or {}).get("name", "layernorm")
-
-
 def _why_kept(norm_cfg: Any) -> str:
-    name = _norm_name(norm_cfg)
+    name = norms.name_of(norm_cfg)
     if name == "powernorm":
         return "powernorm: its group scaling divides each token by its own RMS at inference"
     return f"{name}: statistics of each token at inference, not a fixed affine"
 
 
 def foldable(norm_cfg: Any) -> bool:
-    return hasattr(norms.resolve(_norm_name(norm_cfg or DEFAULT_NORM)), "inference_affine")
+    return hasattr(norms.resolve(norms.name_of(norm_cfg)), "inference_affine")
 
 
 def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldReport]:
@@ -117,7 +111,7 @@ def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldR
         if not foldable(ncfg):
             report.kept.append((f"Transformer/{block}", _why_kept(ncfg)))
             continue
-        if _norm_name(ncfg) == "identity":
+        if norms.name_of(ncfg) == "identity":
             continue
         for slot, targets in NEXT_LAYERS.items():
             a, c = _affine(ncfg, tf_params[block].get(slot, {}),
@@ -134,7 +128,7 @@ def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldR
         new_overrides[f"block_{i}"] = {"name": "identity"}
     final_cfg = spec.final_norm_config()
     if spec.final_norm and ("encoder_norm" in tf_params or "encoder_norm" in tf_stats):
-        if foldable(final_cfg) and _norm_name(final_cfg) != "identity":
+        if foldable(final_cfg) and norms.name_of(final_cfg) != "identity":
             a, c = _affine(final_cfg, tf_params.get("encoder_norm", {}),
                            tf_stats.get("encoder_norm", {}), dim)
             _fold_into(params["pre_logits" if spec.representation_size else "head"], a, c)

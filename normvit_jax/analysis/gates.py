@@ -16,8 +16,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from normvit_jax.models import scan_convert
+from normvit_jax.models.spec import ALL_SLOTS
 
-SLOT = re.compile(r"^(LayerNorm_\d+|PostNorm_\w+|encoder_norm|patch_norm_\w+)$")
+SLOT = re.compile("^(" + "|".join(sorted(ALL_SLOTS)) + ")$")
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

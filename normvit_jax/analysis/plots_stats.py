@@ -8,8 +8,11 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from normvit_jax.analysis import figures
+from normvit_jax.models.spec import BLOCK_SLOTS, FINAL_SLOT
 
-_OFFSETS = {"LayerNorm_0": 0.0, "PostNorm_attn": 0.25, "LayerNorm_2": 0.5, "PostNorm_mlp": 0.75}
+# along a block: the attention norm, its post-norm (sandwich), the MLP norm, its post-norm
+_OFFSETS = dict(zip((BLOCK_SLOTS[0], BLOCK_SLOTS[2], BLOCK_SLOTS[1], BLOCK_SLOTS[3]),
+                    (0.0, 0.25, 0.5, 0.75)))
 STATS = (("chan_mean", "mean", False), ("chan_var", "variance across channels\n(per token)", True),
          ("tok_var", "variance across tokens\n(per channel)", True), ("max_abs", "max |x|", True))
 X_NOTE = ("x: norm slot position: block k's first norm (LayerNorm_0) at k, its second "
@@ -18,7 +21,7 @@ X_NOTE = ("x: norm slot position: block k's first norm (LayerNorm_0) at k, its s
 
 def slot_position(path: str, depth: int) -> float | None:
     """Where a slot sits along the depth; None for slots outside the blocks (patch norms)."""
-    if path == "encoder_norm":
+    if path == FINAL_SLOT:
         return float(depth)
     m = re.match(r"^encoderblock_(\d+)/(\w+)$", path)
     if not m or m.group(2) not in _OFFSETS:

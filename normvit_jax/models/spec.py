@@ -35,11 +35,13 @@ _CHOICES = (("classifier", CLASSIFIERS), ("posemb", POSEMBS), ("norm_placement",
             ("patch_norm", PATCH_NORMS), ("residual_scaling", RESIDUALS),
             ("attention_impl", ATTENTION_IMPLS), ("fusion_barriers", FUSION_BARRIERS))
 
-DEFAULT_NORM = FrozenDict({"name": "layernorm"})  # the norm of a slot nothing else names
+DEFAULT_NORM = FrozenDict(norms.DEFAULT)  # the norm of a slot nothing else names
 # Norm slots, by module name. In a block: pre/post use the first two, sandwich all four.
 BLOCK_SLOTS = ("LayerNorm_0", "LayerNorm_2", "PostNorm_attn", "PostNorm_mlp")
 FINAL_SLOT = "encoder_norm"
 PATCH_SLOTS = ("patch_norm_pre", "patch_norm_post")  # always LayerNorm (Dual PatchNorm)
+ALL_SLOTS = frozenset(BLOCK_SLOTS + (FINAL_SLOT,) + PATCH_SLOTS)
+GOOGLE_SLOTS = frozenset(BLOCK_SLOTS[:2] + (FINAL_SLOT,))  # the slots Google's checkpoints hold
 
 
 def _freeze(x: Any) -> Any:
@@ -167,7 +169,7 @@ class ViTSpec:
         'Transformer/encoderblock_3/LayerNorm_0' or 'Transformer/encoder_norm'."""
         parts = slot_path.split("/")
         if parts[-1] in PATCH_SLOTS:
-            return "layernorm"
+            return norms.name_of(DEFAULT_NORM)
         for p in parts:
             if p.startswith("encoderblock_") and p[len("encoderblock_"):].isdigit():
                 return self.slot_norms[int(p[len("encoderblock_"):])]["name"]
