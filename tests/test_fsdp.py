@@ -88,3 +88,27 @@ def test_checkpoint_restores_onto_another_mesh(measured, target):
     assert measured[f"restore_{target}_equal"], target       # every array, bit for bit
     assert measured[f"restore_{target}_shardings"], target   # in the target mesh's shardings
     assert measured[f"restore_{target}_devices"] == (1 if target == "1dev" else 4)
+
+
+def test_mesh_keys_may_change_on_resume_and_are_validated():
+    """Resuming with another mesh is no config change (checkpoints restore onto any mesh); a
+    mesh that does not fit the device count is refused before anything is built."""
+    from normvit_jax import workdir
+    from normvit_jax.train import setup
+    from tests.conftest import tiny_demo_config
+    saved = tiny_demo_config()
+    current = tiny_demo_config(**{"mesh.fsdp": 8, "mesh.data": 2, "mesh.fsdp_min_size": 0})
+    assert workdir.config_diff(saved.to_dict(), current.to_dict()) == []
+    assert workdir.config_diff(saved.to_dict(), tiny_demo_config(seed=1).to_dict()) != []
+    with pytest.raises(ValueError, match="config.mesh.data x config.mesh.fsdp"):
+        setup.validate_config(tiny_demo_config(**{"mesh.fsdp": 3}), num_devices=8)
+    setup.validate_config(tiny_demo_config(**{"mesh.fsdp": 4}), num_devices=8)
+
+
+def test_fsdp_benchmark_runs():
+    """benchmarks/fsdp.py end to end on this process's devices (one: both rows replicated)."""
+    from benchmarks import fsdp
+    res = fsdp.main(["--models=Ti/4", "--num_classes=10", "--step_model="])
+    rows = res["rows"]
+    assert [r["fsdp"] for r in rows] == [1, 1] and rows[0]["params_M"] > 0
+    assert rows[0]["peak_GiB"] >= rows[0]["arguments_GiB"] > 0
