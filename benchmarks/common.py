@@ -156,7 +156,7 @@ def device_peak_bytes() -> int | None:
 
 def _train_parts(config: ml_collections.ConfigDict, num_classes: int) -> tuple[Any, Any, Any, Callable]:
     """(mesh, model, optimizer, train-step function) as the loop builds them from ``config``."""
-    mesh = sharding.make_mesh()
+    mesh = sharding.make_mesh(config)
     model = setup.create_model(config, num_classes)
     tx, lr = optim.create(config, int(config.total_steps))
     return mesh, model, tx, setup.make_train_step(config, model, tx, lr, num_classes)
@@ -168,7 +168,8 @@ def lower_abstract_train_step(config: ml_collections.ConfigDict, num_classes: in
     allocated, for compile-time and memory measurements of any size."""
     mesh, model, tx, fn = _train_parts(config, num_classes)
     size, b = int(config.data.image_size), int(config.batch_size)
-    state, state_sharding = setup.abstract_train_state(model, tx, (size, size, 3), mesh)
+    state, state_sharding = setup.abstract_train_state(model, tx, (size, size, 3), mesh,
+                                                       sharding.fsdp_min_size(config))
     bat = sharding.batch_sharding(mesh)
     batch = {"image": jax.ShapeDtypeStruct((b, size, size, 3), np.float32, sharding=bat),
              "label": jax.ShapeDtypeStruct((b,), np.int32, sharding=bat)}
@@ -182,7 +183,8 @@ def compile_train(name: str, config: ml_collections.ConfigDict, *, num_classes: 
     mesh, model, tx, fn = _train_parts(config, num_classes)
     size = int(config.data.image_size)
     state, state_sharding = setup.create_train_state(model, tx, (size, size, 3), mesh,
-                                                     jax.random.key(seed))
+                                                     jax.random.key(seed),
+                                                     sharding.fsdp_min_size(config))
     batch = synthetic_batch(int(config.batch_size), size, num_classes, mesh, seed)
     t = time.perf_counter()
     compiled = setup.jit_train_step(fn, state_sharding, mesh).lower(state, batch).compile(

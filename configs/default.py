@@ -118,6 +118,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.dtype = "float32"             # compute dtype: float32 | bfloat16 (params and stats stay float32)
     c.remat = False                 # activation checkpointing per block
 
+    # ---- device mesh (normvit_jax/sharding.py; README "Sharded parameters (FSDP)") ----
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1                # data-parallel axis size (-1: the devices left after fsdp)
+    c.mesh.fsdp = 1                 # FSDP axis size: the batch is split over data x fsdp devices, and
+                                    # each state array (params, optimizer moments, EMA) with at least
+                                    # fsdp_min_size elements is split over fsdp along its largest
+                                    # divisible axis (1: all replicated, plain data parallelism)
+    c.mesh.fsdp_min_size = 2 ** 14  # smaller arrays (biases, norm scales, batch stats) stay replicated
+
     # ---- loop, checkpoints, logging ----
     c.log_every = 50                # steps between train metric writes
     c.eval_every = 1000             # steps between evaluations (and at the end)

@@ -83,12 +83,13 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     eval set; writes and returns ``{'step', 'dataset', 'split', 'metrics', 'path'}`` (EMA metrics
     as ``ema_*``). Raises CheckpointMismatchError when the config builds another model and
     FileNotFoundError when there is no checkpoint."""
-    mesh = sharding.make_mesh()
+    mesh = sharding.make_mesh(config)  # the run's mesh: an FSDP state is restored sharded
     spec = setup.validate_config(config, mesh.devices.size)
     pipeline = data.make_pipeline(config, "eval")
     model = setup.create_model(config, data.num_classes(config.data.name), spec)
     tx, _ = optim.create(config, max(int(config.total_steps or 0), 1))  # only its state's tree
-    abstract, _ = setup.abstract_train_state(model, tx, pipeline.image_shape, mesh)
+    abstract, _ = setup.abstract_train_state(model, tx, pipeline.image_shape, mesh,
+                                             sharding.fsdp_min_size(config))
     if not checkpoints.checkpoint_dir(workdir).exists():
         raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(workdir)}")
     mngr = checkpoints.open_read_only(workdir)  # the run may still be training
@@ -108,8 +109,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
         state = checkpoints.restore(mngr, abstract, step)
     finally:
         mngr.close()
-    rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
-    fn = jax.jit(make_eval_sums(model), in_shardings=(rep, bat), out_shardings=rep)
+    # inputs keep their shardings: the state as restored (FSDP or replicated), the batch split
+    fn = jax.jit(make_eval_sums(model), out_shardings=sharding.replicated(mesh))
     metrics = _run_split(fn, state.variables(), pipeline, mesh)
     ema_params = ema.find(state.opt_state)
     if ema_params is not None:

@@ -1,8 +1,12 @@
 """The device mesh and shardings; nothing else in the project knows about devices.
 
-One mesh over all devices of all hosts with a 'data' axis: the batch is sharded on it, parameters
-and optimizer state are replicated. Under ``jax.jit`` a mean over the batch axis is then global
-(synchronised batch statistics) without any collective written by hand.
+One mesh over all devices of all hosts with axes ('data', 'fsdp') (``config.mesh``): the batch is
+sharded over both axes together; each large array of the train state (parameters, optimizer
+moments, EMA weights) is split over 'fsdp' along its largest divisible axis, the rest replicated
+(``state_shardings``). With fsdp=1 (the default) every array is replicated: plain data
+parallelism. Under ``jax.jit`` a mean over the batch axis is global (synchronised batch
+statistics) and XLA gathers the sharded weights where a layer needs them (ZeRO-3 style), without
+any collective written by hand.
 """
 from __future__ import annotations
 
@@ -13,12 +17,45 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # the batch is split over every device
+FSDP_MIN_SIZE = 2 ** 14  # arrays with fewer elements stay replicated (biases, norm scales)
 
 
-def make_mesh(devices: list[Any] | None = None) -> Mesh:
-    """A 1-D 'data' mesh over ``devices`` (all devices of all processes by default)."""
-    devices = jax.devices() if devices is None else devices
-    return Mesh(np.asarray(devices), (DATA_AXIS,))
+def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1) -> tuple[int, int]:
+    """(data, fsdp) sizes for ``num_devices``; -1 for one of them: the rest. Raises ValueError
+    naming ``config.mesh`` keys when they do not multiply to the device count."""
+    if fsdp == -1 and data == -1:
+        raise ValueError("config.mesh.data and config.mesh.fsdp are both -1; accepted: at most one")
+    for key, v in (("data", data), ("fsdp", fsdp)):
+        if v != -1 and v < 1:
+            raise ValueError(f"config.mesh.{key}={v} is not accepted; accepted: -1 (the rest) or >= 1")
+    if data == -1:
+        data = num_devices // fsdp if num_devices % fsdp == 0 else 0
+    elif fsdp == -1:
+        fsdp = num_devices // data if num_devices % data == 0 else 0
+    if data * fsdp != num_devices or data < 1 or fsdp < 1:
+        raise ValueError(f"config.mesh.data x config.mesh.fsdp must equal the number of devices "
+                         f"({num_devices}); got data={data}, fsdp={fsdp}")
+    return data, fsdp
+
+
+def make_mesh(config: Any = None, *, devices: list[Any] | None = None) -> Mesh:
+    """The ('data', 'fsdp') mesh of ``config.mesh`` (None or no ``mesh`` key: data=-1, fsdp=1)
+    over ``devices`` (all devices of all processes by default).
+
+    'fsdp' is the inner axis: its groups are consecutive devices (``jax.devices()`` lists them
+    process by process), so with fsdp dividing the devices per host the weights are gathered
+    within a host and only the gradient reduction over 'data' crosses hosts."""
+    devices = jax.devices() if devices is None else list(devices)
+    m = config.get("mesh") if config is not None else None
+    data, fsdp = mesh_shape(len(devices), int(m.data) if m else -1, int(m.fsdp) if m else 1)
+    return Mesh(np.asarray(devices).reshape(data, fsdp), (DATA_AXIS, FSDP_AXIS))
+
+
+def fsdp_min_size(config: Any = None) -> int:
+    m = config.get("mesh") if config is not None else None
+    return int(m.get("fsdp_min_size", FSDP_MIN_SIZE)) if m else FSDP_MIN_SIZE
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -26,8 +63,29 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) axis split over 'data', the rest replicated."""
-    return NamedSharding(mesh, P(DATA_AXIS))
+    """Leading (batch) axis split over all mesh axes ('data' and 'fsdp'), the rest replicated."""
+    return NamedSharding(mesh, P(tuple(a for a in BATCH_AXES if a in mesh.axis_names)))
+
+
+def fsdp_spec(shape: tuple[int, ...], fsdp: int, min_size: int = FSDP_MIN_SIZE) -> P:
+    """The rule for one array of the train state: its largest axis divisible by ``fsdp`` (the
+    last such on ties) split over 'fsdp', if it has at least ``min_size`` elements; else P()
+    (replicated). Shape-only, so optimizer moments and EMA weights follow their parameters."""
+    if fsdp <= 1 or int(np.prod(shape, dtype=np.int64)) < max(min_size, 1):
+        return P()
+    axes = [i for i, n in enumerate(shape) if n % fsdp == 0]
+    if not axes:
+        return P()
+    best = max(axes, key=lambda i: (shape[i], i))
+    return P(*([None] * best + [FSDP_AXIS]))
+
+
+def state_shardings(abstract: Any, mesh: Mesh, min_size: int = FSDP_MIN_SIZE) -> Any:
+    """A NamedSharding per leaf of ``abstract`` (shapes, e.g. from ``jax.eval_shape``) by
+    ``fsdp_spec``."""
+    fsdp = int(mesh.shape.get(FSDP_AXIS, 1))
+    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(tuple(x.shape), fsdp, min_size)),
+                        abstract)
 
 
 def to_global(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

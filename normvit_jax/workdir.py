@@ -23,8 +23,9 @@ from etils import epath
 LOCK_NAME = ".lock"
 CONFIG_NAME = "config.json"
 REPLACED_DIR = "replaced"          # --fresh moves an old run here
-# Keys that may differ between the saved config and a re-run without allow_config_change.
-ALWAYS_CHANGEABLE = ("allow_config_change",)
+# Keys that may differ between the saved config and a re-run without allow_config_change: the
+# mesh only places the same state on devices (checkpoints restore onto any mesh).
+ALWAYS_CHANGEABLE = ("allow_config_change", "mesh.data", "mesh.fsdp", "mesh.fsdp_min_size")
 
 
 class WorkdirError(RuntimeError):

@@ -126,7 +126,7 @@ def test_eight_devices_match_one_device():
                  "label": rng.integers(0, 10, 32).astype(np.int32)}
         out = {}
         for n in (1, 8):
-            mesh = sharding.make_mesh(jax.devices()[:n])
+            mesh = sharding.make_mesh(devices=jax.devices()[:n])
             state, ss = create_train_state(model, tx, (8, 8, 3), mesh, jax.random.key(0))
             step = jax.jit(steps.make_train_step(model, tx, lr), in_shardings=(ss, sharding.batch_sharding(mesh)))
             gb = sharding.to_global(batch, mesh)

@@ -67,7 +67,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     even if the workdir holds a run (moved to ``workdir/replaced/``). Returns the final step, the
     last eval metrics and the state.
     """
-    mesh = sharding.make_mesh()
+    mesh = sharding.make_mesh(config)
     spec = setup.validate_config(config, mesh.devices.size)
     workdir = workdir_lib.absolute(workdir)
     with preemption.SigtermFlag() as sigterm, workdir_lib.prepare(
@@ -84,10 +84,12 @@ def _run(config, workdir, stop_at, spec, mesh, sigterm) -> dict[str, Any]:
     model = setup.create_model(config, num_classes, spec)
     tx, lr_schedule = optim.create(config, n_steps)
     state, state_sharding = setup.create_train_state(model, tx, train_data.image_shape, mesh,
-                                                     jax.random.key(config.seed))
+                                                     jax.random.key(config.seed),
+                                                     sharding.fsdp_min_size(config))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-    logging.info("Model: %s, %s parameters; %d devices; %d steps (%d per epoch).",
-                 progress.describe_model(model.spec), f"{n_params:,}", mesh.devices.size, n_steps,
+    logging.info("Model: %s, %s parameters; %d devices (mesh %s); %d steps (%d per epoch).",
+                 progress.describe_model(model.spec), f"{n_params:,}", mesh.devices.size,
+                 " x ".join(f"{k}={v}" for k, v in mesh.shape.items()), n_steps,
                  train_data.steps_per_epoch)
 
     mngr = checkpoints.make_manager(workdir, keep=config.keep_checkpoints)

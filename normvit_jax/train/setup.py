@@ -43,6 +43,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     if config.dtype not in DTYPES:
         raise ValueError(f"config.dtype={config.dtype!r} is not accepted; accepted: {list(DTYPES)}")
     n = num_devices or jax.device_count()
+    if config.get("mesh"):  # raises naming the keys
+        sharding.mesh_shape(n, int(config.mesh.data), int(config.mesh.fsdp))
     k = config.grad_accum_steps
     if k < 1 or config.batch_size % k:
         raise ValueError(f"config.grad_accum_steps={k} must be >= 1 and divide "
@@ -79,21 +81,23 @@ def state_init(model: nn.Module, tx: optax.GradientTransformation,
 
 
 def abstract_train_state(model: nn.Module, tx: optax.GradientTransformation,
-                         image_shape: tuple[int, ...], mesh: Mesh) -> tuple[TrainState, Any]:
+                         image_shape: tuple[int, ...], mesh: Mesh,
+                         fsdp_min_size: int = sharding.FSDP_MIN_SIZE) -> tuple[TrainState, Any]:
     """(the state's shapes as ShapeDtypeStructs carrying their sharding, the state's shardings):
-    nothing is allocated."""
-    rep = sharding.replicated(mesh)
+    nothing is allocated. Shardings by ``sharding.state_shardings``: all replicated unless the
+    mesh has an 'fsdp' axis of size > 1 (``config.mesh``)."""
     abstract = jax.eval_shape(state_init(model, tx, image_shape), jax.random.key(0))
-    state_sharding = jax.tree.map(lambda _: rep, abstract)
-    shaped = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), abstract)
+    state_sharding = sharding.state_shardings(abstract, mesh, fsdp_min_size)
+    shaped = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          abstract, state_sharding)
     return shaped, state_sharding
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation,
-                       image_shape: tuple[int, ...], mesh: Mesh,
-                       rng: jax.Array) -> tuple[TrainState, Any]:
-    """(the initial state, initialised directly into its replicated sharding; its shardings)."""
-    _, state_sharding = abstract_train_state(model, tx, image_shape, mesh)
+                       image_shape: tuple[int, ...], mesh: Mesh, rng: jax.Array,
+                       fsdp_min_size: int = sharding.FSDP_MIN_SIZE) -> tuple[TrainState, Any]:
+    """(the initial state, initialised directly into its sharding; its shardings)."""
+    _, state_sharding = abstract_train_state(model, tx, image_shape, mesh, fsdp_min_size)
     state = jax.jit(state_init(model, tx, image_shape), out_shardings=state_sharding)(rng)
     return state, state_sharding
 
@@ -110,7 +114,8 @@ def make_train_step(config: ml_collections.ConfigDict, model: nn.Module,
 
 
 def jit_train_step(fn: Callable, state_sharding: Any, mesh: Mesh) -> Any:
-    """The train step jitted over the mesh: batch split on 'data', state replicated and donated."""
+    """The train step jitted over the mesh: batch split over all devices, state in its shardings
+    (``abstract_train_state``) and donated; metrics replicated."""
     rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     return jax.jit(fn, in_shardings=(state_sharding, bat), out_shardings=(state_sharding, rep),
                    donate_argnums=0)
