@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import os
 
-import jax
-import pytest
+# Several pytest-xdist workers may share one GPU: each allocates on demand instead of taking 75%.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from configs import vit_ln
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from configs import vit_ln  # noqa: E402
 
 
 def tiny_demo_config(**overrides):
