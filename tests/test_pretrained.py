@@ -654,3 +654,34 @@ def test_export_of_a_scanned_model_is_the_per_block_vit_jax_layout(tmp_path):
         assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
     with np.load(tmp_path / "scanned.npz", allow_pickle=False) as z:
         assert set(z.files) == set(want)
+
+
+def test_loop_init_from_loads_the_npz_into_the_train_state(tmp_path):
+    """The loop's own path (train/loop._init_from_pretrained): an .npz exported from other weights
+    lands in the fresh state, every array but the re-initialised head equal to the file's, on the
+    state's shardings, with the optimizer state re-initialised for them."""
+    from normvit_jax import sharding
+    from normvit_jax.train import loop, optimizer, setup
+    from tests.conftest import tiny_demo_config
+
+    cfg = tiny_demo_config()
+    spec = setup.validate_config(cfg, jax.device_count())
+    model = setup.create_model(cfg, 10, spec)
+    tx, _ = optimizer.create(cfg, 6)
+    mesh = sharding.make_mesh(cfg)
+    state, shardings = setup.create_train_state(model, tx, (8, 8, 3), mesh, jax.random.key(0))
+    donor, _ = setup.create_train_state(model, tx, (8, 8, 3), mesh, jax.random.key(1))
+    donor_params = jax.tree.map(np.asarray, donor.params)
+    path = str(tmp_path / "donor.npz")
+    pretrained.export_npz(donor_params, path, spec, log=None)
+    cfg.init_from = path
+    new = loop._init_from_pretrained(cfg, spec, 10, state, tx, shardings)
+    flat_new = traverse_util.flatten_dict(jax.tree.map(np.asarray, new.params), sep="/")
+    flat_donor = traverse_util.flatten_dict(donor_params, sep="/")
+    flat_init = traverse_util.flatten_dict(jax.tree.map(np.asarray, state.params), sep="/")
+    loaded = [k for k in flat_donor if not k.startswith("head/")]
+    assert len(loaded) > 10
+    for k in loaded:
+        np.testing.assert_array_equal(flat_new[k], flat_donor[k], err_msg=k)
+        assert not np.array_equal(flat_new[k], flat_init[k]) or flat_init[k].std() == 0, k
+    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(new), jax.tree.leaves(shardings)))

@@ -246,8 +246,11 @@ def _writers(workdir: str) -> tuple[Any, Any]:
 
 
 def _init_from_pretrained(config, spec, num_classes, state, tx, state_sharding) -> TrainState:
+    from jax.experimental import multihost_utils
+
     from normvit_jax import pretrained
-    params = jax.tree.map(np.asarray, state.params)
+    # whole arrays on every process, also for an FSDP state split across hosts
+    params = multihost_utils.process_allgather(state.params, tiled=True)
     params, _ = pretrained.init_from_npz(params, config.init_from, spec, num_classes,
                                          keep_pre_logits=config.get("init_keep_pre_logits"),
                                          image_size=config.data.image_size, log=logging.info)
