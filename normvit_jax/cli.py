@@ -15,16 +15,12 @@ EXIT_DISTRIBUTED = 7   # the processes of a multi-process run did not all meet (
 EXIT_PREEMPTED = 42    # SIGTERM: checkpoint written, re-run to continue
 
 
-def quiet_library_logs() -> None:
-    from normvit_jax import logs
-    logs.quiet_library_logs()
-
-
 def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) -> int:
     """Trains; returns the exit code (the table above)."""
-    from normvit_jax import distributed, preemption, preflight, sharding, workdir as workdir_lib
+    from normvit_jax import distributed, logs, preemption, preflight, sharding
+    from normvit_jax import workdir as workdir_lib
 
-    quiet_library_logs()
+    logs.quiet_library_logs()
     try:
         preflight.check(config, workdir)  # before anything is written: a failed start leaves nothing
         # First: with several processes JAX installs its own SIGTERM notifier here.
@@ -75,8 +71,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None =
     JSON and writes them beside the checkpoints; returns the exit code (the table above)."""
     import json
 
-    quiet_library_logs()
     from normvit_jax import logs
+    logs.quiet_library_logs()
     logs.import_tensorflow_once()
     from normvit_jax import checkpoints, data, evaluation
     try:

@@ -17,14 +17,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from absl import logging
 from etils import epath
 
 from normvit_jax import checkpoints, data, sharding
-from normvit_jax.train import ema, setup
+from normvit_jax.train import setup
 from normvit_jax.train import optimizer as optim
-from normvit_jax.train import steps as steps_lib
 
 
 def real_top1_counts(logits: jax.Array, real: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -36,39 +34,25 @@ def real_top1_counts(logits: jax.Array, real: jax.Array, mask: jax.Array) -> tup
     return jnp.sum(hit & counted), jnp.sum(counted)
 
 
-def make_eval_sums(model: Any):
-    """``(variables, batch) -> sums`` over the batch's real rows; divided once at the end, so
-    the result equals the training loop's masked means."""
+def make_real_sums(model: Any):
+    """``(variables, batch) -> {'real_hits', 'real_count'}`` for an ImageNet-ReaL batch (one that
+    carries 'real'), else {}: the top-1, top-5 and loss come from the training's eval step."""
     def fn(variables: dict, batch: dict) -> dict[str, jax.Array]:
         logits = model.apply(variables, batch["image"], train=False).astype(jnp.float32)
-        labels, mask = batch["label"], batch["mask"]
-        k = min(5, logits.shape[-1])
-        top5 = jnp.any(jax.lax.top_k(logits, k)[1] == labels[:, None], axis=-1)
-        out = {"count": jnp.sum(mask),
-               "loss": jnp.sum(steps_lib.cross_entropy(logits, labels) * mask),
-               "top1": jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
-               "top5": jnp.sum(top5 * mask)}
-        if "real" in batch:
-            out["real_top1"], out["real_count"] = real_top1_counts(logits, batch["real"], mask)
-        return out
-    return fn
+        hits, counted = real_top1_counts(logits, batch["real"], batch["mask"])
+        return {"real_hits": hits, "real_count": counted}
+    real_fn = jax.jit(fn)
+    return lambda variables, batch: real_fn(variables, batch) if "real" in batch else {}
 
 
-def _run_split(fn, variables, pipeline, mesh) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for batch in pipeline.eval_batches():
-        sums = fn(variables, sharding.to_global(batch, mesh))
-        for k, v in sums.items():
-            total[k] = total.get(k, 0.0) + float(v)
-    # Means divided in float32, as the loop's clu metrics: top-1 counts are exact, so the top-1 of
-    # a checkpoint is the training eval's to the last bit.
-    n = np.float32(max(total.get("count", 0.0), 1.0))
-    out = {k: float(np.float32(total[k]) / n) for k in ("loss", "top1", "top5")}
-    out["num_examples"] = int(total.get("count", 0))
-    if "real_count" in total:
-        out["real_top1"] = total["real_top1"] / max(total["real_count"], 1.0)
-        out["real_num_examples"] = int(total["real_count"])
-    return out
+def _with_real_top1(metrics: dict[str, float]) -> dict[str, float]:
+    """Turns the summed ReaL counts (raw and ``ema_``) into ``real_top1`` and its example count."""
+    for p in ("", "ema_"):
+        if f"{p}real_count" in metrics:
+            hits, count = metrics.pop(f"{p}real_hits"), metrics.pop(f"{p}real_count")
+            metrics[f"{p}real_top1"] = hits / max(count, 1.0)
+            metrics[f"{p}real_num_examples"] = int(count)
+    return metrics
 
 
 def result_path(workdir: str, config: ml_collections.ConfigDict, step: int) -> epath.Path:
@@ -88,8 +72,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     pipeline = data.make_pipeline(config, "eval")
     model = setup.create_model(config, data.num_classes(config.data.name), spec)
     tx, _ = optim.create(config, max(int(config.total_steps or 0), 1))  # only its state's tree
-    abstract, _ = setup.abstract_train_state(model, tx, pipeline.image_shape, mesh,
-                                             sharding.fsdp_min_size(config))
+    abstract, state_sharding = setup.abstract_train_state(model, tx, pipeline.image_shape, mesh,
+                                                          sharding.fsdp_min_size(config))
     if not checkpoints.checkpoint_dir(workdir).exists():
         raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(workdir)}")
     mngr = checkpoints.open_read_only(workdir)  # the run may still be training
@@ -109,13 +93,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
         state = checkpoints.restore(mngr, abstract, step)
     finally:
         mngr.close()
-    # inputs keep their shardings: the state as restored (FSDP or replicated), the batch split
-    fn = jax.jit(make_eval_sums(model), out_shardings=sharding.replicated(mesh))
-    metrics = _run_split(fn, state.variables(), pipeline, mesh)
-    ema_params = ema.find(state.opt_state)
-    if ema_params is not None:
-        ema_metrics = _run_split(fn, state.replace(params=ema_params).variables(), pipeline, mesh)
-        metrics.update({f"ema_{k}": v for k, v in ema_metrics.items()})
+    # the training loop's eval step and metrics (+ ReaL top-1 on ImageNet-ReaL), EMA included
+    eval_step = setup.jit_eval_step(model, state_sharding, mesh)
+    metrics = _with_real_top1(setup.evaluate(eval_step, state, pipeline, mesh,
+                                             sums=make_real_sums(model)))
     pipeline.close()
     d = config.data
     path = result_path(workdir, config, step)

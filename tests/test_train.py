@@ -139,11 +139,7 @@ def test_eight_devices_match_one_device():
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
         print("OK")
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               PYTHONPATH=REPO_ROOT)
-    r = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    _run_on_cpu_devices(script, 8, timeout=300)
 
 
 def test_setup_and_benchmarks_do_not_import_tensorflow():
@@ -206,8 +202,14 @@ def test_loop_with_fsdp_resumes_on_another_mesh_and_evaluates(tmp_path):
             assert np.max(np.abs(x - y)) <= 1e-4 * scale, (x, y)
         print("OK")
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    _run_on_cpu_devices(script, 4, timeout=600)
+
+
+def _run_on_cpu_devices(script: str, n: int, timeout: int) -> None:
+    """Runs ``script`` in a fresh Python with ``n`` CPU devices (the XLA flag must be set before
+    JAX starts); it must print OK."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
                PYTHONPATH=REPO_ROOT)
     r = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]

@@ -25,7 +25,7 @@ from clu import metric_writers, periodic_actions
 
 from normvit_jax import checkpoints, data, preemption, sharding, summaries
 from normvit_jax import workdir as workdir_lib
-from normvit_jax.train import ema, guards
+from normvit_jax.train import guards
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import progress, setup
 from normvit_jax.train.state import TrainState
@@ -45,17 +45,6 @@ def total_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
     if config.total_steps:
         return int(config.total_steps)
     return max(1, int(math.ceil(config.num_epochs * steps_per_epoch)))
-
-
-def evaluate(eval_step, state, pipeline, mesh) -> dict[str, float]:
-    """Metrics over the whole eval split (padded rows are masked out)."""
-    acc = None
-    for batch in pipeline.eval_batches():
-        m = eval_step(state, sharding.to_global(batch, mesh))
-        acc = m if acc is None else acc.merge(m)
-    out = {k: float(v) for k, v in acc.compute().items()}
-    out["num_examples"] = int(acc.loss.count)
-    return out
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -151,11 +140,7 @@ def _run(config, workdir, stop_at, spec, mesh, sigterm) -> dict[str, Any]:
         """Eval over the whole split, then the analysis of a fixed batch (token statistics, norm
         gates, attention distance, attention maps), all written to TensorBoard."""
         with report.timed("eval"):
-            metrics = evaluate(eval_step, state, eval_data, mesh)
-            ema_params = ema.find(state.opt_state)  # config.ema_decay: the EMA weights too
-            if ema_params is not None:
-                metrics.update({f"ema_{k}": v for k, v in evaluate(
-                    eval_step, state.replace(params=ema_params), eval_data, mesh).items()})
+            metrics = setup.evaluate(eval_step, state, eval_data, mesh)
         writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
         if fixed_images is not None:
             with report.timed("eval_analysis"):

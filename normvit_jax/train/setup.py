@@ -16,7 +16,7 @@ from flax import linen as nn
 from jax.sharding import Mesh
 
 from normvit_jax import data, models, preflight, sharding
-from normvit_jax.train import batch_aug
+from normvit_jax.train import batch_aug, ema
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
@@ -126,3 +126,27 @@ def jit_eval_step(model: nn.Module, state_sharding: Any, mesh: Mesh) -> Any:
     rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     return jax.jit(steps_lib.make_eval_step(model), in_shardings=(state_sharding, bat),
                    out_shardings=rep)
+
+
+def evaluate(eval_step: Any, state: TrainState, pipeline: Any, mesh: Mesh,
+             sums: Callable[[dict, dict], dict] | None = None) -> dict[str, float]:
+    """Metrics of ``eval_step`` over the whole eval split (padded rows masked out), and of the
+    EMA weights as ``ema_*`` when the state keeps them (config.ema_decay). ``sums(variables,
+    batch)``: more per-batch sums, added up over the split into the result under their names."""
+    def one(st: TrainState) -> dict[str, float]:
+        acc, extra = None, {}
+        for batch in pipeline.eval_batches():
+            batch = sharding.to_global(batch, mesh)
+            m = eval_step(st, batch)
+            acc = m if acc is None else acc.merge(m)
+            for k, v in (sums(st.variables(), batch) if sums else {}).items():
+                extra[k] = extra.get(k, 0.0) + float(v)
+        out = {k: float(v) for k, v in acc.compute().items()}
+        out["num_examples"] = int(acc.loss.count)
+        return {**out, **extra}
+
+    metrics = one(state)
+    ema_params = ema.find(state.opt_state)
+    if ema_params is not None:
+        metrics.update({f"ema_{k}": v for k, v in one(state.replace(params=ema_params)).items()})
+    return metrics
