@@ -14,6 +14,11 @@ wait fraction is ~0. Data: the prepared tfds dataset in ``--data_dir`` when it e
 CIFAR under ``tfds.testing.mock_data`` (random pixels, in memory like the real one) and ImageNet
 as a synthetic array_record set of JPEGs at ImageNet's typical size (decode cost included),
 marked in the 'source' column.
+
+    python -m benchmarks.input_pipeline --cores=1,2,4,8,16
+
+instead measures how the ImageNet pipeline scales with cores: images/s with N cores and N decode
+workers (``data.num_workers``), per core, and the efficiency against the first count.
 """
 from __future__ import annotations
 
@@ -60,6 +65,13 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
     p.add_argument("--synthetic_examples", type=int, default=256,
                    help="size of the synthetic ImageNet set when none is prepared")
     p.add_argument("--skip_run", action="store_true", help="skip the pipeline+step run")
+    p.add_argument("--cores", default=None,
+                   help="comma list of core counts, e.g. 1,2,4: ImageNet decode scaling instead of "
+                        "the table above; each count runs the train pipeline alone in its own "
+                        "process pinned to that many cores, with as many decode workers")
+    p.add_argument("--pipeline_only", action="store_true",
+                   help="measure the pipeline on the cores this process may use, with one decode "
+                        "worker per core (what --cores runs in each child)")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -87,11 +99,13 @@ def dataset_config(name: str, args: tool_flags.Args) -> ml_collections.ConfigDic
 
 def _jpeg(rng: np.random.Generator, h: int, w: int) -> bytes:
     from PIL import Image
-    # smooth random images: about the entropy (and decode time) of a photo, unlike white noise
+    # Smooth random colours plus grain, quality 90: ~105 kB per file at these sizes, close to the
+    # ILSVRC2012 train JPEGs' mean (138 GB / 1.28 M files), so decoding costs about as much.
     small = rng.integers(0, 256, (h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
-    img = Image.fromarray(small).resize((w, h), Image.BILINEAR)
+    img = np.asarray(Image.fromarray(small).resize((w, h), Image.BILINEAR), np.float32)
+    img = np.clip(img + rng.normal(0.0, 28.0, img.shape), 0, 255).astype(np.uint8)
     buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=90)
+    Image.fromarray(img).save(buf, format="JPEG", quality=90)
     return buf.getvalue()
 
 
@@ -195,7 +209,61 @@ def run_together(p: Any, bench: Any, steps: int) -> float:
     return wait / total
 
 
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
+        range(os.cpu_count() or 1))
+
+
+def pipeline_only(args: tool_flags.Args) -> dict[str, Any]:
+    """The ImageNet train pipeline alone, one decode worker per core this process may use."""
+    n = len(_cores())
+    c = dataset_config("imagenet2012", args)
+    c.data.num_workers = n
+    with open_train_pipeline("imagenet2012", c, args) as (p, source):
+        rate = pipeline_rate(p, args.batches)
+    row = {"cores": n, "workers": n, "source": source, "batch": int(c.batch_size),
+           "images_s": round(rate, 1), "images_s_per_core": round(rate / n, 1)}
+    return {"machine": common.machine(), "args": vars(args), "rows": [row]}
+
+
+def scaling(args: tool_flags.Args) -> dict[str, Any]:
+    """``pipeline_only`` in a child process per core count, each pinned to its first N cores (so
+    the Python reader, TF's decode threads and the normalisation all share those N cores)."""
+    import json
+    import subprocess
+    counts = [int(v) for v in args.cores.split(",") if v.strip()]
+    cpus = _cores()
+    if not counts or min(counts) < 1 or max(counts) > len(cpus):
+        raise SystemExit(f"--cores={args.cores}: each count must be in [1, {len(cpus)}]")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = args.data_dir
+        if data_dir is None:
+            data_dir = os.path.join(tmp, "data")
+            synthetic_imagenet(data_dir, args.synthetic_examples)
+        for n in counts:
+            out = os.path.join(tmp, f"{n}.json")
+            cmd = [sys.executable, "-m", "benchmarks.input_pipeline", "--pipeline_only",
+                   f"--data_dir={data_dir}", f"--batches={args.batches}", f"--json={out}"]
+            cmd += [f"--batch={args.batch}"] if args.batch else []
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
+                           preexec_fn=lambda n=n: os.sched_setaffinity(0, cpus[:n]))
+            with open(out) as f:
+                rows.append(json.load(f)["rows"][0])
+            if args.data_dir is None:
+                rows[-1]["source"] = "synthetic JPEG"
+            print(f"{n} cores: {rows[-1]['images_s']:.0f} images/s", file=sys.stderr, flush=True)
+    base = rows[0]["images_s_per_core"]
+    for r in rows:
+        r["efficiency"] = round(r["images_s_per_core"] / base, 2)
+    return {"machine": common.machine(), "args": vars(args), "rows": rows}
+
+
 def run(args: tool_flags.Args) -> dict[str, Any]:
+    if args.pipeline_only:
+        return pipeline_only(args)
+    if args.cores:
+        return scaling(args)
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     bad = [n for n in names if n not in DATASETS]
     if bad:
@@ -218,6 +286,11 @@ def run(args: tool_flags.Args) -> dict[str, Any]:
 
 
 def report(res: dict[str, Any]) -> str:
+    if "cores" in res["rows"][0]:
+        cols = ["cores", "workers", "source", "batch", "images_s", "images_s_per_core", "efficiency"]
+        return ("ImageNet train pipeline alone (decode + random resized crop + flip + normalise), "
+                "pinned to N cores; efficiency = per-core rate / the first row's\n"
+                + common.table(res["rows"], cols))
     cols = ["dataset", "source", "image", "batch", "step_batch", "model", "workers", "pipeline_ex_s",
             "step_ex_s", "headroom", "wait_fraction"]
     return ("input pipeline vs train step (examples/s on this host; headroom = pipeline / step; "

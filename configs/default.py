@@ -35,6 +35,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.min_crop_area = 0.08     # smallest area fraction for random_resized_crop
     c.data.flip = True              # train: random horizontal flip
     c.data.eval_crop_fraction = 1.0  # eval: central crop fraction before resizing (0.875 for ImageNet)
+    c.data.antialias = True         # resizes that shrink widen the bilinear filter (PIL's, timm's); False:
+                                    # plain bilinear (big_vision's inception crop), ~2x faster JPEG decoding
     c.data.repeated_aug = 1         # DeiT's repeated augmentation: each example r times per batch (own
                                     # augmentations), epochs keep N samples (data/order.py; 1: off; DeiT: 3)
     c.data.prefetch = 2             # host batches prepared ahead of the train step
@@ -182,6 +184,7 @@ def get_imagenet(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.data.crop_padding = 0
     c.data.random_resized_crop = True
     c.data.eval_crop_fraction = 0.875
+    c.data.antialias = False  # big_vision's inception crop: the host decodes ~2x more images/s
     c.data.normalize = "minus_one_one"
     c.model.variant = "S/16"
     c.batch_size = 1024

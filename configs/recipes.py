@@ -30,7 +30,7 @@ def steps_per_epoch(batch_size: int, num_examples: int = IMAGENET_TRAIN_EXAMPLES
     return num_examples // batch_size  # the pipeline drops the last partial batch
 
 
-def imagenet_data(c: ml_collections.ConfigDict, normalize: str) -> None:
+def imagenet_data(c: ml_collections.ConfigDict, normalize: str, antialias: bool) -> None:
     """ImageNet-1k at 224: Inception crop + flip for training, resize 256 / central 224 for eval."""
     c.data.name = "imagenet2012"
     c.data.train_split = "train"
@@ -42,11 +42,12 @@ def imagenet_data(c: ml_collections.ConfigDict, normalize: str) -> None:
     c.data.flip = True
     c.data.eval_crop_fraction = 0.875   # [DeiT] crop_pct 224/256; [BV] resize_small(256)|central_crop(224)
     c.data.normalize = normalize
+    c.data.antialias = antialias        # [DeiT] PIL resize (antialiased); [BV] tf.image.resize (not)
 
 
 def deit(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
     """DeiT's ImageNet-1k recipe (no distillation), 300 epochs at batch 1024 [DeiT]."""
-    imagenet_data(c, "zscore")          # [DeiT] IMAGENET_DEFAULT_MEAN/STD
+    imagenet_data(c, "zscore", True)    # [DeiT] IMAGENET_DEFAULT_MEAN/STD
     c.model.variant = variant
     c.model.classifier = "token"        # [DeiT] class token
     c.model.posemb = "learn"
@@ -85,7 +86,7 @@ def deit(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDic
 def bigvision_i1k(c: ml_collections.ConfigDict, variant: str = "S/16",
                   epochs: float = 90.0) -> ml_collections.ConfigDict:
     """big_vision's plain-ViT ImageNet-1k recipe [BV]: 76.5% for S/16 after 90 epochs."""
-    imagenet_data(c, "minus_one_one")   # [BV] value_range(-1, 1)
+    imagenet_data(c, "minus_one_one", False)  # [BV] value_range(-1, 1)
     c.data.train_split = "train[:99%]"  # [BV] train_split (1% held out as minival)
     c.model.variant = variant           # [BV] variant='S/16'
     c.model.classifier = "gap"          # [BV] pool_type='gap'
@@ -125,7 +126,7 @@ def bigvision_i1k(c: ml_collections.ConfigDict, variant: str = "S/16",
 def learnable_scaler_paper(c: ml_collections.ConfigDict, depth: int = 24,
                            width: int = 192, patch: int = 16) -> ml_collections.ConfigDict:
     """The LearnableScaler README's ImageNet-1k command [LS] for vit(patch, width, depth)."""
-    imagenet_data(c, "zscore")          # [LS] timm defaults: ImageNet mean/std, crop_pct 0.875
+    imagenet_data(c, "zscore", True)    # [LS] timm defaults: ImageNet mean/std, crop_pct 0.875
     c.model.variant = None
     c.model.patch_size = patch          # [LS] vit(16, 192, 24)
     c.model.hidden_size = width

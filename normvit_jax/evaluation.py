@@ -21,6 +21,7 @@ from absl import logging
 from etils import epath
 
 from normvit_jax import checkpoints, data, sharding
+from normvit_jax.data import stats as data_stats
 from normvit_jax.train import setup
 from normvit_jax.train import optimizer as optim
 
@@ -34,11 +35,12 @@ def real_top1_counts(logits: jax.Array, real: jax.Array, mask: jax.Array) -> tup
     return jnp.sum(hit & counted), jnp.sum(counted)
 
 
-def make_real_sums(model: Any):
+def make_real_sums(model: Any, affine: tuple[Any, Any] | None = None):
     """``(variables, batch) -> {'real_hits', 'real_count'}`` for an ImageNet-ReaL batch (one that
     carries 'real'), else {}: the top-1, top-5 and loss come from the training's eval step."""
     def fn(variables: dict, batch: dict) -> dict[str, jax.Array]:
-        logits = model.apply(variables, batch["image"], train=False).astype(jnp.float32)
+        images = data_stats.model_input(batch["image"], affine)
+        logits = model.apply(variables, images, train=False).astype(jnp.float32)
         hits, counted = real_top1_counts(logits, batch["real"], batch["mask"])
         return {"real_hits": hits, "real_count": counted}
     real_fn = jax.jit(fn)
@@ -94,9 +96,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     finally:
         mngr.close()
     # the training loop's eval step and metrics (+ ReaL top-1 on ImageNet-ReaL), EMA included
-    eval_step = setup.jit_eval_step(model, state_sharding, mesh)
+    affine = setup.input_affine(config)
+    eval_step = setup.jit_eval_step(model, state_sharding, mesh, affine)
     metrics = _with_real_top1(setup.evaluate(eval_step, state, pipeline, mesh,
-                                             sums=make_real_sums(model)))
+                                             sums=make_real_sums(model, affine)))
     pipeline.close()
     d = config.data
     path = result_path(workdir, config, step)

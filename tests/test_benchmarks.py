@@ -105,6 +105,17 @@ def test_input_pipeline_digits():
     assert 0 <= row["wait_fraction"] <= 1
 
 
+def test_input_pipeline_core_scaling():
+    """--cores: the ImageNet pipeline alone in a child pinned to N cores (synthetic JPEGs)."""
+    from benchmarks import input_pipeline
+    res = input_pipeline.main(["--cores=1", "--batches=1", "--batch=8",
+                               "--synthetic_examples=16"])
+    (row,) = res["rows"]
+    assert (row["cores"], row["workers"], row["source"]) == (1, 1, "synthetic JPEG")
+    assert row["images_s"] > 0 and row["images_s_per_core"] == row["images_s"]
+    assert row["efficiency"] == 1.0
+
+
 def test_memory_fit():
     from benchmarks import memory
     res = memory.main(["--models=Ti/4", "--image_size=8", "--depth=1", "--probe_batches=8,64",

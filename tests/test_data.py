@@ -16,7 +16,7 @@ import pytest
 
 from configs import default
 from normvit_jax import data
-from normvit_jax.data import digits, order, transforms
+from normvit_jax.data import digits, order, stats, transforms
 from normvit_jax.data.prefetch import Prefetcher
 
 
@@ -353,12 +353,14 @@ def test_imagenet_random_access(fake_imagenet):
     c.batch_size, c.eval_batch_size = 8, 4
     p, e = pipe(c), pipe(c, "eval")
     assert (p.num_examples, e.num_examples, e.steps_per_epoch) == (24, 7, 2)
+    assert p.source.examples is not None  # array_record: raw records, parsed by TF
     full = list(itertools.islice(p.train_batches(0), 5))
     for b in full:
-        assert b["image"].shape == (8, 16, 16, 3) and b["image"].dtype == np.float32
+        assert b["image"].shape == (8, 16, 16, 3) and b["image"].dtype == np.uint8
         # the crop of a constant image is constant: pixels must match the label they came with
-        gray = (b["image"] + 1) / 2 * 255
-        np.testing.assert_allclose(gray.mean((1, 2, 3)), 12 * b["label"], atol=3)
+        np.testing.assert_allclose(b["image"].mean((1, 2, 3)), 12 * b["label"], atol=3)
+        x = stats.model_input(b["image"], stats.affine("imagenet2012", "minus_one_one"))
+        assert x.dtype == np.float32 and -1 <= x.min() <= x.max() <= 1
     assert all(same(a, r) for a, r in zip(full[2:], itertools.islice(p.train_batches(2), 3)))
     halves = [pipe(c, "train", i, 2).train_batch(4) for i in range(2)]
     assert same({k: np.concatenate([h[k] for h in halves]) for k in full[4]}, full[4])

@@ -84,11 +84,12 @@ def geometry(spec: Any, image_size: int) -> tuple[tuple[int, int], int]:
 def eval_images(config: ml_collections.ConfigDict, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The first n images of the eval split (model inputs, float32) and their labels."""
     pipe = data.make_pipeline(config, "eval", process_index=0, process_count=1)
+    pipe_affine = data_stats.affine(config.data.name, config.data.normalize)
     xs, ys = [], []
     for b in range(pipe.steps_per_epoch):
         batch = pipe.eval_batch(b)
         real = batch["mask"] > 0
-        xs.append(batch["image"][real])
+        xs.append(data_stats.model_input(batch["image"][real], pipe_affine))
         ys.append(batch["label"][real])
         if sum(len(x) for x in xs) >= n:
             break

@@ -1,7 +1,8 @@
 """``make_pipeline``: the host-local batches of one split, for training or evaluation.
 
-Batches are numpy dicts: 'image' float32 (local_B, S, S, 3) in the configured value range,
-'label' int32 (local_B,); eval batches add 'mask' float32 (1 real, 0 padding) and, with
+Batches are numpy dicts: 'image' (local_B, S, S, 3), float32 in the configured value range for
+in-memory sources (digits, CIFAR) or uint8 pixels for JPEG sources (ImageNet; the steps map them
+with ``stats.model_input``), 'label' int32 (local_B,); eval batches add 'mask' float32 (1 real, 0 padding) and, with
 ``config.data.return_index``, every batch carries 'index' int32 (position in the split, -1 for
 padding). Order, sharding and resume rules: see ``order``. Each batch is a pure function of
 (config, split, step, process_index, process_count).
@@ -17,7 +18,7 @@ import numpy as np
 
 from normvit_jax.data import digits, order, spec, stats, tfds_source, transforms
 from normvit_jax.data import real as real_labels
-from normvit_jax.data.prefetch import Prefetcher
+from normvit_jax.data.prefetch import Prefetcher, ordered_map
 from normvit_jax.data.sources import ArraySource, Geometry, JpegSource
 
 Batch = dict[str, np.ndarray]
@@ -32,9 +33,12 @@ def _open_source(d: Any, name: str, tfds_split: str, limit: int | None, workers:
     else:
         b = tfds_source.open_builder(name, d.get("data_dir"), random_access=True)
         recs = tfds_source.open_random_access(b, tfds_split)
-        if name == "imagenet2012_real":
+        examples = None
+        if name == "imagenet2012_real":  # its labels are sets, read by RealRecords
             recs = real_labels.RealRecords(recs)
-        src = JpegSource(recs, len(recs), workers)
+        else:
+            examples = tfds_source.serialized_examples(recs)
+        src = JpegSource(recs, len(recs), workers, examples)
     if limit is not None:  # use the first `limit` examples of the split
         if limit > len(src):
             raise ValueError(f"config.data.num_*_examples={limit} exceeds the {len(src)} "
@@ -68,30 +72,26 @@ class Pipeline:
         size = int(d.image_size)
         self.image_shape = (size, size, 3)
         # random_resized_crop replaces pad-and-crop (the crop already shifts and scales)
-        self.padding = 0 if d.random_resized_crop else int(d.crop_padding)
-        self.flip = bool(d.flip)
+        padding = 0 if d.random_resized_crop else int(d.crop_padding)
         self.prefetch = int(d.prefetch)
         self.return_index = bool(d.get("return_index", False))
-        self._train_geo = Geometry(size, bool(d.random_resized_crop), float(d.min_crop_area), 1.0)
-        self._eval_geo = Geometry(size, False, 1.0, float(d.eval_crop_fraction))
-        self._scale, self._shift = stats.affine(d.name, d.normalize)
+        aa = bool(d.get("antialias", True))
+        self._train_geo = Geometry(size, bool(d.random_resized_crop), float(d.min_crop_area), 1.0,
+                                   padding, bool(d.flip), aa)
+        self._eval_geo = Geometry(size, False, 1.0, float(d.eval_crop_fraction), antialias=aa)
+        self._affine = stats.affine(d.name, d.normalize)
         self._order = order.TrainOrder(self.seed, n, b, int(d.get("repeated_aug", 1)))
         # ImageNet-ReaL: eval batches also carry 'real', the multi-hot ReaL label sets
         self._label_sets = getattr(getattr(source, "records", None), "label_sets", None)
         self._num_classes = spec.num_classes(d.name)
-
-    def _finish(self, x: np.ndarray, labels: np.ndarray) -> Batch:
-        x = (x * self._scale + self._shift).astype(np.float32)
-        return {"image": x, "label": labels.astype(np.int32)}
 
     def train_batch(self, step: int) -> Batch:
         """This host's rows of global train batch ``step`` (shuffled, augmented), synchronously."""
         idx = self._order.indices(step, self.lo, self.hi)
         u = order.aug_uniforms(self.seed, step, self.global_batch_size,
                                transforms.NUM_UNIFORMS)[self.lo:self.hi]
-        x, y = self.source.read(idx, u, self._train_geo)
-        x = transforms.pad_crop_flip(x, u, self.padding, self.flip)
-        out = self._finish(x, y)
+        x, y = self.source.read(idx, u, self._train_geo, self._affine)
+        out = {"image": x, "label": y}
         if self.return_index:
             out["index"] = idx.astype(np.int32)
         return out
@@ -100,11 +100,10 @@ class Pipeline:
         """This host's rows of global eval batch ``b`` (split order, padded past the end)."""
         pos = b * self.global_batch_size + np.arange(self.lo, self.hi)
         real = pos < self.num_examples
-        x = np.zeros((len(pos),) + self.image_shape, np.float32)
+        x = np.zeros((len(pos),) + self.image_shape, self.source.pixel_dtype)
         y = np.zeros(len(pos), np.int32)
         if real.any():
-            xr, y[real] = self.source.read(pos[real], None, self._eval_geo)
-            x[real] = self._finish(xr, y[real])["image"]
+            x[real], y[real] = self.source.read(pos[real], None, self._eval_geo, self._affine)
         out = {"image": x, "label": y, "mask": real.astype(np.float32)}
         if self._label_sets is not None:
             out["real"] = np.zeros((len(pos), self._num_classes), np.uint8)
@@ -119,18 +118,20 @@ class Pipeline:
         Shuffled and augmented; meant for the 'train' pipeline but works on either."""
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
-        make = lambda: map(self.train_batch, itertools.count(start_step))  # noqa: E731
+        make = lambda: ordered_map(self.train_batch, itertools.count(start_step),  # noqa: E731
+                                   self.source.batches_in_flight)
         return Prefetcher(make, self.prefetch, name=f"data-train-{start_step}")
 
     def eval_batches(self) -> Prefetcher[Batch]:
         """One pass over the split in order, unaugmented: ceil(N / global batch) batches on every
         host (``steps_per_epoch`` of an 'eval' pipeline), the last one padded and masked."""
         n_batches = order.num_eval_batches(self.num_examples, self.global_batch_size)
-        return Prefetcher(lambda: map(self.eval_batch, range(n_batches)), self.prefetch,
-                          name="data-eval")
+        make = lambda: ordered_map(self.eval_batch, range(n_batches),  # noqa: E731
+                                   self.source.batches_in_flight)
+        return Prefetcher(make, self.prefetch, name="data-eval")
 
     def close(self) -> None:
-        """Releases decode threads (JPEG sources); iterators already made are closed separately."""
+        """Releases the source's resources, if any; iterators already made are closed separately."""
         close = getattr(self.source, "close", None)
         if close is not None:
             close()

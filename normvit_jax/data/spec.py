@@ -65,7 +65,7 @@ def validate(config: Any) -> None:
         v = _get(d, key, 1.0)
         if not isinstance(v, numbers.Real) or isinstance(v, bool) or not 0.0 < v <= 1.0:
             _fail(f"data.{key}", v, "a number in (0, 1]")
-    for key in ("flip", "random_resized_crop", "return_index"):
+    for key in ("flip", "random_resized_crop", "return_index", "antialias"):
         v = _get(d, key, False)
         if not isinstance(v, bool):
             _fail(f"data.{key}", v, "True or False")

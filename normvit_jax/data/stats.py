@@ -57,3 +57,17 @@ def affine(name: str, normalize: str) -> tuple[np.ndarray, np.ndarray]:
         return 1 / s["std"], -s["mean"] / s["std"]
     span = np.maximum(s["max"] - s["min"], 1e-6)  # minmax: training min..max -> 0..1
     return 1 / span, -s["min"] / span
+
+
+def model_input(images, affine: tuple[np.ndarray, np.ndarray] | None):
+    """Batch images -> model input. uint8 pixels (what JPEG sources ship: a quarter of float32's
+    host work and host-to-device bytes) become ``x / 255 * scale + shift`` in float32, on whatever
+    array type they are (jax inside a step, numpy outside); float images already are model input.
+    ``affine``: ``affine(data.name, data.normalize)``, required for uint8 images."""
+    if images.dtype != np.uint8:
+        return images
+    if affine is None:
+        raise ValueError("uint8 images need the (scale, shift) of config.data.normalize to become "
+                         "model input; pass data.stats.affine(data.name, data.normalize)")
+    scale, shift = (np.asarray(a, np.float32) for a in affine)
+    return images.astype(np.float32) / np.float32(255.0) * scale + shift

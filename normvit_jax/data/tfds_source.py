@@ -95,3 +95,14 @@ def open_random_access(builder: Any, split: str) -> Any:
     """An indexable source of records with the image left as encoded bytes."""
     tfds = _tfds()
     return builder.as_data_source(split=split, decoders={"image": tfds.decode.SkipDecoding()})
+
+
+def serialized_examples(source: Any) -> Any | None:
+    """The serialized ``tf.train.Example`` records behind a tfds array_record data source (same
+    indices), or None where there are none (``mock_data``'s generated sources)."""
+    raw = getattr(source, "data_source", None)
+    try:
+        from array_record.python.array_record_data_source import ArrayRecordDataSource
+    except ImportError:
+        return None
+    return raw if isinstance(raw, ArrayRecordDataSource) and len(raw) == len(source) else None

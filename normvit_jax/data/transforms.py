@@ -1,10 +1,12 @@
-"""Host-side image geometry in numpy (and PIL for decoded JPEGs), driven by given uniform draws.
+"""Host-side image geometry in numpy for in-memory arrays, driven by given uniform draws (the same
+crop rules for JPEGs are TF ops in ``tf_images``).
 
 Randomness never comes from a generator in here: each example gets a row of ``NUM_UNIFORMS``
 uniforms in [0, 1) (see ``order.aug_uniforms``), so the same row always yields the same image.
 Two stages, shared by every source:
   1. to ``size x size``: random resized crop (train, when enabled), else a central square crop of
-     ``fraction`` of the shorter side, then a bilinear (antialiased when shrinking) resize;
+     ``fraction`` of the shorter side, then a bilinear resize (antialiased when shrinking, unless
+     ``data.antialias`` is False);
   2. train only, at ``size``: zero-pad by ``padding`` pixels and take a random crop; random flip.
 """
 from __future__ import annotations
@@ -21,10 +23,11 @@ Box = tuple[int, int, int, int]  # (left, top, right, bottom), PIL's order
 
 
 @functools.lru_cache(maxsize=256)
-def _weights(n_in: int, n_out: int) -> np.ndarray:
-    """(n_out, n_in) rows summing to 1: a triangle filter, widened when shrinking (antialias)."""
+def _weights(n_in: int, n_out: int, antialias: bool = True) -> np.ndarray:
+    """(n_out, n_in) rows summing to 1: a triangle filter, widened when shrinking if ``antialias``
+    (PIL's bilinear), else plain bilinear interpolation (TF's, half-pixel centres)."""
     scale = n_in / n_out
-    support = max(scale, 1.0)
+    support = max(scale, 1.0) if antialias else 1.0
     centers = (np.arange(n_out) + 0.5) * scale
     d = (np.arange(n_in)[None, :] + 0.5 - centers[:, None]) / support
     w = np.maximum(0.0, 1.0 - np.abs(d))
@@ -34,13 +37,13 @@ def _weights(n_in: int, n_out: int) -> np.ndarray:
     return w
 
 
-def resize(x: np.ndarray, size: int) -> np.ndarray:
+def resize(x: np.ndarray, size: int, antialias: bool = True) -> np.ndarray:
     """Bilinear resize of float images (..., H, W, C) to (..., size, size, C)."""
     h, w = x.shape[-3], x.shape[-2]
     if (h, w) == (size, size):
         return x
-    return np.einsum("yh,...hwc,xw->...yxc", _weights(h, size), x, _weights(w, size),
-                     optimize=True).astype(np.float32)
+    return np.einsum("yh,...hwc,xw->...yxc", _weights(h, size, antialias), x,
+                     _weights(w, size, antialias), optimize=True).astype(np.float32)
 
 
 def central_box(h: int, w: int, fraction: float) -> Box:
@@ -65,26 +68,17 @@ def random_resized_box(h: int, w: int, u: np.ndarray, min_area: float) -> Box:
 
 
 def array_to_size(x: np.ndarray, size: int, u: np.ndarray | None, *, rrc: bool,
-                  min_area: float, fraction: float) -> np.ndarray:
+                  min_area: float, fraction: float, antialias: bool = True) -> np.ndarray:
     """Stage 1 for a batch of equal-size float images (N, H, W, C); ``u`` (N, NUM_UNIFORMS)."""
     n, h, w = x.shape[:3]
     if rrc:
         out = np.empty((n, size, size, x.shape[-1]), np.float32)
         for i in range(n):
             left, top, right, bottom = random_resized_box(h, w, u[i], min_area)
-            out[i] = resize(x[i, top:bottom, left:right], size)
+            out[i] = resize(x[i, top:bottom, left:right], size, antialias)
         return out
     left, top, right, bottom = central_box(h, w, fraction)
-    return resize(x[:, top:bottom, left:right], size)
-
-
-def pil_to_size(img, size: int, u: np.ndarray | None, *, rrc: bool, min_area: float,
-                fraction: float) -> np.ndarray:
-    """Stage 1 for one decoded PIL image -> uint8 (size, size, 3)."""
-    from PIL import Image
-    w, h = img.size
-    box = random_resized_box(h, w, u, min_area) if rrc else central_box(h, w, fraction)
-    return np.asarray(img.resize((size, size), Image.BILINEAR, box=box), np.uint8)
+    return resize(x[:, top:bottom, left:right], size, antialias)
 
 
 def pad_crop_flip(x: np.ndarray, u: np.ndarray, padding: int, flip: bool) -> np.ndarray:

@@ -122,7 +122,7 @@ def _run(config, workdir, stop_at, spec, mesh, sigterm) -> dict[str, Any]:
 
     train_step = setup.jit_train_step(
         setup.make_train_step(config, model, tx, lr_schedule, num_classes), state_sharding, mesh)
-    eval_step = setup.jit_eval_step(model, state_sharding, mesh)
+    eval_step = setup.jit_eval_step(model, state_sharding, mesh, setup.input_affine(config))
 
     report = periodic_actions.ReportProgress(num_train_steps=n_steps, writer=writer)
     eta = progress.Eta(n_steps)  # train time only: no compile, eval or checkpoint time

@@ -16,6 +16,7 @@ from flax import linen as nn
 from jax.sharding import Mesh
 
 from normvit_jax import data, models, preflight, sharding
+from normvit_jax.data import stats as data_stats
 from normvit_jax.train import batch_aug, ema
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import steps as steps_lib
@@ -102,6 +103,11 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation,
     return state, state_sharding
 
 
+def input_affine(config: ml_collections.ConfigDict) -> tuple[Any, Any]:
+    """(scale, shift) that the steps apply to uint8 batch images (``data.stats.model_input``)."""
+    return data_stats.affine(config.data.name, config.data.normalize)
+
+
 def make_train_step(config: ml_collections.ConfigDict, model: nn.Module,
                     tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
                     num_classes: int) -> Callable:
@@ -110,7 +116,8 @@ def make_train_step(config: ml_collections.ConfigDict, model: nn.Module,
     return steps_lib.make_train_step(model, tx, lr_schedule, label_smoothing=config.label_smoothing,
                                      grad_accum_steps=config.grad_accum_steps,
                                      skip_nonfinite=config.skip_nonfinite_steps > 0,
-                                     batch_transform=batch_aug.make(config, num_classes))
+                                     batch_transform=batch_aug.make(config, num_classes),
+                                     input_affine=input_affine(config))
 
 
 def jit_train_step(fn: Callable, state_sharding: Any, mesh: Mesh) -> Any:
@@ -121,10 +128,12 @@ def jit_train_step(fn: Callable, state_sharding: Any, mesh: Mesh) -> Any:
                    donate_argnums=0)
 
 
-def jit_eval_step(model: nn.Module, state_sharding: Any, mesh: Mesh) -> Any:
-    """The eval step jitted over the mesh; metrics come back replicated."""
+def jit_eval_step(model: nn.Module, state_sharding: Any, mesh: Mesh,
+                  affine: tuple[Any, Any] | None = None) -> Any:
+    """The eval step jitted over the mesh; metrics come back replicated. ``affine``
+    (``input_affine(config)``) maps uint8 batch images to model input."""
     rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
-    return jax.jit(steps_lib.make_eval_step(model), in_shardings=(state_sharding, bat),
+    return jax.jit(steps_lib.make_eval_step(model, affine), in_shardings=(state_sharding, bat),
                    out_shardings=rep)
 
 

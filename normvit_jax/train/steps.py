@@ -13,6 +13,7 @@ import optax
 from clu import metrics as clu_metrics
 import flax.struct
 
+from normvit_jax.data import stats
 from normvit_jax.train import batch_aug
 from normvit_jax.norms import gradient_rule
 from normvit_jax.train.state import TrainState
@@ -57,13 +58,15 @@ def _tree_where(pred: jax.Array, a: Any, b: Any) -> Any:
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
                     *, label_smoothing: float = 0.0, grad_accum_steps: int = 1,
                     skip_nonfinite: bool = False,
-                    batch_transform: batch_aug.BatchTransform | None = None) -> Callable:
+                    batch_transform: batch_aug.BatchTransform | None = None,
+                    input_affine: tuple[Any, Any] | None = None) -> Callable:
     """Returns ``train_step(state, batch) -> (state, metrics)``.
 
     With ``grad_accum_steps > 1`` the batch is split into that many micro-batches whose gradients
     are averaged (sequentially, so memory is that of one micro-batch); norm state flows through
     the micro-batches in order. ``batch_transform`` (``batch_aug.make``): on-device augmentation
     of the whole batch (random erasing, Mixup/CutMix) before any split; None: none.
+    ``input_affine``: maps uint8 batch images to model input (``data.stats.model_input``).
     """
 
     def loss_and_grads(params, batch_stats, images, labels, rng):
@@ -77,7 +80,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, TrainMetrics]:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        images, labels = batch["image"], batch["label"]
+        images, labels = stats.model_input(batch["image"], input_affine), batch["label"]
         if batch_transform is not None:  # labels may become soft targets (B, classes)
             images, labels = batch_transform(rng, images, labels)
         if grad_accum_steps == 1:
@@ -117,11 +120,14 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
     return train_step
 
 
-def make_eval_step(model: nn.Module) -> Callable[[TrainState, dict], EvalMetrics]:
-    """Returns ``eval_step(state, batch) -> EvalMetrics`` over the rows with mask 1."""
+def make_eval_step(model: nn.Module, input_affine: tuple[Any, Any] | None = None
+                   ) -> Callable[[TrainState, dict], EvalMetrics]:
+    """Returns ``eval_step(state, batch) -> EvalMetrics`` over the rows with mask 1 (uint8 images
+    are mapped by ``input_affine``, as in the train step)."""
 
     def eval_step(state: TrainState, batch: dict) -> EvalMetrics:
-        logits = model.apply(state.variables(), batch["image"], train=False)
+        logits = model.apply(state.variables(), stats.model_input(batch["image"], input_affine),
+                             train=False)
         labels = batch["label"]
         loss = cross_entropy(logits, labels)
         top1 = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
