@@ -5,10 +5,12 @@
     python -m benchmarks.gpu_table --out=/tmp/t --tiny         # CPU smoke test, tiny model
 
 Runs, per model, ``benchmarks.train_step --isolate`` (every norm in its own process, with a
-per-norm timeout) and ``benchmarks.vs_torch`` (timm eager and torch.compile on the same GPU), each
-as a subprocess under a timeout with its log written as it runs (``<out>/*.log``); then writes
+per-norm timeout) and ``benchmarks.vs_torch`` (timm eager and torch.compile on the same GPU), then
+``benchmarks.input_pipeline --cores=1,2,4,...`` (the host's ImageNet JPEG pipeline by core count),
+each as a subprocess under a timeout with its log written as it runs (``<out>/*.log``); then writes
 the markdown (machine, versions, date; step time, images/s, analytic MFU, peak memory, ratio to
-LayerNorm per norm; this project against timm eager and compiled) to ``<out>/gpu_table.md`` and
+LayerNorm per norm; this project against timm eager and compiled; the pipeline's images/s by
+cores against the fastest LayerNorm step's) to ``<out>/gpu_table.md`` and
 between the markers ``<!-- gpu-table:begin -->`` / ``<!-- gpu-table:end -->`` of ``--doc``.
 A command that fails or times out is reported in the table and the others still run.
 """
@@ -42,6 +44,10 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
     p.add_argument("--norm_timeout", type=float, default=300.0, help="seconds per norm")
     p.add_argument("--torch_timeout", type=float, default=900.0, help="seconds per vs_torch run")
     p.add_argument("--no_torch", action="store_true", help="skip vs_torch")
+    p.add_argument("--pipeline_cores", default=None,
+                   help="input_pipeline --cores (default: 1, 2, 4, ... up to this host's cores; "
+                        "'' skips it)")
+    p.add_argument("--pipeline_timeout", type=float, default=900.0)
     p.add_argument("--xla_flags", default="", help="appended to XLA_FLAGS of every run")
     p.add_argument("--doc", default=None,
                    help="markdown file to update between the markers (default: docs/benchmarks.md; "
@@ -50,6 +56,10 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
     p.add_argument("--tiny", action="store_true",
                    help="Ti/4, depth 1, 8x8 images, batch 4, LN and RMSNorm, 1 step: a CPU smoke test")
     args = p.parse_args(argv)
+    if args.pipeline_cores is None:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        counts = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < n] + [n]
+        args.pipeline_cores = ",".join(map(str, counts[:1] if args.tiny else counts))
     if args.tiny:
         args.models, args.norm, args.batch, args.dtype = "Ti/4", "layernorm,rmsnorm", 4, "float32"
         args.steps, args.warmup, args.num_classes = 1, 0, 10
@@ -85,6 +95,13 @@ def commands(args: tool_flags.Args) -> list[tuple[str, list[str], str, float]]:
             out.append((f"vs_torch_{_slug(m)}",
                         py + ["benchmarks.vs_torch", f"--model={m}", *common, f"--json={j}"],
                         j, args.torch_timeout))
+    if args.pipeline_cores:
+        j = os.path.join(args.out, "input_pipeline.json")
+        size = ["--batch=8", "--batches=1", "--synthetic_examples=16"] if args.tiny else \
+            ["--batch=256", "--batches=10", "--synthetic_examples=1024"]
+        out.append(("input_pipeline", py + ["benchmarks.input_pipeline",
+                                            f"--cores={args.pipeline_cores}", *size,
+                                            f"--json={j}"], j, args.pipeline_timeout))
     return out
 
 
@@ -176,6 +193,19 @@ def render(results: dict[str, Any], failures: list[str], args: tool_flags.Args) 
             if res.get("torch_peak_gib") is not None:
                 lines.append(f"| {res['args']['model']} | peak GiB | jax {_f(res.get('jax_device_peak_gib'))}"
                              f" | torch {_f(res['torch_peak_gib'])} | |")
+    pipe = results.get("input_pipeline")
+    if pipe:
+        fastest = max((r["images_per_s"] for n, res in results.items() if n.startswith("train_")
+                       for r in res["rows"] if r["norm"] == "layernorm"), default=None)
+        lines += ["", "Host input pipeline (ImageNet-size synthetic JPEGs: decode, random resized "
+                  "crop, flip; `data.antialias=False`), pinned to N cores"
+                  + (f"; headroom against the fastest LayerNorm step ({_f(fastest, 4)} img/s)"
+                     if fastest else "") + ":", "",
+                  "| cores | img/s | img/s per core | efficiency | headroom |", "|---|---|---|---|---|"]
+        for r in pipe["rows"]:
+            head = _f(r["images_s"] / fastest) if fastest else "-"
+            lines.append(f"| {r['cores']} | {_f(r['images_s'], 4)} | {_f(r['images_s_per_core'], 4)}"
+                         f" | {r['efficiency']} | {head} |")
     if failures:
         lines += ["", "Not measured: " + "; ".join(failures) + "."]
     lines += ["", f"Command: `python -m benchmarks.gpu_table --out={args.out}`"

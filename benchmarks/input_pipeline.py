@@ -69,6 +69,9 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
                    help="comma list of core counts, e.g. 1,2,4: ImageNet decode scaling instead of "
                         "the table above; each count runs the train pipeline alone in its own "
                         "process pinned to that many cores, with as many decode workers")
+    p.add_argument("--antialias", action="store_true",
+                   help="ImageNet with data.antialias=True (PIL's/timm's filter; the :imagenet "
+                        "config and big_vision presets use False, DeiT presets True)")
     p.add_argument("--pipeline_only", action="store_true",
                    help="measure the pipeline on the cores this process may use, with one decode "
                         "worker per core (what --cores runs in each child)")
@@ -83,6 +86,7 @@ def dataset_config(name: str, args: tool_flags.Args) -> ml_collections.ConfigDic
         c = default.get_demo(c)
     elif name == "imagenet2012":
         c = default.get_imagenet(c)
+        c.data.antialias = bool(args.antialias)
     else:
         c.data.name = name
     c.data.data_dir = args.data_dir
@@ -222,6 +226,7 @@ def pipeline_only(args: tool_flags.Args) -> dict[str, Any]:
     with open_train_pipeline("imagenet2012", c, args) as (p, source):
         rate = pipeline_rate(p, args.batches)
     row = {"cores": n, "workers": n, "source": source, "batch": int(c.batch_size),
+           "antialias": bool(c.data.antialias),
            "images_s": round(rate, 1), "images_s_per_core": round(rate / n, 1)}
     return {"machine": common.machine(), "args": vars(args), "rows": [row]}
 
@@ -240,12 +245,14 @@ def scaling(args: tool_flags.Args) -> dict[str, Any]:
         data_dir = args.data_dir
         if data_dir is None:
             data_dir = os.path.join(tmp, "data")
-            synthetic_imagenet(data_dir, args.synthetic_examples)
+            batch = args.batch or int(dataset_config("imagenet2012", args).batch_size)
+            synthetic_imagenet(data_dir, max(args.synthetic_examples, batch))
         for n in counts:
             out = os.path.join(tmp, f"{n}.json")
             cmd = [sys.executable, "-m", "benchmarks.input_pipeline", "--pipeline_only",
                    f"--data_dir={data_dir}", f"--batches={args.batches}", f"--json={out}"]
             cmd += [f"--batch={args.batch}"] if args.batch else []
+            cmd += ["--antialias"] if args.antialias else []
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
                            preexec_fn=lambda n=n: os.sched_setaffinity(0, cpus[:n]))
             with open(out) as f:
@@ -287,7 +294,8 @@ def run(args: tool_flags.Args) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     if "cores" in res["rows"][0]:
-        cols = ["cores", "workers", "source", "batch", "images_s", "images_s_per_core", "efficiency"]
+        cols = ["cores", "workers", "source", "batch", "antialias", "images_s", "images_s_per_core",
+                "efficiency"]
         return ("ImageNet train pipeline alone (decode + random resized crop + flip + normalise), "
                 "pinned to N cores; efficiency = per-core rate / the first row's\n"
                 + common.table(res["rows"], cols))

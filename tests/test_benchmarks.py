@@ -70,7 +70,8 @@ def test_gpu_table_dry_run_lists_the_commands(capsys):
     text = capsys.readouterr().out
     assert "benchmarks.train_step --model=B/16 --norm=all --isolate" in text
     assert "benchmarks.vs_torch --model=S/16" in text and "--dtype=bfloat16" in text
-    assert len(res["commands"]) == 4
+    assert "benchmarks.input_pipeline --cores=1" in text
+    assert len(res["commands"]) == 5
 
 
 def test_gpu_table_tiny_writes_the_table_between_markers(tmp_path):
@@ -82,6 +83,7 @@ def test_gpu_table_tiny_writes_the_table_between_markers(tmp_path):
     assert "old" not in text and text.endswith(f"{gpu_table.END}\nafter\n")
     assert "| Ti/4 | layernorm |" in text and "| Ti/4 | rmsnorm |" in text
     assert "vs_torch: not run (--no_torch)" in text and "jax 0." in text
+    assert "Host input pipeline" in text and "| 1 |" in text  # 1 core, headroom vs the LN step
     assert (tmp_path / "out" / "gpu_table.md").read_text().strip() == res["markdown"]
 
 
