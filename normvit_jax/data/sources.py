@@ -75,8 +75,9 @@ class JpegSource:
     def read(self, idx: np.ndarray, u: np.ndarray | None, geo: Geometry, affine: Affine
              ) -> tuple[np.ndarray, np.ndarray]:
         """uint8 images (the steps apply ``affine``, see ``stats.model_input``) and labels."""
-        if self.examples is not None:
-            return self._decode([self.examples[int(i)] for i in idx], u, geo, examples=True)
+        if self.examples is not None:  # one batched read: the GIL is released for all of it
+            recs = self.examples.__getitems__([int(i) for i in idx])
+            return self._decode(recs, u, geo, examples=True)
         recs = [self.records[int(i)] for i in idx]
         x, _ = self._decode([r["image"] for r in recs], u, geo)
         return x, np.array([int(r["label"]) for r in recs], np.int32)
