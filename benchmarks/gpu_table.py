@@ -88,6 +88,11 @@ def commands(args: tool_flags.Args) -> list[tuple[str, list[str], str, float]]:
                     f"--isolate_dir={os.path.join(args.out, 'train_' + _slug(m))}", *common,
                     f"--json={j}"]
         out.append((f"train_{_slug(m)}", cmd, j, args.norm_timeout * n_norms + 120))
+    aug_model = models[-1]  # the smallest (fastest) model: augmentation's largest share
+    j = os.path.join(args.out, "augment.json")
+    out.append(("augment", py + ["benchmarks.train_step", f"--model={aug_model}", "--norm=layernorm",
+                                 "--augment=none,randaugment,deit", *common, f"--json={j}"],
+                j, args.norm_timeout * 3 + 120))
     torch_ok = importlib.util.find_spec("torch") and importlib.util.find_spec("timm")
     if not args.no_torch and (torch_ok or args.dry_run):
         for m in models:
@@ -193,6 +198,14 @@ def render(results: dict[str, Any], failures: list[str], args: tool_flags.Args) 
             if res.get("torch_peak_gib") is not None:
                 lines.append(f"| {res['args']['model']} | peak GiB | jax {_f(res.get('jax_device_peak_gib'))}"
                              f" | torch {_f(res['torch_peak_gib'])} | |")
+    aug = results.get("augment")
+    if aug:
+        lines += ["", f"On-device augmentation in the train step ({aug['args']['model']}, LayerNorm; "
+                  "DeiT's RandAugment rand-m9-mstd0.5-inc1, then + Mixup/CutMix and erasing):", "",
+                  "| step | step_s | img/s | time ratio |", "|---|---|---|---|"]
+        for r in aug["rows"]:
+            lines.append(f"| {r['norm']} | {r['step_s']} | {_f(r['images_per_s'], 4)} | "
+                         f"{r.get('time_ratio', '-')} |")
     pipe = results.get("input_pipeline")
     if pipe:
         fastest = max((r["images_per_s"] for n, res in results.items() if n.startswith("train_")

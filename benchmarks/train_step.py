@@ -57,8 +57,26 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
                    help="with --isolate: seconds per norm before it is stopped and reported")
     p.add_argument("--isolate_dir", default=None,
                    help="with --isolate: per-norm logs and JSON (default: next to --json, or ./runs)")
+    p.add_argument("--augment", default="none",
+                   help="comma list of on-device augmentation sets, each timed beside the others "
+                        f"(row '<norm>+<set>'): {sorted(AUGMENT)}")
     p.add_argument("--json", default=None, help="also write the results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    bad = [a for a in args.augment.split(",") if a not in AUGMENT]
+    if bad:
+        raise SystemExit(f"--augment: unknown {bad}; accepted: {sorted(AUGMENT)}")
+    return args
+
+
+# The train step's on-device augmentation (train/batch_aug.py) as DeiT's recipe sets it
+# (configs/recipes.py), whole or RandAugment alone; what it costs the step is this row's ratio.
+AUGMENT = {
+    "none": {},
+    "randaugment": {"randaugment": "rand-m9-mstd0.5-inc1"},
+    "deit": {"randaugment": "rand-m9-mstd0.5-inc1", "mixup_alpha": 0.8, "cutmix_alpha": 1.0,
+             "mix_prob": 1.0, "switch_prob": 0.5, "random_erase_prob": 0.25,
+             "random_erase_mode": "pixel"},
+}
 
 
 def analytic_flops(args: tool_flags.Args, cfg: Any, norm: str) -> tuple[float, float]:
@@ -89,14 +107,18 @@ def run(args: tool_flags.Args) -> dict[str, Any]:
         return run_isolated(args, names)
     overrides = {"attention_impl": args.attention_impl} if args.attention_impl else None
     benches, flops = {}, {}
-    for n in names:
-        cfg = common.bench_config(args.model, n, image_size=args.image_size, batch=args.batch,
-                                  dtype=args.dtype, remat=args.remat, scan=args.scan,
-                                  grad_accum=args.grad_accum, num_classes=args.num_classes,
-                                  depth=args.depth, model_overrides=overrides)
-        flops[n] = analytic_flops(args, cfg, n)
-        benches[n] = common.compile_train(n, cfg, num_classes=args.num_classes)
-        print(f"compiled {n}: {benches[n].compile_s:.1f} s", file=sys.stderr, flush=True)
+    for norm in names:
+        for aug in args.augment.split(","):
+            n = norm if aug == "none" else f"{norm}+{aug}"
+            cfg = common.bench_config(args.model, norm, image_size=args.image_size,
+                                      batch=args.batch, dtype=args.dtype, remat=args.remat,
+                                      scan=args.scan, grad_accum=args.grad_accum,
+                                      num_classes=args.num_classes, depth=args.depth,
+                                      model_overrides=overrides)
+            cfg.update(AUGMENT[aug])
+            flops[n] = analytic_flops(args, cfg, norm)
+            benches[n] = common.compile_train(n, cfg, num_classes=args.num_classes)
+            print(f"compiled {n}: {benches[n].compile_s:.1f} s", file=sys.stderr, flush=True)
     times = common.interleaved({n: b.step for n, b in benches.items()}, args.steps, args.warmup)
     peak_flops, peak_src = peak(args)
     rows = []
@@ -132,6 +154,9 @@ def add_ratios(rows: list[dict[str, Any]], ratios: dict[str, common.Summary]) ->
         r["time_ratio_median"] = ratio.median
         r["flop_ratio"] = round(total(r) / total(base), 4)
         r["flop_source"] = "xla" if use_xla else "analytic"
+        if "+" in r["norm"]:  # an augmentation row: its ratio is the augmentation's cost, no bound
+            r["bound"], r["within"] = None, "-"
+            continue
         r["bound"] = round(r["flop_ratio"] + SLACK, 4)
         r["within"] = "yes" if ratio.median <= r["bound"] else "NO"
 
@@ -141,7 +166,8 @@ def child_argv(args: tool_flags.Args, norm: str, json_path: str) -> list[str]:
     out = [f"--model={args.model}", f"--norm={norm}", f"--batch={args.batch}",
            f"--dtype={args.dtype}", f"--steps={args.steps}", f"--warmup={args.warmup}",
            f"--num_classes={args.num_classes}", f"--grad_accum={args.grad_accum}",
-           f"--xla_preset={args.xla_preset}", f"--json={json_path}"]
+           f"--xla_preset={args.xla_preset}", f"--augment={args.augment}",
+           f"--json={json_path}"]
     for flag in ("image_size", "depth", "attention_impl", "peak_tflops"):
         if getattr(args, flag) is not None:
             out.append(f"--{flag}={getattr(args, flag)}")
@@ -162,10 +188,10 @@ def run_isolated(args: tool_flags.Args, names: list[str]) -> dict[str, Any]:
             failures.append({"norm": o.name, "status": o.status, "reason": o.reason, "log": o.log})
             continue
         first = first or o.result
-        row = dict(o.result["rows"][0], device_peak_gib=o.result.get("device_peak_gib"),
-                   wall_s=round(o.seconds, 1))
-        rows.append(row)
-        times[o.name] = o.result["times"][o.name]
+        for r in o.result["rows"]:  # the norm, and with --augment its '<norm>+<set>' rows
+            rows.append(dict(r, device_peak_gib=o.result.get("device_peak_gib"),
+                             wall_s=round(o.seconds, 1)))
+            times[r["norm"]] = o.result["times"][r["norm"]]
     if any(r["norm"] == "layernorm" for r in rows) and len(rows) > 1:
         base = common.summarize(times["layernorm"])
         add_ratios(rows, {n: _ratio_of_medians(common.summarize(ts), base) for n, ts in times.items()})

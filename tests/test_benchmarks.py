@@ -38,6 +38,17 @@ def test_train_step_single_norm_with_options():
     assert "time_ratio" not in res["rows"][0]
 
 
+def test_train_step_times_the_on_device_augmentation():
+    from benchmarks import train_step
+    res = train_step.main(TINY + ["--augment=none,deit", "--batch=4", "--steps=1", "--warmup=0",
+                                  "--peak_tflops=1"])
+    rows = {r["norm"]: r for r in res["rows"]}
+    assert set(rows) == {"layernorm", "layernorm+deit"}
+    assert rows["layernorm+deit"]["time_ratio_median"] > 0 and rows["layernorm+deit"]["within"] == "-"
+    with pytest.raises(SystemExit, match="--augment: unknown"):
+        train_step.main(TINY + ["--augment=autoaugment"])
+
+
 def test_train_step_isolated_norms_each_in_a_process(tmp_path):
     from benchmarks import train_step
     res = train_step.main(TINY + ["--norm=layernorm,rmsnorm", "--isolate", "--batch=4", "--steps=1",
@@ -71,7 +82,8 @@ def test_gpu_table_dry_run_lists_the_commands(capsys):
     assert "benchmarks.train_step --model=B/16 --norm=all --isolate" in text
     assert "benchmarks.vs_torch --model=S/16" in text and "--dtype=bfloat16" in text
     assert "benchmarks.input_pipeline --cores=1" in text
-    assert len(res["commands"]) == 5
+    assert "--norm=layernorm --augment=none,randaugment,deit" in text
+    assert len(res["commands"]) == 6
 
 
 def test_gpu_table_tiny_writes_the_table_between_markers(tmp_path):
@@ -84,6 +96,7 @@ def test_gpu_table_tiny_writes_the_table_between_markers(tmp_path):
     assert "| Ti/4 | layernorm |" in text and "| Ti/4 | rmsnorm |" in text
     assert "vs_torch: not run (--no_torch)" in text and "jax 0." in text
     assert "Host input pipeline" in text and "| 1 |" in text  # 1 core, headroom vs the LN step
+    assert "| layernorm+deit |" in text and "| layernorm+randaugment |" in text
     assert (tmp_path / "out" / "gpu_table.md").read_text().strip() == res["markdown"]
 
 
