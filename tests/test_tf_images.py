@@ -208,3 +208,17 @@ def test_ordered_map_runs_calls_at_once_and_keeps_order():
     endless = ordered_map(lambda i: i, iter(int, 1), 2)  # an infinite input, closed early
     assert next(endless) == 0
     endless.close()
+
+
+def test_an_undecodable_image_is_named_by_its_index():
+    from normvit_jax.data.sources import JpegSource
+    rng = np.random.default_rng(9)
+    good = _encode(_photo(rng, 30, 30), "JPEG")
+    records = [{"image": good, "label": 1}] * 5
+    records[3] = {"image": good[:200], "label": 2}  # a truncated file
+    src = JpegSource(records, 5, 2)
+    geo = Geometry(8, False, 1.0, 1.0)
+    with pytest.raises(ValueError, match="example 3 of the split cannot be decoded"):
+        src.read(np.arange(5), None, geo, stats.affine("imagenet2012", "zscore"))
+    x, y = src.read(np.array([0, 4]), None, geo, stats.affine("imagenet2012", "zscore"))
+    assert x.shape == (2, 8, 8, 3) and y.tolist() == [1, 1]

@@ -97,6 +97,14 @@ def _finish_one(encoded: Any, u: Any, geo: Any) -> Any:
     return x
 
 
+class BadImageError(ValueError):
+    """An image (or record) of the batch that TensorFlow cannot decode; ``position`` in the batch."""
+
+    def __init__(self, position: int, reason: str):
+        super().__init__(f"batch position {position}: {reason}")
+        self.position, self.reason = position, reason
+
+
 class BatchDecoder:
     """``decoder(encoded, u, geo) -> (uint8 (N, size, size, 3), int32 labels or None)``; one traced
     function per geometry, ``workers`` threads each (``data.num_workers``).
@@ -146,6 +154,15 @@ class BatchDecoder:
                     np.zeros(0, np.int32) if examples else None)
         if u is None:
             u = np.zeros((n, transforms.NUM_UNIFORMS))
-        x, labels = self._fn(geo, examples)(np.asarray(encoded, dtype=object),
-                                            np.asarray(u, np.float64))
+        fn = self._fn(geo, examples)
+        enc, u = np.asarray(encoded, dtype=object), np.asarray(u, np.float64)
+        try:
+            x, labels = fn(enc, u)
+        except _tf().errors.OpError as e:  # find the culprit, one by one, only on failure
+            for k in range(n):
+                try:
+                    fn(enc[k:k + 1], u[k:k + 1])
+                except _tf().errors.OpError as one:
+                    raise BadImageError(k, one.message.splitlines()[0]) from None
+            raise
         return x.numpy(), labels.numpy() if examples else None
