@@ -1,7 +1,7 @@
-"""JPEG decode, crop, resize, flip and normalisation with TensorFlow ops, run by tf.data.
+"""JPEG decode, crop, resize and flip with TensorFlow ops, run by tf.data.
 
 ``BatchDecoder`` turns a batch of encoded images plus their rows of uniforms (``order.aug_uniforms``)
-into the finished float32 batch. Each image goes through ``tf.data``'s parallel map on a private
+into the finished uint8 batch (the steps map it to model input, ``stats.model_input``). Each image goes through ``tf.data``'s parallel map on a private
 pool of ``workers`` threads (no GIL: the ops are TF's C++ kernels), in order, so the output is a
 pure function of (bytes, uniforms, geometry). The crop window is computed from the uniforms by
 ``crop_window``, the same rule as ``transforms.random_resized_box``/``central_box`` (a test holds
