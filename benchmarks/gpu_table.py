@@ -107,6 +107,14 @@ def commands(args: tool_flags.Args) -> list[tuple[str, list[str], str, float]]:
         out.append(("input_pipeline", py + ["benchmarks.input_pipeline",
                                             f"--cores={args.pipeline_cores}", *size,
                                             f"--json={j}"], j, args.pipeline_timeout))
+        # the pipeline feeding the S/16 step as the loop runs them: the share of time the step waits
+        j = os.path.join(args.out, "input_feed.json")
+        feed = (["--batch=8", "--batches=1", "--steps=1", "--synthetic_examples=16",
+                 "--model=Ti/4", "--image_size=8", "--depth=1"] if args.tiny else
+                [f"--batch={args.batch}", "--batches=10", "--steps=30",
+                 f"--synthetic_examples={4 * args.batch}"])
+        out.append(("input_feed", py + ["benchmarks.input_pipeline", "--datasets=imagenet2012",
+                                        *feed, f"--json={j}"], j, args.pipeline_timeout))
     return out
 
 
@@ -219,6 +227,13 @@ def render(results: dict[str, Any], failures: list[str], args: tool_flags.Args) 
             head = _f(r["images_s"] / fastest) if fastest else "-"
             lines.append(f"| {r['cores']} | {_f(r['images_s'], 4)} | {_f(r['images_s_per_core'], 4)}"
                          f" | {r['efficiency']} | {head} |")
+    feed = results.get("input_feed")
+    if feed:
+        r = feed["rows"][0]
+        lines += ["", f"Pipeline feeding the {r['model']} step as the loop runs them (batch "
+                  f"{r['batch']}, {r['workers']} decode workers): pipeline alone "
+                  f"{_f(r['pipeline_ex_s'], 4)} img/s, step alone {_f(r['step_ex_s'], 4)} img/s, "
+                  f"time the step waited for data {_f(r['wait_fraction'])} of the run."]
     if failures:
         lines += ["", "Not measured: " + "; ".join(failures) + "."]
     lines += ["", f"Command: `python -m benchmarks.gpu_table --out={args.out}`"

@@ -83,7 +83,8 @@ def test_gpu_table_dry_run_lists_the_commands(capsys):
     assert "benchmarks.vs_torch --model=S/16" in text and "--dtype=bfloat16" in text
     assert "benchmarks.input_pipeline --cores=1" in text
     assert "--norm=layernorm --augment=none,randaugment,deit" in text
-    assert len(res["commands"]) == 6
+    assert "benchmarks.input_pipeline --datasets=imagenet2012 --batch=256" in text
+    assert len(res["commands"]) == 7
 
 
 def test_gpu_table_tiny_writes_the_table_between_markers(tmp_path):
@@ -97,6 +98,7 @@ def test_gpu_table_tiny_writes_the_table_between_markers(tmp_path):
     assert "vs_torch: not run (--no_torch)" in text and "jax 0." in text
     assert "Host input pipeline" in text and "| 1 |" in text  # 1 core, headroom vs the LN step
     assert "| layernorm+deit |" in text and "| layernorm+randaugment |" in text
+    assert "time the step waited for data" in text
     assert (tmp_path / "out" / "gpu_table.md").read_text().strip() == res["markdown"]
 
 
