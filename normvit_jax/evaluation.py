@@ -21,7 +21,6 @@ from absl import logging
 from etils import epath
 
 from normvit_jax import checkpoints, data, sharding
-from normvit_jax.data import stats as data_stats
 from normvit_jax.train import setup
 from normvit_jax.train import optimizer as optim
 
@@ -35,16 +34,13 @@ def real_top1_counts(logits: jax.Array, real: jax.Array, mask: jax.Array) -> tup
     return jnp.sum(hit & counted), jnp.sum(counted)
 
 
-def make_real_sums(model: Any, affine: tuple[Any, Any] | None = None):
-    """``(variables, batch) -> {'real_hits', 'real_count'}`` for an ImageNet-ReaL batch (one that
-    carries 'real'), else {}: the top-1, top-5 and loss come from the training's eval step."""
-    def fn(variables: dict, batch: dict) -> dict[str, jax.Array]:
-        images = data_stats.model_input(batch["image"], affine)
-        logits = model.apply(variables, images, train=False).astype(jnp.float32)
-        hits, counted = real_top1_counts(logits, batch["real"], batch["mask"])
-        return {"real_hits": hits, "real_count": counted}
-    real_fn = jax.jit(fn)
-    return lambda variables, batch: real_fn(variables, batch) if "real" in batch else {}
+def real_sums(logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
+    """The eval step's extra sums: ``{'real_hits', 'real_count'}`` for an ImageNet-ReaL batch (one
+    that carries 'real'; decided when the step is traced), else {}."""
+    if "real" not in batch:
+        return {}
+    hits, counted = real_top1_counts(logits, batch["real"], batch["mask"])
+    return {"real_hits": hits, "real_count": counted}
 
 
 def _with_real_top1(metrics: dict[str, float]) -> dict[str, float]:
@@ -95,11 +91,11 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
         state = checkpoints.restore(mngr, abstract, step)
     finally:
         mngr.close()
-    # the training loop's eval step and metrics (+ ReaL top-1 on ImageNet-ReaL), EMA included
-    affine = setup.input_affine(config)
-    eval_step = setup.jit_eval_step(model, state_sharding, mesh, affine)
-    metrics = _with_real_top1(setup.evaluate(eval_step, state, pipeline, mesh,
-                                             sums=make_real_sums(model, affine)))
+    # the training loop's eval step and metrics, EMA included, + ReaL top-1 on ImageNet-ReaL
+    # from the same forward pass
+    eval_step = setup.jit_eval_step(model, state_sharding, mesh, setup.input_affine(config),
+                                    real_sums)
+    metrics = _with_real_top1(setup.evaluate(eval_step, state, pipeline, mesh))
     pipeline.close()
     d = config.data
     path = result_path(workdir, config, step)

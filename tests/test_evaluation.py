@@ -85,3 +85,47 @@ def test_eval_only_imagenet_sets_under_mock_data(tmp_path, name, split):
         assert not batches[1]["real"][batches[1]["mask"] == 0].any()  # padding rows: empty sets
     else:
         assert "real" not in b
+
+
+def test_eval_step_sums_real_counts_from_its_own_forward():
+    """ReaL counts come out of the eval step's forward pass (no second one) and are summed over
+    the split by setup.evaluate; batches without 'real' add nothing."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from normvit_jax import models, sharding
+    from normvit_jax.train import setup
+    from normvit_jax.train.state import TrainState
+    mdl = models.create({"variant": "Ti/4", "depth": 1, "hidden_size": 16, "num_heads": 2,
+                         "mlp_dim": 32, "norm": {"name": "layernorm"}}, 6)
+    v = mdl.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))
+    state = TrainState.create(v["params"], {}, optax.sgd(0.1), jax.random.key_data(jax.random.key(1)))
+    mesh = sharding.make_mesh()
+    rep = jax.tree.map(lambda _: sharding.replicated(mesh), state)
+    step = setup.jit_eval_step(mdl, rep, mesh, None, evaluation.real_sums)
+    rng = np.random.default_rng(0)
+    batches = []
+    for b in range(2):
+        sets = [rng.choice(6, rng.integers(0, 3), replace=False) for _ in range(8)]
+        batches.append({"image": rng.standard_normal((8, 8, 8, 3)).astype(np.float32),
+                        "label": rng.integers(0, 6, 8).astype(np.int32),
+                        "mask": np.array([1] * 8 if b == 0 else [1] * 5 + [0] * 3, np.float32),
+                        "real": real.multi_hot(sets, 6)})
+    hits = count = 0
+    for bt in batches:  # numpy's count from a separate forward
+        pred = np.asarray(mdl.apply(v, bt["image"], train=False)).argmax(-1)
+        scored = (bt["mask"] > 0) & (bt["real"].sum(-1) > 0)
+        hits += int((scored & (bt["real"][np.arange(8), pred] > 0)).sum())
+        count += int(scored.sum())
+    assert 0 < count < 13
+
+    class Split:
+        def eval_batches(self):
+            return iter(batches)
+
+    metrics = setup.evaluate(step, state, Split(), mesh)
+    assert (metrics["real_hits"], metrics["real_count"]) == (hits, count)
+    assert metrics["num_examples"] == 13
+    no_real = [{k: x for k, x in bt.items() if k != "real"} for bt in batches]
+    out = setup.jit_eval_step(mdl, rep, mesh, None, evaluation.real_sums)(state, no_real[0])
+    assert out[1] == {}

@@ -129,30 +129,31 @@ def jit_train_step(fn: Callable, state_sharding: Any, mesh: Mesh) -> Any:
 
 
 def jit_eval_step(model: nn.Module, state_sharding: Any, mesh: Mesh,
-                  affine: tuple[Any, Any] | None = None) -> Any:
+                  affine: tuple[Any, Any] | None = None,
+                  extra_sums: Callable[[jax.Array, dict], dict] | None = None) -> Any:
     """The eval step jitted over the mesh; metrics come back replicated. ``affine``
-    (``input_affine(config)``) maps uint8 batch images to model input."""
+    (``input_affine(config)``) maps uint8 batch images to model input; ``extra_sums``: see
+    ``steps.make_eval_step`` (``evaluate`` adds them up)."""
     rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
-    return jax.jit(steps_lib.make_eval_step(model, affine), in_shardings=(state_sharding, bat),
-                   out_shardings=rep)
+    return jax.jit(steps_lib.make_eval_step(model, affine, extra_sums),
+                   in_shardings=(state_sharding, bat), out_shardings=rep)
 
 
-def evaluate(eval_step: Any, state: TrainState, pipeline: Any, mesh: Mesh,
-             sums: Callable[[dict, dict], dict] | None = None) -> dict[str, float]:
+def evaluate(eval_step: Any, state: TrainState, pipeline: Any, mesh: Mesh) -> dict[str, float]:
     """Metrics of ``eval_step`` over the whole eval split (padded rows masked out), and of the
-    EMA weights as ``ema_*`` when the state keeps them (config.ema_decay). ``sums(variables,
-    batch)``: more per-batch sums, added up over the split into the result under their names."""
+    EMA weights as ``ema_*`` when the state keeps them (config.ema_decay). An eval step with
+    ``extra_sums`` also adds those up over the split, into the result under their names."""
     def one(st: TrainState) -> dict[str, float]:
         acc, extra = None, {}
         for batch in pipeline.eval_batches():
-            batch = sharding.to_global(batch, mesh)
-            m = eval_step(st, batch)
+            out = eval_step(st, sharding.to_global(batch, mesh))
+            m, sums = out if isinstance(out, tuple) else (out, {})
             acc = m if acc is None else acc.merge(m)
-            for k, v in (sums(st.variables(), batch) if sums else {}).items():
-                extra[k] = extra.get(k, 0.0) + float(v)
+            for k, v in sums.items():  # summed on the device; read once at the end
+                extra[k] = extra[k] + v if k in extra else v
         out = {k: float(v) for k, v in acc.compute().items()}
         out["num_examples"] = int(acc.loss.count)
-        return {**out, **extra}
+        return {**out, **{k: float(v) for k, v in extra.items()}}
 
     metrics = one(state)
     ema_params = ema.find(state.opt_state)

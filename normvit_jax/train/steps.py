@@ -120,12 +120,14 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
     return train_step
 
 
-def make_eval_step(model: nn.Module, input_affine: tuple[Any, Any] | None = None
-                   ) -> Callable[[TrainState, dict], EvalMetrics]:
+def make_eval_step(model: nn.Module, input_affine: tuple[Any, Any] | None = None,
+                   extra_sums: Callable[[jax.Array, dict], dict] | None = None) -> Callable:
     """Returns ``eval_step(state, batch) -> EvalMetrics`` over the rows with mask 1 (uint8 images
-    are mapped by ``input_affine``, as in the train step)."""
+    are mapped by ``input_affine``, as in the train step). With ``extra_sums(logits, batch) ->
+    {name: per-batch sum}`` (e.g. ImageNet-ReaL's counts) it returns ``(EvalMetrics, sums)``
+    from the same forward pass."""
 
-    def eval_step(state: TrainState, batch: dict) -> EvalMetrics:
+    def eval_step(state: TrainState, batch: dict) -> Any:
         logits = model.apply(state.variables(), stats.model_input(batch["image"], input_affine),
                              train=False)
         labels = batch["label"]
@@ -135,6 +137,9 @@ def make_eval_step(model: nn.Module, input_affine: tuple[Any, Any] | None = None
         topk = jax.lax.top_k(logits, k)[1]
         top5 = jnp.any(topk == labels[:, None], axis=-1).astype(jnp.float32)
         mask = batch["mask"].astype(bool)
-        return EvalMetrics.single_from_model_output(loss=loss, top1=top1, top5=top5, mask=mask)
+        metrics = EvalMetrics.single_from_model_output(loss=loss, top1=top1, top5=top5, mask=mask)
+        if extra_sums is None:
+            return metrics
+        return metrics, extra_sums(logits.astype(jnp.float32), batch)
 
     return eval_step
