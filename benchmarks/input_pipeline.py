@@ -75,6 +75,8 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
     p.add_argument("--pipeline_only", action="store_true",
                    help="measure the pipeline on the cores this process may use, with one decode "
                         "worker per core (what --cores runs in each child)")
+    p.add_argument("--pin_cores", type=int, default=None,
+                   help="with --pipeline_only: first restrict this process to its first N cores")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -220,6 +222,8 @@ def _cores() -> list[int]:
 
 def pipeline_only(args: tool_flags.Args) -> dict[str, Any]:
     """The ImageNet train pipeline alone, one decode worker per core this process may use."""
+    if args.pin_cores:  # before TF starts: its thread pools and every later thread inherit it
+        os.sched_setaffinity(0, _cores()[:args.pin_cores])
     n = len(_cores())
     c = dataset_config("imagenet2012", args)
     c.data.num_workers = n
@@ -233,7 +237,7 @@ def pipeline_only(args: tool_flags.Args) -> dict[str, Any]:
 
 def scaling(args: tool_flags.Args) -> dict[str, Any]:
     """``pipeline_only`` in a child process per core count, each pinned to its first N cores (so
-    the Python reader, TF's decode threads and the normalisation all share those N cores)."""
+    the Python reader and TF's decode threads all share those N cores)."""
     import json
     import subprocess
     counts = [int(v) for v in args.cores.split(",") if v.strip()]
@@ -250,11 +254,11 @@ def scaling(args: tool_flags.Args) -> dict[str, Any]:
         for n in counts:
             out = os.path.join(tmp, f"{n}.json")
             cmd = [sys.executable, "-m", "benchmarks.input_pipeline", "--pipeline_only",
-                   f"--data_dir={data_dir}", f"--batches={args.batches}", f"--json={out}"]
+                   f"--pin_cores={n}", f"--data_dir={data_dir}", f"--batches={args.batches}",
+                   f"--json={out}"]
             cmd += [f"--batch={args.batch}"] if args.batch else []
             cmd += ["--antialias"] if args.antialias else []
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
-                           preexec_fn=lambda n=n: os.sched_setaffinity(0, cpus[:n]))
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             with open(out) as f:
                 rows.append(json.load(f)["rows"][0])
             if args.data_dir is None:
