@@ -2,10 +2,10 @@
 
 Batches are numpy dicts: 'image' (local_B, S, S, 3), float32 in the configured value range for
 in-memory sources (digits, CIFAR) or uint8 pixels for JPEG sources (ImageNet; the steps map them
-with ``stats.model_input``), 'label' int32 (local_B,); eval batches add 'mask' float32 (1 real, 0 padding) and, with
-``config.data.return_index``, every batch carries 'index' int32 (position in the split, -1 for
-padding). Order, sharding and resume rules: see ``order``. Each batch is a pure function of
-(config, split, step, process_index, process_count).
+with ``stats.model_input``), 'label' int32 (local_B,); eval batches add 'mask' float32 (1 real,
+0 padding) and, with ``config.data.return_index``, every batch carries 'index' int32 (position
+in the split, -1 for padding). Order, sharding and resume rules: see ``order``. Each batch is a
+pure function of (config, split, step, process_index, process_count).
 """
 from __future__ import annotations
 

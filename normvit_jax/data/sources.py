@@ -1,4 +1,4 @@
-"""Sources: read examples by index and finish them (``transforms``' two stages, then the value range).
+"""Sources: read examples by index and finish them (``transforms``' two stages, value range).
 
 ``ArraySource`` holds a split in host memory (digits, CIFAR) and transforms it with numpy;
 ``JpegSource`` reads encoded images from a random-access tfds data source (ImageNet), so each host

@@ -1,9 +1,10 @@
 """JPEG decode, crop, resize and flip with TensorFlow ops, run by tf.data.
 
-``BatchDecoder`` turns a batch of encoded images plus their rows of uniforms (``order.aug_uniforms``)
-into the finished uint8 batch (the steps map it to model input, ``stats.model_input``). Each image goes through ``tf.data``'s parallel map on a private
-pool of ``workers`` threads (no GIL: the ops are TF's C++ kernels), in order, so the output is a
-pure function of (bytes, uniforms, geometry). The crop window is computed from the uniforms by
+``BatchDecoder`` turns a batch of encoded images plus their rows of uniforms
+(``order.aug_uniforms``) into the finished uint8 batch (the steps map it to model input,
+``stats.model_input``). Each image goes through ``tf.data``'s parallel map on a private pool of
+``workers`` threads (no GIL: the ops are TF's C++ kernels), in order, so the output is a pure
+function of (bytes, uniforms, geometry). The crop window is computed from the uniforms by
 ``crop_window``, the same rule as ``transforms.random_resized_box``/``central_box`` (a test holds
 them equal), and only that window is decoded (``tf.io.decode_and_crop_jpeg`` skips the rest).
 Resizing is bilinear, with antialiasing when shrinking if ``geo.antialias`` (the filter of
