@@ -42,7 +42,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.prefetch = 2             # host batches prepared ahead of the train step
     c.data.num_train_examples = placeholder(int)  # use only the first N train examples (tests with mock data)
     c.data.num_eval_examples = placeholder(int)   # use only the first N eval examples (tests with mock data)
-    c.data.num_workers = placeholder(int)  # threads decoding JPEGs / reading records (None: min(32, CPUs))
+    c.data.num_workers = placeholder(int)  # tf.data threads decoding one batch's JPEGs (4 batches at once;
+                                    # None: min(32, CPUs)); also the threads reading array_record CIFAR
     c.data.return_index = False     # batches also carry 'index' (int32 position in the split; -1 = padding)
 
     # ---- model (normvit_jax/models/vit.py) ----
