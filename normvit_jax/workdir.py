@@ -216,11 +216,16 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def flat_values(config: Any) -> dict:
+    """A ConfigDict's values by dotted key ('data.image_size'), as its JSON has them."""
+    return _flatten(json.loads(config.to_json_best_effort()))
+
+
 def _default_values() -> dict:
     """Flattened values of configs/default.py: a key a newer version added is absent from an
     older run's config.json; at its default it keeps the old behaviour, so it is no change."""
     from configs import default  # pylint: disable=import-outside-toplevel
-    return _flatten(json.loads(default.get_config().to_json_best_effort()))
+    return flat_values(default.get_config())
 
 
 def config_diff(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:

@@ -12,7 +12,6 @@ What happens when things go wrong (docs/faults.md has the user-facing promises):
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Any
@@ -117,7 +116,7 @@ def _run(config, workdir, stop_at, spec, mesh, sigterm) -> dict[str, Any]:
     # Marks where this segment of the run starts: readers drop older points after it (summaries.py).
     writer.write_scalars(start_step, {summaries.SEGMENT_TAG: start_step})
     if start_step == 0:
-        writer.write_hparams({k: v for k, v in workdir_lib._flatten(json.loads(config.to_json_best_effort())).items()
+        writer.write_hparams({k: v for k, v in workdir_lib.flat_values(config).items()
                               if isinstance(v, (int, float, str, bool))})
 
     train_step = setup.jit_train_step(
