@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 from benchmarks import isolate
 from normvit_jax import tool_flags
+from normvit_jax.data import pipeline as pipeline_lib
 
 BEGIN, END = "<!-- gpu-table:begin -->", "<!-- gpu-table:end -->"
 # The XLA GPU flags worth a try (docs/benchmarks.md); pass any of them with --xla_flags.
@@ -57,7 +58,7 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
                    help="Ti/4, depth 1, 8x8 images, batch 4, LN and RMSNorm, 1 step: a CPU smoke test")
     args = p.parse_args(argv)
     if args.pipeline_cores is None:
-        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        n = len(pipeline_lib.usable_cores())
         counts = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < n] + [n]
         args.pipeline_cores = ",".join(map(str, counts[:1] if args.tiny else counts))
     if args.tiny:

@@ -43,6 +43,7 @@ from benchmarks import common  # noqa: E402
 from normvit_jax import tool_flags  # noqa: E402
 from configs import default  # noqa: E402
 from normvit_jax import data  # noqa: E402
+from normvit_jax.data import pipeline as pipeline_lib  # noqa: E402
 
 DATASETS = ("digits", "cifar10", "cifar100", "imagenet2012")
 CPU_STEP_BATCH = 128  # default cap of the step-rate batch on CPU (see step_batch)
@@ -215,16 +216,11 @@ def run_together(p: Any, bench: Any, steps: int) -> float:
     return wait / total
 
 
-def _cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
-        range(os.cpu_count() or 1))
-
-
 def pipeline_only(args: tool_flags.Args) -> dict[str, Any]:
     """The ImageNet train pipeline alone, one decode worker per core this process may use."""
     if args.pin_cores:  # before TF starts: its thread pools and every later thread inherit it
-        os.sched_setaffinity(0, _cores()[:args.pin_cores])
-    n = len(_cores())
+        os.sched_setaffinity(0, pipeline_lib.usable_cores()[:args.pin_cores])
+    n = len(pipeline_lib.usable_cores())
     c = dataset_config("imagenet2012", args)
     c.data.num_workers = n
     with open_train_pipeline("imagenet2012", c, args) as (p, source):
@@ -241,7 +237,7 @@ def scaling(args: tool_flags.Args) -> dict[str, Any]:
     import json
     import subprocess
     counts = [int(v) for v in args.cores.split(",") if v.strip()]
-    cpus = _cores()
+    cpus = pipeline_lib.usable_cores()
     if not counts or min(counts) < 1 or max(counts) > len(cpus):
         raise SystemExit(f"--cores={args.cores}: each count must be in [1, {len(cpus)}]")
     rows = []
@@ -291,7 +287,7 @@ def run(args: tool_flags.Args) -> dict[str, Any]:
                      "pipeline_ex_s": round(pipe, 1), "step_ex_s": round(step, 1),
                      "headroom": round(pipe / step, 2),
                      "wait_fraction": None if wait is None else round(wait, 3),
-                     "workers": c.data.num_workers or min(32, os.cpu_count() or 1)})
+                     "workers": c.data.num_workers or pipeline_lib.default_num_workers()})
         print(f"{name}: pipeline {pipe:.0f} ex/s, step {step:.0f} ex/s", file=sys.stderr, flush=True)
     return {"machine": common.machine(), "args": vars(args), "rows": rows}
 

@@ -43,7 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.num_train_examples = placeholder(int)  # use only the first N train examples (tests with mock data)
     c.data.num_eval_examples = placeholder(int)   # use only the first N eval examples (tests with mock data)
     c.data.num_workers = placeholder(int)  # tf.data threads decoding one batch's JPEGs (4 batches at once;
-                                    # None: min(32, CPUs)); also the threads reading array_record CIFAR
+                                    # None: min(32, usable CPUs)); also the threads reading array_record CIFAR
     c.data.return_index = False     # batches also carry 'index' (int32 position in the split; -1 = padding)
 
     # ---- model (normvit_jax/models/vit.py) ----

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import io
 import itertools
+import os
 import time
 from unittest import mock
 
@@ -418,3 +419,19 @@ def test_loop_trains_on_jpegs_and_resumes_bitwise(fake_imagenet, tmp_path):
     b, _ = checkpoints.load_params(str(tmp_path / "b"))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
+                    reason="needs CPU affinity and 2+ cores")
+def test_default_workers_follow_the_cores_this_process_may_use():
+    """A process restricted to fewer CPUs than the machine has (SLURM, cgroups) decodes with that
+    many threads, not one per CPU of the machine."""
+    from normvit_jax.data import pipeline as pipeline_lib
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        assert pipeline_lib.usable_cores() == [min(before)]
+        assert pipeline_lib.default_num_workers() == 1
+    finally:
+        os.sched_setaffinity(0, before)
+    assert pipeline_lib.default_num_workers() == min(32, len(before))

@@ -50,6 +50,19 @@ def _open_source(d: Any, name: str, tfds_split: str, limit: int | None, workers:
     return src
 
 
+def usable_cores() -> list[int]:
+    """The CPUs this process may run on (its affinity: SLURM/cgroups may give it fewer than the
+    machine has), in order."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def default_num_workers() -> int:
+    """``config.data.num_workers`` when None: one decode thread per usable core, at most 32."""
+    return min(32, len(usable_cores()))
+
+
 class Pipeline:
     """Host-local batches of one split. Build with ``make_pipeline``."""
 
@@ -156,7 +169,7 @@ def make_pipeline(config: Any, split: str, *, process_index: int | None = None,
     order.host_rows(gb, process_index, process_count)  # fail before reading any data
     tfds_split = d.train_split if split == "train" else d.eval_split
     limit = d.get("num_train_examples") if split == "train" else d.get("num_eval_examples")
-    workers = d.get("num_workers") or min(32, os.cpu_count() or 1)
+    workers = d.get("num_workers") or default_num_workers()
     name = (d.get("eval_name") or d.name) if split == "eval" else d.name
     source = _open_source(d, name, tfds_split, limit, workers)
     return Pipeline(config, split, source, process_index, process_count)
