@@ -13,6 +13,7 @@ inception crop), and rounded to uint8 as a decoded image would be.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -23,6 +24,7 @@ from normvit_jax.data import transforms
 _LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
 
 
+@functools.lru_cache(maxsize=None)
 def _tf():
     import tensorflow as tf
     # Only tf.data's CPU kernels are used: never let TF take an accelerator's memory.
