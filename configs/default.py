@@ -48,7 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     # ---- model (normvit_jax/models/vit.py) ----
     c.model = ml_collections.ConfigDict()
-    c.model.name = "vit"
+    c.model.name = "vit"            # vit | t2t_vit (Tokens-to-Token stem; its keys: configs/recipes.py t2t_vit)
     c.model.variant = typed("Ti/4", str)  # '<Ti|S|B|L|H>/<patch>'; explicit fields below win over it
     c.model.hidden_size = placeholder(int)  # None: from variant
     c.model.depth = placeholder(int)
@@ -57,7 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.mlp_ratio = 4.0
     c.model.patch_size = placeholder(int)
     c.model.classifier = "token"    # token (class token) | gap (global average pooling)
-    c.model.posemb = "learn"        # learn | sincos2d | none
+    c.model.posemb = "learn"        # learn | sincos2d | sincos1d (fixed 1-D table, class token at 0) | none
     c.model.cls_token_at_block = 0  # >0: the class token joins before this block (DTN's layout); <0: depth + value
     c.model.norm = ml_collections.ConfigDict({"name": "layernorm"})  # the norm of every slot; options beside name
     c.model.norm_overrides = ml_collections.ConfigDict()  # 'final' | 'block_<i>' | 'blocks_<a>_<b>' | 'last_<k>' -> norm config
@@ -70,6 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.attention_dropout_rate = 0.0
     c.model.stochastic_depth = 0.0  # drop-path rate of the last block (linear from 0)
     c.model.gelu_approximate = True  # tanh GELU as Google's checkpoints; False: exact erf as timm
+    c.model.qkv_bias = True         # False: query/key/value projections without bias (timm's qkv_bias=False)
     c.model.attention_impl = "auto"  # auto: fused_sdpa on GPU (cuDNN attention), fused elsewhere;
                                     # fused: one QKV matmul + einsum attention (fastest on CPU);
                                     # fused_sdpa: one QKV matmul + jax.nn.dot_product_attention;

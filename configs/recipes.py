@@ -6,6 +6,8 @@ Every value carries its source. Abbreviations:
   [BV]     big_vision configs/vit_s16_i1k.py ("Better plain ViT baselines for ImageNet-1k",
            Beyer et al. 2022) and big_vision/optax.py (how its wd is applied).
   [LS]     the LearnableScaler README's training command (timm train.py; /work/shared/seeds).
+  [UN]     hikvision-research/Unified-Normalization, image_classification/: run_train.sh, main.py
+           defaults (timm train.py of T2T-ViT, Yuan et al. ICCV 2021) and models/t2t_vit.py.
   [NORMS]  the project's /work/shared/NORMS.md summary of each reference.
 Values a source does not give stay at configs/default.py's and are named in the README table.
 """
@@ -161,6 +163,55 @@ def learnable_scaler_paper(c: ml_collections.ConfigDict, depth: int = 24,
     return c
 
 
+def t2t_vit(c: ml_collections.ConfigDict, variant: str = "T2T-14") -> ml_collections.ConfigDict:
+    """UN's ImageNet-1k run of T2T-ViT-14 [UN] (T2T-ViT's own recipe): 300 epochs at batch 512."""
+    imagenet_data(c, "zscore", True)    # [UN] timm: ImageNet mean/std, PIL resize
+    c.data.eval_crop_fraction = 0.9     # [UN] t2t_vit.py _cfg crop_pct 0.9 (bicubic there; bilinear here)
+    c.model.name = "t2t_vit"            # [UN] T2t_vit_14: tokens_type='performer'
+    c.model.variant = variant           # [UN] embed 384, depth 14, heads 6, mlp_ratio 3
+    c.model.patch_size = 16             # three soft splits, strides 4 x 2 x 2
+    c.model.token_dim = 64              # [UN] T2T_module token_dim=64
+    c.model.kernel_ratio = 0.5          # [UN] Token_performer kernel_ratio=0.5
+    c.model.t2t_dropout_rate = 0.1      # [UN] Token_performer dp1 = dp2 = 0.1
+    # The stem's four norm slots: name None = model.norm (UN's all_un1d); e.g. 'layernorm' + options
+    c.model.stem_norm = ml_collections.ConfigDict({"name": ml_collections.config_dict.placeholder(str)})
+    c.model.classifier = "token"        # [UN] cls_token, head on x[:, 0]
+    c.model.posemb = "sincos1d"         # [UN] get_sinusoid_encoding(num_patches + 1), not trained
+    c.model.qkv_bias = False            # [UN] T2T_ViT qkv_bias=False
+    if c.model.norm.name == "layernorm":
+        c.model.norm.epsilon = 1e-5     # [UN] torch nn.LayerNorm default (the LN baseline)
+    c.model.gelu_approximate = False    # [UN] nn.GELU (exact)
+    c.model.dropout_rate = 0.0          # [UN] --drop 0
+    c.model.attention_dropout_rate = 0.0
+    c.model.stochastic_depth = 0.1      # [UN] --drop-path 0.1
+    c.batch_size = 512                  # [UN] run_train.sh: 8 GPUs x --batch-size 64
+    c.num_epochs = 300.0                # [UN] --epochs 300 (+10 cooldown epochs at min-lr not run here)
+    c.total_steps = None
+    c.optimizer.name = "adamw"          # [UN] --opt adamw
+    c.optimizer.learning_rate = 5e-4    # [UN] --lr 5e-4 (not rescaled by batch size)
+    c.optimizer.weight_decay = 0.05     # [UN] --weight-decay 0.05
+    c.optimizer.b1, c.optimizer.b2 = 0.9, 0.999
+    c.optimizer.grad_clip = None        # [UN] --clip-grad None
+    c.schedule.name = "cosine"          # [UN] --sched cosine
+    c.schedule.warmup_steps = 10 * steps_per_epoch(c.batch_size)  # [UN] --warmup-epochs 10
+    c.schedule.end_factor = 1e-5 / c.optimizer.learning_rate      # [UN] --min-lr 1e-5
+    c.label_smoothing = 0.1             # [UN] --smoothing 0.1
+    c.mixup_alpha = 0.8                 # [UN] --mixup 0.8
+    c.cutmix_alpha = 1.0                # [UN] --cutmix 1.0
+    c.mix_prob = 1.0                    # [UN] --mixup-prob 1.0
+    c.switch_prob = 0.5                 # [UN] --mixup-switch-prob 0.5
+    c.mix_mode = "batch"                # [UN] --mixup-mode batch
+    c.random_erase_prob = 0.25          # [UN] --reprob 0.25
+    c.random_erase_mode = "pixel"       # [UN] --remode pixel
+    c.data.repeated_aug = 1             # [UN] no repeated augmentation (timm train.py)
+    c.ema_decay = 0.99996               # [UN] --model-ema (on by default) decay 0.99996
+    set_randaugment(c, RANDAUGMENT_DEIT)  # [UN] --aa rand-m9-mstd0.5-inc1
+    c.dtype = "bfloat16"                # [UN] apex/native AMP; bf16 here
+    c.eval_batch_size = 1024
+    c.log_every, c.eval_every, c.checkpoint_every = 100, 5000, 2000
+    return c
+
+
 def rescale_cifar10_b16(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """RescaleViT's CIFAR-10 from-scratch run: ViT-B/16 at 224, 20k steps of batch 128 [NORMS],
     on top of jeonsworld/ViT-pytorch (the code RescaleViT extends) for what [NORMS] does not say."""
@@ -201,6 +252,7 @@ DEIT = {
     "deit_s": lambda c: deit(c, "S/16"),
     "deit_b": lambda c: _heads(deit(c, "B/16"), 16),
 }
+T2T = {"t2t_vit_14": lambda c: t2t_vit(c, "T2T-14")}  # UN's setting [UN]
 BIGVISION = {
     "bigvision_s16_90ep": lambda c: bigvision_i1k(c, "S/16", 90.0),
     "bigvision_s16_300ep": lambda c: bigvision_i1k(c, "S/16", 300.0),  # [BV] "--config.num_epochs 300"

@@ -435,6 +435,7 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
     Raises CheckpointError listing every missing, unexpected or mis-shaped key.
     """
     spec = models.spec_of(model, num_classes)
+    _check_family(spec)
     frozen = isinstance(params, frozen_dict.FrozenDict)
     tree = frozen_dict.unfreeze(params) if frozen else params
     wrapped = set(tree) == {"params"}
@@ -472,6 +473,12 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
         out = scan_convert.to_layout(out, spec)
     out = {"params": out} if wrapped else out
     return (frozen_dict.freeze(out) if frozen else out), rows
+
+
+def _check_family(spec: Any) -> None:
+    if spec.family != "vit":
+        raise CheckpointError(f"model.name={spec.family!r}: Google's ViT checkpoints hold a patch "
+                              "embedding, this model has another stem; accepted: model.name='vit'")
 
 
 def format_report(rows: Sequence[Row], header: str = "") -> str:
@@ -525,6 +532,7 @@ def export_npz(params: Any, out_path: str, model: Any,
     are not part of the format. The file is written beside the target and renamed, so a crash
     leaves no half file."""
     spec = models.spec_of(model)
+    _check_family(spec)
     tree = frozen_dict.unfreeze(params) if isinstance(params, frozen_dict.FrozenDict) else params
     if "params" in tree and "embedding" not in tree:
         tree = tree["params"]

@@ -62,10 +62,11 @@ def _plain(tree: Any) -> Any:
 
 
 def _fold_into(layer: dict, a: np.ndarray, c: np.ndarray) -> None:
-    """kernel (C, *out), bias (*out) of one Dense <- the affine a * x + c in front of it."""
+    """kernel (C, *out), bias (*out) of one Dense <- the affine a * x + c in front of it. A Dense
+    without bias (``qkv_bias=False``) gets one."""
     k = layer["kernel"].astype(np.float64)
     a64, c64 = a.astype(np.float64), c.astype(np.float64)
-    bias = layer["bias"].astype(np.float64) + np.tensordot(c64, k, axes=(0, 0))
+    bias = layer.get("bias", np.zeros(k.shape[1:])).astype(np.float64) + np.tensordot(c64, k, axes=(0, 0))
     layer["kernel"] = (a64.reshape(a64.shape + (1,) * (k.ndim - 1)) * k).astype(np.float32)
     layer["bias"] = bias.astype(np.float32)
 
@@ -140,10 +141,37 @@ def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldR
             report.kept.append(("Transformer/encoder_norm", _why_kept(final_cfg)))
     # 'block_<i>' is the narrowest key, so it wins over any range that also covers block i.
     new_spec = spec.with_norm_overrides(new_overrides)
+    if any(k.startswith("block_") for k in new_overrides) and not spec.qkv_bias:
+        new_spec = dataclasses.replace(new_spec, qkv_bias=True)  # the fold gave them a bias
+    if getattr(spec, "family", "vit") == "t2t_vit" and _fold_stem(spec, params, stats, report):
+        new_spec = dataclasses.replace(new_spec, stem_norm={"name": "identity"})
     out = {"params": params}
     if jax.tree.leaves(stats):
         out["batch_stats"] = stats
     return new_spec, scan_convert.to_layout(out, new_spec), report
+
+
+def _fold_stem(spec: Any, params: dict, stats: dict, report: FoldReport) -> bool:
+    """T2T-ViT's stem (models/t2t_vit.py): in each Performer layer ``norm1`` feeds ``kqv`` and
+    ``norm2`` feeds ``mlp_0``. Returns whether the stem's norms were folded."""
+    from normvit_jax.models.t2t_vit import STEM_SCOPE
+    cfg = spec.stem_norm_config
+    if not foldable(cfg):
+        report.kept.append((STEM_SCOPE, _why_kept(cfg)))
+        return False
+    if norms.name_of(cfg) == "identity":
+        return False
+    for layer, p in sorted(params[STEM_SCOPE].items()):
+        if not layer.startswith("attention"):
+            continue
+        st = stats.get(STEM_SCOPE, {}).get(layer, {})
+        for slot, target in (("norm1", "kqv"), ("norm2", "mlp_0")):
+            a, c = _affine(cfg, p.get(slot, {}), st.get(slot, {}), p[target]["kernel"].shape[0])
+            _fold_into(p[target], a, c)
+            p.pop(slot, None)
+            st.pop(slot, None)
+            report.folded.append(f"{STEM_SCOPE}/{layer}/{slot}")
+    return True
 
 
 def _eval_logits(model: Any, variables: Mapping, images: jax.Array,

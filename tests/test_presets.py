@@ -18,12 +18,13 @@ ALL_PRESETS = [
     "vit_dtn.py:deit_t", "vit_dtn.py:deit_s", "vit_dtn.py:deit_b", "vit_ln.py:bigvision_s16_90ep",
     "vit_ln.py:bigvision_s16_300ep", "vit_ln.py:deit_s", "vit_dpn.py:bigvision_s16_90ep",
     "vit_un.py:deit_s", "vit_learnable_scaler.py:paper", "vit_learnable_scaler.py:paper_d36",
-    "vit_rescale.py:cifar10_b16",
+    "vit_rescale.py:cifar10_b16", "vit_un.py:t2t_vit_14", "vit_ln.py:t2t_vit_14",
 ]
 # Trained shrunk: one per distinct recipe x normalizer (deit_t/_b and paper_d36 differ from
 # deit_s and paper only in the model size, which the shrinking replaces).
 TRAINED = ["vit_dtn.py:deit_s", "vit_ln.py:bigvision_s16_90ep", "vit_dpn.py:bigvision_s16_90ep",
-           "vit_un.py:deit_s", "vit_learnable_scaler.py:paper", "vit_rescale.py:cifar10_b16"]
+           "vit_un.py:deit_s", "vit_learnable_scaler.py:paper", "vit_rescale.py:cifar10_b16",
+           "vit_un.py:t2t_vit_14"]
 
 
 def load(spec: str):
@@ -39,6 +40,8 @@ def shrink(c):
     c.model.variant = None
     c.model.patch_size, c.model.hidden_size, c.model.depth = 2, 32, 3
     c.model.num_heads, c.model.mlp_dim = 2, 64
+    if c.model.name == "t2t_vit":  # the soft splits' fixed stride 16: one 16x16 image = 1 token
+        c.data.image_size, c.model.patch_size, c.model.token_dim = 16, 16, 8
     if c.model.representation_size:
         c.model.representation_size = 32
     c.batch_size, c.eval_batch_size = 48, 48   # divisible by accumulation 8 and repeats 3
@@ -100,6 +103,14 @@ def test_presets_carry_the_cited_values():
     assert (ls.optimizer.name, ls.batch_size, ls.grad_accum_steps, ls.optimizer.grad_clip) == \
         ("lamb", 2048, 8, 14.0)
     assert (ls.model.depth, ls.model.hidden_size, ls.model.patch_size) == (24, 192, 16)
+    t = load("vit_un.py:t2t_vit_14")
+    assert (t.model.name, t.model.variant, t.batch_size, t.optimizer.learning_rate) == \
+        ("t2t_vit", "T2T-14", 512, 5e-4)
+    assert (t.schedule.warmup_steps, t.model.posemb, t.model.qkv_bias) == \
+        (10 * (1_281_167 // 512), "sincos1d", False)
+    spec = setup.validate_config(t, 1)
+    assert spec.stem_norm_config["name"] == "unified" and spec.norm["outlier_filtration"]
+    assert load("vit_ln.py:t2t_vit_14").model.norm.epsilon == 1e-5  # torch's LayerNorm
     r = load("vit_rescale.py:cifar10_b16")
     assert (r.model.variant, r.data.image_size, r.total_steps, r.batch_size) == ("B/16", 224, 20_000, 128)
     assert r.model.norm.name == "rescale" and r.optimizer.name == "sgd"

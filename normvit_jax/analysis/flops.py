@@ -3,7 +3,7 @@
 ``xla_flops``: XLA's cost analysis of the compiled eval forward (batch 1, float32, on the CPU
 backend so every op is counted: an accelerator's fused attention kernel would be opaque to it). It
 counts every op: a multiply-add is 2 FLOPs, and norms, softmax and GELU add their elementwise work.
-``analytic_flops``: 2 x the multiply-adds of the matmuls (patch embedding, q/k/v/out, attention
+``analytic_flops``: 2 x the multiply-adds of the matmuls (patch embedding or stem, q/k/v/out, attention
 logits and weighted sum, MLP, head); norms, softmax, GELU and biases are left out. Many papers quote
 multiply-adds as "FLOPs": that is ``analytic_flops / 2``.
 """
@@ -45,10 +45,10 @@ def xla_flops(model: Any, variables: Any, image_size: int) -> float:
 def analytic_flops(spec: Any, image_size: int) -> float:
     """2 x multiply-adds of the matmuls of one image's forward (see the module docstring) of a
     ``ViTSpec`` with ``num_classes``."""
-    d, mlp, p = spec.hidden_size, spec.mlp_dim, spec.patch_size
+    d, mlp = spec.hidden_size, spec.mlp_dim
     grid, _ = capture.geometry(spec, image_size)
     n = grid[0] * grid[1]
-    macs = n * p * p * 3 * d  # patch embedding
+    macs = spec.stem_macs(image_size)  # patch embedding (T2T-ViT: its Performer stem)
     for has_cls in spec.block_has_cls():
         t = n + int(has_cls)
         macs += 4 * t * d * d  # query, key, value, out

@@ -9,9 +9,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from normvit_jax.models.spec import VARIANTS, ViTSpec
+from normvit_jax.models.t2t_vit import T2TViT, T2TViTSpec
 from normvit_jax.models.vit import ViT
 
-FAMILIES: dict[str, type[nn.Module]] = {"vit": ViT}
+FAMILIES: dict[str, type[nn.Module]] = {"vit": ViT, "t2t_vit": T2TViT}
 
 
 def spec_of(config: Any, num_classes: int | None = None, *, dtype: Any = None,
@@ -44,4 +45,4 @@ def create(config: Any, num_classes: int | None = None, *, dtype: Any = None,
     return FAMILIES[spec.family](spec)
 
 
-__all__ = ["FAMILIES", "VARIANTS", "ViT", "ViTSpec", "create", "spec_of"]
+__all__ = ["FAMILIES", "VARIANTS", "T2TViT", "T2TViTSpec", "ViT", "ViTSpec", "create", "spec_of"]

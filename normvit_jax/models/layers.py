@@ -33,6 +33,15 @@ def sincos_2d(grid: tuple[int, int], dim: int, temperature: float = 10_000.0) ->
     return pe[None].astype(np.float32)
 
 
+def sincos_1d(length: int, dim: int) -> np.ndarray:
+    """Fixed 1-D sinusoid table (Vaswani et al.; T2T-ViT's ``get_sinusoid_encoding``), shape
+    (1, length, dim): position p, channel j: sin (j even) / cos (j odd) of p / 10000^(2*(j//2)/dim)."""
+    j = np.arange(dim)
+    angle = np.arange(length)[:, None] / np.power(10_000.0, 2 * (j // 2) / dim)[None]
+    table = np.where(j % 2 == 0, np.sin(angle), np.cos(angle))
+    return table[None].astype(np.float32)
+
+
 def token_stats(x: jax.Array) -> dict[str, jax.Array]:
     """Per-block summaries of a token tensor (B, T, C), averaged over the batch, in float32.
 
@@ -96,10 +105,13 @@ class _Projection(nn.Module):
     bias_shape: tuple[int, ...]
     fan_shape: tuple[int, int]
     bias_std: float = 0.0  # 0: zeros (DenseGeneral), else normal(bias_std) (Google's MLP)
+    use_bias: bool = True  # False: no bias parameter, zeros returned
 
     @nn.compact
     def __call__(self) -> tuple[jax.Array, jax.Array]:
         kernel = self.param("kernel", _xavier(self.fan_shape), self.kernel_shape, jnp.float32)
+        if not self.use_bias:
+            return kernel, jnp.zeros(self.bias_shape, jnp.float32)
         bias_init = nn.initializers.normal(self.bias_std) if self.bias_std else nn.initializers.zeros
         bias = self.param("bias", bias_init, self.bias_shape, jnp.float32)
         return kernel, bias
@@ -174,7 +186,7 @@ class Attention(nn.Module):
     float16 (``sdpa``), XLA's otherwise. 'auto' (default): 'fused_sdpa' when compiling for GPU,
     'fused' elsewhere. 'separate': three DenseGeneral and ``sdpa``.
     Capture and attention dropout need the weights, so they always take the einsum path.
-    Every impl has the same parameters.
+    Every impl has the same parameters; ``qkv_bias=False`` drops the query/key/value biases.
     """
 
     num_heads: int
@@ -182,6 +194,7 @@ class Attention(nn.Module):
     dropout_rate: float = 0.0
     impl: str = "auto"
     barriers: bool = False
+    qkv_bias: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool, capture: bool) -> jax.Array:
@@ -195,7 +208,7 @@ class Attention(nn.Module):
         if impl == "separate":
             general = lambda name: nn.DenseGeneral((h, hd), dtype=self.dtype, param_dtype=jnp.float32,
                                                    kernel_init=nn.initializers.xavier_uniform(),
-                                                   name=name)
+                                                   use_bias=self.qkv_bias, name=name)
             q, k, v = general("query")(x), general("key")(x), general("value")(x)
             if not (capture or use_dropout):
                 out = sdpa(q, k, v)
@@ -204,7 +217,8 @@ class Attention(nn.Module):
                                        name="out")(out)
             wo, bo = None, None
         else:
-            proj = lambda name: _Projection((d, h, hd), (h, hd), (d, d), name=name)()
+            proj = lambda name: _Projection((d, h, hd), (h, hd), (d, d), use_bias=self.qkv_bias,
+                                            name=name)()
             (wq, bq), (wk, bk), (wv, bv) = proj("query"), proj("key"), proj("value")
             w = jnp.concatenate([wq.reshape(d, d), wk.reshape(d, d), wv.reshape(d, d)], axis=1)
             bias = jnp.concatenate([bq.reshape(d), bk.reshape(d), bv.reshape(d)])

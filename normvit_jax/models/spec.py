@@ -25,7 +25,7 @@ VARIANTS: dict[str, tuple[int, int, int, int]] = {
 }
 PATCH_SIZES = (2, 4, 8, 14, 16, 32)
 CLASSIFIERS = ("token", "gap")
-POSEMBS = ("learn", "sincos2d", "none")
+POSEMBS = ("learn", "sincos2d", "sincos1d", "none")
 PLACEMENTS = ("pre", "post", "sandwich")
 PATCH_NORMS = ("none", "pre", "post", "dual", "post_posemb")
 RESIDUALS = ("none", "rescale")
@@ -93,6 +93,7 @@ class ViTSpec:
     attention_dropout_rate: float = 0.0
     stochastic_depth: float = 0.0
     gelu_approximate: bool = True
+    qkv_bias: bool = True           # False: query/key/value without bias (timm's qkv_bias=False)
     attention_impl: str = "auto"
     fusion_barriers: str = "auto"
     scan: bool = False
@@ -126,7 +127,7 @@ class ViTSpec:
         cfg = dict(model_config.to_dict() if hasattr(model_config, "to_dict") else model_config)
         if cfg.get("name", cls.family) != cls.family:
             raise ValueError(f"model.name={cfg['name']!r} is not known; accepted: [{cls.family!r}]")
-        _apply_variant(cfg)
+        cls._fill_sizes(cfg)
         _absolute_blocks(cfg)
         fields = {f.name for f in dataclasses.fields(cls) if f.init}
         kw = {k: v for k, v in cfg.items() if k in fields and v is not None}
@@ -136,6 +137,11 @@ class ViTSpec:
         kw["cls_token_at_block"] = cfg.get("cls_token_at_block") or 0
         kw.update(num_classes=num_classes, dtype=dtype, remat=remat)
         return cls(**kw)
+
+    @classmethod
+    def _fill_sizes(cls, cfg: dict[str, Any]) -> None:
+        """Fills the sizes from ``variant`` in place and checks them (a family's own presets)."""
+        _apply_variant(cfg)
 
     def to_config(self) -> dict[str, Any]:
         """``config.model`` as a plain dict (sizes explicit); ``from_config`` of it is this spec
@@ -174,6 +180,12 @@ class ViTSpec:
             if p.startswith("encoderblock_") and p[len("encoderblock_"):].isdigit():
                 return self.slot_norms[int(p[len("encoderblock_"):])]["name"]
         return self.slot_norms[-1]["name"]
+
+    def stem_macs(self, image_size: int) -> int:
+        """Multiply-adds of the patch embedding for one square image (a family with another stem
+        overrides this)."""
+        n = (int(image_size) // self.patch_size) ** 2
+        return n * self.patch_size ** 2 * 3 * self.hidden_size
 
     @property
     def uses_cls(self) -> bool:

@@ -20,7 +20,8 @@ import numpy as np
 from normvit_jax import norms
 from normvit_jax.models.layers import (AddPositionEmbs, Attention, MlpBlock, PatchEmbed,
                                        barriers_on, drop_path, drop_path_rate, grad_barrier,
-                                       rescale_coefficient, sincos_2d, token_stats)
+                                       rescale_coefficient, sincos_1d, sincos_2d,
+                                       token_stats)
 from normvit_jax.models.spec import DEFAULT_NORM, FINAL_SLOT, ViTSpec
 
 
@@ -59,7 +60,7 @@ class EncoderBlock(nn.Module):
                                           slot)
         barriers = barriers_on(s.fusion_barriers)
         attn = Attention(s.num_heads, s.dtype, s.attention_dropout_rate, s.attention_impl, barriers,
-                         name="MultiHeadDotProductAttention_1")
+                         s.qkv_bias, name="MultiHeadDotProductAttention_1")
         mlp = MlpBlock(s.mlp_dim, s.dtype, s.dropout_rate, s.gelu_approximate, barriers,
                        name="MlpBlock_3")
         dropout = nn.Dropout(s.dropout_rate)
@@ -120,10 +121,7 @@ class ViT(nn.Module):
             raise ValueError("the ViTSpec has no num_classes: build it with ViTSpec.from_config("
                              "model_config, num_classes)")
         grid = s.grid(images.shape[1:3])
-        x = PatchEmbed(s.patch_size, s.hidden_size, s.patch_norm, s.dtype, name="embedding")(
-            images.astype(s.dtype))
-        if s.patch_norm in ("post", "dual"):
-            x = norms.create(DEFAULT_NORM, dim=s.hidden_size, name="patch_norm_post")(x)
+        x = self.tokens(images.astype(s.dtype), train)
         cls = None
         if s.uses_cls:
             cls = self.param("cls", nn.initializers.zeros, (1, 1, s.hidden_size), jnp.float32)
@@ -140,6 +138,15 @@ class ViT(nn.Module):
         logits = nn.Dense(s.num_classes, dtype=s.dtype, param_dtype=jnp.float32,
                           kernel_init=nn.initializers.zeros, name="head")(x)
         return logits.astype(jnp.float32)
+
+    def tokens(self, images: jax.Array, train: bool) -> jax.Array:
+        """The stem: images (B, H, W, C) -> patch tokens (B, rows*cols, hidden_size). A family
+        with another stem overrides this (models/t2t_vit.py)."""
+        s = self.spec
+        x = PatchEmbed(s.patch_size, s.hidden_size, s.patch_norm, s.dtype, name="embedding")(images)
+        if s.patch_norm in ("post", "dual"):
+            x = norms.create(DEFAULT_NORM, dim=s.hidden_size, name="patch_norm_post")(x)
+        return x
 
 
 class Encoder(nn.Module):
@@ -160,6 +167,8 @@ class Encoder(nn.Module):
             if self.with_prefix:
                 pe = jnp.concatenate([jnp.zeros((1, self.with_prefix, s.hidden_size), x.dtype), pe], 1)
             x = x + pe
+        elif s.posemb == "sincos1d":  # one table over the sequence, class token at position 0
+            x = x + jnp.asarray(sincos_1d(x.shape[1], s.hidden_size), x.dtype)
         if s.patch_norm == "post_posemb":
             x = norms.create(DEFAULT_NORM, dim=s.hidden_size, name="patch_norm_post")(x)
         x = nn.Dropout(s.dropout_rate)(x, deterministic=not train)
