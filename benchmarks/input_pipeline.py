@@ -73,6 +73,9 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
     p.add_argument("--antialias", action="store_true",
                    help="ImageNet with data.antialias=True (PIL's/timm's filter; the :imagenet "
                         "config and big_vision presets use False, DeiT presets True)")
+    p.add_argument("--interpolation", default="bilinear", choices=["bilinear", "bicubic"],
+                   help="ImageNet's data.interpolation (DeiT/T2T-ViT/LearnableScaler presets: "
+                        "bicubic)")
     p.add_argument("--pipeline_only", action="store_true",
                    help="measure the pipeline on the cores this process may use, with one decode "
                         "worker per core (what --cores runs in each child)")
@@ -90,6 +93,7 @@ def dataset_config(name: str, args: tool_flags.Args) -> ml_collections.ConfigDic
     elif name == "imagenet2012":
         c = default.get_imagenet(c)
         c.data.antialias = bool(args.antialias)
+        c.data.interpolation = args.interpolation
     else:
         c.data.name = name
     c.data.data_dir = args.data_dir
@@ -226,7 +230,7 @@ def pipeline_only(args: tool_flags.Args) -> dict[str, Any]:
     with open_train_pipeline("imagenet2012", c, args) as (p, source):
         rate = pipeline_rate(p, args.batches)
     row = {"cores": n, "workers": n, "source": source, "batch": int(c.batch_size),
-           "antialias": bool(c.data.antialias),
+           "antialias": bool(c.data.antialias), "interpolation": str(c.data.interpolation),
            "images_s": round(rate, 1), "images_s_per_core": round(rate / n, 1)}
     return {"machine": common.machine(), "args": vars(args), "rows": [row]}
 
@@ -254,6 +258,7 @@ def scaling(args: tool_flags.Args) -> dict[str, Any]:
                    f"--json={out}"]
             cmd += [f"--batch={args.batch}"] if args.batch else []
             cmd += ["--antialias"] if args.antialias else []
+            cmd += [f"--interpolation={args.interpolation}"]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             with open(out) as f:
                 rows.append(json.load(f)["rows"][0])
@@ -294,8 +299,8 @@ def run(args: tool_flags.Args) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     if "cores" in res["rows"][0]:
-        cols = ["cores", "workers", "source", "batch", "antialias", "images_s", "images_s_per_core",
-                "efficiency"]
+        cols = ["cores", "workers", "source", "batch", "antialias", "interpolation", "images_s",
+                "images_s_per_core", "efficiency"]
         return ("ImageNet train pipeline alone (decode + random resized crop + flip + normalise), "
                 "pinned to N cores; efficiency = per-core rate / the first row's\n"
                 + common.table(res["rows"], cols))

@@ -32,7 +32,8 @@ def steps_per_epoch(batch_size: int, num_examples: int = IMAGENET_TRAIN_EXAMPLES
     return num_examples // batch_size  # the pipeline drops the last partial batch
 
 
-def imagenet_data(c: ml_collections.ConfigDict, normalize: str, antialias: bool) -> None:
+def imagenet_data(c: ml_collections.ConfigDict, normalize: str, antialias: bool,
+                  interpolation: str) -> None:
     """ImageNet-1k at 224: Inception crop + flip for training, resize 256 / central 224 for eval."""
     c.data.name = "imagenet2012"
     c.data.train_split = "train"
@@ -45,11 +46,13 @@ def imagenet_data(c: ml_collections.ConfigDict, normalize: str, antialias: bool)
     c.data.eval_crop_fraction = 0.875   # [DeiT] crop_pct 224/256; [BV] resize_small(256)|central_crop(224)
     c.data.normalize = normalize
     c.data.antialias = antialias        # [DeiT] PIL resize (antialiased); [BV] tf.image.resize (not)
+    c.data.interpolation = interpolation  # [DeiT] bicubic; [BV] bilinear
 
 
 def deit(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
     """DeiT's ImageNet-1k recipe (no distillation), 300 epochs at batch 1024 [DeiT]."""
-    imagenet_data(c, "zscore", True)    # [DeiT] IMAGENET_DEFAULT_MEAN/STD
+    imagenet_data(c, "zscore", True, "bicubic")  # [DeiT] IMAGENET_DEFAULT_MEAN/STD;
+                                        # --train-interpolation bicubic, eval Resize(interpolation=3)
     c.model.variant = variant
     c.model.classifier = "token"        # [DeiT] class token
     c.model.posemb = "learn"
@@ -88,7 +91,7 @@ def deit(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDic
 def bigvision_i1k(c: ml_collections.ConfigDict, variant: str = "S/16",
                   epochs: float = 90.0) -> ml_collections.ConfigDict:
     """big_vision's plain-ViT ImageNet-1k recipe [BV]: 76.5% for S/16 after 90 epochs."""
-    imagenet_data(c, "minus_one_one", False)  # [BV] value_range(-1, 1)
+    imagenet_data(c, "minus_one_one", False, "bilinear")  # [BV] value_range(-1, 1), tf bilinear
     c.data.train_split = "train[:99%]"  # [BV] train_split (1% held out as minival)
     c.model.variant = variant           # [BV] variant='S/16'
     c.model.classifier = "gap"          # [BV] pool_type='gap'
@@ -128,7 +131,9 @@ def bigvision_i1k(c: ml_collections.ConfigDict, variant: str = "S/16",
 def learnable_scaler_paper(c: ml_collections.ConfigDict, depth: int = 24,
                            width: int = 192, patch: int = 16) -> ml_collections.ConfigDict:
     """The LearnableScaler README's ImageNet-1k command [LS] for vit(patch, width, depth)."""
-    imagenet_data(c, "zscore", True)    # [LS] timm defaults: ImageNet mean/std, crop_pct 0.875
+    # [LS] timm defaults: ImageNet mean/std, crop_pct 0.875, eval bicubic (the ViT's cfg); timm's
+    # train default 'random' (bilinear or bicubic per image) is bicubic here
+    imagenet_data(c, "zscore", True, "bicubic")
     c.model.variant = None
     c.model.patch_size = patch          # [LS] vit(16, 192, 24)
     c.model.hidden_size = width
@@ -165,8 +170,10 @@ def learnable_scaler_paper(c: ml_collections.ConfigDict, depth: int = 24,
 
 def t2t_vit(c: ml_collections.ConfigDict, variant: str = "T2T-14") -> ml_collections.ConfigDict:
     """UN's ImageNet-1k run of T2T-ViT-14 [UN] (T2T-ViT's own recipe): 300 epochs at batch 512."""
-    imagenet_data(c, "zscore", True)    # [UN] timm: ImageNet mean/std, PIL resize
-    c.data.eval_crop_fraction = 0.9     # [UN] t2t_vit.py _cfg crop_pct 0.9 (bicubic there; bilinear here)
+    # [UN] timm: ImageNet mean/std, PIL resize, eval bicubic (t2t_vit.py _cfg); --train-interpolation
+    # 'random' (bilinear or bicubic per image) is bicubic here
+    imagenet_data(c, "zscore", True, "bicubic")
+    c.data.eval_crop_fraction = 0.9     # [UN] t2t_vit.py _cfg crop_pct 0.9
     c.model.name = "t2t_vit"            # [UN] T2t_vit_14: tokens_type='performer'
     c.model.variant = variant           # [UN] embed 384, depth 14, heads 6, mlp_ratio 3
     c.model.patch_size = 16             # three soft splits, strides 4 x 2 x 2

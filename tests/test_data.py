@@ -56,6 +56,7 @@ def test_num_classes():
     ("eval_crop_fraction", 1.5, ["data.eval_crop_fraction", "1.5", "(0, 1]"]),
     ("crop_padding", -1, ["data.crop_padding", "-1"]),
     ("min_crop_area", 0.0, ["data.min_crop_area", "0.0", "(0, 1]"]),
+    ("interpolation", "lanczos", ["data.interpolation", "'lanczos'", "bicubic"]),
 ])
 def test_validate_rejects(key, value, words):
     c = cfg()

@@ -42,7 +42,8 @@ def _numpy_reference(img: np.ndarray, u: np.ndarray, geo: Geometry) -> np.ndarra
     box = (transforms.random_resized_box(h, w, u, geo.min_area) if geo.rrc
            else transforms.central_box(h, w, geo.fraction))
     left, top, right, bottom = box
-    x = transforms.resize(img[top:bottom, left:right].astype(np.float32), geo.size, geo.antialias)
+    x = transforms.resize(img[top:bottom, left:right].astype(np.float32), geo.size, geo.antialias,
+                          geo.interpolation)
     x = np.clip(np.round(x), 0, 255)
     x = transforms.pad_crop_flip(x[None], u[None], geo.padding, geo.flip)[0]
     return x.astype(np.uint8)
@@ -70,14 +71,15 @@ def test_crop_window_is_the_numpy_rule(rrc, min_area, fraction):
         assert 0 < fallbacks < n // 2
 
 
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
 @pytest.mark.parametrize("antialias", [True, False])
 @pytest.mark.parametrize("train", [True, False])
-def test_lossless_images_match_the_numpy_path(antialias, train):
+def test_lossless_images_match_the_numpy_path(antialias, train, interpolation):
     """PNG input: TF's window, resize, pad-crop and flip against the numpy path, pixel for pixel
     up to one level of rounding (float32 sums in another order)."""
     rng = np.random.default_rng(2)
-    geo = (Geometry(24, True, 0.08, 1.0, 3, True, antialias) if train
-           else Geometry(24, False, 1.0, 0.875, antialias=antialias))
+    geo = (Geometry(24, True, 0.08, 1.0, 3, True, antialias, interpolation) if train
+           else Geometry(24, False, 1.0, 0.875, antialias=antialias, interpolation=interpolation))
     imgs = [_photo(rng, int(rng.integers(10, 90)), int(rng.integers(10, 90))) for _ in range(12)]
     u = order.aug_uniforms(5, 3, len(imgs), transforms.NUM_UNIFORMS)
     out, _ = tf_images.BatchDecoder(2)([_encode(i, "PNG") for i in imgs], u if train else None,
@@ -89,6 +91,22 @@ def test_lossless_images_match_the_numpy_path(antialias, train):
     assert diff.max() <= 1 and diff.mean() < 0.05, (diff.max(), diff.mean())
     if train:  # the draws did something: some rows flipped, some not
         assert 0 < (u[:, transforms.U_FLIP] < 0.5).sum() < len(imgs)
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("shape,size", [((61, 47), 24), ((13, 19), 40)])  # shrink, enlarge
+def test_numpy_resize_is_pils(interpolation, shape, size):
+    """transforms.resize (antialias on) against PIL's Image.resize (timm's and DeiT's) on float
+    ('F' mode) channels of a random photo. PIL's uint8 mode rounds between its horizontal and
+    vertical passes (up to ~3 levels off a single rounding); the filters are what is compared."""
+    img = _photo(np.random.default_rng(4), *shape).astype(np.float32)
+    flt = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
+    pil = lambda f: np.stack([np.asarray(Image.fromarray(img[..., c], mode="F").resize((size, size), f))
+                              for c in range(3)], -1)
+    ours = transforms.resize(img, size, True, interpolation)
+    np.testing.assert_allclose(ours, pil(flt[interpolation]), rtol=0, atol=1e-3)
+    other = "bicubic" if interpolation == "bilinear" else "bilinear"  # the check can tell them apart
+    assert np.abs(transforms.resize(img, size, True, other) - pil(flt[interpolation])).max() > 1
 
 
 def test_jpeg_window_decode_matches_pil():

@@ -88,10 +88,11 @@ class Pipeline:
         padding = 0 if d.random_resized_crop else int(d.crop_padding)
         self.prefetch = int(d.prefetch)
         self.return_index = bool(d.get("return_index", False))
-        aa = bool(d.get("antialias", True))
+        aa, interp = bool(d.get("antialias", True)), str(d.get("interpolation", "bilinear"))
         self._train_geo = Geometry(size, bool(d.random_resized_crop), float(d.min_crop_area), 1.0,
-                                   padding, bool(d.flip), aa)
-        self._eval_geo = Geometry(size, False, 1.0, float(d.eval_crop_fraction), antialias=aa)
+                                   padding, bool(d.flip), aa, interp)
+        self._eval_geo = Geometry(size, False, 1.0, float(d.eval_crop_fraction), antialias=aa,
+                                  interpolation=interp)
         self._affine = stats.affine(d.name, d.normalize)
         self._order = order.TrainOrder(self.seed, n, b, int(d.get("repeated_aug", 1)))
         # ImageNet-ReaL: eval batches also carry 'real', the multi-hot ReaL label sets

@@ -27,7 +27,8 @@ class Geometry:
     fraction: float         # central crop fraction when not rrc
     padding: int = 0        # train: zero-pad and random crop back (stage 2)
     flip: bool = False      # train: random horizontal flip (stage 2)
-    antialias: bool = True  # widen the bilinear filter when shrinking (PIL); False: TF's bilinear
+    antialias: bool = True  # widen the filter when shrinking (PIL); False: TF's plain resize
+    interpolation: str = "bilinear"  # or "bicubic" (transforms.INTERPOLATIONS)
 
 
 class ArraySource:
@@ -45,9 +46,13 @@ class ArraySource:
     def read(self, idx: np.ndarray, u: np.ndarray | None, geo: Geometry, affine: Affine
              ) -> tuple[np.ndarray, np.ndarray]:
         x = self.images[idx]
-        x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
+        pixels = x.dtype == np.uint8
+        x = x.astype(np.float32) / 255.0 if pixels else x.astype(np.float32)
         x = transforms.array_to_size(x, geo.size, u, rrc=geo.rrc, min_area=geo.min_area,
-                                     fraction=geo.fraction, antialias=geo.antialias)
+                                     fraction=geo.fraction, antialias=geo.antialias,
+                                     interpolation=geo.interpolation)
+        if pixels and geo.interpolation == "bicubic":
+            x = np.clip(x, 0.0, 1.0)  # cubic overshoot, clipped as PIL's uint8 resize does
         if u is not None:
             x = transforms.pad_crop_flip(x, u, geo.padding, geo.flip)
         return (x * affine[0] + affine[1]).astype(np.float32), self.labels[idx]

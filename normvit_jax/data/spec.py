@@ -8,6 +8,8 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+from normvit_jax.data import transforms
+
 NUM_CLASSES: dict[str, int] = {"digits": 10, "cifar10": 10, "cifar100": 100, "imagenet2012": 1000}
 NORMALIZE = ("minus_one_one", "zero_one", "zscore", "minmax")
 # tfds datasets small enough to hold a split in host memory; the rest are read by random access.
@@ -69,6 +71,9 @@ def validate(config: Any) -> None:
         v = _get(d, key, False)
         if not isinstance(v, bool):
             _fail(f"data.{key}", v, "True or False")
+    interp = _get(d, "interpolation", "bilinear")
+    if interp not in transforms.INTERPOLATIONS:
+        _fail("data.interpolation", interp, f"one of {list(transforms.INTERPOLATIONS)}")
     for key in ("train_split", "eval_split"):
         v = _get(d, key, "x")
         if not isinstance(v, str) or not v:

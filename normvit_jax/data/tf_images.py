@@ -87,7 +87,16 @@ def _finish_one(encoded: Any, u: Any, geo: Any) -> Any:
     """One image -> uint8 (size, size, 3): window, resize, then (train) pad-crop and flip."""
     tf = _tf()
     x = _decode_window(encoded, u, geo)
-    x = tf.image.resize(x, [geo.size, geo.size], method="bilinear", antialias=geo.antialias)
+    if geo.interpolation == "bicubic":
+        # Keys cubic (a = -0.5), taps outside the image dropped and the rest renormalised: PIL's
+        # bicubic and transforms.resize, with or without the antialiasing stretch.
+        hw = tf.cast(tf.shape(x)[:2], tf.float32)
+        x = tf.raw_ops.ScaleAndTranslate(
+            images=tf.cast(x, tf.float32)[None], size=[geo.size, geo.size],
+            scale=float(geo.size) / hw, translation=tf.zeros([2]), kernel_type="keyscubic",
+            antialias=geo.antialias)[0]
+    else:
+        x = tf.image.resize(x, [geo.size, geo.size], method="bilinear", antialias=geo.antialias)
     x = tf.cast(tf.clip_by_value(tf.round(x), 0.0, 255.0), tf.uint8)
     if geo.padding > 0:
         p, span = geo.padding, 2 * geo.padding + 1

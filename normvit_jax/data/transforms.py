@@ -5,8 +5,8 @@ Randomness never comes from a generator in here: each example gets a row of ``NU
 uniforms in [0, 1) (see ``order.aug_uniforms``), so the same row always yields the same image.
 Two stages, shared by every source:
   1. to ``size x size``: random resized crop (train, when enabled), else a central square crop of
-     ``fraction`` of the shorter side, then a bilinear resize (antialiased when shrinking, unless
-     ``data.antialias`` is False);
+     ``fraction`` of the shorter side, then a bilinear or bicubic resize (``data.interpolation``;
+     antialiased when shrinking, unless ``data.antialias`` is False);
   2. train only, at ``size``: zero-pad by ``padding`` pixels and take a random crop; random flip.
 """
 from __future__ import annotations
@@ -22,28 +22,46 @@ NUM_UNIFORMS = U_RRC + 2 * RRC_ATTEMPTS  # per attempt: area fraction, log aspec
 Box = tuple[int, int, int, int]  # (left, top, right, bottom), PIL's order
 
 
+INTERPOLATIONS = ("bilinear", "bicubic")
+_KEYS_A = -0.5  # the cubic convolution kernel's a, as PIL's and TF's bicubic
+
+
+def _kernel(d: np.ndarray, interpolation: str) -> np.ndarray:
+    d = np.abs(d)
+    if interpolation == "bilinear":
+        return np.maximum(0.0, 1.0 - d)
+    a = _KEYS_A  # Keys (1981) cubic convolution, support 2
+    near = ((a + 2) * d - (a + 3)) * d * d + 1
+    far = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+    return np.where(d < 1, near, np.where(d < 2, far, 0.0))
+
+
 @functools.lru_cache(maxsize=256)
-def _weights(n_in: int, n_out: int, antialias: bool = True) -> np.ndarray:
-    """(n_out, n_in) rows summing to 1: a triangle filter, widened when shrinking if ``antialias``
-    (PIL's bilinear), else plain bilinear interpolation (TF's, half-pixel centres)."""
+def _weights(n_in: int, n_out: int, antialias: bool = True,
+             interpolation: str = "bilinear") -> np.ndarray:
+    """(n_out, n_in) rows summing to 1 (half-pixel centres, taps outside the image dropped): the
+    triangle (bilinear) or Keys cubic (bicubic) filter, stretched by the scale when shrinking if
+    ``antialias`` (PIL's resize), else plain interpolation (TF's)."""
     scale = n_in / n_out
     support = max(scale, 1.0) if antialias else 1.0
     centers = (np.arange(n_out) + 0.5) * scale
     d = (np.arange(n_in)[None, :] + 0.5 - centers[:, None]) / support
-    w = np.maximum(0.0, 1.0 - np.abs(d))
+    w = _kernel(d, interpolation)
     w /= w.sum(1, keepdims=True)
     w = w.astype(np.float32)
     w.setflags(write=False)
     return w
 
 
-def resize(x: np.ndarray, size: int, antialias: bool = True) -> np.ndarray:
-    """Bilinear resize of float images (..., H, W, C) to (..., size, size, C)."""
+def resize(x: np.ndarray, size: int, antialias: bool = True,
+           interpolation: str = "bilinear") -> np.ndarray:
+    """Bilinear or bicubic resize of float images (..., H, W, C) to (..., size, size, C); bicubic
+    can overshoot the input's range (callers clip)."""
     h, w = x.shape[-3], x.shape[-2]
     if (h, w) == (size, size):
         return x
-    return np.einsum("yh,...hwc,xw->...yxc", _weights(h, size, antialias), x,
-                     _weights(w, size, antialias), optimize=True).astype(np.float32)
+    return np.einsum("yh,...hwc,xw->...yxc", _weights(h, size, antialias, interpolation), x,
+                     _weights(w, size, antialias, interpolation), optimize=True).astype(np.float32)
 
 
 def central_box(h: int, w: int, fraction: float) -> Box:
@@ -68,17 +86,18 @@ def random_resized_box(h: int, w: int, u: np.ndarray, min_area: float) -> Box:
 
 
 def array_to_size(x: np.ndarray, size: int, u: np.ndarray | None, *, rrc: bool,
-                  min_area: float, fraction: float, antialias: bool = True) -> np.ndarray:
+                  min_area: float, fraction: float, antialias: bool = True,
+                  interpolation: str = "bilinear") -> np.ndarray:
     """Stage 1 for a batch of equal-size float images (N, H, W, C); ``u`` (N, NUM_UNIFORMS)."""
     n, h, w = x.shape[:3]
     if rrc:
         out = np.empty((n, size, size, x.shape[-1]), np.float32)
         for i in range(n):
             left, top, right, bottom = random_resized_box(h, w, u[i], min_area)
-            out[i] = resize(x[i, top:bottom, left:right], size, antialias)
+            out[i] = resize(x[i, top:bottom, left:right], size, antialias, interpolation)
         return out
     left, top, right, bottom = central_box(h, w, fraction)
-    return resize(x[:, top:bottom, left:right], size, antialias)
+    return resize(x[:, top:bottom, left:right], size, antialias, interpolation)
 
 
 def pad_crop_flip(x: np.ndarray, u: np.ndarray, padding: int, flip: bool) -> np.ndarray:
