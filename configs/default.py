@@ -72,6 +72,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.stochastic_depth = 0.0  # drop-path rate of the last block (linear from 0)
     c.model.gelu_approximate = True  # tanh GELU as Google's checkpoints; False: exact erf as timm
     c.model.qkv_bias = True         # False: query/key/value projections without bias (timm's qkv_bias=False)
+    c.model.param_init = "google"   # google: vit_jax/big_vision's (xavier, zero head) | timm: DeiT's/T2T-ViT's
+                                    # (every Linear and the class token normal(0.02), torch's conv default)
     c.model.attention_impl = "auto"  # auto: fused_sdpa on GPU (cuDNN attention), fused elsewhere;
                                     # fused: one QKV matmul + einsum attention (fastest on CPU);
                                     # fused_sdpa: one QKV matmul + jax.nn.dot_product_attention;

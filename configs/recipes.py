@@ -60,6 +60,7 @@ def deit(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDic
     c.model.attention_dropout_rate = 0.0
     c.model.stochastic_depth = 0.1      # [DeiT] --drop-path 0.1
     c.model.gelu_approximate = False    # [DeiT] timm's exact GELU
+    c.model.param_init = "timm"         # [DeiT] timm's _init_weights: trunc_normal_(std=.02)
     c.batch_size = 1024                 # [DeiT] 1024 (8 GPUs x 128) [NORMS]
     c.num_epochs = 300.0                # [DeiT] --epochs 300
     c.total_steps = None
@@ -102,6 +103,7 @@ def bigvision_i1k(c: ml_collections.ConfigDict, variant: str = "S/16",
     c.model.attention_dropout_rate = 0.0
     c.model.stochastic_depth = 0.0
     c.model.gelu_approximate = True     # flax nn.gelu's default, as big_vision's ViT
+    c.model.param_init = "google"       # [BV] big_vision's ViT initialisation
     c.batch_size = 1024                 # [BV] batch_size
     c.num_epochs = float(epochs)        # [BV] num_epochs 90
     c.total_steps = None
@@ -143,6 +145,7 @@ def learnable_scaler_paper(c: ml_collections.ConfigDict, depth: int = 24,
     c.model.classifier = "token"
     c.model.stochastic_depth = 0.0      # [LS] no --drop-path (timm default 0)
     c.model.gelu_approximate = False    # timm's exact GELU
+    c.model.param_init = "timm"         # [LS] timm's VisionTransformer init
     c.batch_size = 2048                 # [LS] --batch-size 256 x --grad-accum-steps 8
     c.grad_accum_steps = 8              # [LS] --grad-accum-steps 8 (micro-batches of 256)
     c.num_epochs = 300.0                # [LS] --epochs 300
@@ -188,6 +191,7 @@ def t2t_vit(c: ml_collections.ConfigDict, variant: str = "T2T-14") -> ml_collect
     if c.model.norm.name == "layernorm":
         c.model.norm.epsilon = 1e-5     # [UN] torch nn.LayerNorm default (the LN baseline)
     c.model.gelu_approximate = False    # [UN] nn.GELU (exact)
+    c.model.param_init = "timm"         # [UN] T2T_ViT._init_weights: trunc_normal_(std=.02)
     c.model.dropout_rate = 0.0          # [UN] --drop 0
     c.model.attention_dropout_rate = 0.0
     c.model.stochastic_depth = 0.1      # [UN] --drop-path 0.1

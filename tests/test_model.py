@@ -193,3 +193,29 @@ def test_spec_is_resolved_once_hashable_and_round_trips():
     assert [f.name for f in dataclasses.fields(model) if f.name not in ("parent", "name")] == ["spec"]
     with pytest.raises(ValueError, match="model.name='resnet' is not known"):
         models.spec_of({"name": "resnet", "variant": "S/16"})
+
+
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+def test_param_init_schemes_follow_their_references(impl):
+    """'timm' (DeiT, T2T-ViT): every Linear normal(0.02) with zero bias, class token normal(0.02),
+    patch embedding torch Conv2d's default uniform(+-1/sqrt(fan_in)); 'google' (vit_jax): xavier
+    uniform attention kernels, zero head and class token. Sample statistics on S-sized layers."""
+    spec = dict(hidden_size=384, depth=1, num_heads=6, mlp_dim=1536, patch_size=16,
+                attention_impl=impl)
+    init = lambda scheme: models.create(dict(spec, param_init=scheme), 1000).init(
+        jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]
+    t, g = init("timm"), init("google")
+    tb, gb = (p["Transformer"]["encoderblock_0"] for p in (t, g))
+    for layer in (tb["MultiHeadDotProductAttention_1"]["query"], tb["MultiHeadDotProductAttention_1"]["out"],
+                  tb["MlpBlock_3"]["Dense_0"], tb["MlpBlock_3"]["Dense_1"], t["head"]):
+        k = np.asarray(layer["kernel"])
+        assert abs(k.std() - 0.02) < 0.001 and abs(k.mean()) < 0.001
+        assert not np.asarray(layer.get("bias", 0.0)).any()
+    assert abs(np.asarray(t["cls"]).std() - 0.02) < 0.005
+    bound = 1 / np.sqrt(16 * 16 * 3)
+    emb = np.asarray(t["embedding"]["kernel"])
+    assert np.abs(emb).max() <= bound and abs(emb.std() - bound / np.sqrt(3)) < 0.05 * bound
+    assert np.abs(np.asarray(t["embedding"]["bias"])).max() <= bound
+    q = np.asarray(gb["MultiHeadDotProductAttention_1"]["query"]["kernel"])
+    assert abs(q.std() - np.sqrt(2 / (384 + 384))) < 0.002  # xavier on (D, D)
+    assert not np.asarray(g["head"]["kernel"]).any() and not np.asarray(g["cls"]).any()

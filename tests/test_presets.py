@@ -100,6 +100,7 @@ def test_presets_carry_the_cited_values():
     assert (b.model.classifier, b.model.posemb, b.mixup_alpha) == ("gap", "sincos2d", 0.2)
     assert load("vit_dpn.py:bigvision_s16_90ep").model.patch_norm == "dual"
     assert (d.data.interpolation, b.data.interpolation) == ("bicubic", "bilinear")  # timm / TF
+    assert (d.model.param_init, b.model.param_init) == ("timm", "google")
     ls = load("vit_learnable_scaler.py:paper")
     assert (ls.optimizer.name, ls.batch_size, ls.grad_accum_steps, ls.optimizer.grad_clip) == \
         ("lamb", 2048, 8, 14.0)

@@ -33,6 +33,21 @@ def sincos_2d(grid: tuple[int, int], dim: int, temperature: float = 10_000.0) ->
     return pe[None].astype(np.float32)
 
 
+# model.param_init (spec.PARAM_INITS) 'timm': timm's ViT / DeiT / T2T-ViT initialise every Linear with torch's trunc_normal_(std=.02), whose
+# default cut is +-2 in absolute value (100 std): a plain normal.
+TIMM_STD = 0.02
+
+
+def timm_normal() -> Callable:
+    return nn.initializers.normal(TIMM_STD)
+
+
+def _torch_conv_default(fan_in: int) -> Callable:
+    """torch.nn.Conv2d's default init of weight and bias: uniform(+-1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
 def sincos_1d(length: int, dim: int) -> np.ndarray:
     """Fixed 1-D sinusoid table (Vaswani et al.; T2T-ViT's ``get_sinusoid_encoding``), shape
     (1, length, dim): position p, channel j: sin (j even) / cos (j odd) of p / 10000^(2*(j//2)/dim)."""
@@ -73,6 +88,7 @@ class PatchEmbed(nn.Module):
     hidden_size: int
     patch_norm: str
     dtype: Any
+    param_init: str = "google"  # 'timm': torch Conv2d's default (DeiT's patch embedding)
 
     @nn.compact
     def __call__(self, images: jax.Array) -> jax.Array:
@@ -82,9 +98,12 @@ class PatchEmbed(nn.Module):
         x = images.reshape(b, gh, p, gw, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, gh * gw, p * p * c)
         if self.patch_norm in ("pre", "dual"):
             x = norms.create(DEFAULT_NORM, dim=p * p * c, name="patch_norm_pre")(x)
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (p, p, c, self.hidden_size),
-                            jnp.float32)
-        bias = self.param("bias", nn.initializers.zeros, (self.hidden_size,), jnp.float32)
+        google = self.param_init == "google"
+        torch_init = _torch_conv_default(p * p * c)
+        kernel = self.param("kernel", nn.initializers.lecun_normal() if google else torch_init,
+                            (p, p, c, self.hidden_size), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros if google else torch_init,
+                          (self.hidden_size,), jnp.float32)
         x = jnp.dot(x.astype(self.dtype), kernel.reshape(p * p * c, -1).astype(self.dtype))
         return x + bias.astype(self.dtype)
 
@@ -106,13 +125,17 @@ class _Projection(nn.Module):
     fan_shape: tuple[int, int]
     bias_std: float = 0.0  # 0: zeros (DenseGeneral), else normal(bias_std) (Google's MLP)
     use_bias: bool = True  # False: no bias parameter, zeros returned
+    param_init: str = "google"  # 'timm': kernel normal(0.02), bias zeros
 
     @nn.compact
     def __call__(self) -> tuple[jax.Array, jax.Array]:
-        kernel = self.param("kernel", _xavier(self.fan_shape), self.kernel_shape, jnp.float32)
+        google = self.param_init == "google"
+        kernel = self.param("kernel", _xavier(self.fan_shape) if google else timm_normal(),
+                            self.kernel_shape, jnp.float32)
         if not self.use_bias:
             return kernel, jnp.zeros(self.bias_shape, jnp.float32)
-        bias_init = nn.initializers.normal(self.bias_std) if self.bias_std else nn.initializers.zeros
+        bias_init = (nn.initializers.normal(self.bias_std) if self.bias_std and google
+                     else nn.initializers.zeros)
         bias = self.param("bias", bias_init, self.bias_shape, jnp.float32)
         return kernel, bias
 
@@ -195,6 +218,7 @@ class Attention(nn.Module):
     impl: str = "auto"
     barriers: bool = False
     qkv_bias: bool = True
+    param_init: str = "google"  # 'timm': normal(0.02) kernels, zero biases
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool, capture: bool) -> jax.Array:
@@ -203,29 +227,29 @@ class Attention(nn.Module):
         hd = d // h
         use_dropout = train and self.dropout_rate > 0
         impl = self.impl
+        kinit = nn.initializers.xavier_uniform() if self.param_init == "google" else timm_normal()
         if impl == "auto":
             impl = "fused_sdpa" if jax.default_backend() == "gpu" else "fused"
         if impl == "separate":
             general = lambda name: nn.DenseGeneral((h, hd), dtype=self.dtype, param_dtype=jnp.float32,
-                                                   kernel_init=nn.initializers.xavier_uniform(),
-                                                   use_bias=self.qkv_bias, name=name)
+                                                   kernel_init=kinit, use_bias=self.qkv_bias,
+                                                   name=name)
             q, k, v = general("query")(x), general("key")(x), general("value")(x)
             if not (capture or use_dropout):
                 out = sdpa(q, k, v)
                 return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
-                                       kernel_init=nn.initializers.xavier_uniform(),
-                                       name="out")(out)
+                                       kernel_init=kinit, name="out")(out)
             wo, bo = None, None
         else:
             proj = lambda name: _Projection((d, h, hd), (h, hd), (d, d), use_bias=self.qkv_bias,
-                                            name=name)()
+                                            param_init=self.param_init, name=name)()
             (wq, bq), (wk, bk), (wv, bv) = proj("query"), proj("key"), proj("value")
             w = jnp.concatenate([wq.reshape(d, d), wk.reshape(d, d), wv.reshape(d, d)], axis=1)
             bias = jnp.concatenate([bq.reshape(d), bk.reshape(d), bv.reshape(d)])
             qkv = dense(x.reshape(b * t, d), w, bias, self.dtype, self.barriers)
             qkv = qkv.reshape(b, t, 3, h, hd)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-            wo, bo = _Projection((h, hd, d), (d,), (d, d), name="out")()
+            wo, bo = _Projection((h, hd, d), (d,), (d, d), param_init=self.param_init, name="out")()
             if impl == "fused_sdpa" and not (capture or use_dropout):
                 out = sdpa(q, k, v)  # (B, T, H, Dh)
                 y = dense(out.reshape(b * t, d), wo.reshape(d, d), bo, self.dtype, self.barriers)
@@ -239,7 +263,7 @@ class Attention(nn.Module):
         out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(self.dtype), v)
         if wo is None:
             return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
-                                   kernel_init=nn.initializers.xavier_uniform(), name="out")(out)
+                                   kernel_init=kinit, name="out")(out)
         y = dense(out.reshape(b * t, d), wo.reshape(d, d), bo, self.dtype, self.barriers)
         return y.reshape(b, t, d)
 
@@ -252,16 +276,18 @@ class MlpBlock(nn.Module):
     dropout_rate: float = 0.0
     gelu_approximate: bool = True
     barriers: bool = False
+    param_init: str = "google"  # 'timm': normal(0.02) kernels, zero biases
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
         b, t, d = x.shape
         w0, b0 = _Projection((d, self.mlp_dim), (self.mlp_dim,), (d, self.mlp_dim), 1e-6,
-                             name="Dense_0")()
+                             param_init=self.param_init, name="Dense_0")()
         y = dense(x.reshape(b * t, d), w0, b0, self.dtype, self.barriers)
         y = nn.gelu(y, approximate=self.gelu_approximate)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=not train)
-        w1, b1 = _Projection((self.mlp_dim, d), (d,), (self.mlp_dim, d), 1e-6, name="Dense_1")()
+        w1, b1 = _Projection((self.mlp_dim, d), (d,), (self.mlp_dim, d), 1e-6,
+                             param_init=self.param_init, name="Dense_1")()
         y = dense(y, w1, b1, self.dtype, self.barriers).reshape(b, t, d)
         return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
 

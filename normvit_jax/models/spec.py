@@ -31,9 +31,11 @@ PATCH_NORMS = ("none", "pre", "post", "dual", "post_posemb")
 RESIDUALS = ("none", "rescale")
 ATTENTION_IMPLS = ("auto", "fused", "fused_sdpa", "separate")
 FUSION_BARRIERS = ("auto", "on", "off")
+PARAM_INITS = ("google", "timm")  # layers.py reads them
 _CHOICES = (("classifier", CLASSIFIERS), ("posemb", POSEMBS), ("norm_placement", PLACEMENTS),
             ("patch_norm", PATCH_NORMS), ("residual_scaling", RESIDUALS),
-            ("attention_impl", ATTENTION_IMPLS), ("fusion_barriers", FUSION_BARRIERS))
+            ("attention_impl", ATTENTION_IMPLS), ("fusion_barriers", FUSION_BARRIERS),
+            ("param_init", PARAM_INITS))
 
 DEFAULT_NORM = FrozenDict(norms.DEFAULT)  # the norm of a slot nothing else names
 # Norm slots, by module name. In a block: pre/post use the first two, sandwich all four.
@@ -94,6 +96,7 @@ class ViTSpec:
     stochastic_depth: float = 0.0
     gelu_approximate: bool = True
     qkv_bias: bool = True           # False: query/key/value without bias (timm's qkv_bias=False)
+    param_init: str = "google"      # google (vit_jax/big_vision) | timm (DeiT, T2T-ViT: normal 0.02)
     attention_impl: str = "auto"
     fusion_barriers: str = "auto"
     scan: bool = False

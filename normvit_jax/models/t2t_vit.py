@@ -14,7 +14,8 @@ token and the patches (``posemb='sincos1d'``). Every norm slot of the stem (``no
 The Performer's random features are a fixed orthogonal matrix (torch: a frozen parameter drawn at
 init); here it is a constant drawn from a fixed seed per layer, so it is neither trained nor
 decayed nor stored, and the same in every run. The stem's linear layers are initialised as the
-reference (truncated normal, std 0.02); the backbone keeps Google's initialisation.
+reference (torch's trunc_normal_(std=.02), i.e. normal(0.02)); the backbone as ``model.param_init``
+says ('timm' in the presets: the reference's).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import numpy as np
 from flax.core import FrozenDict
 
 from normvit_jax import norms
+from normvit_jax.models.layers import timm_normal
 from normvit_jax.models.spec import ViTSpec, _freeze, _thaw
 from normvit_jax.models.vit import ViT
 
@@ -76,7 +78,6 @@ def _positive_features(x: jax.Array, w: jax.Array) -> jax.Array:
         / math.sqrt(w.shape[0])
 
 
-_init = nn.initializers.truncated_normal(0.02)  # the reference's trunc_normal_(std=.02)
 
 
 class TokenPerformer(nn.Module):
@@ -98,8 +99,8 @@ class TokenPerformer(nn.Module):
                                 name=slot)(y, train=train)
 
         def dense(features, name):
-            return nn.Dense(features, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_init,
-                            name=name)
+            return nn.Dense(features, dtype=self.dtype, param_dtype=jnp.float32,
+                            kernel_init=timm_normal(), name=name)
 
         dropout = lambda y: nn.Dropout(self.dropout_rate)(y, deterministic=not train)
         k, q, v = jnp.split(dense(3 * self.emb, "kqv")(norm("norm1", x)), 3, axis=-1)
@@ -126,8 +127,8 @@ class TokensToToken(nn.Module):
             x = TokenPerformer(s.token_dim, s.kernel_ratio, s.t2t_dropout_rate, s.stem_norm_config,
                                hw, i, s.dtype, name=f"attention{i}")(x, train)
             x, hw = soft_split(x.reshape(x.shape[0], *hw, x.shape[-1]), *split)
-        return nn.Dense(s.hidden_size, dtype=s.dtype, param_dtype=jnp.float32, kernel_init=_init,
-                        name="project")(x)
+        return nn.Dense(s.hidden_size, dtype=s.dtype, param_dtype=jnp.float32,
+                        kernel_init=timm_normal(), name="project")(x)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 from normvit_jax import norms
 from normvit_jax.models.layers import (AddPositionEmbs, Attention, MlpBlock, PatchEmbed,
                                        barriers_on, drop_path, drop_path_rate, grad_barrier,
-                                       rescale_coefficient, sincos_1d, sincos_2d,
+                                       rescale_coefficient, sincos_1d, sincos_2d, timm_normal,
                                        token_stats)
 from normvit_jax.models.spec import DEFAULT_NORM, FINAL_SLOT, ViTSpec
 
@@ -60,9 +60,9 @@ class EncoderBlock(nn.Module):
                                           slot)
         barriers = barriers_on(s.fusion_barriers)
         attn = Attention(s.num_heads, s.dtype, s.attention_dropout_rate, s.attention_impl, barriers,
-                         s.qkv_bias, name="MultiHeadDotProductAttention_1")
+                         s.qkv_bias, s.param_init, name="MultiHeadDotProductAttention_1")
         mlp = MlpBlock(s.mlp_dim, s.dtype, s.dropout_rate, s.gelu_approximate, barriers,
-                       name="MlpBlock_3")
+                       s.param_init, name="MlpBlock_3")
         dropout = nn.Dropout(s.dropout_rate)
         dpath = lambda y: drop_path(self, y, rate, train, dp_on)
         branch = lambda f, y: dpath(dropout(f(y), deterministic=not train))
@@ -121,10 +121,13 @@ class ViT(nn.Module):
             raise ValueError("the ViTSpec has no num_classes: build it with ViTSpec.from_config("
                              "model_config, num_classes)")
         grid = s.grid(images.shape[1:3])
+        google = s.param_init == "google"
         x = self.tokens(images.astype(s.dtype), train)
         cls = None
         if s.uses_cls:
-            cls = self.param("cls", nn.initializers.zeros, (1, 1, s.hidden_size), jnp.float32)
+            # timm 0.3 (DeiT) and T2T-ViT: trunc_normal_(std=.02); Google: zeros
+            cls = self.param("cls", nn.initializers.zeros if google else timm_normal(),
+                             (1, 1, s.hidden_size), jnp.float32)
             cls = jnp.tile(cls.astype(s.dtype), (x.shape[0], 1, 1))
         joins_late = s.uses_cls and s.cls_token_at_block > 0
         if s.uses_cls and not joins_late:
@@ -134,16 +137,19 @@ class ViT(nn.Module):
         x = x[:, 0] if s.uses_cls else jnp.mean(x, axis=1)
         if s.representation_size:
             x = jnp.tanh(nn.Dense(s.representation_size, dtype=s.dtype, param_dtype=jnp.float32,
+                                  kernel_init=nn.initializers.lecun_normal() if google else timm_normal(),
                                   name="pre_logits")(x))
         logits = nn.Dense(s.num_classes, dtype=s.dtype, param_dtype=jnp.float32,
-                          kernel_init=nn.initializers.zeros, name="head")(x)
+                          kernel_init=nn.initializers.zeros if google else timm_normal(),
+                          name="head")(x)
         return logits.astype(jnp.float32)
 
     def tokens(self, images: jax.Array, train: bool) -> jax.Array:
         """The stem: images (B, H, W, C) -> patch tokens (B, rows*cols, hidden_size). A family
         with another stem overrides this (models/t2t_vit.py)."""
         s = self.spec
-        x = PatchEmbed(s.patch_size, s.hidden_size, s.patch_norm, s.dtype, name="embedding")(images)
+        x = PatchEmbed(s.patch_size, s.hidden_size, s.patch_norm, s.dtype, s.param_init,
+                       name="embedding")(images)
         if s.patch_norm in ("post", "dual"):
             x = norms.create(DEFAULT_NORM, dim=s.hidden_size, name="patch_norm_post")(x)
         return x
