@@ -41,7 +41,10 @@ def main(argv: Sequence[str]) -> None:
     logs.quiet_library_logs()  # Orbax logs ~30 INFO lines per restore
     if not FLAGS.workdir or not FLAGS.out:
         raise app.UsageError("--workdir and --out are required")
-    run(FLAGS.workdir, FLAGS.out, FLAGS.step)
+    try:
+        run(FLAGS.workdir, FLAGS.out, FLAGS.step)
+    except pretrained.CheckpointError as e:  # a model the format cannot hold: a line, not a trace
+        raise SystemExit(f"Stopped: {e}") from None
 
 
 if __name__ == "__main__":

@@ -148,6 +148,11 @@ def test_t2t_vit_14_has_the_published_size():
     n = sum(math.prod(a.shape) for a in jax.tree.leaves(shapes["params"]))
     assert abs(n / 1e6 - 21.5) < 0.05, n
     assert abs(flops.analytic_flops(spec, 224) / 2 / 1e9 - 4.8) < 0.05
+    from normvit_jax.train import progress
+    assert progress.describe_model(spec).startswith("T2T-ViT-14 (depth 14, width 384")
+    small = models.spec_of(dict(name="t2t_vit", variant="T2T-14", depth=2))
+    assert progress.describe_model(small).startswith("T2T-ViT (depth 2") and "depth" in \
+        progress.describe_model(small).split("overridden")[0].split("with")[-1]
 
 
 def test_model_runs_with_un_everywhere_and_another_stem_norm():

@@ -73,6 +73,7 @@ class ViTSpec:
     ``slot_norms`` is derived: the norm of every block, then the encoder norm's."""
 
     family: ClassVar[str] = "vit"
+    title: ClassVar[str] = "ViT"  # the family's name in logs
 
     patch_size: int
     hidden_size: int
@@ -189,6 +190,10 @@ class ViTSpec:
         overrides this)."""
         n = (int(image_size) // self.patch_size) ** 2
         return n * self.patch_size ** 2 * 3 * self.hidden_size
+
+    def variant_title(self) -> str:
+        """The published name of ``variant``, e.g. 'ViT-B/16'."""
+        return f"{self.title}-{self.variant}"
 
     @property
     def uses_cls(self) -> bool:

@@ -136,6 +136,7 @@ class T2TViTSpec(ViTSpec):
     """A ViTSpec with the T2T stem's settings; ``variant`` 'T2T-14' etc. fills the sizes."""
 
     family: ClassVar[str] = "t2t_vit"
+    title: ClassVar[str] = "T2T-ViT"
 
     token_dim: int = 64               # the Performer layers' width (reference token_dim)
     kernel_ratio: float = 0.5         # random features per channel (m = token_dim * ratio)
@@ -174,6 +175,9 @@ class T2TViTSpec(ViTSpec):
         stash, cfg["variant"] = cfg.get("variant"), None  # sizes are explicit now
         super()._fill_sizes(cfg)
         cfg["variant"] = stash
+
+    def variant_title(self) -> str:
+        return f"T2T-ViT-{str(self.variant).split('-')[-1]}"  # 'T2T-14' -> 'T2T-ViT-14'
 
     def to_config(self) -> dict[str, Any]:
         out = super().to_config()

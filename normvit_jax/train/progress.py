@@ -85,10 +85,11 @@ def describe_model(spec: Any) -> str:
     keys = ("depth", "hidden_size", "num_heads", "mlp_dim", "patch_size")
     sizes = (f"depth {spec.depth}, width {spec.hidden_size}, {spec.num_heads} heads, "
              f"MLP {spec.mlp_dim}, patch {spec.patch_size}")
+    title = spec.title  # 'ViT', 'T2T-ViT'
     if not spec.variant:
-        return f"ViT ({sizes})"
-    preset = models.spec_of({"variant": spec.variant})
+        return f"{title} ({sizes})"
+    preset = models.spec_of({"name": spec.family, "variant": spec.variant})
     changed = [k for k in keys if getattr(preset, k) != getattr(spec, k)]
     if not changed:
-        return f"ViT-{spec.variant} ({sizes})"
-    return f"ViT ({sizes}; model.variant {spec.variant} with {', '.join(changed)} overridden)"
+        return f"{spec.variant_title()} ({sizes})"
+    return f"{title} ({sizes}; model.variant {spec.variant} with {', '.join(changed)} overridden)"
