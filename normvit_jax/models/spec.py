@@ -31,7 +31,7 @@ PATCH_NORMS = ("none", "pre", "post", "dual", "post_posemb")
 RESIDUALS = ("none", "rescale")
 ATTENTION_IMPLS = ("auto", "fused", "fused_sdpa", "separate")
 FUSION_BARRIERS = ("auto", "on", "off")
-PARAM_INITS = ("google", "timm")  # layers.py reads them
+PARAM_INITS = ("google", "timm")  # model.param_init: the layers' initialisers (layers.timm_normal)
 _CHOICES = (("classifier", CLASSIFIERS), ("posemb", POSEMBS), ("norm_placement", PLACEMENTS),
             ("patch_norm", PATCH_NORMS), ("residual_scaling", RESIDUALS),
             ("attention_impl", ATTENTION_IMPLS), ("fusion_barriers", FUSION_BARRIERS),
