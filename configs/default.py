@@ -37,7 +37,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.eval_crop_fraction = 1.0  # eval: central crop fraction before resizing (0.875 for ImageNet)
     c.data.antialias = True         # resizes that shrink widen the filter (PIL's, timm's); False:
                                     # plain interpolation (big_vision's inception crop), ~2x faster JPEG decoding
-    c.data.interpolation = "bilinear"  # bilinear | bicubic (timm/DeiT: PIL bicubic), train and eval resizes
+    c.data.interpolation = "bilinear"  # bilinear | bicubic (DeiT: PIL's) | random (timm's train default:
+                                       # either per image; evaluates bicubic), train and eval resizes
     c.data.repeated_aug = 1         # DeiT's repeated augmentation: each example r times per batch (own
                                     # augmentations), epochs keep N samples (data/order.py; 1: off; DeiT: 3)
     c.data.prefetch = 2             # host batches prepared ahead of the train step

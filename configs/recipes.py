@@ -46,7 +46,7 @@ def imagenet_data(c: ml_collections.ConfigDict, normalize: str, antialias: bool,
     c.data.eval_crop_fraction = 0.875   # [DeiT] crop_pct 224/256; [BV] resize_small(256)|central_crop(224)
     c.data.normalize = normalize
     c.data.antialias = antialias        # [DeiT] PIL resize (antialiased); [BV] tf.image.resize (not)
-    c.data.interpolation = interpolation  # [DeiT] bicubic; [BV] bilinear
+    c.data.interpolation = interpolation  # [DeiT] bicubic; [BV] bilinear; [LS], [UN] random
 
 
 def deit(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
@@ -133,9 +133,9 @@ def bigvision_i1k(c: ml_collections.ConfigDict, variant: str = "S/16",
 def learnable_scaler_paper(c: ml_collections.ConfigDict, depth: int = 24,
                            width: int = 192, patch: int = 16) -> ml_collections.ConfigDict:
     """The LearnableScaler README's ImageNet-1k command [LS] for vit(patch, width, depth)."""
-    # [LS] timm defaults: ImageNet mean/std, crop_pct 0.875, eval bicubic (the ViT's cfg); timm's
-    # train default 'random' (bilinear or bicubic per image) is bicubic here
-    imagenet_data(c, "zscore", True, "bicubic")
+    # [LS] timm defaults: ImageNet mean/std, crop_pct 0.875, --train-interpolation 'random'
+    # (bilinear or bicubic per image), eval bicubic (the ViT's cfg; 'random' evaluates bicubic)
+    imagenet_data(c, "zscore", True, "random")
     c.model.variant = None
     c.model.patch_size = patch          # [LS] vit(16, 192, 24)
     c.model.hidden_size = width
@@ -173,9 +173,9 @@ def learnable_scaler_paper(c: ml_collections.ConfigDict, depth: int = 24,
 
 def t2t_vit(c: ml_collections.ConfigDict, variant: str = "T2T-14") -> ml_collections.ConfigDict:
     """UN's ImageNet-1k run of T2T-ViT-14 [UN] (T2T-ViT's own recipe): 300 epochs at batch 512."""
-    # [UN] timm: ImageNet mean/std, PIL resize, eval bicubic (t2t_vit.py _cfg); --train-interpolation
-    # 'random' (bilinear or bicubic per image) is bicubic here
-    imagenet_data(c, "zscore", True, "bicubic")
+    # [UN] timm: ImageNet mean/std, PIL resize, --train-interpolation 'random' (bilinear or
+    # bicubic per image), eval bicubic (t2t_vit.py _cfg; 'random' evaluates bicubic)
+    imagenet_data(c, "zscore", True, "random")
     c.data.eval_crop_fraction = 0.9     # [UN] t2t_vit.py _cfg crop_pct 0.9
     c.model.name = "t2t_vit"            # [UN] T2t_vit_14: tokens_type='performer'
     c.model.variant = variant           # [UN] embed 384, depth 14, heads 6, mlp_ratio 3

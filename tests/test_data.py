@@ -67,6 +67,16 @@ def test_validate_rejects(key, value, words):
         assert w in str(e.value)
 
 
+def test_a_new_uniform_column_leaves_the_earlier_draws():
+    """Columns past the first 25 (transforms.U_INTERP) are drawn after them: existing runs'
+    crops and flips are unchanged by the column 'random' interpolation added."""
+    old = order.aug_uniforms(3, 17, 10, 25)
+    new = order.aug_uniforms(3, 17, 10, transforms.NUM_UNIFORMS)
+    assert transforms.NUM_UNIFORMS == 26
+    np.testing.assert_array_equal(new[:, :25], old)
+    assert 0.0 <= new[:, 25].min() and new[:, 25].max() < 1.0 and len(set(new[:, 25])) == 10
+
+
 def test_validate_checks_batch_and_never_touches_disk(tmp_path):
     c = cfg("cifar10", data_dir=str(tmp_path / "missing"))
     data.validate(c)  # a good config passes without looking for the data

@@ -2,6 +2,7 @@
 PIL references; uint8 batches mapped to model input on the device; ordered concurrent batches."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 import time
@@ -43,7 +44,7 @@ def _numpy_reference(img: np.ndarray, u: np.ndarray, geo: Geometry) -> np.ndarra
            else transforms.central_box(h, w, geo.fraction))
     left, top, right, bottom = box
     x = transforms.resize(img[top:bottom, left:right].astype(np.float32), geo.size, geo.antialias,
-                          geo.interpolation)
+                          transforms.pick_interpolation(geo.interpolation, u))
     x = np.clip(np.round(x), 0, 255)
     x = transforms.pad_crop_flip(x[None], u[None], geo.padding, geo.flip)[0]
     return x.astype(np.uint8)
@@ -71,7 +72,7 @@ def test_crop_window_is_the_numpy_rule(rrc, min_area, fraction):
         assert 0 < fallbacks < n // 2
 
 
-@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "random"])
 @pytest.mark.parametrize("antialias", [True, False])
 @pytest.mark.parametrize("train", [True, False])
 def test_lossless_images_match_the_numpy_path(antialias, train, interpolation):
@@ -85,12 +86,25 @@ def test_lossless_images_match_the_numpy_path(antialias, train, interpolation):
     out, _ = tf_images.BatchDecoder(2)([_encode(i, "PNG") for i in imgs], u if train else None,
                                        geo)
     assert out.dtype == np.uint8 and out.shape == (12, 24, 24, 3)
-    ref = np.stack([_numpy_reference(i, u[k] if train else np.zeros_like(u[k]), geo)
+    # evaluation has no draws: 'random' is bicubic there (pick_interpolation)
+    eval_geo = dataclasses.replace(
+        geo, interpolation=transforms.pick_interpolation(geo.interpolation, None))
+    ref = np.stack([_numpy_reference(i, u[k], geo) if train
+                    else _numpy_reference(i, np.zeros_like(u[k]), eval_geo)
                     for k, i in enumerate(imgs)])
     diff = np.abs(out.astype(int) - ref.astype(int))
     assert diff.max() <= 1 and diff.mean() < 0.05, (diff.max(), diff.mean())
-    if train:  # the draws did something: some rows flipped, some not
+    if train:  # the draws did something: some rows flipped, some not (some bilinear, some not)
         assert 0 < (u[:, transforms.U_FLIP] < 0.5).sum() < len(imgs)
+        assert 0 < (u[:, transforms.U_INTERP] < 0.5).sum() < len(imgs)
+    if interpolation == "random":  # each row is its own filter's resize, not the other's
+        for fixed in ("bilinear", "bicubic"):
+            one, _ = tf_images.BatchDecoder(2)([_encode(i, "PNG") for i in imgs], u if train else None,
+                                               dataclasses.replace(geo, interpolation=fixed))
+            same = [np.array_equal(a, b) for a, b in zip(out, one)]
+            want = ([(r[transforms.U_INTERP] < 0.5) == (fixed == "bilinear") for r in u] if train
+                    else [fixed == "bicubic"] * len(imgs))
+            assert same == want
 
 
 @pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])

@@ -38,9 +38,18 @@ def permutation(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([_ORDER, _seed(seed), int(epoch)]).permutation(n)
 
 
+_FIRST_COLUMNS = 25  # the per-example draws of the first release (transforms.U_INTERP)
+
+
 def aug_uniforms(seed: int, step: int, global_batch: int, num: int) -> np.ndarray:
-    """(global_batch, num) float64 uniforms in [0, 1) for the rows of global batch ``step``."""
-    return np.random.default_rng([_AUG, _seed(seed), int(step)]).random((global_batch, num))
+    """(global_batch, num) float64 uniforms in [0, 1) for the rows of global batch ``step``.
+    Columns past the first 25 are drawn after all of those, so a column added for a new
+    transform leaves every earlier draw (and every earlier run's batches) as it was."""
+    rng = np.random.default_rng([_AUG, _seed(seed), int(step)])
+    first = rng.random((global_batch, min(num, _FIRST_COLUMNS)))
+    if num <= _FIRST_COLUMNS:
+        return first
+    return np.concatenate([first, rng.random((global_batch, num - _FIRST_COLUMNS))], axis=1)
 
 
 def host_rows(global_batch: int, process_index: int, process_count: int) -> tuple[int, int]:

@@ -28,7 +28,7 @@ class Geometry:
     padding: int = 0        # train: zero-pad and random crop back (stage 2)
     flip: bool = False      # train: random horizontal flip (stage 2)
     antialias: bool = True  # widen the filter when shrinking (PIL); False: TF's plain resize
-    interpolation: str = "bilinear"  # or "bicubic" (transforms.INTERPOLATIONS)
+    interpolation: str = "bilinear"  # "bicubic", or "random": one of them per example (train)
 
 
 class ArraySource:
@@ -51,7 +51,7 @@ class ArraySource:
         x = transforms.array_to_size(x, geo.size, u, rrc=geo.rrc, min_area=geo.min_area,
                                      fraction=geo.fraction, antialias=geo.antialias,
                                      interpolation=geo.interpolation)
-        if pixels and geo.interpolation == "bicubic":
+        if pixels and geo.interpolation != "bilinear":
             x = np.clip(x, 0.0, 1.0)  # cubic overshoot, clipped as PIL's uint8 resize does
         if u is not None:
             x = transforms.pad_crop_flip(x, u, geo.padding, geo.flip)

@@ -13,6 +13,7 @@ inception crop), and rounded to uint8 as a decoded image would be.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -83,20 +84,28 @@ def _decode_window(encoded: Any, u: Any, geo: Any) -> Any:
     return tf.cond(tf.io.is_jpeg(encoded), jpeg, other)
 
 
+def _resize(x: Any, geo: Any, interpolation: str) -> Any:
+    tf = _tf()
+    if interpolation == "bicubic":
+        # Keys cubic (a = -0.5), taps outside the image dropped and the rest renormalised: PIL's
+        # bicubic and transforms.resize, with or without the antialiasing stretch.
+        hw = tf.cast(tf.shape(x)[:2], tf.float32)
+        return tf.raw_ops.ScaleAndTranslate(
+            images=tf.cast(x, tf.float32)[None], size=[geo.size, geo.size],
+            scale=float(geo.size) / hw, translation=tf.zeros([2]), kernel_type="keyscubic",
+            antialias=geo.antialias)[0]
+    return tf.image.resize(x, [geo.size, geo.size], method="bilinear", antialias=geo.antialias)
+
+
 def _finish_one(encoded: Any, u: Any, geo: Any) -> Any:
     """One image -> uint8 (size, size, 3): window, resize, then (train) pad-crop and flip."""
     tf = _tf()
     x = _decode_window(encoded, u, geo)
-    if geo.interpolation == "bicubic":
-        # Keys cubic (a = -0.5), taps outside the image dropped and the rest renormalised: PIL's
-        # bicubic and transforms.resize, with or without the antialiasing stretch.
-        hw = tf.cast(tf.shape(x)[:2], tf.float32)
-        x = tf.raw_ops.ScaleAndTranslate(
-            images=tf.cast(x, tf.float32)[None], size=[geo.size, geo.size],
-            scale=float(geo.size) / hw, translation=tf.zeros([2]), kernel_type="keyscubic",
-            antialias=geo.antialias)[0]
+    if geo.interpolation == "random":  # transforms.pick_interpolation
+        x = tf.cond(u[transforms.U_INTERP] < 0.5, lambda: _resize(x, geo, "bilinear"),
+                    lambda: _resize(x, geo, "bicubic"))
     else:
-        x = tf.image.resize(x, [geo.size, geo.size], method="bilinear", antialias=geo.antialias)
+        x = _resize(x, geo, geo.interpolation)
     x = tf.cast(tf.clip_by_value(tf.round(x), 0.0, 255.0), tf.uint8)
     if geo.padding > 0:
         p, span = geo.padding, 2 * geo.padding + 1
@@ -164,8 +173,10 @@ class BatchDecoder:
         if n == 0:
             return (np.zeros((0, geo.size, geo.size, 3), np.uint8),
                     np.zeros(0, np.int32) if examples else None)
-        if u is None:
+        if u is None:  # evaluation: no draws ('random' interpolation is then bicubic)
             u = np.zeros((n, transforms.NUM_UNIFORMS))
+            geo = dataclasses.replace(
+                geo, interpolation=transforms.pick_interpolation(geo.interpolation, None))
         fn = self._fn(geo, examples)
         enc, u = np.asarray(encoded, dtype=object), np.asarray(u, np.float64)
         try:

@@ -5,8 +5,9 @@ Randomness never comes from a generator in here: each example gets a row of ``NU
 uniforms in [0, 1) (see ``order.aug_uniforms``), so the same row always yields the same image.
 Two stages, shared by every source:
   1. to ``size x size``: random resized crop (train, when enabled), else a central square crop of
-     ``fraction`` of the shorter side, then a bilinear or bicubic resize (``data.interpolation``;
-     antialiased when shrinking, unless ``data.antialias`` is False);
+     ``fraction`` of the shorter side, then a bilinear or bicubic resize (``data.interpolation``,
+     'random': one of the two per example; antialiased when shrinking, unless ``data.antialias``
+     is False);
   2. train only, at ``size``: zero-pad by ``padding`` pixels and take a random crop; random flip.
 """
 from __future__ import annotations
@@ -18,12 +19,21 @@ import numpy as np
 
 RRC_ATTEMPTS = 10
 U_FLIP, U_PAD_Y, U_PAD_X, U_POS_Y, U_POS_X, U_RRC = 0, 1, 2, 3, 4, 5
-NUM_UNIFORMS = U_RRC + 2 * RRC_ATTEMPTS  # per attempt: area fraction, log aspect ratio
+U_INTERP = U_RRC + 2 * RRC_ATTEMPTS  # RRC: per attempt an area fraction and a log aspect ratio
+NUM_UNIFORMS = U_INTERP + 1
 Box = tuple[int, int, int, int]  # (left, top, right, bottom), PIL's order
 
 
-INTERPOLATIONS = ("bilinear", "bicubic")
+INTERPOLATIONS = ("bilinear", "bicubic", "random")
 _KEYS_A = -0.5  # the cubic convolution kernel's a, as PIL's and TF's bicubic
+
+
+def pick_interpolation(interpolation: str, u: np.ndarray | None) -> str:
+    """'random' (timm's train transform): bilinear or bicubic with equal odds from the example's
+    ``U_INTERP`` uniform; without draws (evaluation) bicubic, the filter timm evaluates with."""
+    if interpolation != "random":
+        return interpolation
+    return "bicubic" if u is None or u[U_INTERP] >= 0.5 else "bilinear"
 
 
 def _kernel(d: np.ndarray, interpolation: str) -> np.ndarray:
@@ -90,11 +100,14 @@ def array_to_size(x: np.ndarray, size: int, u: np.ndarray | None, *, rrc: bool,
                   interpolation: str = "bilinear") -> np.ndarray:
     """Stage 1 for a batch of equal-size float images (N, H, W, C); ``u`` (N, NUM_UNIFORMS)."""
     n, h, w = x.shape[:3]
-    if rrc:
+    if rrc or interpolation == "random":  # a box or a filter per image
         out = np.empty((n, size, size, x.shape[-1]), np.float32)
         for i in range(n):
-            left, top, right, bottom = random_resized_box(h, w, u[i], min_area)
-            out[i] = resize(x[i, top:bottom, left:right], size, antialias, interpolation)
+            ui = None if u is None else u[i]
+            left, top, right, bottom = (random_resized_box(h, w, ui, min_area) if rrc
+                                        else central_box(h, w, fraction))
+            out[i] = resize(x[i, top:bottom, left:right], size, antialias,
+                            pick_interpolation(interpolation, ui))
         return out
     left, top, right, bottom = central_box(h, w, fraction)
     return resize(x[:, top:bottom, left:right], size, antialias, interpolation)
