@@ -73,9 +73,9 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
     p.add_argument("--antialias", action="store_true",
                    help="ImageNet with data.antialias=True (PIL's/timm's filter; the :imagenet "
                         "config and big_vision presets use False, DeiT presets True)")
-    p.add_argument("--interpolation", default="bilinear", choices=["bilinear", "bicubic"],
-                   help="ImageNet's data.interpolation (DeiT/T2T-ViT/LearnableScaler presets: "
-                        "bicubic)")
+    p.add_argument("--interpolation", default="bilinear", choices=["bilinear", "bicubic", "random"],
+                   help="ImageNet's data.interpolation (DeiT presets: bicubic; T2T-ViT and "
+                        "LearnableScaler: random)")
     p.add_argument("--pipeline_only", action="store_true",
                    help="measure the pipeline on the cores this process may use, with one decode "
                         "worker per core (what --cores runs in each child)")
