@@ -33,6 +33,7 @@ from flax import serialization
 from normvit_jax import models, norms
 from normvit_jax.models import scan_convert
 from normvit_jax.models.spec import ViTSpec
+from normvit_jax.models.t2t_vit import STEM_SCOPE, T2TViTSpec
 
 ATTENTION = "MultiHeadDotProductAttention_1"
 # Slot of a block -> the linear layers it feeds (paths inside the block).
@@ -143,7 +144,7 @@ def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldR
     new_spec = spec.with_norm_overrides(new_overrides)
     if any(k.startswith("block_") for k in new_overrides) and not spec.qkv_bias:
         new_spec = dataclasses.replace(new_spec, qkv_bias=True)  # the fold gave them a bias
-    if getattr(spec, "family", "vit") == "t2t_vit" and _fold_stem(spec, params, stats, report):
+    if isinstance(spec, T2TViTSpec) and _fold_stem(spec, params, stats, report):
         new_spec = dataclasses.replace(new_spec, stem_norm={"name": "identity"})
     out = {"params": params}
     if jax.tree.leaves(stats):
@@ -154,7 +155,6 @@ def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldR
 def _fold_stem(spec: Any, params: dict, stats: dict, report: FoldReport) -> bool:
     """T2T-ViT's stem (models/t2t_vit.py): in each Performer layer ``norm1`` feeds ``kqv`` and
     ``norm2`` feeds ``mlp_0``. Returns whether the stem's norms were folded."""
-    from normvit_jax.models.t2t_vit import STEM_SCOPE
     cfg = spec.stem_norm_config
     if not foldable(cfg):
         report.kept.append((STEM_SCOPE, _why_kept(cfg)))

@@ -26,6 +26,8 @@ import threading
 
 import numpy as np
 
+from normvit_jax.data import transforms
+
 _ORDER, _AUG = 0x0D0E, 0xA06  # separate streams for order and augmentation
 
 
@@ -38,7 +40,7 @@ def permutation(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([_ORDER, _seed(seed), int(epoch)]).permutation(n)
 
 
-_FIRST_COLUMNS = 25  # the per-example draws of the first release (transforms.U_INTERP)
+_FIRST_COLUMNS = transforms.U_INTERP  # the per-example draws of the first release (25)
 
 
 def aug_uniforms(seed: int, step: int, global_batch: int, num: int) -> np.ndarray:

@@ -33,8 +33,8 @@ def sincos_2d(grid: tuple[int, int], dim: int, temperature: float = 10_000.0) ->
     return pe[None].astype(np.float32)
 
 
-# model.param_init (spec.PARAM_INITS) 'timm': timm's ViT / DeiT / T2T-ViT initialise every Linear with torch's trunc_normal_(std=.02), whose
-# default cut is +-2 in absolute value (100 std): a plain normal.
+# model.param_init 'timm': timm's ViT, DeiT and T2T-ViT initialise every Linear with torch's
+# trunc_normal_(std=.02), whose default cut is +-2 in absolute value (100 std): a plain normal.
 TIMM_STD = 0.02
 
 

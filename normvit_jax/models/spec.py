@@ -146,6 +146,7 @@ class ViTSpec:
     def _fill_sizes(cls, cfg: dict[str, Any]) -> None:
         """Fills the sizes from ``variant`` in place and checks them (a family's own presets)."""
         _apply_variant(cfg)
+        complete_sizes(cfg)
 
     def to_config(self) -> dict[str, Any]:
         """``config.model`` as a plain dict (sizes explicit); ``from_config`` of it is this spec
@@ -242,6 +243,11 @@ def _apply_variant(cfg: dict[str, Any]) -> None:
         for k, v in preset.items():
             if cfg.get(k) is None:
                 cfg[k] = v
+
+
+def complete_sizes(cfg: dict[str, Any]) -> None:
+    """Checks the sizes (set or filled from a variant), derives mlp_dim from mlp_ratio where
+    unset, and checks every choice by name."""
     for k in ("hidden_size", "depth", "num_heads", "patch_size"):
         if not cfg.get(k):
             raise ValueError(f"model.{k} is not set and no model.variant gives it")

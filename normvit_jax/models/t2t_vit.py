@@ -31,7 +31,7 @@ from flax.core import FrozenDict
 
 from normvit_jax import norms
 from normvit_jax.models.layers import timm_normal
-from normvit_jax.models.spec import ViTSpec, _freeze, _thaw
+from normvit_jax.models.spec import ViTSpec, _freeze, _thaw, complete_sizes
 from normvit_jax.models.vit import ViT
 
 # (hidden_size, depth, num_heads, mlp_ratio) of T2T-ViT's 'performer' models (t2t_vit.py).
@@ -172,9 +172,7 @@ class T2TViTSpec(ViTSpec):
                     cfg[k] = v
         if cfg.get("patch_size") is None:
             cfg["patch_size"] = 16
-        stash, cfg["variant"] = cfg.get("variant"), None  # sizes are explicit now
-        super()._fill_sizes(cfg)
-        cfg["variant"] = stash
+        complete_sizes(cfg)
 
     def variant_title(self) -> str:
         return f"T2T-ViT-{str(self.variant).split('-')[-1]}"  # 'T2T-14' -> 'T2T-ViT-14'
