@@ -318,6 +318,23 @@ def test_bad_option_values(cfg):
         norms.create(cfg, dim=8, num_heads=2, grid=(3, 3))
 
 
+def test_messages_name_the_registry_key():
+    """A class under two keys (dtn_var subclasses dtn) is named by the key the config chose."""
+    with pytest.raises(ValueError, match=r"norm 'dtn_var': position_init="):
+        norms.create({"name": "dtn_var", "position_init": "convit"}, dim=8, num_heads=2, grid=(3, 3))
+    with pytest.raises(ValueError, match=r"for norm 'instancenorm'; accepted"):
+        norms.create({"name": "instancenorm", "groupz": 2}, dim=8)
+
+
+def test_options_of_other_norms_are_ignored_unknown_ones_are_not():
+    """A config switched to layernorm keeps powernorm's options: they are dropped, not fatal; an
+    option no norm knows still fails, named alone."""
+    m = norms.create({"name": "layernorm", "warmup": 5, "epsilon": 1e-3}, dim=4)
+    assert m.epsilon == 1e-3
+    with pytest.raises(ValueError, match=r"Unknown option\(s\) \['nobody'\] for norm 'layernorm'"):
+        norms.create({"name": "layernorm", "warmup": 5, "nobody": 1}, dim=4)
+
+
 def test_ghost_group_must_divide_batch():
     m = norms.create({"name": "batchnorm", "stats_group_size": 3}, dim=4)
     with pytest.raises(ValueError, match=r"stats_group_size=3.*batch size 4"):

@@ -376,10 +376,6 @@ def test_resample_grid_matches_references():
 class AffineTestNorm(nn.Module):
     """Test-only norm: LN-like 'scale'/'bias' plus a parameter LN has no counterpart for."""
 
-    @classmethod
-    def from_config(cls, opts, ctx, name=None):
-        return cls(name=name)
-
     @nn.compact
     def __call__(self, x, train=False):
         c = x.shape[-1]
@@ -390,10 +386,6 @@ class AffineTestNorm(nn.Module):
 
 class ScalarScaleNorm(nn.Module):
     """Test-only norm whose 'scale' is one scalar: it must stay at init, not load LN's vector."""
-
-    @classmethod
-    def from_config(cls, opts, ctx, name=None):
-        return cls(name=name)
 
     @nn.compact
     def __call__(self, x, train=False):

@@ -17,7 +17,8 @@ class NormContext:
 
     dim: channels C. num_heads: attention heads H of the model. grid: (rows, cols) of the patch
     grid, or None where tokens have no grid. num_prefix_tokens: leading non-patch tokens (the class
-    token) in the sequence this norm sees. slot: the slot name, for error messages.
+    token) in the sequence this norm sees. slot: the slot name and norm: the registry name the
+    config chose, both for error messages.
     """
 
     dim: int
@@ -25,6 +26,7 @@ class NormContext:
     grid: tuple[int, int] | None = None
     num_prefix_tokens: int = 0
     slot: str = ""
+    norm: str = ""
 
 
 def accepted_options(cls: type) -> set[str]:

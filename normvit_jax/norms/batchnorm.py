@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import (NormContext, as_groups, check_group_size, check_options,
+from normvit_jax.norms._common import (NormContext, as_groups, check_group_size,
                                        updating)
 
 
@@ -30,8 +30,7 @@ class BatchNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("batchnorm", opts, cls)
-        check_group_size("batchnorm", opts.get("stats_group_size"))
+        check_group_size(ctx.norm, opts.get("stats_group_size"))
         return cls(name=name, **opts)
 
     def inference_affine(self, params: Mapping[str, Any], stats: Mapping[str, Any]):

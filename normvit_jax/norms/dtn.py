@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from normvit_jax.norms._common import NormContext, check_options, group_rms_scale, resolve_groups
+from normvit_jax.norms._common import NormContext, group_rms_scale, resolve_groups
 
 POSITION_INITS = ("reference", "local")
 
@@ -73,9 +73,8 @@ class DTN(nn.Module):
     pool_size: int | None = 14
 
     @classmethod
-    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None,
-                    norm_name: str = "dtn"):
-        check_options(norm_name, opts, cls)
+    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
+        norm_name = ctx.norm
         opts = dict(opts)
         opts["heads"] = resolve_groups(norm_name, "heads", opts.get("heads"), ctx.dim, ctx.num_heads)
         if ctx.grid is None or len(ctx.grid) != 2 or ctx.grid[0] != ctx.grid[1] or ctx.grid[0] < 1:
@@ -157,8 +156,3 @@ class DTNVar(DTN):
     """The reference's 'dtn_var': only the variance is mixed, mu = mu_LN."""
 
     mix_mean: bool = False
-
-    @classmethod
-    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None,
-                    norm_name: str = "dtn_var"):
-        return super().from_config(opts, ctx, name=name, norm_name=norm_name)

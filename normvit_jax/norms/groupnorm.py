@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import NormContext, check_options, resolve_groups
+from normvit_jax.norms._common import NormContext, resolve_groups
 
 
 def _affine(module: nn.Module, y: jax.Array, use_scale: bool, use_bias: bool) -> jax.Array:
@@ -32,9 +32,8 @@ class GroupNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("groupnorm", opts, cls)
         opts = dict(opts)
-        opts["groups"] = resolve_groups("groupnorm", "groups", opts.get("groups"), ctx.dim,
+        opts["groups"] = resolve_groups(ctx.norm, "groups", opts.get("groups"), ctx.dim,
                                         ctx.num_heads)
         return cls(name=name, **opts)
 
@@ -59,11 +58,6 @@ class InstanceNorm(nn.Module):
     unbiased: bool = False
     use_scale: bool = True
     use_bias: bool = True
-
-    @classmethod
-    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("instancenorm", opts, cls)
-        return cls(name=name, **opts)
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:

@@ -1,13 +1,9 @@
 """LayerNorm over channels, per token (Ba et al. 2016), statistics in float32."""
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
-from normvit_jax.norms._common import NormContext, check_options
 
 
 class LayerNorm(nn.Module):
@@ -20,11 +16,6 @@ class LayerNorm(nn.Module):
     epsilon: float = 1e-6
     use_scale: bool = True
     use_bias: bool = True
-
-    @classmethod
-    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("layernorm", opts, cls)
-        return cls(name=name, **opts)
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:

@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import NormContext, check_options
+from normvit_jax.norms._common import NormContext
 
 INITS = ("reference", "ones")
 
@@ -24,10 +24,9 @@ class LearnableScaler(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("learnable_scaler", opts, cls)
         init = opts.get("scale_init", "reference")
         if init not in INITS:
-            raise ValueError(f"norm 'learnable_scaler': scale_init={init!r} is not accepted; "
+            raise ValueError(f"norm {ctx.norm!r}: scale_init={init!r} is not accepted; "
                              f"accepted: {list(INITS)}")
         return cls(scale_init=init, name=name)
 

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import (NormContext, as_groups, check_group_size, check_options,
+from normvit_jax.norms._common import (NormContext, as_groups, check_group_size,
                                        group_rms_scale, resolve_groups, updating)
 
 BACKWARDS = ("reference", "dtn")
@@ -62,14 +62,13 @@ class PowerNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("powernorm", opts, cls)
         opts = dict(opts)
-        opts["groups"] = resolve_groups("powernorm", "groups", opts.get("groups", 1), ctx.dim,
+        opts["groups"] = resolve_groups(ctx.norm, "groups", opts.get("groups", 1), ctx.dim,
                                         ctx.num_heads)
         if opts.get("backward", "reference") not in BACKWARDS:
-            raise ValueError(f"norm 'powernorm': backward={opts['backward']!r} is not accepted; "
+            raise ValueError(f"norm {ctx.norm!r}: backward={opts['backward']!r} is not accepted; "
                              f"accepted: {list(BACKWARDS)}")
-        check_group_size("powernorm", opts.get("stats_group_size"))
+        check_group_size(ctx.norm, opts.get("stats_group_size"))
         return cls(name=name, **opts)
 
     @nn.compact

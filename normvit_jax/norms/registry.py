@@ -1,8 +1,10 @@
 """Maps a config name to a normalization module class.
 
-Adding a normalizer: write one file in this package with a ``flax.linen.Module`` subclass that has
-a ``from_config(cfg, ctx)`` classmethod (its options are its dataclass fields: ``_common``), and
-add one line to ``_ENTRIES`` below.
+Adding a normalizer: write one file in this package with a ``flax.linen.Module`` subclass whose
+options are its dataclass fields (``_common.accepted_options``), and add one line to ``_ENTRIES``
+below. The registry checks the options and builds ``cls(name=name, **options)``; a norm that needs
+to validate options or read the ``NormContext`` (width, heads, grid) defines a classmethod
+``from_config(opts, ctx, name=None)`` instead, with ``ctx.norm`` its registry name for messages.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Mapping
 
 import flax.linen as nn
 
-from normvit_jax.norms._common import NormContext, accepted_options
+from normvit_jax.norms._common import NormContext, accepted_options, check_options
 
 # name -> "module:Class". Imported lazily so a broken optional norm never breaks the others.
 _ENTRIES: dict[str, str] = {
@@ -81,20 +83,21 @@ def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | No
         raise ValueError(f"norm config {opts!r} has no 'name'; known: {', '.join(known_names())}")
     norm_name = opts.pop("name")
     cls = resolve(norm_name)
-    ctx = NormContext(dim=dim, num_heads=num_heads, grid=None if grid is None else tuple(grid),
-                      num_prefix_tokens=num_prefix_tokens, slot=slot)
-    try:
-        return cls.from_config(opts, ctx, name=name)
-    except ValueError:
-        # `--config.model.norm.name=layernorm` on a config written for another norm leaves that
-        # norm's options behind (a locked ConfigDict cannot drop keys): ignore options that belong
-        # to another registered norm, and fail on anything nobody knows.
-        foreign = {k for k in opts if k not in accepted_options(cls) and any(
-            k in accepted_options(resolve(other)) for other in _ENTRIES if other != norm_name)}
-        if not foreign:
-            raise
+    # `--config.model.norm.name=layernorm` on a config written for another norm leaves that norm's
+    # options behind (a locked ConfigDict cannot drop keys): ignore options that belong to another
+    # registered norm, and fail on anything nobody knows.
+    unknown = set(opts) - accepted_options(cls)
+    foreign = {k for k in unknown if any(k in accepted_options(resolve(other))
+                                         for other in _ENTRIES if other != norm_name)}
+    if foreign:
         _warn_once(f"norm {norm_name!r} ignores options of other norms: {sorted(foreign)}")
-        return cls.from_config({k: v for k, v in opts.items() if k not in foreign}, ctx, name=name)
+        opts = {k: v for k, v in opts.items() if k not in foreign}
+    check_options(norm_name, opts, cls)
+    ctx = NormContext(dim=dim, num_heads=num_heads, grid=None if grid is None else tuple(grid),
+                      num_prefix_tokens=num_prefix_tokens, slot=slot, norm=norm_name)
+    if hasattr(cls, "from_config"):
+        return cls.from_config(opts, ctx, name=name)
+    return cls(name=name, **opts)
 
 
 @functools.lru_cache(maxsize=None)

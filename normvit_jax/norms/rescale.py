@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import NormContext, check_options, updating
+from normvit_jax.norms._common import updating
 
 
 class Rescale(nn.Module):
@@ -24,11 +24,6 @@ class Rescale(nn.Module):
 
     threshold: int = 8
     warm_bias_scale: float = 1e-2
-
-    @classmethod
-    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("rescale", opts, cls)
-        return cls(name=name, **opts)
 
     def inference_affine(self, params: Mapping[str, Any], stats: Mapping[str, Any]):
         """(a, c) with eval output a * x + c per channel: a = 1, c = bias - mu0 (normvit_jax.reparam

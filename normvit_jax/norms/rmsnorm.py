@@ -2,13 +2,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
-from normvit_jax.norms._common import NormContext, check_options
 
 
 class RMSNorm(nn.Module):
@@ -17,11 +14,6 @@ class RMSNorm(nn.Module):
     epsilon: float = 1e-6
     use_scale: bool = True
     use_bias: bool = False
-
-    @classmethod
-    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("rmsnorm", opts, cls)
-        return cls(name=name, **opts)
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
@@ -45,11 +37,6 @@ class ScaleNorm(nn.Module):
 
     epsilon: float = 1e-5
     per_channel: bool = False
-
-    @classmethod
-    def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("scalenorm", opts, cls)
-        return cls(name=name, **opts)
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import (NormContext, as_groups, check_group_size, check_options,
+from normvit_jax.norms._common import (NormContext, as_groups, check_group_size,
                                        updating)
 
 
@@ -68,15 +68,14 @@ class UnifiedNorm(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("unified", opts, cls)
         opts = dict(opts)
         w = opts.get("window", 4)
         w = (w, w) if isinstance(w, int) else tuple(w)
         if len(w) != 2 or not all(isinstance(v, int) and v >= 1 for v in w):
-            raise ValueError(f"norm 'unified': window={opts.get('window')!r} is not accepted; "
+            raise ValueError(f"norm {ctx.norm!r}: window={opts.get('window')!r} is not accepted; "
                              "accepted: a positive int or a pair (forward, backward) of them")
         opts["window"] = w
-        check_group_size("unified", opts.get("stats_group_size"))
+        check_group_size(ctx.norm, opts.get("stats_group_size"))
         return cls(name=name, **opts)
 
     def inference_affine(self, params: Mapping[str, Any], stats: Mapping[str, Any]):
