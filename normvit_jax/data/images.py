@@ -1,0 +1,115 @@
+"""The rule that turns any decodable image file or array into RGB uint8 (docs/data.md: "RGB rule").
+
+Files are opened with PIL (JPEG, PNG, BMP, GIF, WebP, TIFF, ...):
+1. EXIF orientation is applied (the pixels are turned as a viewer shows them).
+2. Animated files (GIF, WebP, APNG): the first frame.
+3. Modes: RGB as is; L / 1 / LA / P / PA / RGBA / CMYK / YCbCr / LAB / HSV through PIL's
+   ``convert('RGB')``: gray is copied to the three channels, a palette is looked up, alpha is
+   dropped (not composited: the colour under a transparent pixel is kept, as torchvision's and
+   timm's ``ImageFolder`` loaders and TF's ``decode_image(channels=3)`` do), CMYK is converted by
+   PIL's formula (no ICC profile). 16-bit (I;16*, I) images are scaled by 255/65535 and rounded;
+   32-bit float (F) images are clipped to [0, 255] by PIL.
+Arrays: uint8 as is; other integer types must lie in [0, 255] (uint16: scaled like 16-bit files);
+float must lie in [0, 1] and becomes round(x * 255). One channel is copied to three; a fourth
+(alpha) channel is dropped.
+
+What is stored: JPEG and PNG files that need no change (RGB or gray, 8-bit, upright, no alpha or
+palette) keep their original bytes (no re-compression); every other image is stored as the PNG of
+its RGB pixels (lossless).
+"""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+KEEP_FORMATS = ("JPEG", "PNG")  # what TF's decode_image and tfds's readers decode as stored
+_KEEP_MODES = ("RGB", "L")
+
+
+class BadImageError(Exception):
+    """A file PIL cannot decode (corrupt, truncated, empty, not an image)."""
+
+
+def _pil():
+    from PIL import Image, ImageOps
+    return Image, ImageOps
+
+
+def to_rgb(im) -> np.ndarray:
+    """A PIL image (already oriented, first frame) -> uint8 (H, W, 3) by the rule above."""
+    if im.mode.startswith("I;16") or im.mode == "I":
+        a = np.asarray(im, np.float64)
+        a = np.clip(np.rint(a * (255.0 / 65535.0)), 0, 255).astype(np.uint8)
+        return np.repeat(a[..., None], 3, axis=-1)
+    if im.mode != "RGB":
+        im = im.convert("RGB")
+    return np.asarray(im, np.uint8)
+
+
+def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
+    """Encoded file bytes -> (bytes to store, uint8 (H, W, 3) pixels). Raises BadImageError."""
+    Image, ImageOps = _pil()
+    if not data:
+        raise BadImageError("empty file (0 bytes)")
+    try:
+        im = Image.open(io.BytesIO(data))
+        fmt = im.format
+        im.seek(0)
+        orientation = im.getexif().get(0x0112, 1)  # EXIF Orientation tag; 1 is upright
+        im.load()  # decodes fully: a truncated file fails here
+        if orientation not in (None, 1):
+            im = ImageOps.exif_transpose(im)
+        keep = (fmt in KEEP_FORMATS and im.mode in _KEEP_MODES and orientation in (None, 1)
+                and "transparency" not in im.info)
+        rgb = to_rgb(im)
+    except BadImageError:
+        raise
+    except Exception as e:  # noqa: BLE001  (PIL raises many types for bad files)
+        raise BadImageError(f"{type(e).__name__}: {e}") from None
+    if rgb.ndim != 3 or rgb.shape[0] < 1 or rgb.shape[1] < 1:
+        raise BadImageError(f"decoded to an empty image {rgb.shape}")
+    return (data if keep else encode_png(rgb)), rgb
+
+
+def encode_png(rgb: np.ndarray) -> bytes:
+    """uint8 (H, W, 3) -> PNG bytes (lossless; compress_level 1: fast, still ~2x smaller)."""
+    Image, _ = _pil()
+    buf = io.BytesIO()
+    Image.fromarray(rgb, "RGB").save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def array_to_rgb(images: np.ndarray, where: str) -> np.ndarray:
+    """(N, H, W[, C]) in a supported dtype/range -> uint8 (N, H, W, 3). Raises ValueError
+    naming ``where`` (the file or key) for anything outside the rule above."""
+    x = np.asarray(images)
+    if x.ndim == 3:
+        x = x[..., None]
+    if x.ndim != 4 or x.shape[-1] not in (1, 3, 4):
+        hint = (" (channels first? transpose to (N, H, W, C))"
+                if x.ndim == 4 and x.shape[1] in (1, 3, 4) else "")
+        raise ValueError(f"{where}: images have shape {np.shape(images)}; accepted: (N, H, W) or "
+                         f"(N, H, W, C) with C in 1, 3, 4{hint}")
+    if x.shape[-1] == 4:
+        x = x[..., :3]
+    if x.dtype == np.uint8:
+        pass
+    elif x.dtype == np.uint16:
+        x = np.rint(x.astype(np.float64) * (255.0 / 65535.0)).astype(np.uint8)
+    elif np.issubdtype(x.dtype, np.integer):
+        if x.size and (x.min() < 0 or x.max() > 255):
+            raise ValueError(f"{where}: integer images must lie in [0, 255]; found "
+                             f"[{x.min()}, {x.max()}]")
+        x = x.astype(np.uint8)
+    elif np.issubdtype(x.dtype, np.floating):
+        if x.size and (not np.isfinite(x).all() or x.min() < 0 or x.max() > 1):
+            raise ValueError(f"{where}: float images must lie in [0, 1]; found "
+                             f"[{np.nanmin(x)}, {np.nanmax(x)}] (divide by 255 if they are pixels)")
+        x = np.rint(x.astype(np.float64) * 255.0).astype(np.uint8)
+    else:
+        raise ValueError(f"{where}: images of dtype {x.dtype}; accepted: uint8, integers in "
+                         f"[0, 255], uint16, or float in [0, 1]")
+    if x.shape[-1] == 1:
+        x = np.repeat(x, 3, axis=-1)
+    return np.ascontiguousarray(x)

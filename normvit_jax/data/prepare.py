@@ -1,0 +1,263 @@
+"""Prepare your own images as a tfds dataset that training, evaluation and predict read.
+
+    python -m normvit_jax.data.prepare --src=PATH --name=NAME --data_dir=DIR
+
+--src is a folder of images in class folders (DIR/<split>/<class>/<image> with splits train and
+val|validation|test, or one DIR/<class>/<image> tree of which --val_fraction is held out), an .npz
+file or folder of .npz/.npy arrays, a CIFAR-10/100 archive (binary or python, .tar.gz or
+extracted), or a folder of IDX files (MNIST, Fashion-MNIST, KMNIST). The result is a standard
+tfds dataset in <data_dir>/<name>/1.0.0 (array_record, encoded images, class names) with
+prepare.json (statistics, sizes, skipped files); it is written in <data_dir>/.<name>.partial and
+renamed into place when complete, so an interrupted run leaves nothing that reads as prepared (run
+it again to start over). Unreadable images are skipped and named (--strict refuses them); any other
+bad input stops with exit 2 and one line naming the file. docs/data.md has every rule.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from normvit_jax.data import formats, images, prepared
+from normvit_jax.data.formats import PrepareError
+
+EXIT_BAD_INPUT = 2
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+class _Stats:
+    """Per-channel mean/std/min/max over every pixel of the train split, in [0, 1] units
+    (float64 sums: float32 drifts in the 4th digit over millions of pixels)."""
+
+    def __init__(self) -> None:
+        self.n, self.s, self.s2 = 0, np.zeros(3), np.zeros(3)
+        self.lo, self.hi = np.full(3, 255), np.zeros(3, np.int64)
+
+    def add(self, rgb: np.ndarray) -> None:
+        x = rgb.reshape(-1, 3)
+        self.n += len(x)
+        xf = x.astype(np.float64)
+        self.s += xf.sum(0)
+        self.s2 += (xf * xf).sum(0)
+        self.lo, self.hi = np.minimum(self.lo, x.min(0)), np.maximum(self.hi, x.max(0))
+
+    def result(self) -> dict[str, list[float]]:
+        mean = self.s / max(self.n, 1)
+        var = np.maximum(self.s2 / max(self.n, 1) - mean * mean, 0.0)
+        r = lambda v: [round(float(t), 6) for t in v]  # noqa: E731
+        return dict(mean=r(mean / 255), std=r(np.sqrt(var) / 255), min=r(self.lo / 255),
+                    max=r(self.hi / 255))
+
+
+class _SplitWriter:
+    """Loads a split's images on a thread pool (PIL releases the GIL while decoding) and yields
+    tfds (key, example) pairs in order, recording sizes, skipped files and statistics."""
+
+    def __init__(self, name: str, split: formats.Split, num_classes: int, strict: bool,
+                 workers: int, stats: _Stats | None):
+        self.name, self.split, self.strict, self.workers, self.stats = name, split, strict, \
+            workers, stats
+        self.per_class = np.zeros(num_classes, np.int64)
+        self.skipped: list[str] = []
+        self.min_size, self.max_size = [1 << 30, 1 << 30], [0, 0]
+
+    def _load(self, i: int) -> Any:
+        try:
+            return self.split.load(i)
+        except images.BadImageError as e:
+            return e
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        from tqdm import tqdm
+        n = len(self.split.labels)
+        with tqdm(total=n, desc=self.name, unit="img", file=sys.stderr, dynamic_ncols=True
+                  ) as bar, cf.ThreadPoolExecutor(self.workers) as ex:
+            for start in range(0, n, 256):  # bounded look-ahead: memory stays small
+                for i, got in zip(range(start, min(n, start + 256)),
+                                  ex.map(self._load, range(start, min(n, start + 256)))):
+                    bar.update(1)
+                    if isinstance(got, images.BadImageError):
+                        if self.strict:
+                            raise PrepareError(f"{self.split.names[i]}: cannot be decoded "
+                                               f"({got}); --strict refuses unreadable images")
+                        self.skipped.append(f"{self.split.names[i]} ({got})")
+                        continue
+                    data, rgb = got
+                    h, w = rgb.shape[:2]
+                    self.min_size = [min(self.min_size[0], h), min(self.min_size[1], w)]
+                    self.max_size = [max(self.max_size[0], h), max(self.max_size[1], w)]
+                    label = int(self.split.labels[i])
+                    self.per_class[label] += 1
+                    if self.stats is not None:
+                        self.stats.add(rgb)
+                    yield i, {"image": data, "label": label}
+
+    def info(self) -> dict[str, Any]:
+        n = int(self.per_class.sum())
+        return dict(examples=n, per_class=self.per_class.tolist(), skipped=self.skipped,
+                    min_size=self.min_size if n else None, max_size=self.max_size if n else None)
+
+
+def check_name(name: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise PrepareError(f"--name={name!r}: accepted: lower-case letters, digits and _ starting "
+                           f"with a letter (a tfds dataset name), e.g. my_flowers")
+    from normvit_jax.data import spec
+    import tensorflow_datasets as tfds
+    if name in spec.NUM_CLASSES or name in tfds.list_builders():
+        raise PrepareError(f"--name={name!r} is a dataset of tfds's catalog or of this project; "
+                           f"choose another name (e.g. my_{name}) so the two cannot be confused")
+
+
+def parse_source(src: str, fmt: str | None, val_fraction: float, seed: int
+                 ) -> tuple[str, formats.Parsed, dict[str, Any] | None]:
+    fmt = fmt or formats.detect(src)
+    if fmt == "folder":
+        parsed, single = formats.read_folder(src)
+    elif fmt == "arrays":
+        parsed, single = formats.read_arrays(src)
+    elif fmt == "cifar":
+        parsed, single = formats.read_cifar(src), False
+    elif fmt == "idx":
+        parsed, single = formats.read_idx(src), False
+    else:
+        raise PrepareError(f"--format={fmt!r}; accepted: {', '.join(formats.FORMATS)}")
+    formats.check_labels(parsed)
+    held = None
+    if single and val_fraction > 0:
+        parsed.splits["train"], parsed.splits["validation"] = formats.hold_out(
+            parsed.splits["train"], val_fraction, seed)
+        held = dict(split="validation", fraction=val_fraction, seed=seed)
+    return fmt, parsed, held
+
+
+def eval_split_of(splits: Sequence[str]) -> str | None:
+    return next((s for s in formats.EVAL_SPLIT_NAMES if s in splits), None)
+
+
+def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, workers: int,
+          extra: dict[str, Any]) -> dict[str, Any]:
+    """Writes the tfds dataset in ``<data_dir>/.<name>.partial`` and renames it into place."""
+    import tensorflow_datasets as tfds
+    final = os.path.join(data_dir, name)
+    tmp = os.path.join(data_dir, f".{name}.partial")
+    if os.path.exists(tmp):  # an interrupted earlier run: start over
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    stats = _Stats()
+    writers = {s: _SplitWriter(s, sp, len(parsed.classes), strict, workers,
+                               stats if s == "train" else None)
+               for s, sp in parsed.splits.items()}
+    features = tfds.features.FeaturesDict({
+        "image": tfds.features.Image(shape=(None, None, 3), dtype=np.uint8),
+        "label": tfds.features.ClassLabel(names=parsed.classes),
+    })
+    tfds.disable_progress_bar()  # our own bar counts images as they are decoded
+    try:
+        tfds.dataset_builders.store_as_tfds_dataset(
+            name=name, version=prepared.VERSION, features=features, split_datasets=writers,
+            data_dir=tmp, file_format="array_record",
+            description=f"Prepared by normvit_jax.data.prepare from {extra['source']}")
+    except PrepareError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info = dict(extra, classes=parsed.classes, splits={s: w.info() for s, w in writers.items()},
+                eval_split=eval_split_of(list(writers)), stats=stats.result(),
+                ignored=parsed.ignored)
+    with open(os.path.join(tmp, name, prepared.VERSION, prepared.INFO_FILE), "w",
+              encoding="utf-8") as f:
+        json.dump(info, f, indent=1)
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(data_dir, f".{name}.replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(os.path.join(tmp, name), final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    return info
+
+
+def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float) -> str:
+    classes = info["classes"]
+    lines = [f"prepared {name!r} in {prepared.version_dir(name, data_dir)}: {len(classes)} "
+             f"classes, format {info['format']}, {seconds:.1f} s"]
+    for s, sp in info["splits"].items():
+        per = ", ".join(f"{c} {n}" for c, n in zip(classes, sp["per_class"]))
+        if len(classes) > 12:
+            per = f"{min(sp['per_class'])}..{max(sp['per_class'])} per class"
+        size = (f"{sp['min_size'][0]}x{sp['min_size'][1]} .. {sp['max_size'][0]}x"
+                f"{sp['max_size'][1]} (HxW)" if sp["min_size"] else "no images")
+        lines.append(f"  {s}: {sp['examples']} examples ({per}); sizes {size}")
+        empty = [c for c, n in zip(classes, sp["per_class"]) if n == 0]
+        if empty and s == "train":
+            lines.append(f"  warning: classes with no train images: {', '.join(empty)}")
+        if sp["skipped"]:
+            lines.append(f"  {s}: skipped {len(sp['skipped'])} unreadable file(s):")
+            lines += [f"    {x}" for x in sp["skipped"]]
+    if info["ignored"]:
+        lines.append(f"  ignored {len(info['ignored'])} file(s) outside class folders: "
+                     f"{', '.join(info['ignored'][:5])}{' ...' if len(info['ignored']) > 5 else ''}")
+    if info.get("held_out"):
+        h = info["held_out"]
+        lines.append(f"  held out {h['fraction']:g} of each class as '{h['split']}' (seed {h['seed']})")
+    st = info["stats"]
+    lines.append(f"  train per-channel mean {st['mean']}, std {st['std']} (data.normalize=zscore)")
+    lines.append(f"  eval split: {info['eval_split']}")
+    lines.append(f"train: python main.py --config=configs/vit_dtn.py --config.data.name={name} "
+                 f"--config.data.data_dir={data_dir} --workdir=runs/{name}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from normvit_jax import logs, tool_flags
+    logs.quiet_library_logs()
+    p = tool_flags.Parser("python -m normvit_jax.data.prepare", __doc__)
+    p.add_argument("--src", required=True, help="folder, .npz/.npy, CIFAR archive or IDX folder")
+    p.add_argument("--name", required=True, help="dataset name (lower case, digits, _), e.g. "
+                   "my_flowers; train with --config.data.name=NAME")
+    p.add_argument("--data_dir", default=None, help="tfds data dir to write in (default: "
+                   "$TFDS_DATA_DIR or ~/tensorflow_datasets)")
+    p.add_argument("--format", default=None, choices=list(formats.FORMATS),
+                   help="source format (default: detected from --src)")
+    p.add_argument("--strict", action="store_true", help="refuse unreadable images instead of "
+                   "skipping them")
+    p.add_argument("--val_fraction", type=float, default=0.1, help="single class tree or single "
+                   "images/labels pool: fraction of each class held out as 'validation' (0: none)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out choice")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already prepared "
+                   "under this name (the old one stays readable until the new one is complete)")
+    p.add_argument("--workers", type=int, default=None, help="decode threads (default: cores)")
+    args = p.parse_args(argv)
+    try:
+        if not 0.0 <= args.val_fraction < 1.0:
+            raise PrepareError(f"--val_fraction={args.val_fraction}; accepted: a number in [0, 1)")
+        check_name(args.name)
+        data_dir = os.path.abspath(args.data_dir or prepared.default_data_dir())
+        if os.path.exists(os.path.join(data_dir, args.name)) and not args.overwrite:
+            what = ("is already prepared" if prepared.is_prepared(args.name, data_dir)
+                    else "exists and is not a prepared dataset")
+            raise PrepareError(f"{os.path.join(data_dir, args.name)} {what}; pass --overwrite "
+                               f"to replace it, or choose another --name")
+        t0 = time.perf_counter()
+        fmt, parsed, held = parse_source(args.src, args.format, args.val_fraction, args.seed)
+        extra = dict(format=fmt, source=os.path.abspath(args.src), held_out=held)
+        workers = args.workers or min(32, len(os.sched_getaffinity(0)))
+        info = write(parsed, args.name, data_dir, strict=args.strict, workers=workers, extra=extra)
+    except PrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    print(summary(info, args.name, data_dir, time.perf_counter() - t0))
+    return info
+
+
+if __name__ == "__main__":
+    main()

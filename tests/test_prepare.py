@@ -1,0 +1,314 @@
+"""``python -m normvit_jax.data.prepare`` on tiny sets made here, read back by plain tfds.
+
+Expected pixels come from the documented RGB rule applied independently (numpy on the source
+pixels), never from the code under test.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from normvit_jax.data import formats, prepare, prepared
+
+RNG = np.random.default_rng(0)
+
+
+def _run(*argv):
+    return prepare.main(list(argv))
+
+
+def _read_split(path, split):
+    import tensorflow_datasets as tfds
+    b = tfds.builder_from_directory(path)
+    ds = b.as_data_source(split=split)
+    recs = [ds[i] for i in range(len(ds))]
+    return b, recs
+
+
+def _fails(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        _run(*argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ")
+    return err[-1]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """src/{train,val}/{cat,dog}: RGB JPEG, gray PNG, RGBA PNG, 16-bit PNG, CMYK JPEG, EXIF-rotated
+    JPEG; train/cat/bad.jpg is corrupt, train/dog/notes.txt is not an image. Returns (root, expected
+    pixels by relative path for the lossless ones)."""
+    root = tmp_path_factory.mktemp("folder")
+    want = {}
+    for split in ("train", "val"):
+        for c in ("cat", "dog"):
+            d = root / "src" / split / c
+            d.mkdir(parents=True)
+            Image.fromarray(RNG.integers(0, 256, (10, 12, 3), np.uint8)).save(d / "rgb.jpg")
+            g = RNG.integers(0, 256, (9, 8), np.uint8)
+            Image.fromarray(g).save(d / "gray.png")
+            want[f"{split}/{c}/gray.png"] = np.repeat(g[..., None], 3, -1)
+            a = RNG.integers(0, 256, (8, 9, 4), np.uint8)
+            Image.fromarray(a, "RGBA").save(d / "rgba.png")
+            want[f"{split}/{c}/rgba.png"] = a[..., :3]  # alpha dropped, not composited
+            h = RNG.integers(0, 65536, (11, 8)).astype(np.uint16)
+            Image.fromarray(h).save(d / "deep.png")
+            h8 = np.rint(h.astype(np.float64) * 255 / 65535).astype(np.uint8)
+            want[f"{split}/{c}/deep.png"] = np.repeat(h8[..., None], 3, -1)
+            Image.fromarray(RNG.integers(0, 256, (8, 8, 4), np.uint8), "CMYK").save(d / "cmyk.jpg")
+            ex = Image.Exif()
+            ex[0x0112] = 6  # rotate 90 degrees clockwise to view
+            Image.fromarray(RNG.integers(0, 256, (8, 14, 3), np.uint8)).save(d / "exif.jpg", exif=ex)
+    (root / "src/train/cat/bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    (root / "src/train/dog/notes.txt").write_text("not an image")
+    (root / "src/README.txt").write_text("ignored")
+    return root, want
+
+
+@pytest.fixture(scope="module")
+def prepared_folder(folder):
+    root, want = folder
+    info = _run(f"--src={root}/src", "--name=pets", f"--data_dir={root}/dd")
+    return root, want, info
+
+
+def test_folder_is_a_standard_tfds_dataset_with_the_rgb_rule(prepared_folder):
+    root, want, info = prepared_folder
+    b, recs = _read_split(f"{root}/dd/pets/1.0.0", "val")
+    assert b.info.features["label"].names == ["cat", "dog"]
+    assert b.info.splits["train"].num_examples == 12 and b.info.splits["val"].num_examples == 12
+    assert all(r["image"].dtype == np.uint8 and r["image"].shape[-1] == 3 for r in recs)
+    # lossless files: exact pixels, found by content among the split's records
+    for rel, px in want.items():
+        if rel.startswith("val/"):
+            label = 0 if "/cat/" in rel else 1
+            hits = [r for r in recs if r["label"] == label and r["image"].shape == px.shape
+                    and np.array_equal(r["image"], px)]
+            assert len(hits) == 1, rel
+    # the EXIF-rotated JPEG (8x14 stored) is upright: 14x8
+    assert sum(r["image"].shape[:2] == (14, 8) for r in recs) == 2
+
+
+def test_folder_summary_skips_and_names_unreadable_files(prepared_folder, capsys):
+    root, _, info = prepared_folder
+    skipped = info["splits"]["train"]["skipped"]
+    assert len(skipped) == 2
+    assert any("bad.jpg" in s for s in skipped) and any("notes.txt" in s for s in skipped)
+    assert info["splits"]["train"]["per_class"] == [6, 6]
+    assert info["eval_split"] == "val" and info["ignored"] == [f"{root}/src/README.txt"]
+    d = prepared.describe("pets", f"{root}/dd")
+    assert d["classes"] == ["cat", "dog"] and d == json.loads(json.dumps(info))
+
+
+def test_stats_are_the_train_pixels_population_mean_and_std(prepared_folder):
+    root, _, info = prepared_folder
+    _, recs = _read_split(f"{root}/dd/pets/1.0.0", "train")
+    px = np.concatenate([r["image"].reshape(-1, 3) for r in recs]).astype(np.float64) / 255
+    np.testing.assert_allclose(info["stats"]["mean"], px.mean(0), atol=2e-6)
+    np.testing.assert_allclose(info["stats"]["std"], px.std(0), atol=2e-6)
+    np.testing.assert_allclose(info["stats"]["max"], px.max(0), atol=1e-6)
+
+
+def test_strict_refuses_and_leaves_nothing_prepared(folder, capsys):
+    root, _ = folder
+    msg = _fails(capsys, f"--src={root}/src", "--name=pets_strict", f"--data_dir={root}/dd2",
+                 "--strict")
+    assert "bad.jpg" in msg or "notes.txt" in msg
+    assert not prepared.is_prepared("pets_strict", f"{root}/dd2")
+    assert not os.path.exists(f"{root}/dd2/pets_strict")
+    # a re-run (here without --strict) starts over and completes
+    _run(f"--src={root}/src", "--name=pets_strict", f"--data_dir={root}/dd2")
+    assert prepared.is_prepared("pets_strict", f"{root}/dd2")
+    assert not os.path.exists(f"{root}/dd2/.pets_strict.partial")
+
+
+def test_existing_names_and_bad_names_are_refused(prepared_folder, capsys):
+    root, _, _ = prepared_folder
+    assert "already prepared" in _fails(capsys, f"--src={root}/src", "--name=pets",
+                                        f"--data_dir={root}/dd")
+    assert "catalog" in _fails(capsys, f"--src={root}/src", "--name=mnist", f"--data_dir={root}/dd")
+    assert "--name='My-Set'" in _fails(capsys, f"--src={root}/src", "--name=My-Set",
+                                       f"--data_dir={root}/dd")
+
+
+def test_single_tree_holds_out_a_seeded_fraction_per_class(tmp_path):
+    for c in ("a", "b", "c"):
+        (tmp_path / "src" / c).mkdir(parents=True)
+        for i in range(10):
+            Image.fromarray(np.full((8, 8, 3), i * 20, np.uint8)).save(tmp_path / "src" / c / f"{i}.png")
+    infos = [_run(f"--src={tmp_path}/src", f"--name=t{k}", f"--data_dir={tmp_path}/dd",
+                  "--val_fraction=0.2", f"--seed={s}") for k, s in enumerate((3, 3, 4))]
+    assert infos[0]["splits"]["validation"]["per_class"] == [2, 2, 2]
+    assert infos[0]["splits"]["train"]["per_class"] == [8, 8, 8]
+    assert infos[0]["held_out"] == {"split": "validation", "fraction": 0.2, "seed": 3}
+    assert infos[0]["eval_split"] == "validation"
+
+    def held(k):
+        _, recs = _read_split(f"{tmp_path}/dd/t{k}/1.0.0", "validation")
+        return sorted((int(r["label"]), int(r["image"][0, 0, 0])) for r in recs)
+    assert held(0) == held(1) and held(0) != held(2)  # same seed same files; other seed others
+
+
+def test_empty_class_folder_and_foreign_test_class_exit_2(tmp_path, capsys):
+    (tmp_path / "s1/a").mkdir(parents=True)
+    (tmp_path / "s1/b").mkdir(parents=True)
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "s1/a/x.png")
+    assert "s1/b: empty class folder" in _fails(capsys, f"--src={tmp_path}/s1", "--name=e1",
+                                                f"--data_dir={tmp_path}/dd")
+    for p in ("train/a", "test/zebra"):
+        (tmp_path / "s2" / p).mkdir(parents=True)
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "s2" / p / "x.png")
+    assert "'zebra'" in _fails(capsys, f"--src={tmp_path}/s2", "--name=e2",
+                               f"--data_dir={tmp_path}/dd")
+
+
+def test_npz_uint8_and_float_arrays(tmp_path, capsys):
+    x = RNG.integers(0, 256, (12, 8, 8, 3), np.uint8)
+    y = np.arange(12) % 3
+    xt = RNG.random((6, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x_train=x, y_train=y, x_test=xt, y_test=np.arange(6) % 3,
+             class_names=np.array(["r", "g", "b"]))
+    info = _run(f"--src={tmp_path}/d.npz", "--name=arr", f"--data_dir={tmp_path}/dd")
+    assert info["classes"] == ["r", "g", "b"] and info["eval_split"] == "test"
+    _, tr = _read_split(f"{tmp_path}/dd/arr/1.0.0", "train")
+    _, te = _read_split(f"{tmp_path}/dd/arr/1.0.0", "test")
+    got = {int(r["image"][0, 0, 0]) * 1000 + int(r["image"][0, 0, 1]): r for r in tr}
+    for i in range(12):
+        r = got[int(x[i, 0, 0, 0]) * 1000 + int(x[i, 0, 0, 1])]
+        np.testing.assert_array_equal(r["image"], x[i])
+        assert r["label"] == y[i]
+    want_t = np.rint(xt.astype(np.float64) * 255).astype(np.uint8)
+    assert sorted(r["image"][..., 0].tobytes() for r in te) == sorted(w.tobytes() for w in want_t)
+    assert all(np.array_equal(r["image"][..., 0], r["image"][..., 2]) for r in te)
+
+
+def test_bad_arrays_exit_2_naming_the_file(tmp_path, capsys):
+    np.savez(tmp_path / "obj.npz", images=np.array([{"a": 1}], dtype=object), labels=np.zeros(1))
+    assert "obj.npz" in _fails(capsys, f"--src={tmp_path}/obj.npz", "--name=b1",
+                               f"--data_dir={tmp_path}/dd")
+    np.savez(tmp_path / "n.npz", images=np.zeros((3, 8, 8), np.uint8), labels=np.zeros(2, int))
+    assert "3 images but 2 labels" in _fails(capsys, f"--src={tmp_path}/n.npz", "--name=b2",
+                                             f"--data_dir={tmp_path}/dd")
+    np.savez(tmp_path / "r.npz", images=np.zeros((3, 8, 8), np.uint8), labels=np.array([0, 1, 5]),
+             class_names=np.array(["a", "b"]))
+    assert "label 5" in _fails(capsys, f"--src={tmp_path}/r.npz", "--name=b3",
+                               f"--data_dir={tmp_path}/dd")
+    np.savez(tmp_path / "f.npz", images=np.full((3, 8, 8), 2.0), labels=np.zeros(3, int))
+    assert "[0, 1]" in _fails(capsys, f"--src={tmp_path}/f.npz", "--name=b4",
+                              f"--data_dir={tmp_path}/dd")
+
+
+def _tar(path, members):
+    with tarfile.open(path, "w:gz") as tf:
+        for name, data in members.items():
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+
+
+def test_cifar10_binary_archive(tmp_path):
+    x = RNG.integers(0, 256, (7, 3, 32, 32), np.uint8)  # CIFAR stores planes: R, G, B
+    y = np.array([0, 9, 3, 3, 1, 2, 5], np.uint8)
+    rec = lambda xs, ys: b"".join(bytes([l]) + im.tobytes() for im, l in zip(xs, ys))  # noqa
+    _tar(tmp_path / "cifar-10-binary.tar.gz", {
+        "cifar-10-batches-bin/data_batch_1.bin": rec(x[:5], y[:5]),
+        "cifar-10-batches-bin/test_batch.bin": rec(x[5:], y[5:]),
+        "cifar-10-batches-bin/batches.meta.txt": "\n".join("abcdefghij").encode()})
+    info = _run(f"--src={tmp_path}/cifar-10-binary.tar.gz", "--name=c10", f"--data_dir={tmp_path}/dd")
+    assert info["format"] == "cifar" and info["classes"] == list("abcdefghij")
+    _, te = _read_split(f"{tmp_path}/dd/c10/1.0.0", "test")
+    by_label = {int(r["label"]): r["image"] for r in te}
+    for i in (5, 6):
+        np.testing.assert_array_equal(by_label[int(y[i])], x[i].transpose(1, 2, 0))
+
+
+def _py2_like_batch(x, key, y):
+    return pickle.dumps({"batch_label": "b", key: list(map(int, y)),
+                         "data": x.reshape(len(x), -1), "filenames": ["f"] * len(x)}, protocol=2)
+
+
+def test_cifar100_python_pickles_with_restricted_unpickler(tmp_path, capsys):
+    x = RNG.integers(0, 256, (6, 3, 32, 32), np.uint8)
+    y = np.array([99, 0, 42, 7, 42, 1])
+    d = tmp_path / "cifar-100-python"
+    d.mkdir()
+    (d / "train").write_bytes(_py2_like_batch(x[:4], "fine_labels", y[:4]))
+    (d / "test").write_bytes(_py2_like_batch(x[4:], "fine_labels", y[4:]))
+    (d / "meta").write_bytes(pickle.dumps({"fine_label_names": [f"n{i}" for i in range(100)]}))
+    info = _run(f"--src={d}", "--name=c100", f"--data_dir={tmp_path}/dd")
+    assert info["classes"][42] == "n42" and info["splits"]["test"]["per_class"][42] == 1
+    _, tr = _read_split(f"{tmp_path}/dd/c100/1.0.0", "train")
+    got = {int(r["label"]): r["image"] for r in tr}
+    np.testing.assert_array_equal(got[99], x[0].transpose(1, 2, 0))
+
+    class Evil:  # a pickle that would call os.system if unpickled naively
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+    (d / "test").write_bytes(pickle.dumps({"data": Evil(), "fine_labels": [0]}, protocol=2))
+    msg = _fails(capsys, f"--src={d}", "--name=c100b", f"--data_dir={tmp_path}/dd")
+    assert "test" in msg and "binary version" in msg and "system" in msg
+
+
+def _idx(arr, gz):
+    head = bytes([0, 0, 8, arr.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in arr.shape)
+    data = head + arr.astype(np.uint8).tobytes()
+    return gzip.compress(data) if gz else data
+
+
+def test_idx_gz_and_raw(tmp_path, capsys):
+    x = RNG.integers(0, 256, (8, 12, 12), np.uint8)
+    y = np.arange(8) % 4
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(_idx(x[:6], True))
+    (tmp_path / "train-labels-idx1-ubyte.gz").write_bytes(_idx(y[:6], True))
+    (tmp_path / "t10k-images-idx3-ubyte").write_bytes(_idx(x[6:], False))
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(_idx(y[6:], False))
+    (tmp_path / "classes.txt").write_text("w\nx\ny\nz\n")
+    info = _run(f"--src={tmp_path}", "--name=idx", f"--data_dir={tmp_path}/dd")
+    assert info["format"] == "idx" and info["classes"] == list("wxyz")
+    assert info["splits"]["test"]["examples"] == 2
+    _, te = _read_split(f"{tmp_path}/dd/idx/1.0.0", "test")
+    for r in te:
+        i = 6 + int(np.flatnonzero(y[6:] == r["label"])[0])
+        np.testing.assert_array_equal(r["image"], np.repeat(x[i][..., None], 3, -1))
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(_idx(y[5:], False))
+    assert "3 labels for 2 images" in _fails(capsys, f"--src={tmp_path}", "--name=idx2",
+                                             f"--data_dir={tmp_path}/dd")
+
+
+def test_rerun_after_a_kill_starts_over(prepared_folder, tmp_path):
+    root, _, _ = prepared_folder
+    junk = tmp_path / ".pets.partial" / "pets" / "1.0.0"
+    junk.mkdir(parents=True)  # what kill -9 leaves: a partial folder that is never read
+    (junk / "pets-train.array_record-00000-of-00001").write_bytes(b"half")
+    assert not prepared.is_prepared("pets", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not prepared"):
+        prepared.describe("pets", str(tmp_path))
+    _run(f"--src={root}/src", "--name=pets", f"--data_dir={tmp_path}")
+    assert prepared.is_prepared("pets", str(tmp_path))
+    assert not (tmp_path / ".pets.partial").exists()
+
+
+def test_cli_bad_input_is_one_line_exit_2(tmp_path):
+    np.save(tmp_path / "only.npy", np.zeros((2, 8, 8), np.uint8))
+    r = subprocess.run([sys.executable, "-m", "normvit_jax.data.prepare", f"--src={tmp_path}/only.npy",
+                        "--name=x1", f"--data_dir={tmp_path}/dd"], capture_output=True, text=True)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "only.npy" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_detect_formats(tmp_path):
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"")
+    assert formats.detect(str(tmp_path)) == "idx"
+    assert formats.detect(__file__.replace("test_prepare.py", "")) == "folder"
