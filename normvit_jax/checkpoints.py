@@ -161,9 +161,7 @@ def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     is_leaf = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
-        name = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                        for k in path)
-        out[name] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+        out[jax.tree_util.keystr(path, simple=True, separator="/")] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
     return out
 
 

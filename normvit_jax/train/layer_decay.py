@@ -21,7 +21,7 @@ _BLOCK = re.compile(r"encoderblock_(\d+)$")
 
 
 def _names(path: tuple) -> list[str]:
-    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    return [jax.tree_util.keystr((k,), simple=True) for k in path]
 
 
 def depth_of(params: Any) -> int:

@@ -54,7 +54,7 @@ def schedule(config: Any, total_steps: int) -> optax.Schedule:
 def decay_mask(params: Any) -> Any:
     """True where weight decay applies: matrices, except the position embedding and class token."""
     def keep(path, leaf) -> bool:
-        last = str(getattr(path[-1], "key", path[-1]))
+        last = jax.tree_util.keystr(path[-1:], simple=True)
         return leaf.ndim >= 2 and last not in _NO_DECAY_NAMES
     return jax.tree_util.tree_map_with_path(keep, params)
 
