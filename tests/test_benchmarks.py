@@ -198,3 +198,10 @@ def test_xla_flags_are_set_before_jax_starts():
     from benchmarks import xla_flags
     for k, v in xla_flags.PRESETS["tuned"].items():
         assert f"--{k}={v}" in out
+
+
+def test_prepare_rate_times_a_jpeg_folder():
+    from benchmarks import prepare_rate
+    res = prepare_rate.main(["--images=12", "--workers=1"])
+    (row,) = res["rows"]
+    assert row["images"] == 12 and row["images_s"] > 0

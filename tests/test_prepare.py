@@ -312,3 +312,16 @@ def test_detect_formats(tmp_path):
     (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"")
     assert formats.detect(str(tmp_path)) == "idx"
     assert formats.detect(__file__.replace("test_prepare.py", "")) == "folder"
+
+
+def test_no_readable_image_in_a_split_and_empty_hold_out_exit_2(tmp_path, capsys):
+    for c in ("a", "b"):
+        (tmp_path / "s/train" / c).mkdir(parents=True)
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "s/train" / c / "x.png")
+    (tmp_path / "s/val/a").mkdir(parents=True)
+    (tmp_path / "s/val/a/broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    assert "split 'val' has no readable image" in _fails(
+        capsys, f"--src={tmp_path}/s", "--name=n1", f"--data_dir={tmp_path}/dd")
+    assert not os.path.exists(f"{tmp_path}/dd/n1") and not os.path.exists(f"{tmp_path}/dd/.n1.partial")
+    assert "holds out no example" in _fails(
+        capsys, f"--src={tmp_path}/s/train", "--name=n2", f"--data_dir={tmp_path}/dd")

@@ -33,27 +33,27 @@ _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 class _Stats:
-    """Per-channel mean/std/min/max over every pixel of the train split, in [0, 1] units
-    (float64 sums: float32 drifts in the 4th digit over millions of pixels)."""
+    """Per-channel mean/std/min/max over every pixel of the train split, in [0, 1] units, from
+    exact per-channel 256-bin histograms (integer counts; moments taken in float64 at the end)."""
 
     def __init__(self) -> None:
-        self.n, self.s, self.s2 = 0, np.zeros(3), np.zeros(3)
-        self.lo, self.hi = np.full(3, 255), np.zeros(3, np.int64)
+        self.hist = np.zeros((3, 256), np.int64)
 
     def add(self, rgb: np.ndarray) -> None:
         x = rgb.reshape(-1, 3)
-        self.n += len(x)
-        xf = x.astype(np.float64)
-        self.s += xf.sum(0)
-        self.s2 += (xf * xf).sum(0)
-        self.lo, self.hi = np.minimum(self.lo, x.min(0)), np.maximum(self.hi, x.max(0))
+        for c in range(3):
+            self.hist[c] += np.bincount(x[:, c], minlength=256)
 
     def result(self) -> dict[str, list[float]]:
-        mean = self.s / max(self.n, 1)
-        var = np.maximum(self.s2 / max(self.n, 1) - mean * mean, 0.0)
-        r = lambda v: [round(float(t), 6) for t in v]  # noqa: E731
-        return dict(mean=r(mean / 255), std=r(np.sqrt(var) / 255), min=r(self.lo / 255),
-                    max=r(self.hi / 255))
+        v = np.arange(256, dtype=np.float64) / 255.0
+        n = np.maximum(self.hist.sum(1), 1).astype(np.float64)
+        mean = (self.hist * v).sum(1) / n
+        std = np.sqrt(np.maximum((self.hist * (v - mean[:, None]) ** 2).sum(1) / n, 0.0))
+        seen = self.hist > 0
+        lo = [float(v[np.argmax(s)]) if s.any() else 0.0 for s in seen]
+        hi = [float(v[255 - np.argmax(s[::-1])]) if s.any() else 1.0 for s in seen]
+        r = lambda a: [round(float(t), 6) for t in a]  # noqa: E731
+        return dict(mean=r(mean), std=r(std), min=r(lo), max=r(hi))
 
 
 class _SplitWriter:
@@ -135,6 +135,9 @@ def parse_source(src: str, fmt: str | None, val_fraction: float, seed: int
         parsed.splits["train"], parsed.splits["validation"] = formats.hold_out(
             parsed.splits["train"], val_fraction, seed)
         held = dict(split="validation", fraction=val_fraction, seed=seed)
+        if not len(parsed.splits["validation"].labels):
+            raise PrepareError(f"{src}: --val_fraction={val_fraction} holds out no example (too "
+                               f"few per class); raise it, or pass 0 to write only 'train'")
     return fmt, parsed, held
 
 
@@ -168,6 +171,14 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
     except PrepareError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    except AssertionError as e:  # tfds refuses a split with no examples
+        shutil.rmtree(tmp, ignore_errors=True)
+        empty = [s for s, w in writers.items() if not w.per_class.sum()]
+        if not empty:
+            raise
+        w = writers[empty[0]]
+        raise PrepareError(f"{extra['source']}: split {empty[0]!r} has no readable image "
+                           f"({len(w.skipped)} skipped, e.g. {w.skipped[:1]})") from None
     info = dict(extra, classes=parsed.classes, splits={s: w.info() for s, w in writers.items()},
                 eval_split=eval_split_of(list(writers)), stats=stats.result(),
                 ignored=parsed.ignored)

@@ -1,0 +1,74 @@
+"""Images/s of ``python -m normvit_jax.data.prepare`` on a folder of JPEGs (and optionally on IDX).
+
+    python -m benchmarks.prepare_rate --images=1000 [--workers=2] [--idx=/path/to/mnist_idx_folder]
+
+Makes ``--images`` synthetic JPEGs at ImageNet's usual sizes (400-500 x 333-375 px, ~105 kB, as
+``benchmarks.input_pipeline``'s synthetic set) in 10 class folders, then times the prepare step
+(read, decode to check and for the statistics, write array_record; the JPEGs keep their bytes),
+excluding the one-off TensorFlow import. ``--idx``: also times a folder of IDX files (every image
+re-encoded as PNG).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+
+def make_jpeg_folder(root: str, n: int, classes: int = 10) -> None:
+    from benchmarks.input_pipeline import _jpeg
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        d = os.path.join(root, f"class_{i % classes:02d}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"{i:06d}.jpg"), "wb") as f:
+            f.write(_jpeg(rng, int(rng.integers(333, 376)), int(rng.integers(400, 501))))
+
+
+def time_prepare(src: str, data_dir: str, name: str, workers: int) -> tuple[float, int]:
+    """(seconds, images written) of parse + write (TensorFlow already imported)."""
+    from normvit_jax.data import prepare
+    t = time.perf_counter()
+    _, parsed, held = prepare.parse_source(src, None, 0.0, 0)  # all in train
+    info = prepare.write(parsed, name, data_dir, strict=False, workers=workers,
+                         extra=dict(format="bench", source=src, held_out=held))
+    return time.perf_counter() - t, sum(s["examples"] for s in info["splits"].values())
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from benchmarks import common
+    from normvit_jax import logs, tool_flags
+    logs.quiet_library_logs()
+    p = tool_flags.Parser("python -m benchmarks.prepare_rate", __doc__)
+    p.add_argument("--images", type=int, default=1000, help="synthetic JPEGs to prepare")
+    p.add_argument("--workers", type=int, default=None, help="decode threads (default: cores)")
+    p.add_argument("--idx", default=None, help="also time this folder of IDX files")
+    args = p.parse_args(argv)
+    import tensorflow_datasets  # noqa: F401  (imported once, outside the timing)
+    import tensorflow  # noqa: F401
+    workers = args.workers or len(os.sched_getaffinity(0))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        make_jpeg_folder(os.path.join(tmp, "src"), args.images)
+        print(f"{args.images} JPEGs written in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        s, n = time_prepare(os.path.join(tmp, "src"), os.path.join(tmp, "dd"), "bench_jpeg", workers)
+        rows.append({"source": "JPEG folder (~105 kB, ~450x350)", "images": n, "seconds": round(s, 2),
+                     "images_s": round(n / s, 1)})
+        if args.idx:
+            s, n = time_prepare(args.idx, os.path.join(tmp, "dd"), "bench_idx", workers)
+            rows.append({"source": f"IDX {os.path.basename(args.idx.rstrip('/'))} (28x28, PNG)",
+                         "images": n, "seconds": round(s, 2), "images_s": round(n / s, 1)})
+    res = {"machine": common.machine(), "workers": workers, "rows": rows}
+    print(f"machine: {res['machine']}; {workers} decode threads")
+    for r in rows:
+        print(f"  {r['source']}: {r['images']} images in {r['seconds']} s = {r['images_s']} images/s")
+    return res
+
+
+if __name__ == "__main__":
+    main()
