@@ -44,9 +44,14 @@ def parse_flags(argv):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    if FLAGS.mode == "eval":
-        sys.exit(cli.evaluate(FLAGS.config, FLAGS.workdir, step=FLAGS.step))
-    sys.exit(cli.run(FLAGS.config, FLAGS.workdir, fresh=FLAGS.fresh))
+    try:
+        if FLAGS.mode == "eval":
+            sys.exit(cli.evaluate(FLAGS.config, FLAGS.workdir, step=FLAGS.step))
+        sys.exit(cli.run(FLAGS.config, FLAGS.workdir, fresh=FLAGS.fresh))
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves first: preemption.py)
+        print("interrupted (Ctrl-C) before training or during evaluation; nothing new was saved; "
+              "rerun the same command to resume.", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

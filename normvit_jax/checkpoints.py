@@ -3,15 +3,16 @@
 Saves are asynchronous. Orbax writes each step into a temporary folder and renames it only when
 complete, so a half-written checkpoint is never listed as a step; the manager deletes such
 leftovers when it is created. ``restore_latest`` tries the newest step first: a checkpoint whose
-files are damaged is moved to ``workdir/damaged_checkpoints/`` with a warning and an older one is
-tried; a checkpoint whose tree or shapes differ from the model is a config mismatch and stops.
+files are damaged is moved to ``workdir/damaged_checkpoints/`` with one warning line and an older
+one is used; a checkpoint whose tree or shapes differ from the model is a config mismatch and stops.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import logging
+import os
+import re
 from typing import Any
 
 import jax
@@ -71,19 +72,21 @@ class Restored:
     state: Any
     step: int
     meta: dict | None                       # what ``save`` got as ``meta`` (None for old runs)
-    damaged: list[tuple[int, str, str]]     # (step, error, where it was moved) of skipped ones
+    damaged: list[tuple[int, str, str]]     # (step, error, where it was moved or '') of skipped ones
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any) -> Restored | None:
-    """The newest checkpoint that restores, or None if there is none.
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any, move_damaged: bool = True,
+                   steps: list[int] | None = None) -> Restored | None:
+    """The newest checkpoint (of ``steps``, default all) that restores, or None if there is none.
 
-    A damaged newer checkpoint is skipped with a warning naming it and, once an older one has
-    restored, moved out of the way (Orbax would otherwise keep it as the latest step and refuse
-    to save that step again). Raises CheckpointMismatchError if a checkpoint's tree, shapes or
-    dtypes differ from ``abstract_state`` (a config change, not damage), or if checkpoints exist
-    and none restores (then nothing is moved).
+    A damaged newer checkpoint is skipped with one warning naming its step, the reason and the
+    step used instead; with ``move_damaged`` (training) it is moved out of the way once an older
+    one has restored (Orbax would otherwise keep it as the latest step and refuse to save that
+    step again); evaluation leaves it in place. Raises CheckpointMismatchError if a checkpoint's
+    tree, shapes or dtypes differ from ``abstract_state`` (a config change, not damage), or if
+    checkpoints exist and none restores (then nothing is moved).
     """
-    steps = sorted(mngr.all_steps(), reverse=True)
+    steps = sorted(mngr.all_steps() if steps is None else steps, reverse=True)
     failed: list[tuple[int, str]] = []
     for step in steps:
         problem = mismatch(mngr, step, abstract_state)
@@ -94,25 +97,28 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any) -> Restored
             except Exception as e:  # noqa: BLE001  (tensorstore, JSON, OS errors: damage)
                 problem = ("damaged", describe_error(e))
         if problem is None:
-            moved = [(s, err, quarantine(mngr, s)) for s, err in failed]
-            if moved:
+            moved = [(s, err, quarantine(mngr, s) if move_damaged else "") for s, err in failed]
+            for s, err, dest in moved:
+                log.warning("Checkpoint at step %d in %s is damaged (%s)%s; using step %d instead.",
+                            s, mngr.directory, err, f"; moved to {dest}" if dest else "", step)
+            if moved and move_damaged:
                 mngr.reload()
             return Restored(state, step, meta, moved)
         kind, detail = problem
         if kind == "mismatch":
             raise CheckpointMismatchError(
                 f"the checkpoint at step {step} in {mngr.directory} does not match the model built "
-                f"from the config: {detail}. The config in this workdir was changed in a way that "
-                "changes the model; use another --workdir, or --fresh to start over.")
-        log.warning("Checkpoint at step %d in %s is damaged (%s); trying an older one.",
-                    step, mngr.directory, detail)
+                f"from the config: {detail}. " + (
+                    "The config in this workdir was changed in a way that changes the model; use "
+                    "another --workdir, or --fresh to start over." if move_damaged else
+                    "Evaluate with the config the run was trained with (its config.json)."))
         failed.append((step, detail))
     if failed:
         raise CheckpointMismatchError(
             f"no checkpoint in {mngr.directory} restores: "
-            + "; ".join(f"step {s}: {e}" for s, e in failed)
-            + ". Nothing was moved or deleted. Re-run with --fresh to start from step 0 (the old "
-              "run is moved to replaced/).")
+            + "; ".join(f"step {s}: {e}" for s, e in failed) + ". Nothing was moved or deleted."
+            + (" Re-run with --fresh to start from step 0 (the old run is moved to replaced/)."
+               if move_damaged else ""))
     return None
 
 
@@ -185,7 +191,6 @@ def quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
     while dest.exists():
         dest, n = dest_root / f"{step}.{n}", n + 1
     src.rename(dest)
-    log.warning("Moved the damaged checkpoint of step %d to %s.", step, dest)
     return str(dest)
 
 
@@ -196,11 +201,13 @@ def complete_steps(workdir: str) -> list[int]:
 
 
 def describe_error(e: BaseException, n: int = 500) -> str:
-    """The innermost cause (TensorStore's wrapper hides which file failed), on one line; when
-    long, its head (what) and tail (why, e.g. 'File too large [os_error_code=27]')."""
+    """The innermost cause (TensorStore's wrapper hides which file failed), on one line, without
+    TensorStore's source locations and spec dump; when long, its head (what) and tail (why, e.g.
+    'File too large [os_error_code=27]')."""
     while e.__cause__ is not None:
         e = e.__cause__
     s = " ".join(f"{type(e).__name__}: {e}".split())
+    s = re.split(r" \[(?:source locations|tensorstore_spec)=", s)[0]  # TensorStore's debug tail
     return s if len(s) <= n else s[:n // 2] + " ... " + s[-(n // 2):]
 
 

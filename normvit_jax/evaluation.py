@@ -76,19 +76,15 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
         raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(workdir)}")
     mngr = checkpoints.open_read_only(workdir)  # the run may still be training
     try:
-        if step is None:
-            steps = sorted(mngr.all_steps())
-            if not steps:
-                raise FileNotFoundError(f"no checkpoint in {mngr.directory}")
-            step = steps[-1]
-        if step not in mngr.all_steps():
+        if step is not None and step not in mngr.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {mngr.directory}; "
                                     f"there are: {sorted(mngr.all_steps())}")
-        problem = checkpoints.mismatch(mngr, step, abstract)
-        if problem is not None:
-            raise checkpoints.CheckpointMismatchError(
-                f"the checkpoint at step {step} does not fit the config's model: {problem[1]}")
-        state = checkpoints.restore(mngr, abstract, step)
+        # the newest readable one (a damaged newer one is named in a warning and left in place)
+        restored = checkpoints.restore_latest(mngr, abstract, move_damaged=False,
+                                              steps=None if step is None else [step])
+        if restored is None:
+            raise FileNotFoundError(f"no checkpoint in {mngr.directory}")
+        state, step = restored.state, restored.step
     finally:
         mngr.close()
     # the training loop's eval step and metrics, EMA included, + ReaL top-1 on ImageNet-ReaL

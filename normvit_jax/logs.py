@@ -1,22 +1,58 @@
 """Quieter logs for every entry point (main.py, export, reparam, the analysis CLIs): Orbax's, JAX's
-and CLU's INFO chatter and Orbax's harmless 'Metadata file does not exist' warning (one per
-checkpoint read) are dropped; other warnings and errors still show."""
+and CLU's INFO chatter and Orbax's harmless warnings (a missing metadata file, a read-only
+manager) are dropped; other warnings and errors still show.
+
+A failed checkpoint read or write (a damaged file, a full disk) is reported by this project in one
+line naming the step and the innermost cause (checkpoints.restore_latest, train/guards.py), so the
+same failure's echoes are dropped: Orbax's error records with tracebacks from its background
+threads, asyncio's "exception was never retrieved" for Orbax's pending writes, and TensorStore's
+"Event loop is closed" (a write that completes after Orbax closed the loop that waited for it)."""
 from __future__ import annotations
 
 import logging as std_logging
 import os
 import re
+import sys
 
 _NOISY_INFO = ("/orbax/", "/jax/_src/", "/clu/platform/")
-_NOISY_WARNINGS = ("Metadata file does not exist",)  # Orbax, reading checkpoints without it
+_NOISY_WARNINGS = ("Metadata file does not exist",  # Orbax, reading checkpoints without it
+                   "CheckpointManagerOptions.read_only=True", "Given directory is read only")
+# Orbax modules whose ERROR records repeat a checkpoint failure that the caller reports
+_ECHOING_ERRORS = ("/orbax/checkpoint/_src/futures/future.py", "/orbax/checkpoint/checkpoint_manager.py",
+                   "/orbax/checkpoint/_src/checkpointers/async_checkpointer.py",
+                   "/orbax/checkpoint/_src/metadata/checkpoint.py")
+
+
+def _orbax_traceback(record: std_logging.LogRecord) -> bool:
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if "/orbax/" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class QuietLibraries(std_logging.Filter):
     def filter(self, record: std_logging.LogRecord) -> bool:
         if "/orbax/" in record.pathname and str(record.msg).startswith(_NOISY_WARNINGS):
             return False
+        if record.levelno >= std_logging.ERROR and record.pathname.endswith(_ECHOING_ERRORS):
+            return False
+        if record.name == "asyncio" and "never retrieved" in str(record.msg) \
+                and _orbax_traceback(record):
+            return False
         return record.levelno >= std_logging.WARNING or not any(
             part in record.pathname for part in _NOISY_INFO)
+
+
+def _quiet_unraisable(previous):
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, RuntimeError) \
+                and "Event loop is closed" in str(unraisable.exc_value):
+            return
+        previous(unraisable)
+    hook.quiet = True
+    return hook
 
 
 _FILTER = QuietLibraries()
@@ -26,9 +62,12 @@ def quiet_library_logs() -> None:
     """Idempotent; call at the start of a CLI's main (after absl set up its handler)."""
     # TensorFlow and jaxlib each print the same oneDNN banner through their C++ INFO log.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    for target in [std_logging.getLogger("absl"), *std_logging.getLogger().handlers]:
+    for target in [std_logging.getLogger("absl"), std_logging.getLogger("asyncio"),
+                   *std_logging.getLogger().handlers]:
         if _FILTER not in target.filters:
             target.addFilter(_FILTER)
+    if not getattr(sys.unraisablehook, "quiet", False):
+        sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
 def import_tensorflow_once() -> None:

@@ -263,8 +263,8 @@ def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path):
     hosts[1].p.send_signal(signal.SIGTERM)
     stopped = []
     for h in hosts:
-        h.expect(cli.EXIT_PREEMPTED, r"preempted: checkpoint written at step \d+")
-        stopped.append(int(re.search(r"checkpoint written at step (\d+)", h.output).group(1)))
+        h.expect(cli.EXIT_PREEMPTED, r"interrupted at step \d+; saved in ")
+        stopped.append(int(re.search(r"interrupted at step (\d+)", h.output).group(1)))
     assert stopped[0] == stopped[1] < STEPS
     assert max(checkpoints.complete_steps(wd)) == stopped[0]
 
@@ -281,8 +281,9 @@ def test_sigterm_sigkill_mid_save_and_second_process_lose_nothing(reference, tmp
     first = Proc(wd, instrumented=True, env={"NORMVIT_TEST_RECORD": str(rec[0])})
     first.wait_for(rf"step {k}/{STEPS}:")
     first.p.send_signal(signal.SIGTERM)
-    first.expect(cli.EXIT_PREEMPTED, r"SIGTERM received", r"preempted: checkpoint written at step")
-    p = int(re.search(r"checkpoint written at step (\d+)", first.output).group(1))
+    first.expect(cli.EXIT_PREEMPTED, r"SIGTERM received",
+                 r"interrupted at step \d+; saved in \S+; rerun the same command to resume")
+    p = int(re.search(r"interrupted at step (\d+)", first.output).group(1))
     assert k <= p < STEPS, (k, p)
     assert max(checkpoints.complete_steps(wd)) == p
 
@@ -382,7 +383,7 @@ def test_damaged_checkpoints_are_skipped_or_refused_and_fresh_is_explicit(refere
     runs = reference.started("damaged")
     runs["resumed"].expect(
         cli.EXIT_OK, r"Checkpoint at step 24 in \S+ is damaged \(ValueError: .*local file .*\); "
-        r"trying an older one", r"Moved the damaged checkpoint of step 24 to \S+damaged_checkpoints/24",
+        r"moved to \S+damaged_checkpoints/24; using step 20 instead",
         r"Resumed from the checkpoint at step 20 in ", rf"Done at step {STEPS}")
     assert_same_run(reference.workdir, runs["one"])
 

@@ -1,7 +1,7 @@
 """The one generic training loop: every model size and every normalizer goes through here.
 
 What happens when things go wrong (docs/faults.md has the user-facing promises):
-- SIGTERM: the step finishes, a checkpoint is written, PreemptedError (exit 42); hosts agree on
+- SIGTERM or Ctrl-C: the step finishes, a checkpoint is written, PreemptedError (exit 42); hosts agree on
   the step (normvit_jax/preemption.py).
 - A crash at any moment: the re-run restores the newest complete checkpoint; the train-metrics
   window since the last log step is saved with it, so the resumed run writes the same summaries.
@@ -110,8 +110,8 @@ def _run(config, workdir, stop_at, spec, mesh, sigterm) -> dict[str, Any]:
 
     if sigterm.received and not preemption.multi_process():  # SIGTERM while starting up
         mngr.close()
-        raise PreemptedError(f"preempted before the first step; nothing new to save: the newest "
-                             f"checkpoint is {saver.describe()}; re-run the same command to continue")
+        raise PreemptedError(f"interrupted before the first step; nothing new to save (newest "
+                             f"checkpoint: {saver.describe()}); rerun the same command to resume")
     writer, analysis_writer = _writers(workdir)
     # Marks where this segment of the run starts: readers drop older points after it (summaries.py).
     writer.write_scalars(start_step, {summaries.SEGMENT_TAG: start_step})
@@ -208,8 +208,8 @@ def _run(config, workdir, stop_at, spec, mesh, sigterm) -> dict[str, Any]:
                     break
                 if preempt:
                     saver.wait()
-                    raise PreemptedError(f"preempted: checkpoint written at step {step} in "
-                                         f"{mngr.directory}; re-run the same command to continue")
+                    raise PreemptedError(f"interrupted at step {step}; saved in {mngr.directory}; "
+                                         "rerun the same command to resume")
         except BaseException:
             batches.close()
             saver.close(quiet=True)  # the error in flight says more than a failed last write
