@@ -1,4 +1,5 @@
-"""Writes a trained run's parameters as a Google vit_jax-layout .npz.
+"""Writes a trained run's parameters as a Google vit_jax-layout .npz (``export_npz``; the layout
+is ``models.google_layout``, loading it back ``normvit_jax.pretrained``).
 
     python -m normvit_jax.export --workdir=runs/ft --out=model.npz [--step=N]
 
@@ -7,13 +8,78 @@ The file loads back with ``config.init_from`` and in other ViT codebases that re
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import io
+from typing import Any, Callable, Sequence
 
+import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
+from etils import epath
+from flax import traverse_util
+from flax.core import frozen_dict
 
-from normvit_jax import models, pretrained
+from normvit_jax import models
+from normvit_jax.models import scan_convert
+from normvit_jax.models.google_layout import CheckpointError, check_family
+from normvit_jax.models.spec import ViTSpec
 
 FLAGS = flags.FLAGS
+
+
+def _compat_notes(spec: ViTSpec) -> list[str]:
+    """Where a model differs from the architecture other ViT codebases assume for this format."""
+    notes = []
+    names = {n["name"] for n in spec.slot_norms}
+    if names != {"layernorm"}:
+        notes.append(f"norms {sorted(names)} (others expect LayerNorm)")
+    for key, want in (("norm_placement", "pre"), ("patch_norm", "none"), ("posemb", "learn"),
+                      ("residual_scaling", "none"), ("cls_token_at_block", 0), ("final_norm", True),
+                      ("gelu_approximate", True)):
+        if getattr(spec, key) != want:
+            notes.append(f"model.{key}={getattr(spec, key)!r} (others assume {want!r})")
+    return notes
+
+
+def export_npz(params: Any, out_path: str, model: Any,
+               log: Callable[[str], Any] | None = print) -> dict[str, np.ndarray]:
+    """Writes ``params`` as a vit_jax-layout .npz (flat '/' names, per-block ``encoderblock_{i}``
+    whatever ``model.scan``, float32, uncompressed) and returns the arrays written. ``model``: the
+    ``ViTSpec`` or ``config.model``. Only parameters: a norm's running statistics (batch_stats)
+    are not part of the format. The file is written beside the target and renamed, so a crash
+    leaves no half file."""
+    spec = models.spec_of(model)
+    check_family(spec)
+    tree = frozen_dict.unfreeze(params) if isinstance(params, frozen_dict.FrozenDict) else params
+    if "params" in tree and "embedding" not in tree:
+        tree = tree["params"]
+    tree = scan_convert.unstack_blocks(tree)
+    flat = {k: np.asarray(v) for k, v in traverse_util.flatten_dict(tree, sep="/").items()}
+    if "embedding/kernel" not in flat or "head/kernel" not in flat:
+        raise CheckpointError(f"not a ViT parameter tree (no embedding/kernel or head/kernel): "
+                              f"{sorted(flat)[:8]}")
+    for k, v in flat.items():
+        if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype.itemsize < 4:
+            flat[k] = v.astype(np.float32)  # bfloat16/float16 widen exactly
+        elif v.dtype.kind not in "fiub":
+            raise CheckpointError(f"parameter {k} has dtype {v.dtype}, not storable without pickle")
+    out = epath.Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / (out.name + ".tmp")
+    if "://" in str(out_path):  # object stores: build the archive in memory, upload once
+        buf = io.BytesIO()
+        np.savez(buf, **flat)
+        tmp.write_bytes(buf.getvalue())
+    else:
+        with tmp.open("wb") as f:
+            np.savez(f, **flat)
+    tmp.rename(out)
+    if log is not None:
+        n = sum(v.size for v in flat.values())
+        notes = _compat_notes(spec)
+        log(f"exported {len(flat)} arrays ({n:,} values) to {out_path} in the vit_jax layout"
+            + "".join(f"\n  note: {x}; loads back here, but other codebases will not build the same model"
+                      for x in notes))
+    return flat
 
 
 def define_flags() -> None:
@@ -31,7 +97,7 @@ def run(workdir: str, out: str, step: int | None = None) -> dict[str, Any]:
 
     params, config = checkpoints.load_params(workdir, step=step)
     # a scanned run's stacked blocks are written per block (encoderblock_{i})
-    return pretrained.export_npz(params, out, models.spec_of(config.model))
+    return export_npz(params, out, models.spec_of(config.model))
 
 
 def main(argv: Sequence[str]) -> None:
@@ -43,7 +109,7 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError("--workdir and --out are required")
     try:
         run(FLAGS.workdir, FLAGS.out, FLAGS.step)
-    except pretrained.CheckpointError as e:  # a model the format cannot hold: a line, not a trace
+    except CheckpointError as e:  # a model the format cannot hold: a line, not a trace
         raise SystemExit(f"Stopped: {e}") from None
 
 

@@ -1,19 +1,16 @@
-"""Google ViT .npz checkpoints: read the vit_jax, AugReg and big_vision layouts, map them onto this
-repository's ViT (position embeddings resampled, head reset, norms mapped by parameter name), and
-export a trained model back in the vit_jax layout.
+"""Loads Google ViT .npz checkpoints into this repository's ViT: reads the archive safely, maps its
+layout (``models.google_layout``) onto the model's parameters (position embeddings resampled, head
+reset, norms mapped by parameter name) and reports what happened to every parameter.
 
-Public API: ``load_npz``, ``init_from_npz``, ``export_npz``, ``resample_grid``, ``format_report``.
+Public API: ``load_npz``, ``init_from_npz``, ``format_report`` (and, from the layout module,
+``CheckpointError``, ``resample_grid``). Export is ``normvit_jax.export.export_npz``.
 Every mismatch raises ``CheckpointError`` naming the keys and shapes: never a silent partial load.
 """
 from __future__ import annotations
 
-import io
-import math
-import re
 import zipfile
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import traverse_util
@@ -21,25 +18,14 @@ from flax.core import frozen_dict
 
 from normvit_jax import models
 from normvit_jax.models import scan_convert
-from normvit_jax.models import spec as spec_lib
+from normvit_jax.models.google_layout import (BLOCK, CKPT_NORM_SLOTS, MODEL_ONLY, POSEMB,
+                                              CheckpointError, Layout, canonicalize, check_family,
+                                              dims, flat_heads, grid_of, resample_grid, slot_of,
+                                              summary)
 from normvit_jax.models.spec import ViTSpec
 from normvit_jax.preflight import npz_problem
 
-POSEMB = "Transformer/posembed_input/pos_embedding"
-# Module names this ViT gives its norm slots, and those Google's checkpoints hold (models/spec.py).
-NORM_SLOTS, CKPT_NORM_SLOTS = spec_lib.ALL_SLOTS, spec_lib.GOOGLE_SLOTS
-MODEL_ONLY = frozenset({"rescale_s"})  # parameters no Google checkpoint has (RescaleViT's residual scale)
-# Flax linen numbers submodules per class (big_vision, linen vit_jax); the published vit_jax files
-# use pre-linen global numbering, which is what this ViT's parameter names keep.
-_LINEN_TO_OLD = {"LayerNorm_0": "LayerNorm_0", "LayerNorm_1": "LayerNorm_2", "MlpBlock_0": "MlpBlock_3",
-                 "MultiHeadDotProductAttention_0": "MultiHeadDotProductAttention_1"}
-_PREFIXES = ("params/", "opt/target/", "")
-_BLOCK = re.compile(r"^Transformer/encoderblock_(\d+)/")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or cannot be loaded into the model as configured."""
-
+__all__ = ["CheckpointError", "Row", "format_report", "init_from_npz", "load_npz", "resample_grid"]
 
 class Row(NamedTuple):
     """One line of the loading report. action: loaded | resampled | reinit | init | dropped."""
@@ -106,137 +92,10 @@ def load_npz(path: str) -> dict[str, np.ndarray]:
     return _read_npz(path)[0]
 
 
-class Layout(NamedTuple):
-    prefix: str
-    scanned: bool
-    numbering: str            # 'vit_jax' (LayerNorm_0/MHA_1/LayerNorm_2/MlpBlock_3) | 'linen' (_0/_0/_1/_0)
-    posemb_key: str | None    # where the position embedding was found
-    class_slot: bool          # the position embedding has a class-token slot at index 0
-    ignored: tuple[str, ...]  # keys outside the parameter prefix (optimizer state)
-
-    def describe(self) -> str:
-        pe = "none" if self.posemb_key is None else (
-            f"{self.posemb_key} ({'with' if self.class_slot else 'no'} class slot)")
-        return (f"prefix={self.prefix or '-'!s}, blocks={'scanned' if self.scanned else 'per-block'}, "
-                f"numbering={self.numbering}, posemb={pe}")
-
-
-def canonicalize(raw: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], Layout]:
-    """Renames any supported layout to this ViT's names (vit_jax's). The position embedding moves to
-    ``POSEMB``; ``Layout.class_slot`` says whether it carries a class slot: vit_jax adds it to the
-    class token (slot present iff the file has 'cls'), big_vision's top-level one never does."""
-    prefix = next((p for p in _PREFIXES if f"{p}embedding/kernel" in raw), None)
-    if prefix is None:
-        raise CheckpointError(
-            "no 'embedding/kernel' (also tried prefixes 'params/', 'opt/target/'): not a ViT checkpoint; "
-            f"first keys: {sorted(raw)[:8]}")
-    ignored = tuple(k for k in raw if not k.startswith(prefix))
-    src = {k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix)}
-
-    scanned_keys = [k for k in src if k.startswith("Transformer/encoderblock/")]
-    if scanned_keys:  # nn.scan over blocks: one stacked array per parameter, depth first
-        if any(_BLOCK.match(k) for k in src):
-            raise CheckpointError("checkpoint mixes scanned 'Transformer/encoderblock/' and per-block keys")
-        depths = {src[k].shape[0] if src[k].ndim else 0 for k in scanned_keys}
-        if len(depths) != 1:
-            raise CheckpointError("scanned blocks disagree on depth (leading axis): "
-                                  + ", ".join(f"{k} {src[k].shape}" for k in scanned_keys))
-        src = scan_convert.unstack_blocks(src)
-
-    mods = {k.split("/")[2] for k in src if _BLOCK.match(k)}
-    old = mods & {"MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3"}
-    new = mods & {"MultiHeadDotProductAttention_0", "LayerNorm_1", "MlpBlock_0"}
-    if old and new:
-        raise CheckpointError(f"blocks mix vit_jax and linen module numbering: {sorted(mods)}")
-    if new:
-        def rename(k: str) -> str:
-            if not _BLOCK.match(k):
-                return k
-            parts = k.split("/")
-            parts[2] = _LINEN_TO_OLD.get(parts[2], parts[2])
-            return "/".join(parts)
-        src = {rename(k): v for k, v in src.items()}
-
-    found = [k for k in (POSEMB, "Transformer/pos_embedding", "pos_embedding") if k in src]
-    if len(found) > 1:
-        raise CheckpointError(f"checkpoint has several position embeddings: {found}")
-    posemb_key = found[0] if found else None
-    if posemb_key:
-        src[POSEMB] = src.pop(posemb_key)
-    class_slot = posemb_key in (POSEMB, "Transformer/pos_embedding") and "cls" in src
-    return src, Layout(prefix, bool(scanned_keys), "linen" if new else "vit_jax", posemb_key, class_slot,
-                       ignored)
-
-
-# --------------------------------------------------------------------------------------- resampling
-
-def _axis(n_old: int, n_new: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    # Corner-aligned sample positions, as scipy.ndimage.zoom(order=1) (what vit_jax/big_vision use).
-    pos = np.zeros(n_new) if n_new == 1 or n_old == 1 else np.arange(n_new) * (n_old - 1) / (n_new - 1)
-    lo = np.minimum(np.floor(pos).astype(int), max(n_old - 2, 0))
-    return lo, np.minimum(lo + 1, n_old - 1), pos - lo
-
-
-def resample_grid(grid: np.ndarray, new_hw: Sequence[int]) -> np.ndarray:
-    """Bilinear resize of a (rows, cols, D) grid of embeddings to ``new_hw``, computed in float64."""
-    g = np.asarray(grid, np.float64)
-    lo, hi, f = _axis(g.shape[0], new_hw[0])
-    g = g[lo] * (1 - f)[:, None, None] + g[hi] * f[:, None, None]
-    lo, hi, f = _axis(g.shape[1], new_hw[1])
-    g = g[:, lo] * (1 - f)[None, :, None] + g[:, hi] * f[None, :, None]
-    return g.astype(grid.dtype)
-
-
-def _grid_of(n: int, given: Sequence[int] | None, what: str) -> tuple[int, int]:
-    if given is not None:
-        gh, gw = int(given[0]), int(given[1])
-        if gh * gw != n:
-            raise CheckpointError(f"{what}: grid {gh}x{gw} does not match its {n} patch positions")
-        return gh, gw
-    s = math.isqrt(n)
-    if s * s != n:
-        raise CheckpointError(f"{what}: {n} patch positions are not a square grid; pass the grid "
-                              "(image_size= for the model, source_grid= for the checkpoint)")
-    return s, s
-
-
 # ------------------------------------------------------------------------------------------ loading
 
 def _dtype(x: Any) -> np.dtype:
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype  # no device->host copy
-
-
-def _slot_of(name: str) -> tuple[str, str] | None:
-    """('Transformer/encoderblock_3/LayerNorm_0', 'scale') for a parameter inside a norm slot."""
-    parts = name.split("/")
-    for i, p in enumerate(parts[:-1]):
-        if p in NORM_SLOTS:
-            return "/".join(parts[: i + 1]), "/".join(parts[i + 1:])
-    return None
-
-
-def _dims(flat: Mapping[str, Any]) -> dict[str, Any]:
-    def dim(key: str, axis: int) -> Any:
-        return np.shape(flat[key])[axis] if key in flat else "?"
-    q = "Transformer/encoderblock_0/MultiHeadDotProductAttention_1/query/kernel"
-    return dict(depth=len({m.group(1) for k in flat if (m := _BLOCK.match(k))}),
-                width=dim("embedding/kernel", -1), heads=dim(q, 1),
-                mlp=dim("Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel", -1),
-                patch=dim("embedding/kernel", 0))
-
-
-def _summary(flat: Mapping[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in _dims(flat).items())
-
-
-def _flat_heads(name: str, src: np.ndarray, shape: tuple) -> bool:
-    """q/k/v/out kernels and biases stored with heads flattened ((D, H*Dh), (H*Dh,), (H*Dh, D))."""
-    m = re.search(r"MultiHeadDotProductAttention_1/(query|key|value|out)/(kernel|bias)$", name)
-    if not m or src.size != math.prod(shape) or src.ndim >= len(shape):
-        return False
-    if m.group(1) == "out":
-        return m.group(2) == "bias" or src.shape[-1] == shape[-1]
-    return m.group(2) == "bias" or src.shape[0] == shape[0]
 
 
 class _ParamLoader:
@@ -334,8 +193,8 @@ class _ParamLoader:
                 self.errors.append(f"shape mismatch: {POSEMB} checkpoint {pe.shape} vs model {ts}")
             else:
                 try:
-                    gt = _grid_of(ts[1] - int(has_slot), grid_t, f"model {POSEMB} {ts}")
-                    gs = _grid_of(pe.shape[1] - int(layout.class_slot), source_grid,
+                    gt = grid_of(ts[1] - int(has_slot), grid_t, f"model {POSEMB} {ts}")
+                    gs = grid_of(pe.shape[1] - int(layout.class_slot), source_grid,
                                   f"checkpoint {layout.posemb_key} {pe.shape}")
                 except CheckpointError as e:
                     self.errors.append(str(e))
@@ -373,11 +232,11 @@ class _ParamLoader:
         for k in self.tgt:
             if k in done:
                 continue
-            slot = _slot_of(k)
+            slot = slot_of(k)
             if slot is None:
                 if k.split("/")[-1] in MODEL_ONLY:
                     self.init(k, "no counterpart in Google checkpoints")
-                elif k in self.src and self.src[k].shape != self.shape(k) and _flat_heads(
+                elif k in self.src and self.src[k].shape != self.shape(k) and flat_heads(
                         k, self.src[k], self.shape(k)):
                     self.put(k, self.src[k].reshape(self.shape(k)), "loaded", k,
                              f"reshaped {self.src[k].shape} -> {self.shape(k)}")
@@ -401,7 +260,7 @@ class _ParamLoader:
     def leftovers(self) -> None:
         """Checkpoint keys nothing consumed: LN params of a slot whose norm lacks them are dropped."""
         for k in sorted(set(self.src) - self.used):
-            slot, m = _slot_of(k), _BLOCK.match(k)
+            slot, m = slot_of(k), BLOCK.match(k)
             if (slot is None or slot[0].split("/")[-1] not in CKPT_NORM_SLOTS
                     or (m and int(m.group(1)) >= self.spec.depth)):
                 self.errors.append(f"unexpected in checkpoint: {k} {self.src[k].shape}")
@@ -435,7 +294,7 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
     Raises CheckpointError listing every missing, unexpected or mis-shaped key.
     """
     spec = models.spec_of(model, num_classes)
-    _check_family(spec)
+    check_family(spec)
     frozen = isinstance(params, frozen_dict.FrozenDict)
     tree = frozen_dict.unfreeze(params) if frozen else params
     wrapped = set(tree) == {"params"}
@@ -453,9 +312,9 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
     header = (f"init_from {path}\n  layout: {layout.describe()}"
               + (f"; {n_bf16} bfloat16 arrays widened" if n_bf16 else "")
               + (f"; ignored {len(layout.ignored)} non-parameter keys" if layout.ignored else "")
-              + f"\n  checkpoint: {_summary(src)}\n  model:      {_summary(tgt)}")
+              + f"\n  checkpoint: {summary(src)}\n  model:      {summary(tgt)}")
     if m.errors:
-        a, b = _dims(src), _dims(tgt)
+        a, b = dims(src), dims(tgt)
         diff = [f"{k} (checkpoint {a[k]}, model {b[k]})" for k in a if a[k] != b[k]]
         errors = ([f"the model config differs from the checkpoint in {', '.join(diff)}"] if diff else [])
         errors += m.errors
@@ -475,19 +334,13 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
     return (frozen_dict.freeze(out) if frozen else out), rows
 
 
-def _check_family(spec: Any) -> None:
-    if spec.family != "vit":
-        raise CheckpointError(f"model.name={spec.family!r}: Google's ViT checkpoints hold a patch "
-                              "embedding, this model has another stem; accepted: model.name='vit'")
-
-
 def format_report(rows: Sequence[Row], header: str = "") -> str:
     """A table of the rows; rows that differ only in the block index are folded into one line."""
     groups: dict[tuple, list[int]] = {}
     for r in rows:
-        m = _BLOCK.match(r.param)
-        key = (_BLOCK.sub("Transformer/encoderblock_{i}/", r.param), r.action,
-               _BLOCK.sub("Transformer/encoderblock_{i}/", r.source), r.shape, r.note)
+        m = BLOCK.match(r.param)
+        key = (BLOCK.sub("Transformer/encoderblock_{i}/", r.param), r.action,
+               BLOCK.sub("Transformer/encoderblock_{i}/", r.source), r.shape, r.note)
         groups.setdefault(key, []).append(int(m.group(1)) if m else -1)
     lines = []
     for (param, action, source, shape, note), idx in groups.items():
@@ -506,61 +359,3 @@ def format_report(rows: Sequence[Row], header: str = "") -> str:
     table += [f"  {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}".rstrip() for a, b, c, d in lines]
     summary = "  " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
     return "\n".join(([header] if header else []) + table + [summary])
-
-
-# ------------------------------------------------------------------------------------------ export
-
-def _compat_notes(spec: ViTSpec) -> list[str]:
-    """Where a model differs from the architecture other ViT codebases assume for this format."""
-    notes = []
-    names = {n["name"] for n in spec.slot_norms}
-    if names != {"layernorm"}:
-        notes.append(f"norms {sorted(names)} (others expect LayerNorm)")
-    for key, want in (("norm_placement", "pre"), ("patch_norm", "none"), ("posemb", "learn"),
-                      ("residual_scaling", "none"), ("cls_token_at_block", 0), ("final_norm", True),
-                      ("gelu_approximate", True)):
-        if getattr(spec, key) != want:
-            notes.append(f"model.{key}={getattr(spec, key)!r} (others assume {want!r})")
-    return notes
-
-
-def export_npz(params: Any, out_path: str, model: Any,
-               log: Callable[[str], Any] | None = print) -> dict[str, np.ndarray]:
-    """Writes ``params`` as a vit_jax-layout .npz (flat '/' names, per-block ``encoderblock_{i}``
-    whatever ``model.scan``, float32, uncompressed) and returns the arrays written. ``model``: the
-    ``ViTSpec`` or ``config.model``. Only parameters: a norm's running statistics (batch_stats)
-    are not part of the format. The file is written beside the target and renamed, so a crash
-    leaves no half file."""
-    spec = models.spec_of(model)
-    _check_family(spec)
-    tree = frozen_dict.unfreeze(params) if isinstance(params, frozen_dict.FrozenDict) else params
-    if "params" in tree and "embedding" not in tree:
-        tree = tree["params"]
-    tree = scan_convert.unstack_blocks(tree)
-    flat = {k: np.asarray(v) for k, v in traverse_util.flatten_dict(tree, sep="/").items()}
-    if "embedding/kernel" not in flat or "head/kernel" not in flat:
-        raise CheckpointError(f"not a ViT parameter tree (no embedding/kernel or head/kernel): "
-                              f"{sorted(flat)[:8]}")
-    for k, v in flat.items():
-        if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype.itemsize < 4:
-            flat[k] = v.astype(np.float32)  # bfloat16/float16 widen exactly
-        elif v.dtype.kind not in "fiub":
-            raise CheckpointError(f"parameter {k} has dtype {v.dtype}, not storable without pickle")
-    out = epath.Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / (out.name + ".tmp")
-    if "://" in str(out_path):  # object stores: build the archive in memory, upload once
-        buf = io.BytesIO()
-        np.savez(buf, **flat)
-        tmp.write_bytes(buf.getvalue())
-    else:
-        with tmp.open("wb") as f:
-            np.savez(f, **flat)
-    tmp.rename(out)
-    if log is not None:
-        n = sum(v.size for v in flat.values())
-        notes = _compat_notes(spec)
-        log(f"exported {len(flat)} arrays ({n:,} values) to {out_path} in the vit_jax layout"
-            + "".join(f"\n  note: {x}; loads back here, but other codebases will not build the same model"
-                      for x in notes))
-    return flat

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from normvit_jax import norms
-from normvit_jax.models.layers import (AddPositionEmbs, Attention, MlpBlock, PatchEmbed,
-                                       barriers_on, drop_path, drop_path_rate, grad_barrier,
-                                       rescale_coefficient, sincos_1d, sincos_2d, timm_normal,
-                                       token_stats)
+from normvit_jax.models.fusion_barriers import barriers_on, grad_barrier
+from normvit_jax.models.layers import (AddPositionEmbs, Attention, MlpBlock, PatchEmbed, drop_path,
+                                       drop_path_rate, rescale_coefficient, sincos_1d, sincos_2d,
+                                       timm_normal, token_stats)
 from normvit_jax.models.spec import DEFAULT_NORM, FINAL_SLOT, ViTSpec
 
 
