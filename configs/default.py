@@ -2,6 +2,8 @@
 
 Override any value on the command line, e.g. ``--config.batch_size=256 --config.model.depth=24``.
 Method configs (``vit_<method>.py``) start from ``get_config()`` here and change what they need.
+The accepted range of every numeric key is in normvit_jax/config_ranges.py (a value outside it
+stops the run at start with exit 2 naming the key, the value and the range).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Checks that run before anything is written or JAX starts (``cli.run`` calls ``check`` first):
-the config loaded, its run length is valid, the workdir path can be a directory, every gs://
-input has credentials, and ``init_from`` is a readable .npz. A failed check changes nothing on
-disk, so the corrected command starts cleanly.
+the config loaded, its run length and every numeric value are in range (config_ranges.py), the
+model it describes can be built, the workdir path can be a directory, every gs:// input has credentials, and ``init_from`` is a
+readable .npz. A failed check changes nothing on disk, so the corrected command starts cleanly.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from etils import epath
 
+from normvit_jax import config_ranges
 from normvit_jax import workdir as workdir_lib
 
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # an .npz is a zip archive (empty archive: the 2nd)
@@ -23,7 +24,8 @@ class ConfigFileError(ValueError):
 def check(config: Any, workdir: str) -> None:
     """Raises ValueError (exit 2) or workdir.WorkdirError (exit 5) naming the first problem."""
     check_loaded(config)
-    check_run_length(config)
+    check_values(config)
+    check_model(config)
     check_workdir_path(workdir)
     # init_from is read only by a run that starts at step 0: a resumed run does not need it
     resuming = not workdir_lib.is_remote(workdir) and os.path.isdir(workdir) \
@@ -45,6 +47,19 @@ def check_loaded(config: Any) -> None:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         cause = lines[-1] if lines else type(e).__name__
         raise ConfigFileError(f"cannot load the --config file: {cause}") from None
+
+
+def check_values(config: Any) -> None:
+    """The run length, then every numeric key against its range (ValueError, exit 2)."""
+    check_run_length(config)
+    config_ranges.check(config)
+
+
+def check_model(config: Any) -> None:
+    """The model's sizes and choices (variant filled in, heads dividing the width, norm names and
+    override keys), as the loop will resolve them; imports flax, not a JAX backend."""
+    from normvit_jax import models
+    models.spec_of(config.model, num_classes=2)
 
 
 def check_run_length(config: Any) -> None:

@@ -253,9 +253,11 @@ def complete_sizes(cfg: dict[str, Any]) -> None:
             raise ValueError(f"model.{k} is not set and no model.variant gives it")
     if cfg.get("mlp_dim") is None:
         cfg["mlp_dim"] = int(cfg["hidden_size"] * cfg.get("mlp_ratio", 4.0))
-    if cfg["hidden_size"] % cfg["num_heads"]:
-        raise ValueError(f"model.hidden_size={cfg['hidden_size']} is not divisible by "
-                         f"model.num_heads={cfg['num_heads']}")
+    width = cfg["hidden_size"]
+    if width % cfg["num_heads"]:
+        raise ValueError(f"model.num_heads={cfg['num_heads']} does not divide model.hidden_size="
+                         f"{width}; accepted: a divisor of {width}: "
+                         f"{[d for d in range(1, width + 1) if width % d == 0]}")
     for key, allowed in _CHOICES:
         if key in cfg and cfg[key] not in allowed:
             raise ValueError(f"model.{key}={cfg[key]!r} is not accepted; accepted: {list(allowed)}")

@@ -32,7 +32,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     Raises ValueError naming the key, its value and what is accepted.
     """
     data.validate(config)
-    preflight.check_run_length(config)
+    preflight.check_values(config)
     spec = models.spec_of(config)  # checks variant, sizes, norm names and override keys
     if config.data.image_size % spec.patch_size:
         raise ValueError(

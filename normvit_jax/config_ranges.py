@@ -1,0 +1,124 @@
+"""The range of every numeric key of configs/default.py that has one, checked before anything is
+built (preflight.check and train/setup.validate_config), so ``label_smoothing=1.5`` or
+``model.depth=0`` is refused with one line naming the key, its value and the range, instead of
+training something meaningless or being read as "unset".
+
+None is left to each key's own meaning (``total_steps=None``: use num_epochs; ``grad_clip=None``:
+off). Keys without a range (``seed``) and keys whose range depends on others (``mesh.data``: -1 or
+a divisor of the device count; ``model.cls_token_at_block``: within the depth) are listed in
+``UNBOUNDED`` and checked where the other values are known.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """low <= value (< if ``low_open``) and value <= high (< if ``high_open``); ``integer``: a
+    whole number. A bound of None is unbounded."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+
+    def contains(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            return False
+        if self.integer and value != int(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        if self.low is not None and self.high is not None:
+            return (f"{kind} in {'(' if self.low_open else '['}{self.low:g}, "
+                    f"{self.high:g}{')' if self.high_open else ']'}")
+        if self.low is not None:
+            return f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
+        return f"{kind} {'<' if self.high_open else '<='} {self.high:g}"
+
+
+def _count(low: int = 0) -> Range:
+    return Range(low=low, integer=True)
+
+
+PROBABILITY = Range(0, 1)
+RATE = Range(0, 1, high_open=True)  # a drop or smoothing rate of 1 leaves nothing to learn from
+
+RANGES: dict[str, Range] = {
+    "data.image_size": _count(1),
+    "data.crop_padding": _count(0),
+    "data.min_crop_area": Range(0, 1, low_open=True),
+    "data.eval_crop_fraction": Range(0, 1, low_open=True),
+    "data.repeated_aug": _count(1),
+    "data.prefetch": _count(0),  # 0: synchronous
+    "data.num_train_examples": _count(1),
+    "data.num_eval_examples": _count(1),
+    "data.num_workers": _count(1),
+    "model.hidden_size": _count(1),
+    "model.depth": _count(1),
+    "model.num_heads": _count(1),
+    "model.mlp_dim": _count(1),
+    "model.mlp_ratio": Range(0, low_open=True),
+    "model.patch_size": _count(1),
+    "model.representation_size": _count(1),
+    "model.dropout_rate": RATE,
+    "model.attention_dropout_rate": RATE,
+    "model.stochastic_depth": RATE,
+    "batch_size": _count(1),
+    "eval_batch_size": _count(1),
+    "num_epochs": Range(0, low_open=True),
+    "total_steps": _count(1),
+    "grad_accum_steps": _count(1),
+    "optimizer.learning_rate": Range(0, low_open=True),
+    "optimizer.weight_decay": Range(0),
+    "optimizer.b1": Range(0, 1, high_open=True),
+    "optimizer.b2": Range(0, 1, high_open=True),
+    "optimizer.momentum": Range(0, 1, high_open=True),
+    "optimizer.grad_clip": Range(0),
+    "schedule.warmup_steps": _count(0),
+    "schedule.end_factor": Range(0, 1),
+    "label_smoothing": RATE,
+    "layer_decay": Range(0, 1, low_open=True),
+    "ema_decay": Range(0, 1, high_open=True),
+    "mixup_alpha": Range(0),
+    "cutmix_alpha": Range(0),
+    "mix_prob": PROBABILITY,
+    "switch_prob": PROBABILITY,
+    "random_erase_prob": PROBABILITY,
+    "mesh.fsdp": _count(1),
+    "mesh.fsdp_min_size": _count(0),
+    "log_every": _count(1),
+    "eval_every": _count(1),
+    "checkpoint_every": _count(1),
+    "keep_checkpoints": _count(1),
+    "skip_nonfinite_steps": _count(0),
+    "eval_analysis_images": _count(0),
+    "eval_attention_images": _count(0),
+}
+
+UNBOUNDED = ("seed", "mesh.data", "model.cls_token_at_block")
+
+
+def _get(config: Any, key: str) -> tuple[bool, Any]:
+    node = config
+    for part in key.split("."):
+        if not hasattr(node, "get") or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def check(config: Any) -> None:
+    """Raises ValueError naming the first key whose value is outside its range."""
+    for key, allowed in RANGES.items():
+        present, value = _get(config, key)
+        if present and value is not None and not allowed.contains(value):
+            raise ValueError(f"config.{key}={value!r} is out of range; accepted: "
+                             f"{allowed.describe()}")

@@ -1,0 +1,110 @@
+"""Issue 28, point 5: every numeric key of configs/default.py has a range (or is named as one
+without), each range refuses the values just outside it and accepts its bounds, and main.py
+refuses an out-of-range value with exit 2, one line and nothing created."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from configs import default
+from normvit_jax import cli, config_ranges, preflight
+from normvit_jax.config_ranges import RANGES, UNBOUNDED
+from normvit_jax.models import spec as model_spec
+from tests.conftest import REPO_ROOT, tiny_demo_config
+
+
+def _numeric_keys(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    out = []
+    for k in c.keys():
+        key = f"{prefix}{k}"
+        if isinstance(c[k], ml_collections.ConfigDict):
+            out += _numeric_keys(c[k], key + ".")
+        elif c.get_type(k) in (int, float):
+            out.append(key)
+    return out
+
+
+def test_every_numeric_default_key_has_a_range_or_is_named_unbounded():
+    keys = _numeric_keys(default.get_config())
+    assert len(keys) > 40
+    assert sorted(set(keys) - set(RANGES) - set(UNBOUNDED)) == []
+    assert sorted((set(RANGES) | set(UNBOUNDED)) - set(keys)) == []  # no stale entries
+
+
+def _set(config, key: str, value) -> None:
+    *path, last = key.split(".")
+    for p in path:
+        config = config[p]
+    config[last] = value
+
+
+def _edges(r: config_ranges.Range) -> tuple[list, list]:
+    """(values inside: the closed bounds and a point between; values just outside)."""
+    step = 1 if r.integer else 1e-6
+    inside, outside = [], []
+    if r.low is not None:
+        (outside if r.low_open else inside).append(r.low)
+        outside.append(r.low - step)
+        inside.append(r.low + step if r.high is None or r.low + step < r.high else r.low)
+    if r.high is not None:
+        (outside if r.high_open else inside).append(r.high)
+        outside.append(r.high + step)
+    if r.integer:
+        outside.append((r.low or 0) + 1.5)  # not a whole number
+    return [v for v in inside if not (r.low_open and v == r.low)], outside
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_each_key_refuses_values_outside_its_range_and_accepts_its_bounds(key):
+    r = RANGES[key]
+    inside, outside = _edges(r)
+    assert inside and outside
+    for value in inside:
+        c = tiny_demo_config()
+        _set(c, key, int(value) if r.integer else float(value))
+        config_ranges.check(c)  # no error
+    for value in outside:
+        c = tiny_demo_config()
+        with c.ignore_type():
+            _set(c, key, value)
+        with pytest.raises(ValueError, match=rf"^config\.{re.escape(key)}="):
+            preflight.check_values(c)  # what main.py and the loop run
+        with pytest.raises(ValueError) as e:
+            config_ranges.check(c)
+        msg, stored = str(e.value), config_ranges._get(c, key)[1]  # a float key holds 0 as 0.0
+        assert stored == value
+        assert msg == f"config.{key}={stored!r} is out of range; accepted: {r.describe()}"
+
+
+def test_range_descriptions():
+    assert config_ranges.RATE.describe() == "a number in [0, 1)"
+    assert RANGES["model.depth"].describe() == "an integer >= 1"
+    assert RANGES["layer_decay"].describe() == "a number in (0, 1]"
+    assert not RANGES["mix_prob"].contains(float("nan"))
+    assert not RANGES["model.depth"].contains(True)  # a bool is not a count
+
+
+def test_heads_that_do_not_divide_the_width_are_named_with_the_divisors():
+    with pytest.raises(ValueError, match=r"model.num_heads=5 does not divide model.hidden_size=32; "
+                                         r"accepted: a divisor of 32: \[1, 2, 4, 8, 16, 32\]"):
+        model_spec.complete_sizes({"hidden_size": 32, "depth": 1, "num_heads": 5, "patch_size": 2})
+
+
+@pytest.mark.parametrize("override,key,shown", [
+    ("--config.label_smoothing=1.5", "label_smoothing", "1.5"),
+    ("--config.model.depth=0", "model.depth", "0"),
+    ("--config.model.num_heads=5", "model.num_heads", "5")])
+def test_main_refuses_with_exit_2_and_one_line(tmp_path, override, key, shown):
+    r = subprocess.run([sys.executable, "main.py", "--config=configs/vit_ln.py:demo", override,
+                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert r.returncode == cli.EXIT_CONFIG, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if "Stopped:" in line]
+    assert len(lines) == 1 and f"{key}={shown} " in lines[0] and "accepted: " in lines[0]
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "wd").exists() or os.listdir(tmp_path / "wd") == []
