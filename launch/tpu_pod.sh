@@ -9,7 +9,7 @@
 #   bash launch/tpu_pod.sh --dry-run CONFIG WORKDIR ...   # print the gcloud commands, run nothing
 #
 # Environment: TPU, ZONE (required); REPO: the git URL the workers clone (default: this
-# checkout's `origin`); REF: the branch/commit to run (default: this checkout's HEAD commit:
+# checkout's `origin`; a warning when that is a local path, which the workers cannot clone); REF: the branch/commit to run (default: this checkout's HEAD commit:
 # push it first);
 # LOG: the log file on each worker (default $HOME/normvit_<workdir name>.log; the exit code goes to LOG.rc).
 # Follow worker 0:  gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --worker=0 --command 'tail -f LOG'
@@ -40,6 +40,10 @@ if [ -z "$REPO" ]; then
   echo "error: set REPO to the git URL the TPU workers should clone (this checkout has no origin)" >&2
   exit 2
 fi
+case "$REPO" in  # a path or file:// URL names this machine's disk, which the workers do not see
+  /*|./*|../*|~*|file://*)
+    echo "warning: REPO=$REPO is a path on this machine; the TPU workers clone it on their own disks, where it does not exist: set REPO to a URL they can reach (e.g. https://github.com/you/normvit_jax.git)" >&2 ;;
+esac
 run_name=$(basename "$WORKDIR")
 LOG=${LOG:-"\$HOME/normvit_${run_name}.log"}   # expanded on the worker
 train=$(printf '%q ' python main.py "--config=$CONFIG" "--workdir=$WORKDIR" "$@")

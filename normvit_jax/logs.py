@@ -1,5 +1,5 @@
-"""Quieter logs for every entry point (main.py, export, reparam, the analysis CLIs): Orbax's, JAX's
-and CLU's INFO chatter and Orbax's harmless warnings (a missing metadata file, a read-only
+"""Quieter logs for every entry point (main.py, export, reparam, the analysis CLIs): Orbax's, JAX's,
+CLU's and tfds' INFO chatter and Orbax's harmless warnings (a missing metadata file, a read-only
 manager) are dropped; other warnings and errors still show.
 
 A failed checkpoint read or write (a damaged file, a full disk) is reported by this project in one
@@ -14,7 +14,7 @@ import os
 import re
 import sys
 
-_NOISY_INFO = ("/orbax/", "/jax/_src/", "/clu/platform/")
+_NOISY_INFO = ("/orbax/", "/jax/_src/", "/clu/platform/", "/tensorflow_datasets/")
 _NOISY_WARNINGS = ("Metadata file does not exist",  # Orbax, reading checkpoints without it
                    "CheckpointManagerOptions.read_only=True", "Given directory is read only")
 # Orbax modules whose ERROR records repeat a checkpoint failure that the caller reports
@@ -68,6 +68,14 @@ def quiet_library_logs() -> None:
             target.addFilter(_FILTER)
     if not getattr(sys.unraisablehook, "quiet", False):
         sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+
+
+def only_process_zero_informs(process_index: int) -> None:
+    """Several processes: INFO lines (progress, metrics) from process 0 only; every process still
+    prints its warnings and errors (called once jax.distributed is initialized)."""
+    if process_index > 0:
+        from absl import logging
+        logging.set_verbosity(logging.WARNING)
 
 
 def import_tensorflow_once() -> None:

@@ -1,6 +1,7 @@
 """Matplotlib figures without pyplot (Agg canvas: no display, no global state, thread-safe)."""
 from __future__ import annotations
 
+import math
 import os
 import textwrap
 
@@ -49,14 +50,42 @@ def note(fig: Figure, text: str, fontsize: int = 7) -> None:
     fig.supxlabel(textwrap.fill(text, chars), fontsize=fontsize)
 
 
+class LabelledLogLocator(ticker.Locator):
+    """Major ticks of a log axis such that at least three fall in view: powers of ten where the
+    range spans decades, then 1-2-5, then every integer multiple, and for a range narrower than
+    that (e.g. 1.5 to 1.9) evenly spaced plain numbers; a log axis with one or two labels cannot
+    be read."""
+
+    def __call__(self):
+        return self.tick_values(*self.axis.get_view_interval())
+
+    def tick_values(self, vmin: float, vmax: float) -> list[float]:
+        lo, hi = sorted((vmin, vmax))
+        if not lo > 0:
+            return []
+        low, high = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+        stride = max(1, math.ceil((high - low + 1) / 9))  # every k-th decade when many
+        for subs in ((1,), (1, 2, 5), tuple(range(1, 10))):
+            ticks = [m * 10.0 ** e for e in range(low, high + 1, stride if subs == (1,) else 1)
+                     for m in subs if lo <= m * 10.0 ** e <= hi]
+            if 3 <= len(ticks) <= 9:
+                return ticks
+        # narrower than 1..9 x 10^k: a 1-2-5 step giving 3 to 6 plain numbers
+        exponent = math.floor(math.log10(hi - lo)) - 1 if hi > lo else low
+        for step in (m * 10.0 ** e for e in (exponent, exponent + 1) for m in (1, 2, 5)):
+            ticks = [k * step for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
+            if 3 <= len(ticks) <= 6:
+                return ticks
+        return [lo, hi]
+
+
 def log_y(ax: Axes) -> None:
-    """Log y axis with plain numbers (0.5, 2, 30) instead of powers of ten."""
+    """Log y axis with plain numbers (0.5, 2, 30) instead of powers of ten, at least three of
+    them labelled whatever the range."""
     ax.set_yscale("log")
-    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.3g}"))
-    # Narrow ranges have at most one major tick: label the minor ones then.
-    ax.yaxis.set_minor_formatter(ticker.FuncFormatter(
-        lambda v, _: f"{v:.3g}" if ax.get_ylim()[1] / ax.get_ylim()[0] < 2.2 else ""))
+    ax.yaxis.set_major_locator(LabelledLogLocator())
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.4g}"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
 
 
 def legend(fig: Figure, axes, order: list[str] | None = None, fontsize: int = 8) -> None:

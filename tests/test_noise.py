@@ -1,0 +1,123 @@
+"""Issue 28, point 8: a run's normal output is what the user needs and nothing else: library
+chatter and the echoes of a failed checkpoint read/write are dropped (logs.py), only process 0
+prints INFO lines, launch/tpu_pod.sh warns about a local REPO path, and a log-scale panel always
+has at least three labelled ticks."""
+from __future__ import annotations
+
+import logging as std_logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+from absl import logging as absl_logging
+
+from normvit_jax import logs
+from normvit_jax.analysis import figures
+from tests.conftest import REPO_ROOT
+
+SITE = "/x/site-packages"
+
+
+def _record(path: str, level: int, msg: str, name: str = "absl", exc_info=None):
+    return std_logging.LogRecord(name, level, path, 1, msg, (), exc_info)
+
+
+def _orbax_exc_info():
+    """An exception whose traceback passes through a frame of a file under /orbax/."""
+    code = compile("def write():\n    raise ValueError('OUT_OF_RANGE: Failed writing')\n",
+                   f"{SITE}/orbax/checkpoint/_src/serialization/serialization.py", "exec")
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        scope["write"]()
+    except ValueError as e:
+        return (ValueError, e, e.__traceback__)
+
+
+def test_library_chatter_and_failure_echoes_are_dropped_and_the_rest_kept():
+    f = logs.QuietLibraries()
+    drop = [
+        _record(f"{SITE}/tensorflow_datasets/core/dataset_info.py", std_logging.INFO,
+                "Load dataset info from %s"),
+        _record(f"{SITE}/orbax/checkpoint/checkpoint_manager.py", std_logging.WARNING,
+                "CheckpointManagerOptions.read_only=True, setting save_interval_steps=0."),
+        _record(f"{SITE}/orbax/checkpoint/checkpoint_manager.py", std_logging.WARNING,
+                "Given directory is read only=%s"),
+        _record(f"{SITE}/orbax/checkpoint/_src/futures/future.py", std_logging.ERROR,
+                "_SignalingThread.run() raised an exception: %s"),
+        _record(f"{SITE}/orbax/checkpoint/_src/metadata/checkpoint.py", std_logging.ERROR,
+                "Failed to read Metadata file: %s"),
+        _record("/usr/lib/python3/asyncio/base_events.py", std_logging.ERROR,
+                "Task exception was never retrieved", name="asyncio",
+                exc_info=_orbax_exc_info()),
+    ]
+    keep = [
+        _record(f"{SITE}/orbax/checkpoint/checkpoint_manager.py", std_logging.WARNING,
+                "Something else went wrong"),
+        _record(f"{SITE}/tensorflow_datasets/core/load.py", std_logging.WARNING, "a real warning"),
+        _record("/usr/lib/python3/asyncio/base_events.py", std_logging.ERROR,
+                "Task exception was never retrieved", name="asyncio"),  # not Orbax's: shown
+        _record("/x/normvit_jax/train/loop.py", std_logging.INFO, "step 1/2"),
+        _record("/x/normvit_jax/cli.py", std_logging.ERROR, "Stopped: writing the checkpoint"),
+    ]
+    assert [f.filter(r) for r in drop] == [False] * len(drop)
+    assert [f.filter(r) for r in keep] == [True] * len(keep)
+
+
+def test_event_loop_closed_echo_is_dropped_other_unraisables_are_not():
+    seen = []
+    hook = logs._quiet_unraisable(seen.append)
+    closed = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"))
+    other = types.SimpleNamespace(exc_value=RuntimeError("something else"))
+    hook(closed)
+    hook(other)
+    assert seen == [other]
+
+
+def test_only_process_zero_prints_info_lines():
+    before = absl_logging.get_verbosity()
+    try:
+        logs.only_process_zero_informs(0)
+        assert absl_logging.get_verbosity() == before
+        logs.only_process_zero_informs(1)
+        assert absl_logging.get_verbosity() == absl_logging.WARNING
+    finally:
+        absl_logging.set_verbosity(before)
+
+
+@pytest.mark.parametrize("repo,warned", [("/home/me/normvit_jax", True),
+                                         ("file:///srv/git/n.git", True),
+                                         ("https://example.org/n.git", False),
+                                         ("git@github.com:me/n.git", False)])
+def test_tpu_pod_warns_about_a_local_repo_path(repo, warned):
+    env = {**os.environ, "TPU": "t", "ZONE": "z", "REPO": repo, "REF": "abc"}
+    r = subprocess.run(["bash", os.path.join(REPO_ROOT, "launch", "tpu_pod.sh"), "--dry-run",
+                        "configs/vit_ln.py", "gs://b/run"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(lines) == int(warned)
+    if warned:
+        assert repo in lines[0] and "set REPO to a URL" in lines[0]
+
+
+@pytest.mark.parametrize("lo,hi,expected", [
+    (1.5, 1.9, [1.5, 1.6, 1.7, 1.8]),           # inside one 1..9 step: plain numbers
+    (2.5, 9.0, [3, 4, 5, 6, 7, 8, 9]),          # one decade: every integer multiple
+    (0.3, 40.0, [0.5, 1, 2, 5, 10, 20]),        # two decades: 1-2-5
+    (1e-3, 1e3, [1e-3, 1e-2, 0.1, 1, 10, 100, 1e3]),  # many: powers of ten
+    (3.0, 31.0, [5, 10, 20]),
+])
+def test_log_axis_has_at_least_three_labelled_ticks(lo, hi, expected):
+    fig = figures.figure(3, 2)
+    ax = fig.add_subplot()
+    ax.plot([0, 1], [lo, hi])
+    figures.log_y(ax)
+    ax.set_ylim(lo, hi)
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_yticks() if lo <= t <= hi]
+    assert ticks == pytest.approx(expected)
+    labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert len(labels) >= 3 and len(set(labels)) == len(labels)
