@@ -93,7 +93,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.total_steps = placeholder(int)  # None: num_epochs; else >= 1
     c.grad_accum_steps = 1          # micro-batches per update (the global batch is split)
     c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.name = "adamw"      # adamw | sgd | lamb
+    c.optimizer.name = "adamw"      # adamw | sgd | lamb (timm's Lamb: trust ratio only where weight decay
+                                    # applies, lamb_grad_clip inside) | lamb_optax (optax.lamb: trust ratio on all)
     c.optimizer.learning_rate = 1e-3  # peak learning rate
     c.optimizer.weight_decay = 0.05   # decoupled; never on biases, norm params, posemb, cls token
     c.optimizer.b1 = 0.9            # adam/lamb beta1
@@ -101,10 +102,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.optimizer.momentum = 0.9      # sgd momentum
     c.optimizer.nesterov = False    # sgd
     c.optimizer.grad_clip = typed(1.0, float)  # global-norm clip (None or 0: off)
+    c.optimizer.lamb_grad_clip = typed(1.0, float)  # lamb: timm Lamb's max_grad_norm, a second global-norm
+                                    # clip inside the optimizer, after grad_clip (None or 0: off)
     c.schedule = ml_collections.ConfigDict()
-    c.schedule.name = "cosine"      # cosine | linear | constant (after warmup)
+    c.schedule.name = "cosine"      # cosine | linear | constant | ls_custom (LearnableScaler's --sched custom,
+                                    # per epoch: train/optimizer.py ls_custom), after warmup
     c.schedule.warmup_steps = 500
-    c.schedule.end_factor = 0.0     # final lr as a fraction of the peak
+    c.schedule.end_factor = 0.0     # final lr as a fraction of the peak (cosine, linear)
+    c.schedule.epoch_factor = 0.8   # ls_custom: lr x this until epoch_threshold (--epoch-factor)
+    c.schedule.epoch_threshold = 0.5  # ls_custom: fraction of the epochs (--epoch-threshold)
+    c.schedule.final_fraction = 0.66  # ls_custom: back on the cosine from this fraction (hard-coded there)
     c.label_smoothing = 0.0         # also applied to Mixup/CutMix's soft targets (as timm)
     c.layer_decay = 1.0             # layer-wise lr decay (BEiT/MAE fine-tuning): lr of block i scaled by
                                     # layer_decay^(depth - i), embeddings by ^(depth + 1), head/final norm 1

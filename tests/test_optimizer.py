@@ -41,3 +41,90 @@ def test_schedule_warms_up_linearly_then_decays(name):
     np.testing.assert_allclose(lr(110), end, rtol=1e-5)
     if name == "cosine":  # halfway through the decay: peak * (end + (1 - end) * 0.5)
         np.testing.assert_allclose(lr(60), 0.5 * (0.1 + 0.9 * 0.5), rtol=1e-5)
+
+
+def _timm_lamb_numpy(params, grads_seq, decay, lr, wd, b1=0.9, b2=0.999, eps=1e-6, max_norm=1.0):
+    """timm/optim/lamb.py ``Lamb.step`` in float64: global-norm clip, Adam moments with bias
+    correction, L2 decay and trust ratio only in the weight-decay group."""
+    p = {k: v.astype(np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v2 = {k: np.zeros_like(v) for k, v in p.items()}
+    out = []
+    for t, g in enumerate(grads_seq, start=1):
+        norm = np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in g.values()))
+        clip = norm / max_norm if norm > max_norm else 1.0
+        for k in p:
+            gk = g[k].astype(np.float64) / clip
+            m[k] = b1 * m[k] + (1 - b1) * gk
+            v2[k] = b2 * v2[k] + (1 - b2) * gk * gk
+            update = (m[k] / (1 - b1 ** t)) / (np.sqrt(v2[k]) / np.sqrt(1 - b2 ** t) + eps)
+            group_wd = wd if decay[k] else 0.0
+            if group_wd:
+                update = update + group_wd * p[k]
+                w_n, u_n = np.linalg.norm(p[k]), np.linalg.norm(update)
+                update = update * (w_n / u_n if w_n > 0 and u_n > 0 else 1.0)
+            p[k] = p[k] - lr * update
+        out.append({k: x.copy() for k, x in p.items()})
+    return out
+
+
+def test_lamb_is_timms_rule_trust_ratio_only_where_weight_decay_applies():
+    rng = np.random.default_rng(0)
+    params = {"dense": {"kernel": rng.normal(size=(6, 5)).astype(np.float32),
+                        "bias": rng.normal(size=(5,)).astype(np.float32)},
+              "cls": rng.normal(size=(1, 1, 5)).astype(np.float32),
+              "scale": rng.normal(size=(5,)).astype(np.float32)}
+    flat = lambda t: {k: np.asarray(v) for k, v in _flat(t).items()}  # noqa: E731
+    mask = flat(optimizer.decay_mask(params))
+    assert mask == {"dense/kernel": True, "dense/bias": False, "cls": False, "scale": False}
+    # Gradient norms around the clip (1.0): some steps are clipped, some not.
+    grads = [jax.tree.map(lambda x: (rng.normal(size=x.shape) * s).astype(np.float32), params)
+             for s in (0.05, 3.0, 0.2, 1.5, 0.1)]
+    c = tiny_demo_config(**{"optimizer.name": "lamb", "optimizer.learning_rate": 0.01,
+                            "optimizer.weight_decay": 0.02, "optimizer.grad_clip": None,
+                            "schedule.name": "constant", "schedule.warmup_steps": 0})
+    tx, _ = optimizer.create(c, total_steps=10)
+    want = _timm_lamb_numpy(flat(params), [flat(g) for g in grads], mask, 0.01, 0.02)
+    p, state = params, tx.init(params)
+    for g, w in zip(grads, want):
+        updates, state = tx.update(g, state, p)
+        p = jax.tree.map(lambda a, u: a + u, p, updates)
+        got = flat(p)
+        for k in w:
+            np.testing.assert_allclose(got[k], w[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    # optax.lamb ('lamb_optax') scales the no-decay parameters too: a different update there.
+    c.optimizer.name = "lamb_optax"
+    tx2, _ = optimizer.create(c, total_steps=10)
+    u2, _ = tx2.update(grads[0], tx2.init(params), params)
+    u1, _ = tx.update(grads[0], tx.init(params), params)
+    assert not np.allclose(np.asarray(u1["scale"]), np.asarray(u2["scale"]), rtol=1e-3)
+
+
+def _ls_custom_reference(epoch, num_epochs, factor, epoch_threshold):
+    """nghiemtuan/LearnableScaler train.py ``custom_lr_scheduler``, as published."""
+    cur_cos_value = (1 + np.cos(np.pi * epoch / num_epochs)) / 2
+    n_epochs = epoch_threshold * num_epochs
+    cos_value_threshold1 = (1 + np.cos(np.pi * n_epochs / num_epochs)) / 2
+    final_period = int(num_epochs * 0.66)
+    cos_value_threshold2 = (1 + np.cos(np.pi * final_period / num_epochs)) / 2
+    if epoch < n_epochs:
+        return factor * cur_cos_value
+    elif epoch < final_period:
+        a = (factor * cos_value_threshold1 - cos_value_threshold2) / (n_epochs - final_period)
+        b = factor * cos_value_threshold1 - a * n_epochs
+        return a * epoch + b
+    return cur_cos_value
+
+
+@pytest.mark.parametrize("epochs,factor,threshold", [(300, 0.8, 0.5), (37, 0.6, 0.3)])
+def test_ls_custom_schedule_is_the_reference_per_epoch(epochs, factor, threshold):
+    spe = 7  # steps per epoch
+    c = tiny_demo_config(**{"schedule.name": "ls_custom", "schedule.warmup_steps": 0,
+                            "optimizer.learning_rate": 5e-3, "num_epochs": float(epochs),
+                            "schedule.epoch_factor": factor, "schedule.epoch_threshold": threshold})
+    lr = jax.jit(optimizer.schedule(c, total_steps=epochs * spe))
+    steps = np.arange(epochs * spe)
+    want = [5e-3 * _ls_custom_reference(s // spe, epochs, factor, threshold) for s in steps]
+    np.testing.assert_allclose(np.asarray(lr(steps)), want, rtol=2e-5, atol=1e-9)
+    # a step function of the epoch, continuous where the pieces meet (the reference's design)
+    assert float(lr(spe * (epochs // 2) + 3)) == float(lr(spe * (epochs // 2)))

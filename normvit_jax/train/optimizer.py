@@ -1,16 +1,19 @@
 """Optimizers and learning-rate schedules from the config, built on optax."""
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from normvit_jax.train import ema, layer_decay
 
-OPTIMIZERS = ("adamw", "sgd", "lamb")
-SCHEDULES = ("cosine", "linear", "constant")
+# lamb: timm's Lamb (the LearnableScaler recipe's); lamb_optax: optax.lamb (trust ratio everywhere).
+OPTIMIZERS = ("adamw", "sgd", "lamb", "lamb_optax")
+SCHEDULES = ("cosine", "linear", "constant", "ls_custom")
 # Weight decay applies to matrices only: every 1-D parameter (biases, norm gains and shifts, DTN's
 # gates) and scalar is exempt, and so are the position embedding and the class token. A norm's own
 # matrices (DTN's position map) are decayed, as in the reference code.
@@ -27,9 +30,12 @@ def validate(config: Any) -> None:
         raise ValueError(f"config.optimizer.learning_rate={o.learning_rate!r} must be > 0")
     if s.warmup_steps < 0:
         raise ValueError(f"config.schedule.warmup_steps={s.warmup_steps} must be >= 0")
-    if config.get("layer_decay", 1.0) != 1.0:
+    if s.name == "ls_custom" and not 0.0 < s.epoch_threshold < s.final_fraction <= 1.0:
+        raise ValueError(f"config.schedule.epoch_threshold={s.epoch_threshold} must be in (0, "
+                         f"schedule.final_fraction={s.final_fraction}), which must be <= 1")
+    if config.layer_decay != 1.0:
         layer_decay.scale_by_layer(config.layer_decay)  # raises for a value out of range
-    if config.get("ema_decay", 0.0):
+    if config.ema_decay:
         ema.track(config.ema_decay)
 
 
@@ -40,7 +46,10 @@ def schedule(config: Any, total_steps: int) -> optax.Schedule:
     end = peak * config.schedule.end_factor
     decay_steps = max(total_steps - warmup, 1)
     name = config.schedule.name
-    if name == "cosine":
+    if name == "ls_custom":
+        after = ls_custom(peak, decay_steps, config.num_epochs, config.schedule.epoch_factor,
+                          config.schedule.epoch_threshold, config.schedule.final_fraction)
+    elif name == "cosine":
         after = optax.cosine_decay_schedule(peak, decay_steps, alpha=config.schedule.end_factor)
     elif name == "linear":
         after = optax.linear_schedule(peak, end, decay_steps)
@@ -49,6 +58,46 @@ def schedule(config: Any, total_steps: int) -> optax.Schedule:
     if warmup == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def ls_custom(peak: float, total_steps: int, num_epochs: float, factor: float, threshold: float,
+              final_fraction: float) -> optax.Schedule:
+    """LearnableScaler's ``--sched custom`` (nghiemtuan/LearnableScaler train.py,
+    ``custom_lr_scheduler``), a step function of the epoch as there (LambdaLR stepped per epoch):
+    with c(e) = (1 + cos(pi e / E)) / 2, ``factor * c(e)`` for e < threshold * E, then a line from
+    ``factor * c(threshold * E)`` to ``c(int(final_fraction * E))``, then ``c(e)``. The epoch of a
+    step is the last e with ``ceil(e * total_steps / E) <= step`` (``step // steps_per_epoch``)."""
+    n1 = threshold * num_epochs
+    n2 = int(num_epochs * final_fraction)  # int() as the reference
+    cos = lambda e: (1.0 + np.cos(np.pi * e / num_epochs)) / 2.0  # noqa: E731
+    epochs = np.arange(math.ceil(num_epochs), dtype=np.float64)
+    middle = cos(n1) * factor + (factor * cos(n1) - cos(n2)) / (n1 - n2 or 1.0) * (epochs - n1)
+    factors = np.where(epochs < n1, factor * cos(epochs), np.where(epochs < n2, middle, cos(epochs)))
+    # First step of each epoch, in float64 on the host (float32 step * E / total misrounds).
+    starts = np.ceil(epochs * total_steps / num_epochs - 1e-9).astype(np.int32)
+    table = jnp.asarray(peak * factors, jnp.float32)
+
+    def lr(step: jax.Array) -> jax.Array:
+        e = jnp.searchsorted(jnp.asarray(starts), jnp.asarray(step, jnp.int32), side="right") - 1
+        return table[jnp.clip(e, 0, len(starts) - 1)]
+    return lr
+
+
+def timm_lamb(learning_rate: optax.ScalarOrSchedule, b1: float, b2: float, weight_decay: float,
+              mask: Callable[[Any], Any], max_grad_norm: float | None = 1.0, eps: float = 1e-6
+              ) -> optax.GradientTransformation:
+    """timm's ``Lamb`` (timm/optim/lamb.py; the one LearnableScaler trains with): the global
+    gradient norm clipped to ``max_grad_norm`` inside the optimizer, Adam moments with bias
+    correction, L2 decay added to the update, and the trust ratio ||w|| / ||update|| only where
+    the weight decay is non-zero (params with none, under ``mask``, take plain Adam steps, as do all
+    when ``weight_decay`` is 0). optax.lamb applies the trust ratio to every parameter."""
+    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+    if weight_decay:
+        parts += [optax.add_decayed_weights(weight_decay, mask=mask),
+                  optax.masked(optax.scale_by_trust_ratio(), mask)]
+    parts.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*parts)
 
 
 def decay_mask(params: Any) -> Any:
@@ -66,6 +115,8 @@ def create(config: Any, total_steps: int) -> tuple[optax.GradientTransformation,
     if o.name == "adamw":
         tx = optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask)
     elif o.name == "lamb":
+        tx = timm_lamb(lr, o.b1, o.b2, o.weight_decay, decay_mask, o.lamb_grad_clip)
+    elif o.name == "lamb_optax":
         tx = optax.lamb(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask)
     else:
         tx = optax.chain(optax.add_decayed_weights(o.weight_decay, mask=decay_mask),
@@ -73,8 +124,8 @@ def create(config: Any, total_steps: int) -> tuple[optax.GradientTransformation,
     if o.grad_clip:
         tx = optax.chain(optax.clip_by_global_norm(o.grad_clip), tx)
     # Only when on, so the default optimizer state (and checkpoints) keep their tree.
-    if config.get("layer_decay", 1.0) != 1.0:
+    if config.layer_decay != 1.0:
         tx = optax.chain(tx, layer_decay.scale_by_layer(config.layer_decay))
-    if config.get("ema_decay", 0.0):
+    if config.ema_decay:
         tx = optax.chain(tx, ema.track(config.ema_decay))  # last: it sees the final updates
     return tx, lr
