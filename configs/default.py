@@ -121,10 +121,14 @@ def get_config() -> ml_collections.ConfigDict:
 
     # ---- on-device batch augmentation in the train step (train/batch_aug.py; timm semantics) ----
     c.mixup_alpha = 0.0             # Mixup's Beta(a, a) (DeiT: 0.8; 0: off)
-    c.cutmix_alpha = 0.0            # CutMix's Beta(a, a) (DeiT: 1.0; 0: off); box lam corrected by area
+    c.cutmix_alpha = 0.0            # CutMix's Beta(a, a) (DeiT: 1.0; 0: off); lam corrected by the box area
     c.mix_prob = 1.0                # probability that a batch/pair/row is mixed
     c.switch_prob = 0.5             # with both alphas > 0: probability of CutMix instead of Mixup
     c.mix_mode = "batch"            # batch (one draw per batch) | pair (per pair i, B-1-i) | elem (per row)
+    c.mix_groups = 1                # draws per global batch: timm draws per GPU process (and per accumulation
+                                    # micro-batch); each of these consecutive slices mixes within itself
+    c.cutmix_box = "even"           # even: box rows [c - cut//2, c + cut//2) (timm <= 1.0.28, DeiT's 0.3.2) |
+                                    # exact: [c - cut//2, c + (cut+1)//2) (timm >= 1.0.29)
     c.randaugment = ""              # RandAugment per image, first (train/randaugment.py; docs/recipes.md):
                                     # '' off | timm string 'rand-m9-mstd0.5-inc1' (DeiT; sections m n p mstd
                                     # mmax inc) | 'bigvision-2-10' (big_vision randaug(2, 10))

@@ -17,7 +17,14 @@ from normvit_jax.train.state import TrainState
 from tests.conftest import tiny_demo_config
 
 
-def _ref_mix(x, y, lam, cutmix, cy, cx, n_classes):
+def _timm_box(c, cut, size, box):
+    """timm/data/mixup.py rand_bbox along one axis: 1.0.28 and before ('even'): c +- cut // 2;
+    1.0.29 and later ('exact'): [c - cut // 2, c + (cut + 1) // 2); clipped to [0, size]."""
+    hi = c + (cut + 1) // 2 if box == "exact" else c + cut // 2
+    return int(np.clip(c - cut // 2, 0, size)), int(np.clip(hi, 0, size))
+
+
+def _ref_mix(x, y, lam, cutmix, cy, cx, n_classes, box="even"):
     """timm Mixup._mix_elem / _mix_pair / _mix_batch written per row, float64: row i takes the
     pixels of row B-1-i (from the unmixed batch); box = rand_bbox with lam corrected by its area."""
     x = np.asarray(x, np.float64)
@@ -30,8 +37,7 @@ def _ref_mix(x, y, lam, cutmix, cy, cx, n_classes):
         if cutmix[i]:
             r = math.sqrt(1.0 - lam[i])
             ch, cw = int(h * r), int(w * r)
-            yl, yh = np.clip(cy[i] - ch // 2, 0, h), np.clip(cy[i] + ch // 2, 0, h)
-            xl, xh = np.clip(cx[i] - cw // 2, 0, w), np.clip(cx[i] + cw // 2, 0, w)
+            (yl, yh), (xl, xh) = _timm_box(cy[i], ch, h, box), _timm_box(cx[i], cw, w, box)
             out[i, yl:yh, xl:xh] = x[j, yl:yh, xl:xh]
             lams[i] = 1.0 - (yh - yl) * (xh - xl) / (h * w)
         else:
@@ -74,28 +80,58 @@ def test_mix_matches_the_numpy_reference(mode, alphas):
     assert seen_mix or alphas[0] == 0.0
 
 
-def test_cutmix_box_and_lam_correction_against_formula():
-    """Box sides int(S*sqrt(1-lam)), centred at (cy, cx), clipped; lam = 1 - area / S^2, and the
-    target weight of the partner class equals the fraction of pasted pixels."""
+@pytest.mark.parametrize("box", ["even", "exact"])
+def test_cutmix_box_and_lam_correction_against_formula(box):
+    """Box sides int(S*sqrt(1-lam)), centred at (cy, cx), clipped (timm's rule of each version);
+    lam = 1 - area / S^2, and the target weight of the partner class equals the fraction of pasted
+    pixels."""
     s = 16
     lam = np.array([0.3, 0.5, 0.9, 0.99, 0.05, 0.7], np.float32)
     cy = np.array([0, 15, 8, 3, 7, 14], np.int32)
     cx = np.array([0, 2, 8, 12, 9, 15], np.int32)
-    yl, yh, xl, xh = (np.asarray(v) for v in mixing.rand_bbox(s, s, lam, cy, cx))
+    yl, yh, xl, xh = (np.asarray(v) for v in mixing.rand_bbox(s, s, lam, cy, cx, box))
+    odd = 0
     for i in range(len(lam)):
         cut = int(s * math.sqrt(1 - float(lam[i])))
-        assert (yl[i], yh[i]) == (max(cy[i] - cut // 2, 0), min(cy[i] + cut // 2, s))
-        assert (xl[i], xh[i]) == (max(cx[i] - cut // 2, 0), min(cx[i] + cut // 2, s))
+        odd += cut % 2
+        assert (yl[i], yh[i]) == _timm_box(cy[i], cut, s, box)
+        assert (xl[i], xh[i]) == _timm_box(cx[i], cut, s, box)
+    assert odd  # an odd cut, where the two rules differ
     # Images 0 and partner 1: the pasted region is where the mixed image equals the partner.
     x = np.stack([np.zeros((s, s, 1)), np.ones((s, s, 1))] * 3).astype(np.float32)
     y = np.array([0, 1] * 3, np.int32)
     p = {"lam": jnp.asarray(lam), "cutmix": jnp.ones(6, bool), "cy": jnp.asarray(cy),
          "cx": jnp.asarray(cx)}
-    mixed, t = mixing.apply(x, y, p, 2)
+    mixed, t = mixing.apply(x, y, p, 2, box)
     for i in range(6):
         partner_frac = float(np.mean(np.asarray(mixed[i]) != x[i]))
         np.testing.assert_allclose(t[i, 1 - y[i]], partner_frac, rtol=1e-6)
         np.testing.assert_allclose(t[i, y[i]], 1 - partner_frac, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["batch", "elem"])
+def test_mix_groups_draw_and_pair_within_each_slice_as_timm_per_process(mode):
+    """mix_groups=g: the batch is g consecutive slices, each a timm process's batch: its own draw
+    (key g of split(key, g)) and partner row n-1-i inside the slice. Checked against the numpy
+    reference per slice, with the 'exact' box."""
+    x, y = _batch(b=12, s=16, seed=4)
+    cfg = mixing.MixConfig(0.8, 1.0, prob=1.0, switch_prob=0.5, mode=mode, box="exact", groups=3)
+    for seed in range(3):
+        key = jax.random.key(seed)
+        got_x, got_t = mixing.mix(key, x, y, cfg, 5)
+        keys = jax.random.split(key, 3)
+        lams = []
+        for g in range(3):
+            sl = slice(4 * g, 4 * g + 4)
+            p = {k: np.asarray(v) for k, v in mixing.draw(keys[g], 4, 16, 16, cfg).items()}
+            lams.append(float(p["lam"][0]))
+            ref_x, ref_t = _ref_mix(x[sl], y[sl], p["lam"].astype(np.float64), p["cutmix"],
+                                    p["cy"], p["cx"], 5, box="exact")
+            np.testing.assert_allclose(got_x[sl], ref_x, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(got_t[sl], ref_t, rtol=1e-6, atol=1e-7)
+        assert len(set(lams)) == 3  # three independent draws, not one per batch
+    with pytest.raises(ValueError, match="mix_groups=5"):
+        mixing.from_config(tiny_demo_config(mixup_alpha=0.8, batch_size=12, mix_groups=5))
 
 
 def test_mix_prob_zero_and_alpha_zero_leave_the_batch_alone():

@@ -37,7 +37,7 @@ class EraseConfig:
 
 
 def from_config(config: Any) -> EraseConfig:
-    prob, mode = float(config.get("random_erase_prob", 0.0)), config.get("random_erase_mode", "pixel")
+    prob, mode = float(config.random_erase_prob), config.random_erase_mode
     if not 0.0 <= prob <= 1.0:
         raise ValueError(f"config.random_erase_prob={prob} must be in [0, 1]")
     if mode not in MODES:

@@ -5,8 +5,15 @@ The partner of row i is row B-1-i (the flipped batch, timm's convention). Modes:
   pair:  one draw per pair (i, B-1-i), both rows use it (each gets the other's pixels);
   elem:  one draw per row.
 A row is mixed with probability ``prob``; when both alphas are > 0 it uses CutMix with probability
-``switch_prob``, else Mixup. CutMix's box is timm's ``rand_bbox`` (centre uniform over the image,
-sides ``int(size * sqrt(1 - lam))``, clipped) and lam is corrected to ``1 - box area / image area``.
+``switch_prob``, else Mixup. CutMix's box is timm's ``rand_bbox``: centre (cy, cx) uniform over the
+image, cut = ``int(size * sqrt(1 - lam))``, rows ``[cy - cut//2, cy + cut//2)`` ('even': timm up
+to 1.0.28 and DeiT's pinned 0.3.2, so an odd cut loses a row) or ``[cy - cut//2, cy + (cut+1)//2)``
+('exact': timm 1.0.29 and later), clipped to the image; lam is corrected to
+``1 - box area / image area``.
+
+``groups`` > 1 draws per slice of the batch as timm does per GPU process (or per micro-batch of
+gradient accumulation): the batch is split into ``groups`` consecutive slices, each with its own
+draws and its own flipped partner rows.
 Targets are ``lam * onehot(y) + (1 - lam) * onehot(y[::-1])``; label smoothing is applied to these
 soft targets by ``steps.cross_entropy``, which is the same as timm's ``mixup_target`` (linear).
 
@@ -22,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 MODES = ("batch", "pair", "elem")
+BOXES = ("even", "exact")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +39,8 @@ class MixConfig:
     prob: float = 1.0
     switch_prob: float = 0.5
     mode: str = "batch"
+    box: str = "even"
+    groups: int = 1
 
     @property
     def enabled(self) -> bool:
@@ -39,27 +49,28 @@ class MixConfig:
 
 def validate(config: Any) -> None:
     for key in ("mixup_alpha", "cutmix_alpha"):
-        if config.get(key, 0.0) < 0:
+        if config[key] < 0:
             raise ValueError(f"config.{key}={config[key]} must be >= 0 (0: off)")
     for key in ("mix_prob", "switch_prob"):
-        v = config.get(key, 0.5)
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"config.{key}={v} must be in [0, 1]")
-    mode = config.get("mix_mode", "batch")
-    if mode not in MODES:
-        raise ValueError(f"config.mix_mode={mode!r} is not known; accepted: {list(MODES)}")
-    on = config.get("mix_prob", 1.0) > 0 and (config.get("mixup_alpha", 0.0) > 0
-                                              or config.get("cutmix_alpha", 0.0) > 0)
-    if on and config.get("batch_size", 2) % 2:
-        raise ValueError(f"config.batch_size={config.batch_size} must be even with Mixup/CutMix "
-                         "(row i is mixed with row B-1-i)")
+        if not 0.0 <= config[key] <= 1.0:
+            raise ValueError(f"config.{key}={config[key]} must be in [0, 1]")
+    for key, accepted in (("mix_mode", MODES), ("cutmix_box", BOXES)):
+        if config[key] not in accepted:
+            raise ValueError(f"config.{key}={config[key]!r} is not known; accepted: {list(accepted)}")
+    if not isinstance(config.mix_groups, int) or config.mix_groups < 1:
+        raise ValueError(f"config.mix_groups={config.mix_groups!r} must be an int >= 1")
+    on = config.mix_prob > 0 and (config.mixup_alpha > 0 or config.cutmix_alpha > 0)
+    if on and config.batch_size % (2 * config.mix_groups):
+        raise ValueError(f"config.batch_size={config.batch_size} must be a multiple of 2 x "
+                         f"config.mix_groups={config.mix_groups} with Mixup/CutMix (row i of a group "
+                         "is mixed with its row n-1-i)")
 
 
 def from_config(config: Any) -> MixConfig:
     validate(config)
-    return MixConfig(float(config.get("mixup_alpha", 0.0)), float(config.get("cutmix_alpha", 0.0)),
-                     float(config.get("mix_prob", 1.0)), float(config.get("switch_prob", 0.5)),
-                     str(config.get("mix_mode", "batch")))
+    return MixConfig(float(config.mixup_alpha), float(config.cutmix_alpha), float(config.mix_prob),
+                     float(config.switch_prob), str(config.mix_mode), str(config.cutmix_box),
+                     int(config.mix_groups))
 
 
 def draw(key: jax.Array, batch: int, h: int, w: int, cfg: MixConfig) -> dict[str, jax.Array]:
@@ -86,23 +97,25 @@ def draw(key: jax.Array, batch: int, h: int, w: int, cfg: MixConfig) -> dict[str
     return out
 
 
-def rand_bbox(h: int, w: int, lam: jax.Array, cy: jax.Array, cx: jax.Array
+def rand_bbox(h: int, w: int, lam: jax.Array, cy: jax.Array, cx: jax.Array, box: str = "even"
               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(y_lo, y_hi, x_lo, x_hi) of timm's ``rand_bbox`` for given centres (broadcasts)."""
+    """(y_lo, y_hi, x_lo, x_hi) of timm's ``rand_bbox`` for given centres (broadcasts); ``box``:
+    'even' (timm <= 1.0.28) or 'exact' (timm >= 1.0.29), see the module docstring."""
     ratio = jnp.sqrt(1.0 - lam)
     cut_h = jnp.floor(h * ratio).astype(jnp.int32)
     cut_w = jnp.floor(w * ratio).astype(jnp.int32)
-    yl, yh = jnp.clip(cy - cut_h // 2, 0, h), jnp.clip(cy + cut_h // 2, 0, h)
-    xl, xh = jnp.clip(cx - cut_w // 2, 0, w), jnp.clip(cx + cut_w // 2, 0, w)
+    up = 1 if box == "exact" else 0
+    yl, yh = jnp.clip(cy - cut_h // 2, 0, h), jnp.clip(cy + (cut_h + up) // 2, 0, h)
+    xl, xh = jnp.clip(cx - cut_w // 2, 0, w), jnp.clip(cx + (cut_w + up) // 2, 0, w)
     return yl, yh, xl, xh
 
 
-def apply(images: jax.Array, labels: jax.Array, params: dict[str, jax.Array], num_classes: int
-          ) -> tuple[jax.Array, jax.Array]:
+def apply(images: jax.Array, labels: jax.Array, params: dict[str, jax.Array], num_classes: int,
+          box: str = "even") -> tuple[jax.Array, jax.Array]:
     """Mixed images (B, H, W, C) and float32 soft targets (B, num_classes) for the draws."""
     _, h, w, _ = images.shape
     lam, cutmix = params["lam"], params["cutmix"]
-    yl, yh, xl, xh = rand_bbox(h, w, lam, params["cy"], params["cx"])
+    yl, yh, xl, xh = rand_bbox(h, w, lam, params["cy"], params["cx"], box)
     cut_lam = 1.0 - ((yh - yl) * (xh - xl)).astype(jnp.float32) / (h * w)
     lam = jnp.where(cutmix & (lam < 1.0), cut_lam, lam)
     partner = images[::-1]
@@ -120,6 +133,14 @@ def apply(images: jax.Array, labels: jax.Array, params: dict[str, jax.Array], nu
 
 def mix(key: jax.Array, images: jax.Array, labels: jax.Array, cfg: MixConfig, num_classes: int
         ) -> tuple[jax.Array, jax.Array]:
-    """Draws and applies: (mixed images, soft targets)."""
+    """Draws and applies: (mixed images, soft targets); per slice when ``cfg.groups`` > 1."""
     b, h, w = images.shape[:3]
-    return apply(images, labels, draw(key, b, h, w, cfg), num_classes)
+    if cfg.groups == 1:
+        return apply(images, labels, draw(key, b, h, w, cfg), num_classes, cfg.box)
+    g = cfg.groups
+    if b % (2 * g):
+        raise ValueError(f"mixup/cutmix in {g} groups need a batch that is a multiple of {2 * g}, got {b}")
+    split = lambda x: x.reshape((g, b // g) + x.shape[1:])  # noqa: E731
+    one = lambda k, im, lb: apply(im, lb, draw(k, b // g, h, w, cfg), num_classes, cfg.box)  # noqa: E731
+    mixed, targets = jax.vmap(one)(jax.random.split(key, g), split(images), split(labels))
+    return mixed.reshape(images.shape), targets.reshape((b, num_classes))

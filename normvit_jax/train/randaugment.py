@@ -124,7 +124,7 @@ def parse(spec: str) -> RandAugConfig | None:
 
 def from_config(config: Any) -> RandAugConfig | None:
     """Parses ``config.randaugment`` and adds the data's normalization and timm's mean fill."""
-    cfg = parse(config.get("randaugment", ""))
+    cfg = parse(config.randaugment)
     if cfg is None:
         return None
     scale, shift = stats.affine(config.data.name, config.data.normalize)
