@@ -1,15 +1,21 @@
 """Published training recipes, applied on top of a method's config by the presets in vit_*.py.
 
-Every value carries its source. Abbreviations:
-  [DeiT]   Touvron et al., "Training data-efficient image transformers", ICML 2021, and its
-           repository's main.py defaults (facebookresearch/deit); the DTN paper trains with it.
-  [BV]     big_vision configs/vit_s16_i1k.py ("Better plain ViT baselines for ImageNet-1k",
-           Beyer et al. 2022) and big_vision/optax.py (how its wd is applied).
-  [LS]     the LearnableScaler README's training command (timm train.py; /work/shared/seeds).
-  [UN]     hikvision-research/Unified-Normalization, image_classification/: run_train.sh, main.py
-           defaults (timm train.py of T2T-ViT, Yuan et al. ICCV 2021) and models/t2t_vit.py.
-  [NORMS]  the project's /work/shared/NORMS.md summary of each reference.
-Values a source does not give stay at configs/default.py's and are named in the README table.
+Every value carries its public source: repository @ commit, file:line (a command-line default
+unless said), or paper + table. Abbreviations:
+  [DeiT] facebookresearch/deit @7e160fe main.py (argument defaults) and README_deit.md (training
+         commands: ViT-Ti/S on 4 GPUs x --batch-size 256; ViT-B with run_with_submitit.py on 2 nodes
+         x 8 GPUs at main.py's --batch-size 64; timm 0.3.2 pinned). Touvron et al., ICML 2021.
+  [DTN]  Shao et al., "Dynamic Token Normalization Improves Vision Transformers", ICLR 2022: trains
+         with DeiT's recipe (the paper's setup); the presets follow the paper, not its released code.
+  [BV]   google-research/big_vision @0127fb6 big_vision/configs/vit_s16_i1k.py ("Better plain ViT
+         baselines for ImageNet-1k", Beyer et al. 2022), big_vision/pp/ops_image.py, big_vision/optax.py.
+  [LS]   nghiemtuan/LearnableScaler @1750860: README.md's training command, train.py, and its timm
+         fork (timm/version.py 0.8.21dev0; timm/models/vision_transformer.py, timm/optim/lamb.py).
+  [UN]   hikvision-research/Unified-Normalization @0ce9bf2 image_classification/: run_train.sh,
+         main.py (timm train.py of T2T-ViT, Yuan et al. ICCV 2021), models/t2t_vit.py.
+  [RV]   ChaofanTao/RescaleViT @3a761cc: README.md, train.py, train1.sh, models/configs.py,
+         utils/data_utils.py (on top of jeonsworld/ViT-pytorch).
+Values a source does not give stay at configs/default.py's and are named in docs/recipes.md.
 """
 from __future__ import annotations
 
@@ -18,9 +24,9 @@ import ml_collections
 WIDTH = {"Ti": 192, "S": 384, "B": 768, "L": 1024, "H": 1280}  # ViT widths (Dosovitskiy et al.)
 IMAGENET_TRAIN_EXAMPLES = 1_281_167  # tfds imagenet2012 'train'
 # RandAugment policies (config key ``randaugment``; train/randaugment.py parses them).
-RANDAUGMENT_DEIT = "rand-m9-mstd0.5-inc1"  # [DeiT] --aa default
-RANDAUGMENT_BIGVISION = "bigvision-2-10"    # [BV] pp_train: randaug(2, 10)
-RANDAUGMENT_LS = "rand-m7-mstd0.5"         # [LS] --aa
+RANDAUGMENT_DEIT = "rand-m9-mstd0.5-inc1"  # [DeiT] main.py:98 --aa; [UN] main.py:141
+RANDAUGMENT_BIGVISION = "bigvision-2-10"    # [BV] vit_s16_i1k.py:57 randaug(2,10)
+RANDAUGMENT_LS = "rand-m7-mstd0.5"         # [LS] README.md command --aa
 
 
 def set_randaugment(c: ml_collections.ConfigDict, policy: str) -> None:
@@ -33,92 +39,113 @@ def steps_per_epoch(batch_size: int, num_examples: int = IMAGENET_TRAIN_EXAMPLES
 
 
 def imagenet_data(c: ml_collections.ConfigDict, normalize: str, antialias: bool,
-                  interpolation: str) -> None:
-    """ImageNet-1k at 224: Inception crop + flip for training, resize 256 / central 224 for eval."""
+                  interpolation: str, eval_crop: float = 0.875,
+                  min_crop_area: float = 0.08) -> None:
+    """ImageNet-1k at 224: Inception crop + flip for training, central crop + resize for eval."""
     c.data.name = "imagenet2012"
     c.data.train_split = "train"
     c.data.eval_split = "validation"
     c.data.image_size = 224
     c.data.crop_padding = 0
-    c.data.random_resized_crop = True   # [DeiT] RandomResizedCrop(0.08-1); [BV] inception_crop
-    c.data.min_crop_area = 0.08
+    c.data.random_resized_crop = True   # timm RandomResizedCrop(scale=(0.08, 1)); [BV] inception_crop
+    c.data.min_crop_area = min_crop_area
     c.data.flip = True
-    c.data.eval_crop_fraction = 0.875   # [DeiT] crop_pct 224/256; [BV] resize_small(256)|central_crop(224)
+    c.data.eval_crop_fraction = eval_crop  # timm: Resize(224 / crop_pct) + CenterCrop(224)
     c.data.normalize = normalize
-    c.data.antialias = antialias        # [DeiT] PIL resize (antialiased); [BV] tf.image.resize (not)
-    c.data.interpolation = interpolation  # [DeiT] bicubic; [BV] bilinear; [LS], [UN] random
+    c.data.antialias = antialias        # timm: PIL resize (antialiased); [BV] tf.image.resize (not)
+    c.data.interpolation = interpolation
 
 
-def deit(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
-    """DeiT's ImageNet-1k recipe (no distillation), 300 epochs at batch 1024 [DeiT]."""
-    imagenet_data(c, "zscore", True, "bicubic")  # [DeiT] IMAGENET_DEFAULT_MEAN/STD;
-                                        # --train-interpolation bicubic, eval Resize(interpolation=3)
-    c.model.variant = variant
-    c.model.classifier = "token"        # [DeiT] class token
-    c.model.posemb = "learn"
-    c.model.dropout_rate = 0.0          # [DeiT] --drop 0
+def timm_deit_training(c: ml_collections.ConfigDict, *, batch: int, lr: float, warmup_epochs: int,
+                       mix_groups: int) -> ml_collections.ConfigDict:
+    """The training values DeiT's main.py and T2T-ViT's timm train.py (UN's) share, each cited
+    there as [DeiT] main.py:N / [UN] main.py:M. Both draw Mixup/CutMix per GPU process with timm
+    before 1.0.29 (``mix_groups`` processes; CutMix's 'even' box)."""
+    c.model.classifier = "token"        # class token, head on x[:, 0]
+    c.model.dropout_rate = 0.0          # [DeiT] main.py:44 --drop 0; [UN] main.py:173
     c.model.attention_dropout_rate = 0.0
-    c.model.stochastic_depth = 0.1      # [DeiT] --drop-path 0.1
-    c.model.gelu_approximate = False    # [DeiT] timm's exact GELU
-    c.model.param_init = "timm"         # [DeiT] timm's _init_weights: trunc_normal_(std=.02)
-    c.batch_size = 1024                 # [DeiT] 1024 (8 GPUs x 128) [NORMS]
-    c.num_epochs = 300.0                # [DeiT] --epochs 300
+    c.model.stochastic_depth = 0.1      # [DeiT] main.py:46 --drop-path 0.1; [UN] main.py:177
+    c.model.gelu_approximate = False    # timm's nn.GELU (exact)
+    c.model.param_init = "timm"         # trunc_normal_(std=.02) on every Linear and the class token
+    c.batch_size = batch
+    c.num_epochs = 300.0                # [DeiT] main.py:35 --epochs 300; [UN] main.py:113
     c.total_steps = None
-    c.optimizer.name = "adamw"          # [DeiT] --opt adamw
-    c.optimizer.learning_rate = 5e-4 * c.batch_size / 512  # [DeiT] lr 5e-4 x batch / 512
-    c.optimizer.weight_decay = 0.05     # [DeiT] --weight-decay 0.05
-    c.optimizer.b1, c.optimizer.b2 = 0.9, 0.999
-    c.optimizer.grad_clip = None        # [DeiT] --clip-grad None
-    c.schedule.name = "cosine"          # [DeiT] --sched cosine
-    c.schedule.warmup_steps = 5 * steps_per_epoch(c.batch_size)  # [DeiT] --warmup-epochs 5
-    c.schedule.end_factor = 1e-5 / c.optimizer.learning_rate     # [DeiT] --min-lr 1e-5
-    c.label_smoothing = 0.1             # [DeiT] --smoothing 0.1
-    c.mixup_alpha = 0.8                 # [DeiT] --mixup 0.8
-    c.cutmix_alpha = 1.0                # [DeiT] --cutmix 1.0
-    c.mix_prob = 1.0                    # [DeiT] --mixup-prob 1.0
-    c.switch_prob = 0.5                 # [DeiT] --mixup-switch-prob 0.5
-    c.mix_mode = "batch"                # [DeiT] --mixup-mode batch
-    c.random_erase_prob = 0.25          # [DeiT] --reprob 0.25
-    c.random_erase_mode = "pixel"       # [DeiT] --remode pixel
-    c.data.repeated_aug = 3             # [DeiT] --repeated-aug (3 repeats)
-    c.ema_decay = 0.99996               # [DeiT] --model-ema-decay 0.99996
+    c.optimizer.name = "adamw"          # [DeiT] main.py:56 --opt adamw; [UN] main.py:81
+    c.optimizer.learning_rate = lr
+    c.optimizer.weight_decay = 0.05     # [DeiT] main.py:66 --weight-decay 0.05; [UN] main.py:89
+    c.optimizer.b1, c.optimizer.b2 = 0.9, 0.999  # --opt-betas None: torch AdamW's defaults
+    c.optimizer.grad_clip = None        # [DeiT] main.py:62 --clip-grad None; [UN] main.py:91
+    c.schedule.name = "cosine"          # [DeiT] main.py:69 --sched cosine; [UN] main.py:95
+    c.schedule.warmup_steps = warmup_epochs * steps_per_epoch(batch)
+    c.schedule.end_factor = 1e-5 / lr   # [DeiT] main.py:81 --min-lr 1e-5; [UN] main.py:111
+    c.label_smoothing = 0.1             # [DeiT] main.py:101 --smoothing 0.1; [UN] main.py:169
+    c.mixup_alpha = 0.8                 # [DeiT] main.py:128 --mixup 0.8; [UN] main.py:155
+    c.cutmix_alpha = 1.0                # [DeiT] main.py:130 --cutmix 1.0; [UN] main.py:157
+    c.mix_prob = 1.0                    # [DeiT] main.py:134 --mixup-prob 1.0; [UN] main.py:161
+    c.switch_prob = 0.5                 # [DeiT] main.py:136 --mixup-switch-prob 0.5; [UN] main.py:163
+    c.mix_mode = "batch"                # [DeiT] main.py:138 --mixup-mode batch; [UN] main.py:165
+    c.mix_groups = mix_groups           # one Mixup draw per GPU process's batch
+    c.cutmix_box = "even"               # timm 0.3.x rand_bbox: c +- cut // 2
+    c.random_erase_prob = 0.25          # [DeiT] main.py:118 --reprob 0.25; [UN] main.py:147
+    c.random_erase_mode = "pixel"       # [DeiT] main.py:120 --remode pixel; [UN] main.py:149
+    c.ema_decay = 0.99996               # [DeiT] main.py:51-52 model EMA on, 0.99996; [UN] main.py:197-201
     set_randaugment(c, RANDAUGMENT_DEIT)
-    c.dtype = "bfloat16"                # [DeiT] mixed precision (AMP); bf16 here
     c.eval_batch_size = 1024
     c.log_every, c.eval_every, c.checkpoint_every = 100, 5000, 2000
+    return c
+
+
+def deit(c: ml_collections.ConfigDict, variant: str, gpus: int = 4) -> ml_collections.ConfigDict:
+    """DeiT's ImageNet-1k recipe (no distillation), 300 epochs at batch 1024 [DeiT]: ViT-Ti/S as
+    README_deit.md's 4 GPUs x 256, ViT-B (``gpus=16``) as its 2 nodes x 8 GPUs x 64."""
+    # [DeiT] IMAGENET_DEFAULT_MEAN/STD; main.py:102 --train-interpolation bicubic; datasets.py:101-103
+    # eval Resize(224 / 0.875, bicubic) + CenterCrop(224) (main.py:174 --eval-crop-ratio 0.875)
+    imagenet_data(c, "zscore", True, "bicubic")
+    c.model.variant = variant
+    c.model.posemb = "learn"
+    # [DeiT] main.py:34 --batch-size per GPU x world size: 4 x 256 = 16 x 64 = 1024;
+    # main.py:349-351 lr 5e-4 x 1024 / 512; main.py:86 --warmup-epochs 5. No cooldown: main.py:420
+    # trains exactly --epochs (create_scheduler's extra 10 cooldown epochs are not run).
+    timm_deit_training(c, batch=1024, lr=5e-4 * 1024 / 512, warmup_epochs=5, mix_groups=gpus)
+    c.data.repeated_aug = 3             # [DeiT] main.py:105-107 repeated augmentation on (3 repeats)
+    c.dtype = "bfloat16"                # [DeiT] torch AMP (fp16) by default; bf16 here
     return c
 
 
 def bigvision_i1k(c: ml_collections.ConfigDict, variant: str = "S/16",
                   epochs: float = 90.0) -> ml_collections.ConfigDict:
     """big_vision's plain-ViT ImageNet-1k recipe [BV]: 76.5% for S/16 after 90 epochs."""
-    imagenet_data(c, "minus_one_one", False, "bilinear")  # [BV] value_range(-1, 1), tf bilinear
-    c.data.train_split = "train[:99%]"  # [BV] train_split (1% held out as minival)
-    c.model.variant = variant           # [BV] variant='S/16'
-    c.model.classifier = "gap"          # [BV] pool_type='gap'
-    c.model.posemb = "sincos2d"         # [BV] posemb='sincos2d'
-    c.model.representation_size = WIDTH[variant.split("/")[0]]  # [BV] rep_size=True: a pre_logits
-                                        # Dense(tanh) of the model width before the head
-    c.model.dropout_rate = 0.0          # [BV] no dropout or stochastic depth
+    # [BV] vit_s16_i1k.py:51-57 value_range(-1, 1), decode_jpeg_and_inception_crop(224): ops_image.py
+    # get_inception_crop area_min=5 (5% of the area), tf bilinear without antialias
+    imagenet_data(c, "minus_one_one", False, "bilinear", min_crop_area=0.05)
+    # [BV] vit_s16_i1k.py:60 eval resize_small(256) (ops_image.py: method 'area') | central_crop(224);
+    # here: the central 224/256 square, resized bilinear (not the same resampling; docs/recipes.md)
+    c.data.train_split = "train[:99%]"  # [BV] vit_s16_i1k.py:45 (1% held out as minival)
+    c.model.variant = variant           # [BV] vit_s16_i1k.py:71 variant='S/16'
+    c.model.classifier = "gap"          # [BV] vit_s16_i1k.py:73 pool_type='gap'
+    c.model.posemb = "sincos2d"         # [BV] vit_s16_i1k.py:74 posemb='sincos2d'
+    c.model.representation_size = WIDTH[variant.split("/")[0]]  # [BV] vit_s16_i1k.py:72 rep_size=True:
+                                        # a pre_logits Dense(tanh) of the model width before the head
+    c.model.dropout_rate = 0.0          # [BV] no dropout or stochastic depth in the config
     c.model.attention_dropout_rate = 0.0
     c.model.stochastic_depth = 0.0
     c.model.gelu_approximate = True     # flax nn.gelu's default, as big_vision's ViT
     c.model.param_init = "google"       # [BV] big_vision's ViT initialisation
-    c.batch_size = 1024                 # [BV] batch_size
-    c.num_epochs = float(epochs)        # [BV] num_epochs 90
+    c.batch_size = 1024                 # [BV] vit_s16_i1k.py:47 input.batch_size
+    c.num_epochs = float(epochs)        # [BV] vit_s16_i1k.py:38 total_epochs 90 (:27 300)
     c.total_steps = None
     c.optimizer.name = "adamw"          # [BV] scale_by_adam + decoupled wd
-    c.optimizer.learning_rate = 1e-3    # [BV] lr 0.001
-    # [BV] wd 0.0001 is added after the lr scaling (big_vision/optax.py: not multiplied by lr,
-    # only by the schedule); optax.adamw multiplies weight_decay by the lr: 1e-4 / 1e-3.
+    c.optimizer.learning_rate = 1e-3    # [BV] vit_s16_i1k.py:82 lr 0.001
+    # [BV] vit_s16_i1k.py:83 wd 0.0001 is added after the lr scaling (big_vision/optax.py: not
+    # multiplied by lr, only by the schedule); optax.adamw multiplies weight_decay by the lr.
     c.optimizer.weight_decay = 1e-4 / 1e-3
     c.optimizer.b1, c.optimizer.b2 = 0.9, 0.999  # optax.scale_by_adam defaults
-    c.optimizer.grad_clip = 1.0         # [BV] grad_clip_norm 1.0
-    c.schedule.name = "cosine"          # [BV] decay_type='cosine'
-    c.schedule.warmup_steps = 10_000    # [BV] warmup_steps=10_000
+    c.optimizer.grad_clip = 1.0         # [BV] vit_s16_i1k.py:78 grad_clip_norm 1.0
+    c.schedule.name = "cosine"          # [BV] vit_s16_i1k.py:84 decay_type='cosine'
+    c.schedule.warmup_steps = 10_000    # [BV] vit_s16_i1k.py:84 warmup_steps=10_000
     c.schedule.end_factor = 0.0
     c.label_smoothing = 0.0             # [BV] plain softmax_xent
-    c.mixup_alpha = 0.2                 # [BV] mixup p=0.2 (Beta(0.2, 0.2))
+    c.mixup_alpha = 0.2                 # [BV] vit_s16_i1k.py:86 mixup p=0.2 (Beta(0.2, 0.2))
     c.cutmix_alpha = 0.0
     c.random_erase_prob = 0.0
     c.data.repeated_aug = 1
@@ -126,41 +153,49 @@ def bigvision_i1k(c: ml_collections.ConfigDict, variant: str = "S/16",
     set_randaugment(c, RANDAUGMENT_BIGVISION)
     c.dtype = "bfloat16"                # TPU bf16 activations
     c.eval_batch_size = 1024
-    c.log_every, c.eval_every, c.checkpoint_every = 50, 2500, 1000  # [BV] log 50, eval 2500, ckpt 1000
+    # [BV] vit_s16_i1k.py:65 log_training_steps 50, :95 eval log_steps 2500, :66 ckpt_steps 1000
+    c.log_every, c.eval_every, c.checkpoint_every = 50, 2500, 1000
     return c
 
 
 def learnable_scaler_paper(c: ml_collections.ConfigDict, depth: int = 24,
                            width: int = 192, patch: int = 16) -> ml_collections.ConfigDict:
-    """The LearnableScaler README's ImageNet-1k command [LS] for vit(patch, width, depth)."""
-    # [LS] timm defaults: ImageNet mean/std, crop_pct 0.875, --train-interpolation 'random'
-    # (bilinear or bicubic per image), eval bicubic (the ViT's cfg; 'random' evaluates bicubic)
-    imagenet_data(c, "zscore", True, "random")
+    """The LearnableScaler README's ImageNet-1k command [LS] for vit(patch, width, depth). There is
+    no paper: the released code is the source."""
+    # [LS] vision_transformer.py:1104-1112 _cfg of its 'vit_tiny_patch16_224' base: mean/std 0.5
+    # (IMAGENET_INCEPTION_*), crop_pct 0.9, bicubic eval; train.py timm default --train-interpolation
+    # 'random' (bilinear or bicubic per image; 'random' evaluates bicubic)
+    imagenet_data(c, "minus_one_one", True, "random", eval_crop=0.9)
     c.model.variant = None
-    c.model.patch_size = patch          # [LS] vit(16, 192, 24)
-    c.model.hidden_size = width
+    c.model.patch_size = patch          # [LS] vision_transformer.py:1686-1711 vit_learnable_scaler_
+    c.model.hidden_size = width         # embed_dim192_patch16_head3_depth24 / _depth36: 3 heads
     c.model.depth = depth
-    c.model.num_heads = width // 64     # not given by [LS]: 64-wide heads as ViT-Ti (192/3)
+    c.model.num_heads = 3
     c.model.mlp_dim = 4 * width
     c.model.classifier = "token"
     c.model.stochastic_depth = 0.0      # [LS] no --drop-path (timm default 0)
     c.model.gelu_approximate = False    # timm's exact GELU
     c.model.param_init = "timm"         # [LS] timm's VisionTransformer init
-    c.batch_size = 2048                 # [LS] --batch-size 256 x --grad-accum-steps 8
+    c.batch_size = 2048                 # [LS] --batch-size 256 x --grad-accum-steps 8 (one GPU)
     c.grad_accum_steps = 8              # [LS] --grad-accum-steps 8 (micro-batches of 256)
     c.num_epochs = 300.0                # [LS] --epochs 300
     c.total_steps = None
-    c.optimizer.name = "lamb"           # [LS] --opt lamb
+    c.optimizer.name = "lamb"           # [LS] --opt lamb: timm/optim/lamb.py (train/optimizer.py timm_lamb)
+    c.optimizer.lamb_grad_clip = 1.0    # [LS] lamb.py Lamb(max_grad_norm=1.0), inside the optimizer
     c.optimizer.learning_rate = 5e-3    # [LS] --lr 0.005
     c.optimizer.weight_decay = 0.02     # [LS] --weight-decay 0.02
-    c.optimizer.grad_clip = 14.0        # [LS] --clip-grad 14
-    c.schedule.name = "cosine"          # [LS] uses --sched custom (not reproduced; see README)
+    c.optimizer.grad_clip = 14.0        # [LS] --clip-grad 14 (before the optimizer's own clip)
+    c.schedule.name = "ls_custom"       # [LS] --sched custom: train.py:386-399 custom_lr_scheduler,
+    c.schedule.epoch_factor = 0.8       # [LS] --epoch-factor 0.8
+    c.schedule.epoch_threshold = 0.5    # [LS] --epoch-threshold 0.5
+    c.schedule.final_fraction = 0.66    # [LS] train.py:390 int(num_epochs * 0.66)
     c.schedule.warmup_steps = 0         # [LS] --warmup-epoch 0
-    c.schedule.end_factor = 0.0
     c.label_smoothing = 0.1             # [LS] timm's --smoothing default 0.1
     c.mixup_alpha = 0.1                 # [LS] --mixup 0.1
     c.cutmix_alpha = 1.0                # [LS] --cutmix 1
     c.mix_prob, c.switch_prob, c.mix_mode = 1.0, 0.5, "batch"  # timm defaults
+    c.mix_groups = 8                    # one draw per loader batch of 256 (train.py:938-940, per loader batch)
+    c.cutmix_box = "even"               # its timm 0.8.21dev0 (timm/data/mixup.py:47-50)
     c.random_erase_prob = 0.0           # [LS] no --reprob (timm default 0)
     c.data.repeated_aug = 1
     c.ema_decay = 0.0                   # [LS] no --model-ema
@@ -172,101 +207,79 @@ def learnable_scaler_paper(c: ml_collections.ConfigDict, depth: int = 24,
 
 
 def t2t_vit(c: ml_collections.ConfigDict, variant: str = "T2T-14") -> ml_collections.ConfigDict:
-    """UN's ImageNet-1k run of T2T-ViT-14 [UN] (T2T-ViT's own recipe): 300 epochs at batch 512."""
-    # [UN] timm: ImageNet mean/std, PIL resize, --train-interpolation 'random' (bilinear or
-    # bicubic per image), eval bicubic (t2t_vit.py _cfg; 'random' evaluates bicubic)
-    imagenet_data(c, "zscore", True, "random")
-    c.data.eval_crop_fraction = 0.9     # [UN] t2t_vit.py _cfg crop_pct 0.9
-    c.model.name = "t2t_vit"            # [UN] T2t_vit_14: tokens_type='performer'
+    """UN's ImageNet-1k run of T2T-ViT-14 [UN] (T2T-ViT's own recipe): 300 epochs at batch 512.
+    Follows the released code (fp32: main.py:217-221 no AMP flag on by default, and run_train.sh
+    passes none); ``--config.dtype=bfloat16`` for mixed precision."""
+    # [UN] timm: ImageNet mean/std, PIL resize, main.py:171 --train-interpolation 'random' (bilinear
+    # or bicubic per image), eval bicubic at crop_pct 0.9 (models/t2t_vit.py:27 _cfg)
+    imagenet_data(c, "zscore", True, "random", eval_crop=0.9)
+    c.model.name = "t2t_vit"            # [UN] run_train.sh --model T2t_vit_14_all_un1d
     c.model.variant = variant           # [UN] embed 384, depth 14, heads 6, mlp_ratio 3
     c.model.patch_size = 16             # three soft splits, strides 4 x 2 x 2
-    c.model.token_dim = 64              # [UN] T2T_module token_dim=64
-    c.model.kernel_ratio = 0.5          # [UN] Token_performer kernel_ratio=0.5
-    c.model.t2t_dropout_rate = 0.1      # [UN] Token_performer dp1 = dp2 = 0.1
+    c.model.token_dim = 64              # [UN] models/t2t_vit.py:51 T2T_module token_dim=64
+    c.model.kernel_ratio = 0.5          # [UN] models/t2t_vit.py:72-73 Token_performer kernel_ratio=0.5
+    c.model.t2t_dropout_rate = 0.1      # [UN] models/token_performer.py:9 Token_performer dp1 = dp2 = 0.1
     # The stem's four norm slots: name None = model.norm (UN's all_un1d); e.g. 'layernorm' + options
     c.model.stem_norm = ml_collections.ConfigDict({"name": ml_collections.config_dict.placeholder(str)})
-    c.model.classifier = "token"        # [UN] cls_token, head on x[:, 0]
     c.model.posemb = "sincos1d"         # [UN] get_sinusoid_encoding(num_patches + 1), not trained
     c.model.qkv_bias = False            # [UN] T2T_ViT qkv_bias=False
     if c.model.norm.name == "layernorm":
         c.model.norm.epsilon = 1e-5     # [UN] torch nn.LayerNorm default (the LN baseline)
-    c.model.gelu_approximate = False    # [UN] nn.GELU (exact)
-    c.model.param_init = "timm"         # [UN] T2T_ViT._init_weights: trunc_normal_(std=.02)
-    c.model.dropout_rate = 0.0          # [UN] --drop 0
-    c.model.attention_dropout_rate = 0.0
-    c.model.stochastic_depth = 0.1      # [UN] --drop-path 0.1
-    c.batch_size = 512                  # [UN] run_train.sh: 8 GPUs x --batch-size 64
-    c.num_epochs = 300.0                # [UN] --epochs 300 (+10 cooldown epochs at min-lr not run here)
-    c.total_steps = None
-    c.optimizer.name = "adamw"          # [UN] --opt adamw
-    c.optimizer.learning_rate = 5e-4    # [UN] --lr 5e-4 (not rescaled by batch size)
-    c.optimizer.weight_decay = 0.05     # [UN] --weight-decay 0.05
-    c.optimizer.b1, c.optimizer.b2 = 0.9, 0.999
-    c.optimizer.grad_clip = None        # [UN] --clip-grad None
-    c.schedule.name = "cosine"          # [UN] --sched cosine
-    c.schedule.warmup_steps = 10 * steps_per_epoch(c.batch_size)  # [UN] --warmup-epochs 10
-    c.schedule.end_factor = 1e-5 / c.optimizer.learning_rate      # [UN] --min-lr 1e-5
-    c.label_smoothing = 0.1             # [UN] --smoothing 0.1
-    c.mixup_alpha = 0.8                 # [UN] --mixup 0.8
-    c.cutmix_alpha = 1.0                # [UN] --cutmix 1.0
-    c.mix_prob = 1.0                    # [UN] --mixup-prob 1.0
-    c.switch_prob = 0.5                 # [UN] --mixup-switch-prob 0.5
-    c.mix_mode = "batch"                # [UN] --mixup-mode batch
-    c.random_erase_prob = 0.25          # [UN] --reprob 0.25
-    c.random_erase_mode = "pixel"       # [UN] --remode pixel
+    # [UN] run_train.sh: 8 GPUs x --batch-size 64 (mix_groups 8), --lr 5e-4 (not rescaled by batch
+    # size); main.py:119 --warmup-epochs 10. main.py:424/554 also runs create_scheduler's 10
+    # cooldown epochs (main.py:121) at min-lr after the 300: not modelled here.
+    timm_deit_training(c, batch=512, lr=5e-4, warmup_epochs=10, mix_groups=8)
     c.data.repeated_aug = 1             # [UN] no repeated augmentation (timm train.py)
-    c.ema_decay = 0.99996               # [UN] --model-ema (on by default) decay 0.99996
-    set_randaugment(c, RANDAUGMENT_DEIT)  # [UN] --aa rand-m9-mstd0.5-inc1
-    c.dtype = "bfloat16"                # [UN] apex/native AMP; bf16 here
-    c.eval_batch_size = 1024
-    c.log_every, c.eval_every, c.checkpoint_every = 100, 5000, 2000
+    c.dtype = "float32"                 # [UN] fp32 (see the docstring)
     return c
 
 
 def rescale_cifar10_b16(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """RescaleViT's CIFAR-10 from-scratch run: ViT-B/16 at 224, 20k steps of batch 128 [NORMS],
-    on top of jeonsworld/ViT-pytorch (the code RescaleViT extends) for what [NORMS] does not say."""
+    """RescaleViT's CIFAR-10 from-scratch run [RV]: ViT-B/16 at 224, 20k steps of batch 128
+    (README.md's table: LN 69.7, BN 66.5, GN 65.1, Rescale 65.2), its train.py defaults."""
     c.data.name = "cifar10"
     c.data.train_split = "train"
     c.data.eval_split = "test"
-    c.data.image_size = 224             # RescaleViT README: resolution 224x224
+    c.data.image_size = 224             # [RV] train.py:304 --img_size 224
     c.data.crop_padding = 0
-    c.data.random_resized_crop = True   # ViT-pytorch: RandomResizedCrop(224, scale=(0.05, 1))
+    c.data.random_resized_crop = True   # [RV] utils/data_utils.py:19 RandomResizedCrop(224, scale=(0.05, 1))
     c.data.min_crop_area = 0.05
-    c.data.flip = False                 # ViT-pytorch's CIFAR transform has no flip
-    c.data.eval_crop_fraction = 1.0     # ViT-pytorch: Resize(224) for test
-    c.data.normalize = "minus_one_one"  # ViT-pytorch: Normalize(0.5, 0.5)
-    c.model.variant = "B/16"            # RescaleViT README: ViT-B_16
-    c.batch_size = 128                  # RescaleViT README: batch size 128
-    c.total_steps = 20_000              # RescaleViT README: 20000 iterations
-    c.optimizer.name = "sgd"            # [NORMS] SGD momentum 0.9
+    c.data.flip = False                 # [RV] utils/data_utils.py:18-22: no flip
+    c.data.eval_crop_fraction = 1.0     # [RV] utils/data_utils.py:24 Resize((224, 224)) for test
+    c.data.normalize = "minus_one_one"  # [RV] utils/data_utils.py:21 Normalize(0.5, 0.5)
+    c.model.variant = "B/16"            # [RV] train.py:297 --model_type ViT-B_16
+    c.model.dropout_rate = 0.1          # [RV] models/configs.py:44 get_b16_config dropout_rate 0.1
+    c.model.attention_dropout_rate = 0.0  # [RV] models/configs.py:43
+    c.batch_size = 128                  # [RV] train.py:306 --train_batch_size 128
+    c.total_steps = 20_000              # [RV] train.py:318 --num_steps 20000
+    c.optimizer.name = "sgd"            # [RV] train.py:197-200 SGD momentum 0.9
     c.optimizer.momentum = 0.9
     c.optimizer.nesterov = False
-    c.optimizer.learning_rate = 0.05    # [NORMS] lr 0.05
-    c.optimizer.weight_decay = 0.0      # [NORMS] wd 0
-    c.optimizer.grad_clip = 1.0         # ViT-pytorch --max_grad_norm 1.0
-    c.schedule.name = "cosine"          # [NORMS] cosine with 500 warmup steps
-    c.schedule.warmup_steps = 500
+    c.optimizer.learning_rate = 0.05    # [RV] train.py:314 --learning_rate 0.05 (train1.sh too)
+    c.optimizer.weight_decay = 0.0      # [RV] train.py:316 --weight_decay 0
+    c.optimizer.grad_clip = 1.0         # [RV] train.py:324 --max_grad_norm 1.0
+    c.schedule.name = "cosine"          # [RV] train.py:320 --decay_type cosine
+    c.schedule.warmup_steps = 500       # [RV] train.py:322 --warmup_steps 500
     c.schedule.end_factor = 0.0
     c.label_smoothing = 0.0
     c.model.stochastic_depth = 0.0
-    c.dtype = "float32"                 # the README's run used apex O2 fp16; bf16 is an option
-    c.eval_batch_size = 512
-    c.log_every, c.eval_every, c.checkpoint_every = 100, 100, 1000  # README: --eval_every 100
+    c.dtype = "float32"                 # [RV] train1.sh ran apex O2 fp16; bf16 is an option here
+    c.eval_batch_size = 512             # [RV] train.py:308
+    c.log_every, c.eval_every, c.checkpoint_every = 100, 100, 1000  # [RV] train.py:310 --eval_every 100
     return c
 
 
 # Presets shared by the method configs: name -> function of the config.
 DEIT = {
-    # DTN paper's ViT-T* (4 heads of 48), ViT-S, ViT-B* (16 heads of 48) [NORMS]
+    # [DTN] ViT-T* (4 heads of 48), ViT-S, ViT-B* (16 heads of 48): the paper's models
     "deit_t": lambda c: _heads(deit(c, "Ti/16"), 4),
     "deit_s": lambda c: deit(c, "S/16"),
-    "deit_b": lambda c: _heads(deit(c, "B/16"), 16),
+    "deit_b": lambda c: _heads(deit(c, "B/16", gpus=16), 16),
 }
 T2T = {"t2t_vit_14": lambda c: t2t_vit(c, "T2T-14")}  # UN's setting [UN]
 BIGVISION = {
     "bigvision_s16_90ep": lambda c: bigvision_i1k(c, "S/16", 90.0),
-    "bigvision_s16_300ep": lambda c: bigvision_i1k(c, "S/16", 300.0),  # [BV] "--config.num_epochs 300"
+    "bigvision_s16_300ep": lambda c: bigvision_i1k(c, "S/16", 300.0),  # [BV] vit_s16_i1k.py:27
 }
 
 

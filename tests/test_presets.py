@@ -105,6 +105,14 @@ def test_presets_carry_the_cited_values():
     assert (ls.optimizer.name, ls.batch_size, ls.grad_accum_steps, ls.optimizer.grad_clip) == \
         ("lamb", 2048, 8, 14.0)
     assert (ls.model.depth, ls.model.hidden_size, ls.model.patch_size) == (24, 192, 16)
+    assert (ls.schedule.name, ls.schedule.epoch_factor, ls.schedule.epoch_threshold) == \
+        ("ls_custom", 0.8, 0.5)
+    assert (ls.optimizer.lamb_grad_clip, ls.data.normalize, ls.data.eval_crop_fraction) == \
+        (1.0, "minus_one_one", 0.9)  # timm Lamb's max_grad_norm; the model cfg's mean/std 0.5, crop 0.9
+    # per-process Mixup draws and timm < 1.0.29's CutMix box where the source used timm
+    assert [(x.mix_groups, x.cutmix_box) for x in (d, load("vit_dtn.py:deit_b"), ls)] == \
+        [(4, "even"), (16, "even"), (8, "even")]
+    assert (b.data.min_crop_area, b.data.antialias) == (0.05, False)  # ops_image.py area_min=5
     t = load("vit_un.py:t2t_vit_14")
     assert (t.model.name, t.model.variant, t.batch_size, t.optimizer.learning_rate) == \
         ("t2t_vit", "T2T-14", 512, 5e-4)
@@ -116,6 +124,8 @@ def test_presets_carry_the_cited_values():
     r = load("vit_rescale.py:cifar10_b16")
     assert (r.model.variant, r.data.image_size, r.total_steps, r.batch_size) == ("B/16", 224, 20_000, 128)
     assert r.model.norm.name == "rescale" and r.optimizer.name == "sgd"
+    assert (r.model.dropout_rate, r.model.attention_dropout_rate) == (0.1, 0.0)  # models/configs.py
+    assert (t.mix_groups, t.dtype, t.data.eval_crop_fraction) == (8, "float32", 0.9)
 
 
 def test_presets_name_policies_the_randaugment_parser_accepts():
