@@ -60,7 +60,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.mlp_dim = placeholder(int)      # None: mlp_ratio * hidden
     c.model.mlp_ratio = 4.0
     c.model.patch_size = placeholder(int)
-    c.model.classifier = "token"    # token (class token) | gap (global average pooling)
+    c.model.classifier = "token"    # token (class token) | gap (global average pooling) |
+    # gap_fc_norm (timm's global_pool='avg': pool the tokens, then the final norm on that vector)
     c.model.posemb = "learn"        # learn | sincos2d | sincos1d (fixed 1-D table, class token at 0) | none
     c.model.cls_token_at_block = 0  # >0: the class token joins before this block (DTN's layout); <0: depth + value
     c.model.norm = ml_collections.ConfigDict({"name": "layernorm"})  # the norm of every slot; options beside name

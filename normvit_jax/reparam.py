@@ -13,8 +13,11 @@ same function without a pass over the activations (UN's "faster inference").
 
 ``fold(spec, variables)`` returns the folded model's spec, variables and a report;
 ``max_logit_difference`` is the equivalence check; ``save``/``load`` write and read a folded
-model (``model.json`` + ``variables.msgpack``, local or gs://). PowerNorm (per-token group scaling at
-inference), LayerNorm and the other per-token norms do not fold and are kept.
+model (``model.json`` + ``variables.msgpack``, local or gs://). RepBN and a progressive norm
+evaluating a foldable N2 fold like BN. DyT, Derf, zscore and minmax fold their scale/bias and keep
+their point-wise function or token statistics (``split_affine``; the slot keeps the norm with
+``affine=False``). PowerNorm (per-token group scaling at inference), LayerNorm and the other
+per-token norms do not fold and are kept; the report lists what was folded and what stays.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from flax import serialization
 
 from normvit_jax import models, norms
 from normvit_jax.models import scan_convert
-from normvit_jax.models.spec import ViTSpec
+from normvit_jax.models.spec import FC_SLOT, FINAL_SLOT, ViTSpec
 from normvit_jax.models.t2t_vit import STEM_SCOPE, T2TViTSpec
 
 ATTENTION = "MultiHeadDotProductAttention_1"
@@ -78,15 +81,49 @@ def _affine(norm_cfg: Any, slot_params: Mapping, slot_stats: Mapping, dim: int):
     return np.asarray(a, np.float32), np.asarray(c, np.float32)
 
 
+def _slot_fold(norm_cfg: Any, slot_params: Mapping, slot_stats: Mapping, dim: int):
+    """(a, c, the slot's config after the fold, its params after the fold) of one slot: a whole
+    affine norm becomes 'identity'; a norm with ``split_affine`` (DyT, Derf, zscore, minmax) keeps
+    its point-wise function or statistics with ``affine=False`` and gives its scale/bias."""
+    if foldable(norm_cfg):
+        a, c = _affine(norm_cfg, slot_params, slot_stats, dim)
+        return a, c, {"name": "identity"}, {}
+    module = norms.create(norm_cfg, dim=dim, slot="fold")
+    a, c, opts, kept = module.split_affine(slot_params, slot_stats)
+    cfg = {**norms.as_dict(norm_cfg), **opts}
+    return np.asarray(a, np.float32), np.asarray(c, np.float32), cfg, _plain(kept)
+
+
 def _why_kept(norm_cfg: Any) -> str:
     name = norms.name_of(norm_cfg)
     if name == "powernorm":
         return "powernorm: its group scaling divides each token by its own RMS at inference"
+    if name == "progressive":
+        return ("progressive: evaluates the mixture with N1 (eval_mode='mixture') or its N2 does "
+                "not fold")
     return f"{name}: statistics of each token at inference, not a fixed affine"
 
 
+def _why_split(norm_cfg: Any) -> str:
+    name = norms.name_of(norm_cfg)
+    what = {"dyt": "tanh(alpha * x)", "derf": "erf(alpha * x + s)"}.get(
+        name, "the per-token statistics")
+    return f"{name}: scale/bias folded, {what} stays"
+
+
 def foldable(norm_cfg: Any) -> bool:
-    return hasattr(norms.resolve(norms.name_of(norm_cfg)), "inference_affine")
+    """Whether the slot's eval function is a fixed per-channel affine (folds away entirely)."""
+    cls = norms.resolve(norms.name_of(norm_cfg))
+    if not hasattr(cls, "inference_affine"):
+        return False
+    opts = norms.as_dict(norm_cfg)
+    return cls.folds(opts) if hasattr(cls, "folds") else True
+
+
+def splittable(norm_cfg: Any) -> bool:
+    """Whether the slot's scale/bias fold while its function stays (``split_affine``)."""
+    cls = norms.resolve(norms.name_of(norm_cfg))
+    return hasattr(cls, "split_affine") and norms.as_dict(norm_cfg).get("affine", True)
 
 
 def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldReport]:
@@ -110,36 +147,29 @@ def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldR
     for i in range(spec.depth):
         ncfg = spec.block_norm(i)
         block = f"encoderblock_{i}"
-        if not foldable(ncfg):
-            report.kept.append((f"Transformer/{block}", _why_kept(ncfg)))
-            continue
         if norms.name_of(ncfg) == "identity":
             continue
+        if not (foldable(ncfg) or splittable(ncfg)):
+            report.kept.append((f"Transformer/{block}", _why_kept(ncfg)))
+            continue
         for slot, targets in NEXT_LAYERS.items():
-            a, c = _affine(ncfg, tf_params[block].get(slot, {}),
-                           tf_stats.get(block, {}).get(slot, {}), dim)
+            a, c, new_cfg, kept = _slot_fold(ncfg, tf_params[block].get(slot, {}),
+                                             tf_stats.get(block, {}).get(slot, {}), dim)
             for path in targets:
                 layer = tf_params[block]
                 for key in path:
                     layer = layer[key]
                 _fold_into(layer, a, c)
             tf_params[block].pop(slot, None)
+            if kept:
+                tf_params[block][slot] = kept
             if block in tf_stats:
                 tf_stats[block].pop(slot, None)
             report.folded.append(f"Transformer/{block}/{slot}")
-        new_overrides[f"block_{i}"] = {"name": "identity"}
-    final_cfg = spec.final_norm_config()
-    if spec.final_norm and ("encoder_norm" in tf_params or "encoder_norm" in tf_stats):
-        if foldable(final_cfg) and norms.name_of(final_cfg) != "identity":
-            a, c = _affine(final_cfg, tf_params.get("encoder_norm", {}),
-                           tf_stats.get("encoder_norm", {}), dim)
-            _fold_into(params["pre_logits" if spec.representation_size else "head"], a, c)
-            tf_params.pop("encoder_norm", None)
-            tf_stats.pop("encoder_norm", None)
-            new_overrides["final"] = {"name": "identity"}
-            report.folded.append("Transformer/encoder_norm")
-        elif not foldable(final_cfg):
-            report.kept.append(("Transformer/encoder_norm", _why_kept(final_cfg)))
+            if new_cfg["name"] != "identity":
+                report.kept.append((f"Transformer/{block}/{slot}", _why_split(ncfg)))
+        new_overrides[f"block_{i}"] = new_cfg
+    _fold_final(spec, params, stats, dim, report, new_overrides)
     # 'block_<i>' is the narrowest key, so it wins over any range that also covers block i.
     new_spec = spec.with_norm_overrides(new_overrides)
     if any(k.startswith("block_") for k in new_overrides) and not spec.qkv_bias:
@@ -150,6 +180,35 @@ def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldR
     if jax.tree.leaves(stats):
         out["batch_stats"] = stats
     return new_spec, scan_convert.to_layout(out, new_spec), report
+
+
+def _fold_final(spec: Any, params: dict, stats: dict, dim: int, report: FoldReport,
+                new_overrides: dict) -> None:
+    """The final norm ('Transformer/encoder_norm', or the top-level 'fc_norm' of classifier
+    'gap_fc_norm') into the ``pre_logits`` or ``head`` Dense."""
+    if spec.classifier == "gap_fc_norm":
+        p_scope, s_scope, key, path = params, stats, FC_SLOT, FC_SLOT
+    else:
+        p_scope, s_scope = params["Transformer"], stats.get("Transformer", {})
+        key, path = FINAL_SLOT, f"Transformer/{FINAL_SLOT}"
+    cfg = spec.final_norm_config()
+    if not spec.final_norm or not (key in p_scope or key in s_scope):
+        return
+    if norms.name_of(cfg) == "identity":
+        return
+    if not (foldable(cfg) or splittable(cfg)):
+        report.kept.append((path, _why_kept(cfg)))
+        return
+    a, c, new_cfg, kept = _slot_fold(cfg, p_scope.get(key, {}), s_scope.get(key, {}), dim)
+    _fold_into(params["pre_logits" if spec.representation_size else "head"], a, c)
+    p_scope.pop(key, None)
+    s_scope.pop(key, None)
+    if kept:
+        p_scope[key] = kept
+    new_overrides["final"] = new_cfg
+    report.folded.append(path)
+    if new_cfg["name"] != "identity":
+        report.kept.append((path, _why_split(cfg)))
 
 
 def _fold_stem(spec: Any, params: dict, stats: dict, report: FoldReport) -> bool:

@@ -24,7 +24,7 @@ VARIANTS: dict[str, tuple[int, int, int, int]] = {
     "H": (1280, 32, 16, 5120),
 }
 PATCH_SIZES = (2, 4, 8, 14, 16, 32)
-CLASSIFIERS = ("token", "gap")
+CLASSIFIERS = ("token", "gap", "gap_fc_norm")  # gap_fc_norm: timm's pool, then norm (FC_SLOT)
 POSEMBS = ("learn", "sincos2d", "sincos1d", "none")
 PLACEMENTS = ("pre", "post", "sandwich")
 PATCH_NORMS = ("none", "pre", "post", "dual", "post_posemb")
@@ -41,6 +41,7 @@ DEFAULT_NORM = FrozenDict(norms.DEFAULT)  # the norm of a slot nothing else name
 # Norm slots, by module name. In a block: pre/post use the first two, sandwich all four.
 BLOCK_SLOTS = ("LayerNorm_0", "LayerNorm_2", "PostNorm_attn", "PostNorm_mlp")
 FINAL_SLOT = "encoder_norm"
+FC_SLOT = "fc_norm"  # classifier gap_fc_norm: the final norm on the pooled vector (top level)
 PATCH_SLOTS = ("patch_norm_pre", "patch_norm_post")  # always LayerNorm (Dual PatchNorm)
 ALL_SLOTS = frozenset(BLOCK_SLOTS + (FINAL_SLOT,) + PATCH_SLOTS)
 GOOGLE_SLOTS = frozenset(BLOCK_SLOTS[:2] + (FINAL_SLOT,))  # the slots Google's checkpoints hold

@@ -22,15 +22,17 @@ from normvit_jax.models.fusion_barriers import barriers_on, grad_barrier
 from normvit_jax.models.layers import (AddPositionEmbs, Attention, MlpBlock, PatchEmbed, drop_path,
                                        drop_path_rate, rescale_coefficient, sincos_1d, sincos_2d,
                                        timm_normal, token_stats)
-from normvit_jax.models.spec import DEFAULT_NORM, FINAL_SLOT, ViTSpec
+from normvit_jax.models.spec import DEFAULT_NORM, FC_SLOT, FINAL_SLOT, ViTSpec
 
 
 def _sown_norm(module: nn.Module, cfg: Any, x: jax.Array, train: bool, spec: ViTSpec,
-               grid: tuple[int, int], prefix: int, slot: str) -> jax.Array:
-    """The norm of one slot; under capture, its input and output token statistics are sown."""
+               grid: tuple[int, int], prefix: int, slot: str,
+               step: jax.Array | None = None) -> jax.Array:
+    """The norm of one slot; under capture, its input and output token statistics are sown.
+    A norm class with ``TAKES_STEP`` (norms/progressive.py) also gets the global train step."""
     norm = norms.create(cfg, dim=x.shape[-1], num_heads=spec.num_heads, grid=grid,
                         num_prefix_tokens=prefix, slot=slot, name=slot)
-    y = norm(x, train=train)
+    y = norm(x, train=train, step=step) if getattr(norm, "TAKES_STEP", False) else norm(x, train=train)
     if module.is_mutable_collection("intermediates"):
         module.sow("intermediates", f"{slot}_in", token_stats(x))
         module.sow("intermediates", f"{slot}_out", token_stats(y))
@@ -46,18 +48,21 @@ class EncoderBlock(nn.Module):
     num_prefix_tokens: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, capture: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, capture: bool = False,
+                 step: jax.Array | None = None) -> jax.Array:
         rate = drop_path_rate(self.spec.stochastic_depth, self.index, self.spec.depth)
-        return self._block(x, train, capture, rate, rescale_coefficient(self.index), rate != 0.0)
+        return self._block(x, train, capture, rate, rescale_coefficient(self.index), rate != 0.0,
+                           step)
 
     def _block(self, x: jax.Array, train: bool, capture: bool, rate: float | jax.Array,
-               res_coef: float | jax.Array, dp_on: bool) -> jax.Array:
+               res_coef: float | jax.Array, dp_on: bool,
+               step: jax.Array | None = None) -> jax.Array:
         """``rate`` and ``res_coef`` (drop-path rate, RescaleViT coefficient) are arrays when the
         block is one step of an ``nn.scan``; ``dp_on`` says statically whether anything drops."""
         s = self.spec
         cfg = s.block_norm(self.index)
         norm = lambda slot, y: _sown_norm(self, cfg, y, train, s, self.grid, self.num_prefix_tokens,
-                                          slot)
+                                          slot, step)
         barriers = barriers_on(s.fusion_barriers)
         attn = Attention(s.num_heads, s.dtype, s.attention_dropout_rate, s.attention_impl, barriers,
                          s.qkv_bias, s.param_init, name="MultiHeadDotProductAttention_1")
@@ -101,7 +106,7 @@ class _ScannedBlock(EncoderBlock):
         s = self.spec
         dp_on = s.stochastic_depth != 0.0 and s.scan_length > 1  # any scanned block drops
         return self._block(x, self.scan_train, self.scan_capture, consts["drop_path_rate"],
-                           consts["res_coef"], dp_on), None
+                           consts["res_coef"], dp_on, consts.get("step")), None
 
 
 class ViT(nn.Module):
@@ -115,7 +120,10 @@ class ViT(nn.Module):
     spec: ViTSpec
 
     @nn.compact
-    def __call__(self, images: jax.Array, train: bool = False, capture: bool = False) -> jax.Array:
+    def __call__(self, images: jax.Array, train: bool = False, capture: bool = False,
+                 step: jax.Array | None = None) -> jax.Array:
+        """``step``: the global train step (int scalar), read by norms whose function depends on
+        it (norms/progressive.py); the train and eval steps pass ``state.step``."""
         s = self.spec
         if s.num_classes is None:
             raise ValueError("the ViTSpec has no num_classes: build it with ViTSpec.from_config("
@@ -133,8 +141,13 @@ class ViT(nn.Module):
         if s.uses_cls and not joins_late:
             x = jnp.concatenate([cls, x], axis=1)
         x = Encoder(s, grid, int(s.uses_cls and not joins_late), name="Transformer")(
-            x, cls, train, capture)
+            x, cls, train, capture, step)
         x = x[:, 0] if s.uses_cls else jnp.mean(x, axis=1)
+        if s.final_norm and s.classifier == "gap_fc_norm":
+            # timm's global_pool='avg' with fc_norm: pool the tokens, then normalise that one vector
+            # (the final norm's config, in slot 'fc_norm'); the encoder has no final norm then.
+            x = _sown_norm(self, s.final_norm_config(), x[:, None, :], train, s, grid, 0, FC_SLOT,
+                           step)[:, 0]
         if s.representation_size:
             x = jnp.tanh(nn.Dense(s.representation_size, dtype=s.dtype, param_dtype=jnp.float32,
                                   kernel_init=nn.initializers.lecun_normal() if google else timm_normal(),
@@ -164,7 +177,7 @@ class Encoder(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, cls: jax.Array | None, train: bool,
-                 capture: bool) -> jax.Array:
+                 capture: bool, step: jax.Array | None = None) -> jax.Array:
         s = self.spec
         if s.posemb == "learn":
             x = AddPositionEmbs(name="posembed_input")(x)
@@ -185,13 +198,16 @@ class Encoder(nn.Module):
             # which enter as scanned arrays: one block is traced and compiled instead of k.
             k = s.scan_length
             body = nn.remat(_ScannedBlock, prevent_cse=False) if s.remat else _ScannedBlock
-            scanned = nn.scan(body, variable_axes={"params": 0, "batch_stats": 0, "intermediates": 0},
+            scanned = nn.scan(body, variable_axes={"params": 0, "batch_stats": 0, "intermediates": 0,
+                                                  "schedule": 0},
                               split_rngs={"params": True, "dropout": True}, in_axes=0, length=k)
             consts = {
                 "drop_path_rate": np.asarray([drop_path_rate(s.stochastic_depth, i, s.depth)
                                               for i in range(k)], np.float32),
                 "res_coef": np.asarray([rescale_coefficient(i) for i in range(k)], np.float32),
             }
+            if step is not None:
+                consts["step"] = jnp.broadcast_to(jnp.asarray(step), (k,))
             x, _ = scanned(s, 0, self.grid, prefix, scan_train=train, scan_capture=capture,
                            name="encoderblock")(x, consts)
             start = k
@@ -200,10 +216,11 @@ class Encoder(nn.Module):
             if cls is not None and s.cls_token_at_block == i and i > 0:
                 x = jnp.concatenate([cls, x], axis=1)
                 prefix = 1
-            x = block_cls(s, i, self.grid, prefix, name=f"encoderblock_{i}")(x, train, capture)
+            x = block_cls(s, i, self.grid, prefix, name=f"encoderblock_{i}")(x, train, capture, step)
         if cls is not None and s.cls_token_at_block >= s.depth:
             x = jnp.concatenate([cls, x], axis=1)
             prefix = 1
-        if s.final_norm:
-            x = _sown_norm(self, s.final_norm_config(), x, train, s, self.grid, prefix, FINAL_SLOT)
+        if s.final_norm and s.classifier != "gap_fc_norm":
+            x = _sown_norm(self, s.final_norm_config(), x, train, s, self.grid, prefix, FINAL_SLOT,
+                           step)
         return x

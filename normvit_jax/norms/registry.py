@@ -33,6 +33,12 @@ _ENTRIES: dict[str, str] = {
     "dtn_var": "normvit_jax.norms.dtn:DTNVar",
     "learnable_scaler": "normvit_jax.norms.learnable_scaler:LearnableScaler",
     "rescale": "normvit_jax.norms.rescale:Rescale",
+    "repbn": "normvit_jax.norms.repbn:RepBN",
+    "zscore": "normvit_jax.norms.feature:ZScore",
+    "minmax": "normvit_jax.norms.feature:MinMax",
+    "dyt": "normvit_jax.norms.pointwise:DyT",
+    "derf": "normvit_jax.norms.pointwise:Derf",
+    "progressive": "normvit_jax.norms.progressive:Progressive",
 }
 REGISTRY = _ENTRIES
 

@@ -4,6 +4,7 @@ Backward-updated norm statistics (PowerNorm, UN) follow the one rule of
 ``normvit_jax.norms.gradient_rule.train_grads``, which the train step calls.
 """
 
+import inspect
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -26,6 +27,25 @@ class TrainMetrics(clu_metrics.Collection):
     grad_norm: clu_metrics.Average.from_output("grad_norm")
     learning_rate: clu_metrics.LastValue.from_output("learning_rate")
     skipped_nonfinite: clu_metrics.Average.from_output("skipped")
+
+
+@flax.struct.dataclass
+class ScheduledTrainMetrics(clu_metrics.Collection):
+    """TrainMetrics of a model with step-scheduled norms (norms/progressive.py), plus N1's weight
+    at the step (the mean over the norms that sow one in the ``schedule`` collection). clu reads
+    a collection's own annotations only, so the fields are repeated."""
+    loss: clu_metrics.Average.from_output("loss")
+    accuracy: clu_metrics.Average.from_output("accuracy")
+    grad_norm: clu_metrics.Average.from_output("grad_norm")
+    learning_rate: clu_metrics.LastValue.from_output("learning_rate")
+    skipped_nonfinite: clu_metrics.Average.from_output("skipped")
+    norm_n1_weight: clu_metrics.LastValue.from_output("norm_n1_weight")
+
+
+def step_kwargs(model: nn.Module, step: jax.Array) -> dict:
+    """``{'step': step}`` for models whose ``__call__`` takes the global train step (ViT: the norms
+    scheduled by it read it there), else nothing."""
+    return {"step": step} if "step" in inspect.signature(model.__call__).parameters else {}
 
 
 @flax.struct.dataclass
@@ -69,14 +89,19 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
     ``input_affine``: maps uint8 batch images to model input (``data.stats.model_input``).
     """
 
-    def loss_and_grads(params, batch_stats, images, labels, rng):
-        loss, g_params, new_bs, logits = gradient_rule.train_grads(
-            lambda v: model.apply(v, images, train=True, rngs={"dropout": rng},
-                                  mutable=["batch_stats"]),
-            params, batch_stats,
-            lambda logits: jnp.mean(cross_entropy(logits, labels, label_smoothing)))
+    def apply(v, images, rng, step):
+        # The global train step reaches step-scheduled norms; what they sow under 'schedule'
+        # (N1's weight) comes back beside the logits for the metrics.
+        out, mutated = model.apply(v, images, train=True, rngs={"dropout": rng},
+                                   mutable=["batch_stats", "schedule"], **step_kwargs(model, step))
+        return (out, mutated.get("schedule", {})), mutated
+
+    def loss_and_grads(params, batch_stats, images, labels, rng, step):
+        loss, g_params, new_bs, (logits, sched) = gradient_rule.train_grads(
+            lambda v: apply(v, images, rng, step), params, batch_stats,
+            lambda out: jnp.mean(cross_entropy(out[0], labels, label_smoothing)))
         correct = jnp.mean((jnp.argmax(logits, -1) == hard_labels(labels)).astype(jnp.float32))
-        return loss, correct, g_params, new_bs
+        return loss, correct, g_params, new_bs, sched
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, TrainMetrics]:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -84,8 +109,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
         if batch_transform is not None:  # labels may become soft targets (B, classes)
             images, labels = batch_transform(rng, images, labels)
         if grad_accum_steps == 1:
-            loss, acc, grads, new_bs = loss_and_grads(state.params, state.batch_stats, images,
-                                                      labels, rng)
+            loss, acc, grads, new_bs, sched = loss_and_grads(state.params, state.batch_stats,
+                                                             images, labels, rng, state.step)
         else:
             k = grad_accum_steps
             split = lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:])
@@ -93,11 +118,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
             def micro(carry, xs):
                 g_sum, bs, loss_sum, acc_sum = carry
                 i, im, lb = xs
-                loss, acc, g, bs = loss_and_grads(state.params, bs, im, lb, jax.random.fold_in(rng, i))
-                return (jax.tree.map(jnp.add, g_sum, g), bs, loss_sum + loss, acc_sum + acc), None
+                loss, acc, g, bs, sched = loss_and_grads(state.params, bs, im, lb,
+                                                         jax.random.fold_in(rng, i), state.step)
+                return (jax.tree.map(jnp.add, g_sum, g), bs, loss_sum + loss, acc_sum + acc), sched
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
-            (g_sum, new_bs, loss_sum, acc_sum), _ = jax.lax.scan(
+            (g_sum, new_bs, loss_sum, acc_sum), sched = jax.lax.scan(
                 micro, (zeros, state.batch_stats, 0.0, 0.0),
                 (jnp.arange(k), split(images), split(labels)))
             grads = jax.tree.map(lambda g: g / k, g_sum)
@@ -112,9 +138,13 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
         if skip_nonfinite:  # keep the previous weights, optimizer and norm state; count the skip
             kept = state.replace(step=state.step + 1, nonfinite_streak=new_state.nonfinite_streak)
             new_state = _tree_where(finite, new_state, kept)
-        metrics = TrainMetrics.single_from_model_output(
-            loss=loss, accuracy=acc, grad_norm=grad_norm, learning_rate=lr_schedule(state.step),
-            skipped=(~finite).astype(jnp.float32))
+        outputs = dict(loss=loss, accuracy=acc, grad_norm=grad_norm,
+                       learning_rate=lr_schedule(state.step), skipped=(~finite).astype(jnp.float32))
+        weights = jax.tree.leaves(sched)
+        if weights:  # the same step for every micro-batch: any micro-batch's values will do
+            outputs["norm_n1_weight"] = jnp.mean(jnp.stack([jnp.mean(w) for w in weights]))
+            return new_state, ScheduledTrainMetrics.single_from_model_output(**outputs)
+        metrics = TrainMetrics.single_from_model_output(**outputs)
         return new_state, metrics
 
     return train_step
@@ -129,7 +159,7 @@ def make_eval_step(model: nn.Module, input_affine: tuple[Any, Any] | None = None
 
     def eval_step(state: TrainState, batch: dict) -> Any:
         logits = model.apply(state.variables(), stats.model_input(batch["image"], input_affine),
-                             train=False)
+                             train=False, **step_kwargs(model, state.step))
         labels = batch["label"]
         loss = cross_entropy(logits, labels)
         top1 = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)

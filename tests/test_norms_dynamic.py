@@ -1,0 +1,284 @@
+"""RepBN, progressive, zscore, minmax, DyT, Derf against float64 numpy formulas (issue 26).
+
+Forward outputs and gradients (input and every parameter) are compared with the published formula
+in numpy float64; gradients against central finite differences of that formula. Random inputs.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import special
+
+from normvit_jax import norms
+from normvit_jax.norms.progressive import n1_weight
+
+SHAPE = (3, 5, 8)  # (B, T, C)
+X = np.random.default_rng(0).normal(1.0, 2.0, size=SHAPE)
+W = np.random.default_rng(1).normal(size=SHAPE)  # loss = sum(W * y): every output weighs
+
+
+# ------------------------------------------------------------------ numpy float64 references
+
+def np_bn(x, eps=1e-5):
+    mean = x.mean(axis=(0, 1))
+    var = x.var(axis=(0, 1))
+    return (x - mean) / np.sqrt(var + eps), mean, var
+
+
+def np_ref(name, x, p):
+    """Train-mode output of norm ``name`` with params ``p`` (a flat dict of float64 arrays)."""
+    if name == "dyt":
+        return p["scale"] * np.tanh(p["alpha"] * x) + p["bias"]
+    if name == "derf":
+        return p["scale"] * special.erf(p["alpha"] * x + p["shift"]) + p["bias"]
+    if name == "zscore":
+        sd = np.sqrt(x.var(axis=-1, ddof=1, keepdims=True) + 1e-6)
+        return p["scale"] * (x - x.mean(-1, keepdims=True)) / sd + p["bias"]
+    if name == "minmax":
+        lo, hi = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
+        return p["scale"] * (x - lo) / (hi - lo + 1e-6) + p["bias"]
+    if name == "repbn":
+        return p["bn/scale"] * np_bn(x)[0] + p["bn/bias"] + p["eta"] * x
+    if name == "layernorm":
+        sd = np.sqrt(x.var(axis=-1, keepdims=True) + 1e-6)
+        return p["scale"] * (x - x.mean(-1, keepdims=True)) / sd + p["bias"]
+    raise KeyError(name)
+
+
+def flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if hasattr(v, "items"):
+            out.update(flat(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = np.array(v, np.float64)
+    return out
+
+
+def unflat(d):
+    out = {}
+    for k, v in d.items():
+        node = out
+        *path, last = k.split("/")
+        for q in path:
+            node = node.setdefault(q, {})
+        node[last] = jnp.asarray(v, jnp.float32)
+    return out
+
+
+def fd_grad(f, arr, h=1e-6):
+    """Central differences of the scalar f at arr (float64)."""
+    arr = np.array(arr, np.float64)  # 0-d arrays (scalar params) too
+    g = np.zeros_like(arr)
+    it = np.nditer(arr, flags=["multi_index"])
+    for _ in it:
+        i = it.multi_index
+        a, b = arr.copy(), arr.copy()
+        a[i] += h
+        b[i] -= h
+        g[i] = (f(a) - f(b)) / (2 * h)
+    return g
+
+
+def random_params(module, seed=2):
+    """The module's params, every leaf drawn at random (not at init, where errors could hide)."""
+    v = module.init(jax.random.key(0), jnp.asarray(X, jnp.float32))
+    rng = np.random.default_rng(seed)
+    p = {k: np.array(rng.uniform(0.5, 1.5, size=a.shape) * rng.choice([-1, 1], size=a.shape))
+         for k, a in flat(v["params"]).items()}
+    return v, p
+
+
+# ------------------------------------------------------------------------------ the norms
+
+@pytest.mark.parametrize("name", ["dyt", "derf", "zscore", "minmax", "repbn"])
+def test_forward_and_gradients_match_numpy(name):
+    module = norms.create(name, dim=SHAPE[-1])
+    v, p = random_params(module)
+    stats = v.get("batch_stats")
+
+    def jax_loss(params, x):
+        variables = {"params": params, **({"batch_stats": stats} if stats else {})}
+        y, _ = module.apply(variables, x, train=True, mutable=["batch_stats"])
+        return jnp.sum(jnp.asarray(W, jnp.float32) * y), y
+
+    (_, y), (gp, gx) = jax.value_and_grad(jax_loss, argnums=(0, 1), has_aux=True)(
+        unflat(p), jnp.asarray(X, jnp.float32))
+    np.testing.assert_allclose(np.asarray(y), np_ref(name, X, p), rtol=1e-5, atol=1e-5)
+    loss = lambda x, q: float(np.sum(W * np_ref(name, x, q)))
+    np.testing.assert_allclose(np.asarray(gx), fd_grad(lambda x: loss(x, p), X.copy()),
+                               rtol=1e-3, atol=1e-4)
+    gp = flat(gp)
+    assert set(gp) == set(p)
+    for k in p:
+        want = fd_grad(lambda a: loss(X, {**p, k: a}), p[k].copy())
+        np.testing.assert_allclose(gp[k], want, rtol=1e-3, atol=1e-4, err_msg=k)
+
+
+def test_repbn_running_statistics_over_steps_and_eval_affine():
+    """torch BatchNorm1d's update: momentum 0.1, unbiased variance stored; eval = a*x + c."""
+    module = norms.create("repbn", dim=SHAPE[-1])
+    v, p = random_params(module)
+    variables = {"params": unflat(p), "batch_stats": v["batch_stats"]}
+    rm, rv = np.zeros(SHAPE[-1]), np.ones(SHAPE[-1])
+    n = SHAPE[0] * SHAPE[1]
+    for s in range(3):
+        x = np.random.default_rng(10 + s).normal(s, 1 + s, size=SHAPE)
+        _, mut = module.apply(variables, jnp.asarray(x, jnp.float32), train=True,
+                              mutable=["batch_stats"])
+        variables["batch_stats"] = mut["batch_stats"]
+        _, mean, var = np_bn(x)
+        rm, rv = 0.9 * rm + 0.1 * mean, 0.9 * rv + 0.1 * var * n / (n - 1)
+    got = flat(variables["batch_stats"])
+    np.testing.assert_allclose(got["bn/mean"], rm, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["bn/var"], rv, rtol=1e-5)
+    y = module.apply(variables, jnp.asarray(X, jnp.float32), train=False)
+    want = p["bn/scale"] * (X - rm) / np.sqrt(rv + 1e-5) + p["bn/bias"] + p["eta"] * X
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+    a, c = module.inference_affine(variables["params"], variables["batch_stats"])
+    np.testing.assert_allclose(np.asarray(a) * X + np.asarray(c), want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- progressive
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_n1_weight_at_chosen_steps(schedule):
+    r0, warm, d = 0.8, 3, 10
+    for step in (0, 2, 3, 4, 8, 13, 14, 100):
+        k = step - warm
+        if k < 0:
+            want = 1.0
+        elif schedule == "linear":
+            want = r0 * max(0.0, 1 - k / d)
+        else:
+            want = r0 * (1 + math.cos(math.pi * min(k, d) / d)) / 2
+        got = float(n1_weight(jnp.int32(step), r0=r0, warmup_steps=warm, decay_steps=d,
+                              schedule=schedule))
+        assert got == pytest.approx(want, abs=1e-6), (step, got, want)
+
+
+def test_progressive_mixes_n1_and_n2_and_n2_rests_during_warmup():
+    cfg = {"name": "progressive", "n1": {"name": "layernorm", "epsilon": 1e-6},
+           "n2": "repbn", "warmup_steps": 2, "decay_steps": 4}
+    module = norms.create(cfg, dim=SHAPE[-1])
+    v, p = random_params(module)
+    variables = {"params": unflat(p), "batch_stats": v["batch_stats"]}
+    p1 = {k[3:]: a for k, a in p.items() if k.startswith("n1/")}
+    p2 = {k[3:]: a for k, a in p.items() if k.startswith("n2/")}
+    x = jnp.asarray(X, jnp.float32)
+    # Warm-up: N1 alone, N2's running statistics untouched.
+    y, mut = module.apply(variables, x, train=True, step=jnp.int32(1), mutable=["batch_stats"])
+    np.testing.assert_allclose(np.asarray(y), np_ref("layernorm", X, p1), rtol=1e-5, atol=1e-5)
+    jax.tree.map(np.testing.assert_array_equal, mut["batch_stats"], variables["batch_stats"])
+    # Step 3: lam = 1 - 1/4; N2's statistics move.
+    step, lam = 3, 0.75
+
+    def jax_loss(params, x):
+        y, _ = module.apply({"params": params, "batch_stats": v["batch_stats"]}, x, train=True,
+                            step=jnp.int32(step), mutable=["batch_stats"])
+        return jnp.sum(jnp.asarray(W, jnp.float32) * y), y
+
+    ref = lambda x, q1, q2: lam * np_ref("layernorm", x, q1) + (1 - lam) * np_ref("repbn", x, q2)
+    (_, y), (gp, gx) = jax.value_and_grad(jax_loss, argnums=(0, 1), has_aux=True)(unflat(p), x)
+    np.testing.assert_allclose(np.asarray(y), ref(X, p1, p2), rtol=1e-5, atol=1e-5)
+    loss = lambda x, q1, q2: float(np.sum(W * ref(x, q1, q2)))
+    np.testing.assert_allclose(np.asarray(gx), fd_grad(lambda a: loss(a, p1, p2), X.copy()),
+                               rtol=1e-3, atol=1e-4)
+    gp = flat(gp)
+    for k in p:
+        sub, key = k[:2], k[3:]
+        f = ((lambda a: loss(X, {**p1, key: a}, p2)) if sub == "n1"
+             else (lambda a: loss(X, p1, {**p2, key: a})))
+        np.testing.assert_allclose(gp[k], fd_grad(f, p[k].copy()), rtol=1e-3, atol=1e-4, err_msg=k)
+    _, mut = module.apply(variables, x, train=True, step=jnp.int32(step), mutable=["batch_stats"])
+    n = SHAPE[0] * SHAPE[1]
+    np.testing.assert_allclose(flat(mut["batch_stats"])["n2/bn/var"],
+                               0.9 + 0.1 * X.var(axis=(0, 1)) * n / (n - 1), rtol=1e-5)
+    # Eval: N2 alone (the reference), or the mixture at the given step.
+    y = module.apply(variables, x, train=False)
+    np.testing.assert_allclose(np.asarray(y), p2["bn/scale"] * X / np.sqrt(1 + 1e-5)
+                               + p2["bn/bias"] + p2["eta"] * X, rtol=1e-5, atol=1e-5)
+    mix = norms.create({**cfg, "eval_mode": "mixture"}, dim=SHAPE[-1])
+    y = mix.apply(variables, x, train=False, step=jnp.int32(step))
+    want = lam * np_ref("layernorm", X, p1) + (1 - lam) * (
+        p2["bn/scale"] * X / np.sqrt(1 + 1e-5) + p2["bn/bias"] + p2["eta"] * X)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"n1": "nonorm"}, "n1='nonorm' is not a registered norm"),
+    ({"n2": {"name": "bogus"}}, "n2='bogus' is not a registered norm"),
+    ({"n2": "layernorm", "must_fold": True}, "n2='layernorm' does not fold"),
+    ({"eval_mode": "mixture", "must_fold": True}, "must_fold=True needs eval_mode='n2'"),
+    ({"decay_steps": 0}, "decay_steps=0 is not accepted"),
+    ({"decay_steps": -5}, "decay_steps=-5 is not accepted"),
+    ({"warmup_steps": -1}, "warmup_steps=-1"),
+    ({"schedule": "step"}, "schedule='step' is not accepted"),
+    ({"eval_mode": "n1"}, "eval_mode='n1' is not accepted"),
+    ({"r0": 1.5}, "r0=1.5"),
+    ({"lam": 0.5}, r"Unknown option\(s\) \['lam'\]"),
+])
+def test_progressive_bad_options_are_named(opts, match):
+    with pytest.raises(ValueError, match=match):
+        norms.create({"name": "progressive", **opts}, dim=8)
+
+
+def test_progressive_train_forward_without_step_is_refused():
+    module = norms.create("progressive", dim=SHAPE[-1])
+    v = module.init(jax.random.key(0), jnp.asarray(X, jnp.float32))
+    with pytest.raises(ValueError, match="needs the global train step"):
+        module.apply(v, jnp.asarray(X, jnp.float32), train=True, mutable=["batch_stats"])
+
+
+@pytest.mark.parametrize("name,opts,match", [
+    ("dyt", {"affine": "yes"}, "affine='yes'"),
+    ("derf", {"beta": 1.0}, "Unknown option"),
+    ("repbn", {"stats_group_size": 0}, "stats_group_size=0"),
+    ("zscore", {"eps": 1e-5}, "Unknown option"),
+])
+def test_bad_options_are_named(name, opts, match):
+    with pytest.raises(ValueError, match=match):
+        norms.create({"name": name, **opts}, dim=8)
+
+
+# ------------------------------------------------------- the global train step, end to end
+
+def test_train_step_feeds_the_global_step_and_logs_n1_weight():
+    import optax
+    from normvit_jax import models
+    from normvit_jax.train import steps as steps_lib
+    from normvit_jax.train.state import TrainState
+    cfg = {"hidden_size": 16, "depth": 1, "num_heads": 2, "mlp_dim": 32, "patch_size": 4,
+           "norm": {"name": "progressive", "warmup_steps": 1, "decay_steps": 2}}
+    model = models.create(cfg, 3)
+    images = jnp.asarray(np.random.default_rng(0).normal(size=(4, 8, 8, 3)), jnp.float32)
+    v = model.init(jax.random.key(0), images, train=False)
+    tx = optax.sgd(0.1)
+    state = TrainState.create(v["params"], v["batch_stats"], tx,
+                              jax.random.key_data(jax.random.key(1)))
+    step = jax.jit(steps_lib.make_train_step(model, tx, optax.constant_schedule(0.1)))
+    batch = {"image": images, "label": jnp.asarray([0, 1, 2, 0])}
+    seen = []
+    for _ in range(4):
+        state, m = step(state, batch)
+        seen.append(float(m.compute()["norm_n1_weight"]))
+    assert seen == pytest.approx([1.0, 1.0, 0.5, 0.0])
+
+
+def test_resume_in_the_middle_of_the_decay_is_bitwise_exact(tmp_path):
+    from normvit_jax import checkpoints
+    from normvit_jax.train import loop
+    from tests.conftest import tiny_demo_config
+    cfg = tiny_demo_config(total_steps=6, checkpoint_every=100, eval_every=100)
+    cfg.model.norm = {"name": "progressive", "warmup_steps": 1, "decay_steps": 4}
+    loop.train_and_evaluate(cfg, str(tmp_path / "a"))
+    assert loop.train_and_evaluate(cfg, str(tmp_path / "b"), stop_at=3)["step"] == 3
+    loop.train_and_evaluate(cfg, str(tmp_path / "b"))
+    a, _ = checkpoints.load_variables(str(tmp_path / "a"))
+    b, _ = checkpoints.load_variables(str(tmp_path / "b"))
+    assert jax.tree.leaves(a["batch_stats"])
+    jax.tree.map(np.testing.assert_array_equal, a, b)
