@@ -12,7 +12,7 @@ allocates GPU memory on demand so both fit. On CPU timm runs eager, as before. S
 (the order rotates) and the report gives the median per-round ratio timm_time / jax_time for
 each timm variant: above 1 this project is faster.
 
-Needs the optional extra: ``pip install torch==2.13.0 timm`` (``pip install -e '.[torch]'``).
+Needs the optional extra: ``pip install -e '.[torch]'`` (torch 2.14.1 + torchvision 0.29.1 + timm).
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from benchmarks import common  # noqa: E402
 from normvit_jax import tool_flags  # noqa: E402
 from normvit_jax import models  # noqa: E402
 
-INSTALL_HINT = ("benchmarks.vs_torch needs PyTorch and timm: pip install torch==2.13.0 timm "
-                "(or pip install -e '.[torch]')")
+INSTALL_HINT = ("benchmarks.vs_torch needs PyTorch and timm: pip install -e '.[torch]' "
+                "(torch==2.14.1 torchvision==0.29.1 timm)")
 
 
 def import_torch_timm() -> tuple[Any, Any]:

@@ -119,6 +119,8 @@ def get_config() -> ml_collections.ConfigDict:
                                     # (1.0: off; train/layer_decay.py)
     c.ema_decay = 0.0               # EMA of the weights per step (DeiT's model EMA: 0.99996; 0: off); kept in
                                     # the optimizer state, evaluated beside the raw weights as eval/ema_*
+    c.ema_batch_stats = True        # with ema_decay: also average the norm statistics (batch_stats), as timm's
+                                    # model EMA averages buffers; False: EMA weights with the raw statistics
 
     # ---- on-device batch augmentation in the train step (train/batch_aug.py; timm semantics) ----
     c.mixup_alpha = 0.0             # Mixup's Beta(a, a) (DeiT: 0.8; 0: off)

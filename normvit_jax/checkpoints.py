@@ -153,6 +153,11 @@ def _ema_hint(saved: dict, wanted: dict) -> str:
     """The weight EMA lives in the optimizer state (train/ema.py): turning ``config.ema_decay`` on
     or off changes every optimizer path, so say that first."""
     has = lambda specs: any("/ema_params/" in p for p in specs)  # noqa: E731
+    stats = lambda specs: any("/ema_batch_stats/" in p for p in specs)  # noqa: E731
+    if has(wanted) and has(saved) and stats(wanted) != stats(saved):
+        return ("the checkpoint %s an EMA of the norm statistics but config.ema_batch_stats is %s "
+                "(set it to that run's value to continue it); "
+                % (("keeps", False) if stats(saved) else ("keeps no", True)))
     if has(wanted) and not has(saved):
         return ("the checkpoint keeps no EMA of the weights but config.ema_decay > 0 asks for one "
                 "(set ema_decay to its value in that run, 0, to continue it); ")

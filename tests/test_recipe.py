@@ -26,7 +26,8 @@ def _state(config, model_extra=None):
     mdl = models.create({**TINY, **(model_extra or {})}, 4)
     tx, lr = optimizer.create(config, total_steps=20)
     v = mdl.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))
-    state = TrainState.create(v["params"], {}, tx, jax.random.key_data(jax.random.key(1)))
+    state = TrainState.create(v["params"], v.get("batch_stats", {}), tx,
+                              jax.random.key_data(jax.random.key(1)))
     return mdl, tx, lr, state
 
 
@@ -52,6 +53,43 @@ def test_ema_follows_the_numpy_recurrence():
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
         moved += not np.allclose(got[k], _flat(state.params)[k])
     assert moved > len(ref) // 2  # the EMA lags the weights
+
+
+@pytest.mark.parametrize("norm", ["batchnorm", "powernorm"])
+def test_ema_averages_norm_statistics_as_timm_model_ema(norm):
+    """timm ModelEmaV2/V3 average every float entry of the state_dict, buffers included:
+    ema_b <- d * ema_b + (1 - d) * b after each step, from the initial values (numpy float64 here
+    from the trajectory of the real train step). ``averaged`` evaluates with both EMAs;
+    ema_batch_stats=False keeps the raw statistics (the behaviour before)."""
+    d = 0.8
+    mdl, tx, lr, state = _state(tiny_demo_config(ema_decay=d), {"norm": {"name": norm}})
+    step = jax.jit(steps_lib.make_train_step(mdl, tx, lr))
+    rng = np.random.default_rng(1)
+    ref = {k: np.asarray(v, np.float64) for k, v in _flat(state.batch_stats).items()}
+    ref_p = {k: np.asarray(v, np.float64) for k, v in _flat(state.params).items()}
+    assert ref  # the norm keeps statistics
+    for _ in range(5):
+        batch = {"image": (rng.standard_normal((8, 8, 8, 3)) * 2 + 0.5).astype(np.float32),
+                 "label": rng.integers(0, 4, 8).astype(np.int32)}
+        state, _ = step(state, batch)
+        ref = {k: d * ref[k] + (1 - d) * np.asarray(b, np.float64)
+               for k, b in _flat(state.batch_stats).items()}
+        ref_p = {k: d * ref_p[k] + (1 - d) * np.asarray(p, np.float64)
+                 for k, p in _flat(state.params).items()}
+    avg = ema.averaged(state)
+    got = _flat(avg.batch_stats)
+    assert got.keys() == ref.keys()
+    lagging = 0
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+        lagging += not np.allclose(got[k], _flat(state.batch_stats)[k])
+    assert lagging  # the statistics moved and their EMA lags them
+    for k, v in _flat(avg.params).items():
+        np.testing.assert_allclose(v, ref_p[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    # off: the EMA weights are evaluated with the raw statistics, and the tree keeps none
+    mdl, tx, lr, off = _state(tiny_demo_config(ema_decay=d, ema_batch_stats=False), {"norm": {"name": norm}})
+    assert not any("ema_batch_stats" in k for k in _flat(off.opt_state))
+    assert ema.averaged(off).batch_stats is off.batch_stats
 
 
 def test_ema_off_keeps_the_optimizer_state_tree():

@@ -24,7 +24,7 @@ from clu import metric_writers, periodic_actions
 
 from normvit_jax import checkpoints, data, preemption, sharding, summaries
 from normvit_jax import workdir as workdir_lib
-from normvit_jax.train import guards
+from normvit_jax.train import ema, guards
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import progress, setup
 from normvit_jax.train.state import TrainState
@@ -238,5 +238,5 @@ def _init_from_pretrained(config, spec, num_classes, state, tx, state_sharding) 
     params, _ = pretrained.init_from_npz(params, config.init_from, spec, num_classes,
                                          keep_pre_logits=config.get("init_keep_pre_logits"),
                                          image_size=config.data.image_size, log=logging.info)
-    new = state.replace(params=params, opt_state=tx.init(params))
+    new = state.replace(params=params, opt_state=ema.init_stats(tx.init(params), state.batch_stats))
     return jax.device_put(new, state_sharding)

@@ -156,7 +156,7 @@ def evaluate(eval_step: Any, state: TrainState, pipeline: Any, mesh: Mesh) -> di
         return {**out, **{k: float(v) for k, v in extra.items()}}
 
     metrics = one(state)
-    ema_params = ema.find(state.opt_state)
-    if ema_params is not None:
-        metrics.update({f"ema_{k}": v for k, v in one(state.replace(params=ema_params)).items()})
+    averaged = ema.averaged(state)  # EMA weights, and EMA norm statistics when kept
+    if averaged is not None:
+        metrics.update({f"ema_{k}": v for k, v in one(averaged).items()})
     return metrics

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from normvit_jax.train import ema
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -25,7 +27,8 @@ class TrainState:
     @classmethod
     def create(cls, params: Any, batch_stats: Any, tx: optax.GradientTransformation,
                rng: jax.Array) -> "TrainState":
-        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+        opt_state = ema.init_stats(tx.init(params), batch_stats)  # EMA of the statistics, if kept
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                    batch_stats=batch_stats, rng=rng, nonfinite_streak=jnp.zeros((), jnp.int32))
 
     def variables(self) -> dict[str, Any]:

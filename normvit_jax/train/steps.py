@@ -129,7 +129,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
             grads = jax.tree.map(lambda g: g / k, g_sum)
             loss, acc = loss_sum / k, acc_sum / k
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        # batch_stats: for the EMA of the norm statistics (train/ema.py); other parts ignore it
+        updates, opt_state = optax.with_extra_args_support(tx).update(
+            grads, state.opt_state, state.params, batch_stats=new_bs)
         params = optax.apply_updates(state.params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
