@@ -1,6 +1,8 @@
 """Train and evaluate a ViT: ``python main.py --config=configs/vit_ln.py:demo --workdir=runs/demo``.
 
-Every config value can be overridden: ``--config.batch_size=256 --config.model.norm.name=dtn``.
+Every config value can be overridden: ``--config.batch_size=256 --config.model.norm.name=dtn``,
+also inside dict-valued fields (``--config.model.norm_overrides.block_1.name=rmsnorm``) and to
+None (``--config.model.variant=None``).
 Re-running the same command with the same workdir continues the run from its newest checkpoint;
 ``--fresh`` starts over (the old run is moved aside). Exit codes: normvit_jax/cli.py.
 ``--mode=eval [--step=N]`` evaluates a checkpoint without training, on any eval set:
@@ -17,7 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from normvit_jax import cli  # noqa: E402
+from normvit_jax import cli, config_paths  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vit_ln.py:demo",
@@ -33,12 +35,24 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def parse_flags(argv):
-    """absl's parser, with a short message instead of a traceback for a bad --config override."""
+    """absl's parser, with a short message instead of a traceback for a bad --config override.
+    Keys inside dict-valued fields (``--config.model.norm_overrides.block_1.name=rmsnorm``) and
+    ``=None`` are set after it (normvit_jax/config_paths.py)."""
+    argv, paths = config_paths.split(argv)
+    sys.argv = list(argv)  # config_flags reads the overrides from sys.argv
     try:
-        return FLAGS(argv)
+        rest = FLAGS(argv)
     except Exception as e:  # noqa: BLE001  (ml_collections raises several types)
         print(f"error: {cli.describe_flag_error(argv, e)}", file=sys.stderr)
         sys.exit(cli.EXIT_CONFIG)
+    try:
+        config_paths.apply(FLAGS.config, paths)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(cli.EXIT_CONFIG)
+    except Exception:  # noqa: BLE001  (the config file itself failed to load: reported at start)
+        pass
+    return rest
 
 
 def main(argv):

@@ -26,7 +26,7 @@ from tests.conftest import REPO_ROOT
 CONFIG_FILES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO_ROOT, "configs", "*.py"))
                       if not p.endswith("default.py") and "def get_config(" in open(p).read())
 # model.norm is a dict of options (its `name` is set instead); model.norm_overrides starts empty:
-# its keys name blocks and are added in config files, not on the command line.
+# its keys name blocks (set by path: tests/test_config_paths.py).
 NOT_LEAVES = ("model.norm_overrides",)
 
 
@@ -87,7 +87,8 @@ def _field_type(c, key):
 
 @pytest.mark.parametrize("config_file", CONFIG_FILES)
 def test_every_documented_field_is_settable_from_the_command_line(config_file):
-    variants = ["", ":b32,cifar100"] if config_file == "finetune_cifar.py" else ["", ":demo"]
+    variants = {"finetune_cifar.py": ["", ":b32,cifar100"],
+                "ln_counterpart.py": [":dtn", ":dtn,demo"]}.get(config_file, ["", ":demo"])
     base_types = {k: _field_type(default.get_config(), k) for k in DEFAULT_FIELDS}
     for variant in variants:
         spec = os.path.join(REPO_ROOT, "configs", config_file) + variant

@@ -1,0 +1,106 @@
+"""Issue 28, point 6: the shell can say what the config can: keys inside dict-valued fields by
+their path (new or not), None where it is legal; and configs/ln_counterpart.py gives a method's
+exact LayerNorm counterpart (its parameter tree is vit_ln's)."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import pytest
+
+from normvit_jax import cli, config_paths, models
+from tests.conftest import REPO_ROOT
+
+
+def _config(name: str, arg: str | None) -> ml_collections.ConfigDict:
+    c = importlib.import_module(f"configs.{name}").get_config(arg)
+    c.lock()  # as main.py's config flag holds it
+    return c
+
+
+def test_split_takes_dict_valued_paths_and_none_only():
+    argv = ["main.py", "--config=configs/vit_dtn.py:demo", "--config.batch_size=8",
+            "--config.model.norm_overrides.block_1.name=rmsnorm", "--config.model.variant=None",
+            "--config.model.norm.epsilon=1e-3", "--workdir=w"]
+    rest, ours = config_paths.split(argv)
+    assert rest == ["main.py", "--config=configs/vit_dtn.py:demo", "--config.batch_size=8",
+                    "--workdir=w"]
+    assert ours == [("model.norm_overrides.block_1.name", "rmsnorm"), ("model.variant", "None"),
+                    ("model.norm.epsilon", "1e-3")]
+
+
+def test_apply_sets_new_and_existing_keys_with_their_types_and_none():
+    c = _config("vit_dtn", "demo")
+    config_paths.apply(c, [("model.norm_overrides.block_1.name", "rmsnorm"),
+                           ("model.norm_overrides.block_1.epsilon", "1e-4"),
+                           ("model.norm_overrides.final.epsilon", "1e-3"),
+                           ("model.norm.pool_size", "7"), ("model.norm.mix_mean", "False"),
+                           ("model.variant", "None"), ("data.num_workers", "None")])
+    o = c.model.norm_overrides
+    assert o.block_1.to_dict() == {"name": "rmsnorm", "epsilon": 1e-4}
+    assert o.final.epsilon == 1e-3 and o.final.name == "layernorm"  # the rest of it kept
+    assert c.model.norm.pool_size == 7 and c.model.norm.mix_mean is False
+    assert c.model.variant is None and c.data.num_workers is None
+    spec = models.spec_of(c.model, num_classes=10)  # block 1's norm is the override
+    assert [spec.slot_norms[i]["name"] for i in range(spec.depth + 1)] == [
+        "dtn", "rmsnorm", "layernorm", "layernorm", "layernorm"]
+    with pytest.raises(ValueError, match=r"unknown config key --config.model.foo: config.model "
+                                         r"has no key 'foo'; accepted: \["):
+        config_paths.apply(c, [("model.foo", "None")])
+    with pytest.raises(ValueError, match="config.model.depth is a value, not a group of keys"):
+        config_paths.apply(c, [("model.depth.x", "1")])
+    with pytest.raises(ValueError, match=r"--config.model.norm.mix_mean=maybe: 'maybe' is not a bool"):
+        config_paths.apply(c, [("model.norm.mix_mean", "maybe")])
+
+
+def _params(config) -> dict:
+    spec = models.spec_of(config.model, num_classes=10)
+    size = int(config.data.image_size)
+    model = models.create(spec)
+    shapes = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, size, size, 3)), train=False),
+                            jax.random.key(0))
+    return jax.tree.map(lambda x: (x.shape, str(x.dtype)), shapes)
+
+
+METHODS = importlib.import_module("configs.ln_counterpart").METHODS
+
+
+@pytest.mark.parametrize("method,variants", [(m, "demo") for m in METHODS]
+                         + [("dtn", "deit_s"), ("un", "t2t_vit_14"), ("dpn", "bigvision_s16_90ep")])
+def test_ln_counterpart_has_the_parameter_tree_of_vit_ln(method, variants):
+    counterpart = _config("ln_counterpart", f"{method},{variants}")
+    reference = _config("vit_ln", variants)
+    assert _params(counterpart) == _params(reference)
+    assert counterpart.model.norm.to_dict() == reference.model.norm.to_dict()
+    method_config = _config(f"vit_{method}", variants)  # the recipe is the method's
+    for key in ("optimizer", "schedule", "batch_size", "label_smoothing"):
+        assert counterpart[key] == method_config[key]
+
+
+def test_main_sets_a_block_override_and_unsets_the_variant(tmp_path):
+    """The user's command: parsed, run for one step, saved in config.json as given; an unknown key
+    is one line and exit 2."""
+    wd = tmp_path / "wd"
+    base = [sys.executable, "main.py", "--config=configs/vit_dtn.py:demo", f"--workdir={wd}"]
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    r = subprocess.run(base + ["--config.model.norm_overrides.block_1.name=rmsnorm",
+                               "--config.model.variant=None", "--config.total_steps=1",
+                               "--config.model.hidden_size=16", "--config.model.mlp_dim=16",
+                               "--config.model.num_heads=2", "--config.eval_every=1",
+                               "--config.eval_analysis_images=0"],
+                       cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == cli.EXIT_OK, r.stderr[-3000:]
+    saved = json.loads((wd / "config.json").read_text())["model"]
+    assert saved["norm_overrides"]["block_1"] == {"name": "rmsnorm"} and saved["variant"] is None
+    r = subprocess.run(base + ["--config.model.norm_overrides.final.epsilon=tiny"], cwd=REPO_ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == cli.EXIT_CONFIG and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: --config.model.norm_overrides.final.epsilon=tiny: could not convert string to "
+        "float: 'tiny'")
