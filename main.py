@@ -26,7 +26,8 @@ config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vit_l
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory (local or gs://) for checkpoints, summaries, config.")
 flags.DEFINE_bool("fresh", False, "Start at step 0 even if the workdir holds a run: its checkpoints, "
-                  "config.json and event files are moved to <workdir>/replaced/<time>/ first.")
+                  "config.json, event files and eval_*.json results are moved to "
+                  "<workdir>/replaced/<time>/ first.")
 flags.DEFINE_enum("mode", "train", ["train", "eval"], "train: train (and evaluate); eval: only "
                   "evaluate a checkpoint on config.data.eval_name/eval_split, writing "
                   "<workdir>/eval_<dataset>_<split>_<step>.json.")
