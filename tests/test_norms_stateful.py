@@ -1,5 +1,5 @@
 """PowerNorm and Unified Normalization against float64 numpy simulations of the reference rules
-(NORMS.md): forward, the custom backward (dx, dgamma, dbeta) and every piece of state after each
+(docs/norms.md, after their reference implementations): forward, the custom backward (dx, dgamma, dbeta) and every piece of state after each
 of several steps, across the warmup boundaries, a skip and an outlier step (UN).
 
 The JAX side runs the rule the train step calls (normvit_jax.norms.gradient_rule.train_grads):
