@@ -286,3 +286,48 @@ BIGVISION = {
 def _heads(c: ml_collections.ConfigDict, n: int) -> ml_collections.ConfigDict:
     c.model.num_heads = n
     return c
+
+
+# ==== Issue 26 presets: RepBN / PRepBN (SLAB) and the normalization-free DyT / Derf ====
+# (helper C's block; the values are from ../shared/NORMS.md, which records the papers and code:)
+#   [SLAB] xinghaochen/SLAB classification/ (a DeiT code base: DeiT's main.py recipe) and
+#          classification/models/prepbn.py; Guo et al., ICML 2024, Table 1 (DeiT-T RepBN 73.6,
+#          DeiT-S PRepBN 80.2). The LN -> RepBN decay: 300,000 steps ("step" of LinearNorm).
+#   [DyT]  jiachenzhu/DyT (CVPR 2025) README: ConvNeXt's main.py training script with timm ViTs
+#          (global_pool='avg', fc_norm); Derf (zlab-princeton/Derf, arXiv 2512.10938) uses DyT's.
+# File:line citations are not given here: these sources were read through NORMS.md only.
+
+def slab_deit(c: ml_collections.ConfigDict, variant: str,
+              decay_steps: int | None = None) -> ml_collections.ConfigDict:
+    """SLAB's DeiT models: DeiT's recipe [DeiT]; a progressive norm decays over ``decay_steps``."""
+    c = deit(c, variant)
+    if decay_steps is not None and c.model.norm.name == "progressive":
+        c.model.norm.decay_steps = decay_steps  # [SLAB] 300,000 of ~375,000 steps (300 ep x 1251)
+        c.model.norm.warmup_steps = 0           # [SLAB] no warm-up of LN alone
+    return c
+
+
+def dyt_vit(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
+    """DyT/Derf's ViT-B/L on ImageNet-1k: ConvNeXt's training script [DyT] (NORMS.md)."""
+    imagenet_data(c, "zscore", True, "bicubic")  # [DyT] timm train transform, bicubic
+    c.model.variant = variant
+    timm_deit_training(c, batch=4096, lr=4e-3, warmup_epochs=20, mix_groups=32)
+    c.model.classifier = "gap_fc_norm"  # [DyT] timm global_pool='avg': pool, then fc_norm
+    # [DyT] lr 4e-3 at batch 4096, wd 0.05, 300 epochs, 20 warm-up epochs, Mixup 0.8, CutMix 1.0,
+    # erasing 0.25, smoothing 0.1, rand-m9-mstd0.5-inc1 (all as timm_deit_training sets them but
+    # lr/batch/warm-up). mix_groups 32: ConvNeXt's example command is 4 nodes x 8 GPUs x 128
+    # (assumed for DyT's runs; not stated in NORMS.md).
+    c.model.stochastic_depth = 0.15 if variant.startswith("B") else 0.5  # [DyT] B 0.15, L 0.5
+    if variant.startswith("L"):
+        c.optimizer.b1, c.optimizer.b2 = 0.9, 0.95  # [DyT] ViT-L betas
+    c.ema_decay = 0.9999                # [DyT] model EMA 0.9999, the EMA weights evaluated
+    c.dtype = "bfloat16"
+    return c
+
+
+SLAB = {
+    "slab_deit_t": lambda c: slab_deit(c, "Ti/16"),                        # RepBN from the start
+    "slab_deit_s": lambda c: slab_deit(c, "S/16", decay_steps=300_000),    # progressive LN->RepBN
+}
+NORM_FREE = {"dyt_b": lambda c: dyt_vit(c, "B/16"), "dyt_l": lambda c: dyt_vit(c, "L/16")}
+# ==== end of the issue 26 presets ====

@@ -13,8 +13,10 @@ import pytest
 from normvit_jax import models
 
 CONFIGS = ["vit_bn", "vit_gn", "vit_in", "vit_rms", "vit_scalenorm", "vit_powernorm", "vit_un",
-           "vit_dtn", "vit_dpn", "vit_learnable_scaler", "vit_rescale"]
-STATEFUL = {"vit_bn", "vit_powernorm", "vit_un", "vit_rescale"}
+           "vit_dtn", "vit_dpn", "vit_learnable_scaler", "vit_rescale", "vit_repbn",
+           "vit_progressive", "vit_dynamic_feature", "vit_dyt", "vit_derf"]
+STATEFUL = {"vit_bn", "vit_powernorm", "vit_un", "vit_rescale", "vit_repbn", "vit_progressive",
+            "vit_dynamic_feature"}
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -33,7 +35,7 @@ def test_config_demo_trains_one_step(name):
     def loss_fn(p, bs):
         logits, mutated = model.apply({"params": p, "batch_stats": bs}, images, train=True,
                                       rngs={"dropout": jax.random.PRNGKey(1)},
-                                      mutable=["batch_stats"])
+                                      mutable=["batch_stats"], step=jnp.int32(1))
         onehot = jax.nn.one_hot(labels, 10)
         return -jnp.mean(jnp.sum(onehot * jax.nn.log_softmax(logits), -1)), mutated["batch_stats"]
 

@@ -19,6 +19,8 @@ ALL_PRESETS = [
     "vit_ln.py:bigvision_s16_300ep", "vit_ln.py:deit_s", "vit_dpn.py:bigvision_s16_90ep",
     "vit_un.py:deit_s", "vit_learnable_scaler.py:paper", "vit_learnable_scaler.py:paper_d36",
     "vit_rescale.py:cifar10_b16", "vit_un.py:t2t_vit_14", "vit_ln.py:t2t_vit_14",
+    "vit_repbn.py:slab_deit_t", "vit_progressive.py:slab_deit_s", "vit_dyt.py:dyt_b",
+    "vit_dyt.py:dyt_l", "vit_derf.py:dyt_b",
 ]
 # Trained shrunk: one per distinct recipe x normalizer (deit_t/_b and paper_d36 differ from
 # deit_s and paper only in the model size, which the shrinking replaces).

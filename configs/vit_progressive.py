@@ -1,0 +1,35 @@
+"""ViT with progressive LN -> RepBN ("PRepBN", SLAB's LinearNorm) in every norm slot.
+
+lam * LayerNorm(x) + (1 - lam) * RepBN(x), lam from r0 down to 0 over ``decay_steps`` global train
+steps after ``warmup_steps`` (norms/progressive.py); evaluation uses RepBN alone, which folds.
+``:demo`` decays over 700 of the demo's 880 steps (80%, as the reference's 300,000 of ~375,000).
+Preset ``:slab_deit_s``: SLAB's DeiT-S (published 80.2%, LN 79.8%), DeiT's recipe.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from configs import default, recipes
+
+
+def progressive_norm(n1: dict) -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict({
+        "name": "progressive",
+        "n1": n1,                       # the norm trained first
+        "n2": {"name": "repbn"},        # the norm it becomes (folds at inference)
+        "r0": 1.0,                      # N1's weight when the decay starts
+        "warmup_steps": 0,              # steps of N1 alone (the reference: 0)
+        "decay_steps": 300_000,         # steps over which lam goes r0 -> 0 (reference DeiT-S)
+        "schedule": "linear",           # linear | cosine
+        "eval_mode": "n2",              # n2 (the reference) | mixture (lam*N1 + (1-lam)*N2 at the step)
+        "must_fold": True,              # refuse a setting whose eval does not fold
+    })
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    c = default.get_config()
+    c.model.norm = progressive_norm({"name": "layernorm", "epsilon": 1e-6})  # SLAB's LN eps
+    c = default.apply_variants(c, arg, recipes.SLAB)
+    if "demo" in [p.strip() for p in (arg or "").split(",")]:
+        c.model.norm.decay_steps = 700  # 80% of the demo's 880 steps, as 300k of 375k
+    return c

@@ -1,0 +1,24 @@
+"""ViT with RepBN (SLAB, Guo et al., ICML 2024) in every norm slot: BN(x) + eta * x, which folds
+into the next Dense at inference (``python -m normvit_jax.reparam``).
+
+Variants as vit_ln.py (``:demo`` etc.). Preset ``:slab_deit_t``: SLAB's DeiT-T with RepBN in every
+slot from the start (published 73.6%, LN 72.2%), DeiT's recipe (configs/recipes.py).
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from configs import default, recipes
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    c = default.get_config()
+    c.model.norm = ml_collections.ConfigDict({
+        "name": "repbn",
+        "momentum": 0.9,                # Flax convention (= torch BatchNorm1d momentum 0.1)
+        "epsilon": 1e-5,                # torch BatchNorm1d's eps
+        "unbiased_running_var": True,   # torch stores the unbiased batch variance
+        "eta_init": 1.0,                # eta, the learnable weight of the identity path
+        "stats_group_size": ml_collections.config_dict.placeholder(int),  # None: global batch stats
+    })
+    return default.apply_variants(c, arg, recipes.SLAB)
