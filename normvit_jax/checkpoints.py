@@ -29,6 +29,35 @@ class CheckpointMismatchError(RuntimeError):
     """A checkpoint exists but cannot be used for this config, or none restores."""
 
 
+class RunNotFoundError(FileNotFoundError):
+    """The workdir, its config.json or its checkpoint is missing; the message names what and the
+    command that makes it (the post-training tools print it as one line, exit 2)."""
+
+
+def require_run(workdir: str) -> None:
+    """Raises RunNotFoundError unless ``workdir`` holds a run's config.json."""
+    if not epath.Path(workdir).exists():
+        raise RunNotFoundError(
+            f"{workdir} does not exist: train a run there first, e.g. python main.py "
+            f"--config=configs/vit_ln.py:demo --workdir={workdir}")
+    if not config_path(workdir).exists():
+        raise RunNotFoundError(
+            f"{workdir} holds no run (no config.json): train one there first, e.g. python main.py "
+            f"--config=configs/vit_ln.py:demo --workdir={workdir}")
+
+
+def no_checkpoint(workdir: str, step: int | None = None, steps: list[int] | None = None
+                  ) -> RunNotFoundError:
+    """The error for a run without (that) checkpoint."""
+    if step is not None and steps:
+        return RunNotFoundError(f"no checkpoint of step {step} in {checkpoint_dir(workdir)}; there "
+                                f"are: {steps} (leave the step out for the newest)")
+    return RunNotFoundError(
+        f"no checkpoint in {checkpoint_dir(workdir)}: the run has not saved one yet; continue it "
+        f"with the command that started it (same --workdir; its config is "
+        f"{config_path(workdir)}) until it passes config.checkpoint_every steps or ends")
+
+
 def checkpoint_dir(workdir: str) -> epath.Path:
     workdir = str(workdir)
     if "://" not in workdir:  # Orbax wants absolute local paths
@@ -220,11 +249,10 @@ def load_state(workdir: str, step: int | None = None) -> tuple[dict, ml_collecti
     """The whole train state of a checkpoint (params, opt_state, batch_stats, rng, step, ...) as
     numpy arrays, and the run's config, without building the model. ``step`` None: the newest."""
     config = load_config(workdir)
-    mngr = ocp.CheckpointManager(checkpoint_dir(workdir))
-    step = mngr.latest_step() if step is None else step
-    mngr.close()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint under {checkpoint_dir(workdir)}")
+    steps = complete_steps(workdir)
+    if not steps or (step is not None and step not in steps):
+        raise no_checkpoint(workdir, step, steps)
+    step = steps[-1] if step is None else step
     ckpt = checkpoint_dir(workdir) / str(step) / "state"
     checkpointer = ocp.StandardCheckpointer()
     meta = checkpointer.metadata(ckpt)
@@ -259,7 +287,6 @@ def config_path(workdir: str) -> epath.Path:
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-    path = config_path(workdir)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: is {workdir} a normvit_jax workdir?")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    """The run's config (its config.json); RunNotFoundError naming what is missing."""
+    require_run(workdir)
+    return ml_collections.ConfigDict(json.loads(config_path(workdir).read_text()))

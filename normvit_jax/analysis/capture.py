@@ -55,13 +55,11 @@ class Analysis:
 
 
 def latest_step(workdir: str) -> int:
-    import orbax.checkpoint as ocp
-    mngr = ocp.CheckpointManager(checkpoints.checkpoint_dir(workdir))
-    step = mngr.latest_step()
-    mngr.close()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint under {checkpoints.checkpoint_dir(workdir)}")
-    return int(step)
+    checkpoints.require_run(workdir)
+    steps = checkpoints.complete_steps(workdir)
+    if not steps:
+        raise checkpoints.no_checkpoint(workdir)
+    return steps[-1]
 
 
 def build_model(config: ml_collections.ConfigDict) -> Any:
