@@ -127,5 +127,6 @@ def create(config: Any, total_steps: int) -> tuple[optax.GradientTransformation,
     if config.layer_decay != 1.0:
         tx = optax.chain(tx, layer_decay.scale_by_layer(config.layer_decay))
     if config.ema_decay:
-        tx = optax.chain(tx, ema.track(config.ema_decay, config.ema_batch_stats))  # last: it sees the final updates
+        # last: it sees the final updates
+        tx = optax.chain(tx, ema.track(config.ema_decay, config.ema_batch_stats))
     return tx, lr
