@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks import xla_flags
 from configs import default
-from normvit_jax import models, sharding
+from normvit_jax import data, models, sharding
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import setup
 from normvit_jax.train.state import TrainState
@@ -159,7 +159,8 @@ def _train_parts(config: ml_collections.ConfigDict, num_classes: int) -> tuple[A
     mesh = sharding.make_mesh(config)
     model = setup.create_model(config, num_classes)
     tx, lr = optim.create(config, int(config.total_steps))
-    return mesh, model, tx, setup.make_train_step(config, model, tx, lr, num_classes)
+    ds = dataclasses.replace(data.resolve_data_spec(config), num_classes=num_classes)
+    return mesh, model, tx, setup.make_train_step(config, model, tx, lr, ds)
 
 
 def lower_abstract_train_step(config: ml_collections.ConfigDict, num_classes: int = 10

@@ -53,9 +53,8 @@ def _with_real_top1(metrics: dict[str, float]) -> dict[str, float]:
     return metrics
 
 
-def result_path(workdir: str, config: ml_collections.ConfigDict, step: int) -> epath.Path:
-    d = config.data
-    name = f"{d.get('eval_name') or d.name}_{d.eval_split}"
+def result_path(workdir: str, data_spec: data.DataSpec, step: int) -> epath.Path:
+    name = f"{data_spec.eval_name}_{data_spec.eval_split}"
     return epath.Path(workdir) / f"eval_{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}_{step}.json"
 
 
@@ -66,9 +65,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     as ``ema_*``). Raises CheckpointMismatchError when the config builds another model and
     FileNotFoundError when there is no checkpoint."""
     mesh = sharding.make_mesh(config)  # the run's mesh: an FSDP state is restored sharded
-    spec = setup.validate_config(config, mesh.devices.size)
-    pipeline = data.make_pipeline(config, "eval")
-    model = setup.create_model(config, data.num_classes(config.data.name), spec)
+    run_spec = setup.resolve_config(config, mesh.devices.size)
+    ds = run_spec.data
+    pipeline = data.make_pipeline(config, "eval", ds)
+    model = setup.create_model(config, ds.num_classes, run_spec.model)
     tx, _ = optim.create(config, max(int(config.total_steps or 0), 1))  # only its state's tree
     abstract, state_sharding = setup.abstract_train_state(model, tx, pipeline.image_shape, mesh,
                                                           sharding.fsdp_min_size(config))
@@ -89,17 +89,15 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
         mngr.close()
     # the training loop's eval step and metrics, EMA included, + ReaL top-1 on ImageNet-ReaL
     # from the same forward pass
-    eval_step = setup.jit_eval_step(model, state_sharding, mesh, setup.input_affine(config),
-                                    real_sums)
+    eval_step = setup.jit_eval_step(model, state_sharding, mesh, ds.affine, real_sums)
     metrics = _with_real_top1(setup.evaluate(eval_step, state, pipeline, mesh))
     pipeline.close()
-    d = config.data
-    path = result_path(workdir, config, step)
-    result = {"step": int(step), "dataset": d.get("eval_name") or d.name, "split": d.eval_split,
+    path = result_path(workdir, ds, step)
+    result = {"step": int(step), "dataset": ds.eval_name, "split": ds.eval_split,
               "metrics": metrics, "path": str(path)}
     if jax.process_index() == 0:
         path.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     logging.info("eval of step %d on %s:%s: %s (written to %s)", step, result["dataset"],
-                 d.eval_split, ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                 ds.eval_split, ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in sorted(metrics.items())), path)
     return result

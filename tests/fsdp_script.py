@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from normvit_jax import checkpoints, sharding
+from normvit_jax import checkpoints, data, sharding
 from normvit_jax.train import optimizer, setup
 from tests.conftest import tiny_demo_config
 
@@ -44,7 +44,7 @@ def batches() -> list[dict[str, np.ndarray]]:
 def parts(c: ml_collections.ConfigDict):
     model = setup.create_model(c, 10)
     tx, lr = optimizer.create(c, 10)
-    return model, tx, setup.make_train_step(c, model, tx, lr, 10)
+    return model, tx, setup.make_train_step(c, model, tx, lr, data.resolve_data_spec(c))
 
 
 def initial_params(c: ml_collections.ConfigDict):

@@ -176,7 +176,7 @@ def test_analytic_flops_of_the_tiny_model(trained):
 
 def test_capture_attention_rows_sum_to_one_and_shapes(trained):
     run = capture.load_run(trained[0])
-    images, _ = capture.eval_images(run.config, 4)
+    images, _ = capture.eval_images(run.config, run.data, 4)
     a = capture.analyze(run, images, full=True)
     assert len(a.attention) == 2 and a.has_cls == [True, True]
     for att in a.attention:

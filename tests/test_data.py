@@ -5,6 +5,7 @@ from generated images (their split generators are patched, so nothing is downloa
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
 import itertools
@@ -88,6 +89,59 @@ def test_validate_checks_batch_and_never_touches_disk(tmp_path):
         pipe(cfg(), "test")
     with pytest.raises(ValueError, match="not divisible"):
         pipe(cfg(), "train", 0, 3)  # 64 rows over 3 processes
+
+
+def test_resolve_data_spec_is_the_config_resolved_once(tmp_path):
+    """The DataSpec holds what the rest of the code used to re-derive from data.name: classes,
+    shape, statistics, the affine (checked against the formula in float64), splits and sizes;
+    it is frozen and hashable; resolving reads no tfds directory."""
+    d = data.resolve_data_spec(cfg())
+    x = digits.load("train")[0].astype(np.float64)
+    assert (d.name, d.eval_name, d.train_split, d.eval_split) == ("digits", "digits", "train", "test")
+    assert (d.num_classes, d.image_shape, d.num_train_examples, d.num_eval_examples) == (
+        10, (8, 8, 3), 1442, 355)
+    assert d.class_names == tuple("0123456789")
+    np.testing.assert_allclose(d.mean, x.mean((0, 1, 2)), rtol=1e-12)
+    np.testing.assert_allclose(d.std, x.std((0, 1, 2)), rtol=1e-12)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.num_classes = 3
+    assert hash(d) == hash(data.resolve_data_spec(cfg()))
+    for normalize, want in (("zscore", (1 / x.std((0, 1, 2)), -x.mean((0, 1, 2)) / x.std((0, 1, 2)))),
+                            ("minus_one_one", (np.full(3, 2.0), np.full(3, -1.0))),
+                            ("minmax", (1 / (x.max((0, 1, 2)) - x.min((0, 1, 2))),
+                                        -x.min((0, 1, 2)) / (x.max((0, 1, 2)) - x.min((0, 1, 2)))))):
+        scale, shift = data.resolve_data_spec(cfg(normalize=normalize)).affine
+        assert scale.dtype == shift.dtype == np.float32
+        np.testing.assert_allclose(scale, want[0], rtol=1e-6)
+        np.testing.assert_allclose(shift, want[1], rtol=1e-6, atol=1e-7)
+    c = cfg("cifar100", data_dir=str(tmp_path / "missing"), num_train_examples=500)
+    d = data.resolve_data_spec(c)
+    assert (d.num_classes, d.class_names, d.num_train_examples, d.num_eval_examples) == (
+        100, None, 500, None)
+    np.testing.assert_allclose(d.mean, [0.5071, 0.4865, 0.4409])
+    assert d.data_dir == str(tmp_path / "missing") and not (tmp_path / "missing").exists()
+    c = cfg("imagenet2012", eval_name="imagenet_v2", eval_split="test")
+    d = data.resolve_data_spec(c)
+    assert (d.name, d.eval_name, d.eval_split, d.num_classes) == (
+        "imagenet2012", "imagenet_v2", "test", 1000)
+
+
+@pytest.mark.parametrize("batch,eval_batch,accum,devices,words", [
+    (0, 8, 1, 1, "config.batch_size=0"),
+    (8, 8, 3, 1, "config.grad_accum_steps=3"),
+    (12, 8, 1, 8, "config.batch_size=12 is not divisible by the number of devices (8)"),
+    (40, 8, 2, 8, "config.batch_size / grad_accum_steps=20"),
+    (16, 12, 1, 8, "config.eval_batch_size=12"),
+])
+def test_batch_sizes_are_checked_in_one_place(batch, eval_batch, accum, devices, words):
+    c = cfg()
+    c.batch_size, c.eval_batch_size, c.grad_accum_steps = batch, eval_batch, accum
+    with pytest.raises(ValueError) as e:
+        data.resolve_data_spec(c, devices)
+    assert words in str(e.value)
+    if batch and eval_batch:  # the same numbers pass on a device count they divide
+        c.grad_accum_steps = 1
+        data.check_batch_sizes(c, 4)
 
 
 # ---- digits ----

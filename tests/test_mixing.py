@@ -2,6 +2,7 @@
 algorithms (fed the same random draws), and the train step unchanged when they are off."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from normvit_jax import models
+from normvit_jax import data, models
 from normvit_jax.train import batch_aug, erasing, mixing
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
@@ -22,6 +23,11 @@ def _timm_box(c, cut, size, box):
     1.0.29 and later ('exact'): [c - cut // 2, c + (cut + 1) // 2); clipped to [0, size]."""
     hi = c + (cut + 1) // 2 if box == "exact" else c + cut // 2
     return int(np.clip(c - cut // 2, 0, size)), int(np.clip(hi, 0, size))
+
+
+def _spec(c, num_classes):
+    """The config's DataSpec with ``num_classes`` labels (mixing only reads that)."""
+    return dataclasses.replace(data.resolve_data_spec(c), num_classes=num_classes)
 
 
 def _ref_mix(x, y, lam, cutmix, cy, cx, n_classes, box="even"):
@@ -142,7 +148,7 @@ def test_mix_prob_zero_and_alpha_zero_leave_the_batch_alone():
         np.testing.assert_array_equal(got_x, x)
         np.testing.assert_array_equal(got_t, np.eye(5, dtype=np.float32)[y])
     for overrides in ({}, {"mixup_alpha": 0.8, "mix_prob": 0.0}, {"cutmix_alpha": 0.0}):
-        assert batch_aug.make(tiny_demo_config(**overrides), 10) is None
+        assert batch_aug.make(tiny_demo_config(**overrides), _spec(tiny_demo_config(), 10)) is None
 
 
 def test_mix_lambda_distribution_is_beta():
@@ -199,7 +205,7 @@ def test_train_step_with_mixup_trains_and_is_deterministic():
     c = tiny_demo_config(mixup_alpha=0.8, cutmix_alpha=1.0, mix_mode="elem", random_erase_prob=0.5)
     runs = []
     for _ in range(2):
-        step, s = _tiny_step(batch_aug.make(c, 5))
+        step, s = _tiny_step(batch_aug.make(c, _spec(c, 5)))
         for _ in range(3):
             s, m = step(s, batch)
         runs.append((s, m.compute()))

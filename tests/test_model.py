@@ -178,7 +178,7 @@ def test_spec_is_resolved_once_hashable_and_round_trips():
     from normvit_jax.models import ViTSpec
     c = vit_dtn.get_config("demo")
     spec = ViTSpec.from_config(c.model, 10)
-    again = models.spec_of(c)  # a whole run config: num_classes from its dataset (digits: 10)
+    again = models.spec_of(c, 10)  # a whole run config: its model, with the given num_classes
     assert spec == again and hash(spec) == hash(again)
     assert (spec.depth, spec.hidden_size, spec.cls_token_at_block) == (4, 64, 2)
     assert dict(spec.norm_overrides) == {"blocks_2_4": {"name": "layernorm", "epsilon": 1e-5},

@@ -55,13 +55,13 @@ def shrink(c):
 
 def build(c):
     mesh = sharding.make_mesh()
-    spec = setup.validate_config(c, mesh.devices.size)
-    train = data.make_pipeline(c, "train")
-    n_cls = data.num_classes(c.data.name)
-    model = setup.create_model(c, n_cls, spec)
+    run_spec = setup.resolve_config(c, mesh.devices.size)
+    ds = run_spec.data
+    train = data.make_pipeline(c, "train", ds)
+    model = setup.create_model(c, ds.num_classes, run_spec.model)
     tx, lr = optimizer.create(c, 2)
     state, state_sh = setup.create_train_state(model, tx, train.image_shape, mesh, jax.random.key(0))
-    return mesh, train, model, tx, lr, n_cls, state, state_sh
+    return mesh, train, model, tx, lr, ds, state, state_sh
 
 
 @pytest.mark.parametrize("spec", ALL_PRESETS)
@@ -72,8 +72,8 @@ def test_preset_is_a_valid_run(spec):
 @pytest.mark.parametrize("spec", TRAINED)
 def test_preset_trains_two_steps_shrunk(spec):
     c = shrink(load(spec))
-    mesh, train, model, tx, lr, n_cls, state, state_sh = build(c)
-    step = setup.jit_train_step(setup.make_train_step(c, model, tx, lr, n_cls), state_sh, mesh)
+    mesh, train, model, tx, lr, ds, state, state_sh = build(c)
+    step = setup.jit_train_step(setup.make_train_step(c, model, tx, lr, ds), state_sh, mesh)
     before = jax.tree.map(np.asarray, state.params)
     batches = train.train_batches(0)
     for _ in range(2):
@@ -147,9 +147,9 @@ def test_augmentation_acts_in_training_and_not_in_evaluation():
     c = shrink(load("vit_ln.py:deit_s"))
     c.model.stochastic_depth = 0.0  # leave the augmentations as the only use of the key
     c.schedule.warmup_steps = 0     # the first step updates the weights
-    assert batch_aug.make(c, 10) is not None
-    mesh, train, model, tx, lr, n_cls, state, state_sh = build(c)
-    step = jax.jit(setup.make_train_step(c, model, tx, lr, n_cls))  # no donation: state used twice
+    assert batch_aug.make(c, data.resolve_data_spec(c)) is not None
+    mesh, train, model, tx, lr, ds, state, state_sh = build(c)
+    step = jax.jit(setup.make_train_step(c, model, tx, lr, ds))  # no donation: state used twice
     ev = setup.jit_eval_step(model, state_sh, mesh)
     batch = sharding.to_global(train.train_batch(0), mesh)
     eval_batch = dict(batch, mask=np.ones(c.batch_size, np.float32))
@@ -166,4 +166,4 @@ def test_augmentation_acts_in_training_and_not_in_evaluation():
     assert float(e[0]["loss"]) == float(e[1]["loss"]) and float(e[0]["top1"]) == float(e[1]["top1"])
     c.mixup_alpha = c.cutmix_alpha = c.random_erase_prob = 0.0  # all off: no transform at all
     c.randaugment = ""
-    assert batch_aug.make(c, 10) is None
+    assert batch_aug.make(c, data.resolve_data_spec(c)) is None

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
+from normvit_jax import data
 from normvit_jax.train import batch_aug, erasing, randaugment as ra
 from normvit_jax.train import randaug_ops as ops
 from normvit_jax.train import steps as steps_lib
@@ -262,7 +263,8 @@ def test_parse_variants_and_errors():
         with pytest.raises(ValueError, match="config.randaugment"):
             ra.parse(bad)
     with pytest.raises(ValueError, match="config.randaugment"):
-        batch_aug.validate(tiny_demo_config(randaugment="rand-m9-bogus1"))
+        c = tiny_demo_config(randaugment="rand-m9-bogus1")
+        batch_aug.validate(c, data.resolve_data_spec(c))
 
 
 # ------------------------------------------------------------------------------- sampling
@@ -293,7 +295,7 @@ def test_normalization_round_trip_and_untouched_rows():
     """Invert alone, always applied, on zscore-normalized integer pixels = normalized (255 - p)."""
     c = tiny_demo_config(randaugment="rand-m9-n1-p1")
     c.data.name, c.data.normalize = "cifar10", "zscore"
-    cfg = dataclasses.replace(ra.from_config(c), ops=("Invert",))
+    cfg = dataclasses.replace(ra.from_config(c, data.resolve_data_spec(c)), ops=("Invert",))
     assert cfg.fill == (125.0, 123.0, 114.0)  # round(255 * CIFAR-10 mean)
     scale, shift = np.array(cfg.scale), np.array(cfg.shift)
     p = np.random.default_rng(8).integers(0, 256, (3, 8, 8, 3)).astype(np.float64)
@@ -321,21 +323,22 @@ def test_deterministic_in_the_key_and_differs_across_steps_and_rows():
 
 def test_default_config_has_no_batch_transform_and_eval_never_augments():
     assert tiny_demo_config().randaugment == ""
-    assert batch_aug.make(tiny_demo_config(), 10) is None
-    assert batch_aug.make(tiny_demo_config(randaugment="bigvision-2-10"), 10) is not None
+    assert batch_aug.make(tiny_demo_config(), data.resolve_data_spec(tiny_demo_config())) is None
+    assert batch_aug.make(tiny_demo_config(randaugment="bigvision-2-10"),
+                          data.resolve_data_spec(tiny_demo_config())) is not None
     # the eval step takes no batch transform: RandAugment is a train-step-only op
     assert "batch_transform" not in inspect.signature(steps_lib.make_eval_step).parameters
 
 
 def test_batch_aug_runs_randaugment_before_erasing_on_its_own_stream():
     c = tiny_demo_config(randaugment="rand-m9-mstd0.5-inc1", random_erase_prob=0.5)
-    transform = batch_aug.make(c, 10)
+    transform = batch_aug.make(c, data.resolve_data_spec(c))
     x = jax.random.uniform(jax.random.key(1), (6, 8, 8, 3))  # digits demo: zero_one
     y = jnp.arange(6)
     key = jax.random.key(9)
     got, labels = jax.jit(transform)(key, x, y)
     k_erase, _ = jax.random.split(jax.random.fold_in(key, batch_aug.STREAM))
-    ra_cfg, erase_cfg = ra.from_config(c), erasing.from_config(c)
+    ra_cfg, erase_cfg = ra.from_config(c, data.resolve_data_spec(c)), erasing.from_config(c)
     ref = jax.jit(lambda im: erasing.erase(k_erase, ra.augment(
         jax.random.fold_in(key, batch_aug.RA_STREAM), im, ra_cfg), erase_cfg))(x)
     np.testing.assert_array_equal(got, ref)

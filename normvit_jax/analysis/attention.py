@@ -57,10 +57,10 @@ class RunAnalysis:
 def analyze_run(workdir: str, images: int = 8, stat_images: int = 64,
                 step: int | None = None) -> RunAnalysis:
     run = capture.load_run(workdir, step)
-    x, y = capture.eval_images(run.config, max(images, stat_images))
+    x, y = capture.eval_images(run.config, run.data, max(images, stat_images))
     maps = capture.analyze(run, x[:images], full=True)
     stats = capture.analyze(run, x[:stat_images]) if stat_images != images else maps
-    return RunAnalysis(run, maps, stats, capture.display_images(x[:images], run.config), y[:images],
+    return RunAnalysis(run, maps, stats, capture.display_images(x[:images], run.data), y[:images],
                        gates.norm_gates(run.variables))
 
 

@@ -19,6 +19,7 @@ from normvit_jax import checkpoints, data, models
 from normvit_jax.models import scan_convert
 from normvit_jax.analysis import colors, distance
 from normvit_jax.data import stats as data_stats
+from normvit_jax.data.dataspec import DataSpec
 
 _BLOCK = re.compile(r"^encoderblock_(\d+)$")
 
@@ -30,6 +31,7 @@ class Run:
 
     workdir: str
     config: ml_collections.ConfigDict
+    data: DataSpec  # resolved from the saved config
     model: Any
     variables: dict
     step: int
@@ -62,15 +64,17 @@ def latest_step(workdir: str) -> int:
     return steps[-1]
 
 
-def build_model(config: ml_collections.ConfigDict) -> Any:
+def build_model(config: ml_collections.ConfigDict, data_spec: DataSpec) -> Any:
     """The float32 model of a run config (its ``spec`` holds every hyperparameter)."""
-    return models.create(config)
+    return models.create(config, data_spec.num_classes)
 
 
 def load_run(workdir: str, step: int | None = None) -> Run:
     step = latest_step(workdir) if step is None else step
     variables, config = checkpoints.load_variables(workdir, step)
-    return Run(str(workdir), config, build_model(config), variables, step, colors.method_of(config))
+    ds = data.resolve_data_spec(config)
+    return Run(str(workdir), config, ds, build_model(config, ds), variables, step,
+               colors.method_of(config))
 
 
 def geometry(spec: Any, image_size: int) -> tuple[tuple[int, int], int]:
@@ -79,10 +83,11 @@ def geometry(spec: Any, image_size: int) -> tuple[tuple[int, int], int]:
     return (s, s), spec.patch_size
 
 
-def eval_images(config: ml_collections.ConfigDict, n: int) -> tuple[np.ndarray, np.ndarray]:
+def eval_images(config: ml_collections.ConfigDict, data_spec: DataSpec,
+                n: int) -> tuple[np.ndarray, np.ndarray]:
     """The first n images of the eval split (model inputs, float32) and their labels."""
-    pipe = data.make_pipeline(config, "eval", process_index=0, process_count=1)
-    pipe_affine = data_stats.affine(config.data.name, config.data.normalize)
+    pipe = data.make_pipeline(config, "eval", data_spec, process_index=0, process_count=1)
+    pipe_affine = data_spec.affine
     xs, ys = [], []
     for b in range(pipe.steps_per_epoch):
         batch = pipe.eval_batch(b)
@@ -95,9 +100,9 @@ def eval_images(config: ml_collections.ConfigDict, n: int) -> tuple[np.ndarray, 
     return np.concatenate(xs)[:n], np.concatenate(ys)[:n]
 
 
-def display_images(images: np.ndarray, config: ml_collections.ConfigDict) -> np.ndarray:
-    """Model inputs back to [0, 1] pixels (undoes ``config.data.normalize``)."""
-    scale, shift = data_stats.affine(config.data.name, config.data.normalize)
+def display_images(images: np.ndarray, data_spec: DataSpec) -> np.ndarray:
+    """Model inputs back to [0, 1] pixels (undoes ``data_spec.normalize``)."""
+    scale, shift = data_spec.affine
     return np.clip((np.asarray(images, np.float32) - shift) / scale, 0.0, 1.0)
 
 
@@ -164,15 +169,15 @@ def to_analysis(out: dict, has_cls: list[bool]) -> Analysis:
 _ANALYZERS: dict[tuple[str, bool], Callable] = {}
 
 
-def config_key(config: ml_collections.ConfigDict) -> str:
+def config_key(config: ml_collections.ConfigDict, data_spec: DataSpec) -> str:
     """What fixes the float32 model and its input: runs that share it share compiled functions."""
-    return json.dumps([config.model.to_dict(), config.data.name, config.data.image_size],
+    return json.dumps([config.model.to_dict(), data_spec.num_classes, data_spec.image_shape],
                       sort_keys=True, default=str)
 
 
 def analyze(run: Run, images: np.ndarray, full: bool = False) -> Analysis:
     """Capture forward of ``run`` on ``images`` (one jitted call, compiled once per model config)."""
-    key = (config_key(run.config), full)
+    key = (config_key(run.config, run.data), full)
     if key not in _ANALYZERS:
         grid, p = geometry(run.model.spec, run.config.data.image_size)
         _ANALYZERS[key] = make_analyzer(run.model, grid, p, full)

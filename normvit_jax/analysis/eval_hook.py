@@ -2,8 +2,8 @@
 and (if ``config.eval_attention_images > 0``) attention-map images, from one jitted capture
 forward on a small fixed batch. Training steps never capture.
 
-    analyzer = eval_hook.EvalAnalyzer(model, config)                 # once, before the loop
-    images = eval_hook.fixed_images(config, 16)
+    analyzer = eval_hook.EvalAnalyzer(model, config, data_spec)      # once, before the loop
+    images = eval_hook.fixed_images(config, data_spec, 16)
     scalars, pictures = analyzer(variables, images)             # at each eval (compiled once)
     writer.write_scalars(step, scalars); writer.write_images(step, pictures)
 
@@ -25,9 +25,9 @@ from normvit_jax.analysis import attention, capture, colors, figures, gates, plo
 Summaries = tuple[dict[str, float], dict[str, np.ndarray]]
 
 
-def fixed_images(config: Any, n: int = 16) -> np.ndarray:
+def fixed_images(config: Any, data_spec: Any, n: int = 16) -> np.ndarray:
     """The first n eval images (model inputs): the fixed batch to pass at every eval."""
-    return capture.eval_images(config, n)[0]
+    return capture.eval_images(config, data_spec, n)[0]
 
 
 def scalars_of(a: capture.Analysis, norm_gates: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
@@ -67,10 +67,10 @@ class EvalAnalyzer:
     ``config.eval_attention_images > 0`` (read at each call).
     """
 
-    def __init__(self, model: Any, config: Any):
-        self.config = config
+    def __init__(self, model: Any, config: Any, data_spec: Any):
+        self.config, self.data_spec = config, data_spec
         self.spec = model.spec
-        grid, p = capture.geometry(self.spec, config.data.image_size)
+        grid, p = capture.geometry(self.spec, data_spec.image_shape[0])
         self.forward: Callable = capture.make_analyzer(model, grid, p, full=False)
 
     def __call__(self, variables: Mapping, images: np.ndarray, sharding: Any = None) -> Summaries:
@@ -82,6 +82,6 @@ class EvalAnalyzer:
         pictures = {}
         n_maps = int(config.get("eval_attention_images", 0) or 0)
         if n_maps > 0:
-            shown = capture.display_images(np.asarray(images[:n_maps]), config)
+            shown = capture.display_images(np.asarray(images[:n_maps]), self.data_spec)
             pictures["attention/maps"] = render_maps(a, shown, colors.method_of(config))
         return scalars_of(a, gates.norm_gates(variables)), pictures

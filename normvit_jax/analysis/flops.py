@@ -21,11 +21,13 @@ from normvit_jax.analysis import capture
 _CACHE: dict[str, float] = {}
 
 
-def xla_flops_of_config(config: ml_collections.ConfigDict, variables: Any) -> float:
-    """``xla_flops`` of the model built from a run's config (compiled once per model config)."""
-    key = capture.config_key(config)
+def xla_flops_of_config(config: ml_collections.ConfigDict, data_spec: Any, variables: Any) -> float:
+    """``xla_flops`` of the model built from a run's config and DataSpec (compiled once per model
+    config)."""
+    key = capture.config_key(config, data_spec)
     if key not in _CACHE:
-        _CACHE[key] = xla_flops(capture.build_model(config), variables, int(config.data.image_size))
+        _CACHE[key] = xla_flops(capture.build_model(config, data_spec), variables,
+                                int(data_spec.image_shape[0]))
     return _CACHE[key]
 
 

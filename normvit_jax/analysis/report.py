@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from normvit_jax import checkpoints, models, tool_flags
+from normvit_jax import checkpoints, data, models, tool_flags
 from normvit_jax import summaries as events  # the TensorBoard reader (read_run, Series)
 from normvit_jax.analysis import attention, colors, figures, flops, plots_curves, tables
 
@@ -34,16 +34,17 @@ def _best(s: events.Series | None) -> float | None:
     return float(np.max(s.values)) if s is not None and len(s.values) else None
 
 
-def model_name(config: Any) -> str:
-    s = models.spec_of(config)
+def model_name(config: Any, data_spec: data.DataSpec) -> str:
+    s = models.spec_of(config, data_spec.num_classes)
     size = f"d{s.depth} w{s.hidden_size} h{s.num_heads} p{s.patch_size}"
     name = s.variant or "custom"
-    return f"ViT-{name} ({size}, {config.data.image_size}px {config.data.name})"
+    return f"ViT-{name} ({size}, {data_spec.image_shape[0]}px {data_spec.name})"
 
 
 def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
     """One table row: numbers from the summaries, the config and the newest checkpoint."""
     variables, config = checkpoints.load_variables(workdir)
+    ds = data.resolve_data_spec(config)
     sc = summaries.scalars
     steps = [int(s.steps[-1]) for t, s in sc.items() if t.startswith(("train/", "eval/")) and len(s.steps)]
     ips = sc.get("train/examples_per_sec")
@@ -52,10 +53,10 @@ def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
     method = colors.method_of(config)
     return dict(
         run=tables.run_name(workdir), workdir=str(workdir), method=method, label=colors.label(method),
-        model=model_name(config),
+        model=model_name(config, ds),
         params=int(sum(np.size(x) for x in jax.tree.leaves(variables["params"]))),
-        flops_per_image=flops.xla_flops_of_config(config, variables),
-        analytic_flops_per_image=flops.analytic_flops(models.spec_of(config),
+        flops_per_image=flops.xla_flops_of_config(config, ds, variables),
+        analytic_flops_per_image=flops.analytic_flops(models.spec_of(config, ds.num_classes),
                                                       int(config.data.image_size)),
         best_top1=_best(sc.get("eval/top1")), final_top1=_last(sc.get("eval/top1")),
         best_top5=_best(sc.get("eval/top5")), final_top5=_last(sc.get("eval/top5")),

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from normvit_jax.data import digits, order, spec, stats, tfds_source, transforms
+from normvit_jax.data import dataspec, digits, order, tfds_source, transforms
 from normvit_jax.data import real as real_labels
 from normvit_jax.data.prefetch import Prefetcher, ordered_map
 from normvit_jax.data.sources import ArraySource, Geometry, JpegSource
@@ -24,14 +24,15 @@ from normvit_jax.data.sources import ArraySource, Geometry, JpegSource
 Batch = dict[str, np.ndarray]
 
 
-def _open_source(d: Any, name: str, tfds_split: str, limit: int | None, workers: int):
+def _open_source(data_dir: str | None, name: str, tfds_split: str, limit: int | None,
+                 workers: int):
     if name == "digits":
         src: Any = ArraySource(*digits.load(tfds_split))
-    elif name in spec.IN_MEMORY_TFDS:
-        b = tfds_source.open_builder(name, d.get("data_dir"), random_access=False)
+    elif name in dataspec.IN_MEMORY_TFDS:
+        b = tfds_source.open_builder(name, data_dir, random_access=False)
         src = ArraySource(*tfds_source.load_arrays(b, tfds_split, workers))
     else:
-        b = tfds_source.open_builder(name, d.get("data_dir"), random_access=True)
+        b = tfds_source.open_builder(name, data_dir, random_access=True)
         recs = tfds_source.open_random_access(b, tfds_split)
         examples = None
         if name == "imagenet2012_real":  # its labels are sets, read by RealRecords
@@ -66,13 +67,14 @@ def default_num_workers() -> int:
 class Pipeline:
     """Host-local batches of one split. Build with ``make_pipeline``."""
 
-    def __init__(self, config: Any, split: str, source: Any, process_index: int,
-                 process_count: int):
+    def __init__(self, config: Any, spec: dataspec.DataSpec, split: str, source: Any,
+                 process_index: int, process_count: int):
         d = config.data
-        self.split, self.source, self.seed = split, source, int(config.seed)
+        self.spec, self.split, self.source, self.seed = spec, split, source, int(config.seed)
         self.num_examples = len(source)
         if self.num_examples < 1:
-            raise ValueError(f"{d.name}: split for {split!r} has no examples")
+            name = spec.name if split == "train" else spec.eval_name
+            raise ValueError(f"{name}: split for {split!r} has no examples")
         self.global_batch_size = int(config.batch_size if split == "train"
                                      else config.eval_batch_size)
         self.lo, self.hi = order.host_rows(self.global_batch_size, process_index, process_count)
@@ -82,8 +84,8 @@ class Pipeline:
         self.steps_per_epoch = n // b if split == "train" else math.ceil(n / b)
         if self.steps_per_epoch < 1:
             raise ValueError(f"train split of {n} examples is smaller than batch_size {b}")
-        size = int(d.image_size)
-        self.image_shape = (size, size, 3)
+        self.image_shape = spec.image_shape
+        size = spec.image_shape[0]
         # random_resized_crop replaces pad-and-crop (the crop already shifts and scales)
         padding = 0 if d.random_resized_crop else int(d.crop_padding)
         self.prefetch = int(d.prefetch)
@@ -93,11 +95,11 @@ class Pipeline:
                                    padding, bool(d.flip), aa, interp)
         self._eval_geo = Geometry(size, False, 1.0, float(d.eval_crop_fraction), antialias=aa,
                                   interpolation=transforms.pick_interpolation(interp, None))
-        self._affine = stats.affine(d.name, d.normalize)
+        self._affine = spec.affine
         self._order = order.TrainOrder(self.seed, n, b, int(d.get("repeated_aug", 1)))
         # ImageNet-ReaL: eval batches also carry 'real', the multi-hot ReaL label sets
         self._label_sets = getattr(getattr(source, "records", None), "label_sets", None)
-        self._num_classes = spec.num_classes(d.name)
+        self._num_classes = spec.num_classes
 
     def train_batch(self, step: int) -> Batch:
         """This host's rows of global train batch ``step`` (shuffled, augmented), synchronously."""
@@ -151,14 +153,16 @@ class Pipeline:
             close()
 
 
-def make_pipeline(config: Any, split: str, *, process_index: int | None = None,
-                  process_count: int | None = None) -> Pipeline:
-    """Opens ``config.data.train_split`` (split='train') or ``eval_split`` (split='eval').
+def make_pipeline(config: Any, split: str, spec: dataspec.DataSpec | None = None, *,
+                  process_index: int | None = None, process_count: int | None = None) -> Pipeline:
+    """Opens the DataSpec's train split (split='train') or eval split (split='eval').
 
-    ``process_index``/``process_count`` default to ``jax.process_index()``/``process_count()``.
-    Raises ValueError for a bad config, ``DatasetNotFoundError`` for unprepared tfds data.
+    ``spec``: the run's ``resolve_data_spec(config)`` (resolved here when None). The batch sizes,
+    seed and augmentation keys come from ``config``. ``process_index``/``process_count`` default
+    to ``jax.process_index()``/``process_count()``. Raises ValueError for a bad config,
+    ``DatasetNotFoundError`` for unprepared tfds data.
     """
-    spec.validate(config)
+    spec = dataspec.resolve_data_spec(config) if spec is None else spec
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if process_index is None or process_count is None:
@@ -168,9 +172,10 @@ def make_pipeline(config: Any, split: str, *, process_index: int | None = None,
     d = config.data
     gb = config.batch_size if split == "train" else config.eval_batch_size
     order.host_rows(gb, process_index, process_count)  # fail before reading any data
-    tfds_split = d.train_split if split == "train" else d.eval_split
-    limit = d.get("num_train_examples") if split == "train" else d.get("num_eval_examples")
+    train = split == "train"
+    tfds_split = spec.train_split if train else spec.eval_split
+    limit = d.get("num_train_examples") if train else d.get("num_eval_examples")
     workers = d.get("num_workers") or default_num_workers()
-    name = (d.get("eval_name") or d.name) if split == "eval" else d.name
-    source = _open_source(d, name, tfds_split, limit, workers)
-    return Pipeline(config, split, source, process_index, process_count)
+    source = _open_source(spec.data_dir, spec.name if train else spec.eval_name, tfds_split, limit,
+                          workers)
+    return Pipeline(config, spec, split, source, process_index, process_count)

@@ -11,8 +11,7 @@ import functools
 
 import numpy as np
 
-from normvit_jax.data import spec
-
+NORMALIZE = ("minus_one_one", "zero_one", "zscore", "minmax")
 _KNOWN = {
     "cifar10": dict(mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616)),
     "cifar100": dict(mean=(0.5071, 0.4865, 0.4409), std=(0.2673, 0.2564, 0.2762)),
@@ -21,8 +20,11 @@ _KNOWN = {
 
 
 @functools.lru_cache(maxsize=None)
-def _stats(name: str) -> tuple[tuple[float, ...], ...]:
-    spec.num_classes(name)  # unknown name -> ValueError listing the accepted ones
+def dataset_stats_tuple(name: str) -> tuple[tuple[float, float, float], ...]:
+    """(mean, std, min, max) of a built-in dataset's training set, each a tuple of 3 floats."""
+    if name != "digits" and name not in _KNOWN:
+        raise ValueError(f"config.data.name={name!r} is not a known dataset; accepted: "
+                         f"{sorted(['digits', *_KNOWN])}")
     if name == "digits":
         from normvit_jax.data import digits
         x = digits.load("train")[0].astype(np.float64)  # float32 sums drift in the 4th digit
@@ -37,22 +39,28 @@ def _stats(name: str) -> tuple[tuple[float, ...], ...]:
 def dataset_stats(name: str) -> dict[str, np.ndarray]:
     """Per-channel ``mean``, ``std``, ``min``, ``max`` of the training set: float32 (3,) each,
     in [0, 1] pixel units (so ``(x01 - mean) / std`` is the zscore input)."""
-    mean, std, lo, hi = _stats(name)
+    mean, std, lo, hi = dataset_stats_tuple(name)
     f = lambda v: np.asarray(v, np.float32)  # noqa: E731
     return dict(mean=f(mean), std=f(std), min=f(lo), max=f(hi))
 
 
 def affine(name: str, normalize: str) -> tuple[np.ndarray, np.ndarray]:
-    """(scale, shift), float32 (3,), such that model input = x01 * scale + shift."""
-    if normalize not in spec.NORMALIZE:
+    """(scale, shift) of a built-in dataset (``affine_of`` its ``dataset_stats``)."""
+    return affine_of(dataset_stats(name), normalize)
+
+
+def affine_of(s: dict[str, np.ndarray], normalize: str) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, shift), float32 (3,), such that model input = x01 * scale + shift, from the
+    training statistics ``s`` (``mean``, ``std``, ``min``, ``max``; only zscore/minmax use them)."""
+    if normalize not in NORMALIZE:
         raise ValueError(f"config.data.normalize={normalize!r} is invalid; accepted: "
-                         f"{list(spec.NORMALIZE)}")
+                         f"{list(NORMALIZE)}")
     one = np.ones(3, np.float32)
     if normalize == "zero_one":
         return one, 0 * one
     if normalize == "minus_one_one":
         return 2 * one, -one
-    s = dataset_stats(name)
+    s = {k: np.asarray(v, np.float32) for k, v in s.items()}
     if normalize == "zscore":
         return 1 / s["std"], -s["mean"] / s["std"]
     span = np.maximum(s["max"] - s["min"], 1e-6)  # minmax: training min..max -> 0..1
@@ -63,11 +71,11 @@ def model_input(images, affine: tuple[np.ndarray, np.ndarray] | None):
     """Batch images -> model input. uint8 pixels (what JPEG sources ship: a quarter of float32's
     host work and host-to-device bytes) become ``x / 255 * scale + shift`` in float32, on whatever
     array type they are (jax inside a step, numpy outside); float images already are model input.
-    ``affine``: ``affine(data.name, data.normalize)``, required for uint8 images."""
+    ``affine``: ``DataSpec.affine``, required for uint8 images."""
     if images.dtype != np.uint8:
         return images
     if affine is None:
         raise ValueError("uint8 images need the (scale, shift) of config.data.normalize to become "
-                         "model input; pass data.stats.affine(data.name, data.normalize)")
+                         "model input; pass the run's DataSpec.affine")
     scale, shift = (np.asarray(a, np.float32) for a in affine)
     return images.astype(np.float32) / np.float32(255.0) * scale + shift

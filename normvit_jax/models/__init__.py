@@ -18,7 +18,8 @@ FAMILIES: dict[str, type[nn.Module]] = {"vit": ViT, "t2t_vit": T2TViT}
 def spec_of(config: Any, num_classes: int | None = None, *, dtype: Any = None,
             remat: bool | None = None) -> Any:
     """The spec of a model: from a spec (returned as is but for the arguments given), from
-    ``config.model``, or from a whole run config (``num_classes`` then defaults to its dataset's).
+    ``config.model``, or from a whole run config (its ``model``; ``num_classes`` is the caller's,
+    e.g. the run's ``DataSpec.num_classes``: None gives a spec without a head's size).
 
     ``dtype`` (default float32) and ``remat`` (default False) are the run's: ``config.dtype`` and
     ``config.remat`` are not read here (analysis builds float32 models of bfloat16 runs)."""
@@ -27,9 +28,6 @@ def spec_of(config: Any, num_classes: int | None = None, *, dtype: Any = None,
         changes = {k: v for k, v in given.items() if v is not None and v != getattr(config, k)}
         return dataclasses.replace(config, **changes) if changes else config
     if hasattr(config, "model") and hasattr(config, "data"):  # a whole run config
-        if num_classes is None:
-            from normvit_jax import data
-            num_classes = data.num_classes(config.data.name)
         config = config.model
     name = (config.get("name") if hasattr(config, "get") else None) or "vit"
     if name not in FAMILIES:

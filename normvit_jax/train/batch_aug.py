@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import jax
 
+from normvit_jax.data.dataspec import DataSpec
 from normvit_jax.train import erasing, mixing, randaugment
 
 STREAM = 0x6D6978  # folded into the step key; dropout uses the step key itself
@@ -19,16 +20,18 @@ RA_STREAM = 0x7261  # RandAugment's stream, beside STREAM
 BatchTransform = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
-def validate(config: Any) -> None:
+def validate(config: Any, data_spec: DataSpec) -> None:
     mixing.validate(config)
     erasing.from_config(config)
-    randaugment.from_config(config)
+    randaugment.from_config(config, data_spec)
 
 
-def make(config: Any, num_classes: int) -> BatchTransform | None:
-    """``transform(step_key, images, labels) -> (images, labels or soft targets)``, or None."""
+def make(config: Any, data_spec: DataSpec) -> BatchTransform | None:
+    """``transform(step_key, images, labels) -> (images, labels or soft targets)``, or None.
+    ``data_spec``: the run's ``data.DataSpec`` (classes, value range)."""
     mix_cfg, erase_cfg = mixing.from_config(config), erasing.from_config(config)
-    ra_cfg = randaugment.from_config(config)
+    ra_cfg = randaugment.from_config(config, data_spec)
+    num_classes = data_spec.num_classes
     if not (mix_cfg.enabled or erase_cfg.enabled or ra_cfg is not None):
         return None
 

@@ -56,7 +56,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     last eval metrics and the state.
     """
     mesh = sharding.make_mesh(config)
-    spec = setup.validate_config(config, mesh.devices.size)
+    spec = setup.resolve_config(config, mesh.devices.size)
     workdir = workdir_lib.absolute(workdir)
     with preemption.SigtermFlag() as sigterm, workdir_lib.prepare(
             config, workdir, fresh=fresh, process_index=jax.process_index()):
@@ -64,10 +64,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         return _run(config, workdir, stop_at, spec, mesh, sigterm)
 
 
-def _run(config, workdir, stop_at, spec, mesh, sigterm) -> dict[str, Any]:
-    train_data = data.make_pipeline(config, "train")
-    eval_data = data.make_pipeline(config, "eval")
-    num_classes = data.num_classes(config.data.name)
+def _run(config, workdir, stop_at, run_spec, mesh, sigterm) -> dict[str, Any]:
+    spec, ds = run_spec.model, run_spec.data
+    train_data = data.make_pipeline(config, "train", ds)
+    eval_data = data.make_pipeline(config, "eval", ds)
+    num_classes = ds.num_classes
     n_steps = total_steps(config, train_data.steps_per_epoch)
     model = setup.create_model(config, num_classes, spec)
     tx, lr_schedule = optim.create(config, n_steps)
@@ -120,8 +121,8 @@ def _run(config, workdir, stop_at, spec, mesh, sigterm) -> dict[str, Any]:
                               if isinstance(v, (int, float, str, bool))})
 
     train_step = setup.jit_train_step(
-        setup.make_train_step(config, model, tx, lr_schedule, num_classes), state_sharding, mesh)
-    eval_step = setup.jit_eval_step(model, state_sharding, mesh, setup.input_affine(config))
+        setup.make_train_step(config, model, tx, lr_schedule, ds), state_sharding, mesh)
+    eval_step = setup.jit_eval_step(model, state_sharding, mesh, ds.affine)
 
     report = periodic_actions.ReportProgress(num_train_steps=n_steps, writer=writer)
     eta = progress.Eta(n_steps)  # train time only: no compile, eval or checkpoint time
@@ -132,8 +133,8 @@ def _run(config, workdir, stop_at, spec, mesh, sigterm) -> dict[str, Any]:
     fixed_images = analyzer = None
     if n_fixed:  # imported only here: it pulls in matplotlib
         from normvit_jax.analysis import eval_hook
-        fixed_images = eval_hook.fixed_images(config, n_fixed)
-        analyzer = eval_hook.EvalAnalyzer(model, config)
+        fixed_images = eval_hook.fixed_images(config, ds, n_fixed)
+        analyzer = eval_hook.EvalAnalyzer(model, config, ds)
 
     def run_eval(step: int) -> dict[str, Any]:
         """Eval over the whole split, then the analysis of a fixed batch (token statistics, norm

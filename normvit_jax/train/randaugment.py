@@ -55,7 +55,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.data import stats
+from normvit_jax.data.dataspec import DataSpec
 from normvit_jax.train import randaug_ops as ops
 
 TIMM_INCREASING = ("AutoContrast", "Equalize", "Invert", "Rotate", "PosterizeIncreasing",
@@ -122,16 +122,16 @@ def parse(spec: str) -> RandAugConfig | None:
                          kw["m"], mstd, kw["mmax"], kw["p"])
 
 
-def from_config(config: Any) -> RandAugConfig | None:
-    """Parses ``config.randaugment`` and adds the data's normalization and timm's mean fill."""
+def from_config(config: Any, data_spec: DataSpec) -> RandAugConfig | None:
+    """Parses ``config.randaugment`` and adds the data's normalization and timm's mean fill
+    (from ``data_spec``, the run's ``data.DataSpec``)."""
     cfg = parse(config.randaugment)
     if cfg is None:
         return None
-    scale, shift = stats.affine(config.data.name, config.data.normalize)
+    scale, shift = data_spec.affine
     fill = cfg.fill
     if cfg.style == "timm":
-        fill = tuple(float(min(255, round(255 * float(v))))
-                     for v in stats.dataset_stats(config.data.name)["mean"])
+        fill = tuple(float(min(255, round(255 * float(v)))) for v in data_spec.stats()["mean"])
     return dataclasses.replace(cfg, scale=tuple(map(float, scale)), shift=tuple(map(float, shift)),
                                fill=fill)
 

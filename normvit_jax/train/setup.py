@@ -6,6 +6,7 @@ tools import this module alone. tests/test_train.py checks that.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -16,7 +17,6 @@ from flax import linen as nn
 from jax.sharding import Mesh
 
 from normvit_jax import data, models, preflight, sharding
-from normvit_jax.data import stats as data_stats
 from normvit_jax.train import batch_aug, ema
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import steps as steps_lib
@@ -25,40 +25,45 @@ from normvit_jax.train.state import TrainState
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Any:
-    """Checks every choice by name and every size constraint before anything is compiled.
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A run config resolved once, before anything is built: what the model and data are."""
 
-    Returns the model's spec (``models.spec_of``; float32, no remat: ``create_model`` sets them).
+    model: Any           # the model's spec (``models.spec_of``; float32, no remat, with num_classes)
+    data: data.DataSpec  # ``data.resolve_data_spec``
+
+
+def resolve_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> RunSpec:
+    """Checks every choice by name and every size constraint before anything is compiled and
+    resolves the model's spec and the run's DataSpec (``num_devices``: default all devices).
+
     Raises ValueError naming the key, its value and what is accepted.
     """
-    data.validate(config)
+    n = num_devices or jax.device_count()
+    data_spec = data.resolve_data_spec(config, n)  # also the one check of the batch sizes
     preflight.check_values(config)
-    spec = models.spec_of(config)  # checks variant, sizes, norm names and override keys
+    # checks variant, sizes, norm names and override keys
+    spec = models.spec_of(config, data_spec.num_classes)
     if config.data.image_size % spec.patch_size:
         raise ValueError(
             f"config.data.image_size={config.data.image_size} is not divisible by the patch size "
             f"{spec.patch_size} (model.patch_size / model.variant); accepted: a multiple of "
             f"{spec.patch_size}")
     optim.validate(config)
-    batch_aug.validate(config)
+    batch_aug.validate(config, data_spec)
     if config.dtype not in DTYPES:
         raise ValueError(f"config.dtype={config.dtype!r} is not accepted; accepted: {list(DTYPES)}")
-    n = num_devices or jax.device_count()
     if config.get("mesh"):  # raises naming the keys
         sharding.mesh_shape(n, int(config.mesh.data), int(config.mesh.fsdp))
-    k = config.grad_accum_steps
-    if k < 1 or config.batch_size % k:
-        raise ValueError(f"config.grad_accum_steps={k} must be >= 1 and divide "
-                         f"config.batch_size={config.batch_size}")
-    for key, value in (("batch_size", config.batch_size // k), ("eval_batch_size", config.eval_batch_size)):
-        if value % n:
-            what = "batch_size / grad_accum_steps" if key == "batch_size" and k > 1 else key
-            raise ValueError(f"config.{what}={value} is not divisible by the number of devices ({n}); "
-                             f"accepted: a multiple of {n}")
     for key in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
         if config[key] < 1:
             raise ValueError(f"config.{key}={config[key]} must be >= 1")
-    return spec
+    return RunSpec(spec, data_spec)
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Any:
+    """``resolve_config(...).model``: for callers that need only the model's spec."""
+    return resolve_config(config, num_devices).model
 
 
 def create_model(config: ml_collections.ConfigDict, num_classes: int, spec: Any = None) -> nn.Module:
@@ -103,21 +108,17 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation,
     return state, state_sharding
 
 
-def input_affine(config: ml_collections.ConfigDict) -> tuple[Any, Any]:
-    """(scale, shift) that the steps apply to uint8 batch images (``data.stats.model_input``)."""
-    return data_stats.affine(config.data.name, config.data.normalize)
-
-
 def make_train_step(config: ml_collections.ConfigDict, model: nn.Module,
                     tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
-                    num_classes: int) -> Callable:
+                    data_spec: data.DataSpec) -> Callable:
     """The pure train step with the config's label smoothing, accumulation, NaN policy and
-    on-device batch augmentation (train/batch_aug.py)."""
+    on-device batch augmentation (train/batch_aug.py); uint8 images become model input by
+    ``data_spec.affine``."""
     return steps_lib.make_train_step(model, tx, lr_schedule, label_smoothing=config.label_smoothing,
                                      grad_accum_steps=config.grad_accum_steps,
                                      skip_nonfinite=config.skip_nonfinite_steps > 0,
-                                     batch_transform=batch_aug.make(config, num_classes),
-                                     input_affine=input_affine(config))
+                                     batch_transform=batch_aug.make(config, data_spec),
+                                     input_affine=data_spec.affine)
 
 
 def jit_train_step(fn: Callable, state_sharding: Any, mesh: Mesh) -> Any:
@@ -132,7 +133,7 @@ def jit_eval_step(model: nn.Module, state_sharding: Any, mesh: Mesh,
                   affine: tuple[Any, Any] | None = None,
                   extra_sums: Callable[[jax.Array, dict], dict] | None = None) -> Any:
     """The eval step jitted over the mesh; metrics come back replicated. ``affine``
-    (``input_affine(config)``) maps uint8 batch images to model input; ``extra_sums``: see
+    (``DataSpec.affine``) maps uint8 batch images to model input; ``extra_sums``: see
     ``steps.make_eval_step`` (``evaluate`` adds them up)."""
     rep, bat = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     return jax.jit(steps_lib.make_eval_step(model, affine, extra_sums),

@@ -1,0 +1,185 @@
+"""What the run's data is, resolved once: ``resolve_data_spec(config) -> DataSpec``.
+
+``config.data.name`` is read here and nowhere else; everything downstream (pipelines, the steps'
+input mapping, RandAugment's fill, the model's number of classes, evaluation, analysis) takes the
+``DataSpec``. ``validate`` and ``resolve_data_spec`` never touch the network or a tfds directory, so
+a bad config fails before any dataset is opened or anything is compiled.
+
+A new kind of source (e.g. a tfds dataset prepared by the user, whose classes and statistics come
+from its own files) is one more branch in ``resolve_data_spec`` producing the same ``DataSpec``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import numpy as np
+
+from normvit_jax.data import stats, transforms
+
+NUM_CLASSES: dict[str, int] = {"digits": 10, "cifar10": 10, "cifar100": 100, "imagenet2012": 1000}
+NORMALIZE = stats.NORMALIZE
+# tfds datasets small enough to hold a split in host memory; the rest are read by random access.
+IN_MEMORY_TFDS = ("cifar10", "cifar100")
+# Evaluation-only datasets (config.data.eval_name) and the training set whose labels they share.
+EVAL_ONLY_TFDS = {"imagenet_v2": "imagenet2012", "imagenet2012_real": "imagenet2012"}
+CLASS_NAMES: dict[str, tuple[str, ...]] = {
+    "digits": tuple(str(i) for i in range(10)),
+    "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+                "truck"),
+}
+# Split sizes known without opening anything (others are counted when the split is opened).
+SPLIT_SIZES: dict[tuple[str, str], int] = {
+    ("digits", "train"): 1442, ("digits", "test"): 355, ("digits", "validation"): 355}
+
+Triple = tuple[float, float, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """The run's data as every other module sees it (frozen, hashable; built by
+    ``resolve_data_spec``). Statistics are per channel, of the training set, in [0, 1] pixel units.
+    """
+
+    name: str                     # the training set ('digits' or a tfds name)
+    eval_name: str                # the evaluated set (config.data.eval_name, else ``name``)
+    train_split: str              # tfds split strings, e.g. 'train', 'test[:50%]'
+    eval_split: str
+    num_classes: int
+    class_names: tuple[str, ...] | None  # None: not known without opening the dataset
+    image_shape: tuple[int, int, int]    # model input (S, S, 3)
+    normalize: str                # config.data.normalize: how pixels become model input
+    mean: Triple
+    std: Triple
+    min: Triple
+    max: Triple
+    num_train_examples: int | None  # examples used; None: the whole split, counted when opened
+    num_eval_examples: int | None
+    data_dir: str | None = None   # tfds data_dir (None: tfds' default)
+
+    @property
+    def affine(self) -> tuple[np.ndarray, np.ndarray]:
+        """(scale, shift), float32 (3,): model input = x01 * scale + shift (``normalize``)."""
+        return stats.affine_of(self.stats(), self.normalize)
+
+    def stats(self) -> dict[str, np.ndarray]:
+        """``mean``, ``std``, ``min``, ``max``: float32 (3,) each."""
+        f = lambda v: np.asarray(v, np.float32)  # noqa: E731
+        return dict(mean=f(self.mean), std=f(self.std), min=f(self.min), max=f(self.max))
+
+
+def num_classes(name: str) -> int:
+    """Number of labels of a built-in dataset; raises ValueError naming the accepted datasets."""
+    if name not in NUM_CLASSES:
+        raise ValueError(f"config.data.name={name!r} is not a known dataset; accepted: "
+                         f"{sorted(NUM_CLASSES)}")
+    return NUM_CLASSES[name]
+
+
+def resolve_data_spec(config: Any, num_devices: int = 1) -> DataSpec:
+    """Checks ``config.data`` and the batch sizes (``validate``) and returns the run's DataSpec.
+
+    ``num_devices``: the batches must split evenly over them (``check_batch_sizes``). Reads no
+    tfds directory (built-in datasets' classes and statistics are tables; digits' statistics are
+    computed once from the bundled split). Raises ValueError naming the key, value and accepted.
+    """
+    validate(config, num_devices)
+    d = config.data
+    name = _get(d, "name")
+    mean, std, lo, hi = stats.dataset_stats_tuple(name)
+    eval_name = _get(d, "eval_name") or name
+    size = int(d.image_size)
+    return DataSpec(
+        name=name, eval_name=eval_name, train_split=d.train_split, eval_split=d.eval_split,
+        num_classes=num_classes(name), class_names=CLASS_NAMES.get(name),
+        image_shape=(size, size, 3), normalize=d.normalize, mean=mean, std=std, min=lo, max=hi,
+        num_train_examples=(_get(d, "num_train_examples")
+                            or SPLIT_SIZES.get((name, d.train_split))),
+        num_eval_examples=(_get(d, "num_eval_examples")
+                           or SPLIT_SIZES.get((eval_name, d.eval_split))),
+        data_dir=_get(d, "data_dir"))
+
+
+def _get(c: Any, key: str, default: Any = None) -> Any:
+    return c.get(key, default) if hasattr(c, "get") else getattr(c, key, default)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _fail(key: str, value: Any, accepted: str) -> None:
+    raise ValueError(f"config.{key}={value!r} is invalid; accepted: {accepted}")
+
+
+def validate(config: Any, num_devices: int = 1) -> None:
+    """Checks ``config.data``, the seed and the batch sizes (``check_batch_sizes``).
+
+    Raises ValueError naming the key, its value and what is accepted. Reads nothing from disk.
+    """
+    d = config.data
+    num_classes(_get(d, "name"))
+    if _get(d, "normalize") not in NORMALIZE:
+        _fail("data.normalize", _get(d, "normalize"), str(list(NORMALIZE)))
+    for key in ("image_size",):
+        v = _get(d, key)
+        if not _is_int(v) or v < 1:
+            _fail(f"data.{key}", v, "an integer >= 1")
+    for key in ("crop_padding", "prefetch"):
+        v = _get(d, key, 0)
+        if not _is_int(v) or v < 0:
+            _fail(f"data.{key}", v, "an integer >= 0")
+    r = _get(d, "repeated_aug", 1)
+    if not _is_int(r) or r < 1:
+        _fail("data.repeated_aug", r, "an integer >= 1 (1: off)")
+    for key in ("num_train_examples", "num_eval_examples", "num_workers"):
+        v = _get(d, key)
+        if v is not None and (not _is_int(v) or v < 1):
+            _fail(f"data.{key}", v, "None or an integer >= 1")
+    for key in ("min_crop_area", "eval_crop_fraction"):
+        v = _get(d, key, 1.0)
+        if not isinstance(v, numbers.Real) or isinstance(v, bool) or not 0.0 < v <= 1.0:
+            _fail(f"data.{key}", v, "a number in (0, 1]")
+    for key in ("flip", "random_resized_crop", "return_index", "antialias"):
+        v = _get(d, key, False)
+        if not isinstance(v, bool):
+            _fail(f"data.{key}", v, "True or False")
+    interp = _get(d, "interpolation", "bilinear")
+    if interp not in transforms.INTERPOLATIONS:
+        _fail("data.interpolation", interp, f"one of {list(transforms.INTERPOLATIONS)}")
+    for key in ("train_split", "eval_split"):
+        v = _get(d, key, "x")
+        if not isinstance(v, str) or not v:
+            _fail(f"data.{key}", v, "a non-empty tfds split string such as 'train' or 'test[:50%]'")
+    en = _get(d, "eval_name")
+    if en is not None and en != _get(d, "name") and EVAL_ONLY_TFDS.get(en) != _get(d, "name"):
+        _fail("data.eval_name", en, f"None, {_get(d, 'name')!r}, or for imagenet2012: "
+              f"{sorted(EVAL_ONLY_TFDS)}")
+    dd = _get(d, "data_dir")
+    if dd is not None and not isinstance(dd, str):
+        _fail("data.data_dir", dd, "None or a path string")
+    if not _is_int(_get(config, "seed", 0)):
+        _fail("seed", _get(config, "seed"), "an integer")
+    check_batch_sizes(config, num_devices)
+
+
+def check_batch_sizes(config: Any, num_devices: int = 1) -> None:
+    """The one check of the global batch sizes: integers >= 1, ``batch_size`` a multiple of
+    ``grad_accum_steps``, and each step's batch (train micro-batch, eval batch) a multiple of the
+    number of devices, hence also of the number of processes (each holds as many devices)."""
+    for key in ("batch_size", "eval_batch_size"):
+        v = _get(config, key)
+        if not _is_int(v) or v < 1:
+            _fail(key, v, "an integer >= 1")
+    k = _get(config, "grad_accum_steps", 1)
+    if not _is_int(k) or k < 1 or config.batch_size % k:
+        raise ValueError(f"config.grad_accum_steps={k} must be >= 1 and divide "
+                         f"config.batch_size={config.batch_size}")
+    n = int(num_devices)
+    for key, value in (("batch_size", config.batch_size // k),
+                       ("eval_batch_size", config.eval_batch_size)):
+        if value % n:
+            what = "batch_size / grad_accum_steps" if key == "batch_size" and k > 1 else key
+            raise ValueError(f"config.{what}={value} is not divisible by the number of devices "
+                             f"({n}); accepted: a multiple of {n}")
