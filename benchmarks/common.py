@@ -48,6 +48,15 @@ NORMS: dict[str, dict[str, Any]] = {
     "rescale": {"norm": {"name": "rescale"}, "residual_scaling": "rescale", "final_norm": False},
     "identity": {"norm": {"name": "identity"}},
     "dpn": {"patch_norm": "dual"},
+    # Issue 26: train with statistics / point-wise functions, fold at inference.
+    "repbn": {"norm": {"name": "repbn"}},
+    "progressive": {"norm": {"name": "progressive", "decay_steps": 1000}},  # LN -> RepBN
+    "zscore_repbn": {"norm": {"name": "progressive", "n1": {"name": "zscore"},
+                              "decay_steps": 1000}},  # the seed's dynamic feature norm
+    "zscore": {"norm": {"name": "zscore"}},
+    "minmax": {"norm": {"name": "minmax"}},
+    "dyt": {"norm": {"name": "dyt"}},
+    "derf": {"norm": {"name": "derf"}},
 }
 DTYPES = setup.DTYPES
 

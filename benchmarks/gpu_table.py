@@ -27,6 +27,7 @@ from normvit_jax import tool_flags
 from normvit_jax.data import pipeline as pipeline_lib
 
 BEGIN, END = "<!-- gpu-table:begin -->", "<!-- gpu-table:end -->"
+N_NORMS = 21  # len(benchmarks.common.NORMS), not imported here (it imports jax): the timeout budget
 # The XLA GPU flags worth a try (docs/benchmarks.md); pass any of them with --xla_flags.
 GPU_FLAGS_TO_TRY = ("--xla_gpu_enable_latency_hiding_scheduler=true",
                     "--xla_gpu_enable_triton_gemm=false", "--xla_gpu_autotune_level=4")
@@ -81,7 +82,7 @@ def commands(args: tool_flags.Args) -> list[tuple[str, list[str], str, float]]:
               f"--warmup={args.warmup}", f"--num_classes={args.num_classes}", *tiny]
     out = []
     models = [m for m in args.models.split(",") if m]
-    n_norms = 14 if args.norm == "all" else len(args.norm.split(",")) + 1
+    n_norms = N_NORMS if args.norm == "all" else len(args.norm.split(",")) + 1
     for m in models:
         j = os.path.join(args.out, f"train_{_slug(m)}.json")
         cmd = py + ["benchmarks.train_step", f"--model={m}", f"--norm={args.norm}", "--isolate",

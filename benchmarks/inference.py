@@ -4,7 +4,8 @@
 
 Stateful norms run their inference form (running statistics). With ``--fold`` every norm that
 folds into the next Dense at inference (normvit_jax/reparam.py: BatchNorm, UN, LearnableScaler,
-Rescale) is also timed folded, as the row '<norm>+folded', in the same interleaved rounds.
+Rescale, RepBN, progressive; DyT, Derf, zscore and minmax fold their scale/bias) is also timed
+folded, as the row '<norm>+folded', in the same interleaved rounds.
 """
 from __future__ import annotations
 
@@ -71,12 +72,18 @@ def compile_eval(name: str, args: tool_flags.Args,
     return run, compile_s, common.cost_flops(compiled)
 
 
+def _folds(name: str) -> bool:
+    """Whether the benchmark norm ``name`` (a key of common.NORMS) folds, wholly or its scale/bias."""
+    cfg = common.NORMS[name].get("norm", {"name": "layernorm"})
+    return reparam.foldable(cfg) or reparam.splittable(cfg)
+
+
 def run(args: tool_flags.Args) -> dict[str, Any]:
     names = common.norm_names(args.norm)
     runners, compile_s, flops = {}, {}, {}
     jobs = [(n, n, False) for n in names]
     if args.fold:
-        jobs += [(f"{n}+folded", n, True) for n in names if reparam.foldable(n)]
+        jobs += [(f"{n}+folded", n, True) for n in names if _folds(n)]
     for label, n, fold in jobs:
         runners[label], compile_s[label], flops[label] = compile_eval(n, args, fold)
         print(f"compiled {label}: {compile_s[label]:.1f} s", file=sys.stderr, flush=True)

@@ -205,3 +205,8 @@ def test_prepare_rate_times_a_jpeg_folder():
     res = prepare_rate.main(["--images=12", "--workers=1"])
     (row,) = res["rows"]
     assert row["images"] == 12 and row["images_s"] > 0
+
+
+def test_gpu_table_timeout_budget_counts_every_norm():
+    from benchmarks import common, gpu_table
+    assert gpu_table.N_NORMS == len(common.NORMS)

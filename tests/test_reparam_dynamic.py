@@ -62,3 +62,19 @@ def test_progressive_mixture_and_layernorm_n2_are_kept():
     assert [p for p, _ in report.kept] == ["Transformer/encoderblock_0", "Transformer/encoderblock_1",
                                           "Transformer/encoder_norm"]
     assert "progressive" in report.kept[0][1]
+
+
+@pytest.mark.parametrize("norm", ["repbn", "progressive"])
+def test_folded_model_has_no_norm_op_left(norm):
+    """The folded eval forward's jaxpr has exactly the equations of the same ViT with 'identity'
+    in every slot (benchmarks/fold_ops.py counts them); unfolded it has more (rsqrt among them)."""
+    from benchmarks.fold_ops import eval_counts
+    cfg = tiny_model_cfg(norm)
+    variables = random_variables(cfg)
+    ident = tiny_model_cfg("identity")
+    want = eval_counts(ident, random_variables(ident), 16, 5)
+    unfolded = eval_counts(cfg, variables, 16, 5)
+    spec, folded, _ = reparam.fold(cfg, variables)
+    got = eval_counts(spec, folded, 16, 5)
+    assert unfolded["rsqrt"] > 0 and sum(unfolded.values()) > sum(want.values())
+    assert got == want
