@@ -13,6 +13,7 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
+import argparse  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
@@ -22,7 +23,7 @@ from benchmarks import common  # noqa: E402
 from normvit_jax import tool_flags  # noqa: E402
 
 
-def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.compile_time", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--norm", default="layernorm")
@@ -37,7 +38,7 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
     return p.parse_args(argv)
 
 
-def compile_once(args: tool_flags.Args, depth: int, scan: bool) -> tuple[float, float]:
+def compile_once(args: argparse.Namespace, depth: int, scan: bool) -> tuple[float, float]:
     """(trace + lower seconds, XLA compile seconds) of a fresh train step."""
     cfg = common.bench_config(args.model, args.norm, image_size=args.image_size, batch=args.batch,
                               remat=args.remat, scan=scan, depth=depth)
@@ -48,7 +49,7 @@ def compile_once(args: tool_flags.Args, depth: int, scan: bool) -> tuple[float, 
     return t1 - t0, time.perf_counter() - t1
 
 
-def run(args: tool_flags.Args) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     depths = [int(d) for d in args.depths.split(",")]
     layouts = [x.strip() for x in args.layouts.split(",")]
     runs: dict[tuple[str, int], list[tuple[float, float]]] = {(l, d): [] for l in layouts for d in depths}

@@ -16,6 +16,7 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
+import argparse  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
@@ -26,7 +27,7 @@ from benchmarks import common  # noqa: E402
 from normvit_jax import tool_flags  # noqa: E402
 
 
-def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.fsdp", __doc__)
     p.add_argument("--models", default="B/16,L/16,H/14", help="memory rows ('' for none)")
     p.add_argument("--fsdp", type=int, default=0, help="FSDP size (0: all devices)")
@@ -42,14 +43,14 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
     return p.parse_args(argv)
 
 
-def _config(model: str, args: tool_flags.Args, batch: int, fsdp: int, num_classes: int) -> Any:
+def _config(model: str, args: argparse.Namespace, batch: int, fsdp: int, num_classes: int) -> Any:
     cfg = common.bench_config(model, args.norm, batch=batch, dtype=args.dtype,
                               num_classes=num_classes)
     cfg.mesh.fsdp = fsdp
     return cfg
 
 
-def memory_row(model: str, args: tool_flags.Args, fsdp: int) -> dict[str, Any]:
+def memory_row(model: str, args: argparse.Namespace, fsdp: int) -> dict[str, Any]:
     batch = args.batch_per_device * jax.device_count()
     cfg = _config(model, args, batch, fsdp, args.num_classes)
     lowered, state = common.lower_abstract_train_step(cfg, args.num_classes)
@@ -60,7 +61,7 @@ def memory_row(model: str, args: tool_flags.Args, fsdp: int) -> dict[str, Any]:
             "arguments_GiB": g("arguments"), "temp_GiB": g("temp"), "peak_GiB": g("xla_peak")}
 
 
-def step_times(args: tool_flags.Args, fsdp: int) -> dict[str, Any]:
+def step_times(args: argparse.Namespace, fsdp: int) -> dict[str, Any]:
     benches = {f"fsdp={f}": common.compile_train(f"fsdp={f}", _config(
         args.step_model, args, args.step_batch, f, 10)) for f in (1, fsdp)}
     times = common.interleaved({n: b.step for n, b in benches.items()}, args.steps, warmup=2)
@@ -69,7 +70,7 @@ def step_times(args: tool_flags.Args, fsdp: int) -> dict[str, Any]:
                 "compile_s": round(benches[n].compile_s, 1)} for n, t in times.items()}
 
 
-def run(args: tool_flags.Args) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     fsdp = args.fsdp or jax.device_count()
     rows = []
     for model in [x.strip() for x in args.models.split(",") if x.strip()]:

@@ -16,6 +16,7 @@ A command that fails or times out is reported in the table and the others still 
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import shlex
@@ -33,7 +34,7 @@ GPU_FLAGS_TO_TRY = ("--xla_gpu_enable_latency_hiding_scheduler=true",
                     "--xla_gpu_enable_triton_gemm=false", "--xla_gpu_autotune_level=4")
 
 
-def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.gpu_table", __doc__)
     p.add_argument("--out", default="runs/gpu", help="logs, JSON results and gpu_table.md")
     p.add_argument("--models", default="B/16,S/16")
@@ -74,7 +75,7 @@ def _slug(model: str) -> str:
     return model.replace("/", "")
 
 
-def commands(args: tool_flags.Args) -> list[tuple[str, list[str], str, float]]:
+def commands(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]]:
     """(name, command, json path, timeout) for every run, in order."""
     py = [sys.executable, "-m"]
     tiny = ["--depth=1", "--image_size=8"] if args.tiny else []
@@ -120,7 +121,7 @@ def commands(args: tool_flags.Args) -> list[tuple[str, list[str], str, float]]:
     return out
 
 
-def run(args: tool_flags.Args) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     cmds = commands(args)
     if args.dry_run:
         for _, cmd, _, timeout in cmds:
@@ -161,7 +162,7 @@ def _f(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def render(results: dict[str, Any], failures: list[str], args: tool_flags.Args) -> str:
+def render(results: dict[str, Any], failures: list[str], args: argparse.Namespace) -> str:
     """The markdown: machine and versions, then the per-norm and the timm tables."""
     first = next(iter(results.values()), {})
     m = first.get("machine", {})

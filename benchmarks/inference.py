@@ -13,6 +13,7 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
+import argparse  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
@@ -24,7 +25,7 @@ from normvit_jax import tool_flags  # noqa: E402
 from normvit_jax import models, reparam, sharding  # noqa: E402
 
 
-def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.inference", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--norm", default="all", help=f"'all' or a comma list of {list(common.NORMS)}")
@@ -43,7 +44,7 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
     return p.parse_args(argv)
 
 
-def compile_eval(name: str, args: tool_flags.Args,
+def compile_eval(name: str, args: argparse.Namespace,
                  fold: bool = False) -> tuple[Callable[[], float], float, Any]:
     cfg = common.bench_config(args.model, name, image_size=args.image_size, batch=args.batch,
                               dtype=args.dtype, scan=args.scan, num_classes=args.num_classes,
@@ -78,7 +79,7 @@ def _folds(name: str) -> bool:
     return reparam.foldable(cfg) or reparam.splittable(cfg)
 
 
-def run(args: tool_flags.Args) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     names = common.norm_names(args.norm)
     runners, compile_s, flops = {}, {}, {}
     jobs = [(n, n, False) for n in names]

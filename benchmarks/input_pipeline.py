@@ -26,6 +26,7 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
+import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import io  # noqa: E402
 import itertools  # noqa: E402
@@ -49,7 +50,7 @@ DATASETS = ("digits", "cifar10", "cifar100", "imagenet2012")
 CPU_STEP_BATCH = 128  # default cap of the step-rate batch on CPU (see step_batch)
 
 
-def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.input_pipeline", __doc__)
     p.add_argument("--datasets", default="digits,cifar10,imagenet2012",
                    help=f"comma list of {list(DATASETS)}")
@@ -86,7 +87,7 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
     return p.parse_args(argv)
 
 
-def dataset_config(name: str, args: tool_flags.Args) -> ml_collections.ConfigDict:
+def dataset_config(name: str, args: argparse.Namespace) -> ml_collections.ConfigDict:
     c = default.get_config()
     if name == "digits":
         c = default.get_demo(c)
@@ -139,7 +140,7 @@ def synthetic_imagenet(root: str, n: int) -> None:
 
 @contextlib.contextmanager
 def open_train_pipeline(name: str, c: ml_collections.ConfigDict,
-                        args: tool_flags.Args) -> Iterator[tuple[Any, str]]:
+                        args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
     """The train pipeline of ``name``: real data if prepared, else a stand-in (see the doc)."""
     try:
         p = data.make_pipeline(c, "train")
@@ -178,7 +179,7 @@ def pipeline_rate(p: Any, batches: int) -> float:
     return n / dt
 
 
-def step_batch(c: ml_collections.ConfigDict, args: tool_flags.Args) -> int:
+def step_batch(c: ml_collections.ConfigDict, args: argparse.Namespace) -> int:
     """--step_batch, else the config's batch, capped on CPU (ImageNet's 4,096 at 224 would need
     ~100 GB there): examples/s hardly depends on the batch once it fills the cores."""
     import jax
@@ -188,7 +189,7 @@ def step_batch(c: ml_collections.ConfigDict, args: tool_flags.Args) -> int:
     return min(batch, CPU_STEP_BATCH) if jax.default_backend() == "cpu" else batch
 
 
-def step_rate(c: ml_collections.ConfigDict, args: tool_flags.Args) -> tuple[float, Any]:
+def step_rate(c: ml_collections.ConfigDict, args: argparse.Namespace) -> tuple[float, Any]:
     from normvit_jax.models import spec_of
     model = spec_of(c.model)
     cfg = common.bench_config(
@@ -220,7 +221,7 @@ def run_together(p: Any, bench: Any, steps: int) -> float:
     return wait / total
 
 
-def pipeline_only(args: tool_flags.Args) -> dict[str, Any]:
+def pipeline_only(args: argparse.Namespace) -> dict[str, Any]:
     """The ImageNet train pipeline alone, one decode worker per core this process may use."""
     if args.pin_cores:  # before TF starts: its thread pools and every later thread inherit it
         os.sched_setaffinity(0, pipeline_lib.usable_cores()[:args.pin_cores])
@@ -235,7 +236,7 @@ def pipeline_only(args: tool_flags.Args) -> dict[str, Any]:
     return {"machine": common.machine(), "args": vars(args), "rows": [row]}
 
 
-def scaling(args: tool_flags.Args) -> dict[str, Any]:
+def scaling(args: argparse.Namespace) -> dict[str, Any]:
     """``pipeline_only`` in a child process per core count, each pinned to its first N cores (so
     the Python reader and TF's decode threads all share those N cores)."""
     import json
@@ -271,7 +272,7 @@ def scaling(args: tool_flags.Args) -> dict[str, Any]:
     return {"machine": common.machine(), "args": vars(args), "rows": rows}
 
 
-def run(args: tool_flags.Args) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.pipeline_only:
         return pipeline_only(args)
     if args.cores:

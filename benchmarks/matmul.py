@@ -16,6 +16,7 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
+import argparse  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
@@ -28,7 +29,7 @@ from normvit_jax import tool_flags  # noqa: E402
 from normvit_jax import models  # noqa: E402
 
 
-def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.matmul", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--batch", type=int, default=128)
@@ -96,7 +97,7 @@ def torch_runner(torch: Any, lhs: tuple, rhs: tuple, lc: int, rc: int,
     return run
 
 
-def run(args: tool_flags.Args) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     torch = None
     if not args.no_torch:
         try:

@@ -16,6 +16,7 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
+import argparse  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
@@ -26,7 +27,7 @@ from benchmarks import common  # noqa: E402
 from normvit_jax import tool_flags  # noqa: E402
 
 
-def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.memory", __doc__)
     p.add_argument("--models", default="Ti/16,S/16,B/16,L/16")
     p.add_argument("--norm", default="layernorm", help=f"one of {list(common.NORMS)}")
@@ -44,7 +45,7 @@ def parse(argv: Sequence[str] | None) -> tool_flags.Args:
     return p.parse_args(argv)
 
 
-def step_bytes(model_name: str, args: tool_flags.Args, per_device_batch: int,
+def step_bytes(model_name: str, args: argparse.Namespace, per_device_batch: int,
                remat: bool) -> tuple[int, int]:
     """(XLA's peak bytes of one train step at this per-device batch, parameter count)."""
     n_dev = jax.device_count()
@@ -57,7 +58,7 @@ def step_bytes(model_name: str, args: tool_flags.Args, per_device_batch: int,
     return common.memory_stats(compiled)["xla_peak"], n_params
 
 
-def run(args: tool_flags.Args) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     budgets = [float(x) for x in args.memory_gb.split(",") if x.strip()]
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     if limit:

@@ -14,6 +14,7 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
+import argparse  # noqa: E402
 import collections  # noqa: E402
 import glob  # noqa: E402
 import re  # noqa: E402
@@ -31,7 +32,7 @@ PARTS = (("optimizer", ("optax", "adam", "clip", "tree_norm", "apply_updates", "
          ("embedding", ("embedding", "posembed")), ("head/loss", ("head", "softmax_cross", "log_softmax")))
 
 
-def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.profile", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--norm", default="layernorm", help=f"one of {list(common.NORMS)}")
@@ -81,7 +82,7 @@ def classify(hlo_text: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def run(args: tool_flags.Args) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {"attention_impl": args.attention_impl} if args.attention_impl else None
     cfg = common.bench_config(args.model, args.norm, image_size=args.image_size, batch=args.batch,
                               depth=args.depth, model_overrides=overrides)

@@ -20,6 +20,7 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
+import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
@@ -32,7 +33,7 @@ XLA_AGREES = 0.25  # XLA's count is used for the FLOP ratio only within 25% of t
 DTN_NORMS = ("dtn", "dtn_var")
 
 
-def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.train_step", __doc__)
     p.add_argument("--model", default="Ti/4", help="preset '<Ti|S|B|L|H>/<patch>'")
     p.add_argument("--norm", default="layernorm",
@@ -79,7 +80,7 @@ AUGMENT = {
 }
 
 
-def analytic_flops(args: tool_flags.Args, cfg: Any, norm: str) -> tuple[float, float]:
+def analytic_flops(args: argparse.Namespace, cfg: Any, norm: str) -> tuple[float, float]:
     """(ViT model FLOPs per step, the same + the norm's own matrix products) for MFU and ratios."""
     shape = model_flops.shape_from_spec(models.spec_of(cfg.model), int(cfg.data.image_size),
                                         args.num_classes)
@@ -90,7 +91,7 @@ def analytic_flops(args: tool_flags.Args, cfg: Any, norm: str) -> tuple[float, f
     return vit, model_flops.train_step_flops(shape, args.batch, extra)
 
 
-def peak(args: tool_flags.Args) -> tuple[float, str]:
+def peak(args: argparse.Namespace) -> tuple[float, str]:
     if args.peak_tflops:
         return args.peak_tflops * 1e12, "given"
     import jax
@@ -101,7 +102,7 @@ def peak(args: tool_flags.Args) -> tuple[float, str]:
     return common.matmul_probe(common.DTYPES[args.dtype]), "probe"
 
 
-def run(args: tool_flags.Args) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     names = common.norm_names(args.norm)
     if args.isolate and len(names) > 1:
         return run_isolated(args, names)
@@ -161,7 +162,7 @@ def add_ratios(rows: list[dict[str, Any]], ratios: dict[str, common.Summary]) ->
         r["within"] = "yes" if ratio.median <= r["bound"] else "NO"
 
 
-def child_argv(args: tool_flags.Args, norm: str, json_path: str) -> list[str]:
+def child_argv(args: argparse.Namespace, norm: str, json_path: str) -> list[str]:
     """This run's flags for one norm in its own process."""
     out = [f"--model={args.model}", f"--norm={norm}", f"--batch={args.batch}",
            f"--dtype={args.dtype}", f"--steps={args.steps}", f"--warmup={args.warmup}",
@@ -175,7 +176,7 @@ def child_argv(args: tool_flags.Args, norm: str, json_path: str) -> list[str]:
     return out
 
 
-def run_isolated(args: tool_flags.Args, names: list[str]) -> dict[str, Any]:
+def run_isolated(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     """One process per norm; failures and timeouts are reported, the others still measured. The
     time ratio is the ratio of medians from separate processes (no per-round pairing)."""
     out_dir = args.isolate_dir or os.path.join(

@@ -20,6 +20,7 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
+import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -61,7 +62,7 @@ def import_torch_timm() -> tuple[Any, Any]:
     return torch, timm
 
 
-def parse(argv: Sequence[str] | None) -> tool_flags.Args:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.vs_torch", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--batch", type=int, default=128)
@@ -121,7 +122,7 @@ def share_gpu_with_torch(plan: TorchPlan) -> bool:
     return True
 
 
-def torch_steps(torch: Any, timm: Any, spec: Any, args: tool_flags.Args, size: int,
+def torch_steps(torch: Any, timm: Any, spec: Any, args: argparse.Namespace, size: int,
                 plan: TorchPlan) -> tuple[dict[str, Any], int]:
     """{'timm' (eager), 'timm_compiled'}: timm's VisionTransformer with this project's
     hyperparameters and a full AdamW step each (separate models, the same initialisation)."""
@@ -171,7 +172,7 @@ def torch_steps(torch: Any, timm: Any, spec: Any, args: tool_flags.Args, size: i
     return steps, n_params
 
 
-def run(args: tool_flags.Args) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     torch, timm = import_torch_timm()
     plan = torch_plan(bool(torch.cuda.is_available()), args.dtype, args.torch_device, args.torch_compile)
     if not share_gpu_with_torch(plan):

@@ -13,16 +13,19 @@ Resumes are exact, so the dropped points equal their rewrites except the timing 
 ``elapsed`` is the time spent inside the files' spans (first to last event) before it, so idle
 time between a stop and a restart is not counted.
 
-No TensorFlow needed: TFRecord framing is read here, the protos come from ``tensorboard``.
+Files are read with TensorBoard's own event loader (through TensorFlow's record reader where it
+is installed, TensorBoard's stub otherwise): a truncated or damaged tail ends a file quietly.
 """
 from __future__ import annotations
 
 import dataclasses
-import struct
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 from etils import epath
+
+if TYPE_CHECKING:
+    from tensorboard.compat.proto import event_pb2
 
 SEGMENT_TAG = "run/start_step"
 TIMING_TAGS = ("steps_per_sec", "uptime", "train/steps_per_sec", "train/examples_per_sec")
@@ -54,47 +57,33 @@ class _EventFile:
     last: float
 
 
-def _records(data: bytes) -> Iterator[bytes]:
-    """TFRecord payloads; stops quietly at a truncated tail (a writer killed mid-record)."""
-    pos = 0
-    while pos + 12 <= len(data):
-        (length,) = struct.unpack("<Q", data[pos:pos + 8])
-        start, end = pos + 12, pos + 12 + length
-        if end + 4 > len(data):
-            return
-        yield data[start:end]
-        pos = end + 4
+def events(path: epath.Path | str) -> Iterator[event_pb2.Event]:
+    """The events of one file in order (TensorBoard's ``EventFileLoader``: legacy ``simple_value``
+    scalars come back as scalar tensors); stops quietly at a truncated or damaged record."""
+    from tensorboard.backend.event_processing import event_file_loader
+
+    return event_file_loader.EventFileLoader(str(path)).Load()
 
 
 def _read_file(path: epath.Path) -> _EventFile:
     """Every scalar of one event file and its first/last wall time, in one pass."""
-    from tensorboard.compat.proto import event_pb2
     from tensorboard.util import tensor_util
 
-    scalar_tags: set[str] = set()
+    scalar_tags: set[str] = set()  # a writer sends a tag's plugin metadata with its first value only
     rows: list[tuple[str, int, float, float]] = []
     first, last = float("inf"), float("-inf")
-    for raw in _records(path.read_bytes()):
-        event = event_pb2.Event()
-        try:
-            event.ParseFromString(raw)
-        except Exception:  # noqa: BLE001  (a damaged record ends what can be trusted)
-            break
+    for event in events(path):
         first = event.wall_time if first == float("inf") else first
         last = event.wall_time
         for v in event.summary.value:
             if v.metadata.plugin_data.plugin_name == "scalars":
                 scalar_tags.add(v.tag)
-            if v.HasField("simple_value"):
-                value = float(v.simple_value)
-            elif v.HasField("tensor") and v.tag in scalar_tags:
-                arr = tensor_util.make_ndarray(v.tensor)
-                if arr.size != 1:
-                    continue
-                value = float(np.asarray(arr).reshape(()))
-            else:
+            if not (v.HasField("tensor") and v.tag in scalar_tags):
                 continue
-            rows.append((v.tag, int(event.step), value, float(event.wall_time)))
+            arr = tensor_util.make_ndarray(v.tensor)
+            if arr.size == 1:
+                rows.append((v.tag, int(event.step), float(np.asarray(arr).reshape(())),
+                             float(event.wall_time)))
     return _EventFile(path, rows, first, last)
 
 

@@ -270,8 +270,7 @@ def test_training_writes_the_eval_analysis_to_tensorboard(trained):
         assert written[tag][-1][1] == pytest.approx(value, rel=1e-4, abs=1e-6), tag
     shapes = {}
     for path in summaries.event_files(workdir):
-        for raw in summaries._records(path.read_bytes()):
-            event = event_pb2.Event.FromString(raw)
+        for event in summaries.events(path):
             for v in event.summary.value:
                 if v.tag.startswith("attention/maps"):
                     shapes[event.step] = v.tag
