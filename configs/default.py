@@ -86,6 +86,13 @@ def get_config() -> ml_collections.ConfigDict:
                                     # instead of XLA:CPU recomputing it (docs/benchmarks.md)
     c.model.scan = False            # nn.scan over the leading identical blocks (fast compile of deep models;
                                     # params under Transformer/encoderblock, see models/scan_convert.py)
+    # model.name='t2t_vit' (models/t2t_vit.py): configs/recipes.py t2t_vit adds these keys, so only
+    # its configs have them (defaults: T2TSpec's):
+    #   model.variant            'T2T-<7|10|12|14|19|24>' (width, depth, heads, mlp ratio)
+    #   model.token_dim          64: width of the Tokens-to-Token stem's Performer layers
+    #   model.kernel_ratio       0.5: Performer random features per stem channel (m = token_dim * ratio)
+    #   model.t2t_dropout_rate   0.1: dropout inside the stem's Performer layers
+    #   model.stem_norm          the stem's four norm slots; {'name': None}: model.norm
 
     # ---- optimization (normvit_jax/train) ----
     c.batch_size = 128              # global batch over all devices and hosts

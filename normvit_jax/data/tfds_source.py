@@ -1,7 +1,7 @@
 """Opening tfds datasets offline: a fast 'is it prepared?' check, then in-memory or random access.
 
 tfds's downloader retries for minutes without a network, so nothing here may reach it: every read
-is preceded by ``check_prepared``, which fails at once with what to do instead. Under
+goes through ``open_builder``, which fails at once with what to do instead. Under
 ``tfds.testing.mock_data`` the builder is redirected to tfds's own metadata and reports itself
 unprepared, so the check trusts the mock (detected by its patched ``DatasetBuilder.__init__``).
 """

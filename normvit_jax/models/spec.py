@@ -23,7 +23,6 @@ VARIANTS: dict[str, tuple[int, int, int, int]] = {
     "L": (1024, 24, 16, 4096),
     "H": (1280, 32, 16, 5120),
 }
-PATCH_SIZES = (2, 4, 8, 14, 16, 32)
 CLASSIFIERS = ("token", "gap", "gap_fc_norm")  # gap_fc_norm: timm's pool, then norm (FC_SLOT)
 POSEMBS = ("learn", "sincos2d", "sincos1d", "none")
 PLACEMENTS = ("pre", "post", "sandwich")

@@ -45,7 +45,6 @@ T2T_VARIANTS: dict[str, tuple[int, int, int, float]] = {
 }
 SOFT_SPLITS = ((7, 4, 2), (3, 2, 1), (3, 2, 1))  # (kernel, stride, padding) of each soft split
 STEM_SCOPE = "tokens_to_token"
-STEM_SLOTS = ("norm1", "norm2")  # in each of attention1, attention2
 
 
 def soft_split(x: jax.Array, kernel: int, stride: int, padding: int
