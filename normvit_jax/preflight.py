@@ -30,8 +30,8 @@ def check(config: Any, workdir: str) -> None:
     # init_from is read only by a run that starts at step 0: a resumed run does not need it
     resuming = not workdir_lib.is_remote(workdir) and os.path.isdir(workdir) \
         and workdir_lib.has_checkpoint(os.path.abspath(workdir))
-    init_from = None if resuming else config.get("init_from")
-    for key, path in (("data.data_dir", config.data.get("data_dir")), ("init_from", init_from)):
+    init_from = None if resuming else config.init_from
+    for key, path in (("data.data_dir", config.data.data_dir), ("init_from", init_from)):
         if path and str(path).startswith("gs://"):
             workdir_lib.check_gcs_credentials(str(path), what=f"config.{key}")
     if init_from and not workdir_lib.is_remote(init_from):
@@ -65,11 +65,11 @@ def check_model(config: Any) -> None:
 def check_run_length(config: Any) -> None:
     """total_steps (None or >= 1) and num_epochs (> 0): 0 or negative values used to train the
     whole run, a single step or nothing, all with exit 0."""
-    steps = config.get("total_steps")
+    steps = config.total_steps
     if steps is not None and (isinstance(steps, bool) or int(steps) != steps or steps < 1):
         raise ValueError(f"config.total_steps={steps!r} must be None (use num_epochs) or an "
                          "integer >= 1")
-    epochs = config.get("num_epochs")
+    epochs = config.num_epochs
     if (epochs is None and steps is None) or (epochs is not None and not epochs > 0):
         raise ValueError(f"config.num_epochs={epochs!r} must be > 0 (or set config.total_steps)")
 

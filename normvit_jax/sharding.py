@@ -41,21 +41,21 @@ def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1) -> tuple[int, in
 
 
 def make_mesh(config: Any = None, *, devices: list[Any] | None = None) -> Mesh:
-    """The ('data', 'fsdp') mesh of ``config.mesh`` (None or no ``mesh`` key: data=-1, fsdp=1)
+    """The ('data', 'fsdp') mesh of ``config.mesh`` (no config: data=-1, fsdp=1)
     over ``devices`` (all devices of all processes by default).
 
     'fsdp' is the inner axis: its groups are consecutive devices (``jax.devices()`` lists them
     process by process), so with fsdp dividing the devices per host the weights are gathered
     within a host and only the gradient reduction over 'data' crosses hosts."""
     devices = jax.devices() if devices is None else list(devices)
-    m = config.get("mesh") if config is not None else None
-    data, fsdp = mesh_shape(len(devices), int(m.data) if m else -1, int(m.fsdp) if m else 1)
+    data, fsdp = (-1, 1) if config is None else (int(config.mesh.data), int(config.mesh.fsdp))
+    data, fsdp = mesh_shape(len(devices), data, fsdp)
     return Mesh(np.asarray(devices).reshape(data, fsdp), (DATA_AXIS, FSDP_AXIS))
 
 
 def fsdp_min_size(config: Any = None) -> int:
-    m = config.get("mesh") if config is not None else None
-    return int(m.get("fsdp_min_size", FSDP_MIN_SIZE)) if m else FSDP_MIN_SIZE
+    """``config.mesh.fsdp_min_size`` (no config: ``FSDP_MIN_SIZE``, configs/default.py's value)."""
+    return FSDP_MIN_SIZE if config is None else int(config.mesh.fsdp_min_size)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -80,7 +80,7 @@ class EvalAnalyzer:
             images.shape, sharding, lambda index: images[index])
         a = capture.to_analysis(self.forward(variables, inputs), self.spec.block_has_cls())
         pictures = {}
-        n_maps = int(config.get("eval_attention_images", 0) or 0)
+        n_maps = int(config.eval_attention_images)
         if n_maps > 0:
             shown = capture.display_images(np.asarray(images[:n_maps]), self.data_spec)
             pictures["attention/maps"] = render_maps(a, shown, colors.method_of(config))
