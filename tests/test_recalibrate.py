@@ -1,0 +1,71 @@
+"""python -m normvit_jax.recalibrate: running statistics re-estimated at the final weights.
+
+Reference: numpy float64 EMA (momentum 0.1, unbiased variance stored) of the batch statistics of
+the first norm slot's input, computed from the model's own position-embedded tokens.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from normvit_jax import checkpoints, data, models, recalibrate
+from normvit_jax.data import stats as data_stats
+from normvit_jax.train import loop, setup
+from tests.conftest import tiny_demo_config
+
+
+def test_recalibrates_the_statistics_and_writes_a_checkpoint(tmp_path, capsys):
+    cfg = tiny_demo_config(total_steps=4, eval_every=100, checkpoint_every=100)
+    cfg.model.norm = {"name": "repbn"}
+    loop.train_and_evaluate(cfg, str(tmp_path / "run"))
+    res = recalibrate.main([f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'out'}",
+                            "--batches=3"])
+    assert "before: top-1" in capsys.readouterr().out and res["batches"] == 3
+    old, _ = checkpoints.load_variables(str(tmp_path / "run"))
+    new, _ = checkpoints.load_variables(str(tmp_path / "out"))
+    jax.tree.map(np.testing.assert_array_equal, old["params"], new["params"])
+
+    # Independent reference for block 0's first slot: its input is the position-embedded tokens.
+    view = recalibrate.statistics_view(checkpoints.load_config(str(tmp_path / "run")))
+    model = models.create(view.model, 10)
+    ds = setup.resolve_config(view, 1).data
+    pipe = data.make_pipeline(view, "eval", ds)
+    slot = ("Transformer", "encoderblock_0", "LayerNorm_0", "bn")
+    mean = np.asarray(old["batch_stats"][slot[0]][slot[1]][slot[2]]["bn"]["mean"], np.float64)
+    var = np.asarray(old["batch_stats"][slot[0]][slot[1]][slot[2]]["bn"]["var"], np.float64)
+    used = 0
+    for batch in pipe.eval_batches():
+        if used == 3:
+            break
+        if not batch["mask"].all():
+            continue
+        images = data_stats.model_input(batch["image"], ds.affine)
+        _, inter = model.apply(old, images, train=False, capture_intermediates=True,
+                               mutable=["intermediates"])
+        x = np.asarray(inter["intermediates"]["Transformer"]["posembed_input"]["__call__"][0],
+                       np.float64).reshape(-1, mean.shape[0])
+        mean = 0.9 * mean + 0.1 * x.mean(0)
+        var = 0.9 * var + 0.1 * x.var(0, ddof=1)
+        used += 1
+    pipe.close()
+    got = new["batch_stats"][slot[0]][slot[1]][slot[2]]["bn"]
+    np.testing.assert_allclose(got["mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["var"], var, rtol=1e-5)
+    assert not np.allclose(got["mean"], old["batch_stats"][slot[0]][slot[1]][slot[2]]["bn"]["mean"])
+    # The written workdir is a run: the project's evaluation reads it.
+    from normvit_jax import evaluation
+    ev = evaluation.evaluate_checkpoint(checkpoints.load_config(str(tmp_path / "out")),
+                                        str(tmp_path / "out"))
+    assert ev["metrics"]["top1"] == pytest.approx(res["after"]["top1"])
+
+
+def test_a_run_without_statistics_exits_2_with_one_line(tmp_path, capsys):
+    cfg = tiny_demo_config(total_steps=2, eval_every=100, checkpoint_every=100)
+    loop.train_and_evaluate(cfg, str(tmp_path / "run"))
+    with pytest.raises(SystemExit) as e:
+        recalibrate.main([f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'out'}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "keeps no running statistics" in err[0] and "'layernorm'" in err[0]
