@@ -13,6 +13,8 @@ unless said), or paper + table. Abbreviations:
          fork (timm/version.py 0.8.21dev0; timm/models/vision_transformer.py, timm/optim/lamb.py).
   [UN]   hikvision-research/Unified-Normalization @0ce9bf2 image_classification/: run_train.sh,
          main.py (timm train.py of T2T-ViT, Yuan et al. ICCV 2021), models/t2t_vit.py.
+  [DTNc] wqshao126/DTN @f6b4337: the released training code (train.py, configs/ViT/vit.yaml,
+         scripts/train.sh, models/vit_norm.py), which differs from the paper's recipe (``dtn_code``).
   [RV]   ChaofanTao/RescaleViT @3a761cc: README.md, train.py, train1.sh, models/configs.py,
          utils/data_utils.py (on top of jeonsworld/ViT-pytorch).
 Values a source does not give stay at configs/default.py's and are named in docs/recipes.md.
@@ -109,6 +111,22 @@ def deit(c: ml_collections.ConfigDict, variant: str, gpus: int = 4) -> ml_collec
     timm_deit_training(c, batch=1024, lr=5e-4 * 1024 / 512, warmup_epochs=5, mix_groups=gpus)
     c.data.repeated_aug = 3             # [DeiT] main.py:105-107 repeated augmentation on (3 repeats)
     c.dtype = "bfloat16"                # [DeiT] torch AMP (fp16) by default; bf16 here
+    return c
+
+
+def dtn_released_code(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """After a ``deit_*`` preset: what DTN's released code [DTNc] trains with where it differs from
+    the paper's DeiT recipe (``vit_dtn.py:deit_s,dtn_code``)."""
+    c.batch_size = 256                  # [DTNc] scripts/train.sh: NUM_PROC=2 x --batch-size 128
+    lr = 5e-4 * c.batch_size / 512      # [DTNc] vit.yaml:1 lr 5e-4; train.py:342-343 x batch / 512
+    c.optimizer.learning_rate = lr
+    c.schedule.warmup_steps = 5 * steps_per_epoch(c.batch_size)  # [DTNc] train.py:127
+    c.schedule.end_factor = 1e-5 / lr   # [DTNc] train.py:119 --min-lr 1e-5
+    c.mixup_alpha = c.cutmix_alpha = 0.0  # [DTNc] train.py:404: mixup_fn = None, never applied
+    c.mix_groups = 1
+    c.random_erase_prob = 0.0           # [DTNc] train.py:155 --reprob 0
+    c.model.qkv_bias = False            # [DTNc] models/vit_norm.py:134 qkv_bias=False
+    c.dtype = "float32"                 # [DTNc] vit.yaml:4 amp: False
     return c
 
 
@@ -275,6 +293,7 @@ DEIT = {
     "deit_t": lambda c: _heads(deit(c, "Ti/16"), 4),
     "deit_s": lambda c: deit(c, "S/16"),
     "deit_b": lambda c: _heads(deit(c, "B/16", gpus=16), 16),
+    "dtn_code": dtn_released_code,      # after deit_*: DTN's released code instead of its paper
 }
 T2T = {"t2t_vit_14": lambda c: t2t_vit(c, "T2T-14")}  # UN's setting [UN]
 BIGVISION = {

@@ -20,7 +20,7 @@ ALL_PRESETS = [
     "vit_un.py:deit_s", "vit_learnable_scaler.py:paper", "vit_learnable_scaler.py:paper_d36",
     "vit_rescale.py:cifar10_b16", "vit_un.py:t2t_vit_14", "vit_ln.py:t2t_vit_14",
     "vit_repbn.py:slab_deit_t", "vit_progressive.py:slab_deit_s", "vit_dyt.py:dyt_b",
-    "vit_dyt.py:dyt_l", "vit_derf.py:dyt_b",
+    "vit_dyt.py:dyt_l", "vit_derf.py:dyt_b", "vit_dtn.py:deit_s,dtn_code",
 ]
 # Trained shrunk: one per distinct recipe x normalizer (deit_t/_b and paper_d36 differ from
 # deit_s and paper only in the model size, which the shrinking replaces).
@@ -115,6 +115,10 @@ def test_presets_carry_the_cited_values():
     assert [(x.mix_groups, x.cutmix_box) for x in (d, load("vit_dtn.py:deit_b"), ls)] == \
         [(4, "even"), (16, "even"), (8, "even")]
     assert (b.data.min_crop_area, b.data.antialias) == (0.05, False)  # ops_image.py area_min=5
+    dc = load("vit_dtn.py:deit_s,dtn_code")  # DTN's released code: no mixing or erasing, fp32
+    assert (dc.batch_size, dc.optimizer.learning_rate, dc.mixup_alpha, dc.cutmix_alpha) == \
+        (256, 2.5e-4, 0.0, 0.0)
+    assert (dc.random_erase_prob, dc.model.qkv_bias, dc.dtype) == (0.0, False, "float32")
     t = load("vit_un.py:t2t_vit_14")
     assert (t.model.name, t.model.variant, t.batch_size, t.optimizer.learning_rate) == \
         ("t2t_vit", "T2T-14", 512, 5e-4)
