@@ -43,7 +43,7 @@ def run(root: str, key: str, config: str, seed: int, eval_every: int) -> None:
 
 
 def _series(workdir: str, tag: str):
-    s = summaries.read_scalars(workdir).get(tag)
+    s = summaries.read_run(workdir).scalars.get(tag)
     return (s.steps, s.values) if s is not None else (np.zeros(0), np.zeros(0))
 
 
@@ -52,9 +52,20 @@ def summary(root: str, seeds: Sequence[int], figure: str | None) -> str:
     for key, label, _ in METHODS:
         runs = [os.path.join(root, f"{key}_s{s}") for s in seeds]
         runs = [r for r in runs if os.path.isdir(r)]
-        if runs:
-            curves[key] = (label, [_series(r, "eval/top1") for r in runs],
-                           [_series(r, "train/steps_per_sec") for r in runs])
+        done = [(r, _series(r, "eval/top1")) for r in runs]
+        done = [(r, e) for r, e in done if len(e[0])]
+        if done:
+            curves[key] = (label, [e for _, e in done],
+                           [_series(r, "train/steps_per_sec") for r, _ in done])
+    # A run still training (its last eval before the others' last step) is left out.
+    last = max((int(s[-1]) for _, evals, _ in curves.values() for s, _ in evals), default=0)
+    for key in list(curves):
+        label, evals, speeds = curves[key]
+        keep = [i for i, (s, _) in enumerate(evals) if int(s[-1]) == last]
+        if keep:
+            curves[key] = (label, [evals[i] for i in keep], [speeds[i] for i in keep])
+        else:
+            del curves[key]
     if "ln" not in curves:
         return "no LN runs under " + root
     ln_final = float(np.mean([v[-1] for _, v in curves["ln"][1]]))

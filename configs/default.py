@@ -69,7 +69,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.norm_placement = "pre"  # pre | post | sandwich
     c.model.patch_norm = "none"     # Dual PatchNorm stem: none | pre | post | dual | post_posemb
     c.model.residual_scaling = "none"  # none | rescale (RescaleViT's residual scaling)
-    c.model.final_norm = True       # the encoder's last norm ('encoder_norm')
+    c.model.final_norm = True       # the encoder's last norm ('encoder_norm'; 'fc_norm' with gap_fc_norm)
     c.model.representation_size = placeholder(int)  # pre_logits width
     c.model.dropout_rate = 0.0
     c.model.attention_dropout_rate = 0.0
