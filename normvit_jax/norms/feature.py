@@ -19,19 +19,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import NormContext, check_options
+from normvit_jax.norms._common import NormContext
 
 
 class _FeatureNorm(nn.Module):
-    NAME = ""
     epsilon: float = 1e-6
     affine: bool = True
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options(cls.NAME, opts, cls)
         if ctx.dim < 2:
-            raise ValueError(f"norm {cls.NAME!r} needs at least 2 channels (got {ctx.dim})")
+            raise ValueError(f"norm {ctx.norm!r} needs at least 2 channels (got {ctx.dim})")
         return cls(name=name, **opts)
 
     def split_affine(self, params: Mapping[str, Any], stats: Mapping[str, Any]):
@@ -57,8 +55,6 @@ class ZScore(_FeatureNorm):
     """Per-token z-score over channels with the unbiased (N - 1) standard deviation (the seed's
     formula; LayerNorm uses the biased one)."""
 
-    NAME = "zscore"
-
     def scaled(self, x: jax.Array) -> jax.Array:
         mean = jnp.mean(x, axis=-1, keepdims=True)
         var = jnp.var(x, axis=-1, keepdims=True, ddof=1)
@@ -67,8 +63,6 @@ class ZScore(_FeatureNorm):
 
 class MinMax(_FeatureNorm):
     """Per-token min-max scaling over channels to [0, 1]; the affine recentres it."""
-
-    NAME = "minmax"
 
     def scaled(self, x: jax.Array) -> jax.Array:
         lo = jnp.min(x, axis=-1, keepdims=True)

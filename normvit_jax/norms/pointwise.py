@@ -14,21 +14,19 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import NormContext, check_options
+from normvit_jax.norms._common import NormContext
 
 
 class _PointwiseNorm(nn.Module):
     """gamma * f(x) + beta with f from the subclass; stateless."""
 
-    NAME = ""
     alpha_init: float = 0.5
     affine: bool = True
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options(cls.NAME, opts, cls)
         if not isinstance(opts.get("affine", True), bool):
-            raise ValueError(f"norm {cls.NAME!r}: affine={opts['affine']!r} is not accepted; "
+            raise ValueError(f"norm {ctx.norm!r}: affine={opts['affine']!r} is not accepted; "
                              "accepted: True or False")
         return cls(name=name, **opts)
 
@@ -57,8 +55,6 @@ class _PointwiseNorm(nn.Module):
 class DyT(_PointwiseNorm):
     """Dynamic Tanh: gamma * tanh(alpha * x) + beta, alpha init 0.5 (the paper's ViT value)."""
 
-    NAME = "dyt"
-
     def pointwise(self, x: jax.Array) -> jax.Array:
         alpha = self.param("alpha", nn.initializers.constant(self.alpha_init), (), jnp.float32)
         return jnp.tanh(alpha * x)
@@ -67,7 +63,6 @@ class DyT(_PointwiseNorm):
 class Derf(_PointwiseNorm):
     """Dynamic erf: gamma * erf(alpha * x + s) + beta, alpha init 0.5, shift s init 0."""
 
-    NAME = "derf"
     shift_init: float = 0.0
 
     def pointwise(self, x: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-from normvit_jax.norms._common import NormContext, check_options
+from normvit_jax.norms._common import NormContext
 
 SCHEDULES = ("linear", "cosine")
 EVAL_MODES = ("n2", "mixture")
@@ -72,7 +72,6 @@ class Progressive(nn.Module):
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
         from normvit_jax.norms import registry
-        check_options("progressive", opts, cls)
         opts = dict(opts)
         for key, default in (("n1", _DEFAULT_N1), ("n2", _DEFAULT_N2)):
             cfg = _norm_cfg(opts.get(key, default))

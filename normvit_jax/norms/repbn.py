@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import NormContext, check_group_size, check_options
+from normvit_jax.norms._common import NormContext, check_group_size
 from normvit_jax.norms.batchnorm import BatchNorm
 
 
@@ -31,8 +31,7 @@ class RepBN(nn.Module):
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
-        check_options("repbn", opts, cls)
-        check_group_size("repbn", opts.get("stats_group_size"))
+        check_group_size(ctx.norm, opts.get("stats_group_size"))
         return cls(name=name, **opts)
 
     @nn.nowrap
