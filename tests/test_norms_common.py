@@ -335,6 +335,16 @@ def test_options_of_other_norms_are_ignored_unknown_ones_are_not():
         norms.create({"name": "layernorm", "warmup": 5, "nobody": 1}, dim=4)
 
 
+def test_a_norm_that_does_not_import_breaks_only_itself(monkeypatch):
+    from normvit_jax.norms import registry
+    monkeypatch.setitem(registry._ENTRIES, "broken", "normvit_jax.norms.no_such_module:Broken")
+    assert norms.create({"name": "layernorm", "warmup": 5}, dim=4).epsilon == 1e-6
+    with pytest.raises(ValueError, match=r"Unknown option\(s\) \['nobody'\] for norm 'layernorm'"):
+        norms.create({"name": "layernorm", "nobody": 1}, dim=4)
+    with pytest.raises(ImportError, match="no_such_module"):
+        norms.create({"name": "broken"}, dim=4)
+
+
 def test_ghost_group_must_divide_batch():
     m = norms.create({"name": "batchnorm", "stats_group_size": 3}, dim=4)
     with pytest.raises(ValueError, match=r"stats_group_size=3.*batch size 4"):

@@ -93,7 +93,7 @@ def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | No
     # options behind (a locked ConfigDict cannot drop keys): ignore options that belong to another
     # registered norm, and fail on anything nobody knows.
     unknown = set(opts) - accepted_options(cls)
-    foreign = {k for k in unknown if any(k in accepted_options(resolve(other))
+    foreign = {k for k in unknown if any(k in _options_of(other)
                                          for other in _ENTRIES if other != norm_name)}
     if foreign:
         _warn_once(f"norm {norm_name!r} ignores options of other norms: {sorted(foreign)}")
@@ -104,6 +104,14 @@ def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | No
     if hasattr(cls, "from_config"):
         return cls.from_config(opts, ctx, name=name)
     return cls(name=name, **opts)
+
+
+def _options_of(name: str) -> set[str]:
+    """A registered norm's options; none for one that does not import (it breaks only itself)."""
+    try:
+        return accepted_options(resolve(name))
+    except ImportError:
+        return set()
 
 
 @functools.lru_cache(maxsize=None)
