@@ -5,7 +5,8 @@ also inside dict-valued fields (``--config.model.norm_overrides.block_1.name=rms
 None (``--config.model.variant=None``).
 Re-running the same command with the same workdir continues the run from its newest checkpoint;
 ``--fresh`` starts over (the old run is moved aside). Exit codes: normvit_jax/cli.py.
-``--mode=eval [--step=N]`` evaluates a checkpoint without training, on any eval set:
+``--mode=eval [--step=N]`` evaluates a checkpoint without training (with the run's own config,
+its workdir's config.json, unless ``--config`` is given), on any eval set:
 ``--config.data.eval_name=imagenet_v2 --config.data.eval_split=test`` (README: Evaluation).
 Multi-host (Cloud TPU pod, SLURM): run the same command on every host; JAX's distributed runtime
 is initialised when the process is one of several.
@@ -22,7 +23,8 @@ from ml_collections import config_flags  # noqa: E402
 from normvit_jax import cli, config_paths  # noqa: E402
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vit_ln.py:demo",
+config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vit_ln.py:demo; or a "
+                                "run's config.json or workdir (--mode=eval: the workdir's by default)",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory (local or gs://) for checkpoints, summaries, config.")
 flags.DEFINE_bool("fresh", False, "Start at step 0 even if the workdir holds a run: its checkpoints, "
@@ -35,11 +37,50 @@ flags.DEFINE_integer("step", None, "--mode=eval: the checkpoint's step (default:
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+RUN_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "run_config.py")
+
+
+def _flag(argv, name):
+    """The value of ``--name=V`` or ``--name V`` in argv (the last one), else None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a.startswith(f"--{name}="):
+            value = a.split("=", 1)[1]
+        elif a == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+def resolve_config_arg(argv):
+    """--config as a run's config.json or its workdir (configs/run_config.py reads it), and
+    --mode=eval without --config: the workdir's own config; anything else that is not a .py file
+    is refused in one line."""
+    spec = _flag(argv, "config")
+    if spec is None:
+        workdir = _flag(argv, "workdir")
+        if _flag(argv, "mode") == "eval" and workdir:
+            if "://" not in workdir and not os.path.exists(os.path.join(workdir, "config.json")):
+                print(f"error: {workdir} holds no run to evaluate (no config.json): train one there "
+                      f"first, e.g. python main.py --config=configs/vit_ln.py:demo "
+                      f"--workdir={workdir}", file=sys.stderr)
+                sys.exit(cli.EXIT_CONFIG)
+            return argv + [f"--config={RUN_CONFIG}:{workdir}"]
+        return argv
+    path = spec.split(":", 1)[0] if not spec.startswith("gs://") else spec
+    if path.endswith(".py"):
+        return argv
+    if path.endswith(".json") or os.path.isdir(spec) or spec.startswith("gs://"):
+        return [f"--config={RUN_CONFIG}:{spec}" if a == f"--config={spec}" else a for a in argv]
+    print(f"error: --config={spec}: not a config; accepted: a config file configs/<name>.py[:variants], "
+          "a run's config.json, or a run's workdir", file=sys.stderr)
+    sys.exit(cli.EXIT_CONFIG)
+
+
 def parse_flags(argv):
     """absl's parser, with a short message instead of a traceback for a bad --config override.
     Keys inside dict-valued fields (``--config.model.norm_overrides.block_1.name=rmsnorm``) and
     ``=None`` are set after it (normvit_jax/config_paths.py)."""
-    argv, paths = config_paths.split(argv)
+    argv, paths = config_paths.split(resolve_config_arg(list(argv)))
     sys.argv = list(argv)  # config_flags reads the overrides from sys.argv
     try:
         rest = FLAGS(argv)

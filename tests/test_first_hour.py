@@ -383,7 +383,9 @@ def test_demo_table_reruns_one_method_and_rewrites_its_row(tmp_path):
     readme = tmp_path / "README.md"
     original = open(os.path.join(REPO_ROOT, "README.md")).read()
     readme.write_text(original)
-    rc = demo_table.main(["--only=ln", f"--readme={readme}", f"--root={tmp_path}/runs", *TINY])
+    results = tmp_path / "demo_results.json"
+    rc = demo_table.main(["--only=ln", f"--readme={readme}", f"--root={tmp_path}/runs",
+                          f"--results={results}", *TINY])
     assert rc == 0
     text = readme.read_text()
     top1, top5 = demo_table.last_eval(str(tmp_path / "runs" / "ln"))
@@ -397,6 +399,10 @@ def test_demo_table_reruns_one_method_and_rewrites_its_row(tmp_path):
     assert [line for line in text.splitlines() if not line.startswith("| LayerNorm |")
             and "Measured on this machine on" not in line] == untouched
     assert f"Measured on this machine on {datetime.date.today()}" in text
+    kept = json.loads(results.read_text())["methods"]  # the row comes from the results file
+    assert list(kept) == ["ln"] and kept["ln"]["top1"] == top1 and kept["ln"]["steps"] == 2
+    assert kept["ln"]["command"].startswith("python main.py --config=configs/vit_ln.py:demo")
+    assert kept["ln"]["machine"]["cores"] == os.cpu_count() and kept["ln"]["machine"]["versions"]
     with pytest.raises(ValueError, match="demo-table:begin"):
         demo_table.rewrite("no markers here", {})
 

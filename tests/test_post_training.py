@@ -1,13 +1,18 @@
-"""Issue 28, point 7: the post-training tools on a missing workdir or checkpoint: one line naming
-what is missing and the command that makes it (checkpoints.RunNotFoundError)."""
+"""Issue 28, points 4 and 7: evaluation and the post-training tools take the run's own config
+from its workdir; a missing workdir, config or checkpoint is one line naming what is missing and
+the command that makes it (checkpoints.RunNotFoundError), exit 2."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from normvit_jax import checkpoints
+from normvit_jax import checkpoints, cli
 from normvit_jax.analysis import capture
+from tests.conftest import REPO_ROOT
 
 
 def test_missing_workdir_config_and_checkpoint_are_named_with_the_command(tmp_path):
@@ -32,3 +37,52 @@ def test_missing_workdir_config_and_checkpoint_are_named_with_the_command(tmp_pa
                        match=r"no checkpoint of step 9 in \S+; there are: \[6\]"):
         checkpoints.load_state(str(tmp_path), 9)
     assert capture.latest_step(str(tmp_path)) == 6
+
+
+# ------------------------------------------------------- the commands a user types (subprocess)
+
+def _main(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "main.py", *args], cwd=REPO_ROOT, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                          capture_output=True, text=True)
+
+
+def _one_line(r: subprocess.CompletedProcess, start: str) -> str:
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if line.startswith(start)]
+    assert len(lines) == 1, r.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> str:
+    """One tiny trained run (6 steps, checkpoints 3 and 6) shared by the tests below."""
+    wd = str(tmp_path_factory.mktemp("run") / "wd")
+    r = _main("--config=tests/fault_config.py", "--config.total_steps=6",
+              "--config.checkpoint_every=3", "--config.eval_every=6", f"--workdir={wd}")
+    assert r.returncode == cli.EXIT_OK, r.stderr[-3000:]
+    return wd
+
+
+def test_eval_takes_the_runs_own_config_by_default_or_as_config_json(run):
+    r = _main("--mode=eval", f"--workdir={run}")
+    assert r.returncode == cli.EXIT_OK, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 6
+    r = _main("--mode=eval", f"--config={run}/config.json", "--config.data.eval_split=train",
+              "--step=3", f"--workdir={run}")
+    assert r.returncode == cli.EXIT_OK, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (result["step"], result["split"], result["metrics"]["num_examples"]) == (3, "train", 1442)
+
+
+def test_a_config_that_is_not_one_and_a_missing_run_are_one_line_exit_2(tmp_path):
+    r = _main("--config=configs/vit_ln.txt", f"--workdir={tmp_path}/wd")
+    assert r.returncode == cli.EXIT_CONFIG
+    assert _one_line(r, "error:").startswith("error: --config=configs/vit_ln.txt: not a config; "
+                                             "accepted: a config file configs/<name>.py")
+    r = _main("--mode=eval", f"--workdir={tmp_path}/none")
+    assert r.returncode == cli.EXIT_CONFIG
+    assert _one_line(r, "error:") == (
+        f"error: {tmp_path}/none holds no run to evaluate (no config.json): train one there first, "
+        f"e.g. python main.py --config=configs/vit_ln.py:demo --workdir={tmp_path}/none")
+    assert os.listdir(tmp_path) == []
