@@ -1,7 +1,11 @@
 """Regenerates README's table of every method's demo: runs ``main.py --config=configs/<file>:demo``
-for each method, one after another (each in a fresh workdir), and rewrites the rows between the
-README's ``<!-- demo-table:begin -->`` and ``<!-- demo-table:end -->`` markers with the last
-eval's top-1/top-5 and the wall time (start-up and compilation included).
+for each method, one after another (each in a fresh workdir), records each run's last eval
+top-1/top-5, steps and wall time (start-up and compilation included) with the machine, date,
+versions and command in docs/demo_results.json (the one source of these numbers), and rewrites
+the rows between the README's ``<!-- demo-table:begin -->`` and ``<!-- demo-table:end -->``
+markers from that file. When every method's workdir is there, it also rebuilds the comparison
+report of those same runs (docs/report, normvit_jax.analysis.report) and its table in
+docs/analysis.md; tests/test_demo_numbers.py fails when README, docs and the file disagree.
 
     python -m benchmarks.demo_table                     # all twelve, ~15 minutes on a 2-core CPU
     python -m benchmarks.demo_table --only=ln,dtn       # re-run two rows, keep the others
@@ -12,7 +16,10 @@ Run it on an otherwise idle machine: the wall times are what the table reports.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
+import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -24,6 +31,11 @@ from normvit_jax import tool_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- demo-table:begin -->", "<!-- demo-table:end -->"
+RESULTS = os.path.join(REPO, "docs", "demo_results.json")
+REPORT = os.path.join(REPO, "docs", "report")
+ANALYSIS_DOC = os.path.join(REPO, "docs", "analysis.md")
+REPORT_BEGIN, REPORT_END = "<!-- demo-report:begin -->", "<!-- demo-report:end -->"
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorflow", "numpy")
 HEADER = "| method | config | top-1 | top-5 | wall |\n|---|---|---|---|---|\n"
 METHODS = (  # key (--only), label, config file
     ("ln", "LayerNorm", "vit_ln.py"),
@@ -48,22 +60,91 @@ def command(config_file: str, workdir: str, extra: Sequence[str] = ()) -> list[s
 
 def last_eval(workdir: str) -> tuple[float, float]:
     """(top-1, top-5) of the last eval in the run's summaries."""
+    return tuple(last_eval_step(workdir)[1:])
+
+
+def last_eval_step(workdir: str) -> tuple[int, float, float]:
+    """(step, top-1, top-5) of the last eval in the run's summaries."""
     from normvit_jax import summaries
     scalars = summaries.read_scalars(workdir)
-    return scalars["eval/top1"][-1][1], scalars["eval/top5"][-1][1]
+    step, top1, _ = scalars["eval/top1"][-1]
+    return int(step), top1, scalars["eval/top5"][-1][1]
+
+
+def machine() -> dict:
+    """Where the numbers were measured: CPU, cores, the load when the runs started, versions."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+            "load_average_at_start": load, "versions": versions}
 
 
 def run_one(key: str, config_file: str, root: str, extra: Sequence[str]) -> dict:
     workdir = os.path.join(root, key)
     if os.path.exists(workdir):
         shutil.rmtree(workdir)  # a fresh run: the wall time must include start-up and compile
+    cmd = command(config_file, workdir, extra)
     t0 = time.perf_counter()
-    r = subprocess.run(command(config_file, workdir, extra), cwd=REPO)
+    r = subprocess.run(cmd, cwd=REPO)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise RuntimeError(f"{config_file}:demo exited with {r.returncode}")
-    top1, top5 = last_eval(workdir)
-    return {"top1": top1, "top5": top5, "wall_s": wall}
+    step, top1, top5 = last_eval_step(workdir)
+    return {"top1": top1, "top5": top5, "steps": step, "wall_s": round(wall, 1),
+            "command": " ".join(["python"] + [a.replace(REPO + os.sep, "") for a in cmd[1:]])}
+
+
+def update_results(path: str, runs: dict[str, dict], env: dict, date: str) -> dict:
+    """Adds the new runs (method key -> run_one's dict) to the results file, each with its date
+    and machine; the other methods' entries are kept."""
+    results = {"written_by": "python -m benchmarks.demo_table", "methods": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)
+    labels = {k: (label, f) for k, label, f in METHODS}
+    for key, run in runs.items():
+        results["methods"][key] = {"label": labels[key][0], "config": f"{labels[key][1]}:demo",
+                                   **run, "date": date, "machine": env}
+    results["methods"] = {k: results["methods"][k] for k, _, _ in METHODS
+                          if k in results["methods"]}
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, sort_keys=False)
+        f.write("\n")
+    return results
+
+
+def rows_from_results(results: dict) -> dict[str, str]:
+    """config file -> README row, for every method in the results file."""
+    return {m["config"].split(":")[0]: row(m["label"], m["config"].split(":")[0], m)
+            for m in results["methods"].values()}
+
+
+def rebuild_report(root: str, report_dir: str = REPORT, doc: str = ANALYSIS_DOC) -> None:
+    """The comparison report of the runs under ``root`` (one per method) into ``report_dir``,
+    and its table into ``doc`` between the demo-report markers."""
+    workdirs = [os.path.relpath(os.path.join(root, k), REPO) for k, _, _ in METHODS]
+    subprocess.run([sys.executable, "-m", "normvit_jax.analysis.report", *workdirs,
+                    f"--out={report_dir}"], cwd=REPO, check=True)
+    with open(os.path.join(report_dir, "report.md")) as f:
+        table = [line for line in f.read().splitlines() if line.startswith("|")]
+    with open(doc) as f:
+        text = f.read()
+    head, rest = text.split(REPORT_BEGIN)
+    _, tail = rest.split(REPORT_END)
+    with open(doc, "w") as f:
+        f.write(f"{head}{REPORT_BEGIN}\n" + "\n".join(table) + f"\n{REPORT_END}{tail}")
 
 
 def row(label: str, config_file: str, result: dict) -> str:
@@ -107,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--readme", default=os.path.join(REPO, "README.md"))
     ap.add_argument("--root", default=os.path.join(REPO, "runs", "demo_table"),
                     help="parent of the runs' workdirs (each replaced)")
+    ap.add_argument("--results", default=RESULTS, help="the JSON file the numbers are kept in")
     args = ap.parse_args([a for a in argv if a not in extra])
     args.extra = extra
     known = {k: (label, f) for k, label, f in METHODS}
@@ -118,21 +200,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k in only:
             print(" ".join(command(known[k][1], os.path.join(args.root, k), args.extra)))
         return 0
-    new_rows, failed = {}, []
+    env, runs, failed = machine(), {}, []
     for k in only:
         label, f = known[k]
         try:
-            new_rows[f] = row(label, f, run_one(k, f, args.root, args.extra))
-            print(new_rows[f], flush=True)
+            runs[k] = run_one(k, f, args.root, args.extra)
+            print(row(label, f, runs[k]), flush=True)
         except Exception as e:  # noqa: BLE001  (one failed method: the others still update)
             print(f"demo_table: {k} failed: {e}", file=sys.stderr)
             failed.append(k)
+    today = str(datetime.date.today())
+    results = update_results(args.results, runs, env, today)
+    new_rows = {f: r for f, r in rows_from_results(results).items()
+                if f in {known[k][1] for k in runs}}
     with open(args.readme) as fh:
         text = fh.read()
     with open(args.readme, "w") as fh:
-        fh.write(rewrite(text, new_rows, date=str(datetime.date.today())))
-    print(f"{args.readme}: {len(new_rows)} row(s) rewritten on {datetime.date.today()}"
+        fh.write(rewrite(text, new_rows, date=today))
+    print(f"{args.readme}: {len(new_rows)} row(s) rewritten on {today}; {args.results} updated"
           + (f"; failed: {failed}" if failed else ""))
+    if not failed and not args.extra and all(os.path.isdir(os.path.join(args.root, k))
+                                              for k in known):
+        rebuild_report(args.root)
+        print(f"{REPORT} and {ANALYSIS_DOC} rebuilt from the runs in {args.root}")
     return 1 if failed else 0
 
 

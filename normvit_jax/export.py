@@ -9,7 +9,8 @@ The file loads back with ``config.init_from`` and in other ViT codebases that re
 from __future__ import annotations
 
 import io
-from typing import Any, Callable, Sequence
+import sys
+from typing import Any, Callable, NoReturn, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -100,17 +101,23 @@ def run(workdir: str, out: str, step: int | None = None) -> dict[str, Any]:
     return export_npz(params, out, models.spec_of(config.model))
 
 
+def _stop(message: str) -> NoReturn:
+    """One line on stderr, exit 2 (the project's CLI contract for bad input)."""
+    print(f"python -m normvit_jax.export: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {list(argv[1:])}")
-    from normvit_jax import logs
+        _stop(f"unexpected arguments: {list(argv[1:])} (--help lists the flags)")
+    from normvit_jax import checkpoints, logs
     logs.quiet_library_logs()  # Orbax logs ~30 INFO lines per restore
     if not FLAGS.workdir or not FLAGS.out:
-        raise app.UsageError("--workdir and --out are required")
+        _stop("--workdir and --out are required (--help lists the flags)")
     try:
         run(FLAGS.workdir, FLAGS.out, FLAGS.step)
-    except CheckpointError as e:  # a model the format cannot hold: a line, not a trace
-        raise SystemExit(f"Stopped: {e}") from None
+    except (CheckpointError, checkpoints.RunNotFoundError) as e:  # a line, not a trace
+        _stop(str(e))
 
 
 if __name__ == "__main__":

@@ -314,7 +314,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="folder to save the folded model in (model.json + variables.msgpack; "
                         "read back with normvit_jax.reparam.load)")
     args = p.parse_args(argv)
-    variables, config = checkpoints.load_variables(args.workdir, args.step)
+    try:
+        variables, config = checkpoints.load_variables(args.workdir, args.step)
+    except checkpoints.RunNotFoundError as e:  # one line naming what is missing, exit 2
+        p.exit(2, f"{p.prog}: error: {e}\n")
     num_classes = int(variables["params"]["head"]["bias"].shape[-1])
     size = int(config.data.image_size)
     images = jax.random.normal(jax.random.key(0), (args.batch, size, size, 3))

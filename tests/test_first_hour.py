@@ -68,6 +68,10 @@ def _get(c, key):
 
 
 DEFAULT_FIELDS = _leaves(default.get_config())
+# a run's saved config.json for configs/run_config.py: the demo's, as the loop writes it
+_SAVED_RUN = os.path.join(__import__("tempfile").mkdtemp(prefix="saved_run"), "config.json")
+with open(_SAVED_RUN, "w") as _f:
+    _f.write(conftest.tiny_demo_config().to_json_best_effort())
 
 
 def test_default_fields_are_all_typed():
@@ -88,7 +92,8 @@ def _field_type(c, key):
 @pytest.mark.parametrize("config_file", CONFIG_FILES)
 def test_every_documented_field_is_settable_from_the_command_line(config_file):
     variants = {"finetune_cifar.py": ["", ":b32,cifar100"],
-                "ln_counterpart.py": [":dtn", ":dtn,demo"]}.get(config_file, ["", ":demo"])
+                "ln_counterpart.py": [":dtn", ":dtn,demo"],
+                "run_config.py": [f":{_SAVED_RUN}"]}.get(config_file, ["", ":demo"])
     base_types = {k: _field_type(default.get_config(), k) for k in DEFAULT_FIELDS}
     for variant in variants:
         spec = os.path.join(REPO_ROOT, "configs", config_file) + variant

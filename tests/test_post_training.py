@@ -86,3 +86,30 @@ def test_a_config_that_is_not_one_and_a_missing_run_are_one_line_exit_2(tmp_path
         f"error: {tmp_path}/none holds no run to evaluate (no config.json): train one there first, "
         f"e.g. python main.py --config=configs/vit_ln.py:demo --workdir={tmp_path}/none")
     assert os.listdir(tmp_path) == []
+
+
+def _tool(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                          capture_output=True, text=True)
+
+
+def test_post_training_tools_name_what_is_missing_and_refuse_extra_arguments(run, tmp_path):
+    none = tmp_path / "none"
+    cases = [  # (module, args, what the line must name)
+        ("normvit_jax.export", [f"--workdir={none}", f"--out={tmp_path}/m.npz"],
+         f"{none} does not exist: train a run there first, e.g. python main.py"),
+        ("normvit_jax.reparam", [f"--workdir={run}", "--step=5"],
+         "no checkpoint of step 5 in " + f"{run}/checkpoints; there are: [3, 6]"),
+        ("normvit_jax.analysis.attention", [f"--workdir={tmp_path}", f"--out={tmp_path}/o"],
+         f"{tmp_path} holds no run (no config.json): train one there first"),
+        ("normvit_jax.export", [f"--workdir={run}", f"--out={tmp_path}/m.npz", "extra"],
+         "unexpected arguments: ['extra']"),
+        ("normvit_jax.reparam", [f"--workdir={run}", "extra"], "unrecognized arguments: extra"),
+    ]
+    for module, args, named in cases:
+        r = _tool(module, *args)
+        assert r.returncode == 2, (module, args, r.stderr[-2000:])
+        line = _one_line(r, f"python -m {module}: error: ")
+        assert named in line, (line, named)
+    assert not os.path.exists(f"{tmp_path}/m.npz") and not os.path.exists(f"{tmp_path}/o")

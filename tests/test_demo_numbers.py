@@ -1,0 +1,68 @@
+"""Issue 28, point 1: the demo numbers have one source, docs/demo_results.json, written by the
+tool that measured them (benchmarks/demo_table.py, with machine, date, versions and commands);
+README's table, docs/analysis.md's table and docs/report are the same runs and must agree."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks import demo_table
+from tests.conftest import REPO_ROOT
+
+
+def _read(*path: str) -> str:
+    with open(os.path.join(REPO_ROOT, *path)) as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return json.loads(_read("docs", "demo_results.json"))
+
+
+def test_results_file_says_where_and_how_each_number_was_measured(results):
+    assert results["written_by"] == "python -m benchmarks.demo_table"
+    assert list(results["methods"]) == [k for k, _, _ in demo_table.METHODS]
+    for key, m in results["methods"].items():
+        assert 0 < m["top1"] <= m["top5"] <= 1 and m["steps"] > 0 and m["wall_s"] > 0, key
+        assert m["command"].startswith(f"python main.py --config=configs/{m['config']} "), key
+        assert m["date"] and m["machine"]["cpu"] and m["machine"]["cores"] >= 1, key
+        assert {"python", "jax", "flax"} <= set(m["machine"]["versions"]), key
+
+
+def test_readme_table_is_the_results_file(results):
+    readme = _read("README.md")
+    assert readme.startswith("# normvit_jax\n")  # the title first
+    assert demo_table.rewrite(readme, demo_table.rows_from_results(results)) == readme
+    newest = max(m["date"] for m in results["methods"].values())
+    assert f"Measured on this machine on {newest}" in readme
+
+
+def test_report_and_analysis_doc_are_the_same_runs(results):
+    report = {os.path.basename(r["workdir"]): r
+              for r in json.loads(_read("docs", "report", "report.json"))}
+    for key, m in results["methods"].items():
+        r = report[key]
+        assert (r["final_top1"], r["final_top5"], r["steps"]) == pytest.approx(
+            (m["top1"], m["top5"], m["steps"]), abs=1e-6), key
+    table = [line for line in _read("docs", "report", "report.md").splitlines()
+             if line.startswith("|")]
+    doc = _read("docs", "analysis.md")
+    block = doc.split(demo_table.REPORT_BEGIN)[1].split(demo_table.REPORT_END)[0]
+    assert block.strip().splitlines() == table
+
+
+def test_readme_shows_the_demos_whole_output_and_it_fits_one_screen(results):
+    """The block is the DTN run of the results file: its command, at most 40 lines, and its last
+    line states the same top-1/top-5 as the table."""
+    readme = _read("README.md")
+    block = readme.split("<!-- demo-output:begin -->\n")[1].split("<!-- demo-output:end -->")[0]
+    lines = [line[4:] for line in block.rstrip("\n").splitlines()]
+    dtn = results["methods"]["dtn"]
+    assert lines[0] == f"$ {dtn['command']}"
+    assert len(lines) - 1 <= 40
+    assert lines[-1].endswith(f"Done at step {dtn['steps']}: eval top-1 {dtn['top1']:.4f}, "
+                              f"top-5 {dtn['top5']:.4f}, loss " + lines[-1].rsplit(" ", 1)[1])
+    assert "Traceback" not in block and not any("WARNING" in x for x in lines[3:])
