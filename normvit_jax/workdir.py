@@ -290,6 +290,14 @@ def write_config(config: Any, workdir: str) -> None:
     tmp.replace(path)
 
 
+def write_json_atomic(workdir: str, name: str, value: Any) -> None:
+    """``<workdir>/<name>`` = JSON of ``value``, written to a temporary name and renamed."""
+    path = epath.Path(workdir) / name
+    tmp = path.parent / (path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def check_or_write_config(config: Any, workdir: str) -> None:
     """Both of the above (for callers that do not restore in between)."""
     check_config(config, workdir)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from normvit_jax.data import stats, transforms
+from normvit_jax.data import prepared, stats, transforms
 
 NUM_CLASSES: dict[str, int] = {"digits": 10, "cifar10": 10, "cifar100": 100, "imagenet2012": 1000}
 NORMALIZE = stats.NORMALIZE
@@ -77,6 +77,23 @@ def num_classes(name: str) -> int:
     return NUM_CLASSES[name]
 
 
+def check_name(name: Any, data_dir: Any) -> None:
+    """A built-in dataset, or one prepared by ``python -m normvit_jax.data.prepare`` in
+    ``data_dir``; raises DatasetNotFoundError (a ValueError) naming both kinds otherwise."""
+    if name in NUM_CLASSES:
+        return
+    if not isinstance(name, str) or not name:
+        _fail("data.name", name, f"one of {sorted(NUM_CLASSES)} or a prepared dataset's name")
+    if not (data_dir is None or isinstance(data_dir, str)) or not prepared.is_prepared(name, data_dir):
+        from normvit_jax.data.errors import DatasetNotFoundError
+        where = data_dir or prepared.default_data_dir()
+        raise DatasetNotFoundError(
+            f"config.data.name={name!r} is not a known dataset; accepted: {sorted(NUM_CLASSES)}, "
+            f"or a dataset prepared in config.data.data_dir ({where}) by `python -m "
+            f"normvit_jax.data.prepare --src=YOUR_DATA --name={name} --data_dir={where}` "
+            f"(docs/data.md)")
+
+
 def resolve_data_spec(config: Any, num_devices: int = 1) -> DataSpec:
     """Checks ``config.data`` and the batch sizes (``validate``) and returns the run's DataSpec.
 
@@ -87,9 +104,17 @@ def resolve_data_spec(config: Any, num_devices: int = 1) -> DataSpec:
     validate(config, num_devices)
     d = config.data
     name = _get(d, "name")
+    size = int(d.image_size)
+    if name not in NUM_CLASSES:  # validate: a dataset prepared by data.prepare
+        p = prepared.resolve(name, _get(d, "data_dir"), d.train_split, d.eval_split)
+        return DataSpec(
+            name=name, eval_name=name, train_split=p["train_split"], eval_split=p["eval_split"],
+            num_classes=p["num_classes"], class_names=p["class_names"],
+            image_shape=(size, size, 3), normalize=d.normalize, mean=p["mean"], std=p["std"],
+            min=p["min"], max=p["max"], num_train_examples=_get(d, "num_train_examples"),
+            num_eval_examples=_get(d, "num_eval_examples"), data_dir=_get(d, "data_dir"))
     mean, std, lo, hi = stats.dataset_stats_tuple(name)
     eval_name = _get(d, "eval_name") or name
-    size = int(d.image_size)
     return DataSpec(
         name=name, eval_name=eval_name, train_split=d.train_split, eval_split=d.eval_split,
         num_classes=num_classes(name), class_names=CLASS_NAMES.get(name),
@@ -116,10 +141,11 @@ def _fail(key: str, value: Any, accepted: str) -> None:
 def validate(config: Any, num_devices: int = 1) -> None:
     """Checks ``config.data``, the seed and the batch sizes (``check_batch_sizes``).
 
-    Raises ValueError naming the key, its value and what is accepted. Reads nothing from disk.
+    Raises ValueError naming the key, its value and what is accepted. Reads nothing from disk but
+    for a name that is not built in: whether it is prepared (``prepared.is_prepared``).
     """
     d = config.data
-    num_classes(_get(d, "name"))
+    check_name(_get(d, "name"), _get(d, "data_dir"))
     if _get(d, "normalize") not in NORMALIZE:
         _fail("data.normalize", _get(d, "normalize"), str(list(NORMALIZE)))
     for key in ("image_size",):

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from normvit_jax.data import dataspec, digits, order, tfds_source, transforms
+from normvit_jax.data import dataspec, digits, order, prepared, tfds_source, transforms
 from normvit_jax.data import real as real_labels
 from normvit_jax.data.prefetch import Prefetcher, ordered_map
 from normvit_jax.data.sources import ArraySource, Geometry, JpegSource
@@ -31,8 +31,10 @@ def _open_source(data_dir: str | None, name: str, tfds_split: str, limit: int | 
     elif name in dataspec.IN_MEMORY_TFDS:
         b = tfds_source.open_builder(name, data_dir, random_access=False)
         src = ArraySource(*tfds_source.load_arrays(b, tfds_split, workers))
-    else:
-        b = tfds_source.open_builder(name, data_dir, random_access=True)
+    else:  # ImageNet and the datasets of data.prepare: encoded images, read by index
+        b = (tfds_source.open_builder(name, data_dir, random_access=True)
+             if name in dataspec.NUM_CLASSES or name in dataspec.EVAL_ONLY_TFDS
+             else prepared.builder(name, data_dir))
         recs = tfds_source.open_random_access(b, tfds_split)
         examples = None
         if name == "imagenet2012_real":  # its labels are sets, read by RealRecords

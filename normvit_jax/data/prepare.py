@@ -111,7 +111,8 @@ def check_name(name: str) -> None:
                            f"with a letter (a tfds dataset name), e.g. my_flowers")
     from normvit_jax.data import dataspec
     import tensorflow_datasets as tfds
-    if name in dataspec.NUM_CLASSES or name in tfds.list_builders():
+    if (name in dataspec.NUM_CLASSES or name in dataspec.EVAL_ONLY_TFDS
+            or name in tfds.list_builders()):
         raise PrepareError(f"--name={name!r} is a dataset of tfds's catalog or of this project; "
                            f"choose another name (e.g. my_{name}) so the two cannot be confused")
 

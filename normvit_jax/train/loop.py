@@ -91,6 +91,8 @@ def _run(config, workdir, stop_at, run_spec, mesh, sigterm) -> dict[str, Any]:
     had_config = checkpoints.config_path(workdir).exists()
     if jax.process_index() == 0:  # the checkpoint fits (or there is none): the config is the run's
         workdir_lib.write_config(config, workdir)
+        if ds.class_names:  # label order -> names, for evaluation, predict and people
+            workdir_lib.write_json_atomic(workdir, "classes.json", list(ds.class_names))
     window, skipped_total = guards.MetricsWindow(0), 0
     if restored is not None:
         state, start_step = restored.state, restored.step

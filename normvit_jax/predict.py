@@ -1,0 +1,179 @@
+"""Class predictions of a trained (or reparam-folded) model on your images, with class names.
+
+    python -m normvit_jax.predict --workdir=W --images=DIR_OR_FILES [--top_k=5] [--out=preds.csv]
+    python -m normvit_jax.predict --workdir=W --folded=FOLDED_DIR --images=...   # folded weights
+    python -m normvit_jax.predict --workdir=W --mode=eval --split=SPLIT            # a labelled split
+
+--images: files and folders, comma-separated (folders are read recursively, hidden files skipped).
+Each image follows prepare's RGB rule (docs/data.md) and the run's eval preprocessing (central crop
+data.eval_crop_fraction, resize to data.image_size, data.normalize) through the same decoder as
+evaluation. Class names: <workdir>/classes.json (written by training), else the dataset's, else
+the label numbers. Unreadable files are listed and skipped. --mode=eval evaluates the checkpoint on
+a split of the run's dataset (or --name/--data_dir) like ``main.py --mode=eval``.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+EXIT_BAD_INPUT = 2
+
+
+def list_images(spec: str) -> list[str]:
+    """Files named by ``--images``: comma-separated files and folders (walked, sorted)."""
+    out = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if os.path.isdir(part):
+            for root, dirs, files in os.walk(part):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                out += [os.path.join(root, f) for f in sorted(files) if not f.startswith(".")]
+        elif os.path.isfile(part):
+            out.append(part)
+        else:
+            raise FileNotFoundError(f"--images: {part} is neither a file nor a folder")
+    if not out:
+        raise FileNotFoundError(f"--images={spec}: no files found")
+    return out
+
+
+def class_names(workdir: str, config: Any, num_classes: int) -> list[str]:
+    path = os.path.join(workdir, "classes.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            names = list(json.load(f))
+    else:
+        names = list(_spec(config).class_names or [])
+    return names if len(names) == num_classes else [str(i) for i in range(num_classes)]
+
+
+def _spec(config: Any) -> Any:
+    from normvit_jax.data import dataspec
+    return dataspec.resolve_data_spec(config)
+
+
+def eval_geometry(d: Any) -> Any:
+    """The eval pipeline's geometry (``pipeline.Pipeline``): central crop, resize, no flip."""
+    from normvit_jax.data import transforms
+    from normvit_jax.data.sources import Geometry
+    interp = str(d.get("interpolation", "bilinear"))
+    return Geometry(int(d.image_size), False, 1.0, float(d.eval_crop_fraction),
+                    antialias=bool(d.get("antialias", True)),
+                    interpolation=transforms.pick_interpolation(interp, None))
+
+
+def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | None = None,
+            folded: str | None = None, batch: int = 64) -> tuple[list[dict], list[str]]:
+    """(rows, skipped): per readable file ``{'path', 'top': [(class, prob), ...]}``; skipped:
+    'path (reason)' for files that are not decodable images."""
+    import jax
+    from normvit_jax import checkpoints, models, reparam
+    from normvit_jax.data import images, stats
+    from normvit_jax.data.sources import JpegSource
+
+    config = checkpoints.load_config(workdir)
+    if folded:
+        model_cfg, variables, n = reparam.load(folded)
+    else:
+        variables, _ = checkpoints.load_variables(workdir, step)
+        model_cfg, n = config.model, int(np.shape(variables["params"]["head"]["bias"])[-1])
+    model = models.create(model_cfg, n)
+    names = class_names(workdir, config, n)
+    affine = _spec(config).affine
+    geo = eval_geometry(config.data)
+    apply = jax.jit(lambda v, x: jax.nn.softmax(
+        model.apply(v, stats.model_input(x, affine), train=False), -1))
+    recs, kept, skipped = [], [], []
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                data, _ = images.load_file(f.read())
+        except (images.BadImageError, OSError) as e:
+            skipped.append(f"{path} ({e})")
+            continue
+        recs.append({"image": data, "label": 0})
+        kept.append(path)
+    src = JpegSource(recs, len(recs), workers=min(8, os.cpu_count() or 1))
+    rows, k = [], min(top_k, n)
+    for lo in range(0, len(recs), batch):
+        idx = np.arange(lo, min(lo + batch, len(recs)))
+        x, _ = src.read(idx, None, geo, affine)
+        pad = batch - len(idx)  # one compiled shape for every batch
+        x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
+        probs = np.asarray(apply(variables, x))[: len(idx)]
+        for i, p in zip(idx, probs):
+            top = np.argsort(-p, kind="stable")[:k]
+            rows.append({"path": kept[i], "top": [(names[j], float(p[j])) for j in top]})
+    return rows, skipped
+
+
+def write_csv(rows: list[dict], path: str, top_k: int) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["path"] + [h for r in range(1, top_k + 1) for h in (f"class_{r}", f"prob_{r}")])
+        for row in rows:
+            w.writerow([row["path"]] + [v for c, p in row["top"] for v in (c, f"{p:.6f}")])
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    from normvit_jax import cli, logs, tool_flags
+    logs.quiet_library_logs()
+    p = tool_flags.Parser("python -m normvit_jax.predict", __doc__)
+    p.add_argument("--workdir", required=True, help="the training run's workdir")
+    p.add_argument("--images", default=None, help="image files and folders, comma-separated")
+    p.add_argument("--top_k", type=int, default=5, help="classes shown per image")
+    p.add_argument("--out", default=None, help="CSV file to write (path, class_1, prob_1, ...)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--folded", default=None, help="folder written by `python -m "
+                   "normvit_jax.reparam --out=...`: predict with the folded weights")
+    p.add_argument("--batch", type=int, default=64, help="images per forward pass")
+    p.add_argument("--mode", default="predict", choices=["predict", "eval"],
+                   help="predict: label --images; eval: metrics on --split of a prepared dataset")
+    p.add_argument("--split", default=None, help="--mode=eval: split (default: the run's "
+                   "data.eval_split)")
+    p.add_argument("--name", default=None, help="--mode=eval: dataset (default: the run's)")
+    p.add_argument("--data_dir", default=None, help="--mode=eval: its tfds data dir")
+    args = p.parse_args(argv)
+    from normvit_jax import checkpoints
+    try:
+        config = checkpoints.load_config(args.workdir)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(cli.EXIT_CHECKPOINT)
+    if args.mode == "eval":
+        with config.unlocked():
+            for key, v in (("eval_name", args.name), ("eval_split", args.split),
+                           ("data_dir", args.data_dir)):
+                if v is not None:
+                    config.data[key] = v
+        code = cli.evaluate(config, args.workdir, step=args.step)
+        if code:
+            sys.exit(code)
+        return code
+    if not args.images or args.top_k < 1:
+        print("error: --images=FILES_OR_FOLDERS is required and --top_k must be >= 1",
+              file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    try:
+        files = list_images(args.images)
+        rows, skipped = predict(args.workdir, files, top_k=args.top_k, step=args.step,
+                                folded=args.folded, batch=args.batch)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    for row in rows:
+        print(f"{row['path']}: " + ", ".join(f"{c} {p:.3f}" for c, p in row["top"]))
+    for s in skipped:
+        print(f"skipped (not a readable image): {s}", file=sys.stderr)
+    if args.out:
+        write_csv(rows, args.out, min(args.top_k, len(rows[0]["top"]) if rows else args.top_k))
+        print(f"wrote {len(rows)} predictions to {args.out}")
+    return rows, skipped
+
+
+if __name__ == "__main__":
+    main()

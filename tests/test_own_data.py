@@ -1,0 +1,147 @@
+"""Your own data end to end, through the commands a user runs: prepare a tiny image folder, train
+by name (classes and statistics from the dataset), resume, evaluate, predict; per-host reading."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from normvit_jax import checkpoints, cli, data, models, predict
+from normvit_jax.data import prepare, prepared, stats
+from normvit_jax.train import loop
+from tests.conftest import REPO_ROOT, tiny_demo_config
+
+CLASSES = ["ant", "bee", "cat"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """src/{train,val}/<class>: 8 train and 3 val images per class (PNG and JPEG, one gray),
+    12x10 px, tinted by class; prepared as 'tiny_own' in dd/."""
+    root = tmp_path_factory.mktemp("own")
+    rng = np.random.default_rng(1)
+    for split, n in (("train", 8), ("val", 3)):
+        for c, name in enumerate(CLASSES):
+            d = root / "src" / split / name
+            d.mkdir(parents=True)
+            for i in range(n):
+                x = rng.integers(0, 120, (12, 10, 3)) + np.eye(3, dtype=int)[c] * 120
+                img = Image.fromarray(x.astype(np.uint8))
+                if i == 0:
+                    img = img.convert("L")
+                img.save(d / (f"{i}.png" if i % 2 else f"{i}.jpg"))
+    prepare.main([f"--src={root}/src", "--name=tiny_own", f"--data_dir={root}/dd"])
+    return root
+
+
+def _config(root, **kw):
+    base = {"data.name": "tiny_own", "data.data_dir": f"{root}/dd", "data.image_size": 8,
+            "data.normalize": "zscore", "data.num_workers": 1, "batch_size": 8,
+            "eval_batch_size": 8, "total_steps": 4, "checkpoint_every": 2, "eval_every": 4,
+            "log_every": 2, "model.depth": 1}
+    base.update(kw)
+    return tiny_demo_config(**base)
+
+
+def test_spec_comes_from_the_dataset_files(dataset):
+    ds = data.resolve_data_spec(_config(dataset))
+    info = prepared.describe("tiny_own", f"{dataset}/dd")
+    assert ds.num_classes == 3 and ds.class_names == tuple(CLASSES)
+    assert ds.eval_split == "val"  # the default 'test' is absent: the dataset's own eval split
+    np.testing.assert_allclose(ds.mean, info["stats"]["mean"])
+    want = stats.affine_of({k: np.asarray(info["stats"][k], np.float32) for k in
+                            ("mean", "std", "min", "max")}, "zscore")
+    np.testing.assert_allclose(ds.affine[0], want[0])
+
+
+def test_unprepared_name_and_missing_split_are_clear(dataset):
+    with pytest.raises(data.DatasetNotFoundError, match="normvit_jax.data.prepare"):
+        data.resolve_data_spec(_config(dataset, **{"data.name": "not_there"}))
+    with pytest.raises(ValueError, match=r"does not have; accepted: \['train', 'val'\]"):
+        data.resolve_data_spec(_config(dataset, **{"data.eval_split": "validation"}))
+
+
+def test_train_resume_eval_predict(dataset, tmp_path, capsys):
+    cfg = _config(dataset)
+    straight = loop.train_and_evaluate(cfg, str(tmp_path / "a"))
+    assert straight["step"] == 4 and straight["eval"]["num_examples"] == 9
+    first = loop.train_and_evaluate(cfg, str(tmp_path / "b"), stop_at=2)
+    assert first["step"] == 2
+    loop.train_and_evaluate(cfg, str(tmp_path / "b"))
+    a, _ = checkpoints.load_params(str(tmp_path / "a"))
+    b, _ = checkpoints.load_params(str(tmp_path / "b"))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):  # resume: bit-identical
+        np.testing.assert_array_equal(x, y)
+    assert a["head"]["bias"].shape == (3,)
+    assert json.loads((tmp_path / "a" / "classes.json").read_text()) == CLASSES
+
+    assert cli.evaluate(cfg, str(tmp_path / "a")) == 0
+    ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert ev["split"] == "val" and ev["metrics"]["num_examples"] == 9
+
+    # predict on the val files == the model on the eval pipeline's val batches (same decoder)
+    out = tmp_path / "preds.csv"
+    rows, skipped = predict.main([f"--workdir={tmp_path}/a", f"--images={dataset}/src/val",
+                                  "--top_k=3", f"--out={out}"])
+    assert len(rows) == 9 and not skipped
+    assert all({c for c, _ in r["top"]} == set(CLASSES) for r in rows)
+    assert all(r["top"][0][1] >= r["top"][1][1] >= r["top"][2][1] for r in rows)
+    with open(out) as f:
+        assert len(list(csv.reader(f))) == 10
+    variables, config = checkpoints.load_variables(str(tmp_path / "a"))
+    ds = data.resolve_data_spec(config)
+    model = models.create(config.model, 3)
+    pipe = data.make_pipeline(config, "eval", ds)
+    ref = []
+    for batch in pipe.eval_batches():
+        x = stats.model_input(batch["image"], ds.affine)
+        p = np.asarray(jax.nn.softmax(model.apply(variables, x, train=False), -1), np.float64)
+        ref += sorted(p[batch["mask"] > 0].max(-1).tolist())
+    np.testing.assert_allclose(sorted(r["top"][0][1] for r in rows), sorted(ref), atol=1e-5)
+
+    # --mode=eval through predict on another prepared split
+    assert predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--split=train"]) == 0
+    ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert ev["split"] == "train" and ev["metrics"]["num_examples"] == 24
+
+
+def test_two_hosts_read_disjoint_rows_that_make_the_global_batch(dataset):
+    cfg = _config(dataset, **{"data.return_index": True})
+    ds = data.resolve_data_spec(cfg)
+    one = data.make_pipeline(cfg, "train", ds, process_index=0, process_count=1)
+    hosts = [data.make_pipeline(cfg, "train", ds, process_index=i, process_count=2)
+             for i in range(2)]
+    for step in (0, 3, 5):  # 3 steps per epoch: within and across epochs
+        whole = one.train_batch(step)
+        parts = [h.train_batch(step) for h in hosts]
+        for key in ("image", "label", "index"):
+            np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), whole[key])
+    epoch = np.concatenate([one.train_batch(s)["index"] for s in range(3)])
+    assert sorted(epoch.tolist()) == list(range(24))
+
+
+def test_main_py_trains_on_a_prepared_dataset(dataset, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "main.py", "--config=configs/vit_ln.py:demo",
+         "--config.data.name=tiny_own", f"--config.data.data_dir={dataset}/dd",
+         "--config.data.image_size=8", "--config.model.depth=1", "--config.model.hidden_size=16",
+         "--config.model.num_heads=2", "--config.model.mlp_dim=32", "--config.batch_size=8",
+         "--config.eval_batch_size=8", "--config.total_steps=2", "--config.eval_every=2",
+         "--config.checkpoint_every=2", "--config.eval_analysis_images=0",
+         f"--workdir={tmp_path}/run"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "run" / "classes.json").read_text()) == CLASSES
+    r = subprocess.run(
+        [sys.executable, "main.py", "--config=configs/vit_ln.py:demo",
+         "--config.data.name=not_prepared", f"--config.data.data_dir={dataset}/dd",
+         f"--workdir={tmp_path}/run2"], cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=600, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert r.returncode == 2 and "normvit_jax.data.prepare" in r.stderr
