@@ -23,10 +23,12 @@ def get_config() -> ml_collections.ConfigDict:
 
     # ---- data (normvit_jax/data) ----
     c.data = ml_collections.ConfigDict()
-    c.data.name = "cifar10"         # digits | cifar10 | cifar100 | imagenet2012
+    c.data.name = "cifar10"         # digits | cifar10 | cifar100 | imagenet2012 | a dataset made by
+                                    # `python -m normvit_jax.data.prepare` in data.data_dir (docs/data.md)
     c.data.data_dir = placeholder(str)  # tfds data dir (None: $TFDS_DATA_DIR or ~/tensorflow_datasets); gs:// ok
     c.data.train_split = "train"    # tfds split string used for training
-    c.data.eval_split = "test"      # tfds split used for evaluation ('validation' for imagenet2012)
+    c.data.eval_split = "test"      # tfds split used for evaluation ('validation' for imagenet2012; a prepared
+                                    # dataset without 'test': its own eval split, e.g. 'val')
     c.data.eval_name = placeholder(str)  # tfds dataset to evaluate on (None: data.name); ImageNet
                                     # models also: imagenet_v2 (split 'test'), imagenet2012_real
                                     # ('validation': adds ReaL top-1); normalized with data.name's stats

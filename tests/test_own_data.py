@@ -106,6 +106,15 @@ def test_train_resume_eval_predict(dataset, tmp_path, capsys):
         ref += sorted(p[batch["mask"] > 0].max(-1).tolist())
     np.testing.assert_allclose(sorted(r["top"][0][1] for r in rows), sorted(ref), atol=1e-5)
 
+    # a reparam-folded model predicts the same (LayerNorm's affine folded into the next Dense)
+    from normvit_jax import reparam
+    reparam.main([f"--workdir={tmp_path}/a", f"--out={tmp_path}/folded", "--batch=2", "--reps=1"])
+    folded, _ = predict.predict(str(tmp_path / "a"), [r["path"] for r in rows], top_k=3,
+                                folded=str(tmp_path / "folded"))
+    for r, f in zip(rows, folded):
+        assert [c for c, _ in f["top"]] == [c for c, _ in r["top"]]
+        np.testing.assert_allclose([p for _, p in f["top"]], [p for _, p in r["top"]], atol=1e-5)
+
     # --mode=eval through predict on another prepared split
     assert predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--split=train"]) == 0
     ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
