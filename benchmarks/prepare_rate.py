@@ -7,6 +7,13 @@ Makes ``--images`` synthetic JPEGs at ImageNet's usual sizes (400-500 x 333-375 
 (read, decode to check and for the statistics, write array_record; the JPEGs keep their bytes),
 excluding the one-off TensorFlow import. ``--idx``: also times a folder of IDX files (every image
 re-encoded as PNG).
+
+    python -m benchmarks.prepare_rate --images=512 --train_input --batches=10
+
+then also measures the train input pipeline (``data.make_pipeline(config, 'train')``, the ImageNet
+preset at 224 px: random resized crop, flip, bilinear) on the prepared folder against the same
+pipeline on the ImageNet path (``benchmarks.input_pipeline``'s synthetic array_record
+imagenet2012 of the same kind of JPEGs), images/s and per core, alternating the two.
 """
 from __future__ import annotations
 
@@ -39,6 +46,31 @@ def time_prepare(src: str, data_dir: str, name: str, workers: int) -> tuple[floa
     return time.perf_counter() - t, sum(s["examples"] for s in info["splits"].values())
 
 
+def train_input_rates(tmp: str, workers: int, batches: int, repeats: int, n: int
+                      ) -> list[dict[str, Any]]:
+    """Images/s of the 224 px train pipeline: prepared folder vs synthetic imagenet2012."""
+    from benchmarks.input_pipeline import pipeline_rate, synthetic_imagenet
+    from configs import default
+    from normvit_jax import data
+    synthetic_imagenet(os.path.join(tmp, "inet"), n)
+    rates: dict[str, list[float]] = {"prepared": [], "imagenet2012": []}
+    pipes = {}
+    for name, dd in (("prepared", os.path.join(tmp, "dd")), ("imagenet2012", os.path.join(tmp, "inet"))):
+        c = default.get_imagenet(default.get_config())
+        c.data.name, c.data.data_dir = ("bench_jpeg" if name == "prepared" else name), dd
+        c.data.eval_split = "validation" if name == "imagenet2012" else "train"
+        c.data.num_workers, c.batch_size = workers, min(64, n)
+        pipes[name] = data.make_pipeline(c, "train")
+    for _ in range(repeats):  # alternated: a shared machine's speed drifts
+        for name, pipe in pipes.items():
+            rates[name].append(pipeline_rate(pipe, batches))
+    cores = len(os.sched_getaffinity(0))
+    return [{"source": f"train input 224 px, {name} (median of {repeats})",
+             "images": min(64, n) * batches,
+             "seconds": None, "images_s": round(float(np.median(r)), 1),
+             "images_s_per_core": round(float(np.median(r)) / cores, 1)} for name, r in rates.items()]
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from benchmarks import common
     from normvit_jax import logs, tool_flags
@@ -47,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--images", type=int, default=1000, help="synthetic JPEGs to prepare")
     p.add_argument("--workers", type=int, default=None, help="decode threads (default: cores)")
     p.add_argument("--idx", default=None, help="also time this folder of IDX files")
+    p.add_argument("--train_input", action="store_true", help="also time the train pipeline on "
+                   "the prepared folder against the ImageNet path, at 224 px")
+    p.add_argument("--batches", type=int, default=10, help="--train_input: timed batches")
+    p.add_argument("--repeats", type=int, default=3, help="--train_input: alternations")
     args = p.parse_args(argv)
     import tensorflow_datasets  # noqa: F401  (imported once, outside the timing)
     import tensorflow  # noqa: F401
@@ -59,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         s, n = time_prepare(os.path.join(tmp, "src"), os.path.join(tmp, "dd"), "bench_jpeg", workers)
         rows.append({"source": "JPEG folder (~105 kB, ~450x350)", "images": n, "seconds": round(s, 2),
                      "images_s": round(n / s, 1)})
+        if args.train_input:
+            rows += train_input_rates(tmp, workers, args.batches, args.repeats, args.images)
         if args.idx:
             s, n = time_prepare(args.idx, os.path.join(tmp, "dd"), "bench_idx", workers)
             rows.append({"source": f"IDX {os.path.basename(args.idx.rstrip('/'))} (28x28, PNG)",
@@ -66,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     res = {"machine": common.machine(), "workers": workers, "rows": rows}
     print(f"machine: {res['machine']}; {workers} decode threads")
     for r in rows:
-        print(f"  {r['source']}: {r['images']} images in {r['seconds']} s = {r['images_s']} images/s")
+        print(f"  {r['source']}: {r['images']} images, {r['images_s']} images/s"
+              + (f" ({r['images_s_per_core']} per core)" if "images_s_per_core" in r else ""))
     return res
 
 

@@ -202,9 +202,13 @@ def test_xla_flags_are_set_before_jax_starts():
 
 def test_prepare_rate_times_a_jpeg_folder():
     from benchmarks import prepare_rate
-    res = prepare_rate.main(["--images=12", "--workers=1"])
-    (row,) = res["rows"]
+    res = prepare_rate.main(["--images=12", "--workers=1", "--train_input", "--batches=1",
+                             "--repeats=1"])
+    row, *train_input = res["rows"]
     assert row["images"] == 12 and row["images_s"] > 0
+    assert [r["source"].split(", ")[1].split(" ")[0] for r in train_input] == ["prepared",
+                                                                                "imagenet2012"]
+    assert all(r["images"] == 12 and r["images_s"] > 0 for r in train_input)
 
 
 def test_gpu_table_timeout_budget_counts_every_norm():

@@ -267,6 +267,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {args.name!r} is not prepared (the partial files are removed by the "
+              f"next run of the same command)", file=sys.stderr)
+        sys.exit(130)
     print(summary(info, args.name, data_dir, time.perf_counter() - t0))
     return info
 
