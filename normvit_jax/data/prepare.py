@@ -131,6 +131,7 @@ def parse_source(src: str, fmt: str | None, val_fraction: float, seed: int
     else:
         raise PrepareError(f"--format={fmt!r}; accepted: {', '.join(formats.FORMATS)}")
     formats.check_labels(parsed)
+    parsed.splits = dict(sorted(parsed.splits.items(), key=lambda kv: kv[0] != "train"))
     held = None
     if single and val_fraction > 0:
         parsed.splits["train"], parsed.splits["validation"] = formats.hold_out(
