@@ -308,12 +308,13 @@ def check_or_write_config(config: Any, workdir: str) -> None:
 
 
 def move_run_aside(workdir: str) -> str | None:
-    """For ``--fresh``: moves checkpoints, config, event files and ``--mode=eval`` results of the
-    run in ``workdir`` to ``workdir/replaced/<UTC time>/`` (nothing is deleted). Returns that
-    folder, or None if the workdir held no run."""
+    """For ``--fresh``: moves checkpoints, config, class names, event files and ``--mode=eval``
+    results of the run in ``workdir`` to ``workdir/replaced/<UTC time>/`` (nothing is deleted).
+    Returns that folder, or None if the workdir held no run."""
     root = epath.Path(workdir)
     names = [p.name for p in root.iterdir()] if root.exists() else []
-    moving = [n for n in names if n in ("checkpoints", CONFIG_NAME, "damaged_checkpoints")
+    moving = [n for n in names if n in ("checkpoints", CONFIG_NAME, "damaged_checkpoints",
+                                        "classes.json")
               or n.startswith(("events.out.tfevents", "config.before-"))
               or (n.startswith("eval_") and n.endswith(".json"))]  # --mode=eval's results
     if not moving:
