@@ -142,6 +142,20 @@ def test_existing_names_and_bad_names_are_refused(prepared_folder, capsys):
                                        f"--data_dir={root}/dd")
 
 
+def test_overwrite_replaces_only_once_the_new_one_is_complete(folder, tmp_path, capsys):
+    root, _ = folder
+    _run(f"--src={root}/src", "--name=pets", f"--data_dir={tmp_path}", "--val_fraction=0")
+    msg = _fails(capsys, f"--src={root}/src", "--name=pets", f"--data_dir={tmp_path}",
+                 "--overwrite", "--strict")
+    assert "bad.jpg" in msg or "notes.txt" in msg
+    assert prepared.describe("pets", str(tmp_path))["splits"]["val"]["examples"] == 12  # old kept
+    np.savez(tmp_path / "a.npz", images=np.zeros((4, 8, 8), np.uint8), labels=np.arange(4) % 2)
+    _run(f"--src={tmp_path}/a.npz", "--name=pets", f"--data_dir={tmp_path}", "--overwrite",
+         "--val_fraction=0")
+    assert prepared.describe("pets", str(tmp_path))["format"] == "arrays"
+    assert sorted(os.listdir(tmp_path)) == ["a.npz", "pets"]
+
+
 def test_single_tree_holds_out_a_seeded_fraction_per_class(tmp_path):
     for c in ("a", "b", "c"):
         (tmp_path / "src" / c).mkdir(parents=True)

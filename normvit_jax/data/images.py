@@ -65,6 +65,8 @@ def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
         rgb = to_rgb(im)
     except BadImageError:
         raise
+    except Image.UnidentifiedImageError:
+        raise BadImageError("not an image format PIL recognises") from None
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad files)
         raise BadImageError(f"{type(e).__name__}: {e}") from None
     if rgb.ndim != 3 or rgb.shape[0] < 1 or rgb.shape[1] < 1:

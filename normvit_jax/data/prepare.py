@@ -15,7 +15,10 @@ bad input stops with exit 2 and one line naming the file. docs/data.md has every
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -165,11 +168,15 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
         "label": tfds.features.ClassLabel(names=parsed.classes),
     })
     tfds.disable_progress_bar()  # our own bar counts images as they are decoded
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)  # tfds's notes about its temporary folders
     try:
-        tfds.dataset_builders.store_as_tfds_dataset(
-            name=name, version=prepared.VERSION, features=features, split_datasets=writers,
-            data_dir=tmp, file_format="array_record",
-            description=f"Prepared by normvit_jax.data.prepare from {extra['source']}")
+        with contextlib.redirect_stdout(io.StringIO()):  # tfds's "Downloading and preparing"
+            tfds.dataset_builders.store_as_tfds_dataset(
+                name=name, version=prepared.VERSION, features=features, split_datasets=writers,
+                data_dir=tmp, file_format="array_record",
+                description=f"Prepared by normvit_jax.data.prepare from {extra['source']}")
     except PrepareError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -181,6 +188,8 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
         w = writers[empty[0]]
         raise PrepareError(f"{extra['source']}: split {empty[0]!r} has no readable image "
                            f"({len(w.skipped)} skipped, e.g. {w.skipped[:1]})") from None
+    finally:
+        absl_logger.setLevel(level)
     info = dict(extra, classes=parsed.classes, splits={s: w.info() for s, w in writers.items()},
                 eval_split=eval_split_of(list(writers)), stats=stats.result(),
                 ignored=parsed.ignored)
