@@ -339,3 +339,17 @@ def test_no_readable_image_in_a_split_and_empty_hold_out_exit_2(tmp_path, capsys
     assert not os.path.exists(f"{tmp_path}/dd/n1") and not os.path.exists(f"{tmp_path}/dd/.n1.partial")
     assert "holds out no example" in _fails(
         capsys, f"--src={tmp_path}/s/train", "--name=n2", f"--data_dir={tmp_path}/dd")
+
+
+def test_arrays_folder_of_split_files(tmp_path):
+    x = RNG.integers(0, 256, (6, 8, 8, 1), np.uint8)
+    (tmp_path / "src").mkdir()
+    np.savez(tmp_path / "src/train.npz", images=x[:4], labels=np.array([0, 1, 0, 1]))
+    np.save(tmp_path / "src/test_images.npy", x[4:].astype(np.uint16) * 257)  # 16-bit rule
+    np.save(tmp_path / "src/test_labels.npy", np.array([1, 0]))
+    (tmp_path / "src/classes.txt").write_text("no\nyes\n")
+    info = _run(f"--src={tmp_path}/src", "--name=arrdir", f"--data_dir={tmp_path}/dd")
+    assert info["classes"] == ["no", "yes"] and info["splits"]["test"]["per_class"] == [1, 1]
+    _, te = _read_split(f"{tmp_path}/dd/arrdir/1.0.0", "test")
+    got = {int(r["label"]): r["image"] for r in te}
+    np.testing.assert_array_equal(got[1], np.repeat(x[4], 3, -1))  # v * 257 * 255 / 65535 == v
