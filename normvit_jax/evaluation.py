@@ -61,8 +61,9 @@ def result_path(workdir: str, data_spec: data.DataSpec, step: int) -> epath.Path
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                         step: int | None = None) -> dict[str, Any]:
     """Evaluates checkpoint ``step`` (None: the newest) of ``workdir`` on the config's
-    eval set; writes and returns ``{'step', 'dataset', 'split', 'metrics', 'path'}`` (EMA metrics
-    as ``ema_*``). Raises CheckpointMismatchError when the config builds another model and
+    eval set; logs the metrics, then writes and returns ``{'step', 'dataset', 'split', 'metrics',
+    'path'}`` (EMA metrics as ``ema_*``; path None when the workdir cannot be written). Raises
+    CheckpointMismatchError when the config builds another model and
     FileNotFoundError when there is no checkpoint."""
     mesh = sharding.make_mesh(config)  # the run's mesh: an FSDP state is restored sharded
     run_spec = setup.resolve_config(config, mesh.devices.size)
@@ -95,9 +96,14 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     path = result_path(workdir, ds, step)
     result = {"step": int(step), "dataset": ds.eval_name, "split": ds.eval_split,
               "metrics": metrics, "path": str(path)}
-    if jax.process_index() == 0:
-        path.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
-    logging.info("eval of step %d on %s:%s: %s (written to %s)", step, result["dataset"],
-                 ds.eval_split, ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                         for k, v in sorted(metrics.items())), path)
+    logging.info("eval of step %d on %s:%s: %s", step, result["dataset"], ds.eval_split,
+                 ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                           for k, v in sorted(metrics.items())))
+    if jax.process_index() == 0:  # after the metrics are shown: a read-only workdir loses nothing
+        try:
+            path.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        except OSError as e:
+            logging.warning("Could not write %s (%s); the metrics are printed here only.", path,
+                            checkpoints.describe_error(e, 200))
+            result["path"] = None
     return result

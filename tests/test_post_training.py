@@ -113,3 +113,36 @@ def test_post_training_tools_name_what_is_missing_and_refuse_extra_arguments(run
         line = _one_line(r, f"python -m {module}: error: ")
         assert named in line, (line, named)
     assert not os.path.exists(f"{tmp_path}/m.npz") and not os.path.exists(f"{tmp_path}/o")
+
+
+# As root, permission bits bind only without CAP_DAC_OVERRIDE/CAP_FOWNER: the child drops them
+# from its bounding set, then execs main.py as an ordinary user would run it (as tests/test_faults).
+_AS_PLAIN_USER = (
+    "import ctypes, os, sys\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "if any(libc.prctl(24, cap, 0, 0, 0) for cap in (1, 2, 3)): sys.exit(77)\n"
+    "os.execv(sys.executable, [sys.executable] + sys.argv[1:])\n")
+
+
+def test_eval_of_a_read_only_workdir_prints_the_metrics_then_says_where_it_could_not_write(
+        run, tmp_path):
+    import shutil
+    import stat
+    wd = tmp_path / "ro"
+    shutil.copytree(run, wd, ignore=shutil.ignore_patterns(".lock"))
+    for p in [wd, *wd.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    prefix = ["-c", _AS_PLAIN_USER] if os.geteuid() == 0 else []
+    r = subprocess.run([sys.executable, *prefix, "main.py", "--mode=eval", f"--workdir={wd}"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    if r.returncode == 77:
+        pytest.skip("root without CAP_SETPCAP: cannot make a directory unwritable for a child")
+    assert r.returncode == cli.EXIT_OK, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["step"] == 6 and result["path"] is None and result["metrics"]["top1"] > 0
+    assert "Traceback" not in r.stderr
+    warning = [line for line in r.stderr.splitlines() if "Could not write" in line]
+    assert len(warning) == 1 and f"{wd}/eval_digits_test_6.json" in warning[0]
+    assert r.stderr.index("eval of step 6 on digits:test") < r.stderr.index("Could not write")
+    assert not list(wd.glob("eval_*.json"))
