@@ -2,11 +2,12 @@
 
 ``config.data.name`` is read here and nowhere else; everything downstream (pipelines, the steps'
 input mapping, RandAugment's fill, the model's number of classes, evaluation, analysis) takes the
-``DataSpec``. ``validate`` and ``resolve_data_spec`` never touch the network or a tfds directory, so
-a bad config fails before any dataset is opened or anything is compiled.
+``DataSpec``. ``validate`` and ``resolve_data_spec`` never touch the network or a tfds dataset's
+records, so a bad config fails before any dataset is opened or anything is compiled.
 
-A new kind of source (e.g. a tfds dataset prepared by the user, whose classes and statistics come
-from its own files) is one more branch in ``resolve_data_spec`` producing the same ``DataSpec``.
+Built-in datasets' classes and statistics are tables here; a dataset prepared by the user
+(``python -m normvit_jax.data.prepare``, docs/data.md) is one more branch in ``resolve_data_spec``
+that reads them from its ``prepare.json`` (``prepared.resolve``).
 """
 from __future__ import annotations
 
@@ -98,8 +99,9 @@ def resolve_data_spec(config: Any, num_devices: int = 1) -> DataSpec:
     """Checks ``config.data`` and the batch sizes (``validate``) and returns the run's DataSpec.
 
     ``num_devices``: the batches must split evenly over them (``check_batch_sizes``). Reads no
-    tfds directory (built-in datasets' classes and statistics are tables; digits' statistics are
-    computed once from the bundled split). Raises ValueError naming the key, value and accepted.
+    tfds records (built-in datasets' classes and statistics are tables; digits' statistics are
+    computed once from the bundled split; a prepared dataset's come from its prepare.json).
+    Raises ValueError naming the key, value and accepted (DatasetNotFoundError: not prepared).
     """
     validate(config, num_devices)
     d = config.data
