@@ -70,12 +70,28 @@ def quiet_library_logs() -> None:
         sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
+_METRIC_LINES = ("step %d/%d:", "eval at step %d:")  # the loop's progress and eval lines
+
+
+class MetricsFromProcessZero(std_logging.Filter):
+    """On processes other than 0: drops the loop's metric lines (every process computes the same
+    global metrics); their start, resume, end, warnings and errors still show."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return not (record.levelno == std_logging.INFO
+                    and str(record.msg).startswith(_METRIC_LINES))
+
+
+_METRICS_FILTER = MetricsFromProcessZero()
+
+
 def only_process_zero_informs(process_index: int) -> None:
-    """Several processes: INFO lines (progress, metrics) from process 0 only; every process still
-    prints its warnings and errors (called once jax.distributed is initialized)."""
+    """Several processes: the metric lines come from process 0 only (called once
+    jax.distributed is initialized)."""
     if process_index > 0:
-        from absl import logging
-        logging.set_verbosity(logging.WARNING)
+        for target in [std_logging.getLogger("absl"), *std_logging.getLogger().handlers]:
+            if _METRICS_FILTER not in target.filters:
+                target.addFilter(_METRICS_FILTER)
 
 
 def import_tensorflow_once() -> None:

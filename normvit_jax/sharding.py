@@ -101,7 +101,7 @@ def to_global(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
 def maybe_initialize_distributed() -> None:
     """Joins JAX's distributed runtime when this process is one of several (srun step, TPU pod,
     JAX_COORDINATOR_ADDRESS), with a bounded wait: normvit_jax/distributed.py; then only process 0
-    logs INFO lines (metrics, progress)."""
+    logs the metric lines."""
     from normvit_jax import distributed, logs
     if distributed.initialize() is not None:
         logs.only_process_zero_informs(jax.process_index())

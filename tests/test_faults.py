@@ -259,7 +259,7 @@ def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path):
     hosts = [Proc(wd, "--config.data.return_index=False", env={
         "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
         "JAX_PROCESS_ID": str(i)}) for i in range(2)]
-    hosts[1].wait_for(rf"step 4/{STEPS}:")
+    hosts[0].wait_for(rf"step 4/{STEPS}:")  # process 0 prints the metric lines
     hosts[1].p.send_signal(signal.SIGTERM)
     stopped = []
     for h in hosts:

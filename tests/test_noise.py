@@ -1,6 +1,6 @@
 """Issue 28, point 8: a run's normal output is what the user needs and nothing else: library
 chatter and the echoes of a failed checkpoint read/write are dropped (logs.py), only process 0
-prints INFO lines, launch/tpu_pod.sh warns about a local REPO path, and a log-scale panel always
+prints the metric lines, launch/tpu_pod.sh warns about a local REPO path, and a log-scale panel always
 has at least three labelled ticks."""
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import sys
 import types
 
 import pytest
-from absl import logging as absl_logging
 
 from normvit_jax import logs
 from normvit_jax.analysis import figures
@@ -76,15 +75,26 @@ def test_event_loop_closed_echo_is_dropped_other_unraisables_are_not():
     assert seen == [other]
 
 
-def test_only_process_zero_prints_info_lines():
-    before = absl_logging.get_verbosity()
+def test_only_process_zero_prints_the_metric_lines():
+    def line(msg: str, level: int = std_logging.INFO):
+        return _record("/x/normvit_jax/train/loop.py", level, msg)
+
+    f = logs.MetricsFromProcessZero()
+    assert not f.filter(line("step %d/%d: loss %.4f, accuracy %.4f"))
+    assert not f.filter(line("eval at step %d: loss %.4f, top-1 %.4f"))
+    for kept in (line("Resumed from the checkpoint at step %d in %s"), line("Model: %s"),
+                 line("step %d/%d: bad", std_logging.WARNING)):
+        assert f.filter(kept)
+    absl_logger = std_logging.getLogger("absl")
+    logs.only_process_zero_informs(0)
+    assert not any(isinstance(x, logs.MetricsFromProcessZero) for x in absl_logger.filters)
     try:
-        logs.only_process_zero_informs(0)
-        assert absl_logging.get_verbosity() == before
         logs.only_process_zero_informs(1)
-        assert absl_logging.get_verbosity() == absl_logging.WARNING
+        assert any(isinstance(x, logs.MetricsFromProcessZero) for x in absl_logger.filters)
     finally:
-        absl_logging.set_verbosity(before)
+        absl_logger.removeFilter(logs._METRICS_FILTER)
+        for h in std_logging.getLogger().handlers:
+            h.removeFilter(logs._METRICS_FILTER)
 
 
 @pytest.mark.parametrize("repo,warned", [("/home/me/normvit_jax", True),
