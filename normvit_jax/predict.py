@@ -141,9 +141,9 @@ def main(argv: Sequence[str] | None = None) -> Any:
     from normvit_jax import checkpoints
     try:
         config = checkpoints.load_config(args.workdir)
-    except FileNotFoundError as e:
+    except FileNotFoundError as e:  # checkpoints.RunNotFoundError: one line, exit 2
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(cli.EXIT_CHECKPOINT)
+        sys.exit(EXIT_BAD_INPUT)
     if args.mode == "eval":
         with config.unlocked():
             for key, v in (("eval_name", args.name), ("eval_split", args.split),

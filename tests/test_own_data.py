@@ -121,6 +121,17 @@ def test_train_resume_eval_predict(dataset, tmp_path, capsys):
     assert ev["split"] == "train" and ev["metrics"]["num_examples"] == 24
 
 
+def test_predict_bad_input_is_one_line_exit_2(dataset, tmp_path, capsys):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "config.json").write_text(_config(dataset).to_json())
+    for argv in ([f"--workdir={tmp_path}/none", f"--images={dataset}/src/val"],
+                 [f"--workdir={tmp_path}/w", "--images=/no/such/file.png"]):
+        with pytest.raises(SystemExit) as e:
+            predict.main(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().startswith("error: ")
+
+
 def test_two_hosts_read_disjoint_rows_that_make_the_global_batch(dataset):
     cfg = _config(dataset, **{"data.return_index": True})
     ds = data.resolve_data_spec(cfg)
