@@ -61,6 +61,15 @@ def test_spec_comes_from_the_dataset_files(dataset):
     np.testing.assert_allclose(ds.affine[0], want[0])
 
 
+def test_finetune_config_takes_any_prepared_dataset(dataset):
+    from configs import finetune
+    c = finetune.get_config("b16,augreg")
+    c.data.name, c.data.data_dir = "tiny_own", f"{dataset}/dd"
+    ds = data.resolve_data_spec(c)
+    assert (ds.num_classes, ds.train_split, ds.eval_split) == (3, "train", "val")
+    assert c.init_from.startswith("gs://vit_models/augreg/B_16")  # its head is reset to 3 classes
+
+
 def test_unprepared_name_and_missing_split_are_clear(dataset):
     with pytest.raises(data.DatasetNotFoundError, match="normvit_jax.data.prepare"):
         data.resolve_data_spec(_config(dataset, **{"data.name": "not_there"}))
