@@ -156,21 +156,45 @@ def test_two_hosts_read_disjoint_rows_that_make_the_global_batch(dataset):
     assert sorted(epoch.tolist()) == list(range(24))
 
 
-def test_main_py_trains_on_a_prepared_dataset(dataset, tmp_path):
-    r = subprocess.run(
-        [sys.executable, "main.py", "--config=configs/vit_ln.py:demo",
-         "--config.data.name=tiny_own", f"--config.data.data_dir={dataset}/dd",
-         "--config.data.image_size=8", "--config.model.depth=1", "--config.model.hidden_size=16",
-         "--config.model.num_heads=2", "--config.model.mlp_dim=32", "--config.batch_size=8",
-         "--config.eval_batch_size=8", "--config.total_steps=2", "--config.eval_every=2",
-         "--config.checkpoint_every=2", "--config.eval_analysis_images=0",
-         f"--workdir={tmp_path}/run"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT})
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads((tmp_path / "run" / "classes.json").read_text()) == CLASSES
+def test_main_py_names_prepare_for_an_unprepared_dataset(dataset, tmp_path):
+    """(main.py training on a prepared dataset: the two-process test below runs it unchanged.)"""
     r = subprocess.run(
         [sys.executable, "main.py", "--config=configs/vit_ln.py:demo",
          "--config.data.name=not_prepared", f"--config.data.data_dir={dataset}/dd",
          f"--workdir={tmp_path}/run2"], cwd=REPO_ROOT, capture_output=True, text=True,
         timeout=600, env={**os.environ, "PYTHONPATH": REPO_ROOT})
     assert r.returncode == 2 and "normvit_jax.data.prepare" in r.stderr
+
+
+@pytest.mark.multiprocess
+def test_two_processes_read_their_halves_and_train_like_one(dataset, tmp_path):
+    """launch/local.sh with 2 processes x 2 CPU devices against one process with 4 devices."""
+    from tests.test_multiprocess import _env, assert_state_close, read_record
+    cfg = "tests/own_data_multiproc_config.py"
+    rec = lambda phase, kind="train": str(tmp_path / f"{phase}.{kind}.{{process}}")  # noqa: E731
+    extra = dict(NORMVIT_TEST_OWN_DATA_DIR=f"{dataset}/dd")
+    ref = subprocess.run(
+        [sys.executable, "tests/fault_main.py", f"--config={cfg}", f"--workdir={tmp_path}/ref"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+        env=_env(tmp_path, JAX_PLATFORMS="cpu", NORMVIT_TEST_RECORD=rec("ref"),
+                 NORMVIT_TEST_RECORD_EVAL=rec("ref", "eval"),
+                 XLA_FLAGS="--xla_force_host_platform_device_count=4", **extra))
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    logs = tmp_path / "logs"
+    two = subprocess.run(
+        ["bash", "launch/local.sh", "--processes=2", "--cpu-devices=2", "--grace=3",
+         f"--log-dir={logs}", cfg, str(tmp_path / "run")], cwd=REPO_ROOT, capture_output=True,
+        text=True, timeout=600, env=_env(tmp_path, NORMVIT_TEST_RECORD=rec("two"),
+                                         NORMVIT_TEST_RECORD_EVAL=rec("two", "eval"), **extra))
+    assert two.returncode == 0, two.stderr[-2000:] + "".join(
+        p.read_text()[-2000:] for p in logs.glob("process_*.log"))
+    a, _ = checkpoints.load_state(str(tmp_path / "run"), 3)
+    b, _ = checkpoints.load_state(str(tmp_path / "ref"), 3)
+    assert_state_close(a, b)
+    rows = read_record(tmp_path / "ref.train.0")
+    assert len(rows) == 3 and sorted(x for r in rows for x in r) == list(range(24))
+    for i in range(2):
+        assert read_record(tmp_path / f"two.train.{i}") == [r[4 * i:4 * i + 4] for r in rows]
+    seen = [x for i in range(2) for r in read_record(tmp_path / f"two.eval.{i}") for x in r]
+    assert sorted(seen) == list(range(9))
+    assert json.loads((tmp_path / "run" / "classes.json").read_text()) == CLASSES
