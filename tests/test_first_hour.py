@@ -265,12 +265,16 @@ def test_report_skips_a_failed_run_and_says_so(tiny_run, tmp_path, capsys):
     rc = report.main([str(good), str(failed), str(never), f"--out={tmp_path}/rep", "--no_attention"])
     assert rc == 0
     err = capsys.readouterr().err
-    assert f"skipping {failed}" in err and f"skipping {never}: not a normvit_jax workdir" in err
+    assert f"skipping {failed}" in err and f"skipping {never}: {never} does not exist: train" in err
     md = (tmp_path / "rep" / "report.md").read_text()
     assert f"- skipped {failed}: " in md and f"- skipped {never}: " in md
     rows = json.load(open(tmp_path / "rep" / "report.json"))
     assert [r["workdir"] for r in rows] == [str(good)]
     assert report.main([str(never), f"--out={tmp_path}/rep2", "--no_attention"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # one line naming it and the command
+    assert err == [f"error: no run could be read: {never}: {never} does not exist: train a run "
+                   f"there first, e.g. python main.py --config=configs/vit_ln.py:demo "
+                   f"--workdir={never}"]
 
 
 def test_reparam_timing_reports_the_spread_and_no_ratio_when_nothing_folded():

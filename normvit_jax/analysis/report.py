@@ -113,8 +113,10 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
                  stat_images: int = 64, tags: Sequence[str] = ()) -> list[str]:
     rows, summaries, skipped = _read_runs(workdirs)
     workdirs = [r["workdir"] for r in rows]
-    if not rows:
+    if not rows:  # one line (main): each run and why
         raise ValueError("no run could be read: " + "; ".join(f"{w}: {why}" for w, why in skipped))
+    for w, why in skipped:
+        _skip(w, why)
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, "report.md"), os.path.join(out, "report.json")]
     with open(paths[0], "w") as f:
@@ -151,18 +153,17 @@ def _skip(workdir: str, why: str) -> None:
 
 def _read_runs(workdirs: Sequence[str]) -> tuple[list[dict], dict, list[tuple[str, str]]]:
     """The rows of the runs that can be read; a run that failed (no config.json, no checkpoint,
-    unreadable summaries) is left out with the reason instead of ending the whole report."""
+    unreadable summaries) is left out with the reason (printed by write_report) instead of
+    ending the whole report."""
     rows, summaries, skipped = [], {}, []
     for w in workdirs:
         try:
-            if not os.path.exists(checkpoints.config_path(w)):
-                raise FileNotFoundError("not a normvit_jax workdir (no config.json)")
+            checkpoints.require_run(w)  # names what is missing and the command that makes it
             summaries[str(w)] = events.read_run(w)
             rows.append(run_row(w, summaries[str(w)]))
         except Exception as e:  # noqa: BLE001
-            why = str(e) if isinstance(e, FileNotFoundError) and "config.json" in str(e) else \
+            why = str(e) if isinstance(e, checkpoints.RunNotFoundError) else \
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            _skip(w, why)
             skipped.append((str(w), why))
     return rows, summaries, skipped
 
