@@ -195,10 +195,10 @@ def step_rate(c: ml_collections.ConfigDict, args: argparse.Namespace) -> tuple[f
     cfg = common.bench_config(
         c.model.variant or "Ti/4", "layernorm", image_size=int(c.data.image_size),
         batch=step_batch(c, args), dtype=c.dtype,
-        num_classes=data.num_classes(c.data.name),
+        num_classes=data.resolve_data_spec(c).num_classes,
         model_overrides={k: getattr(model, k) for k in ("hidden_size", "depth", "num_heads",
                                                          "mlp_dim", "patch_size")})
-    bench = common.compile_train("layernorm", cfg, num_classes=data.num_classes(c.data.name))
+    bench = common.compile_train("layernorm", cfg, num_classes=data.resolve_data_spec(c).num_classes)
     times = common.interleaved({"step": bench.step}, args.steps, warmup=1)["step"]
     return int(cfg.batch_size) / common.summarize(times).median, bench
 

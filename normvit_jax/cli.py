@@ -2,8 +2,10 @@
 with distinct exit codes."""
 from __future__ import annotations
 
-from absl import logging
+import sys
+
 import ml_collections
+from absl import logging
 
 EXIT_OK = 0
 EXIT_CONFIG = 2        # bad config, data not available, or a config change refused: fix the command
@@ -12,53 +14,49 @@ EXIT_CHECKPOINT = 4    # a checkpoint does not fit this config, or none restores
 EXIT_WORKDIR = 5       # workdir not writable, no credentials, a checkpoint write failed
 EXIT_BUSY = 6          # another live process uses the workdir
 EXIT_DISTRIBUTED = 7   # the processes of a multi-process run did not all meet (distributed.py)
-EXIT_PREEMPTED = 42    # SIGTERM: checkpoint written, re-run to continue
+EXIT_PREEMPTED = 42    # SIGTERM or Ctrl-C: checkpoint written, re-run to continue
+
+# Error -> exit code, for training and evaluation alike; the first match wins (a subclass before
+# its base). Named by module so that this table imports nothing: an error's class is loaded if
+# the error was raised. Every other exception is a bug: its traceback is shown.
+EXIT_CODES: tuple[tuple[str, str, int], ...] = (
+    ("normvit_jax.train.policy", "PreemptedError", EXIT_PREEMPTED),
+    ("normvit_jax.train.policy", "NonFiniteError", EXIT_NONFINITE),
+    ("normvit_jax.workdir", "WorkdirBusyError", EXIT_BUSY),
+    ("normvit_jax.distributed", "DistributedStartError", EXIT_DISTRIBUTED),
+    ("normvit_jax.workdir", "WorkdirError", EXIT_WORKDIR),
+    ("normvit_jax.checkpoints", "CheckpointMismatchError", EXIT_CHECKPOINT),
+    ("normvit_jax.checkpoints", "RunNotFoundError", EXIT_CHECKPOINT),
+    # config checks, ConfigChangedError, DatasetNotFoundError, pretrained.CheckpointError
+    ("builtins", "ValueError", EXIT_CONFIG),
+)
+
+
+def exit_code(error: BaseException) -> int | None:
+    """The exit code of ``error`` by ``EXIT_CODES``; None if it is not a known error."""
+    for module, name, code in EXIT_CODES:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(error, cls):
+            return code
+    return None
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) -> int:
-    """Trains; returns the exit code (the table above)."""
-    from normvit_jax import distributed, logs, preemption, preflight, sharding
-    from normvit_jax import workdir as workdir_lib
+    """Trains (``train_and_evaluate``, which holds the workdir lock and the SIGTERM flag);
+    returns the exit code (the table above)."""
+    from normvit_jax import logs, preflight, sharding
 
     logs.quiet_library_logs()
     try:
         preflight.check(config, workdir)  # before anything is written: a failed start leaves nothing
         # First: with several processes JAX installs its own SIGTERM notifier here.
         sharding.maybe_initialize_distributed()
-        with preemption.SigtermFlag():  # from here on a SIGTERM means: checkpoint, exit 42
-            return _train(config, workdir, fresh)
-    except workdir_lib.WorkdirBusyError as e:
-        return _stop(e, EXIT_BUSY)
-    except distributed.DistributedStartError as e:
-        return _stop(e, EXIT_DISTRIBUTED)
-    except workdir_lib.WorkdirError as e:
-        return _stop(e, EXIT_WORKDIR)
-    except (workdir_lib.ConfigChangedError, ValueError) as e:
-        return _stop(e, EXIT_CONFIG)
-
-
-def _train(config: ml_collections.ConfigDict, workdir: str, fresh: bool) -> int:
-    """Checks and locks the workdir before the slow imports (TensorFlow, via CLU), so a busy,
-    unwritable or changed workdir is refused in seconds; then trains."""
-    from normvit_jax import logs
-    logs.import_tensorflow_once()  # (via CLU and tfds) before JAX, with its banner once
-    import jax
-    from normvit_jax import workdir as workdir_lib
-
-    with workdir_lib.prepare(config, workdir, fresh=fresh, process_index=jax.process_index()):
-        from normvit_jax import checkpoints, data
         from normvit_jax.train import loop
-        try:
-            result = loop.train_and_evaluate(config, workdir)
-        except loop.PreemptedError as e:
-            logging.warning("%s", e)
-            return EXIT_PREEMPTED
-        except loop.NonFiniteError as e:
-            return _stop(e, EXIT_NONFINITE)
-        except checkpoints.CheckpointMismatchError as e:
-            return _stop(e, EXIT_CHECKPOINT)
-        except data.DatasetNotFoundError as e:
-            return _stop(e, EXIT_CONFIG)
+        result = loop.train_and_evaluate(config, workdir, fresh=fresh)
+    except Exception as e:  # noqa: BLE001  (known errors become exit codes)
+        if exit_code(e) is None:
+            raise
+        return _stop(e)
     ev = result["eval"]
     if ev:
         logging.info("Done at step %d: eval top-1 %.4f, top-5 %.4f, loss %.4f.", result["step"],
@@ -74,19 +72,24 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None =
     from normvit_jax import logs
     logs.quiet_library_logs()
     logs.import_tensorflow_once()
-    from normvit_jax import checkpoints, data, evaluation
     try:
+        from normvit_jax import evaluation
         result = evaluation.evaluate_checkpoint(config, workdir, step)
-    except (checkpoints.CheckpointMismatchError, FileNotFoundError) as e:
-        return _stop(e, EXIT_CHECKPOINT)
-    except (data.DatasetNotFoundError, ValueError) as e:
-        return _stop(e, EXIT_CONFIG)
+    except Exception as e:  # noqa: BLE001  (known errors become exit codes)
+        if exit_code(e) is None:
+            raise
+        return _stop(e)
     print(json.dumps(result, sort_keys=True))
     return EXIT_OK
 
 
-def _stop(error: BaseException, code: int) -> int:
-    logging.error("Stopped: %s", error)
+def _stop(error: Exception) -> int:
+    """Logs a known error in one line; returns its exit code."""
+    code = exit_code(error)
+    if code == EXIT_PREEMPTED:
+        logging.warning("%s", error)
+    else:
+        logging.error("Stopped: %s", error)
     return code
 
 

@@ -64,7 +64,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     eval set; logs the metrics, then writes and returns ``{'step', 'dataset', 'split', 'metrics',
     'path'}`` (EMA metrics as ``ema_*``; path None when the workdir cannot be written). Raises
     CheckpointMismatchError when the config builds another model and
-    FileNotFoundError when there is no checkpoint."""
+    checkpoints.RunNotFoundError when there is no checkpoint (of that step)."""
     mesh = sharding.make_mesh(config)  # the run's mesh: an FSDP state is restored sharded
     run_spec = setup.resolve_config(config, mesh.devices.size)
     ds = run_spec.data
@@ -74,17 +74,16 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     abstract, state_sharding = setup.abstract_train_state(model, tx, pipeline.image_shape, mesh,
                                                           sharding.fsdp_min_size(config))
     if not checkpoints.checkpoint_dir(workdir).exists():
-        raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(workdir)}")
+        raise checkpoints.no_checkpoint(workdir)
     mngr = checkpoints.open_read_only(workdir)  # the run may still be training
     try:
         if step is not None and step not in mngr.all_steps():
-            raise FileNotFoundError(f"no checkpoint for step {step} in {mngr.directory}; "
-                                    f"there are: {sorted(mngr.all_steps())}")
+            raise checkpoints.no_checkpoint(workdir, step, sorted(mngr.all_steps()))
         # the newest readable one (a damaged newer one is named in a warning and left in place)
         restored = checkpoints.restore_latest(mngr, abstract, move_damaged=False,
                                               steps=None if step is None else [step])
         if restored is None:
-            raise FileNotFoundError(f"no checkpoint in {mngr.directory}")
+            raise checkpoints.no_checkpoint(workdir)
         state, step = restored.state, restored.step
     finally:
         mngr.close()

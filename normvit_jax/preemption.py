@@ -9,8 +9,8 @@ Several processes: JAX's distributed runtime already installs its own SIGTERM no
 on a step across hosts (``reached_preemption_sync_point``), so no Python handler is installed
 there: every host stops after the same step (Ctrl-C keeps Python's default there).
 
-Installed by ``cli.run`` right after ``jax.distributed.initialize`` (before the slow imports) and
-again, re-entrantly, by the loop.
+Installed by ``train_and_evaluate`` for the whole run (after ``jax.distributed.initialize``,
+which ``cli.run`` calls first), before the slow imports.
 """
 from __future__ import annotations
 

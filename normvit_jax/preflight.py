@@ -1,7 +1,8 @@
 """Checks that run before anything is written or JAX starts (``cli.run`` calls ``check`` first):
 the config loaded, its run length and every numeric value are in range (config_ranges.py), the
-model it describes can be built, the workdir path can be a directory, every gs:// input has credentials, and ``init_from`` is a
-readable .npz. A failed check changes nothing on disk, so the corrected command starts cleanly.
+model it describes can be built, the workdir path can be a directory, every gs:// path (workdir,
+data_dir, init_from) has Google Cloud credentials, and ``init_from`` is a readable .npz. A failed
+check changes nothing on disk, so the corrected command starts cleanly.
 """
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 
 from etils import epath
 
-from normvit_jax import config_ranges
+from normvit_jax import config_ranges, run_config
 from normvit_jax import workdir as workdir_lib
+
+GCE_PRODUCT_FILE = "/sys/class/dmi/id/product_name"  # 'Google Compute Engine' on Cloud VMs
 
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # an .npz is a zip archive (empty archive: the 2nd)
 NPY_MAGIC = b"\x93NUMPY"
@@ -29,11 +32,13 @@ def check(config: Any, workdir: str) -> None:
     check_workdir_path(workdir)
     # init_from is read only by a run that starts at step 0: a resumed run does not need it
     resuming = not workdir_lib.is_remote(workdir) and os.path.isdir(workdir) \
-        and workdir_lib.has_checkpoint(os.path.abspath(workdir))
+        and run_config.has_checkpoint(os.path.abspath(workdir))
     init_from = None if resuming else config.init_from
-    for key, path in (("data.data_dir", config.data.data_dir), ("init_from", init_from)):
+    data_dir = config.data.data_dir
+    for what, path in (("the workdir", workdir), ("config.data.data_dir", data_dir),
+                       ("config.init_from", init_from)):
         if path and str(path).startswith("gs://"):
-            workdir_lib.check_gcs_credentials(str(path), what=f"config.{key}")
+            check_gcs_credentials(str(path), what=what)
     if init_from and not workdir_lib.is_remote(init_from):
         check_npz(init_from, key="config.init_from")
 
@@ -116,3 +121,51 @@ def check_npz(path: str, key: str = "path") -> None:
     problem = npz_problem(head)
     if problem:
         raise ValueError(f"{key}={path!r}: {problem}")
+
+
+def check_gcs_credentials(path: str, what: str = "the workdir") -> None:
+    """Fails at once (WorkdirError, exit 5) when a gs:// ``path`` has no Google Cloud credentials:
+    without any, GCS clients retry for minutes or end in a long TensorFlow traceback. ``what``
+    names the setting that holds ``path``. Asks ``google.auth.default()`` when google-auth is
+    installed, else looks where it would (offline: no network call)."""
+    if not path.startswith("gs://"):
+        return
+    problem = credentials_problem()
+    if problem:
+        raise workdir_lib.WorkdirError(
+            f"{what} {path}: no Google Cloud credentials found ({problem}). Run `gcloud auth "
+            "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS to a service-account "
+            "key, or run on a Cloud VM.")
+
+
+def credentials_problem() -> str | None:
+    """None when Google Cloud credentials are available, else why not."""
+    try:
+        import google.auth  # pylint: disable=import-outside-toplevel
+        from google.auth import exceptions  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return _credentials_problem_without_google_auth()
+    try:
+        google.auth.default()
+    except exceptions.DefaultCredentialsError as e:
+        return str(e).strip().splitlines()[0]
+    return None
+
+
+def _credentials_problem_without_google_auth() -> str | None:
+    """google.auth.default()'s sources, without the library: a key file, gcloud's application
+    default credentials, or a Cloud VM (its metadata server; recognised by its DMI product name)."""
+    key = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if key and os.path.exists(key):
+        return None
+    gcloud = os.environ.get("CLOUDSDK_CONFIG") or os.path.expanduser("~/.config/gcloud")
+    if os.path.exists(os.path.join(gcloud, "application_default_credentials.json")):
+        return None
+    try:
+        with open(GCE_PRODUCT_FILE) as f:
+            if f.read().startswith("Google"):
+                return None
+    except OSError:
+        pass
+    return (f"GOOGLE_APPLICATION_CREDENTIALS is {'set to a missing file' if key else 'unset'}, "
+            f"no application default credentials in {gcloud}, not a Google Cloud VM")

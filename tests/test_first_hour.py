@@ -18,7 +18,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from configs import default
-from normvit_jax import cli, pretrained, workdir
+from normvit_jax import cli, pretrained, run_config, workdir
 from normvit_jax.train import loop, setup
 from tests import conftest
 from tests.conftest import REPO_ROOT
@@ -196,15 +196,15 @@ def test_config_of_a_workdir_without_checkpoint_can_change(tmp_path):
     """A start that failed before its first checkpoint does not lock in its config."""
     a = conftest.tiny_demo_config()
     b = conftest.tiny_demo_config(**{"optimizer.learning_rate": 0.01})
-    workdir.write_config(a, str(tmp_path))
-    workdir.check_config(b, str(tmp_path))  # no checkpoint: accepted
-    workdir.write_config(b, str(tmp_path))
+    run_config.write_config(a, str(tmp_path))
+    run_config.check_config(b, str(tmp_path))  # no checkpoint: accepted
+    run_config.write_config(b, str(tmp_path))
     before = glob.glob(str(tmp_path / "config.before-*.json"))
     assert len(before) == 1 and json.load(open(before[0]))["optimizer"]["learning_rate"] == 0.003
     assert json.load(open(tmp_path / "config.json"))["optimizer"]["learning_rate"] == 0.01
     (tmp_path / "checkpoints" / "2").mkdir(parents=True)  # once trained, a change is refused
-    with pytest.raises(workdir.ConfigChangedError, match="learning_rate: 0.01 -> 0.003"):
-        workdir.check_config(a, str(tmp_path))
+    with pytest.raises(run_config.ConfigChangedError, match="learning_rate: 0.01 -> 0.003"):
+        run_config.check_config(a, str(tmp_path))
 
 
 def test_keys_added_since_a_run_are_no_change_at_their_default():
@@ -214,17 +214,17 @@ def test_keys_added_since_a_run_are_no_change_at_their_default():
     defaults = {"ema_decay": 0.0, "data.repeated_aug": 1}
     same = {"optimizer": {"learning_rate": 0.003}, "batch_size": 8, "ema_decay": 0.0,
             "data": {"repeated_aug": 1}}
-    assert workdir.config_diff(saved, same, defaults) == []
+    assert run_config.config_diff(saved, same, defaults) == []
     other = dict(same, ema_decay=0.999)
-    assert workdir.config_diff(saved, other, defaults) == ["  ema_decay: '<absent>' -> 0.999"]
+    assert run_config.config_diff(saved, other, defaults) == ["  ema_decay: '<absent>' -> 0.999"]
     # a key missing from the defaults (a method's own key) stays a change when absent before
-    assert workdir.config_diff(saved, dict(same, extra=1), defaults) == ["  extra: '<absent>' -> 1"]
+    assert run_config.config_diff(saved, dict(same, extra=1), defaults) == ["  extra: '<absent>' -> 1"]
     # the real defaults: an old config.json without the recipe keys matches today's config
     cfg = conftest.tiny_demo_config()
     old = json.loads(cfg.to_json_best_effort())
     for k in ("ema_decay", "mixup_alpha", "layer_decay"):
         old.pop(k)
-    assert workdir.config_diff(old, json.loads(cfg.to_json_best_effort())) == []
+    assert run_config.config_diff(old, json.loads(cfg.to_json_best_effort())) == []
 
 
 def test_failed_init_from_does_not_lock_in_its_config(tmp_path):
@@ -235,7 +235,7 @@ def test_failed_init_from_does_not_lock_in_its_config(tmp_path):
     r = main_py("--config=configs/vit_ln.py:demo", *TINY, f"--config.init_from={bad}",
                 f"--workdir={tmp_path}/wd")
     assert r.returncode == cli.EXIT_CONFIG, r.stderr[-3000:]
-    assert (tmp_path / "wd" / "config.json").exists() and not workdir.has_checkpoint(str(tmp_path / "wd"))
+    assert (tmp_path / "wd" / "config.json").exists() and not run_config.has_checkpoint(str(tmp_path / "wd"))
     corrected = conftest.tiny_demo_config()
     with workdir.prepare(corrected, str(tmp_path / "wd")):  # used to raise ConfigChangedError
         pass

@@ -93,13 +93,13 @@ def test_checkpoint_restores_onto_another_mesh(measured, target):
 def test_mesh_keys_may_change_on_resume_and_are_validated():
     """Resuming with another mesh is no config change (checkpoints restore onto any mesh); a
     mesh that does not fit the device count is refused before anything is built."""
-    from normvit_jax import workdir
+    from normvit_jax import run_config
     from normvit_jax.train import setup
     from tests.conftest import tiny_demo_config
     saved = tiny_demo_config()
     current = tiny_demo_config(**{"mesh.fsdp": 8, "mesh.data": 2, "mesh.fsdp_min_size": 0})
-    assert workdir.config_diff(saved.to_dict(), current.to_dict()) == []
-    assert workdir.config_diff(saved.to_dict(), tiny_demo_config(seed=1).to_dict()) != []
+    assert run_config.config_diff(saved.to_dict(), current.to_dict()) == []
+    assert run_config.config_diff(saved.to_dict(), tiny_demo_config(seed=1).to_dict()) != []
     with pytest.raises(ValueError, match="config.mesh.data x config.mesh.fsdp"):
         setup.validate_config(tiny_demo_config(**{"mesh.fsdp": 3}), num_devices=8)
     setup.validate_config(tiny_demo_config(**{"mesh.fsdp": 4}), num_devices=8)

@@ -646,11 +646,11 @@ def test_export_of_a_scanned_model_is_the_per_block_vit_jax_layout(tmp_path):
 
 
 def test_loop_init_from_loads_the_npz_into_the_train_state(tmp_path):
-    """The loop's own path (train/loop._init_from_pretrained): an .npz exported from other weights
+    """The loop's own path (train/build.init_from_pretrained): an .npz exported from other weights
     lands in the fresh state, every array but the re-initialised head equal to the file's, on the
     state's shardings, with the optimizer state re-initialised for them."""
     from normvit_jax import sharding
-    from normvit_jax.train import loop, optimizer, setup
+    from normvit_jax.train import build, optimizer, setup
     from tests.conftest import tiny_demo_config
 
     cfg = tiny_demo_config()
@@ -664,7 +664,7 @@ def test_loop_init_from_loads_the_npz_into_the_train_state(tmp_path):
     path = str(tmp_path / "donor.npz")
     export.export_npz(donor_params, path, spec, log=None)
     cfg.init_from = path
-    new = loop._init_from_pretrained(cfg, spec, 10, state, tx, shardings)
+    new = build.init_from_pretrained(cfg, spec, 10, state, tx, shardings)
     flat_new = traverse_util.flatten_dict(jax.tree.map(np.asarray, new.params), sep="/")
     flat_donor = traverse_util.flatten_dict(donor_params, sep="/")
     flat_init = traverse_util.flatten_dict(jax.tree.map(np.asarray, state.params), sep="/")

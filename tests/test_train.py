@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from normvit_jax import checkpoints
-from normvit_jax import workdir as workdir_lib
+from normvit_jax import run_config
 from normvit_jax.train import loop, setup
 from tests.conftest import REPO_ROOT, tiny_demo_config
 
@@ -104,7 +104,7 @@ def test_unknown_key_on_the_command_line_is_named():
 
 def test_config_change_is_refused_with_a_diff(tmp_path):
     loop.train_and_evaluate(tiny_demo_config(total_steps=2), str(tmp_path))
-    with pytest.raises(workdir_lib.ConfigChangedError, match="optimizer.learning_rate: 0.003 -> 0.01"):
+    with pytest.raises(run_config.ConfigChangedError, match="optimizer.learning_rate: 0.003 -> 0.01"):
         loop.train_and_evaluate(tiny_demo_config(total_steps=2, **{"optimizer.learning_rate": 0.01}),
                                 str(tmp_path))
 

@@ -1,0 +1,119 @@
+"""A run's saved config: ``workdir/config.json``, the diff that refuses a changed re-run, and its
+atomic write. No JAX here (``workdir.prepare`` checks the config before JAX starts).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+from absl import logging
+from etils import epath
+
+CONFIG_NAME = "config.json"
+REPLACED_DIR = "replaced"          # --fresh moves an old run here (workdir.move_run_aside)
+# Keys that may differ between the saved config and a re-run without allow_config_change: the
+# mesh only places the same state on devices (checkpoints restore onto any mesh).
+ALWAYS_CHANGEABLE = ("allow_config_change", "mesh.data", "mesh.fsdp", "mesh.fsdp_min_size")
+
+
+class ConfigChangedError(ValueError):
+    """The workdir holds a run made with another config."""
+
+
+def utc_stamp() -> str:
+    """The time as the names of kept files have it (config.before-<time>.json, replaced/<time>)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def flat_values(config: Any) -> dict:
+    """A ConfigDict's values by dotted key ('data.image_size'), as its JSON has them."""
+    return _flatten(json.loads(config.to_json_best_effort()))
+
+
+def _default_values() -> dict:
+    """Flattened values of configs/default.py: a key a newer version added is absent from an
+    older run's config.json; at its default it keeps the old behaviour, so it is no change."""
+    from configs import default  # pylint: disable=import-outside-toplevel
+    return flat_values(default.get_config())
+
+
+def config_diff(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+    a, b = _flatten(saved), _flatten(current)
+    defaults = _default_values() if defaults is None else defaults
+
+    def changed(k: str) -> bool:
+        if k in ALWAYS_CHANGEABLE or a.get(k) == b.get(k):
+            return False
+        return not (k not in a and k in defaults and b.get(k) == defaults[k])
+
+    return [f"  {k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+            for k in sorted(set(a) | set(b)) if changed(k)]
+
+
+def check_config(config: Any, workdir: str) -> None:
+    """Refuses a workdir whose config.json differs from ``config`` (with a diff of the changed
+    keys) unless ``config.allow_config_change``."""
+    path = epath.Path(workdir) / CONFIG_NAME
+    if not path.exists():
+        return
+    diff = config_diff(json.loads(path.read_text()), json.loads(config.to_json_best_effort()))
+    if diff and not has_checkpoint(workdir):
+        # An earlier start failed before its first checkpoint (a wrong init_from, data not yet
+        # prepared): nothing was trained with the old config, so the corrected command goes on;
+        # write_config keeps the old file as config.before-<time>.json.
+        logging.warning("%s has no checkpoint yet: taking the new config (changed keys:\n%s)",
+                        workdir, "\n".join(diff))
+        return
+    if diff and not config.get("allow_config_change"):
+        raise ConfigChangedError(
+            f"{workdir} holds a run made with another config; changed keys:\n" + "\n".join(diff)
+            + "\nUse another --workdir, pass --config.allow_config_change=True to continue "
+              "this run with the new values, or --fresh to start over (the old run is moved "
+              f"to {REPLACED_DIR}/).")
+
+
+def has_checkpoint(workdir: str) -> bool:
+    """Whether ``workdir/checkpoints`` holds a step folder (complete or not: a partial one means
+    training ran with the saved config)."""
+    root = epath.Path(workdir) / "checkpoints"
+    return root.exists() and any(p.name.split(".")[0].isdigit() for p in root.iterdir())
+
+
+def write_config(config: Any, workdir: str) -> None:
+    """Writes config.json (atomically). Called once the run's checkpoint restored or it starts
+    at step 0, so a change refused later (a model that no longer fits) leaves it untouched. An
+    accepted change keeps the old file as config.before-<time>.json."""
+    path = epath.Path(workdir) / CONFIG_NAME
+    current = json.loads(config.to_json_best_effort())
+    if path.exists():
+        old = path.read_text()
+        diff = config_diff(json.loads(old), current)
+        if not diff:
+            return
+        if has_checkpoint(workdir):
+            logging.warning("Continuing %s with a changed config (allow_config_change):\n%s",
+                            workdir, "\n".join(diff))
+        (path.parent / f"config.before-{utc_stamp()}.json").write_text(old)
+    tmp = path.parent / (path.name + ".tmp")
+    tmp.write_text(json.dumps(current, indent=2, sort_keys=True))
+    tmp.replace(path)
+
+
+def write_json_atomic(workdir: str, name: str, value: Any) -> None:
+    """``<workdir>/<name>`` = JSON of ``value``, written to a temporary name and renamed."""
+    path = epath.Path(workdir) / name
+    tmp = path.parent / (path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    tmp.replace(path)

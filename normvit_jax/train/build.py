@@ -1,0 +1,167 @@
+"""Building a training run: everything the loop needs before its first step, as one ``Run``.
+
+``build_run`` opens the pipelines, builds the model, optimizer and state (initialised into its
+sharding, then restored from the newest checkpoint or loaded from ``config.init_from``), writes
+the run's config.json, opens the summary writers and jits the train step and the evaluator. It
+takes no guard itself: ``loop.train_and_evaluate`` holds the workdir lock and the SIGTERM flag.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+from clu import metric_writers, periodic_actions
+from jax.sharding import Mesh
+
+from normvit_jax import checkpoints, data, preemption, run_config, sharding, summaries
+from normvit_jax.train import ema, guards
+from normvit_jax.train import optimizer as optim
+from normvit_jax.train import policy, progress, setup
+from normvit_jax.train.evaluator import Evaluator
+from normvit_jax.train.state import TrainState
+
+
+@dataclasses.dataclass
+class Run:
+    """A training run ready for its first step (the loop advances ``state``)."""
+
+    config: ml_collections.ConfigDict
+    workdir: str
+    mesh: Mesh
+    train_data: data.Pipeline
+    eval_data: data.Pipeline
+    model: Any
+    n_steps: int
+    state: TrainState
+    train_step: Callable
+    saver: guards.CheckpointSaver
+    writer: Any                  # TensorBoard on process 0, a no-op writer elsewhere
+    report: Any                  # clu's ReportProgress: steps/s, and timed() phases
+    evaluator: Evaluator
+    start_step: int
+    window: guards.MetricsWindow  # train metrics since the last log step (restored on resume)
+    skipped_total: int           # non-finite steps skipped so far (config.skip_nonfinite_steps)
+
+
+@dataclasses.dataclass
+class _Start:
+    """Where the run starts: its state and the loop's counters (restored or fresh)."""
+
+    state: TrainState
+    step: int
+    window: guards.MetricsWindow
+    skipped_total: int
+
+
+def total_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
+    if config.total_steps:
+        return int(config.total_steps)
+    return max(1, int(math.ceil(config.num_epochs * steps_per_epoch)))
+
+
+def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.RunSpec,
+              mesh: Mesh, sigterm: preemption.SigtermFlag) -> Run:
+    """The run in ``workdir`` (restored if it holds a checkpoint). Raises PreemptedError if a
+    SIGTERM arrived while starting up (nothing new to save)."""
+    ds = run_spec.data
+    train_data = data.make_pipeline(config, "train", ds)
+    eval_data = data.make_pipeline(config, "eval", ds)
+    n_steps = total_steps(config, train_data.steps_per_epoch)
+    model = setup.create_model(config, ds.num_classes, run_spec.model)
+    tx, lr_schedule = optim.create(config, n_steps)
+    state, state_sharding = setup.create_train_state(model, tx, train_data.image_shape, mesh,
+                                                     jax.random.key(config.seed),
+                                                     sharding.fsdp_min_size(config))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    logging.info("Model: %s, %s parameters; %d devices (mesh %s); %d steps (%d per epoch).",
+                 progress.describe_model(model.spec), f"{n_params:,}", mesh.devices.size,
+                 " x ".join(f"{k}={v}" for k, v in mesh.shape.items()), n_steps,
+                 train_data.steps_per_epoch)
+
+    saver = guards.CheckpointSaver(checkpoints.make_manager(workdir, keep=config.keep_checkpoints),
+                                   workdir)
+    start = _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_data)
+    if sigterm.received and not preemption.multi_process():  # SIGTERM/Ctrl-C while starting up
+        saver.mngr.close()
+        raise policy.PreemptedError(
+            f"interrupted before the first step; nothing new to save (newest checkpoint: "
+            f"{saver.describe()}); rerun the same command to resume")
+    writer, analysis_writer = _writers(workdir)
+    # Marks where this segment of the run starts: readers drop older points after it (summaries.py).
+    writer.write_scalars(start.step, {summaries.SEGMENT_TAG: start.step})
+    if start.step == 0:
+        writer.write_hparams({k: v for k, v in run_config.flat_values(config).items()
+                              if isinstance(v, (int, float, str, bool))})
+
+    train_step = setup.jit_train_step(
+        setup.make_train_step(config, model, tx, lr_schedule, ds), state_sharding, mesh)
+    report = periodic_actions.ReportProgress(num_train_steps=n_steps, writer=writer)
+    evaluator = Evaluator(config, ds, model, state_sharding, mesh, eval_data, writer,
+                          analysis_writer, report)
+    return Run(config, workdir, mesh, train_data, eval_data, model, n_steps, start.state,
+               train_step, saver, writer, report, evaluator, start.step, start.window,
+               start.skipped_total)
+
+
+def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_data) -> _Start:
+    """Restores the newest checkpoint (then config.json is the run's), else starts at step 0
+    (from ``config.init_from`` if set)."""
+    mngr = saver.mngr
+    try:
+        restored = checkpoints.restore_latest(mngr, state)
+    except BaseException:
+        mngr.close()
+        raise
+    had_config = checkpoints.config_path(workdir).exists()
+    if jax.process_index() == 0:  # the checkpoint fits (or there is none): the config is the run's
+        run_config.write_config(config, workdir)
+        if run_spec.data.class_names:  # label order -> names, for evaluation, predict and people
+            run_config.write_json_atomic(workdir, "classes.json", list(run_spec.data.class_names))
+    if restored is not None:
+        step = restored.step
+        window, skipped_total = guards.MetricsWindow.from_meta(restored.meta, step)
+        pos, n = step * config.batch_size, train_data.num_examples
+        logging.info("Resumed from the checkpoint at step %d in %s; the data continues at step %d "
+                     "(epoch %d, example %d of %d).", step, mngr.directory, step + 1,
+                     pos // n + 1, pos % n, n)
+        saver.last_good = step
+        return _Start(restored.state, step, window, skipped_total)
+    if had_config and jax.process_index() == 0:
+        logging.warning("No checkpoint in %s: starting at step 0 (an earlier attempt of this "
+                        "run ended before its first checkpoint).", mngr.directory)
+    if config.init_from:
+        state = init_from_pretrained(config, run_spec.model, run_spec.data.num_classes, state, tx,
+                                     state_sharding)
+    return _Start(state, 0, guards.MetricsWindow(0), 0)
+
+
+def _writers(workdir: str) -> tuple[Any, Any]:
+    """(writer, analysis_writer): TensorBoard summaries on process 0 (both the same writer; no
+    metrics writer elsewhere). Not logged: the progress line already shows the train metrics, and
+    CLU's LoggingWriter repeated them, and the hyperparameters, as long lines."""
+    if jax.process_index() > 0:
+        return metric_writers.MultiWriter([]), None
+    tensorboard = metric_writers.AsyncWriter(metric_writers.SummaryWriter(workdir))
+    return tensorboard, tensorboard
+
+
+def init_from_pretrained(config: ml_collections.ConfigDict, spec: Any, num_classes: int,
+                         state: TrainState, tx: Any, state_sharding: Any) -> TrainState:
+    """``state`` with the parameters of ``config.init_from`` (an .npz; the head re-initialised
+    unless its shape fits) and a fresh optimizer state for them, in ``state_sharding``."""
+    from jax.experimental import multihost_utils
+
+    from normvit_jax import pretrained
+    # whole arrays on every process, also for an FSDP state split across hosts
+    params = multihost_utils.process_allgather(state.params, tiled=True)
+    params, _ = pretrained.init_from_npz(params, config.init_from, spec, num_classes,
+                                         keep_pre_logits=config.get("init_keep_pre_logits"),
+                                         image_size=config.data.image_size, log=logging.info)
+    opt_state = ema.init_stats(tx.init(params), state.batch_stats)
+    new = state.replace(params=params, opt_state=opt_state)
+    return jax.device_put(new, state_sharding)

@@ -1,0 +1,51 @@
+"""The training run's evaluation: the eval split's metrics, then the analysis of a fixed batch
+(token statistics, norm gates, attention distances and maps; ``analysis/eval_hook.py``), all
+written to TensorBoard at the step they were measured at.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+from absl import logging
+from jax.sharding import Mesh
+
+from normvit_jax import data, sharding
+from normvit_jax.train import setup
+from normvit_jax.train.state import TrainState
+
+
+class Evaluator:
+    """``evaluator(state, step) -> metrics``; built once per run (the eval step and the analysis
+    forward compile at their first call)."""
+
+    def __init__(self, config: ml_collections.ConfigDict, data_spec: data.DataSpec, model: Any,
+                 state_sharding: Any, mesh: Mesh, eval_data: data.Pipeline, writer: Any,
+                 analysis_writer: Any, report: Any):
+        self.eval_step = setup.jit_eval_step(model, state_sharding, mesh, data_spec.affine)
+        self.eval_data, self.mesh, self.report = eval_data, mesh, report
+        self.writer, self.analysis_writer = writer, analysis_writer
+        self.fixed_images = self.analyzer = None
+        n_fixed = max(config.eval_analysis_images, config.eval_attention_images)
+        if n_fixed:  # imported only here: it pulls in matplotlib
+            from normvit_jax.analysis import eval_hook
+            self.fixed_images = eval_hook.fixed_images(config, data_spec, n_fixed)
+            self.analyzer = eval_hook.EvalAnalyzer(model, config, data_spec)
+
+    def __call__(self, state: TrainState, step: int) -> dict[str, Any]:
+        with self.report.timed("eval"):
+            metrics = setup.evaluate(self.eval_step, state, self.eval_data, self.mesh)
+        self.writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
+        if self.analyzer is not None:
+            with self.report.timed("eval_analysis"):
+                scalars, pictures = self.analyzer(
+                    {"params": state.params, "batch_stats": state.batch_stats}, self.fixed_images,
+                    sharding=sharding.replicated(self.mesh))
+            if self.analysis_writer is not None:  # process 0; kept out of the log: ~100 scalars
+                self.analysis_writer.write_scalars(step, scalars)
+                if pictures:
+                    self.analysis_writer.write_images(step, pictures)
+        logging.info("eval at step %d: loss %.4f, top-1 %.4f, top-5 %.4f over %d examples",
+                     step, metrics["loss"], metrics["top1"], metrics["top5"],
+                     metrics["num_examples"])
+        return metrics

@@ -1,0 +1,115 @@
+"""The step loop of a built ``Run``: one train step per batch, then the ``StepPolicy``'s actions
+(log and check, evaluate, save, pause, preempt) in that order.
+
+What happens when things go wrong (docs/faults.md has the user-facing promises):
+- SIGTERM or Ctrl-C: the step finishes, a checkpoint is written, PreemptedError (exit 42); hosts
+  agree on the step (normvit_jax/preemption.py).
+- A crash at any moment: the re-run restores the newest complete checkpoint; the train-metrics
+  window since the last log step is saved with it, so the resumed run writes the same summaries.
+- NaN/Inf: checked at every log step and before every save; never saved; NonFiniteError names
+  the first bad step, the metric and the last good checkpoint.
+- A checkpoint write that fails (disk full, permissions): WorkdirError naming the step and the
+  newest complete checkpoint, which is kept.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from absl import logging
+from clu import metric_writers
+
+from normvit_jax import preemption, sharding
+from normvit_jax.train import guards, progress
+from normvit_jax.train.build import Run
+from normvit_jax.train.policy import NonFiniteError, PreemptedError, StepPolicy
+
+
+@dataclasses.dataclass
+class _LastLog:
+    time: float
+    step: int
+
+
+def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict[str, Any]:
+    """Steps ``run`` to ``run.n_steps`` (or ``policy.stop_at``, or a SIGTERM); returns the final
+    step, the last eval metrics and the state. The saver is closed on every way out."""
+    eta = progress.Eta(run.n_steps)  # train time only: no compile, eval or checkpoint time
+    last_log = _LastLog(time.time(), run.start_step)
+    eval_metrics: dict[str, Any] = {}
+    step = run.start_step
+    if step >= run.n_steps:
+        logging.info("The run in %s is already complete (step %d of %d).", run.workdir, step,
+                     run.n_steps)
+    batches = run.train_data.train_batches(step)
+    with metric_writers.ensure_flushes(run.writer):
+        try:
+            while step < run.n_steps:
+                batch = sharding.to_global(next(batches), run.mesh)
+                run.state, m = run.train_step(run.state, batch)
+                step += 1
+                run.window.add(step, m)
+                run.report(step)
+                act = policy.after(step, preemption.reached(sigterm, step))
+                if act.log:
+                    _log(run, step, eta, last_log)
+                elif act.check:  # never save a state that has not been checked
+                    problem = guards.check_finite(run.config, run.window, run.state, step,
+                                                  run.saver)[2]
+                    if problem:
+                        raise NonFiniteError(problem)
+                if act.evaluate:
+                    with eta.paused():
+                        eval_metrics = run.evaluator(run.state, step)
+                if act.save:
+                    _save(run, step, eta)
+                if act.pause:
+                    logging.info("Stopping at step %d as asked (stop_at); re-run to continue.", step)
+                    break
+                if act.preempt:
+                    run.saver.wait()
+                    raise PreemptedError(f"interrupted at step {step}; saved in "
+                                         f"{run.saver.mngr.directory}; rerun the same command to "
+                                         "resume")
+        except BaseException:
+            batches.close()
+            run.saver.close(quiet=True)  # the error in flight says more than a failed last write
+            raise
+    batches.close()
+    run.saver.close()
+    return {"step": step, "eval": eval_metrics, "state": run.state}
+
+
+def _log(run: Run, step: int, eta: progress.Eta, last: _LastLog) -> None:
+    """Checks and writes the train metrics since the last log step; raises NonFiniteError (after
+    writing: the bad values are in the summaries too)."""
+    values, skipped, problem = guards.check_finite(run.config, run.window, run.state, step,
+                                                   run.saver)
+    eta.mark(step)  # check_finite waited for the step's results
+    run.skipped_total += skipped
+    dt = max(time.time() - last.time, 1e-9)
+    values["skipped_nonfinite_total"] = run.skipped_total
+    values["steps_per_sec"] = eta.interval_steps_per_s() or (step - last.step) / dt
+    values["examples_per_sec"] = values["steps_per_sec"] * run.config.batch_size
+    run.writer.write_scalars(step, {f"train/{k}": v for k, v in values.items()})
+    logging.info("step %d/%d: loss %.4f, accuracy %.4f, %.2f steps/s, %.0f examples/s, ETA %s",
+                 step, run.n_steps, values["loss"], values["accuracy"], values["steps_per_sec"],
+                 values["examples_per_sec"], eta.describe(step))
+    if problem:
+        raise NonFiniteError(problem)
+    run.window = guards.MetricsWindow(step)
+    last.time, last.step = time.time(), step
+
+
+def _save(run: Run, step: int, eta: progress.Eta) -> None:
+    """Saves the checked state with the metrics window (async; ``saver`` reports failures)."""
+    if not guards.all_finite(run.state):
+        raise NonFiniteError(
+            f"the parameters or optimizer state became non-finite by step {step} although loss "
+            f"and grad_norm are finite; not saved; last good checkpoint: {run.saver.describe()}. "
+            "Lower the learning rate or enable grad clipping (config.optimizer.grad_clip).")
+    run.writer.flush()  # summaries up to this step are on disk before its checkpoint
+    meta = guards.checkpoint_meta(run.window, run.skipped_total)
+    with run.report.timed("checkpoint"), eta.paused():
+        run.saver.save(step, run.state, meta)

@@ -1,0 +1,74 @@
+"""A run's lifecycle pieces that need no training: the step policy's ladder, the one table of exit
+codes, and the offline Google Cloud credential check."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from normvit_jax import checkpoints, cli, distributed, preflight, run_config, workdir
+from normvit_jax.data import DatasetNotFoundError
+from normvit_jax.train import policy
+
+
+def test_step_policy_ladder():
+    """log every 2, eval every 3, save every 4 of 10 steps: each action on exactly the steps the
+    rules name (written out by hand), a save that is not a log step still checked."""
+    p = policy.StepPolicy(log_every=2, eval_every=3, checkpoint_every=4, n_steps=10)
+    acts = {s: p.after(s) for s in range(1, 11)}
+    assert [s for s, a in acts.items() if a.log] == [2, 4, 6, 8, 10]
+    assert [s for s, a in acts.items() if a.evaluate] == [3, 6, 9, 10]
+    assert [s for s, a in acts.items() if a.save] == [4, 8, 10]
+    assert [s for s, a in acts.items() if a.check] == [2, 4, 6, 8, 10]
+    assert not any(a.pause or a.preempt for a in acts.values())
+    odd = policy.StepPolicy(log_every=3, eval_every=100, checkpoint_every=2, n_steps=7, stop_at=5)
+    a5 = odd.after(5)
+    assert (a5.log, a5.check, a5.save, a5.pause) == (False, True, True, True)
+    assert [s for s in range(1, 8) if odd.after(s).check] == [2, 3, 4, 5, 6, 7]
+    assert not odd.after(7).pause and odd.after(7).save  # the last step saves, never pauses
+    pre = odd.after(1, preempt=True)
+    assert (pre.save, pre.check, pre.preempt, pre.log) == (True, True, True, False)
+
+
+@pytest.mark.parametrize("error,code", [
+    (policy.PreemptedError("x"), cli.EXIT_PREEMPTED),
+    (policy.NonFiniteError("x"), cli.EXIT_NONFINITE),
+    (workdir.WorkdirBusyError("x"), cli.EXIT_BUSY),
+    (distributed.DistributedStartError("x"), cli.EXIT_DISTRIBUTED),
+    (workdir.WorkdirError("x"), cli.EXIT_WORKDIR),
+    (checkpoints.CheckpointMismatchError("x"), cli.EXIT_CHECKPOINT),
+    (checkpoints.RunNotFoundError("x"), cli.EXIT_CHECKPOINT),
+    (run_config.ConfigChangedError("x"), cli.EXIT_CONFIG),
+    (DatasetNotFoundError("x"), cli.EXIT_CONFIG),
+    (ValueError("x"), cli.EXIT_CONFIG),
+    (RuntimeError("x"), None),          # a bug: its traceback is shown
+    (FileNotFoundError("x"), None),
+])
+def test_one_table_maps_errors_to_exit_codes(error, code):
+    assert cli.exit_code(error) == code
+
+
+def test_gcs_credentials_checked_offline(tmp_path, monkeypatch):
+    """Without google-auth installed the check looks where google.auth.default() would: a key
+    file, gcloud's application default credentials, a Cloud VM's DMI name; none -> WorkdirError
+    naming the setting and the path. Non-gs:// paths are never checked."""
+    monkeypatch.setitem(sys.modules, "google.auth", None)  # as if google-auth were not installed
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "")
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    monkeypatch.setattr(preflight, "GCE_PRODUCT_FILE", str(tmp_path / "product_name"))
+    preflight.check_gcs_credentials("/local/path", what="config.init_from")  # not gs://: fine
+    with pytest.raises(workdir.WorkdirError, match=r"config.init_from gs://b/w.npz: no Google "
+                       r"Cloud credentials found \(GOOGLE_APPLICATION_CREDENTIALS is unset"):
+        preflight.check_gcs_credentials("gs://b/w.npz", what="config.init_from")
+    (tmp_path / "product_name").write_text("Google Compute Engine\n")
+    assert preflight.credentials_problem() is None
+    (tmp_path / "product_name").write_text("Standard PC\n")
+    key = tmp_path / "key.json"
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    assert "set to a missing file" in preflight.credentials_problem()
+    key.write_text("{}")
+    assert preflight.credentials_problem() is None
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "")
+    (tmp_path / "gcloud").mkdir()
+    (tmp_path / "gcloud" / "application_default_credentials.json").write_text("{}")
+    assert preflight.credentials_problem() is None
