@@ -126,6 +126,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.layer_decay = 1.0             # layer-wise lr decay (BEiT/MAE fine-tuning): lr of block i scaled by
                                     # layer_decay^(depth - i), embeddings by ^(depth + 1), head/final norm 1
                                     # (1.0: off; train/layer_decay.py)
+    # LearnableScaler's extra losses (train/aux_losses.py; its train.py --train-feature-decay,
+    # --attn-extra-loss, --attn-extra-loss-layers): loss = CE + fd * (fd * sum F + a * sum A)
+    c.feature_decay = 0.0           # fd: penalty on residual-stream entries above the threshold, after each
+                                    # residual add of every block: mean + max of |x| - threshold (0: off)
+    c.feature_decay_threshold = 200.0  # |x| above which feature decay acts (hard-coded 200 there)
+    c.attn_extra_loss = 0.0         # a: 1 - mean of the per-query max attention probabilities < 0.5, first
+                                    # attn_extra_loss_layers blocks; needs feature_decay > 0 (0: off)
+    c.attn_extra_loss_layers = 0    # blocks (from the first) with the attention loss
     c.ema_decay = 0.0               # EMA of the weights per step (DeiT's model EMA: 0.99996; 0: off); kept in
                                     # the optimizer state, evaluated beside the raw weights as eval/ema_*
     c.ema_batch_stats = True        # with ema_decay: also average the norm statistics (batch_stats), as timm's

@@ -96,6 +96,10 @@ RANGES: dict[str, Range] = {
     "mix_prob": PROBABILITY,
     "switch_prob": PROBABILITY,
     "mix_groups": _count(1),
+    "feature_decay": Range(0),
+    "feature_decay_threshold": Range(0),
+    "attn_extra_loss": Range(0),
+    "attn_extra_loss_layers": _count(0),
     "random_erase_prob": PROBABILITY,
     "mesh.fsdp": _count(1),
     "mesh.fsdp_min_size": _count(0),
@@ -127,3 +131,15 @@ def check(config: Any) -> None:
         if present and value is not None and not allowed.contains(value):
             raise ValueError(f"config.{key}={value!r} is out of range; accepted: "
                              f"{allowed.describe()}")
+    check_extra_losses(config)
+
+
+def check_extra_losses(config: Any) -> None:
+    """LearnableScaler's attention loss exists only inside its feature decay's path (its Block
+    returns before it otherwise, ignoring the flag): refuse it alone instead of ignoring it."""
+    present, attn = _get(config, "attn_extra_loss")
+    fd = _get(config, "feature_decay")[1]
+    if present and attn and not fd:
+        raise ValueError(f"config.attn_extra_loss={attn!r} needs config.feature_decay > 0 (the "
+                         "reference adds the attention loss inside the feature decay); accepted: "
+                         "attn_extra_loss=0 or feature_decay > 0")

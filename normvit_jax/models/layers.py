@@ -22,6 +22,13 @@ from normvit_jax.models.fusion_barriers import dense
 from normvit_jax.models.spec import DEFAULT_NORM
 
 
+# Collections sown for the extra training losses (train/aux_losses.py) when the train step
+# makes them mutable: the residual stream after each residual add, and each attention's maximum
+# probability per (image, head, query) (before attention dropout).
+RESIDUAL = "residual_stream"
+ATTENTION_MAX = "attention_max"
+
+
 def sincos_2d(grid: tuple[int, int], dim: int, temperature: float = 10_000.0) -> np.ndarray:
     """Fixed 2-D sine-cosine position embedding (MoCo v3 / big_vision), shape (1, rows*cols, dim)."""
     if dim % 4:
@@ -172,7 +179,8 @@ class Attention(nn.Module):
     ``jax.nn.dot_product_attention`` with cuDNN's fused (flash) attention on GPU in bfloat16 or
     float16 (``sdpa``), XLA's otherwise. 'auto' (default): 'fused_sdpa' when compiling for GPU,
     'fused' elsewhere. 'separate': three DenseGeneral and ``sdpa``.
-    Capture and attention dropout need the weights, so they always take the einsum path.
+    Capture, attention dropout and the ATTENTION_MAX collection need the weights, so they always
+    take the einsum path.
     Every impl has the same parameters; ``qkv_bias=False`` drops the query/key/value biases.
     """
 
@@ -190,6 +198,7 @@ class Attention(nn.Module):
         h = self.num_heads
         hd = d // h
         use_dropout = train and self.dropout_rate > 0
+        sow_max = self.is_mutable_collection(ATTENTION_MAX)
         impl = self.impl
         kinit = nn.initializers.xavier_uniform() if self.param_init == "google" else timm_normal()
         if impl == "auto":
@@ -199,7 +208,7 @@ class Attention(nn.Module):
                                                    kernel_init=kinit, use_bias=self.qkv_bias,
                                                    name=name)
             q, k, v = general("query")(x), general("key")(x), general("value")(x)
-            if not (capture or use_dropout):
+            if not (capture or use_dropout or sow_max):
                 out = sdpa(q, k, v)
                 return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
                                        kernel_init=kinit, name="out")(out)
@@ -214,7 +223,7 @@ class Attention(nn.Module):
             qkv = qkv.reshape(b, t, 3, h, hd)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             wo, bo = _Projection((h, hd, d), (d,), (d, d), param_init=self.param_init, name="out")()
-            if impl == "fused_sdpa" and not (capture or use_dropout):
+            if impl == "fused_sdpa" and not (capture or use_dropout or sow_max):
                 out = sdpa(q, k, v)  # (B, T, H, Dh)
                 y = dense(out.reshape(b * t, d), wo.reshape(d, d), bo, self.dtype, self.barriers)
                 return y.reshape(b, t, d)
@@ -222,6 +231,8 @@ class Attention(nn.Module):
         weights = jax.nn.softmax(logits / math.sqrt(hd), axis=-1)
         if capture:
             self.sow("intermediates", "attention", weights)
+        if sow_max:
+            self.sow(ATTENTION_MAX, "max", jnp.max(weights, axis=-1))
         if use_dropout:
             weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
         out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(self.dtype), v)

@@ -19,9 +19,9 @@ import numpy as np
 
 from normvit_jax import norms
 from normvit_jax.models.fusion_barriers import barriers_on, grad_barrier
-from normvit_jax.models.layers import (AddPositionEmbs, Attention, MlpBlock, PatchEmbed, drop_path,
-                                       drop_path_rate, rescale_coefficient, sincos_1d, sincos_2d,
-                                       timm_normal, token_stats)
+from normvit_jax.models.layers import (ATTENTION_MAX, RESIDUAL, AddPositionEmbs, Attention, MlpBlock, PatchEmbed,
+                                       drop_path, drop_path_rate, rescale_coefficient, sincos_1d,
+                                       sincos_2d, timm_normal, token_stats)
 from normvit_jax.models.spec import DEFAULT_NORM, FC_SLOT, FINAL_SLOT, ViTSpec
 
 
@@ -37,6 +37,13 @@ def _sown_norm(module: nn.Module, cfg: Any, x: jax.Array, train: bool, spec: ViT
         module.sow("intermediates", f"{slot}_in", token_stats(x))
         module.sow("intermediates", f"{slot}_out", token_stats(y))
     return y
+
+
+def _sown_stream(module: nn.Module, name: str, x: jax.Array) -> jax.Array:
+    """``x``, sown as ``name`` in the RESIDUAL collection when that is mutable."""
+    if module.is_mutable_collection(RESIDUAL):
+        module.sow(RESIDUAL, name, x)
+    return x
 
 
 class EncoderBlock(nn.Module):
@@ -75,23 +82,27 @@ class EncoderBlock(nn.Module):
         # residual add (see grad_barrier): XLA:CPU otherwise re-derives it from every block above.
         bar = grad_barrier if barriers else (lambda v: v)
         x = bar(x)
+        # The stream after each residual add (before any norm of it) feeds the extra losses
+        # (train/aux_losses.py); sown only when the train step asks for RESIDUAL.
+        first, second = (lambda v: _sown_stream(self, "after_attention", v),
+                         lambda v: _sown_stream(self, "after_mlp", v))
         if s.norm_placement == "pre":
-            x = bar(x + branch(lambda y: attn(y, train, capture), norm("LayerNorm_0", x)))
+            x = bar(first(x + branch(lambda y: attn(y, train, capture), norm("LayerNorm_0", x))))
             y = norm("LayerNorm_2", x)
         elif s.norm_placement == "post":
-            x = bar(norm("LayerNorm_0", x + branch(lambda y: attn(y, train, capture), x)))
-            return norm("LayerNorm_2", x + branch(lambda y: mlp(y, train), x))
+            x = bar(norm("LayerNorm_0", first(x + branch(lambda y: attn(y, train, capture), x))))
+            return norm("LayerNorm_2", second(x + branch(lambda y: mlp(y, train), x)))
         else:  # sandwich: norm before and after each branch
             a = attn(norm("LayerNorm_0", x), train, capture)
-            x = bar(x + dpath(dropout(norm("PostNorm_attn", a), deterministic=not train)))
+            x = bar(first(x + dpath(dropout(norm("PostNorm_attn", a), deterministic=not train))))
             m = mlp(norm("LayerNorm_2", x), train)
-            return x + dpath(dropout(norm("PostNorm_mlp", m), deterministic=not train))
+            return second(x + dpath(dropout(norm("PostNorm_mlp", m), deterministic=not train)))
         if s.residual_scaling == "rescale":
             # RescaleViT: sqrt(i/(i+1)) * x + s/sqrt(L) * MLP(y), i 1-based, s learnable (init 1).
             scale = self.param("rescale_s", nn.initializers.ones, (), jnp.float32)
-            return (res_coef * x + (scale / math.sqrt(s.depth)).astype(x.dtype)
-                    * branch(lambda z: mlp(z, train), y))
-        return x + branch(lambda z: mlp(z, train), y)
+            return second(res_coef * x + (scale / math.sqrt(s.depth)).astype(x.dtype)
+                          * branch(lambda z: mlp(z, train), y))
+        return second(x + branch(lambda z: mlp(z, train), y))
 
 
 class _ScannedBlock(EncoderBlock):
@@ -199,7 +210,7 @@ class Encoder(nn.Module):
             k = s.scan_length
             body = nn.remat(_ScannedBlock, prevent_cse=False) if s.remat else _ScannedBlock
             scanned = nn.scan(body, variable_axes={"params": 0, "batch_stats": 0, "intermediates": 0,
-                                                  "schedule": 0},
+                                                  "schedule": 0, RESIDUAL: 0, ATTENTION_MAX: 0},
                               split_rngs={"params": True, "dropout": True}, in_axes=0, length=k)
             consts = {
                 "drop_path_rate": np.asarray([drop_path_rate(s.stochastic_depth, i, s.depth)

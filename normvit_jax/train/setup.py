@@ -17,7 +17,7 @@ from flax import linen as nn
 from jax.sharding import Mesh
 
 from normvit_jax import data, models, preflight, sharding
-from normvit_jax.train import batch_aug, ema
+from normvit_jax.train import aux_losses, batch_aug, ema
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
@@ -118,7 +118,8 @@ def make_train_step(config: ml_collections.ConfigDict, model: nn.Module,
                                      grad_accum_steps=config.grad_accum_steps,
                                      skip_nonfinite=config.skip_nonfinite_steps > 0,
                                      batch_transform=batch_aug.make(config, data_spec),
-                                     input_affine=data_spec.affine)
+                                     input_affine=data_spec.affine,
+                                     extra_loss=aux_losses.ExtraLoss.from_config(config))
 
 
 def jit_train_step(fn: Callable, state_sharding: Any, mesh: Mesh) -> Any:

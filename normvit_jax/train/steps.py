@@ -15,7 +15,7 @@ from clu import metrics as clu_metrics
 import flax.struct
 
 from normvit_jax.data import stats
-from normvit_jax.train import batch_aug
+from normvit_jax.train import aux_losses, batch_aug
 from normvit_jax.norms import gradient_rule
 from normvit_jax.train.state import TrainState
 
@@ -79,7 +79,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
                     *, label_smoothing: float = 0.0, grad_accum_steps: int = 1,
                     skip_nonfinite: bool = False,
                     batch_transform: batch_aug.BatchTransform | None = None,
-                    input_affine: tuple[Any, Any] | None = None) -> Callable:
+                    input_affine: tuple[Any, Any] | None = None,
+                    extra_loss: aux_losses.ExtraLoss | None = None) -> Callable:
     """Returns ``train_step(state, batch) -> (state, metrics)``.
 
     With ``grad_accum_steps > 1`` the batch is split into that many micro-batches whose gradients
@@ -87,19 +88,28 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
     the micro-batches in order. ``batch_transform`` (``batch_aug.make``): on-device augmentation
     of the whole batch (random erasing, Mixup/CutMix) before any split; None: none.
     ``input_affine``: maps uint8 batch images to model input (``data.stats.model_input``).
+    ``extra_loss`` (``aux_losses.ExtraLoss.from_config``): LearnableScaler's feature decay and
+    attention loss, added to the mean cross-entropy (and to the logged loss); None: none.
     """
+    collections = ["batch_stats", "schedule"] + (extra_loss.collections if extra_loss else [])
 
     def apply(v, images, rng, step):
         # The global train step reaches step-scheduled norms; what they sow under 'schedule'
         # (N1's weight) comes back beside the logits for the metrics.
         out, mutated = model.apply(v, images, train=True, rngs={"dropout": rng},
-                                   mutable=["batch_stats", "schedule"], **step_kwargs(model, step))
-        return (out, mutated.get("schedule", {})), mutated
+                                   mutable=collections, **step_kwargs(model, step))
+        if extra_loss is None:
+            return (out, mutated.get("schedule", {})), mutated
+        return (out, mutated.get("schedule", {}), extra_loss(mutated)), mutated
+
+    def objective(out, labels):
+        ce = jnp.mean(cross_entropy(out[0], labels, label_smoothing))
+        return ce if extra_loss is None else ce + out[2]
 
     def loss_and_grads(params, batch_stats, images, labels, rng, step):
-        loss, g_params, new_bs, (logits, sched) = gradient_rule.train_grads(
+        loss, g_params, new_bs, (logits, sched, *_) = gradient_rule.train_grads(
             lambda v: apply(v, images, rng, step), params, batch_stats,
-            lambda out: jnp.mean(cross_entropy(out[0], labels, label_smoothing)))
+            lambda out: objective(out, labels))
         correct = jnp.mean((jnp.argmax(logits, -1) == hard_labels(labels)).astype(jnp.float32))
         return loss, correct, g_params, new_bs, sched
 
