@@ -133,7 +133,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.feature_decay_threshold = 200.0  # |x| above which feature decay acts (hard-coded 200 there)
     c.attn_extra_loss = 0.0         # a: 1 - mean of the per-query max attention probabilities < 0.5, first
                                     # attn_extra_loss_layers blocks; needs feature_decay > 0 (0: off)
-    c.attn_extra_loss_layers = 0    # blocks (from the first) with the attention loss
+    c.attn_extra_loss_layers = 0    # blocks (from the first) with the attention loss (above the depth: all)
     c.ema_decay = 0.0               # EMA of the weights per step (DeiT's model EMA: 0.99996; 0: off); kept in
                                     # the optimizer state, evaluated beside the raw weights as eval/ema_*
     c.ema_batch_stats = True        # with ema_decay: also average the norm statistics (batch_stats), as timm's

@@ -217,6 +217,13 @@ def learnable_scaler_paper(c: ml_collections.ConfigDict, depth: int = 24,
     c.random_erase_prob = 0.0           # [LS] no --reprob (timm default 0)
     c.data.repeated_aug = 1
     c.ema_decay = 0.0                   # [LS] no --model-ema
+    # [LS] README.md:86 --train-feature-decay 0.1 --attn-extra-loss 0.03 --attn-extra-loss-layers 6;
+    # vision_transformer.py:229-263 (Block), :85-91 (Attention.compute_extra_loss), train.py:954
+    # (the block sum times feature_decay again): train/aux_losses.py
+    c.feature_decay = 0.1
+    c.feature_decay_threshold = 200.0   # [LS] vision_transformer.py:231, hard-coded
+    c.attn_extra_loss = 0.03
+    c.attn_extra_loss_layers = 6
     set_randaugment(c, RANDAUGMENT_LS)
     c.dtype = "bfloat16"                # [LS] --amp --amp-dtype bfloat16
     c.eval_batch_size = 1024

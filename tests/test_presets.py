@@ -111,6 +111,9 @@ def test_presets_carry_the_cited_values():
         ("ls_custom", 0.8, 0.5)
     assert (ls.optimizer.lamb_grad_clip, ls.data.normalize, ls.data.eval_crop_fraction) == \
         (1.0, "minus_one_one", 0.9)  # timm Lamb's max_grad_norm; the model cfg's mean/std 0.5, crop 0.9
+    # README.md:86 --train-feature-decay 0.1 --attn-extra-loss 0.03 --attn-extra-loss-layers 6
+    assert (ls.feature_decay, ls.feature_decay_threshold, ls.attn_extra_loss,
+            ls.attn_extra_loss_layers) == (0.1, 200.0, 0.03, 6)
     # per-process Mixup draws and timm < 1.0.29's CutMix box where the source used timm
     assert [(x.mix_groups, x.cutmix_box) for x in (d, load("vit_dtn.py:deit_b"), ls)] == \
         [(4, "even"), (16, "even"), (8, "even")]
