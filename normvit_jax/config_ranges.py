@@ -131,12 +131,12 @@ def check(config: Any) -> None:
         if present and value is not None and not allowed.contains(value):
             raise ValueError(f"config.{key}={value!r} is out of range; accepted: "
                              f"{allowed.describe()}")
-    check_extra_losses(config)
 
 
 def check_extra_losses(config: Any) -> None:
     """LearnableScaler's attention loss exists only inside its feature decay's path (its Block
-    returns before it otherwise, ignoring the flag): refuse it alone instead of ignoring it."""
+    returns before it otherwise, ignoring the flag): refuse it alone instead of ignoring it.
+    A rule between two keys, so not part of ``check`` (preflight.check_values runs both)."""
     present, attn = _get(config, "attn_extra_loss")
     fd = _get(config, "feature_decay")[1]
     if present and attn and not fd:

@@ -58,6 +58,7 @@ def check_values(config: Any) -> None:
     """The run length, then every numeric key against its range (ValueError, exit 2)."""
     check_run_length(config)
     config_ranges.check(config)
+    config_ranges.check_extra_losses(config)
 
 
 def check_model(config: Any) -> None:

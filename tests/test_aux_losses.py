@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
 
 from configs import default
-from normvit_jax import config_ranges, models
+from normvit_jax import models, preflight
 from normvit_jax.models.layers import ATTENTION_MAX, RESIDUAL
 from normvit_jax.train import aux_losses
 from normvit_jax.train import steps as steps_lib
@@ -187,9 +186,14 @@ def test_on_the_logged_loss_adds_the_extra_term():
 
 
 def test_attention_loss_alone_is_refused():
-    c = ml_collections.ConfigDict({"feature_decay": 0.0, "attn_extra_loss": 0.03})
-    with pytest.raises(ValueError, match="attn_extra_loss=0.03 needs config.feature_decay"):
-        config_ranges.check(c)
+    c = default.get_config()
+    c.attn_extra_loss = 0.03
+    for check in (preflight.check_values, aux_losses.ExtraLoss.from_config):
+        with pytest.raises(ValueError, match="attn_extra_loss=0.03 needs config.feature_decay > 0"):
+            check(c)
+    c.feature_decay = 0.1
+    preflight.check_values(c)
+    assert aux_losses.ExtraLoss.from_config(c).collections == [RESIDUAL]  # no layers: no maxima
     c.feature_decay = -1.0
     with pytest.raises(ValueError, match="config.feature_decay=-1.0 is out of range"):
-        config_ranges.check(c)
+        preflight.check_values(c)
