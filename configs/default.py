@@ -39,6 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.min_crop_area = 0.08     # smallest area fraction for random_resized_crop
     c.data.flip = True              # train: random horizontal flip
     c.data.eval_crop_fraction = 1.0  # eval: central crop fraction before resizing (0.875 for ImageNet)
+    c.data.eval_resize_small = 0    # eval: big_vision's resize_small(n) ('area') then central_crop(image_size)
+                                    # instead of the eval_crop_fraction crop and resize (0: off)
     c.data.antialias = True         # resizes that shrink widen the filter (PIL's, timm's); False:
                                     # plain interpolation (big_vision's inception crop), ~2x faster JPEG decoding
     c.data.interpolation = "bilinear"  # bilinear | bicubic (DeiT: PIL's) | random (timm's train default:

@@ -136,8 +136,9 @@ def bigvision_i1k(c: ml_collections.ConfigDict, variant: str = "S/16",
     # [BV] vit_s16_i1k.py:51-57 value_range(-1, 1), decode_jpeg_and_inception_crop(224): ops_image.py
     # get_inception_crop area_min=5 (5% of the area), tf bilinear without antialias
     imagenet_data(c, "minus_one_one", False, "bilinear", min_crop_area=0.05)
-    # [BV] vit_s16_i1k.py:60 eval resize_small(256) (ops_image.py: method 'area') | central_crop(224);
-    # here: the central 224/256 square, resized bilinear (not the same resampling; docs/recipes.md)
+    # [BV] vit_s16_i1k.py:60 eval resize_small(256) | central_crop(224): ops_image.py:106-131
+    # get_resize_small method 'area' (sides rounded, result truncated to uint8), :268-292
+    c.data.eval_resize_small = 256
     c.data.train_split = "train[:99%]"  # [BV] vit_s16_i1k.py:45 (1% held out as minival)
     c.model.variant = variant           # [BV] vit_s16_i1k.py:71 variant='S/16'
     c.model.classifier = "gap"          # [BV] vit_s16_i1k.py:73 pool_type='gap'

@@ -57,6 +57,7 @@ RANGES: dict[str, Range] = {
     "data.min_crop_area": Range(0, 1, low_open=True),
     "data.eval_crop_fraction": Range(0, 1, low_open=True),
     "data.repeated_aug": _count(1),
+    "data.eval_resize_small": _count(0),
     "data.prefetch": _count(0),  # 0: synchronous
     "data.num_train_examples": _count(1),
     "data.num_eval_examples": _count(1),

@@ -118,6 +118,7 @@ def test_presets_carry_the_cited_values():
     assert [(x.mix_groups, x.cutmix_box) for x in (d, load("vit_dtn.py:deit_b"), ls)] == \
         [(4, "even"), (16, "even"), (8, "even")]
     assert (b.data.min_crop_area, b.data.antialias) == (0.05, False)  # ops_image.py area_min=5
+    assert (b.data.eval_resize_small, b.data.image_size) == (256, 224)  # vit_s16_i1k.py:60
     dc = load("vit_dtn.py:deit_s,dtn_code")  # DTN's released code: no mixing or erasing, fp32
     assert (dc.batch_size, dc.optimizer.learning_rate, dc.mixup_alpha, dc.cutmix_alpha) == \
         (256, 2.5e-4, 0.0, 0.0)

@@ -173,6 +173,10 @@ def validate(config: Any, num_devices: int = 1) -> None:
         v = _get(d, key, False)
         if not isinstance(v, bool):
             _fail(f"data.{key}", v, "True or False")
+    rs = _get(d, "eval_resize_small", 0)
+    if not _is_int(rs) or (rs != 0 and rs < _get(d, "image_size")):
+        _fail("data.eval_resize_small", rs, f"0 (off) or an integer >= data.image_size="
+              f"{_get(d, 'image_size')} (the central crop's side)")
     interp = _get(d, "interpolation", "bilinear")
     if interp not in transforms.INTERPOLATIONS:
         _fail("data.interpolation", interp, f"one of {list(transforms.INTERPOLATIONS)}")

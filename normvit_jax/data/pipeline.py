@@ -96,7 +96,8 @@ class Pipeline:
         self._train_geo = Geometry(size, bool(d.random_resized_crop), float(d.min_crop_area), 1.0,
                                    padding, bool(d.flip), aa, interp)
         self._eval_geo = Geometry(size, False, 1.0, float(d.eval_crop_fraction), antialias=aa,
-                                  interpolation=transforms.pick_interpolation(interp, None))
+                                  interpolation=transforms.pick_interpolation(interp, None),
+                                  resize_small=int(d.get("eval_resize_small", 0) or 0))
         self._affine = spec.affine
         self._order = order.TrainOrder(self.seed, n, b, int(d.get("repeated_aug", 1)))
         # ImageNet-ReaL: eval batches also carry 'real', the multi-hot ReaL label sets

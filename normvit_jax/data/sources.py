@@ -29,6 +29,7 @@ class Geometry:
     flip: bool = False      # train: random horizontal flip (stage 2)
     antialias: bool = True  # widen the filter when shrinking (PIL); False: TF's plain resize
     interpolation: str = "bilinear"  # "bicubic", or "random": one of them per example (train)
+    resize_small: int = 0   # eval: shorter side to this ('area'), then the central crop (big_vision)
 
 
 class ArraySource:
@@ -50,7 +51,8 @@ class ArraySource:
         x = x.astype(np.float32) / 255.0 if pixels else x.astype(np.float32)
         x = transforms.array_to_size(x, geo.size, u, rrc=geo.rrc, min_area=geo.min_area,
                                      fraction=geo.fraction, antialias=geo.antialias,
-                                     interpolation=geo.interpolation)
+                                     interpolation=geo.interpolation,
+                                     resize_small=geo.resize_small)
         if pixels and geo.interpolation != "bilinear":
             x = np.clip(x, 0.0, 1.0)  # cubic overshoot, clipped as PIL's uint8 resize does
         if u is not None:

@@ -48,6 +48,8 @@ def crop_window(h: Any, w: Any, u: Any, geo: Any) -> Any:
         return tf.cast(tf.stack([top, left, side, side]), tf.int32)
 
     if not geo.rrc:
+        if geo.resize_small:  # the whole image: _resize_small_crop crops after resizing
+            return tf.cast(tf.stack([0.0, 0.0, hf, wf]), tf.int32)
         return central(geo.fraction)
     k = np.arange(transforms.RRC_ATTEMPTS)
     area = hf * wf * (geo.min_area + (1.0 - geo.min_area) * tf.gather(u, transforms.U_RRC + 2 * k))
@@ -97,10 +99,25 @@ def _resize(x: Any, geo: Any, interpolation: str) -> Any:
     return tf.image.resize(x, [geo.size, geo.size], method="bilinear", antialias=geo.antialias)
 
 
+def _resize_small_crop(x: Any, geo: Any) -> Any:
+    """big_vision's eval ``resize_small(n)|central_crop(size)`` (big_vision @0127fb6
+    pp/ops_image.py:93-131, 268-292): shorter side to n, sides rounded in float32, 'area'
+    resampling, clipped and cast (truncated) to uint8, then the central crop."""
+    tf = _tf()
+    hw = tf.cast(tf.shape(x)[:2], tf.float32)
+    factor = tf.cast(geo.resize_small, tf.float32) / tf.reduce_min(hw)
+    new = tf.cast(tf.round(hw * factor), tf.int32)
+    y = tf.cast(tf.clip_by_value(tf.image.resize(x, new, method="area"), 0.0, 255.0), tf.uint8)
+    top, left = (new[0] - geo.size) // 2, (new[1] - geo.size) // 2
+    return y[top:top + geo.size, left:left + geo.size]
+
+
 def _finish_one(encoded: Any, u: Any, geo: Any) -> Any:
     """One image -> uint8 (size, size, 3): window, resize, then (train) pad-crop and flip."""
     tf = _tf()
     x = _decode_window(encoded, u, geo)
+    if geo.resize_small and not geo.rrc:  # evaluation only: nothing follows
+        return _resize_small_crop(x, geo)
     if geo.interpolation == "random":  # transforms.pick_interpolation
         x = tf.cond(u[transforms.U_INTERP] < 0.5, lambda: _resize(x, geo, "bilinear"),
                     lambda: _resize(x, geo, "bicubic"))

@@ -74,6 +74,31 @@ def resize(x: np.ndarray, size: int, antialias: bool = True,
                      _weights(w, size, antialias, interpolation), optimize=True).astype(np.float32)
 
 
+@functools.lru_cache(maxsize=256)
+def _area_weights(n_in: int, n_out: int) -> np.ndarray:
+    """(n_out, n_in): output pixel o averages the input over [o, o + 1) * n_in / n_out, each input
+    pixel weighted by its overlap (TF's 'area' resize)."""
+    s = n_in / n_out
+    lo, hi = np.arange(n_out)[:, None] * s, (np.arange(n_out)[:, None] + 1) * s
+    i = np.arange(n_in)[None, :]
+    w = (np.clip(np.minimum(i + 1, hi) - np.maximum(i, lo), 0.0, None) / s).astype(np.float32)
+    w.setflags(write=False)
+    return w
+
+
+def resize_small_crop(x: np.ndarray, small: int, size: int) -> np.ndarray:
+    """big_vision's eval ``resize_small(small)|central_crop(size)`` of float images (N, H, W, C):
+    the shorter side to ``small`` ('area', the sides rounded as its ``_resize_factor``), then the
+    central ``size x size`` crop (offsets floored)."""
+    h, w = x.shape[1:3]
+    factor = np.float32(small) / np.float32(min(h, w))
+    nh, nw = int(np.round(np.float32(h) * factor)), int(np.round(np.float32(w) * factor))
+    y = np.einsum("yh,nhwc,xw->nyxc", _area_weights(h, nh), x, _area_weights(w, nw),
+                  optimize=True).astype(np.float32)
+    top, left = (nh - size) // 2, (nw - size) // 2
+    return y[:, top:top + size, left:left + size]
+
+
 def central_box(h: int, w: int, fraction: float) -> Box:
     side = max(1, int(round(fraction * min(h, w))))
     top, left = (h - side) // 2, (w - side) // 2
@@ -97,9 +122,12 @@ def random_resized_box(h: int, w: int, u: np.ndarray, min_area: float) -> Box:
 
 def array_to_size(x: np.ndarray, size: int, u: np.ndarray | None, *, rrc: bool,
                   min_area: float, fraction: float, antialias: bool = True,
-                  interpolation: str = "bilinear") -> np.ndarray:
-    """Stage 1 for a batch of equal-size float images (N, H, W, C); ``u`` (N, NUM_UNIFORMS)."""
+                  interpolation: str = "bilinear", resize_small: int = 0) -> np.ndarray:
+    """Stage 1 for a batch of equal-size float images (N, H, W, C); ``u`` (N, NUM_UNIFORMS).
+    ``resize_small`` > 0 (evaluation): ``resize_small_crop`` instead of crop-then-resize."""
     n, h, w = x.shape[:3]
+    if resize_small and not rrc:
+        return resize_small_crop(x, resize_small, size)
     if rrc or interpolation == "random":  # a box or a filter per image
         out = np.empty((n, size, size, x.shape[-1]), np.float32)
         for i in range(n):
