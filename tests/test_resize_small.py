@@ -83,6 +83,9 @@ def test_the_eval_pipeline_applies_the_key():
         np.testing.assert_allclose(b[k], reference(a[k], 16, 8, truncate=False), rtol=1e-5,
                                    atol=1e-6)
     assert not np.allclose(a[:8], b[:8])
+    from normvit_jax import predict  # predict decodes with the eval pipeline's geometry
+    assert predict.eval_geometry(small.data).resize_small == 16
+    assert predict.eval_geometry(plain.data).resize_small == 0
 
 
 def test_a_side_smaller_than_the_crop_is_refused():
