@@ -118,11 +118,13 @@ def test_model_sows_the_streams_and_attention_the_reference_reads():
 
 
 @pytest.mark.usefixtures("float32_matmuls")
-def test_scanned_blocks_give_the_same_loss():
-    """model.scan stacks the sown values of blocks 0..k-1: the same loss, block order kept."""
+@pytest.mark.parametrize("remat", [False, True])
+def test_scanned_blocks_give_the_same_loss(remat):
+    """model.scan stacks the sown values of blocks 0..k-1: the same loss, block order kept (and
+    under activation checkpointing)."""
     from normvit_jax.models import scan_convert
     mdl, params, images = _model_and_input()
-    scanned = models.create({**TINY, "norm": {"name": "layernorm"}, "scan": True}, 4)
+    scanned = models.create({**TINY, "norm": {"name": "layernorm"}, "scan": True}, 4, remat=remat)
     loss = aux_losses.ExtraLoss(0.1, threshold=0.5, attn_extra_loss=0.03, attn_layers=1)
     run = lambda m, p: loss(m.apply({"params": p}, images, train=True, mutable=loss.collections)[1])
     np.testing.assert_allclose(float(run(scanned, scan_convert.stack_blocks(params))),
