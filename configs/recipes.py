@@ -315,40 +315,71 @@ def _heads(c: ml_collections.ConfigDict, n: int) -> ml_collections.ConfigDict:
     return c
 
 
-# ==== Issue 26 presets: RepBN / PRepBN (SLAB) and the normalization-free DyT / Derf ====
-# (helper C's block; the values are from ../shared/NORMS.md, which records the papers and code:)
-#   [SLAB] xinghaochen/SLAB classification/ (a DeiT code base: DeiT's main.py recipe) and
-#          classification/models/prepbn.py; Guo et al., ICML 2024, Table 1 (DeiT-T RepBN 73.6,
-#          DeiT-S PRepBN 80.2). The LN -> RepBN decay: 300,000 steps ("step" of LinearNorm).
-#   [DyT]  jiachenzhu/DyT (CVPR 2025) README: ConvNeXt's main.py training script with timm ViTs
-#          (global_pool='avg', fc_norm); Derf (zlab-princeton/Derf, arXiv 2512.10938) uses DyT's.
-# File:line citations are not given here: these sources were read through NORMS.md only.
+# ==== RepBN / PRepBN (SLAB) and the normalization-free DyT / Derf ====
+#   [SLAB] xinghaochen/SLAB @f58db00 classification/ (Swin Transformer's training code, not DeiT's):
+#          README.md:65 (8 GPUs), :92-93 (deit_t_prepbn 73.6%, deit_s_prepbn 80.2%);
+#          config.py (yacs defaults), cfgs/deit_{t,s}_prepbn.yaml, main.py, models/deit.py,
+#          models/prepbn.py. Guo et al., "SLAB", ICML 2024.
+#   [DyT]  jiachenzhu/DyT @aab5dde: README.md:42-72 (ViT-B/L commands), :116-119 (ImageNet-1k
+#          top-1, LN / DyT: ViT-B 82.3 / 82.5, ViT-L 83.1 / 83.6), main.py (ConvNeXt's script),
+#          dynamic_tanh.py. Zhu et al., "Transformers without Normalization", CVPR 2025.
+#   [Derf] zlab-princeton/Derf @8dd9ea3: ViT/README.md:19-45 (commands), ViT/main.py (DyT's script
+#          plus --normtype), ViT/dynamic_erf.py; README.md:40-43 (Derf ViT-B 82.8, ViT-L 83.8).
+#          "Stronger Normalization-Free Transformers", arXiv 2512.10938.
 
 def slab_deit(c: ml_collections.ConfigDict, variant: str,
               decay_steps: int | None = None) -> ml_collections.ConfigDict:
-    """SLAB's DeiT models: DeiT's recipe [DeiT]; a progressive norm decays over ``decay_steps``."""
-    c = deit(c, variant)
+    """SLAB's DeiT-T/S [SLAB]: Swin's ImageNet-1k recipe on DeiT models; a progressive norm
+    (LN -> RepBN) decays over ``decay_steps``."""
+    # [SLAB] config.py:30 bicubic, timm create_transform (data/build.py:105-108); eval
+    # data/build.py:121 Resize(256/224 x 224) + CenterCrop (config.py:171 TEST.CROP)
+    imagenet_data(c, "zscore", True, "bicubic")
+    c.model.variant = variant
+    c.model.posemb = "learn"
+    batch = 8 * 128                     # [SLAB] README.md:65 8 GPUs x config.py:22 BATCH_SIZE 128
+    lr = 5e-4 * batch / 512             # [SLAB] config.py:110 BASE_LR 5e-4, main.py:89 x batch / 512
+    # [SLAB] config.py:106-164 (epochs, wd, AdamW betas, cosine, RandAugment, erasing, Mixup/CutMix,
+    # smoothing :58) equal the values timm_deit_training sets; :107 warm-up 20 epochs; 8 processes
+    timm_deit_training(c, batch=batch, lr=lr, warmup_epochs=20, mix_groups=8)
+    c.model.stochastic_depth = 0.0      # [SLAB] cfgs/deit_{t,s}_prepbn.yaml:6 DROP_PATH_RATE 0.0
+    c.optimizer.grad_clip = 5.0         # [SLAB] config.py:114 CLIP_GRAD 5.0 (main.py:291)
+    c.schedule.end_factor = 5e-6 / 5e-4  # [SLAB] config.py:112 MIN_LR 5e-6, scaled as the lr (main.py:91)
+    c.ema_decay = 0.0                   # [SLAB] main.py keeps no model EMA (main_ema.py is another script)
+    # Not modelled: the warm-up starts at 5e-7 x 2 (config.py:111), not 0; main.py:191-193 runs
+    # 10 more epochs that only re-estimate BatchNorm statistics (update_model) after the 300.
+    c.dtype = "bfloat16"                # [SLAB] main.py:52 --amp off (fp32) by default; bf16 here
     if decay_steps is not None and c.model.norm.name == "progressive":
-        c.model.norm.decay_steps = decay_steps  # [SLAB] 300,000 of ~375,000 steps (300 ep x 1251)
-        c.model.norm.warmup_steps = 0           # [SLAB] no warm-up of LN alone
+        # [SLAB] models/prepbn.py:20 LinearNorm(warm=0, step=300000), used by models/deit.py:15,353
+        # (deit_small_patch16_224_repbn; LN eps 1e-6 at :14): 300,000 of 300 x 1251 = 375,300 steps
+        c.model.norm.decay_steps = decay_steps
+        c.model.norm.warmup_steps = 0
     return c
 
 
-def dyt_vit(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
-    """DyT/Derf's ViT-B/L on ImageNet-1k: ConvNeXt's training script [DyT] (NORMS.md)."""
-    imagenet_data(c, "zscore", True, "bicubic")  # [DyT] timm train transform, bicubic
+def dyt_vit(c: ml_collections.ConfigDict, variant: str, code: str = "dyt") -> ml_collections.ConfigDict:
+    """ViT-B/L on ImageNet-1k with ConvNeXt's training script as DyT's README runs it
+    (``code='dyt'``) or as Derf's ViT/README.md does (``code='derf'``)."""
+    large = variant.startswith("L")
+    # [DyT] main.py:110 bicubic, :156 ImageNet mean/std; datasets.py:85-90 eval crop 224/256
+    imagenet_data(c, "zscore", True, "bicubic")
     c.model.variant = variant
-    timm_deit_training(c, batch=4096, lr=4e-3, warmup_epochs=20, mix_groups=32)
-    c.model.classifier = "gap_fc_norm"  # [DyT] timm global_pool='avg': pool, then fc_norm
-    # [DyT] lr 4e-3 at batch 4096, wd 0.05, 300 epochs, 20 warm-up epochs, Mixup 0.8, CutMix 1.0,
-    # erasing 0.25, smoothing 0.1, rand-m9-mstd0.5-inc1 (all as timm_deit_training sets them but
-    # lr/batch/warm-up). mix_groups 32: ConvNeXt's example command is 4 nodes x 8 GPUs x 128
-    # (assumed for DyT's runs; not stated in NORMS.md).
-    c.model.stochastic_depth = 0.15 if variant.startswith("B") else 0.5  # [DyT] B 0.15, L 0.5
-    if variant.startswith("L"):
-        c.optimizer.b1, c.optimizer.b2 = 0.9, 0.95  # [DyT] ViT-L betas
-    c.ema_decay = 0.9999                # [DyT] model EMA 0.9999, the EMA weights evaluated
-    c.dtype = "bfloat16"
+    # [DyT] README.md:42-45 / :61-65: 8 nodes x 8 GPUs x 64 = 4096 (ViT-B and -L); [Derf]
+    # ViT/README.md:19-21 ViT-B 4 x 8 x 128, :33-36 ViT-L 8 x 8 x 64 (:45: 4096 in all)
+    groups = 32 if (code == "derf" and not large) else 64
+    # [DyT] main.py:93 lr 4e-3 ("with total batch size 4096", not rescaled), :98 warm-up 20 epochs;
+    # :56 300 epochs, :87 wd 0.05, :106 --aa, :108 smoothing, :117-119 erasing 0.25 pixel,
+    # :127-137 Mixup 0.8 / CutMix 1.0 / prob 1 / switch 0.5 / batch (Derf's ViT/main.py alike)
+    timm_deit_training(c, batch=4096, lr=4e-3, warmup_epochs=20, mix_groups=groups)
+    c.schedule.end_factor = 1e-6 / 4e-3  # [DyT] main.py:96 --min_lr 1e-6
+    c.model.classifier = "gap_fc_norm"  # [DyT] main.py:297 timm global_pool='avg': pool, then fc_norm
+    if code == "dyt":  # [DyT] README.md:43 --drop_path 0.1 (B), :63 0.4 (L)
+        c.model.stochastic_depth = 0.4 if large else 0.1
+    else:              # [Derf] ViT/main.py:61 default 0.15 (B: README passes none), README.md:35 0.5 (L)
+        c.model.stochastic_depth = 0.5 if large else 0.15
+    if large:
+        c.optimizer.b1, c.optimizer.b2 = 0.9, 0.95  # [DyT] README.md:69; [Derf] ViT/README.md:40
+    c.ema_decay = 0.9999                # [DyT] main.py:72 decay, README.md:48-49 EMA on and evaluated
+    c.dtype = "bfloat16"                # [DyT] main.py:194 --use_amp off (fp32) by default; bf16 here
     return c
 
 
@@ -357,4 +388,6 @@ SLAB = {
     "slab_deit_s": lambda c: slab_deit(c, "S/16", decay_steps=300_000),    # progressive LN->RepBN
 }
 NORM_FREE = {"dyt_b": lambda c: dyt_vit(c, "B/16"), "dyt_l": lambda c: dyt_vit(c, "L/16")}
-# ==== end of the issue 26 presets ====
+NORM_FREE_DERF = {"dyt_b": lambda c: dyt_vit(c, "B/16", "derf"),
+                  "dyt_l": lambda c: dyt_vit(c, "L/16", "derf")}
+# ==== end of the SLAB / DyT / Derf presets ====

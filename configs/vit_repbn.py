@@ -2,7 +2,7 @@
 into the next Dense at inference (``python -m normvit_jax.reparam``).
 
 Variants as vit_ln.py (``:demo`` etc.). Preset ``:slab_deit_t``: SLAB's DeiT-T with RepBN in every
-slot from the start (published 73.6%, LN 72.2%), DeiT's recipe (configs/recipes.py).
+slot from the start (published 73.6%, LN 72.2%), its Swin-based recipe (configs/recipes.py).
 """
 from __future__ import annotations
 
