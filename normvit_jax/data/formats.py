@@ -1,6 +1,7 @@
-"""Readers of the source formats ``prepare`` accepts (docs/data.md): image folders, .npz/.npy
-arrays, CIFAR-10/100 archives (binary and python), IDX files. Each returns a ``Parsed``: class
-names and, per split, the labels and a ``load(i) -> (bytes to store, RGB uint8)`` function.
+"""The source formats ``prepare`` accepts (docs/data.md): their common types, the readers of image
+folders and .npz/.npy arrays, and ``detect``; the CIFAR-10/100 and IDX readers are in archives.py.
+Each reader returns a ``Parsed``: class names and, per split, the labels and a
+``load(i) -> (bytes to store, RGB uint8)`` function.
 
 Bad input raises ``PrepareError`` with one line naming the file; only image files that cannot be
 decoded raise ``images.BadImageError`` from ``load`` (prepare skips or refuses them).
@@ -8,12 +9,8 @@ decoded raise ``images.BadImageError`` from ``load`` (prepare skips or refuses t
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import io
 import os
-import pickle
 import re
-import tarfile
 from typing import Callable
 
 import numpy as np
@@ -22,6 +19,8 @@ from normvit_jax.data import images
 
 EVAL_SPLIT_NAMES = ("validation", "val", "test")  # preferred eval split, first found
 FORMATS = ("folder", "arrays", "cifar", "idx")
+# MNIST-family IDX file names (detect here, read_idx in archives.py)
+IDX_NAME = re.compile(r"(?:^|.*[-_.])(train|t10k|test)-(images|labels)[-.]idx([13])-ubyte(\.gz)?$")
 
 
 class PrepareError(Exception):
@@ -88,13 +87,15 @@ def class_names_file(directory: str, num: int | None) -> list[str] | None:
     return names
 
 
-def _numbered(labels: list[np.ndarray]) -> list[str]:
+def numbered(labels: list[np.ndarray]) -> list[str]:
+    """Class names "0".."K-1" for labels up to K-1, where no names are given."""
     top = max((int(x.max()) for x in labels if x.size), default=-1)
     return [str(i) for i in range(top + 1)]
 
 
 # ---------------------------------------------------------------- folders of images
-def _visible(d: str) -> list[str]:
+def visible(d: str) -> list[str]:
+    """The entries of folder ``d`` that are not hidden, sorted."""
     return sorted(e for e in os.listdir(d) if not e.startswith("."))
 
 
@@ -115,7 +116,7 @@ def _load_path(path: str) -> tuple[bytes, np.ndarray]:
 
 def _tree(d: str, ignored: list[str]) -> dict[str, list[str]]:
     classes = {}
-    for e in _visible(d):
+    for e in visible(d):
         p = os.path.join(d, e)
         if os.path.isdir(p):
             classes[e] = _class_files(p)
@@ -130,7 +131,7 @@ def read_folder(src: str) -> tuple[Parsed, bool]:
     """(parsed, single_tree): ``src/<split>/<class>/...`` with a ``train`` split, or a single
     ``src/<class>/...`` tree (one 'train' split; ``prepare`` then holds out a fraction)."""
     ignored: list[str] = []
-    subdirs = [e for e in _visible(src) if os.path.isdir(os.path.join(src, e))]
+    subdirs = [e for e in visible(src) if os.path.isdir(os.path.join(src, e))]
     split_layout = "train" in subdirs
     if split_layout:
         others = [e for e in subdirs if e != "train"]
@@ -138,7 +139,7 @@ def read_folder(src: str) -> tuple[Parsed, bool]:
         if extra:
             raise PrepareError(f"{os.path.join(src, extra[0])}: unexpected folder next to 'train';"
                                f" accepted splits: train, {', '.join(EVAL_SPLIT_NAMES)}")
-        ignored += [os.path.join(src, e) for e in _visible(src) if e not in subdirs]
+        ignored += [os.path.join(src, e) for e in visible(src) if e not in subdirs]
         trees = {s: _tree(os.path.join(src, s), ignored) for s in ["train"] + others}
     else:
         trees = {"train": _tree(src, ignored)}
@@ -216,7 +217,7 @@ def read_arrays(src: str) -> tuple[Parsed, bool]:
         folder = os.path.dirname(src)
     else:
         data, where, folder, single = {}, {}, src, False
-        for e in _visible(src):
+        for e in visible(src):
             p = os.path.join(src, e)
             if e.endswith(".npz"):
                 pairs, n = _pairs_npz(p)
@@ -250,182 +251,8 @@ def read_arrays(src: str) -> tuple[Parsed, bool]:
             raise PrepareError(str(e)) from None
     labels = [sp.labels for sp in splits.values()]
     top = max((int(x.max()) + 1 for x in labels if x.size), default=0)
-    names = names or class_names_file(folder, top) or _numbered(labels)
+    names = names or class_names_file(folder, top) or numbered(labels)
     return Parsed(names, splits), single
-
-
-# ---------------------------------------------------------------- CIFAR-10/100 archives
-_CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-                  "truck"]
-_PICKLE_ALLOWED = {  # what numpy arrays in the python CIFAR files are pickled as
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
-}
-
-
-class _CifarUnpickler(pickle.Unpickler):
-    """Admits dicts, lists, strings, bytes and numpy arrays; any other global is refused."""
-
-    def __init__(self, data: bytes, where: str):
-        super().__init__(io.BytesIO(data), encoding="latin1")
-        self.where = where
-
-    def find_class(self, module: str, name: str):
-        if (module, name) not in _PICKLE_ALLOWED:
-            raise PrepareError(
-                f"{self.where}: the pickle refers to {module}.{name}, which is not a type of the "
-                f"CIFAR python files; not loaded. Use the binary version (cifar-10-binary.tar.gz"
-                f" / cifar-100-binary.tar.gz) instead")
-        return super().find_class(module, name)
-
-
-def _unpickle(data: bytes, where: str) -> dict:
-    try:
-        d = _CifarUnpickler(data, where).load()
-    except PrepareError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise PrepareError(f"{where}: not a CIFAR python batch ({type(e).__name__}: {e})") from None
-    if not isinstance(d, dict):
-        raise PrepareError(f"{where}: not a CIFAR python batch (a {type(d).__name__}, not a dict)")
-    return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in d.items()}
-
-
-def _members(src: str) -> dict[str, tuple[str, Callable[[], bytes]]]:
-    """basename -> (display path, reader), from a .tar(.gz) archive or a folder tree."""
-    out: dict[str, tuple[str, Callable[[], bytes]]] = {}
-    if os.path.isfile(src):
-        try:
-            tf = tarfile.open(src)
-        except (tarfile.TarError, OSError) as e:
-            raise PrepareError(f"{src}: not a readable tar archive ({e})") from None
-        for m in tf.getmembers():
-            if m.isfile():
-                out[os.path.basename(m.name)] = (
-                    f"{src}:{m.name}", lambda m=m: tf.extractfile(m).read())
-        return out
-    for root, _, files in os.walk(src):
-        for f in files:
-            p = os.path.join(root, f)
-            out[f] = (p, lambda p=p: open(p, "rb").read())
-    return out
-
-
-def _cifar_binary(data: bytes, where: str, label_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    rec = label_bytes + 3072
-    if not data or len(data) % rec:
-        raise PrepareError(f"{where}: {len(data)} bytes is not a whole number of {rec}-byte CIFAR "
-                           f"records")
-    a = np.frombuffer(data, np.uint8).reshape(-1, rec)
-    return a[:, label_bytes:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), \
-        a[:, label_bytes - 1].astype(np.int64)  # CIFAR-100: (coarse, fine): the fine label
-
-
-def _cifar_python(d: dict, where: str, key: str) -> tuple[np.ndarray, np.ndarray]:
-    if "data" not in d or key not in d:
-        raise PrepareError(f"{where}: no 'data'/{key!r} entries; keys {sorted(map(str, d))}")
-    x = np.asarray(d["data"])
-    if x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3072:
-        raise PrepareError(f"{where}: 'data' has shape {x.shape} {x.dtype}; expected (N, 3072) "
-                           f"uint8")
-    y = np.asarray(d[key], np.int64)
-    if len(y) != len(x):
-        raise PrepareError(f"{where}: {len(x)} images but {len(y)} labels")
-    return x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), y
-
-
-def read_cifar(src: str) -> Parsed:
-    m = _members(src)
-    layouts = [  # (train members, test member, label bytes | python key, names member, names key)
-        ([f"data_batch_{i}.bin" for i in range(1, 6)], "test_batch.bin", 1, "batches.meta.txt",
-         None, 10),
-        (["train.bin"], "test.bin", 2, "fine_label_names.txt", None, 100),
-        ([f"data_batch_{i}" for i in range(1, 6)], "test_batch", "labels", "batches.meta",
-         "label_names", 10),
-        (["train"], "test", "fine_labels", "meta", "fine_label_names", 100),
-    ]
-    for train_names, test_name, how, meta, meta_key, k in layouts:
-        have = [t for t in train_names if t in m]
-        if not have or test_name not in m:
-            continue
-        splits = {}
-        for s, members in (("train", have), ("test", [test_name])):
-            xs, ys = [], []
-            for name in members:
-                where, read = m[name]
-                if isinstance(how, int):
-                    x, y = _cifar_binary(read(), where, how)
-                else:
-                    x, y = _cifar_python(_unpickle(read(), where), where, how)
-                xs.append(x), ys.append(y)
-            splits[s] = array_split(np.concatenate(xs), np.concatenate(ys), m[members[0]][0])
-        names = None
-        if meta in m:
-            where, read = m[meta]
-            if meta_key is None:
-                names = [ln.strip() for ln in read().decode("utf-8").splitlines() if ln.strip()]
-            else:
-                names = [str(n) for n in _unpickle(read(), where).get(meta_key, [])]
-        if not names or len(names) != k:
-            names = _CIFAR10_NAMES if k == 10 else [str(i) for i in range(k)]
-        p = Parsed(names, splits)
-        check_labels(p)
-        return p
-    raise PrepareError(f"{src}: no CIFAR files found; expected data_batch_*.bin + test_batch.bin "
-                       f"(CIFAR-10 binary), train.bin + test.bin (CIFAR-100 binary), data_batch_* "
-                       f"+ test_batch or train + test (python versions), in a .tar.gz or folder")
-
-
-# ---------------------------------------------------------------- IDX (MNIST family)
-_IDX_NAME = re.compile(r"(?:^|.*[-_.])(train|t10k|test)-(images|labels)[-.]idx([13])-ubyte(\.gz)?$")
-
-
-def read_idx_file(path: str) -> np.ndarray:
-    """An IDX file (gzip or not) of unsigned bytes -> its array."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-        if data[:2] == b"\x1f\x8b":
-            data = gzip.decompress(data)
-    except (OSError, EOFError) as e:
-        raise PrepareError(f"{path}: cannot be read ({e})") from None
-    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 0x08:
-        raise PrepareError(f"{path}: not an IDX file of unsigned bytes (magic {data[:4].hex()}, "
-                           f"expected 0000080N)")
-    nd = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(nd)]
-    body = data[4 + 4 * nd:]
-    if len(body) != int(np.prod(dims)):
-        raise PrepareError(f"{path}: header says {dims} ({int(np.prod(dims))} bytes) but "
-                           f"{len(body)} bytes follow")
-    return np.frombuffer(body, np.uint8).reshape(dims)
-
-
-def read_idx(src: str) -> Parsed:
-    found: dict[str, dict[str, str]] = {}
-    for e in _visible(src) if os.path.isdir(src) else []:
-        mt = _IDX_NAME.match(e)
-        if mt:
-            split = "train" if mt.group(1) == "train" else "test"
-            found.setdefault(split, {})[mt.group(2)] = os.path.join(src, e)
-    if "train" not in found:
-        raise PrepareError(f"{src}: no train-images-idx3-ubyte[.gz] / train-labels-idx1-ubyte[.gz]"
-                           f" files")
-    splits = {}
-    for s, f in found.items():
-        if set(f) != {"images", "labels"}:
-            raise PrepareError(f"{src}: split {s!r} has only {sorted(f)}; need images and labels")
-        x, y = read_idx_file(f["images"]), read_idx_file(f["labels"])
-        if x.ndim != 3 or y.ndim != 1:
-            raise PrepareError(f"{f['images']}: images of shape {x.shape} and labels of shape "
-                               f"{y.shape}; expected (N, H, W) and (N,)")
-        if len(x) != len(y):
-            raise PrepareError(f"{f['labels']}: {len(y)} labels for {len(x)} images in "
-                               f"{f['images']}")
-        splits[s] = array_split(x, y.astype(np.int64), f["images"])
-    labels = [sp.labels for sp in splits.values()]
-    top = max(int(x.max()) + 1 for x in labels if x.size)
-    return Parsed(class_names_file(src, top) or _numbered(labels), splits)
 
 
 def detect(src: str) -> str:
@@ -440,8 +267,8 @@ def detect(src: str) -> str:
             return "cifar"
         raise PrepareError(f"--src={src}: a file of unknown format; accepted files: .npz, .npy, "
                            f"CIFAR .tar.gz archives (or pass --format)")
-    entries = _visible(src)
-    if any(_IDX_NAME.match(e) for e in entries):
+    entries = visible(src)
+    if any(IDX_NAME.match(e) for e in entries):
         return "idx"
     if any(e.endswith((".npz", "_images.npy")) for e in entries):
         return "arrays"

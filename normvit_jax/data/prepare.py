@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from normvit_jax.data import formats, images, prepared
+from normvit_jax.data import archives, formats, images, prepared
 from normvit_jax.data.formats import PrepareError
 
 EXIT_BAD_INPUT = 2
@@ -128,9 +128,9 @@ def parse_source(src: str, fmt: str | None, val_fraction: float, seed: int
     elif fmt == "arrays":
         parsed, single = formats.read_arrays(src)
     elif fmt == "cifar":
-        parsed, single = formats.read_cifar(src), False
+        parsed, single = archives.read_cifar(src), False
     elif fmt == "idx":
-        parsed, single = formats.read_idx(src), False
+        parsed, single = archives.read_idx(src), False
     else:
         raise PrepareError(f"--format={fmt!r}; accepted: {', '.join(formats.FORMATS)}")
     formats.check_labels(parsed)
