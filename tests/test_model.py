@@ -104,7 +104,7 @@ def test_norm_overrides_and_late_class_token():
     ({"variant": "Ti/16", "classifier": "max"}, "model.classifier='max'"),
     ({"variant": "Ti/16", "norm_placement": "middle"}, "accepted: \\['pre', 'post', 'sandwich'\\]"),
     ({"variant": "Ti/16", "norm_overrides": {"blocks_3_99": {"name": "layernorm"}}}, "blocks_3_99"),
-    ({"variant": "Ti/16", "hidden_size": 100, "num_heads": 3}, "not divisible by model.num_heads=3"),
+    ({"variant": "Ti/16", "hidden_size": 100, "num_heads": 3}, "model.num_heads=3 does not divide model.hidden_size=100"),
 ])
 def test_bad_model_configs_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
