@@ -80,11 +80,13 @@ def _ln(x, p, eps):
     return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * p["scale"] + p["bias"]
 
 
-def numpy_token_performer(x, p, w, eps):
-    """The reference Token_performer.forward in float64 (dropout off)."""
-    f = {k: {n: np.asarray(a, np.float64) for n, a in v.items()} for k, v in p.items()}
+def numpy_token_performer(x, p, w, eps, norm=None):
+    """The reference Token_performer.forward in float64 (dropout off); ``norm(x, slot params)``
+    replaces the LayerNorms when given."""
+    f = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+    norm = norm or (lambda y, q: _ln(y, q, eps))
     emb = f["proj"]["kernel"].shape[0]
-    kqv = _ln(x, f["norm1"], eps) @ f["kqv"]["kernel"] + f["kqv"]["bias"]
+    kqv = norm(x, f["norm1"]) @ f["kqv"]["kernel"] + f["kqv"]["bias"]
     k, q, v = kqv[..., :emb], kqv[..., emb:2 * emb], kqv[..., 2 * emb:]
     m = w.shape[0]
     prm = lambda z: np.exp(z @ w.T - (z * z).sum(-1, keepdims=True) / 2) / math.sqrt(m)
@@ -93,7 +95,7 @@ def numpy_token_performer(x, p, w, eps):
     kptv = np.einsum("bin,bim->bnm", v, kp)
     y = np.einsum("bti,bni->btn", qp, kptv) / (d + 1e-8)
     y = v + y @ f["proj"]["kernel"] + f["proj"]["bias"]
-    h = _gelu(_ln(y, f["norm2"], eps) @ f["mlp_0"]["kernel"] + f["mlp_0"]["bias"])
+    h = _gelu(norm(y, f["norm2"]) @ f["mlp_0"]["kernel"] + f["mlp_0"]["bias"])
     return y + h @ f["mlp_2"]["kernel"] + f["mlp_2"]["bias"]
 
 
@@ -113,6 +115,39 @@ def test_token_performer_matches_the_reference_formulas():
     train = layer.apply({"params": params}, jnp.asarray(x, jnp.float32), True,
                         rngs={"dropout": jax.random.key(1)})
     assert np.abs(np.asarray(train) - got).max() > 1e-3
+
+
+@pytest.mark.parametrize("step,lam", [(0, 1.0), (5, 0.5), (9, 0.0)])
+def test_stem_progressive_norm_follows_the_train_step(step, lam):
+    """A progressive norm in the stem gets the global train step: lam * LN(x) + (1 - lam) * x
+    (N2 identity; warm-up 1, decay 8, linear: lam 1 / 0.5 / 0 at steps 0 / 5 / 9)."""
+    norm = models.spec_of(tiny(stem_norm={
+        "name": "progressive", "n1": {"name": "layernorm", "epsilon": 1e-6},
+        "n2": {"name": "identity"}, "warmup_steps": 1, "decay_steps": 8})).stem_norm_config
+    layer = t2t_vit.TokenPerformer(16, 0.5, 0.0, norm, (3, 4), 7, jnp.float32)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 12, 27))
+    params = layer.init(jax.random.key(0), jnp.zeros((2, 12, 27)), True, 0)["params"]
+    params = jax.tree.map(lambda a: 0.3 * rng.standard_normal(a.shape).astype(np.float32), params)
+    got = np.asarray(layer.apply({"params": params}, jnp.asarray(x, jnp.float32), True,
+                                 jnp.asarray(step)))
+    mix = lambda y, q: lam * _ln(y, q["n1"], 1e-6) + (1 - lam) * y
+    want = numpy_token_performer(x, params, t2t_vit.random_features(16, 8, 7).astype(np.float64),
+                                 1e-6, norm=mix)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+def test_model_passes_the_step_to_a_progressive_stem_norm():
+    model = models.create(models.spec_of(tiny(stem_norm={
+        "name": "progressive", "n2": {"name": "identity"}, "decay_steps": 4}), 5))
+    x = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
+    v = model.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x, train=False)
+    head = v["params"]["head"]  # the init's zero head would hide any difference
+    v = {**v, "params": {**v["params"], "head": {
+        "kernel": jax.random.normal(jax.random.key(4), head["kernel"].shape), "bias": head["bias"]}}}
+    out = [model.apply(v, x, train=True, step=jnp.asarray(k), rngs={"dropout": jax.random.key(3)},
+                       mutable=["batch_stats"])[0] for k in (0, 4)]
+    assert np.abs(np.asarray(out[0]) - np.asarray(out[1])).max() > 1e-4  # LN vs identity stem
 
 
 def test_positive_features_estimate_softmax_attention():

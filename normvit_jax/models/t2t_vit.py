@@ -92,10 +92,11 @@ class TokenPerformer(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, step: jax.Array | None = None) -> jax.Array:
+        """``step``: the global train step, for norms with ``TAKES_STEP`` (as models/vit.py)."""
         def norm(slot, y):
-            return norms.create(self.norm, dim=y.shape[-1], grid=self.grid, slot=slot,
-                                name=slot)(y, train=train)
+            n = norms.create(self.norm, dim=y.shape[-1], grid=self.grid, slot=slot, name=slot)
+            return n(y, train=train, step=step) if getattr(n, "TAKES_STEP", False) else n(y, train=train)
 
         def dense(features, name):
             return nn.Dense(features, dtype=self.dtype, param_dtype=jnp.float32,
@@ -119,12 +120,12 @@ class TokensToToken(nn.Module):
     spec: "T2TViTSpec"
 
     @nn.compact
-    def __call__(self, images: jax.Array, train: bool) -> jax.Array:
+    def __call__(self, images: jax.Array, train: bool, step: jax.Array | None = None) -> jax.Array:
         s = self.spec
         x, hw = soft_split(images, *SOFT_SPLITS[0])
         for i, split in enumerate(SOFT_SPLITS[1:], start=1):
             x = TokenPerformer(s.token_dim, s.kernel_ratio, s.t2t_dropout_rate, s.stem_norm_config,
-                               hw, i, s.dtype, name=f"attention{i}")(x, train)
+                               hw, i, s.dtype, name=f"attention{i}")(x, train, step)
             x, hw = soft_split(x.reshape(x.shape[0], *hw, x.shape[-1]), *split)
         return nn.Dense(s.hidden_size, dtype=s.dtype, param_dtype=jnp.float32,
                         kernel_init=timm_normal(), name="project")(x)
@@ -212,5 +213,5 @@ class T2TViT(ViT):
     spec_class: ClassVar[type] = T2TViTSpec
     spec: T2TViTSpec
 
-    def tokens(self, images: jax.Array, train: bool) -> jax.Array:
-        return TokensToToken(self.spec, name=STEM_SCOPE)(images, train)
+    def tokens(self, images: jax.Array, train: bool, step: jax.Array | None = None) -> jax.Array:
+        return TokensToToken(self.spec, name=STEM_SCOPE)(images, train, step)

@@ -141,7 +141,7 @@ class ViT(nn.Module):
                              "model_config, num_classes)")
         grid = s.grid(images.shape[1:3])
         google = s.param_init == "google"
-        x = self.tokens(images.astype(s.dtype), train)
+        x = self.tokens(images.astype(s.dtype), train, step)
         cls = None
         if s.uses_cls:
             # timm 0.3 (DeiT) and T2T-ViT: trunc_normal_(std=.02); Google: zeros
@@ -168,9 +168,9 @@ class ViT(nn.Module):
                           name="head")(x)
         return logits.astype(jnp.float32)
 
-    def tokens(self, images: jax.Array, train: bool) -> jax.Array:
+    def tokens(self, images: jax.Array, train: bool, step: jax.Array | None = None) -> jax.Array:
         """The stem: images (B, H, W, C) -> patch tokens (B, rows*cols, hidden_size). A family
-        with another stem overrides this (models/t2t_vit.py)."""
+        with another stem overrides this (models/t2t_vit.py) and passes ``step`` to its norms."""
         s = self.spec
         x = PatchEmbed(s.patch_size, s.hidden_size, s.patch_norm, s.dtype, s.param_init,
                        name="embedding")(images)
