@@ -166,7 +166,7 @@ def test_analytic_flops_of_the_tiny_model(trained):
     # 16 patches + class token (T=17), D=32, MLP 64, patch 2x2x3, 2 blocks, 10 classes.
     per_block = 4 * 17 * 32 * 32 + 2 * 17 * 17 * 32 + 2 * 17 * 32 * 64
     macs = 16 * 12 * 32 + 2 * per_block + 32 * 10
-    assert flops.analytic_flops(models.spec_of(cfg), 8) == 2 * macs
+    assert flops.analytic_flops(models.spec_of(cfg, 10), 8) == 2 * macs
     run = capture.load_run(trained[0])
     xla = flops.xla_flops(run.model, run.variables, 8)  # counts norms, softmax, GELU on top
     assert 2 * macs <= xla <= 1.6 * 2 * macs
@@ -238,9 +238,9 @@ def test_report_table_equals_the_summaries(trained, tmp_path):
 
 def test_live_eval_summaries(trained):
     run = capture.load_run(trained[0])
-    images = eval_hook.fixed_images(run.config, 4)
+    images = eval_hook.fixed_images(run.config, run.data, 4)
     run.config.eval_attention_images = 2
-    analyzer = eval_hook.EvalAnalyzer(run.model, run.config)
+    analyzer = eval_hook.EvalAnalyzer(run.model, run.config, run.data)
     scalars, pictures = analyzer(run.variables, images)
     a = capture.analyze(run, images, full=True)  # compiled by an earlier test for 4 images
     assert scalars["tokens/encoder_norm/in/max_abs"] == pytest.approx(a.stats["encoder_norm"]["in"]["max_abs"])
@@ -261,8 +261,8 @@ def test_training_writes_the_eval_analysis_to_tensorboard(trained):
     workdir = trained[0]
     run = capture.load_run(workdir)
     run.config.eval_attention_images = 0
-    expected, _ = eval_hook.EvalAnalyzer(run.model, run.config)(run.variables,
-                                                           eval_hook.fixed_images(run.config, 4))
+    expected, _ = eval_hook.EvalAnalyzer(run.model, run.config, run.data)(
+        run.variables, eval_hook.fixed_images(run.config, run.data, 4))
     written = summaries.read_scalars(workdir)
     assert len(expected) > 50
     for tag, value in expected.items():

@@ -171,7 +171,7 @@ def test_vs_torch():
 def test_vs_torch_without_torch_fails_clearly(monkeypatch):
     from benchmarks import vs_torch
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
-    with pytest.raises(SystemExit, match="pip install torch"):
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[torch\]'"):
         vs_torch.import_torch_timm()
 
 

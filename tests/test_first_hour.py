@@ -91,7 +91,7 @@ def _field_type(c, key):
 
 @pytest.mark.parametrize("config_file", CONFIG_FILES)
 def test_every_documented_field_is_settable_from_the_command_line(config_file):
-    variants = {"finetune_cifar.py": ["", ":b32,cifar100"],
+    variants = {"finetune_cifar.py": ["", ":b32,cifar100"], "finetune.py": ["", ":b32"],
                 "ln_counterpart.py": [":dtn", ":dtn,demo"],
                 "run_config.py": [f":{_SAVED_RUN}"]}.get(config_file, ["", ":demo"])
     base_types = {k: _field_type(default.get_config(), k) for k in DEFAULT_FIELDS}

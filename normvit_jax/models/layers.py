@@ -198,7 +198,8 @@ class Attention(nn.Module):
         h = self.num_heads
         hd = d // h
         use_dropout = train and self.dropout_rate > 0
-        sow_max = self.is_mutable_collection(ATTENTION_MAX)
+        # Not at init: the sown values would land in the initial variables.
+        sow_max = self.is_mutable_collection(ATTENTION_MAX) and not self.is_initializing()
         impl = self.impl
         kinit = nn.initializers.xavier_uniform() if self.param_init == "google" else timm_normal()
         if impl == "auto":

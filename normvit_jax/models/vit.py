@@ -41,7 +41,7 @@ def _sown_norm(module: nn.Module, cfg: Any, x: jax.Array, train: bool, spec: ViT
 
 def _sown_stream(module: nn.Module, name: str, x: jax.Array) -> jax.Array:
     """``x``, sown as ``name`` in the RESIDUAL collection when that is mutable."""
-    if module.is_mutable_collection(RESIDUAL):
+    if module.is_mutable_collection(RESIDUAL) and not module.is_initializing():
         module.sow(RESIDUAL, name, x)
     return x
 
