@@ -3,6 +3,8 @@ feature normalization (z-score->RepBN, min-max->RepBN), DyT and Derf over severa
 
     python -m benchmarks.norm_ablation --root=runs/ablation                 # run what is missing
     python -m benchmarks.norm_ablation --root=runs/ablation --summary_only  # table + figure
+    python -m benchmarks.norm_ablation --root=runs/fm --config_args="--config.data.name=fmnist \\
+        --config.data.data_dir=DIR --config.data.image_size=16 --config.model.patch_size=4"
 
 Each run is ``main.py --config=configs/<file>:demo --config.seed=S`` in ``<root>/<key>_s<S>``,
 evaluated every ``--eval_every`` steps (a finished workdir is not re-run). The summary prints a
@@ -33,11 +35,12 @@ METHODS = (  # key, label, config
 )
 
 
-def run(root: str, key: str, config: str, seed: int, eval_every: int) -> None:
+def run(root: str, key: str, config: str, seed: int, eval_every: int,
+        overrides: Sequence[str] = ()) -> None:
     workdir = os.path.join(root, f"{key}_s{seed}")
     cmd = [sys.executable, os.path.join(REPO, "main.py"), f"--config={REPO}/configs/{config}",
            f"--workdir={workdir}", f"--config.seed={seed}", f"--config.eval_every={eval_every}",
-           "--config.eval_analysis_images=0"]
+           "--config.eval_analysis_images=0", *overrides]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
 
@@ -110,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--eval_every", type=int, default=50, help="steps between evaluations")
     p.add_argument("--summary_only", action="store_true", help="run nothing, summarise")
     p.add_argument("--figure", default=None, help="write the top-1 curves to this .png")
+    p.add_argument("--config_args", default="",
+                   help="space-separated --config.KEY=VALUE flags added to every run, e.g. another "
+                        "dataset: '--config.data.name=fmnist --config.data.data_dir=DIR'")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     only = {k for k in args.only.split(",") if k}
@@ -122,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for seed in seeds:
             for key, _, config in METHODS:
                 if not only or key in only:
-                    run(args.root, key, config, seed, args.eval_every)
+                    run(args.root, key, config, seed, args.eval_every, args.config_args.split())
     print(summary(args.root, seeds, args.figure))
 
 
