@@ -50,7 +50,8 @@ def _series(workdir: str, tag: str):
     return (s.steps, s.values) if s is not None else (np.zeros(0), np.zeros(0))
 
 
-def summary(root: str, seeds: Sequence[int], figure: str | None) -> str:
+def summary(root: str, seeds: Sequence[int], figure: str | None,
+            title: str = "digits demo") -> str:
     curves = {}
     for key, label, _ in METHODS:
         runs = [os.path.join(root, f"{key}_s{s}") for s in seeds]
@@ -97,7 +98,7 @@ def summary(root: str, seeds: Sequence[int], figure: str | None) -> str:
             ax.plot(evals[0][0][:n], np.mean([v[:n] for _, v in evals], 0), label=label)
         ax.axhline(target, color="gray", ls=":", lw=1, label="95% of LN's final")
         ax.set(xlabel="train step", ylabel="eval top-1 (mean over seeds)", ylim=(0, 1),
-               title="digits demo: eval top-1 against steps")
+               title=f"{title}: eval top-1 against steps")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -116,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--config_args", default="",
                    help="space-separated --config.KEY=VALUE flags added to every run, e.g. another "
                         "dataset: '--config.data.name=fmnist --config.data.data_dir=DIR'")
+    p.add_argument("--title", default="digits demo", help="the figure's dataset name")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     only = {k for k in args.only.split(",") if k}
@@ -129,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for key, _, config in METHODS:
                 if not only or key in only:
                     run(args.root, key, config, seed, args.eval_every, args.config_args.split())
-    print(summary(args.root, seeds, args.figure))
+    print(summary(args.root, seeds, args.figure, args.title))
 
 
 if __name__ == "__main__":
