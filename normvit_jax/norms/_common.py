@@ -88,3 +88,12 @@ def group_rms_scale(x: jax.Array, groups: int, eps: float) -> jax.Array:
 def updating(module: Any, train: bool) -> bool:
     """Whether a stateful norm advances its state now: training, and not while initialising."""
     return train and not module.is_initializing()
+
+
+def channel_affine(module: Any, y: jax.Array) -> jax.Array:
+    """y * scale + bias with per-channel float32 parameters 'scale' (ones) and 'bias' (zeros),
+    created in ``module`` (called from its compact ``__call__``); the part that folds."""
+    import flax.linen as nn
+    c = y.shape[-1]
+    y = y * module.param("scale", nn.initializers.ones, (c,), jnp.float32)
+    return y + module.param("bias", nn.initializers.zeros, (c,), jnp.float32)

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import NormContext
+from normvit_jax.norms._common import channel_affine, NormContext
 
 
 class _FeatureNorm(nn.Module):
@@ -43,12 +43,8 @@ class _FeatureNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        c = x.shape[-1]
         y = self.scaled(x.astype(jnp.float32))
-        if self.affine:
-            y = y * self.param("scale", nn.initializers.ones, (c,), jnp.float32)
-            y = y + self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
-        return y.astype(x.dtype)
+        return (channel_affine(self, y) if self.affine else y).astype(x.dtype)
 
 
 class ZScore(_FeatureNorm):
