@@ -7,11 +7,14 @@ from typing import Any, Mapping
 from matplotlib import colormaps
 
 from normvit_jax import norms
+from normvit_jax.norms.progressive import Progressive
 
 _TAB10 = colormaps["tab10"].colors
 _TAB20 = colormaps["tab20"].colors
+_DARK2 = colormaps["Dark2"].colors
 
-# method -> (display name, colour). tab10 for the common methods, tab20's light shades after.
+# method -> (display name, colour). tab10 for the common methods, tab20's light shades after,
+# Dark2 for issue 26's (RepBN, the progressive hand-overs, the feature and point-wise norms).
 METHODS: dict[str, tuple[str, tuple[float, ...]]] = {
     "layernorm": ("LN", _TAB10[0]),
     "batchnorm": ("BN", _TAB10[1]),
@@ -27,14 +30,28 @@ METHODS: dict[str, tuple[str, tuple[float, ...]]] = {
     "dpn": ("DPN", _TAB20[3]),
     "dtn_var": ("DTN-var", _TAB20[5]),
     "identity": ("no norm", _TAB20[15]),
+    "repbn": ("RepBN", _DARK2[1]),
+    "progressive:layernorm->repbn": ("LN->RepBN", _DARK2[2]),
+    "progressive:zscore->repbn": ("zscore->RepBN", _DARK2[3]),
+    "progressive:minmax->repbn": ("minmax->RepBN", _DARK2[0]),
+    "zscore": ("zscore", _DARK2[4]),
+    "minmax": ("minmax", _DARK2[6]),
+    "dyt": ("DyT", _DARK2[5]),
+    "derf": ("Derf", _DARK2[7]),
 }
 _SPARE = [_TAB20[i] for i in (7, 9, 11, 13, 17, 19)]
 
 
 def method_of(config: Mapping[str, Any]) -> str:
-    """The method of a run: the norm of its blocks, or 'dpn' for LN with a Dual PatchNorm stem."""
+    """The method of a run: the norm of its blocks, 'progressive:N1->N2' for a progressive
+    hand-over (its schedule options are not part of the key), or 'dpn' for LN with a Dual
+    PatchNorm stem."""
     model = config["model"]
     name = norms.name_of(model.get("norm"))
+    if name == "progressive":
+        opts = norms.as_dict(model.get("norm"))
+        n1, n2 = (norms.name_of(opts.get(k, getattr(Progressive, k))) for k in ("n1", "n2"))
+        name = f"progressive:{n1}->{n2}"
     patch_norm = model.get("patch_norm", "none")
     if patch_norm not in (None, "none"):
         return "dpn" if name == "layernorm" else f"{name}+dpn"
@@ -42,6 +59,10 @@ def method_of(config: Mapping[str, Any]) -> str:
 
 
 def label(method: str) -> str:
+    """The display name; a progressive pair not listed is named from its two norms."""
+    if method not in METHODS and method.startswith("progressive:") and "->" in method:
+        n1, n2 = method.split(":", 1)[1].split("->", 1)
+        return f"{label(n1)}->{label(n2)}"
     return METHODS.get(method, (method, None))[0]
 
 

@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
 
 from normvit_jax import checkpoints, data, models, tool_flags
 from normvit_jax import summaries as events  # the TensorBoard reader (read_run, Series)
-from normvit_jax.analysis import attention, colors, figures, flops, plots_curves, tables
+from normvit_jax.analysis import (attention, colors, convergence, figures, flops, plots_convergence,
+                                  plots_curves, tables)
 
 FLOPS_SOURCE = "XLA cost analysis of the compiled eval forward (batch 1, CPU backend)"
 
@@ -34,7 +35,30 @@ def _best(s: events.Series | None) -> float | None:
     return float(np.max(s.values)) if s is not None and len(s.values) else None
 
 
-def model_name(config: Any, data_spec: data.DataSpec) -> str:
+class ModelInput(NamedTuple):
+    """The fields of a DataSpec that fix a run's model and its input (``capture.config_key``,
+    ``capture.build_model``): enough for the model column and the FLOPs when the run's dataset
+    cannot be opened here."""
+    name: str
+    num_classes: int
+    image_shape: tuple[int, int, int]
+
+
+def data_spec_of(workdir: str, config: Any, variables: Any) -> data.DataSpec | ModelInput:
+    """The run's DataSpec; if its dataset is not readable here (a prepared ``data.data_dir`` that
+    is gone), the class count from the checkpoint's head instead, with a printed note."""
+    try:
+        return data.resolve_data_spec(config)
+    except Exception as e:  # noqa: BLE001  (any reason the dataset cannot be resolved)
+        n = int(np.shape(variables["params"]["head"]["bias"])[-1])
+        size = int(config.data.image_size)
+        print(f"report: {workdir}: dataset {config.data.name!r} not readable here "
+              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+              f"{n} classes from the checkpoint's head", file=sys.stderr)
+        return ModelInput(str(config.data.name), n, (size, size, 3))
+
+
+def model_name(config: Any, data_spec: data.DataSpec | ModelInput) -> str:
     s = models.spec_of(config, data_spec.num_classes)
     size = f"d{s.depth} w{s.hidden_size} h{s.num_heads} p{s.patch_size}"
     name = s.variant or "custom"
@@ -44,7 +68,7 @@ def model_name(config: Any, data_spec: data.DataSpec) -> str:
 def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
     """One table row: numbers from the summaries, the config and the newest checkpoint."""
     variables, config = checkpoints.load_variables(workdir)
-    ds = data.resolve_data_spec(config)
+    ds = data_spec_of(workdir, config, variables)
     sc = summaries.scalars
     steps = [int(s.steps[-1]) for t, s in sc.items() if t.startswith(("train/", "eval/")) and len(s.steps)]
     ips = sc.get("train/examples_per_sec")
@@ -110,21 +134,49 @@ NOTES = f"""
 
 
 def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, images: int = 8,
-                 stat_images: int = 64, tags: Sequence[str] = ()) -> list[str]:
+                 stat_images: int = 64, tags: Sequence[str] = (), reference: str | None = None,
+                 target: float = 0.95) -> list[str]:
+    """Writes the report of ``workdirs`` into ``out`` and returns the paths written. reference,
+    target: the convergence table and figure (module docstring); reference None: 'layernorm'
+    when such runs are present, else no convergence section. Raises ConvergenceError for a
+    reference no run has or a target <= 0, before anything is written."""
+    convergence.check_target(target)
     rows, summaries, skipped = _read_runs(workdirs)
     workdirs = [r["workdir"] for r in rows]
     if not rows:  # one line (main): each run and why
         raise ValueError("no run could be read: " + "; ".join(f"{w}: {why}" for w, why in skipped))
     for w, why in skipped:
         _skip(w, why)
+    methods = [r["method"] for r in rows]
+    if reference is not None:
+        convergence.check_reference(reference, methods, {r["method"]: r["label"] for r in rows})
+    conv = _convergence(rows, summaries, reference, target)
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, "report.md"), os.path.join(out, "report.json")]
+    if isinstance(conv, convergence.Convergence):
+        per_run = convergence.per_run(conv)
+        for r in rows:
+            r["convergence"] = per_run.get(r["workdir"])
+        models = ", ".join(dict.fromkeys(r["model"] for r in rows if "steps_to_target"
+                                         in (r["convergence"] or {})))
+        fig = plots_convergence.convergence_figure(
+            conv, f"Eval top-1 against steps, mean over each method's runs: {models}")
+        paths.append(figures.save(fig, os.path.join(out, "convergence.png")))
+        section = (convergence.markdown(conv) + convergence.NOTES
+                   + "".join(f"- left out {w}: {why}\n" for w, why in conv.left_out)
+                   + "\n![convergence](convergence.png)\n")
+        print(f"Convergence (reference {conv.reference}, target {conv.target:g}):\n"
+              + convergence.markdown(conv))
+    else:
+        section = f"Not computed: {conv}.\n"
+        print(f"report: no convergence table: {conv}", file=sys.stderr)
     with open(paths[0], "w") as f:
         f.write("# Comparison of runs\n\n" + markdown_table(rows) + NOTES
-                + "".join(f"- skipped {w}: {why}\n" for w, why in skipped))
+                + "".join(f"- skipped {w}: {why}\n" for w, why in skipped)
+                + "\n## Convergence\n\n" + section)
     with open(paths[1], "w") as f:
         json.dump(rows, f, indent=2)
-    dup = len({r["method"] for r in rows}) < len(rows)
+    dup = len(set(methods)) < len(rows)
     curves = [(f"{r['label']} ({r['run']})" if dup else r["label"], colors.color(r["method"]),
                summaries[w].scalars) for r, w in zip(rows, workdirs)]
     for x, name in (("step", "curves_steps.png"), ("elapsed", "curves_wall.png")):
@@ -145,6 +197,20 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         if runs:
             paths += attention.write_summaries(runs, out, "All runs")
     return paths
+
+
+def _convergence(rows: Sequence[dict], summaries: dict, reference: str | None,
+                 target: float) -> convergence.Convergence | str:
+    """The convergence analysis, or why there is none; runs it leaves out are printed."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    ref = reference or convergence.default_reference(methods)
+    if ref is None:
+        return (f"no layernorm runs and no --reference; methods present: {', '.join(methods)}")
+    conv = convergence.analyze(rows, {w: s.scalars for w, s in summaries.items()}, ref, target)
+    if isinstance(conv, convergence.Convergence):
+        for w, why in conv.left_out:
+            print(f"report: convergence: leaving out {w}: {why}", file=sys.stderr)
+    return conv
 
 
 def _skip(workdir: str, why: str) -> None:
@@ -180,13 +246,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stat_images", type=int, default=64,
                     help="eval images averaged for distances and token statistics")
     ap.add_argument("--tags", default="", help="comma list of other scalar tags to plot vs steps")
+    ap.add_argument("--reference", default=None,
+                    help="method whose mean final top-1 sets the convergence target, e.g. "
+                         "layernorm, repbn, progressive:layernorm->repbn (default: layernorm "
+                         "when present, else no convergence table)")
+    ap.add_argument("--target", type=float, default=0.95,
+                    help="fraction of the reference's mean final top-1 each method must reach")
     args = ap.parse_args(argv)
     tags = [t for t in args.tags.split(",") if t.strip()]
     try:
         paths = write_report(args.workdirs, args.out, args.no_attention, args.images,
-                             args.stat_images, tags)
+                             args.stat_images, tags, args.reference, args.target)
     except ValueError as e:
-        if not str(e).startswith("no run could be read"):
+        if not (isinstance(e, convergence.ConvergenceError)
+                or str(e).startswith("no run could be read")):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,157 @@
+"""Convergence of several methods over seeds: how soon each reaches a fraction of a reference
+method's final accuracy (issue 26: "accelerates convergence").
+
+The runs of one method (the seeds) form one curve: the mean of their ``eval/top1`` at the steps all
+of them evaluated, with the min-max over them. The threshold is ``target`` x the reference
+method's mean final top-1. A run's reaching step is its first evaluated step at or above the
+threshold; a method's is the mean over its runs, or none when a run never gets there. Runs whose
+last evaluation comes before the others' (still training) are left out, with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from normvit_jax.summaries import Series
+
+TAG = "eval/top1"
+
+
+class ConvergenceError(ValueError):
+    """Bad input named by a flag (the report CLI prints it as one line and exits 2)."""
+
+
+@dataclasses.dataclass
+class MethodCurve:
+    method: str
+    label: str
+    workdirs: list[str]        # its runs, in the order given
+    finals: np.ndarray         # (runs,) last eval top-1 of each run
+    reach: list[int | None]    # per run: first eval step >= threshold (None: never)
+    steps: np.ndarray          # eval steps common to all runs
+    mean: np.ndarray           # (steps,) mean top-1 over the runs
+    low: np.ndarray            # min over the runs
+    high: np.ndarray           # max over the runs
+    images_per_s: float | None  # median over the runs of each run's median images/s
+
+    @property
+    def reach_mean(self) -> float | None:
+        ok = [r for r in self.reach if r is not None]
+        return float(np.mean(ok)) if ok and len(ok) == len(self.reach) else None
+
+
+@dataclasses.dataclass
+class Convergence:
+    reference: str
+    reference_label: str
+    target: float              # the fraction of the reference's final top-1
+    threshold: float           # target x the reference's mean final top-1
+    methods: list[MethodCurve]
+    left_out: list[tuple[str, str]]  # (workdir, why)
+
+
+def first_reach(steps: np.ndarray, values: np.ndarray, threshold: float) -> int | None:
+    hit = np.nonzero(np.asarray(values) >= threshold)[0]
+    return int(np.asarray(steps)[hit[0]]) if len(hit) else None
+
+
+def default_reference(methods: Sequence[str]) -> str | None:
+    return "layernorm" if "layernorm" in methods else None
+
+
+def check_reference(reference: str, methods: Sequence[str], labels: Mapping[str, str]) -> None:
+    if reference not in methods:
+        present = ", ".join(f"{m} ({labels[m]})" for m in dict.fromkeys(methods))
+        raise ConvergenceError(f"--reference={reference!r} is not a method of these runs; "
+                               f"methods present: {present}")
+
+
+def check_target(target: float) -> None:
+    if not (np.isfinite(target) and target > 0):
+        raise ConvergenceError(f"--target={target!r} is not accepted; accepted: a fraction > 0 "
+                               "of the reference's final top-1 (e.g. 0.95)")
+
+
+def analyze(rows: Sequence[Mapping], scalars: Mapping[str, Mapping[str, Series]], reference: str,
+            target: float = 0.95) -> Convergence | str:
+    """rows: the report's run rows (workdir, run, method, label, images_per_s); scalars: each
+    workdir's summaries. Returns the analysis, or why there is none (a sentence)."""
+    check_target(target)
+    labels = {r["method"]: r["label"] for r in rows}
+    check_reference(reference, [r["method"] for r in rows], labels)
+    left_out, evals = [], []
+    for r in rows:
+        s = scalars[r["workdir"]].get(TAG)
+        if s is None or not len(s.steps):
+            left_out.append((r["workdir"], f"no {TAG} summaries"))
+        else:
+            evals.append((r, s))
+    last = max((int(s.steps[-1]) for _, s in evals), default=0)
+    kept = []
+    for r, s in evals:
+        if int(s.steps[-1]) < last:
+            left_out.append((r["workdir"], f"still training? its last evaluation is at step "
+                                           f"{int(s.steps[-1])}, the others' at {last}"))
+        else:
+            kept.append((r, s))
+    ref = [s for r, s in kept if r["method"] == reference]
+    if not ref:
+        return f"no finished run of the reference {reference!r} ({labels[reference]})"
+    threshold = target * float(np.mean([s.values[-1] for s in ref]))
+    methods = []
+    for m in dict.fromkeys(r["method"] for r, _ in kept):
+        group = [(r, s) for r, s in kept if r["method"] == m]
+        steps = group[0][1].steps
+        for _, s in group[1:]:
+            steps = np.intersect1d(steps, s.steps)
+        values = np.stack([s.values[np.searchsorted(s.steps, steps)] for _, s in group])
+        ips = [r["images_per_s"] for r, _ in group if r.get("images_per_s") is not None]
+        methods.append(MethodCurve(
+            method=m, label=labels[m], workdirs=[r["workdir"] for r, _ in group],
+            finals=np.asarray([s.values[-1] for _, s in group], np.float64),
+            reach=[first_reach(s.steps, s.values, threshold) for _, s in group],
+            steps=np.asarray(steps), mean=values.mean(0), low=values.min(0), high=values.max(0),
+            images_per_s=float(np.median(ips)) if ips else None))
+    return Convergence(reference, labels[reference], float(target), threshold, methods, left_out)
+
+
+def reach_cell(c: MethodCurve) -> str:
+    if c.reach_mean is not None:
+        return f"{c.reach_mean:.0f}"
+    return "- (" + ", ".join("-" if r is None else str(r) for r in c.reach) + ")"
+
+
+def markdown(conv: Convergence) -> str:
+    """The table: per method, runs, final top-1 (mean, min-max), steps to the threshold."""
+    head = (f"| method | runs | final top-1 (mean) | min-max | steps to {100 * conv.target:g}% of "
+            f"{conv.reference_label}'s final ({100 * conv.threshold:.1f}%) | images/s (median) |")
+    lines = [head, "|---|---|---|---|---|---|"]
+    for c in conv.methods:
+        ips = "–" if c.images_per_s is None else f"{c.images_per_s:.0f}"
+        lines.append(f"| {c.label} | {len(c.workdirs)} | {100 * c.finals.mean():.2f}% | "
+                     f"{100 * c.finals.min():.2f}-{100 * c.finals.max():.2f}% | {reach_cell(c)} | "
+                     f"{ips} |")
+    return "\n".join(lines) + "\n"
+
+
+NOTES = """
+- One row per method: its runs (e.g. seeds) evaluated to the same last step. final top-1: the last
+  `eval/top1` of each run, mean and min-max over the runs.
+- steps to the target: the first evaluated step at which a run's `eval/top1` is at or above the
+  target fraction of the reference method's mean final top-1; the mean over the method's runs, or
+  '-' with each run's step when one never gets there. Evaluations are every `eval_every` steps, so
+  a step is known to that resolution.
+- images/s: the median over the runs of the main table's images/s.
+"""
+
+
+def per_run(conv: Convergence) -> dict[str, dict]:
+    """workdir -> its raw numbers (report.json's ``convergence`` of each row): the reference,
+    target, threshold and its own reaching step, or why it was left out."""
+    common = dict(reference=conv.reference, target=conv.target, threshold_top1=conv.threshold)
+    out = {w: dict(common, steps_to_target=reach) for c in conv.methods
+           for w, reach in zip(c.workdirs, c.reach)}
+    out.update({w: dict(common, left_out=why) for w, why in conv.left_out})
+    return out

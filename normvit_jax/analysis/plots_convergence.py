@@ -1,0 +1,34 @@
+"""The convergence figure: each method's mean eval top-1 over its runs against steps, the min-max
+band over the runs, the target line and where each method reaches it."""
+from __future__ import annotations
+
+from matplotlib.figure import Figure
+
+from normvit_jax.analysis import colors, figures
+from normvit_jax.analysis.convergence import Convergence, reach_cell
+
+
+def convergence_figure(conv: Convergence, title: str) -> Figure:
+    fig = figures.figure(8.0, 5.0)
+    ax = fig.subplots()
+    for c in conv.methods:
+        col = colors.color(c.method)
+        ax.fill_between(c.steps, 100 * c.low, 100 * c.high, color=col, alpha=0.15, lw=0)
+        ax.plot(c.steps, 100 * c.mean, color=col, lw=1.4, marker="o", ms=2.5,
+                label=f"{c.label} (n={len(c.workdirs)}; target at step {reach_cell(c)})")
+        if c.reach_mean is not None:  # on the target line, at the mean over the runs
+            ax.plot([c.reach_mean], [100 * conv.threshold], marker="v", ms=9, color=col,
+                    markeredgecolor="black", markeredgewidth=0.6, zorder=5)
+    ax.axhline(100 * conv.threshold, color="black", ls=":", lw=1.2,
+               label=f"{100 * conv.target:g}% of {conv.reference_label}'s final "
+                     f"({100 * conv.threshold:.1f}%)")
+    ax.set_xlabel("training step", fontsize=9)
+    ax.set_ylabel("eval top-1 accuracy (%)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=7.5)  # under the curves' plateau, clear of the title
+    figures.suptitle(fig, title, fontsize=10)
+    figures.note(fig, "Line: mean over a method's runs at the steps all of them evaluated; band: "
+                      "min-max over the runs; triangle: the mean over the runs of the first "
+                      "evaluated step at or above the dotted target (none when a run never gets "
+                      "there).")
+    return fig
