@@ -1,0 +1,142 @@
+"""The report's convergence table and figure (issue 26): hand-written eval curves of two methods
+over two seeds, checked against a hand computation; method keys of the progressive norms."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.record_writer import RecordWriter
+from tensorboard.util import tensor_util
+
+from configs import vit_dynamic_feature, vit_progressive
+from normvit_jax import checkpoints, data, models, run_config
+from normvit_jax.analysis import colors, convergence, report
+from normvit_jax.summaries import Series
+from tests.conftest import tiny_demo_config
+
+META = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+
+# eval/top1 at steps 10, 20, 30, 40 (float32-exact). Target 0.9 x LN's mean final
+# (0.875 + 0.75) / 2 = 0.8125 -> threshold 0.73125.
+CURVES = {
+    "ln_s0": ("layernorm", [0.25, 0.625, 0.75, 0.875]),   # reaches it at step 30
+    "ln_s1": ("layernorm", [0.5, 0.75, 0.875, 0.75]),     # at step 20 -> LN: mean 25
+    "dyt_s0": ("dyt", [0.125, 0.25, 0.5, 0.75]),          # at step 40
+    "dyt_s1": ("dyt", [0.25, 0.5, 0.625, 0.625]),         # never -> DyT: '- (40, -)'
+}
+
+
+def _write_events(workdir: str, steps, values) -> None:
+    with open(os.path.join(workdir, "events.out.tfevents.100.host.1.0.v2"), "wb") as f:
+        w = RecordWriter(f)
+        w.write(event_pb2.Event(wall_time=100.0, file_version="brain.Event:2").SerializeToString())
+        for step, v in zip(steps, values):
+            val = summary_pb2.Summary.Value(tag="eval/top1", metadata=META,
+                                            tensor=tensor_util.make_tensor_proto(np.float32(v)))
+            w.write(event_pb2.Event(wall_time=100.0 + step, step=step,
+                                    summary=summary_pb2.Summary(value=[val])).SerializeToString())
+
+
+def _fake_run(workdir: str, norm: str, steps, values) -> None:
+    """config.json, an initialised (untrained) checkpoint and the given eval/top1 summaries."""
+    cfg = tiny_demo_config()
+    cfg.model.depth = 1
+    cfg.model.norm = {"name": norm}
+    ds = data.resolve_data_spec(cfg)
+    params = models.create(cfg, ds.num_classes).init(
+        jax.random.PRNGKey(0), jnp.zeros((1, *ds.image_shape)), train=False)["params"]
+    os.makedirs(workdir)
+    mngr = checkpoints.make_manager(workdir, async_save=False)
+    checkpoints.save(mngr, 40, {"params": params, "step": 40})
+    mngr.wait_until_finished()
+    run_config.write_config(cfg, workdir)
+    _write_events(workdir, steps, values)
+
+
+@pytest.fixture(scope="module")
+def fake_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("conv")
+    for name, (norm, values) in CURVES.items():
+        _fake_run(str(root / name), norm, [10, 20, 30, 40], values)
+    # Still training: evaluated up to step 20 only (and above the target: it must not count).
+    _fake_run(str(root / "ln_s2"), "layernorm", [10, 20], [0.875, 1.0])
+    return root
+
+
+def test_report_convergence_table_equals_the_hand_computation(fake_runs, tmp_path, capsys):
+    runs = [str(fake_runs / n) for n in ("ln_s0", "ln_s1", "ln_s2", "dyt_s0", "dyt_s1")]
+    out = str(tmp_path / "rep")
+    assert report.main([*runs, f"--out={out}", "--no_attention", "--target=0.9"]) == 0
+    captured = capsys.readouterr()
+    assert (f"leaving out {fake_runs / 'ln_s2'}: still training? its last evaluation is at "
+            "step 20, the others' at 40") in captured.err
+    md = open(os.path.join(out, "report.md")).read()
+    ln_row = "| LN | 2 | 81.25% | 75.00-87.50% | 25 | – |"
+    dyt_row = "| DyT | 2 | 68.75% | 62.50-75.00% | - (40, -) | – |"
+    assert "steps to 90% of LN's final (73.1%)" in md and ln_row in md and dyt_row in md
+    assert ln_row in captured.out and dyt_row in captured.out  # printed too
+    assert os.path.getsize(os.path.join(out, "convergence.png")) > 10_000
+    rows = {r["run"]: r["convergence"] for r in json.load(open(os.path.join(out, "report.json")))}
+    assert {k: rows[k]["steps_to_target"] for k in CURVES} == {
+        "ln_s0": 30, "ln_s1": 20, "dyt_s0": 40, "dyt_s1": None}
+    assert rows["ln_s0"]["threshold_top1"] == pytest.approx(0.9 * 0.8125, rel=1e-7)
+    assert rows["ln_s0"]["reference"] == "layernorm" and rows["ln_s0"]["target"] == 0.9
+    assert rows["ln_s2"]["left_out"].startswith("still training?")
+    # DyT as the reference: 0.95 x (0.75 + 0.625) / 2 = 0.653125; LN s0 0.75 at step 30, s1 at 20.
+    assert report.main([*runs, f"--out={out}2", "--no_attention", "--reference=dyt"]) == 0
+    md = open(os.path.join(out + "2", "report.md")).read()
+    assert "steps to 95% of DyT's final (65.3%)" in md and "| LN | 2 | 81.25% | 75.00-87.50% | 25 |" in md
+    assert "| DyT | 2 | 68.75% | 62.50-75.00% | 40 |" not in md  # s1 ends at 0.625 < 0.653
+    assert "| DyT | 2 | 68.75% | 62.50-75.00% | - (40, -) |" in md
+
+
+def test_report_bad_reference_or_target_is_one_line(fake_runs, tmp_path, capsys):
+    runs = [str(fake_runs / n) for n in ("ln_s0", "dyt_s0")]
+    assert report.main([*runs, f"--out={tmp_path}/r", "--no_attention", "--reference=repbn"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --reference='repbn' is not a method of these runs; methods present: "
+                   "layernorm (LN), dyt (DyT)"]
+    assert not os.path.exists(f"{tmp_path}/r")  # nothing written
+    assert report.main([*runs, f"--out={tmp_path}/r", "--target=-1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --target=-1.0 is "
+                                                                        "not accepted")
+
+
+def test_mean_curve_over_the_steps_every_run_evaluated():
+    def series(steps, values):
+        steps = np.asarray(steps)
+        return {"eval/top1": Series(steps, np.asarray(values, np.float64), steps * 1.0, steps * 1.0)}
+    rows = [dict(workdir=w, run=w, method=m, label=m.upper(), images_per_s=ips)
+            for w, m, ips in (("a", "x", 100.0), ("b", "x", 300.0), ("c", "y", None))]
+    scalars = {"a": series([10, 15, 20], [0.2, 0.3, 0.6]), "b": series([10, 20], [0.4, 0.8]),
+               "c": series([10, 20], [0.7, 0.9])}
+    conv = convergence.analyze(rows, scalars, "y", 0.5)  # threshold 0.45
+    x, y = conv.methods
+    np.testing.assert_array_equal(x.steps, [10, 20])
+    np.testing.assert_allclose(x.mean, [0.3, 0.7])
+    np.testing.assert_allclose(x.low, [0.2, 0.6])
+    np.testing.assert_allclose(x.high, [0.4, 0.8])
+    assert x.reach == [20, 20] and y.reach == [10] and x.images_per_s == 200.0
+    assert conv.threshold == pytest.approx(0.45)
+    assert "| X | 2 | 70.00% | 60.00-80.00% | 20 | 200 |" in convergence.markdown(conv)
+
+
+def test_progressive_runs_are_keyed_and_named_by_their_two_norms():
+    for cfg, key, name in ((vit_progressive.get_config("demo"), "progressive:layernorm->repbn",
+                            "LN->RepBN"),
+                           (vit_dynamic_feature.get_config("demo"), "progressive:zscore->repbn",
+                            "zscore->RepBN"),
+                           (vit_dynamic_feature.get_config("demo,minmax"),
+                            "progressive:minmax->repbn", "minmax->RepBN")):
+        assert colors.method_of(cfg) == key and colors.label(key) == name
+    assert colors.method_of({"model": {"norm": {"name": "progressive"}}}) == \
+        "progressive:layernorm->repbn"  # the module's default N1, N2
+    assert colors.label("progressive:dyt->batchnorm") == "DyT->BN"
+    new = ["repbn", "zscore", "minmax", "dyt", "derf", "progressive:layernorm->repbn"]
+    assert all(colors.color(m) == colors.METHODS[m][1] for m in new)
