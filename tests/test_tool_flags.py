@@ -23,11 +23,13 @@ TOOLS = {
     "benchmarks.input_pipeline": ["--datasets", "--batches", "--skip_run"],
     "benchmarks.matmul": ["--model", "--repeats", "--no_torch"],
     "benchmarks.memory": ["--models", "--memory_gb", "--verify"],
+    "benchmarks.norm_ablation": ["--root", "--seeds", "--summary_only", "--out", "--config_args"],
     "benchmarks.profile": ["--norm", "--top", "--part"],
     "benchmarks.train_step": ["--model", "--norm", "--batch", "--peak_tflops", "--scan"],
     "benchmarks.vs_torch": ["--gelu", "--torch_threads"],
     "normvit_jax.analysis.attention": ["--workdir", "--heads", "--blocks", "--step"],
-    "normvit_jax.analysis.report": ["workdirs", "--out", "--no_attention", "--tags"],
+    "normvit_jax.analysis.report": ["workdirs", "--out", "--no_attention", "--tags", "--reference",
+                                    "--target"],
     "normvit_jax.reparam": ["--workdir", "--batch", "--reps", "--out"],
 }
 
