@@ -131,6 +131,12 @@ def rows_from_results(results: dict) -> dict[str, str]:
             for m in results["methods"].values()}
 
 
+def comparison_table(report_md: str) -> list[str]:
+    """The lines of report.md's comparison table: its first section's (the convergence table
+    follows under its own '## ' heading)."""
+    return [line for line in report_md.split("\n## ")[0].splitlines() if line.startswith("|")]
+
+
 def rebuild_report(root: str, report_dir: str = REPORT, doc: str = ANALYSIS_DOC) -> None:
     """The comparison report of the runs under ``root`` (one per method) into ``report_dir``,
     and its table into ``doc`` between the demo-report markers."""
@@ -138,7 +144,7 @@ def rebuild_report(root: str, report_dir: str = REPORT, doc: str = ANALYSIS_DOC)
     subprocess.run([sys.executable, "-m", "normvit_jax.analysis.report", *workdirs,
                     f"--out={report_dir}"], cwd=REPO, check=True)
     with open(os.path.join(report_dir, "report.md")) as f:
-        table = [line for line in f.read().splitlines() if line.startswith("|")]
+        table = comparison_table(f.read())
     with open(doc) as f:
         text = f.read()
     head, rest = text.split(REPORT_BEGIN)

@@ -13,6 +13,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
+from benchmarks import demo_table
 from configs import vit_dynamic_feature, vit_progressive
 from normvit_jax import checkpoints, data, models, run_config
 from normvit_jax.analysis import colors, convergence, report
@@ -81,6 +82,8 @@ def test_report_convergence_table_equals_the_hand_computation(fake_runs, tmp_pat
     dyt_row = "| DyT | 2 | 68.75% | 62.50-75.00% | - (40, -) | – |"
     assert "steps to 90% of LN's final (73.1%)" in md and ln_row in md and dyt_row in md
     assert ln_row in captured.out and dyt_row in captured.out  # printed too
+    main_table = demo_table.comparison_table(md)  # what docs/analysis.md copies: runs only
+    assert len(main_table) == 2 + 5 and main_table[0].startswith("| method | run | model |")
     assert os.path.getsize(os.path.join(out, "convergence.png")) > 10_000
     rows = {r["run"]: r["convergence"] for r in json.load(open(os.path.join(out, "report.json")))}
     assert {k: rows[k]["steps_to_target"] for k in CURVES} == {

@@ -47,8 +47,7 @@ def test_report_and_analysis_doc_are_the_same_runs(results):
         r = report[key]
         assert (r["final_top1"], r["final_top5"], r["steps"]) == pytest.approx(
             (m["top1"], m["top5"], m["steps"]), abs=1e-6), key
-    table = [line for line in _read("docs", "report", "report.md").splitlines()
-             if line.startswith("|")]
+    table = demo_table.comparison_table(_read("docs", "report", "report.md"))
     doc = _read("docs", "analysis.md")
     block = doc.split(demo_table.REPORT_BEGIN)[1].split(demo_table.REPORT_END)[0]
     assert block.strip().splitlines() == table

@@ -1,13 +1,27 @@
-"""Comparison report of several runs: a markdown table and training curves on shared axes, plus the
-attention distances, token statistics and norm gates of every run on shared axes.
+"""Comparison report of several runs: a markdown table and training curves on shared axes, a
+convergence table and figure per method, plus the attention distances, token statistics and norm
+gates of every run on shared axes.
 
     python -m normvit_jax.analysis.report runs/ln runs/dtn runs/un --out=report/
+    python -m normvit_jax.analysis.report runs/{ln,repbn}_s{0,1,2} --out=report/ --no_attention \\
+        --reference=layernorm --target=0.95
 
 Reads each workdir's TensorBoard summaries, config.json and newest checkpoint, so it works on runs
-made on other machines. Writes report.md, report.json (the table's raw numbers), curves_steps.png,
-curves_wall.png and (unless --no_attention, which also skips reading eval data) the files of
-``attention.write_summaries``. --tags plots any other logged scalars (e.g. the eval-time token
-statistics 'tokens/encoderblock_0/LayerNorm_0/in/max_abs') against steps.
+made on other machines (a run whose prepared dataset is gone here takes its class count from the
+checkpoint). Writes report.md, report.json (the table's raw numbers), curves_steps.png,
+curves_wall.png, convergence.png and (unless --no_attention, which also skips reading eval data)
+the files of ``attention.write_summaries``. --tags plots any other logged scalars (e.g. the
+eval-time token statistics 'tokens/encoderblock_0/LayerNorm_0/in/max_abs') against steps.
+
+Convergence (analysis/convergence.py): the runs of one method (``colors.method_of``: the norm, or
+'progressive:N1->N2') are its seeds. Per method: the mean eval/top1 curve and its min-max over
+the runs, the final top-1 (mean, min-max), and the first evaluated step at which each run reaches
+--target x the --reference method's mean final top-1 (mean over the runs; '-' when one never
+does). --reference defaults to layernorm when such runs are present (else no convergence table);
+a reference no run has exits 2 naming the methods present. Runs still training (last evaluation
+before the others') are left out of it, with the reason printed. The table goes to stdout and
+report.md; each row of report.json gets ``convergence``: the reference, target, threshold_top1 and
+its steps_to_target (null: never), or why it was left out.
 """
 from __future__ import annotations
 
@@ -153,23 +167,7 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
     conv = _convergence(rows, summaries, reference, target)
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, "report.md"), os.path.join(out, "report.json")]
-    if isinstance(conv, convergence.Convergence):
-        per_run = convergence.per_run(conv)
-        for r in rows:
-            r["convergence"] = per_run.get(r["workdir"])
-        models = ", ".join(dict.fromkeys(r["model"] for r in rows if "steps_to_target"
-                                         in (r["convergence"] or {})))
-        fig = plots_convergence.convergence_figure(
-            conv, f"Eval top-1 against steps, mean over each method's runs: {models}")
-        paths.append(figures.save(fig, os.path.join(out, "convergence.png")))
-        section = (convergence.markdown(conv) + convergence.NOTES
-                   + "".join(f"- left out {w}: {why}\n" for w, why in conv.left_out)
-                   + "\n![convergence](convergence.png)\n")
-        print(f"Convergence (reference {conv.reference}, target {conv.target:g}):\n"
-              + convergence.markdown(conv))
-    else:
-        section = f"Not computed: {conv}.\n"
-        print(f"report: no convergence table: {conv}", file=sys.stderr)
+    section = _convergence_section(conv, rows, out, paths)
     with open(paths[0], "w") as f:
         f.write("# Comparison of runs\n\n" + markdown_table(rows) + NOTES
                 + "".join(f"- skipped {w}: {why}\n" for w, why in skipped)
@@ -197,6 +195,28 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         if runs:
             paths += attention.write_summaries(runs, out, "All runs")
     return paths
+
+
+def _convergence_section(conv: convergence.Convergence | str, rows: list[dict], out: str,
+                         paths: list[str]) -> str:
+    """report.md's convergence section; adds each row's ``convergence`` (report.json), prints the
+    table and writes convergence.png (appended to ``paths``)."""
+    per_run = convergence.per_run(conv) if isinstance(conv, convergence.Convergence) else {}
+    for r in rows:
+        r["convergence"] = per_run.get(r["workdir"])  # None: no convergence analysis
+    if not isinstance(conv, convergence.Convergence):
+        print(f"report: no convergence table: {conv}", file=sys.stderr)
+        return f"Not computed: {conv}.\n"
+    models = ", ".join(dict.fromkeys(r["model"] for r in rows
+                                     if "steps_to_target" in (r["convergence"] or {})))
+    fig = plots_convergence.convergence_figure(
+        conv, f"Eval top-1 against steps, mean over each method's runs: {models}")
+    paths.append(figures.save(fig, os.path.join(out, "convergence.png")))
+    table = convergence.markdown(conv)
+    print(f"Convergence (reference {conv.reference}, target {conv.target:g}):\n{table}")
+    return (table + convergence.NOTES
+            + "".join(f"- left out {w}: {why}\n" for w, why in conv.left_out)
+            + "\n![convergence](convergence.png)\n")
 
 
 def _convergence(rows: Sequence[dict], summaries: dict, reference: str | None,
