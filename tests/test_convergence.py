@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -143,3 +144,17 @@ def test_progressive_runs_are_keyed_and_named_by_their_two_norms():
     assert colors.label("progressive:dyt->batchnorm") == "DyT->BN"
     new = ["repbn", "zscore", "minmax", "dyt", "derf", "progressive:layernorm->repbn"]
     assert all(colors.color(m) == colors.METHODS[m][1] for m in new)
+
+
+def test_report_without_the_runs_prepared_dataset_takes_classes_from_the_checkpoint(
+        fake_runs, tmp_path, capsys):
+    run = tmp_path / "moved"  # a run whose prepared data_dir is not on this machine
+    shutil.copytree(fake_runs / "ln_s0", run)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["data"].update(name="fmnist", data_dir=str(tmp_path / "gone"))
+    (run / "config.json").write_text(json.dumps(cfg))
+    assert report.main([str(run), f"--out={tmp_path}/r", "--no_attention"]) == 0
+    assert f"report: {run}: dataset 'fmnist' not readable here" in capsys.readouterr().err
+    row, = json.load(open(tmp_path / "r" / "report.json"))
+    assert row["model"].endswith("8px fmnist)") and row["flops_per_image"] > 0
+    assert row["analytic_flops_per_image"] > 0 and row["final_top1"] == 0.875
