@@ -269,16 +269,27 @@ def test_train_step_feeds_the_global_step_and_logs_n1_weight():
     assert seen == pytest.approx([1.0, 1.0, 0.5, 0.0])
 
 
-def test_resume_in_the_middle_of_the_decay_is_bitwise_exact(tmp_path):
-    from normvit_jax import checkpoints
+def test_resume_in_the_middle_of_the_decay_is_bitwise_exact(tmp_path, caplog):
+    """Stopped at step 3, between the log steps 2 and 4, and resumed: the same weights and norm
+    state, and the same summaries (N1's weight too), as one run: the saved train-metrics window
+    (ScheduledTrainMetrics here) is restored, not restarted."""
+    from normvit_jax import checkpoints, summaries
     from normvit_jax.train import loop
     from tests.conftest import tiny_demo_config
-    cfg = tiny_demo_config(total_steps=6, checkpoint_every=100, eval_every=100)
+    cfg = tiny_demo_config(total_steps=6, checkpoint_every=100, eval_every=100, log_every=2)
     cfg.model.norm = {"name": "progressive", "warmup_steps": 1, "decay_steps": 4}
     loop.train_and_evaluate(cfg, str(tmp_path / "a"))
     assert loop.train_and_evaluate(cfg, str(tmp_path / "b"), stop_at=3)["step"] == 3
-    loop.train_and_evaluate(cfg, str(tmp_path / "b"))
+    with caplog.at_level("WARNING"):
+        loop.train_and_evaluate(cfg, str(tmp_path / "b"))
+    assert not [r for r in caplog.records if "does not fit" in r.getMessage()]
     a, _ = checkpoints.load_variables(str(tmp_path / "a"))
     b, _ = checkpoints.load_variables(str(tmp_path / "b"))
     assert jax.tree.leaves(a["batch_stats"])
     jax.tree.map(np.testing.assert_array_equal, a, b)
+    sa = summaries.read_scalars(str(tmp_path / "a"), include_timing=False)
+    sb = summaries.read_scalars(str(tmp_path / "b"), include_timing=False)
+    assert sorted(sa) == sorted(sb)
+    assert [s for s, _, _ in sa["train/norm_n1_weight"]] == [2, 4, 6]
+    for tag in sa:
+        assert [(s, v) for s, v, _ in sa[tag]] == [(s, v) for s, v, _ in sb[tag]], tag

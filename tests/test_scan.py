@@ -70,6 +70,70 @@ def test_scanned_and_unrolled_give_the_same_outputs(name):
                         rtol=1e-5, atol=1e-6)
 
 
+# The norms of issue 26 (norms/*.py): every block's variables random (init values are equal in
+# every block, which would hide a block mixed up by the layout conversion); progressive at step 2
+# of a decay that starts at step 1, so both N1 and N2 run and N1's weight (0.75) is sown.
+NEW_NORMS = {
+    "repbn": {"name": "repbn"},
+    "progressive": {"name": "progressive", "warmup_steps": 1, "decay_steps": 4},
+    "progressive_mixture": {"name": "progressive", "n1": "zscore", "warmup_steps": 1,
+                            "decay_steps": 4, "eval_mode": "mixture"},
+    "zscore": {"name": "zscore"},
+    "minmax": {"name": "minmax"},
+    "dyt": {"name": "dyt"},
+    "derf": {"name": "derf"},
+}
+
+
+def _randomized(v, seed=3):
+    """Every float leaf plus N(0, 0.1^2) noise: each block's values differ, the scale of the
+    initialisation is kept (running variances, init 1, stay positive)."""
+    leaves, treedef = jax.tree.flatten(v)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [
+        x + 0.1 * jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+        else x for k, x in zip(keys, leaves)])
+
+
+def _assert_close_to_scale(a, b, rel=3e-5):
+    """Every leaf: max |a - b| <= rel * max |a|. Float32 rounding scales with the largest values
+    a leaf is computed from (RepBN's identity path grows the activations to ~100 over 3 blocks;
+    seen: up to 1.1e-5 in its running variances, <= 2e-6 in logits, as BatchNorm's); a block's
+    variables mixed up by the layout give differences of order 1."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        np.testing.assert_allclose(x, y, rtol=0, atol=rel * np.abs(x).max(),
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
+@pytest.mark.parametrize("name", list(NEW_NORMS))
+def test_new_norms_scanned_and_unrolled_agree(name):
+    """Same variables in both layouts: the same eval and train logits, updated running statistics
+    and sown schedule values (``_assert_close_to_scale``)."""
+    cfg, unrolled, scanned = _pair({"norm": NEW_NORMS[name]})
+    assert scan_length(cfg) == 3
+    v = _randomized(unrolled.init(jax.random.key(1), _x()))
+    vs = scan_convert.to_layout(v, _scanned(cfg))
+    assert jax.tree.structure(vs) == jax.tree.structure(
+        jax.eval_shape(lambda: scanned.init(jax.random.key(1), _x())))
+    step = {"step": jnp.asarray(2, jnp.int32)}
+    out_u, out_s = unrolled.apply(v, _x(), **step), scanned.apply(vs, _x(), **step)
+    assert float(jnp.std(out_u)) > 1e-2  # the logits depend on the input: a real comparison
+    _assert_close_to_scale(out_u, out_s)
+    mutable = ["batch_stats", "schedule"]
+    out_u, st_u = unrolled.apply(v, _x(), train=True, mutable=mutable, **step)
+    out_s, st_s = scanned.apply(vs, _x(), train=True, mutable=mutable, **step)
+    _assert_close_to_scale(out_u, out_s)
+    if name.startswith("progressive"):
+        np.testing.assert_allclose(jax.tree.leaves(st_u["schedule"]), 0.75)
+    if "batch_stats" in v:  # RepBN (also as progressive's N2): the statistics moved
+        assert not np.allclose(jax.tree.leaves(st_u["batch_stats"])[0],
+                               jax.tree.leaves(v["batch_stats"])[0])
+    _assert_close_to_scale(scan_convert.to_layout(st_u, _scanned(cfg)), st_s)
+
+
 def test_scan_lengths():
     assert scan_length(TINY) == 3
     assert scan_length({**TINY, **LAYOUTS["dtn_reference"]}) == 2

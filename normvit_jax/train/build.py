@@ -8,6 +8,7 @@ takes no guard itself: ``loop.train_and_evaluate`` holds the workdir lock and th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -85,7 +86,12 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
 
     saver = guards.CheckpointSaver(checkpoints.make_manager(workdir, keep=config.keep_checkpoints),
                                    workdir)
-    start = _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_data)
+    step_fn = setup.make_train_step(config, model, tx, lr_schedule, ds)
+    metrics_like = functools.partial(setup.train_metrics_shapes, step_fn,
+                                     batch_size=config.batch_size,
+                                     image_shape=train_data.image_shape)
+    start = _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_data,
+                   metrics_like)
     if sigterm.received and not preemption.multi_process():  # SIGTERM/Ctrl-C while starting up
         saver.mngr.close()
         raise policy.PreemptedError(
@@ -98,8 +104,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
         writer.write_hparams({k: v for k, v in run_config.flat_values(config).items()
                               if isinstance(v, (int, float, str, bool))})
 
-    train_step = setup.jit_train_step(
-        setup.make_train_step(config, model, tx, lr_schedule, ds), state_sharding, mesh)
+    train_step = setup.jit_train_step(step_fn, state_sharding, mesh)
     report = periodic_actions.ReportProgress(num_train_steps=n_steps, writer=writer)
     evaluator = Evaluator(config, ds, model, state_sharding, mesh, eval_data, writer,
                           analysis_writer, report)
@@ -108,9 +113,11 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
                start.skipped_total)
 
 
-def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_data) -> _Start:
+def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_data,
+           metrics_like) -> _Start:
     """Restores the newest checkpoint (then config.json is the run's), else starts at step 0
-    (from ``config.init_from`` if set)."""
+    (from ``config.init_from`` if set). ``metrics_like(state)``: the train step's metrics tree,
+    to rebuild the saved train-metrics window with the run's own metrics class."""
     mngr = saver.mngr
     try:
         restored = checkpoints.restore_latest(mngr, state)
@@ -124,7 +131,8 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
             run_config.write_json_atomic(workdir, "classes.json", list(run_spec.data.class_names))
     if restored is not None:
         step = restored.step
-        window, skipped_total = guards.MetricsWindow.from_meta(restored.meta, step)
+        window, skipped_total = guards.MetricsWindow.from_meta(
+            restored.meta, step, lambda: metrics_like(restored.state))
         pos, n = step * config.batch_size, train_data.num_examples
         logging.info("Resumed from the checkpoint at step %d in %s; the data continues at step %d "
                      "(epoch %d, example %d of %d).", step, mngr.directory, step + 1,

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,6 @@ from absl import logging
 
 from normvit_jax import checkpoints
 from normvit_jax import workdir as workdir_lib
-from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
 
 META_FORMAT = 1  # version of the JSON saved beside each checkpoint's state
@@ -63,15 +62,18 @@ class MetricsWindow:
                 "leaves": [[str(x.dtype), float(x).hex()] for x in leaves]}
 
     @classmethod
-    def from_meta(cls, meta: dict | None, step: int) -> tuple["MetricsWindow", int]:
-        """The window and the skipped-steps total saved with the checkpoint of ``step``."""
+    def from_meta(cls, meta: dict | None, step: int, metrics_like: Callable[[], Any]
+                  ) -> tuple["MetricsWindow", int]:
+        """The window and the skipped-steps total saved with the checkpoint of ``step``.
+        ``metrics_like()``: a tree of the metrics class the run's train step returns (e.g.
+        ``setup.train_metrics_shapes``); called only when a window was saved."""
         if not meta or meta.get("format") != META_FORMAT:
             return cls(step), 0
         skipped = int(meta.get("skipped_nonfinite_total", 0))
         w = meta.get("window")
         if not w:
             return cls(step), skipped
-        treedef = jax.tree.structure(steps_lib.TrainMetrics.empty())
+        treedef = jax.tree.structure(metrics_like())
         if treedef.num_leaves != len(w["leaves"]):  # the metrics changed since: restart the window
             logging.warning("The saved train-metrics window does not fit; starting a new one.")
             return cls(step), skipped

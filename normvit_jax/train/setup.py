@@ -122,6 +122,16 @@ def make_train_step(config: ml_collections.ConfigDict, model: nn.Module,
                                      extra_loss=aux_losses.ExtraLoss.from_config(config))
 
 
+def train_metrics_shapes(train_step: Callable, state: TrainState, batch_size: int,
+                         image_shape: tuple[int, ...]) -> Any:
+    """The metrics ``train_step`` (``make_train_step``) returns for ``state``: the run's own
+    metrics class (models with step-scheduled norms log more), its leaves as ShapeDtypeStructs.
+    Traced abstractly; nothing is compiled or run."""
+    batch = {"image": jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32),
+             "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
+    return jax.eval_shape(train_step, state, batch)[1]
+
+
 def jit_train_step(fn: Callable, state_sharding: Any, mesh: Mesh) -> Any:
     """The train step jitted over the mesh: batch split over all devices, state in its shardings
     (``abstract_train_state``) and donated; metrics replicated."""
