@@ -49,5 +49,4 @@ class RepBN(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         eta = self.param("eta", nn.initializers.constant(self.eta_init), (), jnp.float32)
-        y = self._bn(name="bn")(x, train=train).astype(jnp.float32) + eta * x.astype(jnp.float32)
-        return y.astype(x.dtype)
+        return self._bn(name="bn")(x, train=train, plus_identity=eta)  # one affine, eta in a
