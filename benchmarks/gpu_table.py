@@ -29,6 +29,7 @@ from normvit_jax.data import pipeline as pipeline_lib
 
 BEGIN, END = "<!-- gpu-table:begin -->", "<!-- gpu-table:end -->"
 N_NORMS = 21  # len(benchmarks.common.NORMS), not imported here (it imports jax): the timeout budget
+KERNEL_NORMS = "layernorm,batchnorm,repbn,progressive,zscore_repbn,zscore,dyt,derf"  # benchmarks.norm_kernels
 # The XLA GPU flags worth a try (docs/benchmarks.md); pass any of them with --xla_flags.
 GPU_FLAGS_TO_TRY = ("--xla_gpu_enable_latency_hiding_scheduler=true",
                     "--xla_gpu_enable_triton_gemm=false", "--xla_gpu_autotune_level=4")
@@ -91,6 +92,15 @@ def commands(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]
                     f"--isolate_dir={os.path.join(args.out, 'train_' + _slug(m))}", *common,
                     f"--json={j}"]
         out.append((f"train_{_slug(m)}", cmd, j, args.norm_timeout * n_norms + 120))
+    # each norm layer alone (forward+backward at the smallest model's activation): a norm's own
+    # cost, which the train step's matmuls hide
+    j = os.path.join(args.out, "norm_kernels.json")
+    kern = (["--model=Ti/4", "--batch=2", "--steps=1", "--warmup=0"] if args.tiny else
+            [f"--model={models[-1]}", f"--batch={args.batch}", f"--steps={args.steps}",
+             f"--warmup={args.warmup}"])
+    out.append(("norm_kernels", py + ["benchmarks.norm_kernels", f"--norm={KERNEL_NORMS}",
+                                      f"--dtype={args.dtype}", *kern, f"--json={j}"],
+                j, args.norm_timeout))
     aug_model = models[-1]  # the smallest (fastest) model: augmentation's largest share
     j = os.path.join(args.out, "augment.json")
     out.append(("augment", py + ["benchmarks.train_step", f"--model={aug_model}", "--norm=layernorm",
@@ -209,6 +219,14 @@ def render(results: dict[str, Any], failures: list[str], args: argparse.Namespac
             if res.get("torch_peak_gib") is not None:
                 lines.append(f"| {res['args']['model']} | peak GiB | jax {_f(res.get('jax_device_peak_gib'))}"
                              f" | torch {_f(res['torch_peak_gib'])} | |")
+    kern = results.get("norm_kernels")
+    if kern:
+        b, t, c = kern["shape"]
+        lines += ["", f"Each norm layer alone, activation ({b}, {t}, {c}) {kern['args']['dtype']} "
+                  "(`benchmarks.norm_kernels`; train: forward + backward + statistics, eval: "
+                  "forward):", "", "| mode | norm | ms | ratio to LN |", "|---|---|---|---|"]
+        lines += [f"| {r['mode']} | {r['norm']} | {r['ms']} | {r['ratio_to_ln']} |"
+                  for r in kern["rows"]]
     aug = results.get("augment")
     if aug:
         lines += ["", f"On-device augmentation in the train step ({aug['args']['model']}, LayerNorm; "

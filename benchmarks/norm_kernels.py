@@ -2,6 +2,7 @@
 
     python -m benchmarks.norm_kernels --model=S/16 --batch=64 --dtype=bfloat16
     python -m benchmarks.norm_kernels --norm=layernorm,batchnorm,repbn,progressive --batch=256
+    python -m benchmarks.norm_kernels --norm=all --xla_preset=default   # main.py's XLA flags
 
 The activation is (batch, tokens, width) of the model preset at its default image size (S/16 at
 224 px: 197 tokens x 384); every norm gets the same random input and output cotangent. One timed
@@ -37,6 +38,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=list(common.DTYPES))
     p.add_argument("--steps", type=int, default=10, help="timed rounds")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
+                   help="XLA flags (benchmarks/xla_flags.py); 'default' is what main.py runs with")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args(argv)
 

@@ -3,7 +3,10 @@
 lam * LayerNorm(x) + (1 - lam) * RepBN(x), lam from r0 down to 0 over ``decay_steps`` global train
 steps after ``warmup_steps`` (norms/progressive.py); evaluation uses RepBN alone, which folds.
 ``:demo`` decays over 700 of the demo's 880 steps (80%, as the reference's 300,000 of ~375,000).
-Preset ``:slab_deit_s``: SLAB's DeiT-S (published 80.2%, LN 79.8%), its Swin-based recipe.
+Preset ``:slab_deit_s``: SLAB's DeiT-S, its Swin-based recipe. Published top-1: 80.2%
+(xinghaochen/SLAB @0f2a9ed README.md, Checkpoints: ``deit_s_prepbn``); its LayerNorm counterpart
+DeiT-small 79.9% (facebookresearch/deit @4da6691 README_deit.md, Model Zoo; the DeiT paper's
+table prints 79.8).
 """
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 into the next Dense at inference (``python -m normvit_jax.reparam``).
 
 Variants as vit_ln.py (``:demo`` etc.). Preset ``:slab_deit_t``: SLAB's DeiT-T with RepBN in every
-slot from the start (published 73.6%, LN 72.2%), its Swin-based recipe (configs/recipes.py).
+slot from the start, its Swin-based recipe (configs/recipes.py). Published top-1: 73.6%
+(xinghaochen/SLAB @0f2a9ed README.md, Checkpoints: ``deit_t_prepbn``, whose model
+``deit_tiny_patch16_224_repbn`` in classification/models/deit.py uses RepBN as its norm_layer);
+its LayerNorm counterpart DeiT-tiny 72.2% (facebookresearch/deit @4da6691 README_deit.md, Model Zoo).
 """
 from __future__ import annotations
 

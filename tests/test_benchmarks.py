@@ -84,7 +84,8 @@ def test_gpu_table_dry_run_lists_the_commands(capsys):
     assert "benchmarks.input_pipeline --cores=1" in text
     assert "--norm=layernorm --augment=none,randaugment,deit" in text
     assert "benchmarks.input_pipeline --datasets=imagenet2012 --batch=256" in text
-    assert len(res["commands"]) == 7
+    assert "benchmarks.norm_kernels --norm=layernorm,batchnorm,repbn,progressive" in text
+    assert len(res["commands"]) == 8
 
 
 def test_gpu_table_tiny_writes_the_table_between_markers(tmp_path):
@@ -99,6 +100,8 @@ def test_gpu_table_tiny_writes_the_table_between_markers(tmp_path):
     assert "Host input pipeline" in text and "| 1 |" in text  # 1 core, headroom vs the LN step
     assert "| layernorm+deit |" in text and "| layernorm+randaugment |" in text
     assert "time the step waited for data" in text
+    assert "Each norm layer alone, activation (2, 65, 192)" in text
+    assert "| train | repbn |" in text and "| eval | progressive |" in text
     assert (tmp_path / "out" / "gpu_table.md").read_text().strip() == res["markdown"]
 
 
@@ -214,3 +217,4 @@ def test_prepare_rate_times_a_jpeg_folder():
 def test_gpu_table_timeout_budget_counts_every_norm():
     from benchmarks import common, gpu_table
     assert gpu_table.N_NORMS == len(common.NORMS)
+    assert set(gpu_table.KERNEL_NORMS.split(",")) <= set(common.NORMS)
