@@ -245,6 +245,25 @@ def test_batchnorm_stats_group_size():
     assert_rel(upd["batch_stats"]["mean"], 0.1 * group_means, what="running mean of group means")
 
 
+def test_batchnorm_one_pass_variance_with_large_channel_means():
+    """Both moments come from one pass, shifted by the running mean: with channel means 1000x the
+    standard deviation (E[x^2] - E[x]^2 would lose every digit in float32 unshifted), a running
+    mean within a few standard deviations of the batch mean gives the float64 result."""
+    rng = np.random.default_rng(3)
+    offset = rng.uniform(500.0, 1500.0, size=6)
+    x = (rng.normal(size=(4, 7, 6)) + offset).astype(np.float32)
+    module = build("batchnorm", dim=6)
+    v = jit_init(module, x, True)
+    stats = {"mean": jnp.asarray(offset + rng.normal(scale=3.0, size=6), jnp.float32),
+             "var": v["batch_stats"]["var"]}
+    y, upd = module.apply({**v, "batch_stats": stats}, jnp.asarray(x), train=True,
+                          mutable=["batch_stats"])
+    ref = ref_batchnorm_train(x.astype(np.float64), np_params(v["params"]))
+    assert_rel(y, ref, tol=1e-4, what="forward with channel means ~1000 std")
+    var64 = x.reshape(-1, 6).astype(np.float64).var(0)
+    assert_rel(upd["batch_stats"]["var"], 0.9 + 0.1 * var64, tol=1e-5, what="running var")
+
+
 # ---------------------------------------------------------------- Rescale
 def test_rescale_forward_grads_and_state():
     module = build("rescale", dim=4)

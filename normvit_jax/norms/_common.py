@@ -45,21 +45,20 @@ def check_options(norm_name: str, opts: Mapping[str, Any], cls: type) -> None:
             f"Unknown option(s) {unknown} for norm {norm_name!r}; accepted: {sorted(accepted)}")
 
 
-def as_groups(x: jax.Array, group_size: int | None, norm_name: str,
-              keep_tokens: bool = False) -> jax.Array:
-    """(B, T, C) -> (G, B/G * T, C) in float32: G ghost groups of ``group_size`` samples, or with
-    ``keep_tokens`` (G, B/G, T, C), whose statistics are reduced over axes (1, 2).
+def as_groups(x: jax.Array, group_size: int | None, norm_name: str) -> jax.Array:
+    """(B, T, C) -> (G, B/G, T, C) in float32: G ghost groups of ``group_size`` samples, whose
+    statistics are reduced over axes (1, 2). Samples and tokens stay two axes: reduced as one
+    flattened axis, XLA:CPU's reduction is ~10x slower (benchmarks/norm_kernels.py).
 
     ``group_size`` None gives one group over the whole (possibly sharded) batch: under a sharded
     jit a mean over the group's axes is then the global, synchronised statistic.
     """
     b, t, c = x.shape
-    x = x.astype(jnp.float32)
     if group_size is not None and group_size < b and b % group_size:
         raise ValueError(f"norm {norm_name!r}: stats_group_size={group_size} does not divide the "
                          f"batch size {b}; accepted: a divisor of the batch size, or None")
     g = 1 if group_size is None or group_size >= b else b // group_size
-    return x.reshape(g, b // g, t, c) if keep_tokens else x.reshape(g, b // g * t, c)
+    return x.astype(jnp.float32).reshape(g, b // g, t, c)
 
 
 def check_group_size(norm_name: str, value: Any) -> None:

@@ -60,9 +60,7 @@ class BatchNorm(nn.Module):
             a = jax.lax.rsqrt(ra_var.value + self.epsilon) * scale
             y = x.astype(jnp.float32) * (a + plus_identity) + (bias - ra_mean.value * a)
             return y.astype(x.dtype)
-        # (G, B/G, T, C): samples and tokens are reduced as two axes; flattened into one,
-        # XLA:CPU's reduction is ~15x slower (benchmarks/norm_kernels.py).
-        xg = as_groups(x, self.stats_group_size, "batchnorm", keep_tokens=True)
+        xg = as_groups(x, self.stats_group_size, "batchnorm")  # (G, B/G, T, C)
         # One pass for both moments (sibling reductions of the same input), shifted by the
         # running mean so that E[d^2] - E[d]^2 does not cancel when |mean| >> std; the shift
         # is a constant (no gradient), so the statistics and their gradients are unchanged.
