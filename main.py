@@ -64,7 +64,8 @@ def resolve_config_arg(argv):
                       f"first, e.g. python main.py --config=configs/vit_ln.py:demo "
                       f"--workdir={workdir}", file=sys.stderr)
                 sys.exit(cli.EXIT_CONFIG)
-            return argv + [f"--config={RUN_CONFIG}:{workdir}"]
+            # Before any --config.* override: absl refuses an override ahead of its --config.
+            return argv[:1] + [f"--config={RUN_CONFIG}:{workdir}"] + argv[1:]
         return argv
     path = spec.split(":", 1)[0] if not spec.startswith("gs://") else spec
     if path.endswith(".py"):

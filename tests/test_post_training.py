@@ -73,6 +73,11 @@ def test_eval_takes_the_runs_own_config_by_default_or_as_config_json(run):
     assert r.returncode == cli.EXIT_OK, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert (result["step"], result["split"], result["metrics"]["num_examples"]) == (3, "train", 1442)
+    # Without --config, --config.* overrides apply to the run's own config (README: Evaluation).
+    r = _main("--mode=eval", f"--workdir={run}", "--config.data.eval_split=train")
+    assert r.returncode == cli.EXIT_OK, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (result["step"], result["split"], result["metrics"]["num_examples"]) == (6, "train", 1442)
 
 
 def test_a_config_that_is_not_one_and_a_missing_run_are_one_line_exit_2(tmp_path):
