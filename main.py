@@ -20,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from normvit_jax import cli, config_paths  # noqa: E402
+from normvit_jax import cli, config_paths, tool_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vit_ln.py:demo; or a "
@@ -81,7 +81,8 @@ def parse_flags(argv):
     """absl's parser, with a short message instead of a traceback for a bad --config override.
     Keys inside dict-valued fields (``--config.model.norm_overrides.block_1.name=rmsnorm``) and
     ``=None`` are set after it (normvit_jax/config_paths.py)."""
-    argv, paths = config_paths.split(resolve_config_arg(list(argv)))
+    # --workdir=~/runs, --config.data.data_dir=~/tfds: ~ as the shell expands it after a space.
+    argv, paths = config_paths.split(resolve_config_arg(tool_flags.expand_home(argv)))
     sys.argv = list(argv)  # config_flags reads the overrides from sys.argv
     try:
         rest = FLAGS(argv)

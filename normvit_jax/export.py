@@ -121,5 +121,7 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    from normvit_jax import tool_flags
     define_flags()
+    sys.argv = tool_flags.expand_home(sys.argv)  # --out=~/model.npz: ~ as after a space
     app.run(main)

@@ -9,7 +9,23 @@ project's CLI contract for bad input: one line on stderr naming the flag, exit 2
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import sys
 from typing import NoReturn, Sequence
+
+_HOME_VALUE = re.compile(r"^(--[^=]+=)(~[^/]*(?:/.*)?)$")
+
+
+def expand_home(argv: Sequence[str]) -> list[str]:
+    """``--flag=~/path`` as ``--flag=$HOME/path``: the shell expands a leading ``~`` in
+    ``--flag ~/path`` but not after ``=``, so ``--src=~/photos`` would reach a tool as a path
+    relative to the current directory. Other arguments are returned as given."""
+    out = []
+    for a in argv:
+        m = _HOME_VALUE.match(a)
+        out.append(m.group(1) + os.path.expanduser(m.group(2)) if m else a)
+    return out
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -32,8 +48,10 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:
-        """Positional arguments may sit between flags (``report a --out=o b``)."""
-        return self.parse_intermixed_args(args, namespace)
+        """Positional arguments may sit between flags (``report a --out=o b``); ``--flag=~/x``
+        means ``$HOME/x`` (expand_home)."""
+        return self.parse_intermixed_args(expand_home(sys.argv[1:] if args is None else args),
+                                          namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")

@@ -105,3 +105,26 @@ def test_parsers_with_the_same_flags_are_independent():
     assert a.parse_args(["--workdir=w", "--batch=7"]).batch == 7
     assert b.parse_args(["--workdir=w"]).batch == 2
     assert a.parse_args(["--workdir=w"]).batch == 1  # no value kept from the first parse
+
+
+def test_a_home_path_after_equals_is_expanded_as_the_shell_expands_it_after_a_space(
+        monkeypatch, tmp_path):
+    """bash leaves ``--src=~/photos`` as typed; the README's commands write it that way."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    argv = ["prog", "--src=~/photos", "--data_dir=~", "--config.data.data_dir=~/tfds", "~/pos",
+            "--name=a~b", "--tag=~nosuchuser_x/y", "--scan"]
+    assert tool_flags.expand_home(argv) == [
+        "prog", f"--src={tmp_path}/photos", f"--data_dir={tmp_path}",
+        f"--config.data.data_dir={tmp_path}/tfds", "~/pos", "--name=a~b", "--tag=~nosuchuser_x/y",
+        "--scan"]
+    assert _parser().parse_args(["--workdir=~/runs/a"]).workdir == f"{tmp_path}/runs/a"
+    assert _parser().parse_args(["--workdir", "runs/~a"]).workdir == "runs/~a"
+
+
+def test_main_py_expands_a_home_workdir(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HOME": str(tmp_path),
+           "TF_CPP_MIN_LOG_LEVEL": "2"}
+    r = subprocess.run([sys.executable, "main.py", "--mode=eval", "--workdir=~/none"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"error: {tmp_path}/none holds no run to evaluate" in r.stderr, r.stderr[-2000:]
