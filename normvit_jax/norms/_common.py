@@ -46,38 +46,22 @@ def check_options(norm_name: str, opts: Mapping[str, Any], cls: type) -> None:
 
 
 def as_groups(x: jax.Array, group_size: int | None, norm_name: str) -> jax.Array:
-    """(B, T, C) -> (G, B/G * T, C) in float32: G ghost groups of ``group_size`` samples.
+    """(B, T, C) -> (G, B/G, T, C) in float32: G ghost groups of ``group_size`` samples, whose
+    statistics are reduced over axes (1, 2). Samples and tokens stay two axes: with XLA:CPU's
+    default flags (main.py's) a reduction over one flattened (1, B*T, C) axis is ~10x slower per
+    layer, and a (B*T, C) array is still slow for BatchNorm; with the benchmarks' tuned flags
+    (YNNPACK off) the flattened form is ~2x faster instead (benchmarks/norm_kernels.py,
+    docs/norms.md). main.py's flags decide.
 
     ``group_size`` None gives one group over the whole (possibly sharded) batch: under a sharded
-    jit a mean over axis 1 is then the global, synchronised statistic. Reduce it with
-    ``group_mean`` / ``channel_mean`` / ``channel_sum``.
+    jit a mean over the group's axes is then the global, synchronised statistic.
     """
     b, t, c = x.shape
     if group_size is not None and group_size < b and b % group_size:
         raise ValueError(f"norm {norm_name!r}: stats_group_size={group_size} does not divide the "
                          f"batch size {b}; accepted: a divisor of the batch size, or None")
     g = 1 if group_size is None or group_size >= b else b // group_size
-    return x.astype(jnp.float32).reshape(g, b // g * t, c)
-
-
-# XLA:CPU's default reduction (YNNPACK) runs a (1, n, C) -> (1, 1, C) mean ~10x slower than the
-# same mean of an (n, C) array, and with YNNPACK off (benchmarks' tuned flags) a (1, B, T, C)
-# layout is slower instead; (n, C) is fast under both (benchmarks/norm_kernels.py, docs/norms.md).
-def group_mean(v: jax.Array) -> jax.Array:
-    """(G, n, C) -> (G, 1, C): each group's mean over its n rows."""
-    if v.shape[0] == 1:
-        return jnp.mean(v.reshape(v.shape[1:]), axis=0).reshape(1, 1, -1)
-    return jnp.mean(v, axis=1, keepdims=True)
-
-
-def channel_mean(v: jax.Array) -> jax.Array:
-    """(..., C) -> (C,): the mean over every axis but the channels."""
-    return jnp.mean(v.reshape(-1, v.shape[-1]), axis=0)
-
-
-def channel_sum(v: jax.Array) -> jax.Array:
-    """(..., C) -> (C,): the sum over every axis but the channels."""
-    return jnp.sum(v.reshape(-1, v.shape[-1]), axis=0)
+    return x.astype(jnp.float32).reshape(g, b // g, t, c)
 
 
 def check_group_size(norm_name: str, value: Any) -> None:

@@ -7,8 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import (NormContext, as_groups, channel_mean, check_group_size,
-                                       group_mean, updating)
+from normvit_jax.norms._common import (NormContext, as_groups, check_group_size,
+                                       updating)
 
 
 class BatchNorm(nn.Module):
@@ -60,24 +60,24 @@ class BatchNorm(nn.Module):
             a = jax.lax.rsqrt(ra_var.value + self.epsilon) * scale
             y = x.astype(jnp.float32) * (a + plus_identity) + (bias - ra_mean.value * a)
             return y.astype(x.dtype)
-        xg = as_groups(x, self.stats_group_size, "batchnorm")  # (G, n, C)
+        xg = as_groups(x, self.stats_group_size, "batchnorm")  # (G, B/G, T, C)
         # One pass for both moments (sibling reductions of the same input), shifted by the
         # running mean so that E[d^2] - E[d]^2 does not cancel when |mean| >> std; the shift
         # is a constant (no gradient), so the statistics and their gradients are unchanged.
         shift = jax.lax.stop_gradient(ra_mean.value)
         d = xg - shift
-        m1 = group_mean(d)
-        var = jnp.maximum(group_mean(jnp.square(d)) - jnp.square(m1), 0.0)
+        m1 = jnp.mean(d, axis=(1, 2), keepdims=True)
+        var = jnp.maximum(jnp.mean(jnp.square(d), axis=(1, 2), keepdims=True) - jnp.square(m1), 0.0)
         mean = m1 + shift
         a = jax.lax.rsqrt(var + self.epsilon) * scale
         y = (xg * (a + plus_identity) + (bias - mean * a)).reshape(b, t, c)
         if updating(self, train):
-            n = xg.shape[1]
-            store_var = channel_mean(var)
+            n = xg.shape[1] * t  # samples per group x tokens
+            store_var = jnp.mean(var, axis=(0, 1, 2))
             if self.unbiased_running_var:
                 store_var = store_var * (n / max(n - 1, 1))
             m = self.momentum
             ra_mean.value = m * ra_mean.value + (1 - m) * jax.lax.stop_gradient(
-                channel_mean(mean))
+                jnp.mean(mean, axis=(0, 1, 2)))
             ra_var.value = m * ra_var.value + (1 - m) * jax.lax.stop_gradient(store_var)
         return y.astype(x.dtype)

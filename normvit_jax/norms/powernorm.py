@@ -12,16 +12,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import (NormContext, as_groups, channel_mean, channel_sum,
-                                       check_group_size, group_mean, group_rms_scale,
-                                       resolve_groups, updating)
+from normvit_jax.norms._common import (NormContext, as_groups, check_group_size,
+                                       group_rms_scale, resolve_groups, updating)
 
 BACKWARDS = ("reference", "dtn")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def power_core(x, gamma, beta, ema_gz, inv_fwd, inv_bwd, alpha_bkw: float):
-    """y = gamma * x * inv_fwd + beta on grouped tokens x (G, n, C); inv_* broadcast (G|1, 1, C)."""
+    """y = gamma * x * inv_fwd + beta on grouped tokens x (G, B/G, T, C); inv_* broadcast
+    (G|1, 1, 1, C)."""
     return gamma * (x * inv_fwd) + beta
 
 
@@ -34,9 +34,9 @@ def _power_bwd(alpha_bkw, res, dy):
     z, gamma, ema_gz, inv_fwd, inv_bwd = res
     g_hat = dy * gamma - (1.0 - alpha_bkw) * ema_gz * z
     # ema_gz is an accumulating sum (not an EMA) of mean(g_hat * z) over all tokens.
-    increment = channel_mean(g_hat * z)
+    increment = jnp.mean(g_hat * z, axis=(0, 1, 2))
     dx = g_hat * inv_bwd  # the dependence of the statistic on x is what ema_gz approximates
-    return (dx, channel_sum(dy * z), channel_sum(dy), increment,
+    return (dx, jnp.sum(dy * z, axis=(0, 1, 2)), jnp.sum(dy, axis=(0, 1, 2)), increment,
             jnp.zeros_like(inv_fwd), jnp.zeros_like(inv_bwd))
 
 
@@ -85,9 +85,9 @@ class PowerNorm(nn.Module):
         xs = group_rms_scale(x.astype(jnp.float32), self.groups, self.group_epsilon)
         if not train:
             return (gamma * xs * jax.lax.rsqrt(phi.value + self.epsilon) + beta).astype(x.dtype)
-        xg = as_groups(xs, self.stats_group_size, "powernorm")  # (G, n, C)
-        psi2 = jax.lax.stop_gradient(group_mean(jnp.square(xg)))
-        psi2_all = channel_mean(psi2)
+        xg = as_groups(xs, self.stats_group_size, "powernorm")  # (G, B/G, T, C)
+        psi2 = jax.lax.stop_gradient(jnp.mean(jnp.square(xg), axis=(1, 2), keepdims=True))
+        psi2_all = jnp.mean(psi2, axis=(0, 1, 2))
         t = jax.lax.stop_gradient(step.value) + 1  # 1-based, as the reference's incremented iters
         phi_old = jax.lax.stop_gradient(phi.value)
         inv_batch = jax.lax.rsqrt(psi2 + self.epsilon)

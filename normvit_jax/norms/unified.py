@@ -13,14 +13,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import (NormContext, as_groups, channel_mean, channel_sum,
-                                       check_group_size, group_mean, updating)
+from normvit_jax.norms._common import (NormContext, as_groups, check_group_size,
+                                       updating)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
 def un_core(x, gamma, beta, ema_gz, buffer_gz, inv, r, t, skip, window_bp: int, warmup: int,
             momentum: float):
-    """y = gamma * x * inv + beta on grouped tokens x (G, n, C). r only shapes the backward."""
+    """y = gamma * x * inv + beta on grouped tokens x (G, B/G, T, C). r only shapes the backward."""
     return gamma * (x * inv) + beta
 
 
@@ -32,15 +32,15 @@ def _un_fwd(x, gamma, beta, ema_gz, buffer_gz, inv, r, t, skip, window_bp, warmu
 def _un_bwd(window_bp, warmup, momentum, res, dy):
     z, gamma, ema_gz, buffer_gz, inv, r, t, skip = res
     g = dy * gamma * r
-    gz = group_mean(g * z)  # (G, 1, C)
-    gz_all = channel_mean(gz)
+    gz = jnp.mean(g * z, axis=(1, 2), keepdims=True)  # (G, 1, 1, C)
+    gz_all = jnp.mean(gz, axis=(0, 1, 2))
     # On a skip the window slot gets the OLD ema_gz, not this step's gz.
     new_buffer = buffer_gz.at[t.astype(jnp.int32) % window_bp].set(jnp.where(skip, ema_gz, gz_all))
     plain = (t <= window_bp) | (t < warmup) | skip
     mean_gz = jnp.where(plain, gz, jnp.mean(new_buffer, axis=0))
-    new_ema = momentum * ema_gz + (1 - momentum) * channel_mean(mean_gz)
+    new_ema = momentum * ema_gz + (1 - momentum) * jnp.mean(mean_gz, axis=(0, 1, 2))
     g_hat = g - jnp.where(skip, mean_gz, new_ema) * z
-    return (g_hat * inv, channel_sum(dy * r * z), channel_sum(dy),
+    return (g_hat * inv, jnp.sum(dy * r * z, axis=(0, 1, 2)), jnp.sum(dy, axis=(0, 1, 2)),
             new_ema - ema_gz, new_buffer - buffer_gz, jnp.zeros_like(inv), jnp.zeros_like(r),
             jnp.zeros_like(t), None)
 
@@ -100,8 +100,8 @@ class UnifiedNorm(nn.Module):
             y = gamma * x.astype(jnp.float32) * jax.lax.rsqrt(running_var.value + self.epsilon)
             return (y + beta).astype(x.dtype)
         sg = jax.lax.stop_gradient
-        xg = as_groups(x, self.stats_group_size, "unified")  # (G, n, C)
-        s = sg(group_mean(jnp.square(xg)))  # (G, 1, C), no centring
+        xg = as_groups(x, self.stats_group_size, "unified")  # (G, B/G, T, C)
+        s = sg(jnp.mean(jnp.square(xg), axis=(1, 2), keepdims=True))  # (G, 1, 1, C), no centring
         t = sg(step.value) + 1  # 1-based, as the reference's incremented iters
         rv = sg(running_var.value)
         buf = sg(buffer_x2.value)
@@ -109,7 +109,7 @@ class UnifiedNorm(nn.Module):
         # before this step's statistic enters the window.
         sigma_rec = jnp.var(jnp.sqrt(buf), ddof=1) if wf * c > 1 else jnp.zeros(())
         slot = t.astype(jnp.int32) % wf
-        buf = buf.at[slot].set(channel_mean(s))
+        buf = buf.at[slot].set(jnp.mean(s, axis=(0, 1, 2)))
         skip = jnp.asarray(wf == 1)  # a window of 1: every step counts as a skip
         outlier = jnp.asarray(False)
         if self.outlier_filtration:
@@ -127,6 +127,7 @@ class UnifiedNorm(nn.Module):
         if updating(self, train):
             step.value = t
             buffer_x2.value = buf
-            running_var.value = self.momentum * rv + (1 - self.momentum) * channel_mean(var)
+            running_var.value = (self.momentum * rv
+                                 + (1 - self.momentum) * jnp.mean(var, axis=(0, 1, 2)))
             skips.value = sg(skips.value) + outlier.astype(jnp.float32)
         return y.reshape(b, t_len, c).astype(x.dtype)
