@@ -161,10 +161,7 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         raise ValueError("no run could be read: " + "; ".join(f"{w}: {why}" for w, why in skipped))
     for w, why in skipped:
         _skip(w, why)
-    methods = [r["method"] for r in rows]
-    if reference is not None:
-        convergence.check_reference(reference, methods, {r["method"]: r["label"] for r in rows})
-    conv = _convergence(rows, summaries, reference, target)
+    conv = _convergence(rows, summaries, reference, target)  # raises before anything is written
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, "report.md"), os.path.join(out, "report.json")]
     section = _convergence_section(conv, rows, out, paths)
@@ -174,7 +171,7 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
                 + "\n## Convergence\n\n" + section)
     with open(paths[1], "w") as f:
         json.dump(rows, f, indent=2)
-    dup = len(set(methods)) < len(rows)
+    dup = len({r["method"] for r in rows}) < len(rows)
     curves = [(f"{r['label']} ({r['run']})" if dup else r["label"], colors.color(r["method"]),
                summaries[w].scalars) for r, w in zip(rows, workdirs)]
     for x, name in (("step", "curves_steps.png"), ("elapsed", "curves_wall.png")):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -96,7 +97,6 @@ def updating(module: Any, train: bool) -> bool:
 def channel_affine(module: Any, y: jax.Array) -> jax.Array:
     """y * scale + bias with per-channel float32 parameters 'scale' (ones) and 'bias' (zeros),
     created in ``module`` (called from its compact ``__call__``); the part that folds."""
-    import flax.linen as nn
     c = y.shape[-1]
     y = y * module.param("scale", nn.initializers.ones, (c,), jnp.float32)
     return y + module.param("bias", nn.initializers.zeros, (c,), jnp.float32)
