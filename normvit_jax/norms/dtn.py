@@ -7,17 +7,20 @@ it is computed once per call and the IN statistics of the whole batch are one ei
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from normvit_jax.norms import dtn_moments
 from normvit_jax.norms._common import NormContext, group_rms_scale, resolve_groups
 
 POSITION_INITS = ("reference", "local")
+MOMENTS_DTYPES = (None, "float32", "bfloat16", "float16")
 
 
 def relative_offsets(side: int) -> np.ndarray:
@@ -54,7 +57,10 @@ class DTN(nn.Module):
     mix_mean (False: the reference's 'dtn_var', mu = mu_LN), ln_unbiased (reference: True),
     position_init ('reference' = near-uniform after the released ViT's re-init, or 'local'),
     locality_strength, pool_size (14: grids above 14 that are multiples of it are average-pooled
-    to it for the IN statistics as the reference does; None: always exact).
+    to it for the IN statistics as the reference does; None: always exact), moments_dtype (None:
+    the input's dtype; the IN moments' matmul operands, accumulated in float32: 'float32' is exact
+    float32, 'bfloat16'/'float16' run on a GPU's or TPU's matrix units), recompute (None: when the
+    moments are half precision; True: the backward recomputes the forward and keeps only the input).
 
     Prefix (class) tokens get plain LN statistics; the reference instead keeps the class token out
     of its DTN blocks (``model.cls_token_at_block``).
@@ -71,6 +77,8 @@ class DTN(nn.Module):
     position_init: str = "reference"
     locality_strength: float = 1.0
     pool_size: int | None = 14
+    moments_dtype: str | None = None
+    recompute: bool | None = None
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
@@ -87,6 +95,13 @@ class DTN(nn.Module):
         if pool is not None and (not isinstance(pool, int) or pool < 1):
             raise ValueError(f"norm {norm_name!r}: pool_size={pool!r} is not accepted; accepted: "
                              "None or a positive int")
+        if opts.get("moments_dtype") not in MOMENTS_DTYPES:
+            raise ValueError(f"norm {norm_name!r}: moments_dtype={opts['moments_dtype']!r} is not "
+                             f"accepted; accepted: {list(MOMENTS_DTYPES)}")
+        if opts.get("recompute") is not None and not isinstance(opts["recompute"], bool):
+            raise ValueError(f"norm {norm_name!r}: recompute={opts['recompute']!r} is not "
+                             "accepted; accepted: None (on when the moments are half precision), "
+                             "True or False")
         return cls(grid=tuple(ctx.grid), num_prefix_tokens=ctx.num_prefix_tokens, name=name, **opts)
 
     def _stat_side(self) -> int:
@@ -103,53 +118,92 @@ class DTN(nn.Module):
             raise ValueError(f"norm 'dtn': got {t} tokens, but grid={self.grid} with "
                              f"num_prefix_tokens={pre} needs {pre + side * side}; accepted: "
                              "prefix tokens followed by the row-major patch grid")
-        scale = self.param("scale", nn.initializers.ones, (c,), jnp.float32)
-        bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
-        kernel = self.param("pos_proj", position_init(h, self.position_init == "local",
-                                                      self.locality_strength), (3, h), jnp.float32)
-        var_gate = jax.nn.sigmoid(self.param("var_gate", nn.initializers.zeros, (h,), jnp.float32))
-        xs = group_rms_scale(x.astype(jnp.float32), h, self.epsilon)  # per-head RMS pre-scaling
-        mu_ln = jnp.mean(xs, axis=-1, keepdims=True)
-        var_ln = jnp.sum(jnp.square(xs - mu_ln), -1, keepdims=True) / (c - 1 if self.ln_unbiased else c)
-
-        # Position-aware IN statistics, once per call: P (H, N_src, N_tgt), softmax over sources.
-        s = self._stat_side()
-        k = side // s
-        logits = jnp.einsum("ijd,dh->hij", jnp.asarray(relative_offsets(s)), kernel,
-                            precision=jax.lax.Precision.HIGHEST)
-        p = jax.nn.softmax(logits, axis=1)
-        patches = xs[:, pre:]
-        if k > 1:  # the reference's average pooling to s x s (statistics of the pooled tokens)
-            patches = patches.reshape(b, s, k, s, k, c).mean(axis=(2, 4)).reshape(b, s * s, c)
-        # Shift by the token mean first (P sums to 1 over sources, so the variance is unchanged):
-        # E[x^2] - E[x]^2 then cancels far less in float32.
-        # The shift cancels exactly (in value and gradient), so no gradient flows through it.
-        shift = jax.lax.stop_gradient(jnp.mean(patches, axis=1, keepdims=True))
-        ph = (patches - shift).reshape(b, s * s, h, c // h)
-        moments = jnp.einsum("bshc,hst->bthc", jnp.concatenate([ph, ph * ph], -1), p,
-                             precision=jax.lax.Precision.HIGHEST)
-        mu_in, m2_in = jnp.split(moments, 2, axis=-1)
-        var_in = m2_in - jnp.square(mu_in)
-        mu_in = mu_in + shift.reshape(b, 1, h, c // h)
-        if k > 1:  # each pooled cell's statistics repeated over its k x k block
-            up = lambda a: jnp.repeat(jnp.repeat(a.reshape(b, s, s, c), k, 1), k, 2)
-            mu_in, var_in = up(mu_in), up(var_in)
-        mu_in, var_in = mu_in.reshape(b, side * side, c), var_in.reshape(b, side * side, c)
-
-        per_channel = lambda gate: jnp.repeat(gate, c // h)
-        lam_var = per_channel(var_gate)
-        var = lam_var * var_ln[:, pre:] + (1 - lam_var) * var_in
+        params = {
+            "scale": self.param("scale", nn.initializers.ones, (c,), jnp.float32),
+            "bias": self.param("bias", nn.initializers.zeros, (c,), jnp.float32),
+            "pos_proj": self.param("pos_proj", position_init(h, self.position_init == "local",
+                                                             self.locality_strength),
+                                   (3, h), jnp.float32),
+            "var_gate": self.param("var_gate", nn.initializers.zeros, (h,), jnp.float32)}
         if self.mix_mean:
-            mean_gate = self.param("mean_gate", nn.initializers.zeros, (h,), jnp.float32)
-            lam_mu = per_channel(jax.nn.sigmoid(mean_gate))
-            mu = lam_mu * mu_ln[:, pre:] + (1 - lam_mu) * mu_in
-        else:
-            mu = jnp.broadcast_to(mu_ln[:, pre:], var.shape)
-        if pre:  # class token: plain LN statistics
-            mu = jnp.concatenate([jnp.broadcast_to(mu_ln[:, :pre], (b, pre, c)), mu], axis=1)
-            var = jnp.concatenate([jnp.broadcast_to(var_ln[:, :pre], (b, pre, c)), var], axis=1)
-        y = (xs - mu) * jax.lax.rsqrt(var + self.epsilon)
-        return (y * scale + bias).astype(x.dtype)
+            params["mean_gate"] = self.param("mean_gate", nn.initializers.zeros, (h,), jnp.float32)
+        moments_dtype = jnp.dtype(self.moments_dtype or x.dtype)
+        if moments_dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+            moments_dtype = jnp.dtype(jnp.float32)
+        recompute = self.recompute
+        if recompute is None:  # half-precision training: memory matters more than a second forward
+            recompute = moments_dtype != jnp.float32
+        cfg = _Static(side, pre, h, self._stat_side(), self.epsilon, self.ln_unbiased,
+                      self.mix_mean, moments_dtype)
+        fn = functools.partial(_dtn, cfg=cfg)
+        # Recomputed in the backward, DTN keeps only its input (as LayerNorm): its float32
+        # per-channel statistics would otherwise stay alive from the forward to the backward.
+        return (jax.checkpoint(fn) if recompute else fn)(x, params)
+
+
+class _Static(NamedTuple):
+    side: int
+    pre: int
+    heads: int
+    stat_side: int
+    epsilon: float
+    ln_unbiased: bool
+    mix_mean: bool
+    moments_dtype: Any
+
+
+def _dtn(x: jax.Array, params: Mapping[str, jax.Array], cfg: _Static) -> jax.Array:
+    """The DTN function of ``x`` (B, T, C) given its parameters; ``cfg`` holds the static options."""
+    b, t, c = x.shape
+    side, pre, h = cfg.side, cfg.pre, cfg.heads
+    d = c // h
+    xs = group_rms_scale(x.astype(jnp.float32), h, cfg.epsilon)  # per-head RMS pre-scaling
+    mu_ln = jnp.mean(xs, axis=-1, keepdims=True)
+    var_ln = jnp.sum(jnp.square(xs - mu_ln), -1, keepdims=True) / (c - 1 if cfg.ln_unbiased else c)
+
+    # Position-aware IN statistics, once per call: P (H, N_src, N_tgt), softmax over sources.
+    s = cfg.stat_side
+    k = side // s
+    logits = jnp.einsum("ijd,dh->hij", jnp.asarray(relative_offsets(s)), params["pos_proj"],
+                        precision=jax.lax.Precision.HIGHEST)
+    p = jax.nn.softmax(logits, axis=1)
+    patches = xs[:, pre:]
+    if k > 1:  # the reference's average pooling to s x s (statistics of the pooled tokens)
+        patches = patches.reshape(b, s, k, s, k, c).mean(axis=(2, 4)).reshape(b, s * s, c)
+    # Shift by the token mean first (P sums to 1 over sources, so the variance is unchanged):
+    # E[x^2] - E[x]^2 then cancels far less, in float32 and more so in bfloat16.
+    # The shift cancels exactly (in value and gradient), so no gradient flows through it.
+    # The squares are shifted by their token mean too: both matmul operands are then centred,
+    # which is what keeps bfloat16 operands accurate (their rounding is relative to the values)
+    # and the softmax's backward of dP, which subtracts dP's mean, free of a large common part.
+    shift = jax.lax.stop_gradient(jnp.mean(patches, axis=1, keepdims=True))
+    ph = (patches - shift).reshape(b, s * s, h, d)
+    sq = jnp.square(ph)
+    sq_shift = jax.lax.stop_gradient(jnp.mean(sq, axis=1, keepdims=True))
+    moments = dtn_moments.in_moments(jnp.concatenate([ph, sq - sq_shift], -1), p,
+                                     cfg.moments_dtype)
+    mu_in, m2_in = jnp.split(moments, 2, axis=-1)
+    m2_in = m2_in + sq_shift
+    var_in = jnp.maximum(m2_in - jnp.square(mu_in), 0.0)  # >= 0 exactly; rounding may say otherwise
+    mu_in = mu_in + shift.reshape(b, 1, h, d)
+    if k > 1:  # each pooled cell's statistics repeated over its k x k block
+        up = lambda a: jnp.repeat(jnp.repeat(a.reshape(b, s, s, c), k, 1), k, 2)
+        mu_in, var_in = up(mu_in), up(var_in)
+    mu_in, var_in = mu_in.reshape(b, side * side, c), var_in.reshape(b, side * side, c)
+
+    per_channel = lambda gate: jnp.repeat(jax.nn.sigmoid(gate), d)
+    lam_var = per_channel(params["var_gate"])
+    var = lam_var * var_ln[:, pre:] + (1 - lam_var) * var_in
+    if cfg.mix_mean:
+        lam_mu = per_channel(params["mean_gate"])
+        mu = lam_mu * mu_ln[:, pre:] + (1 - lam_mu) * mu_in
+    else:
+        mu = jnp.broadcast_to(mu_ln[:, pre:], var.shape)
+    if pre:  # class token: plain LN statistics
+        mu = jnp.concatenate([jnp.broadcast_to(mu_ln[:, :pre], (b, pre, c)), mu], axis=1)
+        var = jnp.concatenate([jnp.broadcast_to(var_ln[:, :pre], (b, pre, c)), var], axis=1)
+    y = (xs - mu) * jax.lax.rsqrt(var + cfg.epsilon)
+    return (y * params["scale"] + params["bias"]).astype(x.dtype)
 
 
 class DTNVar(DTN):

@@ -1,0 +1,64 @@
+"""DTN's inter-token (IN) moments: one batched matmul over heads, P^h (sources x targets) applied to
+the shifted tokens and their squares.
+
+    moments[b, t, h, :] = sum_s P[h, s, t] * [x, x^2][b, s, h, :]
+
+Two precisions (docs/norms.md, "dtn: precision"):
+- float32 operands at ``Precision.HIGHEST``: exact float32, the CPU/float32 path (what the
+  float32 parity tests check);
+- a half dtype (bfloat16) for both operands with float32 accumulation and float32 output: a GPU or
+  TPU runs it on its matrix units. The backward is written out (custom_vjp) so that its two
+  matmuls (d tokens = P . d moments, dP = tokens . d moments) also take half operands: autodiff of a
+  mixed-precision dot would promote the float32 cotangent and run the matmul in float32.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# (b, s, h, d) x (h, s, t) -> (h, t, b, d): batch h, contract s. XLA picks the operands' physical
+# layouts; the per-head channels d stay innermost, so its transposes move contiguous rows of d.
+_FWD = (((1,), (1,)), ((2,), (0,)))
+
+
+def _fwd_dot(tokens: jax.Array, p: jax.Array, precision: Any) -> jax.Array:
+    out = jax.lax.dot_general(tokens, p, _FWD, precision=precision,
+                              preferred_element_type=jnp.float32)  # (h, b, d, t)
+    return jnp.transpose(out, (1, 3, 0, 2))  # (b, t, h, d)
+
+
+@jax.custom_vjp
+def _half_moments(tokens: jax.Array, p: jax.Array) -> jax.Array:
+    return _fwd_dot(tokens, p.astype(tokens.dtype), None)
+
+
+def _half_fwd(tokens: jax.Array, p: jax.Array):
+    return _half_moments(tokens, p), (tokens, p)
+
+
+def _half_bwd(res, g: jax.Array):
+    tokens, p = res  # tokens in the half dtype, P in float32
+    half = tokens.dtype
+    g = g.astype(half)  # (b, t, h, d): the cotangent in the operands' half dtype
+    # d tokens[b, s, h, d] = sum_t P[h, s, t] g[b, t, h, d]
+    dt = jax.lax.dot_general(g, p.astype(half), (((1,), (2,)), ((2,), (0,))),
+                             preferred_element_type=jnp.float32)  # (h, b, d, s)
+    dt = jnp.transpose(dt, (1, 3, 0, 2)).astype(half)
+    # dP[h, s, t] = sum_{b, d} tokens[b, s, h, d] g[b, t, h, d], kept in float32: the softmax's
+    # backward subtracts its weighted mean, which a half-precision dP would not survive.
+    dp = jax.lax.dot_general(tokens, g, (((0, 3), (0, 3)), ((2,), (2,))),
+                             preferred_element_type=jnp.float32)  # (h, s, t)
+    return dt, dp
+
+
+_half_moments.defvjp(_half_fwd, _half_bwd)
+
+
+def in_moments(tokens: jax.Array, p: jax.Array, dtype: Any) -> jax.Array:
+    """(b, s, h, 2d) float32 tokens (already shifted) and P (h, s, t) float32 -> (b, t, h, 2d)
+    float32 weighted sums. ``dtype`` float32: exact; a half dtype: half operands, float32 sums."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return _fwd_dot(tokens, p, jax.lax.Precision.HIGHEST)
+    return _half_moments(tokens.astype(dtype), p)
