@@ -293,3 +293,68 @@ def test_resume_in_the_middle_of_the_decay_is_bitwise_exact(tmp_path, caplog):
     assert [s for s, _, _ in sa["train/norm_n1_weight"]] == [2, 4, 6]
     for tag in sa:
         assert [(s, v) for s, v, _ in sa[tag]] == [(s, v) for s, v, _ in sb[tag]], tag
+
+
+def np_batch_norm(name, x, p, groups):
+    """BatchNorm (or RepBN: + eta * x) with the statistics of ``groups`` ghost groups, float64."""
+    b, t, c = x.shape
+    xg = x.reshape(groups, b // groups, t, c)
+    mean, var = xg.mean(axis=(1, 2), keepdims=True), xg.var(axis=(1, 2), keepdims=True)
+    pre = "bn/" if name == "repbn" else ""
+    y = (p[pre + "scale"] * (xg - mean) / np.sqrt(var + 1e-5) + p[pre + "bias"]).reshape(x.shape)
+    return y + p["eta"] * x if name == "repbn" else y
+
+
+@pytest.mark.parametrize("n1,n2,group_size", [("layernorm", "repbn", None),
+                                              ("zscore", "repbn", 1),
+                                              ("layernorm", "batchnorm", 1),
+                                              ("zscore", "batchnorm", None)])
+def test_progressive_one_pass_equals_the_plain_mixture(n1, n2, group_size):
+    """The hand-over computed in one pass (norms/token_channel.py: N1 a per-token standardiser,
+    N2 BatchNorm/RepBN) equals lam * N1 + (1 - lam) * N2 written plainly in float64 numpy:
+    output and running statistics to 1e-5, every gradient against central differences; in
+    bfloat16 the output within 1e-2 of max|ref| (its own rounding: 4e-3)."""
+    cfg = {"name": "progressive", "n1": {"name": n1}, "decay_steps": 4,
+           "n2": {"name": n2, "stats_group_size": group_size}}
+    module = norms.create(cfg, dim=SHAPE[-1])
+    assert module.warmup_steps == 0  # the one-pass path (no warm-up branch)
+    v, p = random_params(module)
+    groups = 1 if group_size is None else SHAPE[0] // group_size
+    step, lam = 1, 0.75
+    sub = lambda q, s: {k[3:]: a for k, a in q.items() if k.startswith(s + "/")}
+
+    def ref(x, q):
+        return (lam * np_ref(n1, x, sub(q, "n1"))
+                + (1 - lam) * np_batch_norm(n2, x, sub(q, "n2"), groups))
+
+    def jax_loss(params, x):
+        y, mut = module.apply({"params": params, "batch_stats": v["batch_stats"]}, x, train=True,
+                              step=jnp.int32(step), mutable=["batch_stats", "schedule"])
+        return jnp.sum(jnp.asarray(W, jnp.float32) * y.astype(jnp.float32)), (y, mut)
+
+    x = jnp.asarray(X, jnp.float32)
+    (_, (y, mut)), (gp, gx) = jax.value_and_grad(jax_loss, argnums=(0, 1), has_aux=True)(
+        unflat(p), x)
+    np.testing.assert_allclose(np.asarray(y), ref(X, p), rtol=1e-5, atol=1e-5)
+    assert float(mut["schedule"]["n1_weight"][0]) == lam
+    xg = X.reshape(groups, -1, *SHAPE[1:])
+    n = xg.shape[1] * xg.shape[2]
+    stats = flat(mut["batch_stats"])
+    key = "n2/bn/" if n2 == "repbn" else "n2/"
+    np.testing.assert_allclose(stats[key + "mean"], 0.1 * xg.mean(axis=(1, 2)).mean(0), rtol=1e-5,
+                               atol=1e-6)
+    want_var = xg.var(axis=(1, 2)).mean(0) * (n / (n - 1) if n2 == "repbn" else 1.0)
+    np.testing.assert_allclose(stats[key + "var"], 0.9 + 0.1 * want_var, rtol=1e-5)
+    loss = lambda xx, q: float(np.sum(W * ref(xx, q)))
+    np.testing.assert_allclose(np.asarray(gx), fd_grad(lambda a: loss(a, p), X.copy()),
+                               rtol=1e-3, atol=1e-4)
+    gp = flat(gp)
+    for k in p:
+        np.testing.assert_allclose(gp[k], fd_grad(lambda a: loss(X, {**p, k: a}), p[k].copy()),
+                                   rtol=1e-3, atol=1e-4, err_msg=k)
+    (_, (y16, _)), _ = jax.value_and_grad(jax_loss, argnums=(0, 1), has_aux=True)(
+        unflat(p), x.astype(jnp.bfloat16))
+    assert y16.dtype == jnp.bfloat16
+    ref16 = ref(np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64), p)
+    err = np.max(np.abs(np.asarray(y16.astype(jnp.float32)) - ref16)) / np.max(np.abs(ref16))
+    assert err <= 1e-2, err

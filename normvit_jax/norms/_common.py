@@ -58,11 +58,16 @@ def as_groups(x: jax.Array, group_size: int | None, norm_name: str) -> jax.Array
     jit a mean over the group's axes is then the global, synchronised statistic.
     """
     b, t, c = x.shape
+    g = ghost_groups(b, group_size, norm_name)
+    return x.astype(jnp.float32).reshape(g, b // g, t, c)
+
+
+def ghost_groups(b: int, group_size: int | None, norm_name: str) -> int:
+    """How many ghost groups of ``group_size`` samples a batch of ``b`` makes (as_groups)."""
     if group_size is not None and group_size < b and b % group_size:
         raise ValueError(f"norm {norm_name!r}: stats_group_size={group_size} does not divide the "
                          f"batch size {b}; accepted: a divisor of the batch size, or None")
-    g = 1 if group_size is None or group_size >= b else b // group_size
-    return x.astype(jnp.float32).reshape(g, b // g, t, c)
+    return 1 if group_size is None or group_size >= b else b // group_size
 
 
 def check_group_size(norm_name: str, value: Any) -> None:

@@ -7,8 +7,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from normvit_jax.norms import token_channel
 from normvit_jax.norms._common import (NormContext, as_groups, check_group_size,
-                                       updating)
+                                       ghost_groups, updating)
 
 
 class BatchNorm(nn.Module):
@@ -20,6 +21,8 @@ class BatchNorm(nn.Module):
     statistics of the references); the running statistics then average the groups' statistics.
     With None, under a sharded jit the mean over the batch axis is global (synchronised BN).
     """
+
+    TAKES_TOKEN_MIX = True  # __call__(..., token_mix=): the progressive hand-over in one pass
 
     momentum: float = 0.9
     epsilon: float = 1e-5
@@ -45,10 +48,15 @@ class BatchNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False,
-                 plus_identity: jax.Array | float = 0.0) -> jax.Array:
+                 plus_identity: jax.Array | float = 0.0,
+                 token_mix: token_channel.TokenMix | None = None) -> jax.Array:
         """BN(x) + plus_identity * x (RepBN's eta; 0 for BN), computed as one per-channel affine
         ``a * x + c`` in float32 from both moments taken in one pass: forward and backward each
-        read the activation once for the statistics and once for the affine."""
+        read the activation once for the statistics and once for the affine.
+
+        ``token_mix`` (training only; the progressive norm's hand-over): the output is
+        ``w * N1(x) + (1 - w) * (BN(x) + plus_identity * x)`` with N1 a per-token standardiser,
+        in one pass (norms/token_channel.py)."""
         b, t, c = x.shape
         ra_mean = self.variable("batch_stats", "mean", jnp.zeros, (c,), jnp.float32)
         ra_var = self.variable("batch_stats", "var", jnp.ones, (c,), jnp.float32)
@@ -60,6 +68,15 @@ class BatchNorm(nn.Module):
             a = jax.lax.rsqrt(ra_var.value + self.epsilon) * scale
             y = x.astype(jnp.float32) * (a + plus_identity) + (bias - ra_mean.value * a)
             return y.astype(x.dtype)
+        if token_mix is not None:
+            g = ghost_groups(b, self.stats_group_size, "batchnorm")
+            per_c = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), (c,))
+            y, st = token_channel.mix(
+                x, jax.lax.stop_gradient(ra_mean.value), token_mix.weight, *token_mix.affine(c),
+                per_c(scale), per_c(bias), jnp.asarray(plus_identity, jnp.float32), groups=g,
+                eps1=token_mix.epsilon, ddof=token_mix.ddof, eps2=self.epsilon)
+            self._update_running(ra_mean, ra_var, st.mean, st.var, b // g * t, train)
+            return y
         xg = as_groups(x, self.stats_group_size, "batchnorm")  # (G, B/G, T, C)
         # One pass for both moments (sibling reductions of the same input), shifted by the
         # running mean so that E[d^2] - E[d]^2 does not cancel when |mean| >> std; the shift
@@ -71,13 +88,18 @@ class BatchNorm(nn.Module):
         mean = m1 + shift
         a = jax.lax.rsqrt(var + self.epsilon) * scale
         y = (xg * (a + plus_identity) + (bias - mean * a)).reshape(b, t, c)
-        if updating(self, train):
-            n = xg.shape[1] * t  # samples per group x tokens
-            store_var = jnp.mean(var, axis=(0, 1, 2))
-            if self.unbiased_running_var:
-                store_var = store_var * (n / max(n - 1, 1))
-            m = self.momentum
-            ra_mean.value = m * ra_mean.value + (1 - m) * jax.lax.stop_gradient(
-                jnp.mean(mean, axis=(0, 1, 2)))
-            ra_var.value = m * ra_var.value + (1 - m) * jax.lax.stop_gradient(store_var)
+        self._update_running(ra_mean, ra_var, mean, var, xg.shape[1] * t, train)
         return y.astype(x.dtype)
+
+    def _update_running(self, ra_mean: Any, ra_var: Any, mean: jax.Array, var: jax.Array, n: int,
+                        train: bool) -> None:
+        """Running averages of the groups' batch statistics ((G, 1, 1, C) each, n values each)."""
+        if not updating(self, train):
+            return
+        store_var = jnp.mean(var, axis=(0, 1, 2))
+        if self.unbiased_running_var:
+            store_var = store_var * (n / max(n - 1, 1))
+        m = self.momentum
+        ra_mean.value = m * ra_mean.value + (1 - m) * jax.lax.stop_gradient(
+            jnp.mean(mean, axis=(0, 1, 2)))
+        ra_var.value = m * ra_var.value + (1 - m) * jax.lax.stop_gradient(store_var)

@@ -51,6 +51,8 @@ class ZScore(_FeatureNorm):
     """Per-token z-score over channels with the unbiased (N - 1) standard deviation (the seed's
     formula; LayerNorm uses the biased one)."""
 
+    TOKEN_DDOF = 1  # a per-token standardiser: the progressive norm's one-pass hand-over takes it
+
     def scaled(self, x: jax.Array) -> jax.Array:
         mean = jnp.mean(x, axis=-1, keepdims=True)
         var = jnp.var(x, axis=-1, keepdims=True, ddof=1)

@@ -13,6 +13,8 @@ class LayerNorm(nn.Module):
     Parameters are named 'scale' and 'bias' as in Google's ViT checkpoints.
     """
 
+    TOKEN_DDOF = 0  # a per-token standardiser: the progressive norm's one-pass hand-over takes it
+
     epsilon: float = 1e-6
     use_scale: bool = True
     use_bias: bool = True

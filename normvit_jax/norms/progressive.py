@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from normvit_jax.norms._common import NormContext
+from normvit_jax.norms.token_channel import TokenMix
 
 SCHEDULES = ("linear", "cosine")
 EVAL_MODES = ("n2", "mixture")
@@ -143,6 +144,15 @@ class Progressive(nn.Module):
         sub = self._sub("n2")  # not wrapped (nn.nowrap): a free module, only its formula is used
         return sub.inference_affine(params.get("n2", {}), stats.get("n2", {}))
 
+    def _token_mix(self, w: jax.Array) -> TokenMix | None:
+        """N1 for N2's one-pass hand-over (norms/token_channel.py) where N1 standardises each
+        token (LayerNorm, z-score) and N2 takes it (BatchNorm, RepBN); else None (two calls)."""
+        ddof = getattr(type(self.norm1), "TOKEN_DDOF", None)
+        if ddof is None or not getattr(type(self.norm2), "TAKES_TOKEN_MIX", False):
+            return None
+        p = self.norm1.variables.get("params", {})
+        return TokenMix(w, p.get("scale"), p.get("bias"), self.norm1.epsilon, ddof)
+
     def __call__(self, x: jax.Array, train: bool = False,
                  step: jax.Array | None = None) -> jax.Array:
         if self.is_initializing():  # create both norms' variables whatever the mode
@@ -158,8 +168,11 @@ class Progressive(nn.Module):
             return (w * self.norm1(x, train=False).astype(jnp.float32) + (1.0 - w)
                     * self.norm2(x, train=False).astype(jnp.float32)).astype(x.dtype)
         self.sow("schedule", "n1_weight", w)
-        mix = lambda m, x: (w * m.norm1(x, train=True).astype(jnp.float32)
-                            + (1.0 - w) * m.norm2(x, train=True).astype(jnp.float32))
+        if self._token_mix(w) is not None:  # N1 and N2 in one pass
+            mix = lambda m, x: m.norm2(x, train=True, token_mix=m._token_mix(w)).astype(jnp.float32)
+        else:
+            mix = lambda m, x: (w * m.norm1(x, train=True).astype(jnp.float32)
+                                + (1.0 - w) * m.norm2(x, train=True).astype(jnp.float32))
         if self.warmup_steps == 0:  # the reference's setting: no branch in the compiled step
             return mix(self, x).astype(x.dtype)
         # A data-dependent branch: on GPU each one makes the host read its predicate.

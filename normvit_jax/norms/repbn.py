@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from normvit_jax.norms._common import NormContext, check_group_size
 from normvit_jax.norms.batchnorm import BatchNorm
+from normvit_jax.norms.token_channel import TokenMix
 
 
 class RepBN(nn.Module):
@@ -22,6 +23,8 @@ class RepBN(nn.Module):
     variance. Eval: a * x + c with a = gamma/sqrt(var+eps) + eta, c = beta - gamma*mean/sqrt(var+eps),
     which ``normvit_jax.reparam`` folds into the next Dense. The BN's variables sit under ``bn``.
     """
+
+    TAKES_TOKEN_MIX = True  # __call__(..., token_mix=): the progressive hand-over in one pass
 
     momentum: float = 0.9
     epsilon: float = 1e-5
@@ -47,6 +50,9 @@ class RepBN(nn.Module):
         return a + jnp.asarray(params["eta"]), c
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = False,
+                 token_mix: TokenMix | None = None) -> jax.Array:
+        """``token_mix``: the progressive hand-over in one pass (BatchNorm.__call__)."""
         eta = self.param("eta", nn.initializers.constant(self.eta_init), (), jnp.float32)
-        return self._bn(name="bn")(x, train=train, plus_identity=eta)  # one affine, eta in a
+        return self._bn(name="bn")(x, train=train, plus_identity=eta,  # one affine, eta in a
+                                   token_mix=token_mix)
