@@ -164,6 +164,7 @@ def ref_scaler(x, p):
 SHAPES = [(2, 5, 8), (3, 4, 12)]
 CASES = {
     "layernorm": ({}, ref_layernorm),
+    "layernorm_saved_input": ({"saved_input": True}, ref_layernorm),  # the written-out backward
     "rmsnorm": ({}, ref_rms),
     "scalenorm": ({}, ref_scalenorm),
     "scalenorm_per_channel": ({"per_channel": True}, ref_scalenorm),
@@ -179,7 +180,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_stateless_forward_and_grads(case, shape):
     opts, ref = CASES[case]
-    module = build(case.split("_")[0] if case.startswith(("scalenorm", "groupnorm", "instancenorm"))
+    module = build(case.split("_")[0] if case.startswith(("scalenorm", "groupnorm", "instancenorm",
+                                                          "layernorm_"))
                    else case, opts, dim=shape[-1], heads=2)
     check_forward_and_grads(module, ref, random_x(shape, seed=sum(shape)))
 
@@ -390,3 +392,25 @@ def test_bfloat16(name, opts, train):
     y16, y32 = fast_jit(both)(jax.random.PRNGKey(0), x)
     assert y16.dtype == jnp.bfloat16 and y32.dtype == jnp.float32
     assert_rel(y16.astype(jnp.float32), y32, tol=1e-2, what=f"{name} bf16 vs f32")
+
+
+def test_layernorm_half_precision_keeps_only_its_input():
+    """In bfloat16 LayerNorm's written-out backward (the default there) keeps the bfloat16 input
+    and two float32 numbers per token for the backward, not float32 copies of the activation;
+    its gradients equal autodiff of the formula's (saved_input=False) within bfloat16 rounding."""
+    from jax.ad_checkpoint import print_saved_residuals
+    import contextlib, io, re
+    x = jnp.asarray(random_x((2, 6, 16), seed=8), jnp.bfloat16)
+    auto, plain = (build("layernorm", {"saved_input": s}, dim=16) for s in (None, False))
+    params = randomize(jit_init(auto, x)["params"])
+    ct = jnp.asarray(np.random.default_rng(9).normal(size=x.shape), jnp.float32)
+    loss = lambda m: (lambda p, xx: jnp.sum(m.apply({"params": p}, xx).astype(jnp.float32) * ct))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(loss(auto), params, x)
+    big = [ln for ln in out.getvalue().splitlines()
+           if re.match(r"f32\[2,6,16\]", ln) and "constant" not in ln]  # ct is one
+    assert not big and "bf16[2,6,16]" in out.getvalue(), out.getvalue()
+    ga, gp = (jax.jit(jax.grad(loss(m), argnums=(0, 1)))(params, x) for m in (auto, plain))
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gp)):
+        assert_rel(np.asarray(a, np.float32), np.asarray(b, np.float32), 1e-2, "gradient")

@@ -1,6 +1,8 @@
 """LayerNorm over channels, per token (Ba et al. 2016), statistics in float32."""
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,9 @@ class LayerNorm(nn.Module):
 
     eps defaults to 1e-6 (Flax/big_vision); the PyTorch references use 1e-5.
     Parameters are named 'scale' and 'bias' as in Google's ViT checkpoints.
+    ``saved_input`` (None: when the input is half precision): the backward is written out
+    (``standardise``) and keeps only the input in its own dtype and two float32 numbers per token,
+    as fused LayerNorm kernels do; autodiff of the formula keeps float32 copies of the activation.
     """
 
     TOKEN_DDOF = 0  # a per-token standardiser: the progressive norm's one-pass hand-over takes it
@@ -18,16 +23,61 @@ class LayerNorm(nn.Module):
     epsilon: float = 1e-6
     use_scale: bool = True
     use_bias: bool = True
+    saved_input: bool | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         c = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (c,), jnp.float32) if self.use_scale else None
+        bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32) if self.use_bias else None
+        written_out = self.saved_input
+        if written_out is None:
+            written_out = jnp.dtype(x.dtype).itemsize < 4
+        if written_out:
+            one, zero = jnp.ones((c,), jnp.float32), jnp.zeros((c,), jnp.float32)
+            return standardise(x, one if scale is None else scale, zero if bias is None else bias,
+                               self.epsilon, 0)
         x32 = x.astype(jnp.float32)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
-        if self.use_scale:
-            y = y * self.param("scale", nn.initializers.ones, (c,), jnp.float32)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
+        if scale is not None:
+            y = y * scale
+        if bias is not None:
+            y = y + bias
         return y.astype(x.dtype)
+
+
+def _stats(x32: jax.Array, eps: float, ddof: int) -> tuple[jax.Array, jax.Array]:
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.sum(jnp.square(x32 - mean), axis=-1, keepdims=True) / (x32.shape[-1] - ddof)
+    return mean, jax.lax.rsqrt(var + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def standardise(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float,
+                ddof: int) -> jax.Array:
+    """scale * (x - mean_C) / sqrt(var_C + eps) + bias per token, var = sum of squares / (C - ddof),
+    in float32, returned in x's dtype; the backward keeps x and the per-token mean and 1/std."""
+    return _standardise_fwd(x, scale, bias, eps, ddof)[0]
+
+
+def _standardise_fwd(x, scale, bias, eps, ddof):
+    x32 = x.astype(jnp.float32)
+    mean, rstd = _stats(x32, eps, ddof)
+    return ((x32 - mean) * rstd * scale + bias).astype(x.dtype), (x, scale, mean, rstd)
+
+
+def _standardise_bwd(eps, ddof, res, dy):
+    x, scale, mean, rstd = res
+    dy = dy.astype(jnp.float32)
+    xhat = (x.astype(jnp.float32) - mean) * rstd
+    u = dy * scale
+    c = x.shape[-1]
+    dx = rstd * (u - jnp.mean(u, axis=-1, keepdims=True)
+                 - xhat * jnp.sum(u * xhat, axis=-1, keepdims=True) / (c - ddof))
+    axes = tuple(range(x.ndim - 1))
+    return dx.astype(x.dtype), jnp.sum(dy * xhat, axis=axes), jnp.sum(dy, axis=axes)
+
+
+standardise.defvjp(_standardise_fwd, _standardise_bwd)
