@@ -15,11 +15,15 @@ train step at batch 128 (docs/benchmarks.md):
            The two go together: YNNPACK off without the barriers is the slowest setting of all.
   default  XLA's own defaults, for comparison.
 Flags that measured no gain here (so are not set): a 512-bit vector width; disabling the tree
-reduction rewriter (1.9x slower); see docs/benchmarks.md for the rest. GPU/TPU backends ignore
-``xla_cpu_*`` flags; keeping optimization barriers is their default behaviour anyway.
+reduction rewriter (1.9x slower); see docs/benchmarks.md for the rest.
+The presets are CPU settings: where a GPU/TPU plugin is installed (and ``JAX_PLATFORMS`` does not
+say cpu) none of their flags is set, since there a kept ``optimization_barrier`` (what
+``jax.checkpoint`` emits) fails to compile ("Unsupported instruction opcode: opt-barrier",
+seen on an H200 with jax 0.11.2) and the benchmarks must measure what main.py runs.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from typing import Sequence
@@ -44,6 +48,19 @@ def preset_from_argv(argv: Sequence[str] | None = None) -> str:
     return DEFAULT_PRESET
 
 
+_ACCELERATOR_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin",
+                        "jax_rocm60_plugin", "libtpu")
+
+
+def accelerator_expected() -> bool:
+    """Whether JAX will start on a GPU/TPU: its plugin is installed and JAX_PLATFORMS allows it
+    (decided before JAX starts, from what is installed)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms and set(platforms.split(",")) <= {"cpu"}:
+        return False
+    return any(importlib.util.find_spec(n) is not None for n in _ACCELERATOR_PLUGINS)
+
+
 def backend_started() -> bool:
     if "jax" not in sys.modules:
         return False
@@ -60,7 +77,7 @@ def apply(preset: str | None = None, argv: Sequence[str] | None = None) -> dict[
     preset = preset or preset_from_argv(argv)
     if preset not in PRESETS:
         raise SystemExit(f"--xla_preset={preset!r} is not known; accepted: {sorted(PRESETS)}")
-    flags = PRESETS[preset]
+    flags = {} if accelerator_expected() else PRESETS[preset]
     existing = os.environ.get("XLA_FLAGS", "")
     parts = existing.split()
     for k, v in flags.items():
@@ -81,7 +98,7 @@ def apply(preset: str | None = None, argv: Sequence[str] | None = None) -> dict[
 def compiler_options() -> dict[str, str]:
     """The preset's flags as per-compile options, for when they could not go into XLA_FLAGS in
     time (JAX started first, e.g. under pytest); empty when XLA_FLAGS carries them already."""
-    if _applied.get("env_applied"):
+    if _applied.get("env_applied") or accelerator_expected():
         return {}
     return dict(_applied.get("flags", PRESETS[DEFAULT_PRESET]))  # type: ignore[arg-type]
 

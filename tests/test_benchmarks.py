@@ -218,3 +218,19 @@ def test_gpu_table_timeout_budget_counts_every_norm():
     from benchmarks import common, gpu_table
     assert gpu_table.N_NORMS == len(common.NORMS)
     assert set(gpu_table.KERNEL_NORMS.split(",")) <= set(common.NORMS)
+
+
+def test_xla_presets_are_cpu_only(monkeypatch):
+    """With a GPU plugin installed the CPU presets set nothing (a kept optimization barrier does
+    not compile there); JAX_PLATFORMS=cpu brings them back."""
+    import importlib.util
+    from benchmarks import xla_flags
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: object() if n == "jax_cuda13_plugin" else real(n, *a))
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert xla_flags.accelerator_expected()
+    assert xla_flags.apply("tuned", [])["flags"] == {} and xla_flags.compiler_options() == {}
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not xla_flags.accelerator_expected()
+    assert xla_flags.apply("tuned", [])["flags"] == xla_flags.PRESETS["tuned"]
