@@ -187,9 +187,10 @@ def lower_abstract_train_step(config: ml_collections.ConfigDict, num_classes: in
 
 
 def compile_train(name: str, config: ml_collections.ConfigDict, *, num_classes: int = 10,
-                  seed: int = 0) -> TrainBench:
+                  seed: int = 0, compiler_options: Mapping[str, Any] | None = None) -> TrainBench:
     """Builds the model, optimizer and state as the train loop does, and compiles the train step
-    with the loop's shardings and donation (normvit_jax.train.setup), with the preset's flags."""
+    with the loop's shardings and donation (normvit_jax.train.setup), with the preset's flags
+    and ``compiler_options`` (XLA debug options by name, e.g. an XLA GPU flag variant)."""
     mesh, model, tx, fn = _train_parts(config, num_classes)
     size = int(config.data.image_size)
     state, state_sharding = setup.create_train_state(model, tx, (size, size, 3), mesh,
@@ -198,7 +199,7 @@ def compile_train(name: str, config: ml_collections.ConfigDict, *, num_classes: 
     batch = synthetic_batch(int(config.batch_size), size, num_classes, mesh, seed)
     t = time.perf_counter()
     compiled = setup.jit_train_step(fn, state_sharding, mesh).lower(state, batch).compile(
-        compiler_options=xla_flags.compiler_options())
+        compiler_options={**xla_flags.compiler_options(), **(compiler_options or {})})
     compile_s = time.perf_counter() - t
     return TrainBench(name, config, compiled, state, batch, compile_s, cost_flops(compiled),
                       memory_stats(compiled))
@@ -323,10 +324,15 @@ def run_entry(parse: Callable, run: Callable, report: Callable,
 
 
 def write_json(path: str | None, payload: Any) -> None:
+    """Writes ``payload`` as JSON to ``path`` (if given) atomically: a reader, or a parent that
+    stops this process mid-run, finds the previous complete file or the new one."""
     if path:
-        with open(path, "w") as f:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
             json.dump(payload, f, indent=1, default=lambda o: dataclasses.asdict(o)
                       if dataclasses.is_dataclass(o) else str(o))
+        os.replace(tmp, path)
 
 
 def gib(n: float | None) -> float | None:

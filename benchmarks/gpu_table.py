@@ -42,8 +42,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--norm", default="all", help="train_step --norm")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per run (default: 20; --quick: 10; --tiny: 1)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first (default: 3; --quick: 2; --tiny: 0)")
     p.add_argument("--num_classes", type=int, default=1000)
     p.add_argument("--norm_timeout", type=float, default=300.0, help="seconds per norm")
     p.add_argument("--torch_timeout", type=float, default=900.0, help="seconds per vs_torch run")
@@ -58,16 +60,42 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         "with --tiny: none)")
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the commands only")
     p.add_argument("--tiny", action="store_true",
-                   help="Ti/4, depth 1, 8x8 images, batch 4, LN and RMSNorm, 1 step: a CPU smoke test")
+                   help="Ti/4, depth 1, 8x8 images, batch 4, LN and RMSNorm, 1 step: a CPU smoke "
+                        "test (with --quick: Ti/8 and Ti/4 stand in for B/16 and S/16, 16x16 "
+                        "images, depth 1)")
+    q = p.add_argument_group("--quick (benchmarks/gpu_quick.py)")
+    q.add_argument("--quick", action="store_true",
+                   help="issues 32/33's GPU figures within --budget_s: B/16 LN+DTN, S/16 "
+                        "LN+RepBN+progressive+z-score->RepBN (each model's norms in one process), "
+                        "timm eager/compiled for both models in one process, norm_kernels at B/16; "
+                        "--models, --norm, the augmentation and input-pipeline runs do not apply")
+    q.add_argument("--budget_s", type=float, default=480.0,
+                   help="--quick: one deadline for every part, each stopped at its share")
+    q.add_argument("--variants", default="",
+                   help="--quick: extra LayerNorm rows compiled with other XLA flags, e.g. "
+                        "'lhs=--xla_gpu_enable_latency_hiding_scheduler=true;"
+                        "cublas=--xla_gpu_enable_triton_gemm=false' (rows layernorm@NAME; "
+                        "'NAME=' with no flags is the plain row, already there)")
+    q.add_argument("--profile", action="store_true",
+                   help="--quick: also profile one B/16 LN step (benchmarks.profile), last")
+    q.add_argument("--compile_cache", default=None,
+                   help="--quick: JAX persistent compilation cache shared by the parts (default: "
+                        "<out>/jax_cache; '' turns it off)")
     args = p.parse_args(argv)
+    from benchmarks import xla_flags
+    xla_flags.parse_variants(args.variants)
+    if args.compile_cache is None:
+        args.compile_cache = os.path.join(args.out, "jax_cache") if args.quick else ""
+    args.steps = args.steps if args.steps is not None else 1 if args.tiny else 10 if args.quick else 20
+    args.warmup = args.warmup if args.warmup is not None else 0 if args.tiny else 2 if args.quick else 3
     if args.pipeline_cores is None:
         n = len(pipeline_lib.usable_cores())
         counts = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < n] + [n]
         args.pipeline_cores = ",".join(map(str, counts[:1] if args.tiny else counts))
     if args.tiny:
         args.models, args.norm, args.batch, args.dtype = "Ti/4", "layernorm,rmsnorm", 4, "float32"
-        args.steps, args.warmup, args.num_classes = 1, 0, 10
-    elif args.doc is None:
+        args.num_classes = 10
+    elif args.doc is None and not args.quick:
         args.doc = os.path.join("docs", "benchmarks.md")
     return args
 
@@ -132,6 +160,12 @@ def commands(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        from benchmarks import gpu_quick
+        res = gpu_quick.run(args)
+        if args.doc and not args.dry_run:
+            write_between_markers(args.doc, res["markdown"])
+        return res
     cmds = commands(args)
     if args.dry_run:
         for _, cmd, _, timeout in cmds:

@@ -4,9 +4,12 @@ by the part of the model it comes from (from the op's source metadata).
 
     python -m benchmarks.profile --model=Ti/4 --norm=layernorm --batch=128 --steps=3
 
-Times are the summed durations of the ops' trace events (on CPU: CPU time over all threads, so
-with 2 threads busy they add to up to 2x the wall time), per step. Needs the XSpace protobuf
-reader that TensorFlow ships (a dependency of this project).
+Times are the summed durations of the ops' trace events per step: on a GPU the device's "XLA Ops"
+line (kernels of one op summed; else the stream lines' kernels by their ``hlo_op``), so they add
+up to the device's busy time; on CPU, CPU time over all threads (with 2 threads busy up to 2x the
+wall time). The trace (``jax.profiler.trace``'s ``.xplane.pb``) is read with jaxlib's own reader
+(``jax.profiler.ProfileData``): no TensorFlow, xprof or TensorBoard needed, so it runs on the GPU
+host as it is. ``--trace_dir`` keeps the trace (open it in TensorBoard/xprof or Perfetto).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ xla_flags.apply()
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import glob  # noqa: E402
+import os  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
@@ -37,6 +41,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--norm", default="layernorm", help=f"one of {list(common.NORMS)}")
     p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
+    p.add_argument("--num_classes", type=int, default=10)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--image_size", type=int, default=None)
     p.add_argument("--depth", type=int, default=None)
@@ -45,6 +51,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--part", default=None,
                    help="list the top ops of this model part only ('each': the top of every part)")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
+    p.add_argument("--trace_dir", default=None,
+                   help="keep the trace here (default: a temporary folder, removed)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -66,7 +74,9 @@ def classify(hlo_text: str) -> dict[str, tuple[str, str]]:
             body = comps[call.group(1)]
         if op == "dot" or " dot(" in body or " convolution(" in body:
             kind = "batched matmul" if "lhs_batch_dims" in (line if op == "dot" else body) else "matmul"
-        elif op == "custom-call" or "ynn" in name or "xnn" in name:
+        elif op == "custom-call":
+            kind = custom_call_kind(line)
+        elif "ynn" in name or "xnn" in name:
             kind = "library call"
         elif re.search(r" (reduce|reduce-window)\(", body) or op in ("reduce", "reduce-window"):
             kind = "reduction"
@@ -82,31 +92,69 @@ def classify(hlo_text: str) -> dict[str, tuple[str, str]]:
     return out
 
 
+def custom_call_kind(line: str) -> str:
+    """A custom call by its target: cuBLAS/cuBLASLt GEMMs (batched when the backend config has
+    batch dimensions), cuDNN convolutions (the patch embedding), fused attention (cuDNN)."""
+    m = re.search(r'custom_call_target="([^"]+)"', line)
+    target = m.group(1).lower() if m else ""
+    if "fmha" in target or "flash" in target or "attention" in target:
+        return "attention (fused)"
+    if "gemm" in target or "matmul" in target:
+        return "batched matmul" if re.search(r'"lhs_batch_dimensions":\["\d', line) else "matmul"
+    if "conv" in target:
+        return "matmul"
+    return "library call"
+
+
+def _op_name(name: str) -> str:
+    return name.lstrip("%").split(" ", 1)[0]
+
+
+def op_times(profile: Any, kinds: dict[str, Any]) -> tuple[collections.Counter, float | None]:
+    """(seconds per HLO op over the trace, seconds of device op events not matched to an op;
+    None on CPU, whose threads also run non-op events).
+    GPU: the device planes' 'XLA Ops' lines, else their stream lines by the 'hlo_op' stat; CPU:
+    every thread's events named like an op."""
+    per_op: collections.Counter = collections.Counter()
+    unmatched = 0.0
+    gpus = [p for p in profile.planes if p.name.startswith("/device:GPU")]
+    for plane in gpus or profile.planes:
+        lines = list(plane.lines)
+        if gpus:
+            ops = [ln for ln in lines if ln.name == "XLA Ops"]
+            lines = ops or [ln for ln in lines if ln.name.startswith("Stream")]
+        for line in lines:
+            for ev in line.events:
+                name = ev.name
+                if gpus and line.name != "XLA Ops":
+                    name = str(dict(ev.stats).get("hlo_op", name))
+                name = _op_name(name)
+                if name in kinds:
+                    per_op[name] += ev.duration_ns / 1e9
+                elif gpus:
+                    unmatched += ev.duration_ns / 1e9
+    return per_op, (unmatched if gpus else None)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {"attention_impl": args.attention_impl} if args.attention_impl else None
     cfg = common.bench_config(args.model, args.norm, image_size=args.image_size, batch=args.batch,
-                              depth=args.depth, model_overrides=overrides)
-    bench = common.compile_train(args.norm, cfg)
+                              dtype=args.dtype, num_classes=args.num_classes, depth=args.depth,
+                              model_overrides=overrides)
+    bench = common.compile_train(args.norm, cfg, num_classes=args.num_classes)
     hlo = bench.compiled.as_text()
     kinds = classify(hlo)
     shapes = dict(re.findall(r"^\s*%?([\w.\-]+) = (\S+) ", hlo, re.M))
     bench.step()
     bench.step()
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as tmp:
+        d = args.trace_dir or tmp
+        os.makedirs(d, exist_ok=True)
         with jax.profiler.trace(d):
             wall = [bench.step() for _ in range(args.steps)]
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2
-        space = xplane_pb2.XSpace()
-        with open(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0], "rb") as f:
-            space.ParseFromString(f.read())
-    per_op: collections.Counter = collections.Counter()
-    for plane in space.planes:
-        meta = plane.event_metadata
-        for line in plane.lines:
-            for ev in line.events:
-                name = meta[ev.metadata_id].name
-                if name in kinds:
-                    per_op[name] += ev.duration_ps / 1e12 / args.steps
+        path = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)[-1]
+        per_op, unmatched = op_times(jax.profiler.ProfileData.from_file(path), kinds)
+    per_op = collections.Counter({n: t / args.steps for n, t in per_op.items()})
     by_kind: collections.Counter = collections.Counter()
     by_part: collections.Counter = collections.Counter()
     for name, t in per_op.items():
@@ -114,9 +162,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         by_kind[kind] += t
         by_part[part] += t
     total = sum(per_op.values())
-    rows_kind = [{"kind": k, "s_per_step": round(v, 3), "share": round(v / total, 3)}
+    rows_kind = [{"kind": k, "s_per_step": round(v, 6), "share": round(v / total, 3)}
                  for k, v in by_kind.most_common()]
-    rows_part = [{"part": k, "s_per_step": round(v, 3), "share": round(v / total, 3)}
+    rows_part = [{"part": k, "s_per_step": round(v, 6), "share": round(v / total, 3)}
                  for k, v in by_part.most_common()]
     rows_top, taken = [], collections.Counter()
     for n, v in per_op.most_common():
@@ -130,14 +178,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows_top.append({"op": n, "kind": kinds[n][0], "part": part,
                          "ms_per_step": round(v * 1e3, 1), "shape": shapes.get(n, "")})
     return {"machine": common.machine(), "args": vars(args), "wall_s": common.summarize(wall).median,
-            "op_time_s": total, "by_kind": rows_kind, "by_part": rows_part, "top": rows_top,
+            "op_time_s": total, "unmatched_s": None if unmatched is None else unmatched / args.steps,
+            "matched_share": None if unmatched is None else
+            round(total / max(total + unmatched / args.steps, 1e-12), 4),
+            "by_kind": rows_kind, "by_part": rows_part, "top": rows_top,
             "flops": bench.flops}
 
 
 def report(res: dict[str, Any]) -> str:
     a = res["args"]
-    head = (f"profile: model={a['model']} norm={a['norm']} batch={a['batch']}; wall "
-            f"{res['wall_s']:.3f} s/step, op time {res['op_time_s']:.3f} s/step (all threads)")
+    head = (f"profile: model={a['model']} norm={a['norm']} batch={a['batch']} dtype={a['dtype']}; "
+            f"wall {res['wall_s']:.3f} s/step, op time {res['op_time_s']:.3f} s/step (device ops, "
+            "or CPU time of all threads)")
+    if res.get("unmatched_s"):
+        head += (f"; {res['unmatched_s']:.4f} s/step of device op events matched no HLO op "
+                 f"({res['matched_share']:.1%} matched)")
     return "\n".join([head, common.table(res["by_kind"], ["kind", "s_per_step", "share"]),
                       common.table(res["by_part"], ["part", "s_per_step", "share"]),
                       common.table(res["top"], ["op", "kind", "part", "ms_per_step", "shape"])])

@@ -58,11 +58,25 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="with --isolate: seconds per norm before it is stopped and reported")
     p.add_argument("--isolate_dir", default=None,
                    help="with --isolate: per-norm logs and JSON (default: next to --json, or ./runs)")
+    p.add_argument("--one_process", action="store_true",
+                   help="the norms one after another in this process, each freed before the next "
+                        "(benchmarks.one_process): no process start or import per norm; ratios of "
+                        "medians; a norm's device peak where it can be told apart")
+    p.add_argument("--ln_variants", default="",
+                   help="with --one_process: 'NAME=--xla_flag=v ...;NAME2=...': LayerNorm compiled "
+                        "again with these XLA flags as per-compile options, rows 'layernorm@NAME' "
+                        "(an empty FLAGS is the plain LayerNorm row)")
+    p.add_argument("--time_budget_s", type=float, default=None,
+                   help="with --one_process: start no norm once this many seconds have passed "
+                        "(the rest reported as skipped); the JSON is rewritten after every norm")
     p.add_argument("--augment", default="none",
                    help="comma list of on-device augmentation sets, each timed beside the others "
                         f"(row '<norm>+<set>'): {sorted(AUGMENT)}")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
+    if (args.ln_variants or args.time_budget_s) and not args.one_process:
+        raise SystemExit("--ln_variants and --time_budget_s need --one_process")
+    xla_flags.parse_variants(args.ln_variants)
     bad = [a for a in args.augment.split(",") if a not in AUGMENT]
     if bad:
         raise SystemExit(f"--augment: unknown {bad}; accepted: {sorted(AUGMENT)}")
@@ -104,42 +118,52 @@ def peak(args: argparse.Namespace) -> tuple[float, str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     names = common.norm_names(args.norm)
-    if args.isolate and len(names) > 1:
+    if args.isolate and len(names) > 1 and not args.one_process:
         return run_isolated(args, names)
-    overrides = {"attention_impl": args.attention_impl} if args.attention_impl else None
+    if args.one_process:
+        from benchmarks import one_process
+        return one_process.run(args, names)
     benches, flops = {}, {}
     for norm in names:
         for aug in args.augment.split(","):
             n = norm if aug == "none" else f"{norm}+{aug}"
-            cfg = common.bench_config(args.model, norm, image_size=args.image_size,
-                                      batch=args.batch, dtype=args.dtype, remat=args.remat,
-                                      scan=args.scan, grad_accum=args.grad_accum,
-                                      num_classes=args.num_classes, depth=args.depth,
-                                      model_overrides=overrides)
-            cfg.update(AUGMENT[aug])
+            cfg = config(args, norm, aug)
             flops[n] = analytic_flops(args, cfg, norm)
             benches[n] = common.compile_train(n, cfg, num_classes=args.num_classes)
             print(f"compiled {n}: {benches[n].compile_s:.1f} s", file=sys.stderr, flush=True)
     times = common.interleaved({n: b.step for n, b in benches.items()}, args.steps, args.warmup)
     peak_flops, peak_src = peak(args)
-    rows = []
-    for n, b in benches.items():
-        s = common.summarize(times[n])
-        vit, with_norm = flops[n]
-        rows.append({
-            "norm": n, "compile_s": round(b.compile_s, 1), "step_s": s.fmt(), "step_median_s": s.median,
-            "images_per_s": round(args.batch / s.median, 1),
-            "model_gflops": vit / 1e9, "norm_gflops": (with_norm - vit) / 1e9,
-            "xla_gflops": None if b.flops is None else b.flops / 1e9,
-            "mfu": round(model_flops.mfu(vit, s.median, peak_flops), 4),
-            "xla_peak_gib": common.gib(b.memory.get("xla_peak")),
-        })
+    rows = [row(args, b, times[n], flops[n], peak_flops) for n, b in benches.items()]
     if len(benches) > 1 and "layernorm" in benches:
         add_ratios(rows, common.paired_ratios(times, "layernorm"))
     device_peak = common.device_peak_bytes()
     return {"machine": common.machine(), "args": vars(args), "rows": rows, "times": times,
             "peak_flops": peak_flops, "peak_source": peak_src,
             "device_peak_gib": common.gib(device_peak)}
+
+
+def config(args: argparse.Namespace, norm: str, aug: str = "none") -> Any:
+    """The benchmark config of one norm (and on-device augmentation set) from the flags."""
+    overrides = {"attention_impl": args.attention_impl} if args.attention_impl else None
+    cfg = common.bench_config(args.model, norm, image_size=args.image_size, batch=args.batch,
+                              dtype=args.dtype, remat=args.remat, scan=args.scan,
+                              grad_accum=args.grad_accum, num_classes=args.num_classes,
+                              depth=args.depth, model_overrides=overrides)
+    cfg.update(AUGMENT[aug])
+    return cfg
+
+
+def row(args: argparse.Namespace, b: common.TrainBench, times: list[float],
+        flops: tuple[float, float], peak_flops: float) -> dict[str, Any]:
+    """One norm's report row from its compiled step and timed steps."""
+    s = common.summarize(times)
+    vit, with_norm = flops
+    return {"norm": b.name, "compile_s": round(b.compile_s, 1), "step_s": s.fmt(),
+            "step_median_s": s.median, "images_per_s": round(args.batch / s.median, 1),
+            "model_gflops": vit / 1e9, "norm_gflops": (with_norm - vit) / 1e9,
+            "xla_gflops": None if b.flops is None else b.flops / 1e9,
+            "mfu": round(model_flops.mfu(vit, s.median, peak_flops), 4),
+            "xla_peak_gib": common.gib(b.memory.get("xla_peak"))}
 
 
 def add_ratios(rows: list[dict[str, Any]], ratios: dict[str, common.Summary]) -> None:
@@ -155,7 +179,7 @@ def add_ratios(rows: list[dict[str, Any]], ratios: dict[str, common.Summary]) ->
         r["time_ratio_median"] = ratio.median
         r["flop_ratio"] = round(total(r) / total(base), 4)
         r["flop_source"] = "xla" if use_xla else "analytic"
-        if "+" in r["norm"]:  # an augmentation row: its ratio is the augmentation's cost, no bound
+        if "+" in r["norm"] or "@" in r["norm"]:  # augmentation / XLA flag variant: no bound
             r["bound"], r["within"] = None, "-"
             continue
         r["bound"] = round(r["flop_ratio"] + SLACK, 4)
@@ -211,7 +235,8 @@ def _ratio_of_medians(s: common.Summary, base: common.Summary) -> common.Summary
 
 def report(res: dict[str, Any]) -> str:
     a = res["args"]
-    how = ("one process per norm, ratio of medians" if a.get("isolate") and len(res["rows"]) > 1
+    how = ("one norm after another in one process, ratio of medians" if a.get("one_process") else
+           "one process per norm, ratio of medians" if a.get("isolate") and len(res["rows"]) > 1
            else "round-robin in one process")
     head = (f"train step: model={a['model']} image={a['image_size'] or 'default'} batch={a['batch']} "
             f"dtype={a['dtype']} remat={a['remat']} scan={a['scan']} grad_accum={a['grad_accum']}; "
@@ -222,6 +247,8 @@ def report(res: dict[str, Any]) -> str:
             "xla_peak_gib"]
     if any("device_peak_gib" in r for r in res["rows"]):
         cols.append("device_peak_gib")
+    if any("device_peak_le_gib" in r for r in res["rows"]):
+        cols.append("device_peak_le_gib")
     if any("time_ratio" in r for r in res["rows"]):
         cols += ["time_ratio", "flop_ratio", "bound", "within"]
     out = [head, common.table(res["rows"], cols)]

@@ -10,7 +10,8 @@ runs on that GPU like JAX does, eager and ``torch.compile``d, with bfloat16 auto
 ``--dtype=bfloat16``, TF32 float32 matmuls (XLA's GPU default too) and fused AdamW; JAX then
 allocates GPU memory on demand so both fit. On CPU timm runs eager, as before. Steps alternate
 (the order rotates) and the report gives the median per-round ratio timm_time / jax_time for
-each timm variant: above 1 this project is faster.
+each timm variant: above 1 this project is faster. ``--model=B/16,S/16`` measures several models
+one after another in one process (one torch/JAX start; ``--json`` rewritten after each model).
 
 Needs the optional extra: ``pip install -e '.[torch]'`` (torch 2.14.1 + torchvision 0.29.1 + timm).
 """
@@ -64,7 +65,8 @@ def import_torch_timm() -> tuple[Any, Any]:
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.vs_torch", __doc__)
-    p.add_argument("--model", default="Ti/4")
+    p.add_argument("--model", default="Ti/4",
+                   help="a preset, or a comma list measured one after another in this process")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--steps", type=int, default=7, help="timed pairs")
@@ -81,6 +83,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--torch_compile", default="auto", choices=["auto", "yes", "no"],
                    help="also time a torch.compile'd timm; auto: on cuda only")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
+    p.add_argument("--time_budget_s", type=float, default=None,
+                   help="with several models: start no model once this many seconds have passed")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -123,9 +127,16 @@ def share_gpu_with_torch(plan: TorchPlan) -> bool:
 
 
 def torch_steps(torch: Any, timm: Any, spec: Any, args: argparse.Namespace, size: int,
-                plan: TorchPlan) -> tuple[dict[str, Any], int]:
+                plan: TorchPlan, peaks: dict[str, int] | None = None) -> tuple[dict[str, Any], int]:
     """{'timm' (eager), 'timm_compiled'}: timm's VisionTransformer with this project's
-    hyperparameters and a full AdamW step each (separate models, the same initialisation)."""
+    hyperparameters and a full AdamW step each (separate models, the same initialisation).
+    On CUDA, ``peaks[name]`` becomes each variant's own peak bytes over its steps: the allocator's
+    peak during the step less what the other variants hold at rest (parameters, gradients,
+    optimizer state), i.e. what that variant would peak at alone (the batch included)."""
+    resident: dict[str, Any] = {}
+
+    def nbytes(ts: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
     from timm.models.vision_transformer import VisionTransformer
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -150,8 +161,16 @@ def torch_steps(torch: Any, timm: Any, spec: Any, args: argparse.Namespace, size
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.05,
                                 **({"fused": True} if plan.fused_adamw else {}))
         forward = torch.compile(model) if variant == "compiled" else model
+        name = "timm" if variant == "eager" else "timm_compiled"
+        params = list(model.parameters())
+        resident[name] = lambda: nbytes(params) + nbytes(p.grad for p in params) + nbytes(
+            t for st in opt.state.values() for t in st.values())
 
         def step() -> float:
+            on_cuda = plan.device == "cuda" and peaks is not None
+            if on_cuda:
+                others = sum(f() for n, f in resident.items() if n != name)
+                torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             with torch.autocast(plan.device, dtype=torch.bfloat16, enabled=plan.autocast is not None):
@@ -162,7 +181,10 @@ def torch_steps(torch: Any, timm: Any, spec: Any, args: argparse.Namespace, size
             opt.step()
             sync()
             float(loss.detach())
-            return time.perf_counter() - t
+            dt = time.perf_counter() - t
+            if on_cuda:
+                peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated() - others)
+            return dt
 
         return step, sum(p.numel() for p in model.parameters())
 
@@ -173,12 +195,51 @@ def torch_steps(torch: Any, timm: Any, spec: Any, args: argparse.Namespace, size
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """One model: its result. Several (``--model=B/16,S/16``): one after another in this process
+    (torch and JAX start once), each freed before the next, ``{'models': [result, ...]}``,
+    rewritten to ``--json`` after each model."""
     torch, timm = import_torch_timm()
     plan = torch_plan(bool(torch.cuda.is_available()), args.dtype, args.torch_device, args.torch_compile)
     if not share_gpu_with_torch(plan):
         print("warning: JAX started before vs_torch could turn its GPU preallocation off; torch "
               "may run out of memory", file=sys.stderr)
+    names = [m for m in args.model.split(",") if m]
+    if len(names) == 1:
+        res = run_model(args, names[0], torch, timm, plan, jax_top=0)
+        res.pop("_jax_top")
+        return res
+    t0, out, top = time.monotonic(), {"args": vars(args), "models": [], "skipped": []}, 0
+    for m in names:
+        if args.time_budget_s and time.monotonic() - t0 > args.time_budget_s:
+            out["skipped"].append(m)
+            continue
+        res = run_model(args, m, torch, timm, plan, jax_top=top)
+        top = max(top, res.pop("_jax_top"))
+        out["models"].append(res)
+        out["machine"] = res["machine"]
+        common.write_json(args.json, out)
+        _free(torch, plan)
+    return out
+
+
+def _free(torch: Any, plan: TorchPlan) -> None:
+    import gc
+
     import jax
+    gc.collect()
+    jax.clear_caches()
+    torch._dynamo.reset()
+    if plan.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_model(args: argparse.Namespace, model: str, torch: Any, timm: Any, plan: TorchPlan,
+              jax_top: int) -> dict[str, Any]:
+    """The JAX step and the timm variants of one model, alternating. JAX's device peak only grows
+    within a process: it is this model's when it exceeds ``jax_top`` (the earlier models'),
+    else None (``jax_device_peak_le_gib``: at most that)."""
+    import jax
+    args = argparse.Namespace(**{**vars(args), "model": model})
     overrides = {"gelu_approximate": args.gelu == "tanh"}
     if args.attention_impl:
         overrides["attention_impl"] = args.attention_impl
@@ -188,7 +249,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = int(cfg.data.image_size)
     jb = common.compile_train("jax", cfg, num_classes=args.num_classes)
     n_jax = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jb.state.params))
-    tsteps, n_torch = torch_steps(torch, timm, models.spec_of(cfg.model), args, size, plan)
+    peaks: dict[str, int] = {}
+    tsteps, n_torch = torch_steps(torch, timm, models.spec_of(cfg.model), args, size, plan, peaks)
     if n_jax != n_torch:
         print(f"warning: parameter counts differ: jax {n_jax:,} vs timm {n_torch:,}", file=sys.stderr)
     times = common.interleaved({"jax": jb.step, **tsteps}, args.steps, args.warmup)
@@ -197,30 +259,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = [{"impl": name, "step_s": common.summarize(ts).fmt(),
              "step_median_s": common.summarize(ts).median,
              "images_per_s": round(args.batch / common.summarize(ts).median, 1),
-             "params": n_jax if name == "jax" else n_torch} for name, ts in times.items()]
-    torch_peak = torch.cuda.max_memory_allocated() / 2 ** 30 if plan.device == "cuda" else None
+             "params": n_jax if name == "jax" else n_torch,
+             "peak_gib": common.gib(peaks.get(name))} for name, ts in times.items()]
+    jax_peak = common.device_peak_bytes() or 0
     return {"machine": {**common.machine(), "torch_threads": torch.get_num_threads(),
                         "torch_device": plan.device},
             "args": vars(args), "plan": dataclasses.asdict(plan), "rows": rows, "times": times,
             "speed_vs_timm": speeds["timm"], "speeds": speeds, "jax_compile_s": jb.compile_s,
-            "jax_flops": jb.flops, "jax_device_peak_gib": common.gib(common.device_peak_bytes()),
-            "torch_peak_gib": torch_peak}
+            "jax_flops": jb.flops,
+            "jax_device_peak_gib": common.gib(jax_peak) if jax_peak > jax_top else None,
+            "jax_device_peak_le_gib": common.gib(jax_top) if 0 < jax_peak <= jax_top else None,
+            "torch_peak_gib": common.gib(max(peaks.values())) if peaks else None,
+            "_jax_top": jax_peak}
 
 
 def report(res: dict[str, Any]) -> str:
+    if "models" in res:
+        skipped = [f"NOT MEASURED {m}: --time_budget_s spent" for m in res["skipped"]]
+        return "\n\n".join([report(r) for r in res["models"]] + skipped)
     a = res["args"]
     p = res.get("plan", {})
     head = (f"vs timm: model={a['model']} batch={a['batch']} dtype={a['dtype']} gelu={a['gelu']}; "
             f"timm on {p.get('device', 'cpu')} ({', '.join(p.get('variants', ['eager']))}, autocast "
             f"{p.get('autocast')}, fused AdamW {p.get('fused_adamw', False)}); {a['steps']} timed "
             f"rounds after {a['warmup']}; step time median [p25, p75] s")
-    out = [head, common.table(res["rows"], ["impl", "step_s", "images_per_s", "params"])]
+    cols = ["impl", "step_s", "images_per_s", "params"]
+    out = [head, common.table(res["rows"], cols + (["peak_gib"] if res.get("torch_peak_gib") else []))]
     for name, s in res.get("speeds", {"timm": res["speed_vs_timm"]}).items():
         what = "timm eager" if name == "timm" else "timm torch.compile"
         out.append(f"speed of this project relative to {what} ({name} time / jax time, per round): "
                    f"median {s.median:.3f} [p25 {s.lo:.3f}, p75 {s.hi:.3f}]")
     if res.get("torch_peak_gib") is not None:
-        out.append(f"peak memory: jax {res['jax_device_peak_gib']} GiB, torch {res['torch_peak_gib']:.2f} GiB")
+        jax_peak = res.get("jax_device_peak_gib")
+        jax_peak = (f"{jax_peak:.2f}" if jax_peak is not None else
+                    f"<= {res.get('jax_device_peak_le_gib') or float('nan'):.2f}")
+        out.append(f"peak memory: jax {jax_peak} GiB (the process's device peak), each timm variant "
+                   "its own (the allocator's peak during its steps less the other variant's "
+                   "parameters, gradients and optimizer state)")
     return "\n".join(out)
 
 

@@ -109,3 +109,33 @@ def describe() -> str:
     flags = " ".join(f"--{k}={v}" for k, v in _applied["flags"].items()) or "(none)"  # type: ignore[union-attr]
     how = "XLA_FLAGS + compiler_options" if _applied["env_applied"] else "compiler_options only"
     return f"xla preset: {_applied['preset']} [{flags}] via {how}"
+
+
+def flag_options(flags: str) -> dict[str, object]:
+    """``'--xla_a=true --xla_b=4'`` as per-compile options ``{'xla_a': True, 'xla_b': '4'}``: XLA
+    takes debug options by name at compile time (a bool field needs a Python bool; other values
+    parse from their text). An unknown name fails that compile ('No such compile option')."""
+    out: dict[str, object] = {}
+    for part in flags.split():
+        if not part.startswith("--") or "=" not in part:
+            raise SystemExit(f"XLA flag {part!r}: expected --name=value")
+        k, v = part[2:].split("=", 1)
+        out[k] = {"true": True, "false": False}.get(v.lower(), v)
+    return out
+
+
+def parse_variants(spec: str) -> list[tuple[str, str]]:
+    """``'base=;lhs=--xla_gpu_enable_latency_hiding_scheduler=true'`` -> [(name, flags)], in order;
+    an empty flag string is the run as it is (no variant)."""
+    out = []
+    for item in (s.strip() for s in spec.split(";")):
+        if not item:
+            continue
+        name, sep, flags = item.partition("=")
+        if not sep or not name.strip().isidentifier():
+            raise SystemExit(f"--variants: {item!r} is not NAME=FLAGS (NAME a word)")
+        flag_options(flags)  # fail early on a malformed flag
+        out.append((name.strip(), flags.strip()))
+    if len({n for n, _ in out}) != len(out):
+        raise SystemExit(f"--variants: names repeat in {spec!r}")
+    return out

@@ -41,6 +41,29 @@ def tiny_config():
     return tiny_demo_config()
 
 
+# `pytest -m gpu`: tests/test_gpu.py (marked there) and these, which check what a GPU computes
+# differently (cuDNN/TF32/bfloat16 paths, DTN's products, the padded attention, the train step's
+# donation and single compile). Node ids are matched as prefixes; about 2 minutes on one CPU.
+GPU_SELECTION = (
+    "tests/test_padded_attention.py::",
+    "tests/test_norms_dtn.py::",
+    "tests/test_model.py::test_attention_impls_compute_the_same_function",
+    "tests/test_model.py::test_patch_embedding_equals_convolution",
+    "tests/test_model.py::test_attention_capture_rows_sum_to_one_and_match_fused_path",
+    "tests/test_train_step.py::test_compiles_once_no_host_transfer_donated[layernorm]",
+    "tests/test_train_step.py::test_grad_accumulation_equals_the_large_batch",
+    "tests/test_scan.py::test_train_steps_match_and_state_converts_both_ways",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks GPU_SELECTION's tests 'gpu' (node ids relative to the repository or to tests/)."""
+    strip = lambda s: s.replace(os.sep, "/").removeprefix("tests/")
+    for item in items:
+        if any(strip(item.nodeid).startswith(strip(s)) for s in GPU_SELECTION):
+            item.add_marker(pytest.mark.gpu)
+
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

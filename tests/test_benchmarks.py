@@ -3,9 +3,11 @@ promise. No timing assertions (timings belong in docs/benchmarks.md)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -234,3 +236,134 @@ def test_xla_presets_are_cpu_only(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert not xla_flags.accelerator_expected()
     assert xla_flags.apply("tuned", [])["flags"] == xla_flags.PRESETS["tuned"]
+
+
+# ---- gpu_table --quick (benchmarks/gpu_quick.py) and what it runs ----
+
+# Imported in every process of the tiny --quick run: the GPU host has neither.
+NO_TENSORFLOW = ("import sys\n"
+                 "for _m in ('tensorflow', 'tensorflow_datasets'):\n"
+                 "    sys.modules[_m] = None  # import -> ImportError, as on the GPU host\n")
+
+
+def test_gpu_table_quick_dry_run_lists_the_parts_with_their_shares(capsys):
+    from benchmarks import gpu_table
+    res = gpu_table.main(["--quick", "--dry-run", "--profile", "--budget_s=480",
+                          "--variants=base=;lhs=--xla_gpu_enable_latency_hiding_scheduler=true"])
+    text = capsys.readouterr().out
+    assert "benchmarks.train_step --model=B/16 --norm=layernorm,dtn --one_process" in text
+    assert "--model=S/16 --norm=layernorm,repbn,progressive,zscore_repbn --one_process" in text
+    assert "--ln_variants=lhs=--xla_gpu_enable_latency_hiding_scheduler=true" in text
+    assert "benchmarks.vs_torch --model=B/16,S/16 --batch=256 --dtype=bfloat16 --steps=10 --warmup=2" in text
+    assert "benchmarks.norm_kernels --model=B/16 --norm=layernorm,dtn,repbn,progressive,zscore_repbn" in text
+    assert "benchmarks.profile --model=B/16 --norm=layernorm" in text
+    assert "input_pipeline" not in text and "--augment" not in text
+    shares = [float(line.split(": ")[1].split(" s ")[0]) for line in text.splitlines()
+              if line.startswith("# ")]
+    assert len(shares) == len(res["commands"]) == 5 and abs(sum(shares) - 480) < 3
+
+
+def test_gpu_table_quick_tiny_runs_without_tensorflow(tmp_path):
+    """The whole --quick run on CPU (tiny stand-ins, no torch) with TensorFlow and tfds made
+    unimportable in every process: the parts run, the table and the JSON hold every norm."""
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(NO_TENSORFLOW)
+    env = {**os.environ, "PYTHONPATH": f"{block}{os.pathsep}{REPO_ROOT}"}
+    probe = subprocess.run([sys.executable, "-c", "import tensorflow"], env=env,
+                           capture_output=True, text=True)
+    assert probe.returncode != 0 and "tensorflow" in probe.stderr  # the block holds
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_table", "--quick", "--tiny",
+                        "--no_torch", "--profile", f"--out={out}", "--budget_s=1500"],
+                       cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "gpu_table.json").read_text())
+    status = {n: p["status"] for n, p in res["parts"].items()}
+    assert status == {"vs_torch": "not run", "train_B16": "ok", "train_S16": "ok",
+                      "norm_kernels": "ok", "profile": "ok"}, res["parts"]
+    rows = {(r["model"], r["norm"]) for r in res["summary"]}
+    assert rows == {("Ti/8", "layernorm"), ("Ti/8", "dtn"), ("Ti/4", "layernorm"),
+                    ("Ti/4", "repbn"), ("Ti/4", "progressive"), ("Ti/4", "zscore_repbn")}
+    ln = [r for r in res["summary"] if r["norm"] == "layernorm"]
+    assert all(r["ratio_to_ln"] == 1.0 and r["step_s"] > 0 for r in ln)
+    md = (out / "gpu_table.md").read_text()
+    assert "| Ti/4 | zscore_repbn |" in md and "| train | dtn |" in md
+    assert "| kind | ms/step | share |" in md and "- vs_torch: not run: --no_torch" in md
+    for part in ("train_B16", "train_S16", "norm_kernels", "profile"):
+        assert (out / f"{part}.log").exists() and (out / f"{part}.json").exists()
+
+
+def test_gpu_quick_stops_a_part_at_its_share_and_keeps_what_it_wrote(tmp_path):
+    """A part past its share is killed with its children; its JSON so far is read back."""
+    from benchmarks import gpu_quick
+    j, pid = tmp_path / "part.json", tmp_path / "child.pid"
+    code = ("import json, subprocess, sys, time\n"
+            f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"open({str(pid)!r}, 'w').write(str(c.pid))\n"
+            f"json.dump({{'rows': [1], 'pending': ['b']}}, open({str(j)!r}, 'w'))\n"
+            "time.sleep(60)\n")
+    p = gpu_quick.run_part([sys.executable, "-c", code], str(j), str(tmp_path / "part.log"), 5.0,
+                           dict(os.environ))
+    assert p["status"] == "timeout" and p["result"] == {"rows": [1], "pending": ["b"]}
+    assert p["seconds"] < 30
+    child = int(pid.read_text())
+    for _ in range(50):  # the grandchild went with the group
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the part's child survived")
+    failed = gpu_quick.run_part([sys.executable, "-c", "raise SystemExit('boom')"],
+                                str(tmp_path / "none.json"), str(tmp_path / "f.log"), 30.0,
+                                dict(os.environ))
+    assert failed["status"] == "failed" and "boom" in failed["reason"]
+
+
+def test_gpu_quick_reports_parts_left_without_time(tmp_path):
+    from benchmarks import gpu_table
+    res = gpu_table.main(["--quick", "--tiny", "--no_torch", f"--out={tmp_path}", "--budget_s=5"])
+    assert {p["status"] for n, p in res["parts"].items() if n != "vs_torch"} == {"skipped"}
+    assert "- train_B16: skipped: --budget_s spent" in res["markdown"]
+    assert json.loads((tmp_path / "gpu_table.json").read_text())["parts"]["norm_kernels"][
+        "status"] == "skipped"
+
+
+def test_train_step_one_process_with_xla_flag_variants(tmp_path):
+    from benchmarks import train_step
+    j = tmp_path / "one.json"
+    res = train_step.main(TINY + ["--one_process", "--batch=4", "--steps=1", "--warmup=0",
+                                  "--peak_tflops=1", f"--json={j}", "--ln_variants="
+                                  "base=;fm=--xla_cpu_enable_fast_math=true;bad=--xla_bogus=1"])
+    rows = {r["norm"]: r for r in res["rows"]}
+    assert list(rows) == ["layernorm", "layernorm@fm"]
+    assert rows["layernorm"]["time_ratio_median"] == 1.0
+    assert rows["layernorm@fm"]["time_ratio_median"] > 0 and rows["layernorm@fm"]["within"] == "-"
+    (bad,) = res["failures"]
+    assert bad["norm"] == "layernorm@bad" and "xla_bogus" in bad["reason"]
+    assert json.loads(j.read_text())["pending"] == []
+    with pytest.raises(SystemExit, match="need --one_process"):
+        train_step.main(TINY + ["--ln_variants=a=--xla_x=1"])
+
+
+def test_xla_flag_variants_parse():
+    from benchmarks import xla_flags
+    assert xla_flags.parse_variants("base=; lhs=--xla_a=true --xla_b=4") == [
+        ("base", ""), ("lhs", "--xla_a=true --xla_b=4")]
+    assert xla_flags.flag_options("--xla_a=true --xla_b=4 --xla_c=False") == {
+        "xla_a": True, "xla_b": "4", "xla_c": False}
+    for bad in ("lhs", "a b=--x=1", "a=--x=1;a=--y=2", "a=xla_x=1"):
+        with pytest.raises(SystemExit):
+            xla_flags.parse_variants(bad)
+
+
+def test_benchmarks_import_without_tensorflow():
+    """What the GPU host imports: gpu_table (and --quick's parts) with TensorFlow and tfds absent."""
+    code = NO_TENSORFLOW + ("import benchmarks.gpu_table, benchmarks.gpu_quick, benchmarks.train_step, "
+                            "benchmarks.norm_kernels, benchmarks.vs_torch, benchmarks.profile\n"
+                            "assert sys.modules['tensorflow'] is None\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]

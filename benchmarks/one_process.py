@@ -1,0 +1,116 @@
+"""Several train steps measured one after another in ONE process (``train_step --one_process``).
+
+Why: on the GPU host a process costs ~10-15 s to start (imports, backend) before its compile;
+``--isolate`` pays that per norm. Here each norm is compiled, warmed up and timed alone, then its
+state and executable are freed before the next, so the norms share the process but not the
+device at any moment. Ratios to LayerNorm are ratios of medians (as with ``--isolate``).
+
+Peak memory: a device's ``peak_bytes_in_use`` only grows within a process (JAX cannot reset it).
+A norm's peak is therefore known exactly only when it raises the process's peak (LayerNorm, run
+first, always does); otherwise the row gives the upper bound ``device_peak_le_gib`` (the peak so
+far). ``xla_peak_gib`` (XLA's buffer assignment of that executable) is given for every norm.
+
+``--ln_variants='NAME=--xla_flag=v ...;...'`` adds LayerNorm rows compiled with other XLA flags
+(per-compile options, ``xla_flags.flag_options``), after the norms, as ``layernorm@NAME``.
+``--time_budget_s``: no norm starts after that many seconds; the JSON (``--json``) is rewritten
+after every norm, so a parent that stops this process still finds what was measured.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from typing import Any
+
+import jax
+
+from benchmarks import common, train_step, xla_flags
+
+MIN_LEFT_S = 5.0  # do not start a norm with less of --time_budget_s left
+
+
+def plan(args: argparse.Namespace, names: list[str]) -> list[tuple[str, str, str, dict]]:
+    """(row name, norm, augmentation set, per-compile XLA options) in the order they run."""
+    items = [(n if aug == "none" else f"{n}+{aug}", n, aug, {})
+             for n in names for aug in args.augment.split(",")]
+    for v, flags in xla_flags.parse_variants(args.ln_variants):
+        if flags:
+            items.append((f"layernorm@{v}", "layernorm", "none", xla_flags.flag_options(flags)))
+    return items
+
+
+def device_memory() -> tuple[int | None, int | None]:
+    """(bytes in use, peak bytes in use) of device 0; (None, None) where it reports nothing."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
+
+
+def measure(args: argparse.Namespace, name: str, norm: str, aug: str, options: dict,
+            peak_flops: float) -> tuple[dict[str, Any], list[float]]:
+    cfg = train_step.config(args, norm, aug)
+    flops = train_step.analytic_flops(args, cfg, norm)
+    bench = common.compile_train(name, cfg, num_classes=args.num_classes, compiler_options=options)
+    print(f"compiled {name}: {bench.compile_s:.1f} s", file=sys.stderr, flush=True)
+    times = [bench.step() for _ in range(args.warmup + args.steps)][args.warmup:]
+    return train_step.row(args, bench, times, flops, peak_flops), times
+
+
+def _free() -> None:
+    gc.collect()
+    jax.clear_caches()
+
+
+def run(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    budget = args.time_budget_s if args.time_budget_s else float("inf")
+    items = plan(args, names)
+    peak_flops, peak_src = train_step.peak(args)
+    rows: list[dict[str, Any]] = []
+    times: dict[str, list[float]] = {}
+    failures: list[dict[str, Any]] = []
+    res: dict[str, Any] = {}
+    top = 0  # the process's device peak so far
+
+    def publish(pending: list[str]) -> None:
+        base = next((r for r in rows if r["norm"] == "layernorm"), None)
+        if base is not None and len(rows) > 1:
+            b = common.summarize(times["layernorm"])
+            train_step.add_ratios(rows, {n: train_step._ratio_of_medians(common.summarize(ts), b)
+                                         for n, ts in times.items()})
+        res.update(machine=res.get("machine") or common.machine(), args=vars(args), rows=rows,
+                   times=times, failures=failures, pending=pending, peak_flops=peak_flops,
+                   peak_source=peak_src, one_process=True,
+                   device_peak_gib=common.gib(top) if top else None)
+        common.write_json(args.json, res)
+
+    for i, (name, norm, aug, options) in enumerate(items):
+        publish([n for n, *_ in items[i:]])
+        left = budget - (time.monotonic() - t0)
+        if left < MIN_LEFT_S:
+            failures.append({"norm": name, "status": "skipped", "log": "-",
+                             "reason": f"--time_budget_s={args.time_budget_s:g} spent"})
+            continue
+        in_use0, _ = device_memory()
+        t = time.monotonic()
+        try:
+            row, ts = measure(args, name, norm, aug, options, peak_flops)
+        except Exception as e:  # noqa: BLE001 (an OOM or a bad flag costs this norm only)
+            failures.append({"norm": name, "status": "failed", "log": "-",
+                             "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+            _free()
+            continue
+        _free()
+        _, peak = device_memory()
+        if peak is not None:
+            if peak > top:
+                row["device_peak_gib"] = common.gib(peak - (in_use0 or 0))
+            else:
+                row["device_peak_gib"] = None
+                row["device_peak_le_gib"] = common.gib(top - (in_use0 or 0))
+            top = max(top, peak)
+        row["wall_s"] = round(time.monotonic() - t, 1)
+        rows.append(row)
+        times[name] = ts
+    publish([])
+    return res
