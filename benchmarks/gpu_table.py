@@ -3,6 +3,11 @@
     python -m benchmarks.gpu_table --out=runs/gpu              # on the GPU host
     python -m benchmarks.gpu_table --out=runs/gpu --dry-run    # print the commands only
     python -m benchmarks.gpu_table --out=/tmp/t --tiny         # CPU smoke test, tiny model
+    python -m benchmarks.gpu_table --quick --out=runs/gpu      # issues 32/33 in <= --budget_s
+
+``--quick`` (benchmarks/gpu_quick.py, docs/benchmarks.md "The quick run") measures B/16 and S/16
+LayerNorm, DTN, RepBN and the progressive norms, timm eager/compiled, and each norm layer alone,
+under one deadline; the rest of this docstring is the full run.
 
 Runs, per model, ``benchmarks.train_step --isolate`` (every norm in its own process, with a
 per-norm timeout) and ``benchmarks.vs_torch`` (timm eager and torch.compile on the same GPU), then

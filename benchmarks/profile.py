@@ -153,8 +153,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with jax.profiler.trace(d):
             wall = [bench.step() for _ in range(args.steps)]
         path = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)[-1]
-        per_op, unmatched = op_times(jax.profiler.ProfileData.from_file(path), kinds)
+        trace = jax.profiler.ProfileData.from_file(path)
+        planes = [p.name for p in trace.planes]
+        per_op, unmatched = op_times(trace, kinds)
     per_op = collections.Counter({n: t / args.steps for n, t in per_op.items()})
+    if not per_op:
+        raise SystemExit("no event of the trace is an op of the compiled step (on a GPU: is "
+                         f"CUPTI, the device tracer, installed?); its planes: {planes}")
     by_kind: collections.Counter = collections.Counter()
     by_part: collections.Counter = collections.Counter()
     for name, t in per_op.items():

@@ -173,6 +173,20 @@ def test_vs_torch():
     assert res["speed_vs_timm"].median > 0
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None
+                    or importlib.util.find_spec("timm") is None,
+                    reason="torch/timm not installed (optional extra)")
+def test_vs_torch_two_models_in_one_process(tmp_path):
+    from benchmarks import vs_torch
+    j = tmp_path / "vt.json"
+    res = vs_torch.main(["--model=Ti/8,Ti/4", "--image_size=16", "--depth=1", "--batch=4",
+                         "--steps=1", "--warmup=1", f"--json={j}"])
+    assert [r["args"]["model"] for r in res["models"]] == ["Ti/8", "Ti/4"] and not res["skipped"]
+    for r in res["models"]:
+        assert {row["impl"] for row in r["rows"]} >= {"jax", "timm"} and r["speed_vs_timm"].median > 0
+    assert len(json.loads(j.read_text())["models"]) == 2
+
+
 def test_vs_torch_without_torch_fails_clearly(monkeypatch):
     from benchmarks import vs_torch
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
