@@ -25,7 +25,9 @@ import argparse
 import importlib.util
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 from typing import Any, Sequence
 
 from benchmarks import isolate
@@ -85,12 +87,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="--quick: also profile one B/16 LN step (benchmarks.profile), last")
     q.add_argument("--compile_cache", default=None,
                    help="--quick: JAX persistent compilation cache shared by the parts (default: "
-                        "<out>/jax_cache; '' turns it off)")
+                        "a new temporary folder, removed at the end, kept out of --out; '' turns "
+                        "it off)")
     args = p.parse_args(argv)
     from benchmarks import xla_flags
     xla_flags.parse_variants(args.variants)
+    args.temp_cache = args.compile_cache is None and args.quick and not args.dry_run
     if args.compile_cache is None:
-        args.compile_cache = os.path.join(args.out, "jax_cache") if args.quick else ""
+        args.compile_cache = tempfile.mkdtemp(prefix="gpu_table_jax_cache_") if args.temp_cache else ""
     args.steps = args.steps if args.steps is not None else 1 if args.tiny else 10 if args.quick else 20
     args.warmup = args.warmup if args.warmup is not None else 0 if args.tiny else 2 if args.quick else 3
     if args.pipeline_cores is None:
@@ -167,7 +171,11 @@ def commands(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         from benchmarks import gpu_quick
-        res = gpu_quick.run(args)
+        try:
+            res = gpu_quick.run(args)
+        finally:
+            if args.temp_cache:
+                shutil.rmtree(args.compile_cache, ignore_errors=True)
         if args.doc and not args.dry_run:
             write_between_markers(args.doc, res["markdown"])
         return res
