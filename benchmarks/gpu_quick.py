@@ -2,16 +2,20 @@
 at most ``--budget_s`` (default 480 s, compiles included) on one GPU.
 
 Parts, in order of importance, each a subprocess whose log (``<out>/<part>.log``) and JSON are
-written as they come:
+written as they come (the parent's own lines in ``<out>/gpu_table.log``):
 
+  vs_torch      ``vs_torch --model=B/16,S/16``: timm eager and torch.compile alternating with this
+                project's LN step, both models in one torch process
   train_B16     ``train_step --one_process``: B/16 LayerNorm, DTN (+ the LN ``--variants``)
   train_S16     ``train_step --one_process``: S/16 LayerNorm, RepBN, progressive LN->RepBN,
                 z-score->RepBN (+ the LN ``--variants``)
-  vs_torch      ``vs_torch --model=B/16,S/16``: timm eager and torch.compile alternating with this
-                project's LN step, both models in one torch process
   norm_kernels  ``norm_kernels --model=B/16``: each norm layer alone (LN, DTN, RepBN, progressive,
                 z-score->RepBN)
   profile       (``--profile``) ``benchmarks.profile``: B/16 LN step by op kind and model part
+
+``--isolate_norms``: each norm of the train parts in its own process with its own share
+(``train_B16_dtn``, ...; the variants in ``train_<model>_variants`` beside a LayerNorm row of
+their own), at the cost of a process start each.
 
 Budget: one deadline ``--budget_s`` from the start; a part gets the time left times its weight
 over the weights of the parts still to run (``WEIGHTS``: expected seconds), so time a part does
@@ -39,11 +43,15 @@ from typing import Any
 
 from benchmarks import gpu_render, xla_flags
 
-# Expected seconds of each part on one H100 from a cold process (2026-11-26: ~15 s to start,
-# 20-45 s per B/16 compile, ~35 s per torch.compile); a variant adds one LN compile per model.
-WEIGHTS = {"train_B16": 95.0, "train_S16": 100.0, "vs_torch": 150.0, "norm_kernels": 50.0,
-           "profile": 60.0}
+# Expected seconds of each part from a cold process (2026-11-26, H100/H200: ~15 s to start, a
+# B/16 LN compile ~20 s, DTN's well over a minute, ~35 s per torch.compile; vs_torch runs first,
+# so the train parts load its LN steps from the compilation cache); a variant adds one LN compile
+# per model. With --isolate_norms each norm is a part: NORM_WEIGHTS.
+WEIGHTS = {"vs_torch": 110.0, "train_B16": 130.0, "train_S16": 130.0, "norm_kernels": 70.0,
+           "profile": 40.0}
 VARIANT_WEIGHT = {"train_B16": 30.0, "train_S16": 20.0}
+NORM_WEIGHTS = {"dtn": 110.0}  # --isolate_norms: a norm's own process; others NORM_WEIGHT
+NORM_WEIGHT = 40.0
 NORMS = {"train_B16": "layernorm,dtn", "train_S16": "layernorm,repbn,progressive,zscore_repbn"}
 KERNEL_NORMS = "layernorm,dtn,repbn,progressive,zscore_repbn"
 CHILD_MARGIN_S = 15.0  # a part's own --time_budget_s is its share less this
@@ -64,20 +72,30 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]]:
     common = [f"--batch={args.batch}", f"--dtype={args.dtype}", f"--steps={args.steps}",
               f"--warmup={args.warmup}", f"--num_classes={args.num_classes}", *size]
     variants = [(n, f) for n, f in xla_flags.parse_variants(args.variants) if f]
+    flags = "--ln_variants=" + ";".join(f"{n}={f}" for n, f in variants)
     out = []
-    for part in ("train_B16", "train_S16"):
-        j = os.path.join(args.out, f"{part}.json")
-        cmd = py + ["benchmarks.train_step", f"--model={m[part]}", f"--norm={NORMS[part]}",
-                    "--one_process", *common, f"--json={j}"]
-        if variants:
-            cmd.append("--ln_variants=" + ";".join(f"{n}={f}" for n, f in variants))
-        out.append((part, cmd, j, WEIGHTS[part] + VARIANT_WEIGHT[part] * len(variants)))
     torch_ok = importlib.util.find_spec("torch") and importlib.util.find_spec("timm")
     if not args.no_torch and (torch_ok or args.dry_run):
         j = os.path.join(args.out, "vs_torch.json")
         out.append(("vs_torch", py + ["benchmarks.vs_torch",
                                       f"--model={m['train_B16']},{m['train_S16']}", *common,
                                       f"--json={j}"], j, WEIGHTS["vs_torch"]))
+    for part in ("train_B16", "train_S16"):
+        train = py + ["benchmarks.train_step", f"--model={m[part]}", "--one_process", *common]
+        if not args.isolate_norms:
+            j = os.path.join(args.out, f"{part}.json")
+            out.append((part, train + [f"--norm={NORMS[part]}", f"--json={j}"]
+                        + ([flags] if variants else []),
+                        j, WEIGHTS[part] + VARIANT_WEIGHT[part] * len(variants)))
+            continue
+        for norm in NORMS[part].split(","):  # each its own process, share and timeout
+            j = os.path.join(args.out, f"{part}_{norm}.json")
+            out.append((f"{part}_{norm}", train + [f"--norm={norm}", f"--json={j}"], j,
+                        NORM_WEIGHTS.get(norm, NORM_WEIGHT)))
+        if variants:  # with a LayerNorm row of its own process for the same-process ratio
+            j = os.path.join(args.out, f"{part}_variants.json")
+            out.append((f"{part}_variants", train + ["--norm=layernorm", flags, f"--json={j}"],
+                        j, NORM_WEIGHT + VARIANT_WEIGHT[part] * len(variants)))
     j = os.path.join(args.out, "norm_kernels.json")
     kern = ["--batch=2", "--steps=1", "--warmup=0"] if args.tiny else [
         f"--batch={args.batch}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
@@ -100,7 +118,7 @@ def share(left: float, weights: list[float]) -> float:
 
 
 def _with_budget(name: str, cmd: list[str], timeout: float) -> list[str]:
-    if name in ("train_B16", "train_S16", "vs_torch"):
+    if name.startswith("train_") or name == "vs_torch":
         return cmd + [f"--time_budget_s={max(1.0, timeout - CHILD_MARGIN_S):.0f}"]
     return cmd
 
@@ -178,8 +196,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             state["parts"][name] = run_part(_with_budget(name, cmd, timeout), j,
                                             os.path.join(args.out, f"{name}.log"), timeout, env)
         p = state["parts"][name]
-        print(f"[gpu_table] {name}: {p['status']} in {p['seconds']:.0f} s"
-              + (f" ({p['reason']})" if p.get("reason") else ""), file=sys.stderr, flush=True)
+        line = (f"[gpu_table {time.monotonic() - t0:.0f} s] {name}: {p['status']} in "
+                f"{p['seconds']:.0f} s of {timeout:.0f}" + (f" ({p['reason']})" if p.get("reason") else ""))
+        print(line, file=sys.stderr, flush=True)
+        with open(os.path.join(args.out, "gpu_table.log"), "a") as f:
+            f.write(line + "\n")
         publish(state, args, t0)
     md = publish(state, args, t0)
     print(md)

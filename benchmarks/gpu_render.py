@@ -6,9 +6,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-TRAIN_PARTS = ("train_B16", "train_S16")
-
-
 def _f(v: Any, digits: int = 3) -> str:
     if v is None:
         return "-"
@@ -29,25 +26,43 @@ def timm_by_model(parts: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def summary_rows(parts: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per model and norm (or LN variant) measured by the train parts, with its ratio to
-    LN (same process, ratio of medians) and to timm eager / compiled (timm's median step from
-    vs_torch over this row's median step: above 1 this project is faster)."""
+    """One row per model and norm (or LN variant) measured by the train parts (``train_*``), with
+    its ratio to LN (a ratio of medians: from the same process where it has one, else against
+    the model's LN row from another process, the FLOP bound recomputed from the analytic counts)
+    and to timm eager / compiled (timm's median step from vs_torch over this row's median step:
+    above 1 this project is faster). A variants part's own LN row is left out."""
     timm = timm_by_model(parts)
+    raw = []
+    for part, p in parts.items():
+        res = (p or {}).get("result") or {}
+        if not part.startswith("train_") or not res.get("rows"):
+            continue
+        model = res["args"]["model"]
+        raw += [(model, r) for r in res["rows"]
+                if not (part.endswith("_variants") and r["norm"] == "layernorm")]
+    base = {}
+    for model, r in raw:
+        if r["norm"] == "layernorm":
+            base.setdefault(model, r)
     out = []
-    for part in TRAIN_PARTS:
-        res = _result(parts, part)
-        model = (res.get("args") or {}).get("model")
-        t = {r["impl"]: r["step_median_s"] for r in timm.get(model, {}).get("rows", [])}
-        for r in res.get("rows", []):
-            med = r["step_median_s"]
-            out.append({
-                "model": model, "norm": r["norm"], "step_s": med, "images_per_s": r["images_per_s"],
-                "mfu": r["mfu"], "device_peak_gib": r.get("device_peak_gib"),
-                "device_peak_le_gib": r.get("device_peak_le_gib"),
-                "xla_peak_gib": r.get("xla_peak_gib"), "ratio_to_ln": r.get("time_ratio_median"),
-                "bound": r.get("bound"), "within": r.get("within"), "compile_s": r["compile_s"],
-                "vs_timm_eager": t["timm"] / med if "timm" in t else None,
-                "vs_timm_compiled": t["timm_compiled"] / med if "timm_compiled" in t else None})
+    for model, r in raw:
+        t = {x["impl"]: x["step_median_s"] for x in timm.get(model, {}).get("rows", [])}
+        med, ln = r["step_median_s"], base.get(model)
+        ratio, bound, within = r.get("time_ratio_median"), r.get("bound"), r.get("within")
+        if ratio is None and ln is not None:
+            ratio = med / ln["step_median_s"]
+            if "@" not in r["norm"]:
+                flops = lambda x: x["model_gflops"] + x["norm_gflops"]
+                bound = round(flops(r) / flops(ln) + 0.05, 4)
+                within = "yes" if ratio <= bound else "NO"
+        out.append({
+            "model": model, "norm": r["norm"], "step_s": med, "images_per_s": r["images_per_s"],
+            "mfu": r["mfu"], "device_peak_gib": r.get("device_peak_gib"),
+            "device_peak_le_gib": r.get("device_peak_le_gib"),
+            "xla_peak_gib": r.get("xla_peak_gib"), "ratio_to_ln": ratio, "bound": bound,
+            "within": within, "compile_s": r["compile_s"],
+            "vs_timm_eager": t["timm"] / med if "timm" in t else None,
+            "vs_timm_compiled": t["timm_compiled"] / med if "timm_compiled" in t else None})
     return out
 
 
@@ -132,8 +147,7 @@ def not_measured(parts: dict[str, Any]) -> list[str]:
 def markdown(state: dict[str, Any], args: argparse.Namespace) -> str:
     parts = state["parts"]
     rows = state.get("summary", [])
-    first = next((_result(parts, n) for n in (*TRAIN_PARTS, "vs_torch", "norm_kernels")
-                  if _result(parts, n).get("machine")), {})
+    first = next((_result(parts, n) for n in parts if _result(parts, n).get("machine")), {})
     m = first.get("machine", {})
     tm = (next(iter(timm_by_model(parts).values()), {}) or {}).get("machine", {})
     versions = ", ".join(f"{k} {({**tm, **m})[k]}" for k in
@@ -143,9 +157,14 @@ def markdown(state: dict[str, Any], args: argparse.Namespace) -> str:
              + (f"; XLA_FLAGS += `{args.xla_flags}`" if args.xla_flags else "") + ".",
              f"`gpu_table --quick`: {state.get('elapsed_s', 0):.0f} s of a {args.budget_s:g} s budget. "
              f"Batch {args.batch}, {args.dtype}, {args.num_classes} classes, median of {args.steps} "
-             f"steps after {args.warmup}. Norms of a model one after another in one process "
-             "(`train_step --one_process`; ratio to LN: ratio of medians; peak: the device's, "
-             "'<=' where an earlier norm's peak hides it). timm: `benchmarks.vs_torch` (same ViT, "
+             f"steps after {args.warmup}. "
+             + ("Each norm in its own process (`train_step --one_process --norm=N`; ratio to LN: "
+                "ratio of medians; peak: the device's). " if args.isolate_norms else
+                "Norms of a model one after another in one process (`train_step --one_process`; "
+                "ratio to LN: ratio of medians; peak: the device's, '<=' where an earlier norm's "
+                "peak hides it). ")
+             + "compile s: a load from the compilation cache where an earlier part compiled the "
+             "same step (LN after vs_torch). timm: `benchmarks.vs_torch` (same ViT, "
              "tanh GELU, grad clipping, fused AdamW, bf16 autocast) alternating with this "
              "project's LN step in one process; speed = timm time / ours per round (above 1: "
              "this project is faster); 'vs timm' in the norm table: timm's median over the row's.",

@@ -83,6 +83,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         "'lhs=--xla_gpu_enable_latency_hiding_scheduler=true;"
                         "cublas=--xla_gpu_enable_triton_gemm=false' (rows layernorm@NAME; "
                         "'NAME=' with no flags is the plain row, already there)")
+    q.add_argument("--isolate_norms", action="store_true",
+                   help="--quick: each norm of the train parts in its own process with its own "
+                        "share (a process start each) instead of a model's norms in one process")
     q.add_argument("--profile", action="store_true",
                    help="--quick: also profile one B/16 LN step (benchmarks.profile), last")
     q.add_argument("--compile_cache", default=None,

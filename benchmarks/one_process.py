@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from typing import Any
@@ -28,6 +29,22 @@ import jax
 from benchmarks import common, train_step, xla_flags
 
 MIN_LEFT_S = 5.0  # do not start a norm with less of --time_budget_s left
+
+
+def _process_start() -> float:
+    """When this process started (Linux /proc; elsewhere now): imports and the backend's start
+    count against a part's share, so the progress lines count from there."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+_START = _process_start()
 
 
 def plan(args: argparse.Namespace, names: list[str]) -> list[tuple[str, str, str, dict]]:
@@ -46,13 +63,21 @@ def device_memory() -> tuple[int | None, int | None]:
     return stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
 
 
+def log(message: str) -> None:
+    """A progress line on stderr with the seconds since this process started (imports included):
+    where a part's time went when it is stopped."""
+    print(f"[one_process {time.time() - _START:.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def measure(args: argparse.Namespace, name: str, norm: str, aug: str, options: dict,
             peak_flops: float) -> tuple[dict[str, Any], list[float]]:
     cfg = train_step.config(args, norm, aug)
     flops = train_step.analytic_flops(args, cfg, norm)
+    log(f"{name}: building and compiling")
     bench = common.compile_train(name, cfg, num_classes=args.num_classes, compiler_options=options)
-    print(f"compiled {name}: {bench.compile_s:.1f} s", file=sys.stderr, flush=True)
+    log(f"{name}: compiled in {bench.compile_s:.1f} s; {args.warmup} + {args.steps} steps")
     times = [bench.step() for _ in range(args.warmup + args.steps)][args.warmup:]
+    log(f"{name}: median step {common.summarize(times).median:.4f} s")
     return train_step.row(args, bench, times, flops, peak_flops), times
 
 
@@ -65,6 +90,7 @@ def run(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     t0 = time.monotonic()
     budget = args.time_budget_s if args.time_budget_s else float("inf")
     items = plan(args, names)
+    log(f"started; backend {jax.default_backend()}; plan {[n for n, *_ in items]}")
     peak_flops, peak_src = train_step.peak(args)
     rows: list[dict[str, Any]] = []
     times: dict[str, list[float]] = {}
@@ -96,6 +122,7 @@ def run(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
         try:
             row, ts = measure(args, name, norm, aug, options, peak_flops)
         except Exception as e:  # noqa: BLE001 (an OOM or a bad flag costs this norm only)
+            log(f"{name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             failures.append({"norm": name, "status": "failed", "log": "-",
                              "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
             _free()

@@ -265,8 +265,9 @@ def test_gpu_table_quick_dry_run_lists_the_parts_with_their_shares(capsys):
     res = gpu_table.main(["--quick", "--dry-run", "--profile", "--budget_s=480",
                           "--variants=base=;lhs=--xla_gpu_enable_latency_hiding_scheduler=true"])
     text = capsys.readouterr().out
-    assert "benchmarks.train_step --model=B/16 --norm=layernorm,dtn --one_process" in text
-    assert "--model=S/16 --norm=layernorm,repbn,progressive,zscore_repbn --one_process" in text
+    assert "benchmarks.train_step --model=B/16 --one_process --batch=256" in text
+    assert "--norm=layernorm,dtn --json=" in text
+    assert "--norm=layernorm,repbn,progressive,zscore_repbn --json=" in text
     assert "--ln_variants=lhs=--xla_gpu_enable_latency_hiding_scheduler=true" in text
     assert "benchmarks.vs_torch --model=B/16,S/16 --batch=256 --dtype=bfloat16 --steps=10 --warmup=2" in text
     assert "benchmarks.norm_kernels --model=B/16 --norm=layernorm,dtn,repbn,progressive,zscore_repbn" in text
@@ -275,6 +276,39 @@ def test_gpu_table_quick_dry_run_lists_the_parts_with_their_shares(capsys):
     shares = [float(line.split(": ")[1].split(" s ")[0]) for line in text.splitlines()
               if line.startswith("# ")]
     assert len(shares) == len(res["commands"]) == 5 and abs(sum(shares) - 480) < 3
+    assert text.index("benchmarks.vs_torch") < text.index("benchmarks.train_step")  # first
+
+
+def test_gpu_table_quick_isolate_norms_gives_each_norm_a_part(capsys):
+    from benchmarks import gpu_table
+    gpu_table.main(["--quick", "--dry-run", "--isolate_norms", "--variants=lhs=--xla_a=true"])
+    parts = [line.split(":")[0][2:] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("# ")]
+    assert parts == ["vs_torch", "train_B16_layernorm", "train_B16_dtn", "train_B16_variants",
+                     "train_S16_layernorm", "train_S16_repbn", "train_S16_progressive",
+                     "train_S16_zscore_repbn", "train_S16_variants", "norm_kernels"]
+
+
+def test_gpu_render_ratios_across_processes():
+    """--isolate_norms: a norm's ratio to LN and its FLOP bound from the LN part of its model; a
+    variants part's own LN row is left out, its variant keeps its same-process ratio."""
+    from benchmarks import gpu_render
+    row = lambda norm, s, extra=0.0, **kw: {"norm": norm, "step_median_s": s, "images_per_s": 1.0,
+                                            "mfu": 0.3, "compile_s": 1.0, "model_gflops": 10.0,
+                                            "norm_gflops": extra, **kw}
+    part = lambda *rows: {"status": "ok", "result": {"args": {"model": "B/16"}, "rows": list(rows)}}
+    parts = {"train_B16_layernorm": part(row("layernorm", 0.1, device_peak_gib=20.0)),
+             "train_B16_dtn": part(row("dtn", 0.12, extra=1.0)),
+             "train_B16_variants": part(row("layernorm", 0.2), row("layernorm@x", 0.19,
+                                                                  time_ratio_median=0.95)),
+             "vs_torch": {"status": "ok", "result": {"args": {"model": "B/16"}, "rows": [
+                 {"impl": "timm_compiled", "step_median_s": 0.11, "images_per_s": 9.0}]}}}
+    rows = {r["norm"]: r for r in gpu_render.summary_rows(parts)}
+    assert list(rows) == ["layernorm", "dtn", "layernorm@x"]
+    assert rows["dtn"]["ratio_to_ln"] == pytest.approx(1.2)
+    assert rows["dtn"]["bound"] == pytest.approx(1.15) and rows["dtn"]["within"] == "NO"
+    assert rows["layernorm@x"]["ratio_to_ln"] == 0.95 and rows["layernorm@x"]["bound"] is None
+    assert rows["layernorm"]["vs_timm_compiled"] == pytest.approx(1.1)
 
 
 def test_gpu_table_quick_tiny_runs_without_tensorflow(tmp_path):
