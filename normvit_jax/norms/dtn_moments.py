@@ -18,15 +18,25 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# (b, s, h, d) x (h, s, t) -> (h, t, b, d): batch h, contract s. XLA picks the operands' physical
-# layouts; the per-head channels d stay innermost, so its transposes move contiguous rows of d.
-_FWD = (((1,), (1,)), ((2,), (0,)))
+# P first: (h, s, t) x (b, s, h, d) -> (h, t, b, d), batch h, contract s: per head one GEMM
+# (t x s) . (s x b*d) with the large N = b*d, and the output's innermost axis is d, as the
+# tokens' is, so every layout change around the matmul only permutes contiguous rows of d
+# (the tokens-first order gives (h, b, d, t): t innermost, a full transpose back).
+_FWD = (((1,), (1,)), ((0,), (2,)))
+
+
+def _dot(a: jax.Array, b: jax.Array, dims: Any, precision: Any = None) -> jax.Array:
+    """dot_general with float32 sums. XLA:CPU has no half x half -> float32 kernel for every
+    layout ("Unsupported element type for DotThunk"): there the half operands are widened, which
+    computes the same products exactly (a product of two bfloat16 numbers fits in float32)."""
+    if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
+        a, b, precision = a.astype(jnp.float32), b.astype(jnp.float32), jax.lax.Precision.HIGHEST
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _fwd_dot(tokens: jax.Array, p: jax.Array, precision: Any) -> jax.Array:
-    out = jax.lax.dot_general(tokens, p, _FWD, precision=precision,
-                              preferred_element_type=jnp.float32)  # (h, b, d, t)
-    return jnp.transpose(out, (1, 3, 0, 2))  # (b, t, h, d)
+    out = _dot(p, tokens, _FWD, precision)  # (h, t, b, d)
+    return jnp.transpose(out, (2, 1, 0, 3))  # (b, t, h, d)
 
 
 @jax.custom_vjp
@@ -43,13 +53,11 @@ def _half_bwd(res, g: jax.Array):
     half = tokens.dtype
     g = g.astype(half)  # (b, t, h, d): the cotangent in the operands' half dtype
     # d tokens[b, s, h, d] = sum_t P[h, s, t] g[b, t, h, d]
-    dt = jax.lax.dot_general(g, p.astype(half), (((1,), (2,)), ((2,), (0,))),
-                             preferred_element_type=jnp.float32)  # (h, b, d, s)
-    dt = jnp.transpose(dt, (1, 3, 0, 2)).astype(half)
+    dt = _dot(p.astype(half), g, (((2,), (1,)), ((0,), (2,))))  # (h, s, b, d)
+    dt = jnp.transpose(dt, (2, 1, 0, 3)).astype(half)
     # dP[h, s, t] = sum_{b, d} tokens[b, s, h, d] g[b, t, h, d], kept in float32: the softmax's
     # backward subtracts its weighted mean, which a half-precision dP would not survive.
-    dp = jax.lax.dot_general(tokens, g, (((0, 3), (0, 3)), ((2,), (2,))),
-                             preferred_element_type=jnp.float32)  # (h, s, t)
+    dp = _dot(tokens, g, (((0, 3), (0, 3)), ((2,), (2,))))  # (h, s, t)
     return dt, dp
 
 
