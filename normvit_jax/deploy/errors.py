@@ -13,9 +13,9 @@ class UnsupportedOpError(DeployError):
 
     def __init__(self, op: str, fmt: str, detail: str = "") -> None:
         self.op, self.fmt = op, fmt
-        tail = f" ({detail})" if detail else ""
-        super().__init__(f"the {fmt} format cannot express the operation {op!r} of this "
-                         f"model{tail}; export another format (onnx, savedmodel, stablehlo)")
+        tail = f" ({detail})" if detail and detail != op else ""
+        super().__init__(f"--format={fmt} cannot express the operation {op!r} of this model"
+                         f"{tail}; try another format (onnx, savedmodel, stablehlo)")
 
 
 class MissingExtraError(DeployError):

@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import re
+from typing import Any, Callable
 
 from normvit_jax.deploy import bundle as bundle_lib
 from normvit_jax.deploy.errors import UnsupportedOpError, require
@@ -40,26 +41,26 @@ def _jax2onnx():
     return j2o
 
 
-_PRIMITIVE = re.compile(r"primitive[^']*'([^']+)'|No plugin registered for[^']*'([^']+)'")
+_PRIMITIVE = re.compile(r"primitive '([^']+)'")
 
 
-def convert(b: bundle_lib.Bundle, batch: int | None, meta: dict | None = None):
-    """The ``onnx.ModelProto`` of the serving function."""
+def to_onnx(fn: Callable, specs: list, **kwargs: Any) -> Any:
+    """``jax2onnx.to_onnx`` with a primitive it has no rule for as UnsupportedOpError."""
     j2o = _jax2onnx()
-    from normvit_jax.deploy import stablehlo_format
     try:
-        model = j2o.to_onnx(bundle_lib.serving_fn(b), [stablehlo_format.input_spec(b, batch)],
-                            model_name="normvit_jax", opset=OPSET,
-                            input_names=[bundle_lib.INPUT],
-                            # a dict's leaves flatten in sorted key order
-                            output_names=sorted(bundle_lib.OUTPUTS))
-    except (NotImplementedError, ValueError, KeyError) as e:
-        text = str(e).split("\n")[0]
+        return j2o.to_onnx(fn, specs, opset=OPSET, **kwargs)
+    except NotImplementedError as e:
+        text = " ".join(str(e).split())
         m = _PRIMITIVE.search(text)
-        if m is None and not isinstance(e, NotImplementedError):
-            raise
-        raise UnsupportedOpError(next(g for g in m.groups() if g) if m else text[:120], "onnx",
-                                 text[:200]) from None
+        raise UnsupportedOpError(m.group(1) if m else text[:120], "onnx", text[:200]) from None
+
+
+def convert(b: bundle_lib.Bundle, batch: int | None, meta: dict | None = None) -> Any:
+    """The ``onnx.ModelProto`` of the serving function."""
+    from normvit_jax.deploy import stablehlo_format
+    model = to_onnx(bundle_lib.serving_fn(b), [stablehlo_format.input_spec(b, batch)],
+                    model_name="normvit_jax", input_names=[bundle_lib.INPUT],
+                    output_names=sorted(bundle_lib.OUTPUTS))  # a dict flattens in key order
     if meta is not None:
         for key, value in (("classes", json.dumps(list(b.class_names))),
                            ("normvit_jax.deploy", json.dumps(meta))):

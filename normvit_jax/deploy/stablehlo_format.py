@@ -4,6 +4,7 @@ model code needed."""
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 import numpy as np
 
@@ -17,14 +18,22 @@ def input_spec(b: bundle_lib.Bundle, batch: int | None):
     return jax.ShapeDtypeStruct((n, b.image_size, b.image_size, 3), np.uint8)
 
 
-def exported(b: bundle_lib.Bundle, batch: int | None, platforms: tuple[str, ...] = ("cpu", "cuda")):
-    """The ``jax.export.Exported`` of the serving function, lowered for ``platforms``."""
+PLATFORMS = ("cpu", "cuda")  # one artifact for both: jax picks the lowering at run time
+
+
+def export(fn: Callable, spec: Any, fmt: str = "stablehlo") -> Any:
+    """``jax.export.export`` of ``fn`` at ``spec``; what it cannot serialize (host callbacks,
+    a primitive without a lowering) as UnsupportedOpError."""
     import jax
     try:
-        return jax.export.export(jax.jit(bundle_lib.serving_fn(b)), platforms=platforms)(
-            input_spec(b, batch))
-    except NotImplementedError as e:  # a primitive without a lowering for some platform
-        raise UnsupportedOpError(str(e).split("\n")[0][:200], "stablehlo") from None
+        return jax.export.export(jax.jit(fn), platforms=PLATFORMS)(spec)
+    except NotImplementedError as e:
+        raise UnsupportedOpError(" ".join(str(e).split())[:160], fmt) from None
+
+
+def exported(b: bundle_lib.Bundle, batch: int | None) -> Any:
+    """The ``jax.export.Exported`` of the serving function."""
+    return export(bundle_lib.serving_fn(b), input_spec(b, batch))
 
 
 def write(b: bundle_lib.Bundle, out: str, batch: int | None, meta: dict) -> None:
