@@ -74,17 +74,20 @@ def variables_of(c: Any, num_classes: int, seed: int = 0) -> dict:
     return jax.tree_util.tree_map_with_path(perturb, v)
 
 
-def time_alternating(fns: dict[str, Callable], x: np.ndarray, reps: int) -> dict[str, float]:
-    """Median seconds per call of each function, calls interleaved (order rotated per round)."""
+def time_alternating(fns: dict[str, Callable], x: np.ndarray | None, reps: int
+                     ) -> dict[str, float]:
+    """Median seconds per call of each function (of ``x``, or of nothing when ``x`` is None),
+    calls interleaved, the order rotated every round."""
     names = list(fns)
+    call = (lambda n: fns[n]()) if x is None else (lambda n: fns[n](x))  # noqa: E731
     for name in names:
         for _ in range(2):
-            fns[name](x)
+            call(name)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(reps):
         for name in names[r % len(names):] + names[:r % len(names)]:
             t = time.perf_counter()
-            fns[name](x)
+            call(name)
             times[name].append(time.perf_counter() - t)
     return {n: float(np.median(ts)) for n, ts in times.items()}
 
@@ -156,15 +159,25 @@ def timm_anchors(args: Any, tmp: str) -> list[dict]:
         fns["timm ONNX Runtime CPU"] = lambda x: session.run(None, {"x": x})
     except Exception as e:  # noqa: BLE001
         print(f"timm ONNX export skipped: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    # The acceptance's pair, timed interleaved with the anchors: folded RepBN ViT-S/16 in ORT.
+    c = config("S/16", "repbn")
+    b = bundle.from_variables(c, c.model, variables_of(c, 1000), 1000, fold=True, log=None)
+    ours = os.path.join(tmp, "repbn_folded_anchor.onnx")
+    artifact.export_artifact(b, "onnx", ours, log=None)
+    run_ours = runtimes.open_artifact(ours, "onnx", threads=args.threads)
     for batch in args.batches:
         x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), np.float32)
+        pixels = np.random.default_rng(batch).integers(0, 256, (batch, 224, 224, 3), np.uint8)
         reps = args.reps_large if batch >= 16 else args.reps
-        for name, fn in fns.items():
+        calls = {name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}
+        calls["RepBN folded, this project's ONNX Runtime CPU"] = lambda: run_ours(pixels)
+        for name, fn in list(calls.items()):
             try:
-                s = time_alternating({name: fn}, x, reps)[name]
+                fn()
             except Exception as e:  # noqa: BLE001  torch.compile fails at its first call
                 print(f"{name} skipped: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
+                del calls[name]
+        for name, s in time_alternating(calls, None, reps).items():
             rows.append({"model": "S/16", "norm": "timm LN", "kind": name, "runtime": name,
                          "batch": batch, "median_ms": s * 1e3, "images_per_s": batch / s,
                          "reps": reps})
@@ -194,7 +207,8 @@ def table(rows: list[dict], header: str) -> str:
                 out.append(f"| {LABELS.get(norm, norm)} | {RUNTIMES[fmt]} | " + " | ".join(cells) + " |")
         anchors = [r for r in rows if r["model"] == model and r["norm"].startswith("timm")]
         if anchors:
-            out += ["", "| anchor (timm ViT-S/16, LayerNorm) | " + " | ".join(f"batch {b}" for b in batches) + " |",
+            out += ["", "| anchors, timed interleaved (timm ViT-S/16 with LayerNorm; this project's "
+                "folded RepBN ViT-S/16) | " + " | ".join(f"batch {b}" for b in batches) + " |",
                     "|---|" + "---|" * len(batches)]
             for name in dict.fromkeys(r["runtime"] for r in anchors):
                 cells = []
