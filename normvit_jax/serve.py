@@ -174,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
+        sock.listen(2048)  # from here on clients queue until uvicorn accepts: none is refused
     except OSError as e:
         _stop(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     import uvicorn
