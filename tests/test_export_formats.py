@@ -227,3 +227,26 @@ def test_an_operation_a_format_cannot_express_is_named():
         stablehlo_format.export(fn, spec)
     with pytest.raises(errors.MissingExtraError, match=r"pip install -e '\.\[deploy\]'"):
         errors.require("no_such_module_for_the_test", "the onnx format")
+
+
+def test_derf_savedmodel_runs_in_tensorflow_or_names_the_operation(tmp_path):
+    """JAX 0.10 writes erf as a StableHLO ``composite`` that TF 2.21's XlaCallModule cannot read:
+    the export runs the signature once in TF and turns that into the one-line error (exit 2 in
+    the command), naming the operation and the format, instead of an artifact that fails later.
+    A TF that reads it gives a SavedModel that runs."""
+    from tests.deploy_runs import demo_config
+    from normvit_jax import models
+    c = demo_config("vit_derf")
+    v = models.create(c.model, 10).init(jax.random.key(0), np.zeros((1, 8, 8, 3)), train=False)
+    b = bundle.from_variables(c, c.model, v, 10, log=None)
+    try:
+        artifact.export_artifact(b, "savedmodel", str(tmp_path / "derf"), log=None)
+    except errors.UnsupportedOpError as e:
+        assert re.search(r"^--format=savedmodel cannot express the operation '[\w.]+' .*"
+                         r"pointwise\.py:\d+.*XlaCallModule cannot read it", str(e)), str(e)
+        assert "\n" not in str(e) and not (tmp_path / "derf").exists()
+    else:
+        from normvit_jax.deploy import runtimes
+        probs, _ = runtimes.open_artifact(str(tmp_path / "derf"), "savedmodel")(
+            np.zeros((2, 8, 8, 3), np.uint8))
+        np.testing.assert_allclose(probs.sum(1), 1.0, atol=1e-5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -20,6 +21,26 @@ def _tf():
     except RuntimeError:
         pass
     return tf
+
+
+_UNREGISTERED = re.compile(r"unregistered operation '([^']+)'")
+_WHERE = re.compile(r"([\w./-]+\.py:\d+):\d+: error")
+
+
+def _check_tf_runs(tf: object, concrete: object, batch: int, size: int) -> None:
+    """Runs the signature once in TensorFlow: its XlaCallModule deserializes the StableHLO only
+    here, and a TF older than the JAX that wrote it refuses operations it does not know (JAX
+    0.10 writes erf as a ``composite`` that TF 2.21 cannot read)."""
+    try:
+        concrete(tf.zeros([batch, size, size, 3], tf.uint8))
+    except tf.errors.InvalidArgumentError as e:
+        text = str(e)
+        op, where = _UNREGISTERED.search(text), _WHERE.search(text)
+        if op is None:
+            raise
+        raise UnsupportedOpError(op.group(1), "savedmodel", (
+            f"written at {where.group(1)}; " if where else "") + f"TensorFlow {tf.__version__}'s "
+            "XlaCallModule cannot read it") from None
 
 
 def write(b: bundle_lib.Bundle, out: str, batch: int | None, meta: dict) -> None:
@@ -51,6 +72,7 @@ def write(b: bundle_lib.Bundle, out: str, batch: int | None, meta: dict) -> None
             concrete = serve.get_concrete_function()
         except NotImplementedError as e:
             raise UnsupportedOpError(str(e).split("\n")[0][:200], "savedmodel") from None
+        _check_tf_runs(tf, concrete, batch or 1, b.image_size)
         tmp = out.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tf.saved_model.save(module, tmp, signatures={"serving_default": concrete})
