@@ -185,6 +185,10 @@ def timm_anchors(args: Any, tmp: str) -> list[dict]:
     return rows
 
 
+def _cell(r: dict | None) -> str:
+    return f"{r['median_ms']:.1f} ms ({r['images_per_s']:.3g}/s)" if r else "-"
+
+
 def table(rows: list[dict], header: str) -> str:
     """Markdown: per model, norm and runtime, median ms (images/s) unfolded, folded, and the
     folded/unfolded time ratio per batch."""
@@ -196,15 +200,17 @@ def table(rows: list[dict], header: str) -> str:
         out += [f"| norm | runtime | {cols} |", "|---|---|" + "---|" * (3 * len(batches))]
         ours = [r for r in rows if r["model"] == model and not r["norm"].startswith("timm")]
         for norm in dict.fromkeys(r["norm"] for r in ours):
+            folds = any(r["kind"] == "folded" for r in ours if r["norm"] == norm)
             for fmt in dict.fromkeys(r["runtime"] for r in ours):
                 cells = []
                 for b in batches:
                     got = {r["kind"]: r for r in ours if (r["norm"], r["runtime"], r["batch"]) == (norm, fmt, b)}
                     u, f = got.get("unfolded"), got.get("folded")
-                    fmt_cell = lambda r: f"{r['median_ms']:.1f} ms ({r['images_per_s']:.0f}/s)" if r else "-"  # noqa: E731
-                    ratio = f"{f['median_ms'] / u['median_ms']:.2f}" if u and f else "nothing folds"
-                    cells += [fmt_cell(u), fmt_cell(f), ratio]
-                out.append(f"| {LABELS.get(norm, norm)} | {RUNTIMES[fmt]} | " + " | ".join(cells) + " |")
+                    ratio = (f"{f['median_ms'] / u['median_ms']:.2f}" if u and f else
+                             "nothing folds" if u and not folds else "-")
+                    cells += [_cell(u), _cell(f), ratio]
+                if any(c != "-" for c in cells):
+                    out.append(f"| {LABELS.get(norm, norm)} | {RUNTIMES[fmt]} | " + " | ".join(cells) + " |")
         anchors = [r for r in rows if r["model"] == model and r["norm"].startswith("timm")]
         if anchors:
             out += ["", "| anchors, timed interleaved (timm ViT-S/16 with LayerNorm; this project's "
@@ -214,7 +220,7 @@ def table(rows: list[dict], header: str) -> str:
                 cells = []
                 for b in batches:
                     r = next((r for r in anchors if (r["runtime"], r["batch"]) == (name, b)), None)
-                    cells.append(f"{r['median_ms']:.1f} ms ({r['images_per_s']:.0f}/s)" if r else "-")
+                    cells.append(_cell(r))
                 out.append(f"| {name} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
