@@ -1,10 +1,16 @@
 """Writes a trained run's parameters as a Google vit_jax-layout .npz (``export_npz``; the layout
-is ``models.google_layout``, loading it back ``normvit_jax.pretrained``).
+is ``models.google_layout``, loading it back ``normvit_jax.pretrained``), or the whole model as a
+deployable artifact (``normvit_jax.deploy``, docs/deploy.md).
 
     python -m normvit_jax.export --workdir=runs/ft --out=model.npz [--step=N]
+    python -m normvit_jax.export --workdir=W --format=onnx|savedmodel|stablehlo --out=PATH \
+        [--fold] [--batch=N] [--folded=FOLDED_DIR] [--step=N]
 
-The file loads back with ``config.init_from`` and in other ViT codebases that read that format
+The .npz loads back with ``config.init_from`` and in other ViT codebases that read that format
 (as the same model where the architecture is the standard pre-LN ViT; the log says where not).
+An artifact takes uint8 pixels ``image`` (N, H, W, 3) and gives ``probabilities`` and ``logits``;
+``--fold`` folds the affine norms first (``normvit_jax.reparam``); ``classes.json`` is written
+beside it. Bad input (also a norm a format cannot express, a missing extra): one line, exit 2.
 """
 from __future__ import annotations
 
@@ -91,6 +97,31 @@ def define_flags() -> None:
         flags.DEFINE_string("out", None, "Output .npz path (local or gs://).")
     if "step" not in FLAGS:
         flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the latest).")
+    # --- deploy formats (normvit_jax.deploy, docs/deploy.md)
+    if "format" not in FLAGS:
+        flags.DEFINE_enum("format", "npz", ["npz", "onnx", "savedmodel", "stablehlo"],
+                          "npz: the parameters (vit_jax layout); onnx, savedmodel, stablehlo: the "
+                          "model with its input normalization and softmax (docs/deploy.md).")
+    if "fold" not in FLAGS:
+        flags.DEFINE_bool("fold", False, "Fold the affine norms into the next Dense first "
+                          "(normvit_jax.reparam; its report is printed). Not for npz.")
+    if "batch" not in FLAGS:
+        flags.DEFINE_integer("batch", None, "Fixed batch size of the artifact (default: any).")
+    if "folded" not in FLAGS:
+        flags.DEFINE_string("folded", None, "A folder written by python -m normvit_jax.reparam "
+                            "--out=...: export those folded weights (--workdir gives the data "
+                            "settings and class names).")
+
+
+def run_deploy(workdir: str, out: str, fmt: str, *, step: int | None = None, fold: bool = False,
+               batch: int | None = None, folded: str | None = None) -> dict[str, Any]:
+    """Writes the ``fmt`` artifact of a run (normvit_jax.deploy); returns its metadata."""
+    from normvit_jax import deploy
+    from normvit_jax.deploy import bundle
+    if batch is not None and batch < 1:
+        raise deploy.DeployError(f"--batch={batch}: must be >= 1 (leave it out for any batch)")
+    b = bundle.load(workdir, step=step, folded=folded, fold=fold)
+    return deploy.export_artifact(b, fmt, out, batch)
 
 
 def run(workdir: str, out: str, step: int | None = None) -> dict[str, Any]:
@@ -114,9 +145,25 @@ def main(argv: Sequence[str]) -> None:
     logs.quiet_library_logs()  # Orbax logs ~30 INFO lines per restore
     if not FLAGS.workdir or not FLAGS.out:
         _stop("--workdir and --out are required (--help lists the flags)")
+    if FLAGS.format != "npz":
+        _main_deploy()
+        return
+    if FLAGS.fold or FLAGS.batch is not None or FLAGS.folded:
+        _stop("--fold, --batch and --folded apply to --format=onnx|savedmodel|stablehlo; the npz "
+              "holds the parameters as trained (python -m normvit_jax.reparam --out=DIR folds)")
     try:
         run(FLAGS.workdir, FLAGS.out, FLAGS.step)
     except (CheckpointError, checkpoints.RunNotFoundError) as e:  # a line, not a trace
+        _stop(str(e))
+
+
+def _main_deploy() -> None:
+    from normvit_jax import checkpoints
+    from normvit_jax.deploy import DeployError
+    try:
+        run_deploy(FLAGS.workdir, FLAGS.out, FLAGS.format, step=FLAGS.step, fold=FLAGS.fold,
+                   batch=FLAGS.batch, folded=FLAGS.folded)
+    except (DeployError, checkpoints.RunNotFoundError, FileNotFoundError) as e:
         _stop(str(e))
 
 

@@ -1,0 +1,292 @@
+"""Inference latency of exported artifacts where users deploy them (issue 34): per norm, unfolded
+and folded (``--fold``), in ONNX Runtime (CPU), TF SavedModel (CPU) and JAX (the StableHLO
+artifact under ``jax.jit``), at batch 1 and 32, for ViT-S/16 at 224 px and the demo model; with
+timm's ViT-S/16 in PyTorch (eager, ``torch.compile``) and exported to ONNX Runtime as anchors.
+
+    python -m benchmarks.deploy [--models=S/16,demo] [--norms=layernorm,...] [--batches=1,32]
+                                [--reps=10] [--reps_large=3] [--threads=2] [--md=docs/benchmarks.md]
+
+Weights are random (latency does not depend on their values; the norms' statistics are moved
+off their initial values so folding is not a special case). The unfolded and folded artifacts of
+a norm are timed alternately, call by call, so a shared machine's drift hits both alike; medians
+of ``--reps`` calls (``--reps_large`` at batch >= 16) after two warm-up calls. ``--md``: the
+table replaces the block between the ``deploy-table`` markers of that file.
+"""
+from __future__ import annotations
+
+from benchmarks import xla_flags
+
+xla_flags.apply()
+
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Callable, Sequence  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from normvit_jax import models, tool_flags  # noqa: E402
+from normvit_jax.deploy import artifact, bundle, runtimes  # noqa: E402
+
+NORMS = ("layernorm", "batchnorm", "unified", "repbn", "progressive", "zscore_repbn", "dyt",
+         "derf", "dtn")
+LABELS = {"layernorm": "LN", "batchnorm": "BN", "unified": "UN", "repbn": "RepBN",
+          "progressive": "progressive LN->RepBN", "zscore_repbn": "z-score->RepBN", "dyt": "DyT",
+          "derf": "Derf", "dtn": "DTN"}
+RUNTIMES = {"onnx": "ONNX Runtime CPU", "savedmodel": "TF SavedModel CPU", "stablehlo": "JAX jit CPU"}
+EXT = {"onnx": ".onnx", "savedmodel": "", "stablehlo": ".stablehlo"}
+BEGIN, END = "<!-- deploy-table:begin -->", "<!-- deploy-table:end -->"
+
+
+def config(model: str, norm: str) -> Any:
+    """ViT-S/16 at 224 px (1000 classes) or the demo model (configs/vit_ln.py:demo, 8x8 digits),
+    with ``norm`` in every slot (benchmarks.common.NORMS)."""
+    if model == "demo":
+        from configs import vit_ln
+        c = vit_ln.get_config("demo")
+        for k, v in common.NORMS[norm].items():
+            c.model[k] = v
+        return c
+    return common.bench_config(model, norm, image_size=224, num_classes=1000)
+
+
+def variables_of(c: Any, num_classes: int, seed: int = 0) -> dict:
+    spec = models.spec_of(c.model, num_classes)
+    size = int(c.data.image_size)
+    v = jax.jit(lambda k: models.create(spec).init(k, np.zeros((1, size, size, 3), np.float32),
+                                                   train=False))(jax.random.key(seed))
+    rng = np.random.default_rng(seed)
+
+    def perturb(path: Any, a: Any) -> np.ndarray:  # running statistics off (0, 1)
+        a, key = np.asarray(a), jax.tree_util.keystr(path)
+        if "batch_stats" not in key or not np.issubdtype(a.dtype, np.floating):
+            return a
+        if "var" in key:
+            return (a * rng.uniform(0.5, 1.5, a.shape)).astype(a.dtype)
+        return (a + 0.1 * rng.standard_normal(a.shape)).astype(a.dtype)
+    return jax.tree_util.tree_map_with_path(perturb, v)
+
+
+def time_alternating(fns: dict[str, Callable], x: np.ndarray | None, reps: int
+                     ) -> dict[str, float]:
+    """Median seconds per call of each function (of ``x``, or of nothing when ``x`` is None),
+    calls interleaved, the order rotated every round."""
+    names = list(fns)
+    call = (lambda n: fns[n]()) if x is None else (lambda n: fns[n](x))  # noqa: E731
+    for name in names:
+        for _ in range(2):
+            call(name)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t = time.perf_counter()
+            call(name)
+            times[name].append(time.perf_counter() - t)
+    return {n: float(np.median(ts)) for n, ts in times.items()}
+
+
+def bench_norm(model: str, norm: str, args: Any, tmp: str) -> list[dict]:
+    c = config(model, norm)
+    n = 1000 if model != "demo" else 10
+    v = variables_of(c, n)
+    bundles = {"unfolded": bundle.from_variables(c, c.model, v, n, log=None)}
+    folded = bundle.from_variables(c, c.model, v, n, fold=True, log=None)
+    if folded.source.get("folded"):
+        bundles["folded"] = folded
+    rows = []
+    for fmt in args.runtimes:
+        runs, export_s = {}, {}
+        for kind, b in bundles.items():
+            path = os.path.join(tmp, f"{model.replace('/', '')}_{norm}_{kind}{EXT[fmt]}")
+            t = time.perf_counter()
+            artifact.export_artifact(b, fmt, path, log=None)
+            export_s[kind] = time.perf_counter() - t
+            runs[kind] = runtimes.open_artifact(path, fmt, threads=args.threads)
+        for batch in args.batches:
+            size = int(c.data.image_size)
+            x = np.random.default_rng(batch).integers(0, 256, (batch, size, size, 3), np.uint8)
+            reps = args.reps_large if batch >= 16 else args.reps
+            med = time_alternating(runs, x, reps)
+            for kind, s in med.items():
+                rows.append({"model": model, "norm": norm, "kind": kind, "runtime": fmt,
+                             "batch": batch, "median_ms": s * 1e3, "images_per_s": batch / s,
+                             "reps": reps, "export_s": export_s[kind],
+                             "folded_slots": len(bundles[kind].source.get("folded", []))})
+            print(json.dumps(rows[-1]) if len(med) == 1 else json.dumps(rows[-2:]), flush=True)
+        del runs
+        gc.collect()
+    return rows
+
+
+def timm_anchors(args: Any, tmp: str) -> list[dict]:
+    """timm's ViT-S/16 (1000 classes, float32): PyTorch eager, torch.compile, ONNX Runtime."""
+    try:
+        from benchmarks.vs_torch import import_torch_timm
+        torch, timm = import_torch_timm()
+    except SystemExit as e:
+        print(f"timm anchors skipped: {e}", flush=True)
+        return []
+    import onnxruntime as ort
+    torch.set_num_threads(args.threads)
+    net = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=1000).eval()
+    rows = []
+    fns: dict[str, Callable] = {}
+
+    def torch_fn(m: Any) -> Callable:
+        def run(x: np.ndarray) -> Any:
+            with torch.inference_mode():
+                return m(torch.from_numpy(x)).numpy()
+        return run
+    fns["timm PyTorch eager"] = torch_fn(net)
+    try:
+        fns["timm PyTorch torch.compile"] = torch_fn(torch.compile(net))
+    except Exception as e:  # noqa: BLE001  an inductor without a C++ compiler
+        print(f"torch.compile skipped: {type(e).__name__}: {e}", flush=True)
+    path = os.path.join(tmp, "timm_vit_s16.onnx")
+    try:
+        torch.onnx.export(net, (torch.zeros(1, 3, 224, 224),), path, input_names=["x"],
+                          output_names=["logits"], dynamic_axes={"x": {0: "n"}}, dynamo=False)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = args.threads
+        session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        fns["timm ONNX Runtime CPU"] = lambda x: session.run(None, {"x": x})
+    except Exception as e:  # noqa: BLE001
+        print(f"timm ONNX export skipped: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    # The acceptance's pair, timed interleaved with the anchors: folded RepBN ViT-S/16 in ORT.
+    c = config("S/16", "repbn")
+    b = bundle.from_variables(c, c.model, variables_of(c, 1000), 1000, fold=True, log=None)
+    ours = os.path.join(tmp, "repbn_folded_anchor.onnx")
+    artifact.export_artifact(b, "onnx", ours, log=None)
+    run_ours = runtimes.open_artifact(ours, "onnx", threads=args.threads)
+    for batch in args.batches:
+        x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), np.float32)
+        pixels = np.random.default_rng(batch).integers(0, 256, (batch, 224, 224, 3), np.uint8)
+        reps = args.reps_large if batch >= 16 else args.reps
+        calls = {name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}
+        calls["RepBN folded, this project's ONNX Runtime CPU"] = lambda: run_ours(pixels)
+        for name, fn in list(calls.items()):
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001  torch.compile fails at its first call
+                print(f"{name} skipped: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                del calls[name]
+        for name, s in time_alternating(calls, None, reps).items():
+            rows.append({"model": "S/16", "norm": "timm LN", "kind": name, "runtime": name,
+                         "batch": batch, "median_ms": s * 1e3, "images_per_s": batch / s,
+                         "reps": reps})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _cell(r: dict | None) -> str:
+    return f"{r['median_ms']:.1f} ms ({r['images_per_s']:.3g}/s)" if r else "-"
+
+
+def table(rows: list[dict], header: str) -> str:
+    """Markdown: per model, norm and runtime, median ms (images/s) unfolded, folded, and the
+    folded/unfolded time ratio per batch."""
+    out = [header, ""]
+    batches = sorted({r["batch"] for r in rows})
+    for model in dict.fromkeys(r["model"] for r in rows):
+        out += [f"**{'ViT-S/16, 224 px, 1000 classes' if model != 'demo' else 'demo model (8x8 digits, 4 blocks of 64)'}**", ""]
+        cols = " | ".join(f"batch {b}: unfolded | folded | folded/unfolded" for b in batches)
+        out += [f"| norm | runtime | {cols} |", "|---|---|" + "---|" * (3 * len(batches))]
+        ours = [r for r in rows if r["model"] == model and not r["norm"].startswith("timm")]
+        for norm in dict.fromkeys(r["norm"] for r in ours):
+            folds = any(r["kind"] == "folded" for r in ours if r["norm"] == norm)
+            for fmt in dict.fromkeys(r["runtime"] for r in ours):
+                cells = []
+                for b in batches:
+                    got = {r["kind"]: r for r in ours if (r["norm"], r["runtime"], r["batch"]) == (norm, fmt, b)}
+                    u, f = got.get("unfolded"), got.get("folded")
+                    ratio = (f"{f['median_ms'] / u['median_ms']:.2f}" if u and f else
+                             "nothing folds" if u and not folds else "-")
+                    cells += [_cell(u), _cell(f), ratio]
+                if any(c != "-" for c in cells):
+                    out.append(f"| {LABELS.get(norm, norm)} | {RUNTIMES[fmt]} | " + " | ".join(cells) + " |")
+        anchors = [r for r in rows if r["model"] == model and r["norm"].startswith("timm")]
+        if anchors:
+            out += ["", "| anchors, timed interleaved (timm ViT-S/16 with LayerNorm; this project's "
+                "folded RepBN ViT-S/16) | " + " | ".join(f"batch {b}" for b in batches) + " |",
+                    "|---|" + "---|" * len(batches)]
+            for name in dict.fromkeys(r["runtime"] for r in anchors):
+                cells = []
+                for b in batches:
+                    r = next((r for r in anchors if (r["runtime"], r["batch"]) == (name, b)), None)
+                    cells.append(_cell(r))
+                out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_md(path: str, text: str) -> None:
+    with open(path, encoding="utf-8") as f:
+        doc = f.read()
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in doc and END in doc:
+        doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(doc)
+
+
+def provenance() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except OSError:
+        commit = "?"
+    import onnxruntime
+    import tensorflow as tf
+    return (f"Measured {datetime.date.today().isoformat()} at commit {commit} on "
+            f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, "
+            f"jax {jax.__version__}, onnxruntime {onnxruntime.__version__}, tensorflow "
+            f"{tf.__version__}; float32, median latency per call (images/s).")
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    p = tool_flags.Parser("python -m benchmarks.deploy", __doc__)
+    p.add_argument("--models", default="S/16,demo")
+    p.add_argument("--norms", default=",".join(NORMS))
+    p.add_argument("--runtimes", default="onnx,savedmodel,stablehlo")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--reps", type=int, default=10, help="timed calls at small batches")
+    p.add_argument("--reps_large", type=int, default=3, help="timed calls at batch >= 16")
+    p.add_argument("--threads", type=int, default=2, help="intra-op threads of every runtime")
+    p.add_argument("--anchors", default="yes", choices=["yes", "no"])
+    p.add_argument("--md", default=None, help="markdown file whose deploy-table block to replace")
+    p.add_argument("--json", default=None)
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
+    args = p.parse_args(argv)
+    args.runtimes = [r.strip() for r in args.runtimes.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="deploy-bench-") as tmp:
+        for model in args.models.split(","):
+            for norm in args.norms.split(","):
+                rows += bench_norm(model, norm, args, tmp)
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(rows, f, indent=1)
+        if args.anchors == "yes" and "S/16" in args.models.split(","):
+            rows += timm_anchors(args, tmp)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    text = table(rows, provenance())
+    print(text)
+    if args.md:
+        write_md(args.md, text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

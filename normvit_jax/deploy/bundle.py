@@ -1,0 +1,117 @@
+"""What an artifact is made of: a run's model, weights, input affine, eval geometry and class
+names (``Bundle``), and the serving function every format converts (``serving_fn``).
+
+``load`` is the only place the deploy code reads a checkpoint: when the project gets one shared
+restore path, this is the call to switch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+from normvit_jax.deploy.errors import DeployError
+
+INPUT = "image"
+OUTPUTS = ("probabilities", "logits")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bundle:
+    model: Any                    # the model's spec (folded or not)
+    variables: dict               # {'params': ..., 'batch_stats': ...} as numpy arrays
+    num_classes: int
+    class_names: list[str]
+    affine: tuple[np.ndarray, np.ndarray]  # model input = pixels / 255 * scale + shift
+    image_size: int
+    preprocess: dict              # the eval geometry serve applies before the artifact
+    source: dict                  # provenance: workdir, step, norms, what was folded
+
+
+def _checkpoint(workdir: str, step: int | None) -> tuple[dict, Any, int]:
+    """(variables, config, step) of a run's checkpoint (the newest when ``step`` is None)."""
+    from normvit_jax import checkpoints
+    variables, config = checkpoints.load_variables(workdir, step)
+    if step is None:
+        steps = checkpoints.complete_steps(workdir)
+        step = max(steps) if steps else -1
+    return variables, config, int(step)
+
+
+def eval_preprocess(data: Any) -> dict:
+    """The eval pipeline's geometry (``predict.eval_geometry``) as plain JSON values."""
+    return {"image_size": int(data.image_size),
+            "eval_crop_fraction": float(data.get("eval_crop_fraction", 1.0)),
+            "eval_resize_small": int(data.get("eval_resize_small", 0) or 0),
+            "interpolation": str(data.get("interpolation", "bilinear")),
+            "antialias": bool(data.get("antialias", True))}
+
+
+def load(workdir: str, *, step: int | None = None, folded: str | None = None,
+         fold: bool = False, log: Callable[[str], Any] | None = print) -> Bundle:
+    """The bundle of a run (``folded``: a folder written by ``reparam --out`` instead of the
+    checkpoint; ``fold``: fold the affine norms first, as ``reparam`` does, the report logged)."""
+    from normvit_jax import checkpoints, models, predict, reparam
+    config = checkpoints.load_config(workdir)
+    source: dict = {"workdir": str(workdir)}
+    if folded:
+        model_cfg, variables, n = reparam.load(folded)
+        model = models.spec_of(model_cfg, n)
+        source.update(folded_dir=str(folded))
+    else:
+        variables, config, source["step"] = _checkpoint(workdir, step)
+        n = int(np.shape(variables["params"]["head"]["bias"])[-1])
+        model = models.spec_of(config.model, n)
+    return from_variables(config, model, variables, n, predict.class_names(workdir, config, n),
+                          fold=fold, source=source, log=log)
+
+
+def from_variables(config: Any, model: Any, variables: Any, num_classes: int,
+                   class_names: list[str] | None = None, *, fold: bool = False,
+                   source: dict | None = None, log: Callable[[str], Any] | None = print) -> Bundle:
+    """A bundle of given weights: ``config`` the run's (its ``data`` settings), ``model`` its
+    spec or ``config.model``."""
+    import jax
+    from normvit_jax import models, predict, reparam
+    n = int(num_classes)
+    model = models.spec_of(model, n)
+    variables = jax.tree.map(np.asarray, dict(variables))
+    source = dict(source or {})
+    if fold:
+        try:
+            model, variables, report = reparam.fold(model, variables)
+        except ValueError as e:  # a norm placement that does not fold (post, sandwich)
+            raise DeployError(f"--fold: {e}") from None
+        model = models.spec_of(model, n)
+        variables = jax.tree.map(np.asarray, variables)
+        source.update(folded=list(report.folded), kept=[f"{s}: {why}" for s, why in report.kept])
+        if log is not None:
+            log(str(report))
+    source["norms"] = sorted({str(c.get("name")) for c in getattr(model, "slot_norms", [])})
+    spec = predict._spec(config)
+    names = list(class_names or [str(i) for i in range(n)])
+    return Bundle(model=model, variables=variables, num_classes=n, class_names=names,
+                  affine=tuple(np.asarray(a, np.float32) for a in spec.affine),
+                  image_size=int(config.data.image_size),
+                  preprocess=eval_preprocess(config.data), source=source)
+
+
+def serving_fn(b: Bundle, with_variables: bool = False) -> Callable:
+    """``image`` uint8 (N, H, W, 3) -> {'probabilities', 'logits'} float32 (N, classes): the
+    model's eval forward after the run's input affine (``stats.model_input``, as predict and the
+    eval step). ``with_variables``: a function of (variables, image) instead of closing over them
+    (the SavedModel keeps them as TF variables)."""
+    import jax
+    from normvit_jax import models
+    from normvit_jax.data import stats
+    model = models.create(b.model, b.num_classes)
+
+    def forward(variables: Any, image: Any) -> dict:
+        logits = model.apply(variables, stats.model_input(image, b.affine), train=False)
+        logits = logits.astype(np.float32)
+        return {"probabilities": jax.nn.softmax(logits, axis=-1), "logits": logits}
+
+    if with_variables:
+        return forward
+    return lambda image: forward(b.variables, image)

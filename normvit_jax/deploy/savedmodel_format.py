@@ -1,0 +1,83 @@
+"""TF SavedModel through ``jax2tf`` (native serialization: the StableHLO of the serving function
+inside one ``XlaCallModule`` op, run by TensorFlow's XLA; TF Serving loads the same folder). The
+weights are TF variables (``variables/``), the signature ``serving_default`` takes ``image`` and
+returns ``probabilities`` and ``logits``; ``classes.json`` and ``deploy.json`` are assets."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+
+from normvit_jax.deploy import bundle as bundle_lib
+from normvit_jax.deploy.errors import UnsupportedOpError, require
+
+
+def _tf():
+    tf = require("tensorflow", "the savedmodel format")
+    try:  # TF only runs the artifact here; never let it take an accelerator's memory
+        tf.config.set_visible_devices([], "GPU")
+    except RuntimeError:
+        pass
+    return tf
+
+
+_UNREGISTERED = re.compile(r"unregistered operation '([^']+)'")
+_WHERE = re.compile(r"([\w./-]+\.py:\d+):\d+: error")
+
+
+def _check_tf_runs(tf: object, concrete: object, batch: int, size: int) -> None:
+    """Runs the signature once in TensorFlow: its XlaCallModule deserializes the StableHLO only
+    here, and a TF older than the JAX that wrote it refuses operations it does not know (JAX
+    0.10 writes erf as a ``composite`` that TF 2.21 cannot read)."""
+    try:
+        concrete(tf.zeros([batch, size, size, 3], tf.uint8))
+    except tf.errors.InvalidArgumentError as e:
+        text = str(e)
+        op, where = _UNREGISTERED.search(text), _WHERE.search(text)
+        if op is None:
+            raise
+        raise UnsupportedOpError(op.group(1), "savedmodel", (
+            f"written at {where.group(1)}; " if where else "") + f"TensorFlow {tf.__version__}'s "
+            "XlaCallModule cannot read it") from None
+
+
+def write(b: bundle_lib.Bundle, out: str, batch: int | None, meta: dict) -> None:
+    tf = _tf()
+    import jax
+    from jax.experimental import jax2tf
+    poly = None if batch is None else f"({batch}, ...)"
+    fn = jax2tf.convert(bundle_lib.serving_fn(b, with_variables=True), with_gradient=False,
+                        polymorphic_shapes=[None, "(N, ...)" if batch is None else poly],
+                        native_serialization_platforms=("cpu", "cuda"))
+    module = tf.Module()
+    module.variables_tree = jax.tree.map(lambda a: tf.Variable(a, trainable=False), b.variables)
+    spec = tf.TensorSpec([batch, b.image_size, b.image_size, 3], tf.uint8,
+                         name=bundle_lib.INPUT)
+
+    @tf.function(input_signature=[spec], autograph=False)
+    def serve(image):
+        return fn(module.variables_tree, image)
+
+    staging = tempfile.mkdtemp(prefix="assets-", dir=os.path.dirname(os.path.abspath(out)))
+    try:
+        for name, value in (("classes.json", list(b.class_names)), ("deploy.json", meta)):
+            with open(os.path.join(staging, name), "w", encoding="utf-8") as f:
+                json.dump(value, f, indent=2)
+        module.classes = tf.saved_model.Asset(os.path.join(staging, "classes.json"))
+        module.metadata = tf.saved_model.Asset(os.path.join(staging, "deploy.json"))
+        module.serve = serve
+        try:
+            concrete = serve.get_concrete_function()
+        except NotImplementedError as e:
+            raise UnsupportedOpError(str(e).split("\n")[0][:200], "savedmodel") from None
+        _check_tf_runs(tf, concrete, batch or 1, b.image_size)
+        tmp = out.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tf.saved_model.save(module, tmp, signatures={"serving_default": concrete})
+        if os.path.isdir(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,190 @@
+"""An HTTP service for an exported artifact (``python -m normvit_jax.export --format=...``).
+
+    python -m normvit_jax.serve --artifact=model.onnx [--port=8000] [--host=127.0.0.1]
+    curl -s --data-binary @cat.jpg 'http://127.0.0.1:8000/predict?top_k=3'
+
+``POST /predict[?top_k=K]``: one image as the raw body or as the multipart field ``file`` (any
+size and format PIL reads; cropped and resized as the run's evaluation, the artifact's
+metadata); answers ``{"predictions": [{"label", "index", "probability"}, ...]}``, most
+probable first. ``GET /healthz``: 200 once the model is loaded (it is loaded and run once
+before the port opens). Bad input is a 4xx with a one-line JSON ``error`` (docs/deploy.md).
+The runtime is the artifact's own: ONNX Runtime, TensorFlow or JAX (Starlette on uvicorn).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+DEFAULT_MAX_BYTES = 20 * 2**20      # a 20 MiB upload: any camera's JPEG
+DEFAULT_MAX_PIXELS = 50_000_000     # 50 megapixels decoded (~150 MB of RGB)
+DEFAULT_TOP_K = 5
+
+
+class Model:
+    """The artifact, its metadata and class names; ``predict(bytes, top_k)`` -> predictions."""
+
+    def __init__(self, path: str, threads: int = 0, max_pixels: int = DEFAULT_MAX_PIXELS):
+        from normvit_jax.deploy import artifact, runtimes
+        self.meta, self.names = artifact.read_metadata(path)
+        self.path, self.fmt = path, self.meta["format"]
+        self.max_pixels = max_pixels
+        self.run = runtimes.open_artifact(path, self.fmt, self.meta["input"]["shape"][0], threads)
+        size = int(self.meta["preprocess"]["image_size"])
+        self.run(np.zeros((1, size, size, 3), np.uint8))  # compiles / warms up before serving
+
+    def top_k(self, raw: str | None) -> int:
+        from normvit_jax.deploy.preprocess import InputError
+        n = len(self.names)
+        if raw is None:
+            return min(DEFAULT_TOP_K, n)
+        try:
+            k = int(raw)
+        except ValueError:
+            k = 0
+        if not 1 <= k <= n:
+            raise InputError(400, f"top_k={raw!r}: must be an integer from 1 to {n} (the number "
+                                  "of classes)")
+        return k
+
+    def predict(self, data: bytes, k: int) -> dict:
+        from normvit_jax.deploy import preprocess
+        x = preprocess.to_input(preprocess.decode(data, self.max_pixels), self.meta["preprocess"])
+        probs, _ = self.run(x[None])
+        p = np.asarray(probs[0], np.float64)
+        order = np.argsort(-p, kind="stable")[:k]
+        return {"predictions": [{"label": self.names[i], "index": int(i),
+                                 "probability": float(p[i])} for i in order]}
+
+
+async def _read_limited(request: Any, limit: int) -> bytes:
+    from normvit_jax.deploy.preprocess import InputError
+    too_big = InputError(413, f"request body over the limit of {limit:,} bytes (--max_bytes)")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _image_bytes(request: Any, limit: int) -> bytes:
+    """The raw body, or the multipart field ``file`` of a multipart/form-data body."""
+    from starlette.requests import Request
+    from normvit_jax.deploy.preprocess import InputError
+    body = await _read_limited(request, limit)
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        return body
+    sent = False
+
+    async def replay() -> dict:  # the body already read, for starlette's form parser
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    try:
+        form = await Request(request.scope, replay).form(max_files=1, max_fields=16,
+                                                        max_part_size=limit)
+    except Exception as e:  # noqa: BLE001  python-multipart's errors for malformed bodies
+        raise InputError(400, f"malformed multipart body: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    field = form.get("file")
+    if field is None:
+        raise InputError(400, "multipart body without a field named 'file' (send the image as "
+                              "-F file=@image.jpg, or as the raw body)")
+    return field.encode() if isinstance(field, str) else await field.read()
+
+
+def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4) -> Any:
+    """The Starlette app; at most ``workers`` requests decode and run the model at once (each
+    holds a decoded image in memory), the others wait."""
+    import anyio
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from normvit_jax.deploy.preprocess import InputError
+    busy = anyio.Semaphore(workers)
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": " ".join(str(message).split())}, status_code=status)
+
+    async def predict(request: Any) -> JSONResponse:
+        try:
+            k = model.top_k(request.query_params.get("top_k"))
+            data = await _image_bytes(request, max_bytes)
+            async with busy:
+                return JSONResponse(await run_in_threadpool(model.predict, data, k))
+        except InputError as e:
+            return error(e.status, e.message)
+
+    async def healthz(request: Any) -> JSONResponse:
+        return JSONResponse({"status": "ok", "format": model.fmt, "artifact": model.path,
+                             "num_classes": len(model.names)})
+
+    async def http_error(request: Any, exc: HTTPException) -> JSONResponse:
+        return error(exc.status_code, exc.detail)
+
+    return Starlette(routes=[Route("/predict", predict, methods=["POST"]),
+                             Route("/healthz", healthz, methods=["GET"])],
+                     exception_handlers={HTTPException: http_error})
+
+
+def _stop(message: str) -> None:
+    print(f"python -m normvit_jax.serve: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from normvit_jax import logs, tool_flags
+    logs.quiet_library_logs()
+    p = tool_flags.Parser("python -m normvit_jax.serve", __doc__)
+    p.add_argument("--artifact", required=True, help="an artifact written by python -m "
+                   "normvit_jax.export --format=onnx|savedmodel|stablehlo")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    p.add_argument("--max_bytes", type=int, default=DEFAULT_MAX_BYTES, help="largest request "
+                   "body accepted (413 above)")
+    p.add_argument("--max_pixels", type=int, default=DEFAULT_MAX_PIXELS, help="largest decoded "
+                   "image accepted, width x height (413 above)")
+    p.add_argument("--workers", type=int, default=4, help="requests decoded and run at once")
+    p.add_argument("--threads", type=int, default=0, help="the runtime's intra-op threads "
+                   "(0: its default)")
+    args = p.parse_args(argv)
+    if min(args.max_bytes, args.max_pixels, args.workers) < 1 or not 0 <= args.port < 65536:
+        _stop("--max_bytes, --max_pixels and --workers must be >= 1, --port in 0..65535")
+    from normvit_jax.deploy import DeployError, errors
+    try:
+        errors.require("starlette", "python -m normvit_jax.serve")
+        errors.require("uvicorn", "python -m normvit_jax.serve")
+        errors.require("multipart", "python -m normvit_jax.serve")
+        model = Model(args.artifact, args.threads, args.max_pixels)
+    except DeployError as e:
+        _stop(str(e))
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+        sock.listen(2048)  # from here on clients queue until uvicorn accepts: none is refused
+    except OSError as e:
+        _stop(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
+    import uvicorn
+    host, port = sock.getsockname()[:2]
+    print(json.dumps({"serving": args.artifact, "format": model.fmt, "url":
+                      f"http://{host}:{port}"}), flush=True)
+    config = uvicorn.Config(make_app(model, args.max_bytes, args.workers), log_level="warning",
+                            backlog=2048)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Issue 34, point 4: ``python -m normvit_jax.serve`` on an ONNX artifact, with real HTTP requests
+on localhost: predictions equal ONNX Runtime's on the same pixels, any image size and mode,
+one-line 4xx JSON errors for bad input (and the service keeps serving), 100 concurrent requests
+all answered correctly."""
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from configs import vit_ln
+from normvit_jax.data import images as image_rule
+from normvit_jax.deploy import artifact, bundle, preprocess
+from tests.conftest import REPO_ROOT
+
+MAX_BYTES, MAX_PIXELS = 200_000, 1_000_000
+
+
+def _tiny_artifact(out: str) -> None:
+    """A one-block demo ViT with random weights and a random head (so predictions vary)."""
+    import jax
+    from normvit_jax import models
+    c = vit_ln.get_config("demo")
+    c.model.update(hidden_size=32, depth=1, num_heads=2, mlp_dim=64)
+    model = models.create(c.model, 10)
+    v = model.init(jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32), train=False)
+    v = jax.tree.map(np.asarray, v)
+    v["params"]["head"]["kernel"] = np.random.default_rng(0).normal(
+        0, 0.5, v["params"]["head"]["kernel"].shape).astype(np.float32)
+    names = [f"digit {i}" for i in range(10)]
+    artifact.export_artifact(bundle.from_variables(c, c.model, v, 10, names, log=None), "onnx",
+                             out, log=None)
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "normvit_jax.serve", *args], cwd=REPO_ROOT,
+                            env={**os.environ, "PYTHONPATH": REPO_ROOT},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("artifact") / "model.onnx")
+    _tiny_artifact(path)
+    proc = _start(f"--artifact={path}", "--port=0", f"--max_bytes={MAX_BYTES}",
+                  f"--max_pixels={MAX_PIXELS}")
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:]
+        url = json.loads(line)["url"]
+        import onnxruntime as ort
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        yield url, session, artifact.read_metadata(path)[0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _post(url: str, body: bytes, query: str = "", content_type: str | None = None
+          ) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{url}/predict{query}", data=body, method="POST")
+    if content_type:
+        req.add_header("Content-Type", content_type)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _multipart(field: str, data: bytes) -> tuple[bytes, str]:
+    boundary = "----normvit-test-boundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"{field}\"; "
+            f"filename=\"x.png\"\r\nContent-Type: application/octet-stream\r\n\r\n").encode()
+    return body + data + f"\r\n--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def _encode(a: np.ndarray, fmt: str = "PNG", mode: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    im = Image.fromarray(a) if mode == "I;16" else Image.fromarray(a, mode)  # uint16: 16-bit
+    assert mode is None or im.mode == mode
+    im.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def _expected(session, x: np.ndarray, k: int) -> list[tuple[int, float]]:
+    p = session.run(["probabilities"], {"image": x[None]})[0][0]
+    order = np.argsort(-p, kind="stable")[:k]
+    return [(int(i), float(p[i])) for i in order]
+
+
+def _check(got: dict, want: list[tuple[int, float]]) -> None:
+    preds = got["predictions"]
+    assert [p["index"] for p in preds] == [i for i, _ in want]
+    assert [p["label"] for p in preds] == [f"digit {i}" for i, _ in want]
+    np.testing.assert_allclose([p["probability"] for p in preds], [q for _, q in want], atol=1e-6)
+
+
+def test_predictions_are_the_runtimes_on_the_pixels(served):
+    url, session, _ = served
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (8, 8, 3), np.uint8)  # at the model's size: sent as it is
+    status, got = _post(url, _encode(x), "?top_k=3")
+    assert status == 200 and len(got["predictions"]) == 3
+    _check(got, _expected(session, x, 3))
+    body, ctype = _multipart("file", _encode(x))
+    status, got = _post(url, body, "", ctype)  # multipart, default top_k 5
+    assert status == 200
+    _check(got, _expected(session, x, 5))
+
+
+@pytest.mark.parametrize("shape, fmt, mode", [
+    ((480, 640, 3), "JPEG", None), ((17, 33), "PNG", "L"), ((300, 5, 4), "PNG", "RGBA"),
+    ((1, 1, 3), "PNG", None), ((40, 30), "GIF", "L"), ((20, 24), "PNG", "I;16")])
+def test_any_size_and_mode_is_cropped_and_resized_as_in_evaluation(served, shape, fmt, mode):
+    url, session, meta = served
+    rng = np.random.default_rng(2)
+    a = rng.integers(0, 65536 if mode == "I;16" else 256, shape).astype(
+        np.uint16 if mode == "I;16" else np.uint8)
+    data = _encode(a, fmt, mode)
+    status, got = _post(url, data, "?top_k=10")
+    assert status == 200, got
+    x = preprocess.to_input(image_rule.load_file(data)[1], meta["preprocess"])
+    _check(got, _expected(session, x, 10))
+
+
+def test_the_eval_resize_is_pils_antialiased_resize():
+    """The geometry against PIL itself (the reference the eval pipeline follows): central square
+    crop, antialiased bilinear resize; within one level of rounding."""
+    rgb = np.random.default_rng(3).integers(0, 256, (48, 64, 3), np.uint8)
+    got = preprocess.to_input(rgb, {"image_size": 8, "eval_crop_fraction": 1.0,
+                                    "interpolation": "bilinear", "antialias": True})
+    want = np.asarray(Image.fromarray(rgb[:, 8:56]).resize((8, 8), Image.BILINEAR))
+    assert np.abs(got.astype(int) - want).max() <= 1
+
+
+def _bomb() -> bytes:
+    """A decompression bomb at the test's scale: a 2000 x 2000 black PNG, a few kB that decode
+    to 4 Mpx (over the service's --max_pixels of 1 Mpx here)."""
+    return _encode(np.zeros((2000, 2000), np.uint8), "PNG", "L")
+
+
+@pytest.mark.parametrize("body, query, ctype, status, message", [
+    (b"", "", None, 400, "empty body"),
+    (b"hello, not an image", "", None, 400, "not a readable image"),
+    (b"\x89PNG\r\n\x1a\n" + b"\0" * 50, "", None, 400, "not a readable image"),
+    (b"x" * (MAX_BYTES + 1), "", None, 413, "over the limit of 200,000 bytes"),
+    ("bomb", "", None, 413, "2000x2000 = 4,000,000 pixels is over the limit"),
+    ("png", "?top_k=0", None, 400, "top_k='0': must be an integer from 1 to 10"),
+    ("png", "?top_k=11", None, 400, "top_k='11'"),
+    ("png", "?top_k=abc", None, 400, "top_k='abc'"),
+    ("multipart-other", "", "multipart", 400, "without a field named 'file'"),
+    (b"--nonsense", "", "multipart/form-data; boundary=zzz", 400, "malformed multipart body"),
+])
+def test_bad_input_is_a_one_line_4xx_and_the_service_keeps_serving(served, body, query, ctype,
+                                                                     status, message):
+    url, session, _ = served
+    png = _encode(np.zeros((8, 8, 3), np.uint8))
+    if body == "bomb":
+        body = _bomb()
+        assert len(body) < 20_000
+    elif body == "png":
+        body = png
+    elif body == "multipart-other":
+        body, ctype = _multipart("image", png)
+    code, got = _post(url, body, query, ctype)
+    assert code == status and message in got["error"], (code, got)
+    assert "\n" not in got["error"] and set(got) == {"error"}
+    with urllib.request.urlopen(f"{url}/healthz", timeout=30) as r:
+        assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+
+
+def test_wrong_method_and_path_are_json_4xx(served):
+    url = served[0]
+    for req, code in ((urllib.request.Request(f"{url}/predict"), 405),
+                      (urllib.request.Request(f"{url}/nothing"), 404)):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == code and "error" in json.loads(e.value.read())
+
+
+def test_100_concurrent_requests_are_all_answered_correctly(served):
+    url, session, _ = served
+    rng = np.random.default_rng(4)
+    xs = [rng.integers(0, 256, (8, 8, 3), np.uint8) for _ in range(10)]
+    want = [_expected(session, x, 3) for x in xs]
+
+    def one(i: int) -> tuple[int, int, dict]:
+        data = _encode(xs[i % 10])
+        if i % 2:
+            body, ctype = _multipart("file", data)
+            return (i,) + _post(url, body, "?top_k=3", ctype)
+        return (i,) + _post(url, data, "?top_k=3")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=100) as pool:
+        results = list(pool.map(one, range(100)))
+    assert len(results) == 100 and all(code == 200 for _, code, _ in results), \
+        [r for r in results if r[1] != 200][:3]
+    for i, _, got in results:
+        _check(got, want[i % 10])
+
+
+def test_command_errors_are_one_line_exit_2(tmp_path, served):
+    r = _start(f"--artifact={tmp_path / 'missing.onnx'}")
+    _, err = r.communicate(timeout=120)
+    assert r.returncode == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("python -m normvit_jax.serve: error: ")
+    port = int(served[0].rsplit(":", 1)[1])  # taken by the running service
+    path = str(tmp_path / "m.onnx")
+    _tiny_artifact(path)
+    r = _start(f"--artifact={path}", f"--port={port}")
+    _, err = r.communicate(timeout=120)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err[-2000:]
