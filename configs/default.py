@@ -53,6 +53,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.num_workers = placeholder(int)  # tf.data threads decoding one batch's JPEGs (4 batches at once;
                                     # None: min(32, usable CPUs)); also the threads reading array_record CIFAR
     c.data.return_index = False     # batches also carry 'index' (int32 position in the split; -1 = padding)
+    c.data.in_memory_mb = 1024.0    # a split of encoded images (a prepared dataset, ImageNet) whose decoded
+                                    # images (examples x image_size^2 x 3 bytes) fit in this many MiB is
+                                    # decoded once at start and augmented from memory: the same batches,
+                                    # bit for bit; not with random_resized_crop or 'random' interpolation
+                                    # in training (their first stage draws); per split (0: decode every batch)
 
     # ---- model (normvit_jax/models/vit.py) ----
     c.model = ml_collections.ConfigDict()

@@ -15,8 +15,9 @@ import os
 from typing import Any
 
 import numpy as np
+from absl import logging
 
-from normvit_jax.data import dataspec, digits, order, prepared, tfds_source, transforms
+from normvit_jax.data import dataspec, decoded, digits, order, prepared, tfds_source, transforms
 from normvit_jax.data import real as real_labels
 from normvit_jax.data.prefetch import Prefetcher, ordered_map
 from normvit_jax.data.sources import ArraySource, Geometry, JpegSource
@@ -99,6 +100,10 @@ class Pipeline:
                                   interpolation=transforms.pick_interpolation(interp, None),
                                   resize_small=int(d.get("eval_resize_small", 0) or 0))
         self._affine = spec.affine
+        train = split == "train"  # decoded once when it fits (config.data.in_memory_mb)
+        self.source = decoded.maybe_decode_once(
+            source, self._train_geo if train else self._eval_geo, train,
+            float(d.get("in_memory_mb", 0) or 0), logging.info)
         self._order = order.TrainOrder(self.seed, n, b, int(d.get("repeated_aug", 1)))
         # ImageNet-ReaL: eval batches also carry 'real', the multi-hot ReaL label sets
         self._label_sets = getattr(getattr(source, "records", None), "label_sets", None)
