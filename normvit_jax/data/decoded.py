@@ -70,10 +70,10 @@ class DecodedSource:
 
 
 def maybe_decode_once(source: Any, geo: Geometry, train: bool, budget_mib: float,
-                      log: Any = None) -> Any:
+                      what: str = "the split", log: Any = None) -> Any:
     """``DecodedSource`` over ``source`` when it decodes on the fly (``uint8`` pixels, e.g.
     ``JpegSource``), ``geo``'s first stage is deterministic and the decoded split fits
-    ``budget_mib``; else ``source`` itself. ``log(msg, *args)``: where to say what was done."""
+    ``budget_mib``; else ``source`` itself. ``log(msg, *args)`` says what was done to ``what``."""
     stage = first_stage(geo, train)
     n = len(source)
     if (budget_mib <= 0 or stage is None or getattr(source, "pixel_dtype", None) != np.uint8
@@ -86,7 +86,7 @@ def maybe_decode_once(source: Any, geo: Geometry, train: bool, budget_mib: float
         idx = np.arange(lo, min(n, lo + _CHUNK))
         images[idx], labels[idx] = source.read(idx, None, stage, (None, None))
     if log is not None:
-        log("Decoded the %d images of the split once into memory (%.0f MiB, %.1f s); batches are "
-            "augmented from there (config.data.in_memory_mb=%g).", n, decoded_mib(n, geo.size),
-            time.perf_counter() - t, budget_mib)
+        log("Decoded the %d images of %s once into memory (%.0f MiB, %.1f s); its batches are "
+            "augmented from there (config.data.in_memory_mb=%g).", n, what,
+            decoded_mib(n, geo.size), time.perf_counter() - t, budget_mib)
     return DecodedSource(source, stage, images, labels)
