@@ -82,7 +82,7 @@ def dataset(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]:
         synthetic_folder(os.path.join(tmp, "src"), args.images)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             prepare.main([f"--src={tmp}/src", "--name=bench_small", f"--data_dir={tmp}/dd",
-                          "--val_fraction=0.1"])
+                          "--val_fraction=0"])
         yield "bench_small", f"{tmp}/dd"
 
 
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with dataset(args) as (name, data_dir):
         c = cli.load_config_file(args.config)
         c.data.name, c.data.data_dir = name, data_dir
+        c.data.eval_split = "train"  # only the train split is read here
         c.data.image_size, c.model.patch_size = 32, 4
         c.data.crop_padding, c.data.flip = 4, True
         c.batch_size, c.total_steps = args.batch, 10_000

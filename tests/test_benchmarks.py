@@ -218,3 +218,12 @@ def test_gpu_table_timeout_budget_counts_every_norm():
     from benchmarks import common, gpu_table
     assert gpu_table.N_NORMS == len(common.NORMS)
     assert set(gpu_table.KERNEL_NORMS.split(",")) <= set(common.NORMS)
+
+
+def test_prepared_in_memory_times_the_three_pipelines():
+    from benchmarks import prepared_in_memory
+    res = prepared_in_memory.main(["--config=configs/vit_ln.py:demo", "--images=40",
+                                   "--batch=8", "--rounds=1", "--block=3", "--skip=1"])
+    rows = {r["pipeline"]: r for r in res["rows"]}
+    assert set(rows) == {"arrays", "prepared", "decoding"} and rows["arrays"]["vs_arrays"] == 1
+    assert all(r["steps_s"] > 0 for r in rows.values())

@@ -22,6 +22,8 @@ def test_small32_is_a_photo_recipe_for_any_method(module):
     assert c.schedule.warmup_steps < c.total_steps and c.eval_every <= c.total_steps
     if module is vit_progressive:  # the hand-over ends at 80% of the run, as the reference's
         assert c.model.norm.decay_steps == int(0.8 * c.total_steps)
+    if module is vit_repbn:  # eta = 1 diverges on small photos (docs/norms.md)
+        assert c.model.norm.eta_init == 0.1 and vit_repbn.get_config("demo").model.norm.eta_init == 1
     if module is vit_dtn:  # DTN's layout follows the preset's depth
         assert c.model.norm_overrides.last_2.name == "layernorm"
 
