@@ -17,6 +17,7 @@ import dataclasses
 import time
 from typing import Any
 
+import jax
 from absl import logging
 from clu import metric_writers
 
@@ -84,9 +85,11 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
 
 
 def _announce_run_time(run: Run, step: int, batches: Any) -> Any:
-    """With ``progress.MEASURE_MIN_STEPS`` steps or more to go: times the train step on a copy of
-    the state, logs the expected run time and returns the first batch (global); else None."""
-    if run.n_steps - step < progress.MEASURE_MIN_STEPS:
+    """On CPU with ``progress.MEASURE_MIN_STEPS`` steps or more to go: times the train step on a
+    copy of the state, logs the expected run time and returns the first batch (global); else None.
+    Not on accelerators: there the copy could take memory the run needs (the ETA of the progress
+    line is the estimate)."""
+    if run.n_steps - step < progress.MEASURE_MIN_STEPS or jax.default_backend() != "cpu":
         return None
     batch = sharding.to_global(next(batches), run.mesh)
     step_s, first_s = progress.measure_step_s(run.train_step, run.state, batch)
