@@ -53,6 +53,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.num_workers = placeholder(int)  # tf.data threads decoding one batch's JPEGs (4 batches at once;
                                     # None: min(32, usable CPUs)); also the threads reading array_record CIFAR
     c.data.return_index = False     # batches also carry 'index' (int32 position in the split; -1 = padding)
+    c.data.in_memory_mb = 1024.0    # a split of encoded images (a prepared dataset, ImageNet) whose decoded
+                                    # images (examples x image_size^2 x 3 bytes) fit in this many MiB is
+                                    # decoded once at start and augmented from memory: the same batches,
+                                    # bit for bit; not with random_resized_crop or 'random' interpolation
+                                    # in training (their first stage draws); per split (0: decode every batch)
 
     # ---- model (normvit_jax/models/vit.py) ----
     c.model = ml_collections.ConfigDict()
@@ -212,6 +217,35 @@ def get_demo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+SMALL32_STEPS = 300  # configs/<method>.py:small32's run length (vit_progressive.py decays over 80%)
+
+
+def get_small32(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Small photographs (about 32 px, some thousands of images; a prepared dataset or CIFAR) on
+    a CPU: a ViT of width 96, depth 6, patch 4 (64 tokens) for a fixed 300 steps of 128 images
+    with crop padding and flips; measured in docs/data.md ("Small images on a CPU")."""
+    c.data.image_size = 32
+    c.data.crop_padding = 4         # photos: shifts and mirror images are still photos
+    c.data.flip = True
+    c.model.variant = None
+    c.model.patch_size = 4
+    c.model.hidden_size = 96
+    c.model.depth = 6
+    c.model.num_heads = 3
+    c.model.mlp_dim = 192
+    c.model.stochastic_depth = 0.1
+    c.label_smoothing = 0.1
+    c.batch_size = 128
+    c.eval_batch_size = 256
+    c.total_steps = SMALL32_STEPS   # a fixed length: the run time does not grow with the dataset
+    c.optimizer.learning_rate = 2e-3
+    c.optimizer.weight_decay = 0.05
+    c.schedule.warmup_steps = 90    # 30% of the run
+    c.log_every = 25
+    c.eval_every = c.checkpoint_every = 100
+    return c
+
+
 def get_cifar100(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.data.name = "cifar100"
     return c
@@ -243,7 +277,8 @@ def get_imagenet(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
-VARIANTS = {"demo": get_demo, "cifar100": get_cifar100, "imagenet": get_imagenet}
+VARIANTS = {"demo": get_demo, "small32": get_small32, "cifar100": get_cifar100,
+            "imagenet": get_imagenet}
 
 
 def apply_variants(c: ml_collections.ConfigDict, arg: str | None,

@@ -2,7 +2,8 @@
 
 lam * LayerNorm(x) + (1 - lam) * RepBN(x), lam from r0 down to 0 over ``decay_steps`` global train
 steps after ``warmup_steps`` (norms/progressive.py); evaluation uses RepBN alone, which folds.
-``:demo`` decays over 700 of the demo's 880 steps (80%, as the reference's 300,000 of ~375,000).
+``:demo`` decays over 700 of the demo's 880 steps (80%, as the reference's 300,000 of ~375,000),
+``:small32`` over 80% of its steps.
 Preset ``:slab_deit_s``: SLAB's DeiT-S, its Swin-based recipe. Published top-1: 80.2%
 (xinghaochen/SLAB @0f2a9ed README.md, Checkpoints: ``deit_s_prepbn``); its LayerNorm counterpart
 DeiT-small 79.9% (facebookresearch/deit @4da6691 README_deit.md, Model Zoo; the DeiT paper's
@@ -33,6 +34,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = default.get_config()
     c.model.norm = progressive_norm({"name": "layernorm", "epsilon": 1e-6})  # SLAB's LN eps
     c = default.apply_variants(c, arg, recipes.SLAB)
-    if "demo" in [p.strip() for p in (arg or "").split(",")]:
+    parts = [p.strip() for p in (arg or "").split(",")]
+    if "demo" in parts:
         c.model.norm.decay_steps = 700  # 80% of the demo's 880 steps, as 300k of 375k
+    if "small32" in parts:
+        c.model.norm.decay_steps = int(0.8 * c.total_steps)  # 80% of the run, as above
     return c

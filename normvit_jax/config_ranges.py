@@ -62,6 +62,7 @@ RANGES: dict[str, Range] = {
     "data.num_train_examples": _count(1),
     "data.num_eval_examples": _count(1),
     "data.num_workers": _count(1),
+    "data.in_memory_mb": Range(0),  # 0: off
     "model.hidden_size": _count(1),
     "model.depth": _count(1),
     "model.num_heads": _count(1),

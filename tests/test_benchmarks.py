@@ -415,3 +415,12 @@ def test_benchmarks_import_without_tensorflow():
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_prepared_in_memory_times_the_three_pipelines():
+    from benchmarks import prepared_in_memory
+    res = prepared_in_memory.main(["--config=configs/vit_ln.py:demo", "--images=40",
+                                   "--batch=8", "--rounds=1", "--block=3", "--skip=1"])
+    rows = {r["pipeline"]: r for r in res["rows"]}
+    assert set(rows) == {"arrays", "prepared", "decoding"} and rows["arrays"]["vs_arrays"] == 1
+    assert all(r["steps_s"] > 0 for r in rows.values())

@@ -1,7 +1,8 @@
 """``make_pipeline``: the host-local batches of one split, for training or evaluation.
 
 Batches are numpy dicts: 'image' (local_B, S, S, 3), float32 in the configured value range for
-in-memory sources (digits, CIFAR) or uint8 pixels for JPEG sources (ImageNet; the steps map them
+in-memory sources (digits, CIFAR) or uint8 pixels for encoded sources (ImageNet, prepared datasets;
+decoded once into memory when they fit ``data.in_memory_mb``, see ``decoded``; the steps map them
 with ``stats.model_input``), 'label' int32 (local_B,); eval batches add 'mask' float32 (1 real,
 0 padding) and, with ``config.data.return_index``, every batch carries 'index' int32 (position
 in the split, -1 for padding). Order, sharding and resume rules: see ``order``. Each batch is a
@@ -15,8 +16,9 @@ import os
 from typing import Any
 
 import numpy as np
+from absl import logging
 
-from normvit_jax.data import dataspec, digits, order, prepared, tfds_source, transforms
+from normvit_jax.data import dataspec, decoded, digits, order, prepared, tfds_source, transforms
 from normvit_jax.data import real as real_labels
 from normvit_jax.data.prefetch import Prefetcher, ordered_map
 from normvit_jax.data.sources import ArraySource, Geometry, JpegSource
@@ -99,6 +101,12 @@ class Pipeline:
                                   interpolation=transforms.pick_interpolation(interp, None),
                                   resize_small=int(d.get("eval_resize_small", 0) or 0))
         self._affine = spec.affine
+        train = split == "train"  # decoded once when it fits (config.data.in_memory_mb)
+        what = (f"{spec.name}:{spec.train_split}" if train
+                else f"{spec.eval_name}:{spec.eval_split}")
+        self.source = decoded.maybe_decode_once(
+            source, self._train_geo if train else self._eval_geo, train,
+            float(d.get("in_memory_mb", 0) or 0), what, logging.info)
         self._order = order.TrainOrder(self.seed, n, b, int(d.get("repeated_aug", 1)))
         # ImageNet-ReaL: eval batches also carry 'real', the multi-hot ReaL label sets
         self._label_sets = getattr(getattr(source, "records", None), "label_sets", None)

@@ -17,6 +17,7 @@ import dataclasses
 import time
 from typing import Any
 
+import jax
 from absl import logging
 from clu import metric_writers
 
@@ -45,8 +46,10 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
     batches = run.train_data.train_batches(step)
     with metric_writers.ensure_flushes(run.writer):
         try:
+            first = _announce_run_time(run, step, batches)
             while step < run.n_steps:
-                batch = sharding.to_global(next(batches), run.mesh)
+                batch = sharding.to_global(next(batches), run.mesh) if first is None else first
+                first = None
                 run.state, m = run.train_step(run.state, batch)
                 step += 1
                 run.window.add(step, m)
@@ -79,6 +82,20 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
     batches.close()
     run.saver.close()
     return {"step": step, "eval": eval_metrics, "state": run.state}
+
+
+def _announce_run_time(run: Run, step: int, batches: Any) -> Any:
+    """On CPU with ``progress.MEASURE_MIN_STEPS`` steps or more to go: times the train step on a
+    copy of the state, logs the expected run time and returns the first batch (global); else None.
+    Not on accelerators: there the copy could take memory the run needs (the ETA of the progress
+    line is the estimate)."""
+    if run.n_steps - step < progress.MEASURE_MIN_STEPS or jax.default_backend() != "cpu":
+        return None
+    batch = sharding.to_global(next(batches), run.mesh)
+    step_s, first_s = progress.measure_step_s(run.train_step, run.state, batch)
+    logging.info("Compiled the train step in %.1f s.", max(first_s - step_s, 0.0))
+    logging.info(progress.expected_time_line(step, run.n_steps, step_s))
+    return batch
 
 
 def _log(run: Run, step: int, eta: progress.Eta, last: _LastLog) -> None:
