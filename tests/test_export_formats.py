@@ -12,6 +12,7 @@ are most of these tests' time."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -238,3 +239,57 @@ def test_derf_savedmodel_runs_in_tensorflow_or_names_the_operation(built):
         assert "\n" not in derf["error"] and not derf["written"]
     else:
         np.testing.assert_allclose(derf["sums"], 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["fused", "fused_sdpa", "separate"])
+def test_matmul_attention_is_the_attention_of_every_impl(impl):
+    """``layers.matmul_attention()`` (what the ONNX export traces: transposes and batched
+    matmuls, no einsum) computes the same function of the same parameters as each attention
+    impl; and ``attention_matmul`` is softmax(q k^T / sqrt(Dh)) v against numpy (float64)."""
+    from normvit_jax import models
+    from normvit_jax.models import layers
+    x = jax.random.normal(jax.random.key(0), (3, 8, 8, 3))
+    model = models.create({"variant": "Ti/4", "depth": 1, "hidden_size": 16, "num_heads": 2,
+                           "attention_impl": impl}, num_classes=4)
+    rng = np.random.default_rng(1)  # random weights at init's shapes (nothing compiled)
+    v = jax.tree.map(lambda a: rng.normal(0, 0.3, a.shape).astype(np.float32),
+                     jax.eval_shape(model.init, jax.random.key(1), x))
+    def batch_dims(matmul: bool) -> set[str]:
+        """The batch dimensions of the program's batched products (a fresh trace)."""
+        with layers.matmul_attention() if matmul else contextlib.nullcontext():
+            text = str(jax.make_jaxpr(lambda v: model.apply(v, x))(v))
+        return set(re.findall(r"dimension_numbers=\(\(\[\d+\], \[\d+\]\), (\(\[[\d, ]+\], "
+                              r"\[[\d, ]+\]\))\)", text))
+    # matmul_attention: only leading batch dimensions, what ONNX MatMul takes (einsum: (0, 2))
+    assert batch_dims(True) == {"([0, 1], [0, 1])"} != batch_dims(False)
+    want = jax.jit(lambda v: model.apply(v, x))(v)
+    with layers.matmul_attention():  # the switch is read while tracing
+        got = jax.jit(lambda v: model.apply(v, x))(v)
+    assert float(jnp.abs(want).max()) > 0.1
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    q, k, w = (np.random.default_rng(i).normal(0, 1, (2, 5, 3, 4)) for i in range(3))
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / 2.0
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    ref = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), w)
+    got = layers.attention_matmul(*(jnp.asarray(a, jnp.float32) for a in (q, k, w)), jnp.float32)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+NORM_EINSUMS = {"dtn": {"ijd,dh->hij", "zab,cazd->zbcd"}}  # DTN's own (positional mixing)
+
+
+def test_onnx_attention_is_matmuls_not_einsum(artifacts):
+    """jax2onnx writes an einsum as ONNX ``Einsum`` (ONNX Runtime ran those 2.5x slower than
+    the same products as ``MatMul``); the export traces attention as matmuls: no ``Einsum``
+    but a norm's own, and per block the two attention products and the four dense layers as
+    ``MatMul``, and the patch embedding."""
+    import onnx
+    for key, path in artifacts["onnx"].items():
+        nodes = onnx.load(path).graph.node
+        ops = collections.Counter(n.op_type for n in nodes)
+        eqs = {a.s.decode() for n in nodes if n.op_type == "Einsum" for a in n.attribute}
+        norm = key.split("_folded")[0]
+        assert eqs <= NORM_EINSUMS.get(norm, set()), (key, eqs)
+        blocks = 3 if norm == "dtn" else 1
+        assert ops["MatMul"] >= 6 * blocks + 1, (key, ops)
