@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from normvit_jax import models, tool_flags  # noqa: E402
-from normvit_jax.deploy import artifact, bundle, runtimes  # noqa: E402
+from normvit_jax.deploy import artifact, bundle, errors, runtimes  # noqa: E402
 
 NORMS = ("layernorm", "batchnorm", "unified", "repbn", "progressive", "zscore_repbn", "dyt",
          "derf", "dtn")
@@ -43,6 +43,8 @@ LABELS = {"layernorm": "LN", "batchnorm": "BN", "unified": "UN", "repbn": "RepBN
 RUNTIMES = {"onnx": "ONNX Runtime CPU", "savedmodel": "TF SavedModel CPU", "stablehlo": "JAX jit CPU"}
 EXT = {"onnx": ".onnx", "savedmodel": "", "stablehlo": ".stablehlo"}
 BEGIN, END = "<!-- deploy-table:begin -->", "<!-- deploy-table:end -->"
+OURS_ANCHOR = "RepBN folded, this project's ONNX Runtime CPU"
+RATIO = "RepBN folded / timm, ONNX Runtime, per interleaved round"
 
 
 def config(model: str, norm: str) -> Any:
@@ -75,9 +77,10 @@ def variables_of(c: Any, num_classes: int, seed: int = 0) -> dict:
 
 
 def time_alternating(fns: dict[str, Callable], x: np.ndarray | None, reps: int
-                     ) -> dict[str, float]:
-    """Median seconds per call of each function (of ``x``, or of nothing when ``x`` is None),
-    calls interleaved, the order rotated every round."""
+                     ) -> dict[str, np.ndarray]:
+    """Seconds per call of each function (of ``x``, or of nothing when ``x`` is None), ``reps``
+    rounds of one call each, interleaved, the order rotated every round; round r of every
+    function is element r (so per-round ratios pair calls made moments apart)."""
     names = list(fns)
     call = (lambda n: fns[n]()) if x is None else (lambda n: fns[n](x))  # noqa: E731
     for name in names:
@@ -89,7 +92,15 @@ def time_alternating(fns: dict[str, Callable], x: np.ndarray | None, reps: int
             t = time.perf_counter()
             call(name)
             times[name].append(time.perf_counter() - t)
-    return {n: float(np.median(ts)) for n, ts in times.items()}
+    return {n: np.asarray(ts) for n, ts in times.items()}
+
+
+def _row(times: np.ndarray, batch: int, **fields: Any) -> dict:
+    """Median latency and images/s of one function's calls, with the quartiles (the spread)."""
+    s = float(np.median(times))
+    return {**fields, "batch": batch, "median_ms": s * 1e3, "images_per_s": batch / s,
+            "p25_ms": float(np.percentile(times, 25)) * 1e3,
+            "p75_ms": float(np.percentile(times, 75)) * 1e3, "reps": len(times)}
 
 
 def bench_norm(model: str, norm: str, args: Any, tmp: str) -> list[dict]:
@@ -106,19 +117,22 @@ def bench_norm(model: str, norm: str, args: Any, tmp: str) -> list[dict]:
         for kind, b in bundles.items():
             path = os.path.join(tmp, f"{model.replace('/', '')}_{norm}_{kind}{EXT[fmt]}")
             t = time.perf_counter()
-            artifact.export_artifact(b, fmt, path, log=None)
+            try:
+                artifact.export_artifact(b, fmt, path, log=None)
+            except errors.UnsupportedOpError as e:  # Derf as a SavedModel (docs/deploy.md)
+                print(f"{model} {norm} {kind} {fmt}: skipped: {e}", flush=True)
+                continue
             export_s[kind] = time.perf_counter() - t
             runs[kind] = runtimes.open_artifact(path, fmt, threads=args.threads)
-        for batch in args.batches:
+        for batch in args.batches if runs else ():
             size = int(c.data.image_size)
             x = np.random.default_rng(batch).integers(0, 256, (batch, size, size, 3), np.uint8)
             reps = args.reps_large if batch >= 16 else args.reps
             med = time_alternating(runs, x, reps)
-            for kind, s in med.items():
-                rows.append({"model": model, "norm": norm, "kind": kind, "runtime": fmt,
-                             "batch": batch, "median_ms": s * 1e3, "images_per_s": batch / s,
-                             "reps": reps, "export_s": export_s[kind],
-                             "folded_slots": len(bundles[kind].source.get("folded", []))})
+            for kind, ts in med.items():
+                rows.append(_row(ts, batch, model=model, norm=norm, kind=kind, runtime=fmt,
+                                 export_s=export_s[kind],
+                                 folded_slots=len(bundles[kind].source.get("folded", []))))
             print(json.dumps(rows[-1]) if len(med) == 1 else json.dumps(rows[-2:]), flush=True)
         del runs
         gc.collect()
@@ -144,11 +158,12 @@ def timm_anchors(args: Any, tmp: str) -> list[dict]:
             with torch.inference_mode():
                 return m(torch.from_numpy(x)).numpy()
         return run
-    fns["timm PyTorch eager"] = torch_fn(net)
-    try:
-        fns["timm PyTorch torch.compile"] = torch_fn(torch.compile(net))
-    except Exception as e:  # noqa: BLE001  an inductor without a C++ compiler
-        print(f"torch.compile skipped: {type(e).__name__}: {e}", flush=True)
+    if args.anchors == "yes":  # --anchors=onnx: only the ONNX Runtime pair (a shorter run)
+        fns["timm PyTorch eager"] = torch_fn(net)
+        try:
+            fns["timm PyTorch torch.compile"] = torch_fn(torch.compile(net))
+        except Exception as e:  # noqa: BLE001  an inductor without a C++ compiler
+            print(f"torch.compile skipped: {type(e).__name__}: {e}", flush=True)
     path = os.path.join(tmp, "timm_vit_s16.onnx")
     try:
         torch.onnx.export(net, (torch.zeros(1, 3, 224, 224),), path, input_names=["x"],
@@ -168,25 +183,39 @@ def timm_anchors(args: Any, tmp: str) -> list[dict]:
     for batch in args.batches:
         x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), np.float32)
         pixels = np.random.default_rng(batch).integers(0, 256, (batch, 224, 224, 3), np.uint8)
-        reps = args.reps_large if batch >= 16 else args.reps
+        reps = args.reps_large if batch >= 16 else (args.anchor_reps or args.reps)
         calls = {name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}
-        calls["RepBN folded, this project's ONNX Runtime CPU"] = lambda: run_ours(pixels)
+        calls[OURS_ANCHOR] = lambda: run_ours(pixels)
         for name, fn in list(calls.items()):
             try:
                 fn()
             except Exception as e:  # noqa: BLE001  torch.compile fails at its first call
                 print(f"{name} skipped: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 del calls[name]
-        for name, s in time_alternating(calls, None, reps).items():
-            rows.append({"model": "S/16", "norm": "timm LN", "kind": name, "runtime": name,
-                         "batch": batch, "median_ms": s * 1e3, "images_per_s": batch / s,
-                         "reps": reps})
+        times = time_alternating(calls, None, reps)
+        for name, ts in times.items():
+            rows.append(_row(ts, batch, model="S/16", norm="timm LN", kind=name, runtime=name))
+            print(json.dumps(rows[-1]), flush=True)
+        pair = (OURS_ANCHOR, "timm ONNX Runtime CPU")
+        if all(n in times for n in pair):  # calls made moments apart, the load's drift shared
+            ratio = times[pair[0]] / times[pair[1]]
+            rows.append({"model": "S/16", "norm": "timm LN", "kind": "ratio", "batch": batch,
+                         "runtime": RATIO, "median": float(np.median(ratio)),
+                         "p25": float(np.percentile(ratio, 25)),
+                         "p75": float(np.percentile(ratio, 75)), "reps": len(ratio)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def _cell(r: dict | None) -> str:
-    return f"{r['median_ms']:.1f} ms ({r['images_per_s']:.3g}/s)" if r else "-"
+def _cell(r: dict | None, spread: bool = False) -> str:
+    if r is None:
+        return "-"
+    if "median" in r:  # a ratio
+        return f"{r['median']:.3f} (IQR {r['p25']:.3f}-{r['p75']:.3f}, {r['reps']} rounds)"
+    text = f"{r['median_ms']:.1f} ms ({r['images_per_s']:.3g}/s)"
+    if spread and "p25_ms" in r:
+        text += f", IQR {r['p25_ms']:.0f}-{r['p75_ms']:.0f} ms"
+    return text
 
 
 def table(rows: list[dict], header: str) -> str:
@@ -220,7 +249,7 @@ def table(rows: list[dict], header: str) -> str:
                 cells = []
                 for b in batches:
                     r = next((r for r in anchors if (r["runtime"], r["batch"]) == (name, b)), None)
-                    cells.append(_cell(r))
+                    cells.append(_cell(r, spread=True))
                 out.append(f"| {name} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
@@ -261,9 +290,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--reps", type=int, default=10, help="timed calls at small batches")
     p.add_argument("--reps_large", type=int, default=3, help="timed calls at batch >= 16")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads of every runtime")
-    p.add_argument("--anchors", default="yes", choices=["yes", "no"])
+    p.add_argument("--anchors", default="yes", choices=["yes", "onnx", "no"],
+                   help="timm's ViT-S/16 in PyTorch (eager, compile) and ONNX Runtime; onnx: "
+                   "only timm in ONNX Runtime against the folded RepBN ViT-S/16")
+    p.add_argument("--anchor_reps", type=int, default=None,
+                   help="interleaved rounds of the anchors (default: --reps)")
     p.add_argument("--md", default=None, help="markdown file whose deploy-table block to replace")
     p.add_argument("--json", default=None)
+    p.add_argument("--include", default="",
+                   help="comma-separated --json files of earlier runs whose rows join the table "
+                   "(a long measurement in parts)")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     args = p.parse_args(argv)
     args.runtimes = [r.strip() for r in args.runtimes.split(",")]
@@ -276,12 +312,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump(rows, f, indent=1)
-        if args.anchors == "yes" and "S/16" in args.models.split(","):
+        if args.anchors != "no" and "S/16" in args.models.split(","):
             rows += timm_anchors(args, tmp)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    text = table(rows, provenance())
+    earlier = []
+    for path in filter(None, args.include.split(",")):
+        with open(path) as f:
+            earlier += json.load(f)
+    text = table(earlier + rows, provenance())
     print(text)
     if args.md:
         write_md(args.md, text)

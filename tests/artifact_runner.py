@@ -1,8 +1,9 @@
 """Runs exported artifacts the way a user without this project would (docs/deploy.md), in its own
-process: ``python tests/artifact_runner.py JOBS.json``. JOBS: {"runtime": "onnx" | "savedmodel" |
-"stablehlo", "images": [PNG files], "artifacts": {key: path}, "out": NPZ}. Writes per artifact
-``<key>/probabilities``, ``<key>/logits`` and ``<key>/classes`` (from the artifact's native
-metadata), and fails if anything imported normvit_jax."""
+process: ``python tests/artifact_runner.py JOBS.json``. JOBS: {"images": [PNG files], "out": NPZ,
+"artifacts": {"onnx" | "savedmodel" | "stablehlo": {key: path}}}, all runtimes in this one
+process (TensorFlow imports JAX anyway). Writes per artifact ``<format>/<key>/probabilities``,
+``.../logits`` and ``.../classes`` (from the artifact's native metadata), and fails if anything
+imported normvit_jax."""
 from __future__ import annotations
 
 import json
@@ -49,12 +50,13 @@ def main(jobs_path: str) -> None:
     with open(jobs_path, encoding="utf-8") as f:
         jobs = json.load(f)
     x = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in jobs["images"]])
-    run = {"onnx": _onnx, "savedmodel": _savedmodel, "stablehlo": _stablehlo}[jobs["runtime"]]
+    runtimes = {"onnx": _onnx, "savedmodel": _savedmodel, "stablehlo": _stablehlo}
     out = {}
-    for key, path in jobs["artifacts"].items():
-        probs, logits, classes = run(path, x)
-        out[f"{key}/probabilities"], out[f"{key}/logits"] = probs, logits
-        out[f"{key}/classes"] = np.asarray(classes)
+    for fmt, artifacts in jobs["artifacts"].items():
+        for key, path in artifacts.items():
+            probs, logits, classes = runtimes[fmt](path, x)
+            out[f"{fmt}/{key}/probabilities"], out[f"{fmt}/{key}/logits"] = probs, logits
+            out[f"{fmt}/{key}/classes"] = np.asarray(classes)
     leaked = sorted(m for m in sys.modules if m.split(".")[0] == "normvit_jax")
     assert not leaked, f"the runtime check imported {leaked}"
     np.savez(jobs["out"], **out)

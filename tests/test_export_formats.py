@@ -4,12 +4,15 @@ checked in the runtimes a user deploys on, in a process that never imports normv
 ``python -m normvit_jax.predict`` on the same workdir: probabilities within 1e-5, the same top-1
 on every image; folded artifacts likewise, and without the norms' operations in their graphs.
 
-The runs are the methods' ``:demo`` configs shrunk to one 32-wide block and trained 4 steps
-(tests/deploy_runs.py: weights, running statistics and norm affines moved off their initial
-values)."""
+One child process (tests/deploy_runs.py) trains the methods' ``:demo`` configs shrunk to one
+32-wide block for 4 steps (weights, running statistics and norm affines moved off their initial
+values), runs predict on twelve real digits and writes every artifact; one child per runtime
+then runs them. Both with XLA's backend optimizations off (deploy_runs.XLA_FAST): the compiles
+are most of these tests' time."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -21,106 +24,75 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from normvit_jax import predict
-from normvit_jax.data import digits
-from normvit_jax.deploy import artifact, bundle, errors, onnx_format, stablehlo_format
+from normvit_jax import export
+from normvit_jax.deploy import artifact, errors, onnx_format, stablehlo_format
 from tests.conftest import REPO_ROOT
+from tests.deploy_runs import FOLDS_ENTIRELY, FORMATS, METHODS, XLA_FAST, folded_in, keys
 
 pytestmark = pytest.mark.usefixtures("float32_matmuls")
-METHODS = {"ln": "vit_ln", "un": "vit_un", "repbn": "vit_repbn", "progressive": "vit_progressive",
-           "dyt": "vit_dyt", "dtn": "vit_dtn"}
-FOLDS_ENTIRELY = ("un", "repbn", "progressive")  # every slot becomes the identity
-FOLDS = FOLDS_ENTIRELY + ("dyt",)                 # DyT: its scale/bias fold, tanh stays
-FORMATS = {"onnx": ".onnx", "savedmodel": ".savedmodel", "stablehlo": ".stablehlo"}
 TOL = 1e-5
 
 
-def train_runs(root: str, methods: list[str]) -> dict[str, str]:
-    """The methods' shrunk :demo runs (tests/deploy_runs.py), trained in one child process."""
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict:
+    """tests/deploy_runs.py's manifest: runs, images, artifacts, the reference probabilities."""
+    root = str(tmp_path_factory.mktemp("deploy"))
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
-    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tests", "deploy_runs.py"), root,
-                        *methods], env=env, capture_output=True, text=True, timeout=900)
+           "XLA_FLAGS": XLA_FAST}
+    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tests", "deploy_runs.py"), root],
+                       env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    return {m: os.path.join(root, m) for m in methods}
+    with open(os.path.join(root, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    manifest["reference"] = dict(np.load(os.path.join(root, "reference.npz")))
+    return manifest
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, str]:
-    trained = train_runs(str(tmp_path_factory.mktemp("runs")), list(METHODS.values()))
-    return {norm: trained[m] for norm, m in METHODS.items()}
+def runs(built) -> dict[str, str]:
+    return built["runs"]
 
 
 @pytest.fixture(scope="module")
-def images(tmp_path_factory) -> list[str]:
-    """Twelve real digits of the test split, as the 8x8 PNG files a user would send."""
-    from PIL import Image
-    root = tmp_path_factory.mktemp("images")
-    x, _ = digits.load("test")
-    paths = []
-    for i in range(0, 12 * 29, 29):
-        paths.append(str(root / f"digit_{i:03d}.png"))
-        Image.fromarray(np.rint(x[i] * 255).astype(np.uint8)).save(paths[-1])
-    return paths
+def reference(built) -> dict[str, np.ndarray]:
+    return built["reference"]
 
 
 @pytest.fixture(scope="module")
-def reference(runs, images) -> dict[str, np.ndarray]:
-    """Each run's probabilities from the predict command (all classes, in class order)."""
-    out = {}
-    for norm, wd in runs.items():
-        rows, skipped = predict.main([f"--workdir={wd}", "--images=" + ",".join(images),
-                                      "--top_k=10", "--batch=16"])
-        assert not skipped and [r["path"] for r in rows] == images
-        names = json.load(open(os.path.join(wd, "classes.json")))
-        out[norm] = np.array([[dict(r["top"])[n] for n in names] for r in rows])
-    return out
-
-
-@pytest.fixture(scope="module")
-def artifacts(runs, tmp_path_factory) -> dict[str, dict[str, str]]:
+def artifacts(built) -> dict[str, dict[str, str]]:
     """{format: {'ln': path, 'repbn_folded': path, ...}}: every run, and folded where it folds."""
-    root = tmp_path_factory.mktemp("artifacts")
-    out: dict[str, dict[str, str]] = {fmt: {} for fmt in FORMATS}
-    for norm, wd in runs.items():
-        for fold in (False, True) if norm in FOLDS else (False,):
-            b = bundle.load(wd, fold=fold, log=None)
-            key = norm + ("_folded" if fold else "")
-            for fmt, ext in FORMATS.items():
-                out[fmt][key] = str(root / fmt / (key + ext))
-                artifact.export_artifact(b, fmt, out[fmt][key], log=None)
-    return out
+    return built["artifacts"]
 
 
 @pytest.fixture(scope="module")
-def outputs(artifacts, images, tmp_path_factory) -> dict[str, dict]:
-    """Each format's artifacts run by its own runtime, one process per runtime, side by side."""
+def outputs(built, tmp_path_factory) -> dict[str, dict]:
+    """{format: {'<key>/probabilities': ...}}: every artifact run by its own runtime, in one
+    process that never imports normvit_jax (tests/artifact_runner.py)."""
     root = tmp_path_factory.mktemp("outputs")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", JAX_PLATFORMS="cpu")
-    procs = {}
-    for fmt in FORMATS:
-        jobs = root / f"{fmt}.json"
-        jobs.write_text(json.dumps({"runtime": fmt, "images": images, "artifacts": artifacts[fmt],
-                                    "out": str(root / f"{fmt}.npz")}))
-        procs[fmt] = subprocess.Popen(
-            [sys.executable, os.path.join(REPO_ROOT, "tests", "artifact_runner.py"), str(jobs)],
-            cwd=str(root), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = {}
-    for fmt, p in procs.items():
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
-        out[fmt] = dict(np.load(root / f"{fmt}.npz"))
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FAST)
+    jobs = root / "jobs.json"
+    jobs.write_text(json.dumps({"images": built["images"], "artifacts": built["artifacts"],
+                                "out": str(root / "out.npz")}))
+    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tests", "artifact_runner.py"),
+                        str(jobs)], cwd=str(root), env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, dict] = {fmt: {} for fmt in FORMATS}
+    for name, value in np.load(root / "out.npz").items():
+        fmt, key = name.split("/", 1)
+        out[fmt][key] = value
     return out
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_artifacts_agree_with_predict_in_their_own_runtime(fmt, outputs, reference, runs):
     got = outputs[fmt]
+    assert len(got) == 3 * len(keys(fmt)) >= 3 * len(METHODS)
     for norm in METHODS:
         want = reference[norm]
         assert want.std(0).max() > 10 * TOL, f"{norm}: predictions that hardly depend on the image"
-        for key in (norm, norm + "_folded") if norm in FOLDS else (norm,):
+        for key in (k for k in keys(fmt) if k.split("_folded")[0] == norm):
             probs, logits = got[f"{key}/probabilities"], got[f"{key}/logits"]
             assert probs.dtype == np.float32 and probs.shape == want.shape, key
             assert np.abs(probs - want).max() <= TOL, (fmt, key, np.abs(probs - want).max())
@@ -133,7 +105,8 @@ def test_artifacts_agree_with_predict_in_their_own_runtime(fmt, outputs, referen
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_folded_artifacts_agree_with_unfolded(fmt, outputs):
-    for norm in FOLDS:
+    """Every folding norm in ONNX and StableHLO; RepBN in the SavedModel (deploy_runs.keys)."""
+    for norm in folded_in(fmt):
         a, b = outputs[fmt][f"{norm}/probabilities"], outputs[fmt][f"{norm}_folded/probabilities"]
         assert np.abs(a - b).max() <= TOL, (norm, np.abs(a - b).max())
         np.testing.assert_array_equal(a.argmax(1), b.argmax(1))
@@ -183,17 +156,29 @@ def test_metadata_travels_with_the_artifact(artifacts, runs):
     assert artifact.read_metadata(sm)[0]["format"] == "savedmodel"
 
 
-def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "normvit_jax.export", *args], cwd=REPO_ROOT,
-                          env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
-                          capture_output=True, text=True, timeout=300)
+def _export_main(args: list[str], capsys) -> tuple[int, str, str]:
+    """The command's ``main`` in this process: (exit status, stdout, stderr)."""
+    from absl import flags
+    export.define_flags()
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["export", *args])
+    code = 0
+    try:
+        export.main(["export"])
+    except SystemExit as e:
+        code = e.code
+    finally:
+        flags.FLAGS.unparse_flags()
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_export_command_writes_a_fixed_batch_folded_onnx(runs, tmp_path):
+def test_export_command_writes_a_fixed_batch_folded_onnx(runs, tmp_path, capsys):
     out = tmp_path / "m.onnx"
-    r = _export(f"--workdir={runs['un']}", "--format=onnx", f"--out={out}", "--fold", "--batch=3")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "folded 3 norm slot(s)" in r.stdout and "exported the onnx artifact" in r.stdout
+    code, stdout, err = _export_main([f"--workdir={runs['un']}", "--format=onnx", f"--out={out}",
+                                      "--fold", "--batch=3"], capsys)
+    assert code == 0, err[-3000:]
+    assert "folded 3 norm slot(s)" in stdout and "exported the onnx artifact" in stdout
     import onnxruntime as ort
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     assert session.get_inputs()[0].shape == [3, 8, 8, 3]
@@ -206,11 +191,24 @@ def test_export_command_writes_a_fixed_batch_folded_onnx(runs, tmp_path):
     (["--format=npz", "--fold"], "--fold, --batch and --folded apply to"),
     (["--format=stablehlo", "--folded=/nonexistent"], "model.json not found"),
 ])
-def test_export_command_refuses_bad_input_in_one_line(runs, tmp_path, args, message):
-    r = _export(f"--workdir={runs['ln']}", f"--out={tmp_path / 'x'}", *args)
+def test_export_command_refuses_bad_input_in_one_line(runs, tmp_path, capsys, args, message):
+    code, _, err = _export_main([f"--workdir={runs['ln']}", f"--out={tmp_path / 'x'}", *args],
+                                capsys)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and message in lines[0], err[-2000:]
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_the_export_command_exits_2_in_one_line(runs, tmp_path):
+    """The command as a user runs it (the tests above call its main in this process)."""
+    r = subprocess.run([sys.executable, "-m", "normvit_jax.export", f"--workdir={runs['un']}",
+                        "--format=onnx", f"--out={tmp_path / 'm.onnx'}", "--batch=0"],
+                       cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    lines = [line for line in r.stderr.splitlines() if "error:" in line]
-    assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == ("python -m normvit_jax.export: error: --batch=0: "
+                                                 "must be >= 1 (leave it out for any batch)")
 
 
 def test_an_operation_a_format_cannot_express_is_named():
@@ -229,24 +227,69 @@ def test_an_operation_a_format_cannot_express_is_named():
         errors.require("no_such_module_for_the_test", "the onnx format")
 
 
-def test_derf_savedmodel_runs_in_tensorflow_or_names_the_operation(tmp_path):
+def test_derf_savedmodel_runs_in_tensorflow_or_names_the_operation(built):
     """JAX 0.10 writes erf as a StableHLO ``composite`` that TF 2.21's XlaCallModule cannot read:
     the export runs the signature once in TF and turns that into the one-line error (exit 2 in
     the command), naming the operation and the format, instead of an artifact that fails later.
-    A TF that reads it gives a SavedModel that runs."""
-    from tests.deploy_runs import demo_config
-    from normvit_jax import models
-    c = demo_config("vit_derf")
-    v = models.create(c.model, 10).init(jax.random.key(0), np.zeros((1, 8, 8, 3)), train=False)
-    b = bundle.from_variables(c, c.model, v, 10, log=None)
-    try:
-        artifact.export_artifact(b, "savedmodel", str(tmp_path / "derf"), log=None)
-    except errors.UnsupportedOpError as e:
+    A TF that reads it gives a SavedModel that runs (tests/deploy_runs.py tried both)."""
+    derf = built["derf"]
+    if "error" in derf:
         assert re.search(r"^--format=savedmodel cannot express the operation '[\w.]+' .*"
-                         r"pointwise\.py:\d+.*XlaCallModule cannot read it", str(e)), str(e)
-        assert "\n" not in str(e) and not (tmp_path / "derf").exists()
+                         r"pointwise\.py:\d+.*XlaCallModule cannot read it", derf["error"]), derf
+        assert "\n" not in derf["error"] and not derf["written"]
     else:
-        from normvit_jax.deploy import runtimes
-        probs, _ = runtimes.open_artifact(str(tmp_path / "derf"), "savedmodel")(
-            np.zeros((2, 8, 8, 3), np.uint8))
-        np.testing.assert_allclose(probs.sum(1), 1.0, atol=1e-5)
+        np.testing.assert_allclose(derf["sums"], 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["fused", "fused_sdpa", "separate"])
+def test_matmul_attention_is_the_attention_of_every_impl(impl):
+    """``layers.matmul_attention()`` (what the ONNX export traces: transposes and batched
+    matmuls, no einsum) computes the same function of the same parameters as each attention
+    impl; and ``attention_matmul`` is softmax(q k^T / sqrt(Dh)) v against numpy (float64)."""
+    from normvit_jax import models
+    from normvit_jax.models import layers
+    x = jax.random.normal(jax.random.key(0), (3, 8, 8, 3))
+    model = models.create({"variant": "Ti/4", "depth": 1, "hidden_size": 16, "num_heads": 2,
+                           "attention_impl": impl}, num_classes=4)
+    rng = np.random.default_rng(1)  # random weights at init's shapes (nothing compiled)
+    v = jax.tree.map(lambda a: rng.normal(0, 0.3, a.shape).astype(np.float32),
+                     jax.eval_shape(model.init, jax.random.key(1), x))
+    def batch_dims(matmul: bool) -> set[str]:
+        """The batch dimensions of the program's batched products (a fresh trace)."""
+        with layers.matmul_attention() if matmul else contextlib.nullcontext():
+            text = str(jax.make_jaxpr(lambda v: model.apply(v, x))(v))
+        return set(re.findall(r"dimension_numbers=\(\(\[\d+\], \[\d+\]\), (\(\[[\d, ]+\], "
+                              r"\[[\d, ]+\]\))\)", text))
+    # matmul_attention: only leading batch dimensions, what ONNX MatMul takes (einsum: (0, 2))
+    assert batch_dims(True) == {"([0, 1], [0, 1])"} != batch_dims(False)
+    want = jax.jit(lambda v: model.apply(v, x))(v)
+    with layers.matmul_attention():  # the switch is read while tracing
+        got = jax.jit(lambda v: model.apply(v, x))(v)
+    assert float(jnp.abs(want).max()) > 0.1
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    q, k, w = (np.random.default_rng(i).normal(0, 1, (2, 5, 3, 4)) for i in range(3))
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / 2.0
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    ref = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), w)
+    got = layers.attention_matmul(*(jnp.asarray(a, jnp.float32) for a in (q, k, w)), jnp.float32)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+NORM_EINSUMS = {"dtn": {"ijd,dh->hij", "zab,cazd->zbcd"}}  # DTN's own (positional mixing)
+
+
+def test_onnx_attention_is_matmuls_not_einsum(artifacts):
+    """jax2onnx writes an einsum as ONNX ``Einsum`` (ONNX Runtime ran those 2.5x slower than
+    the same products as ``MatMul``); the export traces attention as matmuls: no ``Einsum``
+    but a norm's own, and per block the two attention products and the four dense layers as
+    ``MatMul``, and the patch embedding."""
+    import onnx
+    for key, path in artifacts["onnx"].items():
+        nodes = onnx.load(path).graph.node
+        ops = collections.Counter(n.op_type for n in nodes)
+        eqs = {a.s.decode() for n in nodes if n.op_type == "Einsum" for a in n.attribute}
+        norm = key.split("_folded")[0]
+        assert eqs <= NORM_EINSUMS.get(norm, set()), (key, eqs)
+        blocks = 3 if norm == "dtn" else 1
+        assert ops["MatMul"] >= 6 * blocks + 1, (key, ops)

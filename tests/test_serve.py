@@ -5,6 +5,7 @@ all answered correctly."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import io
 import json
 import os
@@ -28,16 +29,18 @@ MAX_BYTES, MAX_PIXELS = 200_000, 1_000_000
 
 
 def _tiny_artifact(out: str) -> None:
-    """A one-block demo ViT with random weights and a random head (so predictions vary)."""
+    """A one-block demo ViT with random weights (drawn in numpy at the shapes ``init`` gives, so
+    nothing is compiled) and a wide random head (so predictions vary)."""
     import jax
     from normvit_jax import models
     c = vit_ln.get_config("demo")
     c.model.update(hidden_size=32, depth=1, num_heads=2, mlp_dim=64)
-    model = models.create(c.model, 10)
-    v = model.init(jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32), train=False)
-    v = jax.tree.map(np.asarray, v)
-    v["params"]["head"]["kernel"] = np.random.default_rng(0).normal(
-        0, 0.5, v["params"]["head"]["kernel"].shape).astype(np.float32)
+    shapes = jax.eval_shape(functools.partial(models.create(c.model, 10).init, train=False),
+                            jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32))
+    rng = np.random.default_rng(0)
+    v = jax.tree.map(lambda s: rng.normal(0, 0.2, s.shape).astype(s.dtype), shapes)
+    v["params"]["head"]["kernel"] = rng.normal(0, 0.5, shapes["params"]["head"]["kernel"].shape
+                                               ).astype(np.float32)
     names = [f"digit {i}" for i in range(10)]
     artifact.export_artifact(bundle.from_variables(c, c.model, v, 10, names, log=None), "onnx",
                              out, log=None)
@@ -61,7 +64,7 @@ def served(tmp_path_factory):
         url = json.loads(line)["url"]
         import onnxruntime as ort
         session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-        yield url, session, artifact.read_metadata(path)[0]
+        yield url, session, artifact.read_metadata(path)[0], path
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -108,7 +111,7 @@ def _check(got: dict, want: list[tuple[int, float]]) -> None:
 
 
 def test_predictions_are_the_runtimes_on_the_pixels(served):
-    url, session, _ = served
+    url, session = served[:2]
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (8, 8, 3), np.uint8)  # at the model's size: sent as it is
     status, got = _post(url, _encode(x), "?top_k=3")
@@ -124,7 +127,7 @@ def test_predictions_are_the_runtimes_on_the_pixels(served):
     ((480, 640, 3), "JPEG", None), ((17, 33), "PNG", "L"), ((300, 5, 4), "PNG", "RGBA"),
     ((1, 1, 3), "PNG", None), ((40, 30), "GIF", "L"), ((20, 24), "PNG", "I;16")])
 def test_any_size_and_mode_is_cropped_and_resized_as_in_evaluation(served, shape, fmt, mode):
-    url, session, meta = served
+    url, session, meta = served[:3]
     rng = np.random.default_rng(2)
     a = rng.integers(0, 65536 if mode == "I;16" else 256, shape).astype(
         np.uint16 if mode == "I;16" else np.uint8)
@@ -165,7 +168,7 @@ def _bomb() -> bytes:
 ])
 def test_bad_input_is_a_one_line_4xx_and_the_service_keeps_serving(served, body, query, ctype,
                                                                      status, message):
-    url, session, _ = served
+    url, session = served[:2]
     png = _encode(np.zeros((8, 8, 3), np.uint8))
     if body == "bomb":
         body = _bomb()
@@ -191,7 +194,7 @@ def test_wrong_method_and_path_are_json_4xx(served):
 
 
 def test_100_concurrent_requests_are_all_answered_correctly(served):
-    url, session, _ = served
+    url, session = served[:2]
     rng = np.random.default_rng(4)
     xs = [rng.integers(0, 256, (8, 8, 3), np.uint8) for _ in range(10)]
     want = [_expected(session, x, 3) for x in xs]
@@ -216,8 +219,6 @@ def test_command_errors_are_one_line_exit_2(tmp_path, served):
     assert r.returncode == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("python -m normvit_jax.serve: error: ")
     port = int(served[0].rsplit(":", 1)[1])  # taken by the running service
-    path = str(tmp_path / "m.onnx")
-    _tiny_artifact(path)
-    r = _start(f"--artifact={path}", f"--port={port}")
+    r = _start(f"--artifact={served[3]}", f"--port={port}")
     _, err = r.communicate(timeout=120)
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err[-2000:]

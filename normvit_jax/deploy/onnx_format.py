@@ -56,11 +56,16 @@ def to_onnx(fn: Callable, specs: list, **kwargs: Any) -> Any:
 
 
 def convert(b: bundle_lib.Bundle, batch: int | None, meta: dict | None = None) -> Any:
-    """The ``onnx.ModelProto`` of the serving function."""
+    """The ``onnx.ModelProto`` of the serving function. Attention is traced as explicit
+    transposes and batched matmuls (``layers.matmul_attention``): jax2onnx keeps an einsum as
+    ONNX ``Einsum``, which ONNX Runtime ran 2.5x slower than the ``MatMul``s of the same
+    products (docs/deploy.md, "Speed")."""
     from normvit_jax.deploy import stablehlo_format
-    model = to_onnx(bundle_lib.serving_fn(b), [stablehlo_format.input_spec(b, batch)],
-                    model_name="normvit_jax", input_names=[bundle_lib.INPUT],
-                    output_names=sorted(bundle_lib.OUTPUTS))  # a dict flattens in key order
+    from normvit_jax.models import layers
+    with layers.matmul_attention():
+        model = to_onnx(bundle_lib.serving_fn(b), [stablehlo_format.input_spec(b, batch)],
+                        model_name="normvit_jax", input_names=[bundle_lib.INPUT],
+                        output_names=sorted(bundle_lib.OUTPUTS))  # a dict: in key order
     if meta is not None:
         for key, value in (("classes", json.dumps(list(b.class_names))),
                            ("normvit_jax.deploy", json.dumps(meta))):

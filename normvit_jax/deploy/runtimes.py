@@ -16,6 +16,9 @@ RUNTIMES = {"onnx": "onnxruntime", "savedmodel": "tensorflow", "stablehlo": "jax
 def _onnx(path: str, threads: int) -> Callable:
     ort = require("onnxruntime", "the onnx format")
     opts = ort.SessionOptions()
+    # ONNX Runtime's defaults, said: every graph optimization (it fuses the attention's scale
+    # into its matmul, bias adds into Gemm, drops the Dropouts); intra-op threads = the cores
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         opts.intra_op_num_threads = threads
     session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])

@@ -67,8 +67,8 @@ def write(b: bundle_lib.Bundle, out: str, batch: int | None, meta: dict) -> None
                 json.dump(value, f, indent=2)
         module.classes = tf.saved_model.Asset(os.path.join(staging, "classes.json"))
         module.metadata = tf.saved_model.Asset(os.path.join(staging, "deploy.json"))
-        module.serve = serve
-        try:
+        try:  # only the signature is saved: a tracked tf.function would be traced (and the
+            # model converted by jax2tf) a second time by tf.saved_model.save
             concrete = serve.get_concrete_function()
         except NotImplementedError as e:
             raise UnsupportedOpError(str(e).split("\n")[0][:200], "savedmodel") from None

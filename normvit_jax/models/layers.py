@@ -6,10 +6,12 @@ cuDNN's fused attention on GPU. None of them changes what is computed.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 import jax
@@ -112,7 +114,8 @@ class PatchEmbed(nn.Module):
                             (p, p, c, self.hidden_size), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros if google else torch_init,
                           (self.hidden_size,), jnp.float32)
-        x = jnp.dot(x.astype(self.dtype), kernel.reshape(p * p * c, -1).astype(self.dtype))
+        # matmul, not dot: the same dot_general for XLA; jax2onnx writes MatMul, not Einsum
+        x = jnp.matmul(x.astype(self.dtype), kernel.reshape(p * p * c, -1).astype(self.dtype))
         return x + bias.astype(self.dtype)
 
 
@@ -162,6 +165,35 @@ def sdpa(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v)
 
 
+# --- attention for export (normvit_jax.deploy.onnx_format) ----------------------------------
+_MATMUL_ATTENTION = contextvars.ContextVar("normvit_jax_matmul_attention", default=False)
+
+
+@contextlib.contextmanager
+def matmul_attention() -> Iterator[None]:
+    """Models traced inside compute ``Attention``'s two einsums as timm writes them: explicit
+    transposes to (B, H, T, Dh) and batched ``jnp.matmul``s (``attention_matmul``). The same
+    function of the same parameters, for converters that keep an einsum as a slower operator
+    (jax2onnx writes ONNX ``Einsum``, which ONNX Runtime runs far slower than ``MatMul``)."""
+    token = _MATMUL_ATTENTION.set(True)
+    try:
+        yield
+    finally:
+        _MATMUL_ATTENTION.reset(token)
+
+
+def attention_matmul(q: jax.Array, k: jax.Array, v: jax.Array, dtype: Any) -> jax.Array:
+    """softmax(q k^T / sqrt(Dh)) v on (B, T, H, Dh), the logits and softmax in float32, as the
+    einsum path of ``Attention`` computes it; (B, T, H, Dh)."""
+    q = jnp.transpose(q, (0, 2, 1, 3))  # (B, H, T, Dh)
+    k = jnp.transpose(k, (0, 2, 3, 1))  # (B, H, Dh, T)
+    v = jnp.transpose(v, (0, 2, 1, 3))
+    logits = jnp.matmul(q, k, preferred_element_type=jnp.float32)
+    weights = jax.nn.softmax(logits / math.sqrt(q.shape[-1]), axis=-1)
+    return jnp.transpose(jnp.matmul(weights.astype(dtype), v), (0, 2, 1, 3))
+# ---------------------------------------------------------------------------------------------
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     """One line per distinct reason and process, not one per layer and compile."""
@@ -180,7 +212,8 @@ class Attention(nn.Module):
     float16 (``sdpa``), XLA's otherwise. 'auto' (default): 'fused_sdpa' when compiling for GPU,
     'fused' elsewhere. 'separate': three DenseGeneral and ``sdpa``.
     Capture, attention dropout and the ATTENTION_MAX collection need the weights, so they always
-    take the einsum path.
+    take the einsum path. Traced inside ``matmul_attention()`` (the ONNX export), every impl
+    computes its attention with transposes and batched matmuls instead (``attention_matmul``).
     Every impl has the same parameters; ``qkv_bias=False`` drops the query/key/value biases.
     """
 
@@ -200,6 +233,8 @@ class Attention(nn.Module):
         use_dropout = train and self.dropout_rate > 0
         # Not at init: the sown values would land in the initial variables.
         sow_max = self.is_mutable_collection(ATTENTION_MAX) and not self.is_initializing()
+        # matmul_attention(): every impl as timm's matmuls (attention_matmul)
+        matmul = _MATMUL_ATTENTION.get() and not (capture or use_dropout or sow_max)
         impl = self.impl
         kinit = nn.initializers.xavier_uniform() if self.param_init == "google" else timm_normal()
         if impl == "auto":
@@ -209,7 +244,7 @@ class Attention(nn.Module):
                                                    kernel_init=kinit, use_bias=self.qkv_bias,
                                                    name=name)
             q, k, v = general("query")(x), general("key")(x), general("value")(x)
-            if not (capture or use_dropout or sow_max):
+            if not (capture or use_dropout or sow_max or matmul):
                 out = sdpa(q, k, v)
                 return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
                                        kernel_init=kinit, name="out")(out)
@@ -224,19 +259,22 @@ class Attention(nn.Module):
             qkv = qkv.reshape(b, t, 3, h, hd)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             wo, bo = _Projection((h, hd, d), (d,), (d, d), param_init=self.param_init, name="out")()
-            if impl == "fused_sdpa" and not (capture or use_dropout or sow_max):
+            if impl == "fused_sdpa" and not (capture or use_dropout or sow_max or matmul):
                 out = sdpa(q, k, v)  # (B, T, H, Dh)
                 y = dense(out.reshape(b * t, d), wo.reshape(d, d), bo, self.dtype, self.barriers)
                 return y.reshape(b, t, d)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        weights = jax.nn.softmax(logits / math.sqrt(hd), axis=-1)
-        if capture:
-            self.sow("intermediates", "attention", weights)
-        if sow_max:
-            self.sow(ATTENTION_MAX, "max", jnp.max(weights, axis=-1))
-        if use_dropout:
-            weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(self.dtype), v)
+        if matmul:
+            out = attention_matmul(q, k, v, self.dtype)
+        else:
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+            weights = jax.nn.softmax(logits / math.sqrt(hd), axis=-1)
+            if capture:
+                self.sow("intermediates", "attention", weights)
+            if sow_max:
+                self.sow(ATTENTION_MAX, "max", jnp.max(weights, axis=-1))
+            if use_dropout:
+                weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
+            out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(self.dtype), v)
         if wo is None:
             return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
                                    kernel_init=kinit, name="out")(out)
