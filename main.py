@@ -4,7 +4,7 @@ Every config value can be overridden: ``--config.batch_size=256 --config.model.n
 also inside dict-valued fields (``--config.model.norm_overrides.block_1.name=rmsnorm``) and to
 None (``--config.model.variant=None``).
 Re-running the same command with the same workdir continues the run from its newest checkpoint;
-``--fresh`` starts over (the old run is moved aside). Exit codes: normvit_jax/cli.py.
+``--fresh`` starts over (the old run is moved aside). Exit codes: docs/faults.md (normvit_jax/cli.py).
 ``--mode=eval [--step=N]`` evaluates a checkpoint without training (with the run's own config,
 its workdir's config.json, unless ``--config`` is given), on any eval set:
 ``--config.data.eval_name=imagenet_v2 --config.data.eval_split=test`` (README: Evaluation).
@@ -100,8 +100,10 @@ def parse_flags(argv):
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if len(argv) > 1:  # one line and exit 2, as every tool (absl's UsageError exits 1 with usage)
+        print(f"error: unexpected arguments {argv[1:]}: main.py takes only flags "
+              "(--config=..., --workdir=..., --config.KEY=VALUE; --help lists them)", file=sys.stderr)
+        sys.exit(cli.EXIT_CONFIG)
     try:
         if FLAGS.mode == "eval":
             sys.exit(cli.evaluate(FLAGS.config, FLAGS.workdir, step=FLAGS.step))
