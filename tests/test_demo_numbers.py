@@ -65,3 +65,34 @@ def test_readme_shows_the_demos_whole_output_and_it_fits_one_screen(results):
     assert lines[-1].endswith(f"Done at step {dtn['steps']}: eval top-1 {dtn['top1']:.4f}, "
                               f"top-5 {dtn['top5']:.4f}, loss " + lines[-1].rsplit(" ", 1)[1])
     assert "Traceback" not in block and not any("WARNING" in x for x in lines[3:])
+
+
+def test_readme_lists_every_method_its_config_and_what_folds():
+    """Issue 35, item 11: every registry name is a row, every configs/vit_*.py is named, and the
+    'at inference' column says what normvit_jax.reparam does with the norm's defaults."""
+    import glob
+
+    from configs import vit_dynamic_feature
+    from normvit_jax import reparam
+    from normvit_jax.norms import registry
+    readme = _read("README.md")
+    block = readme.split("<!-- norms-table:begin -->")[1].split("<!-- norms-table:end -->")[0]
+    rows = {}
+    for line in block.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for name in cells[0].replace("`", "").split(","):
+            rows[name.strip()] = cells
+    assert set(rows) == set(registry.REGISTRY)
+    for name, cells in rows.items():
+        said = cells[3]
+        if name == "identity":
+            assert said == "-"
+        elif reparam.foldable({"name": name}):
+            assert said.startswith("folds"), name
+        elif reparam.splittable({"name": name}):
+            assert said.startswith("affine folds"), name
+        else:
+            assert said == "stays", name
+    assert reparam.foldable(vit_dynamic_feature.get_config().model.norm)  # "folds (as N1 ...)"
+    for path in glob.glob(os.path.join(REPO_ROOT, "configs", "vit_*.py")):
+        assert f"`{os.path.basename(path)}`" in readme, path

@@ -160,3 +160,16 @@ def test_main_py_with_an_extra_argument_is_one_line_exit_2():
     assert lines == ["error: unexpected arguments ['extra']: main.py takes only flags "
                      "(--config=..., --workdir=..., --config.KEY=VALUE; --help lists them)"]
     assert not os.path.exists(os.path.join(REPO_ROOT, "runs", "x"))
+
+
+def test_one_exit_code_table_in_the_docs_and_the_readme():
+    """docs/faults.md's table is the README's, and its codes are cli's."""
+    def table(path: str) -> str:
+        with open(os.path.join(REPO_ROOT, path)) as f:
+            return f.read().split("<!-- exit-codes:begin -->")[1].split("<!-- exit-codes:end -->")[0]
+    doc = table("docs/faults.md")
+    assert doc == table("README.md")
+    codes = [int(line.split("|")[1]) for line in doc.strip().splitlines()[2:]]
+    assert codes == sorted({0, 1, cli.EXIT_CONFIG, cli.EXIT_NONFINITE, cli.EXIT_CHECKPOINT,
+                            cli.EXIT_WORKDIR, cli.EXIT_BUSY, cli.EXIT_DISTRIBUTED,
+                            cli.EXIT_PREEMPTED, cli.EXIT_INTERRUPTED})
