@@ -60,12 +60,13 @@ def eval_geometry(d: Any) -> Any:
     """The eval pipeline's geometry (``pipeline.Pipeline``): central crop, resize, no flip (or
     ``data.eval_resize_small``: resize, then the central crop)."""
     from normvit_jax.data import transforms
+    from normvit_jax.data.dataspec import setting
     from normvit_jax.data.sources import Geometry
-    interp = str(d.get("interpolation", "bilinear"))
+    interp = str(setting(d, "interpolation"))
     return Geometry(int(d.image_size), False, 1.0, float(d.eval_crop_fraction),
-                    antialias=bool(d.get("antialias", True)),
+                    antialias=bool(setting(d, "antialias")),
                     interpolation=transforms.pick_interpolation(interp, None),
-                    resize_small=int(d.get("eval_resize_small", 0) or 0))
+                    resize_small=int(setting(d, "eval_resize_small") or 0))
 
 
 def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | None = None,

@@ -5,6 +5,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from normvit_jax.norms._common import channel_affine
+
 
 class LayerNorm(nn.Module):
     """y = scale * (x - mean_C) / sqrt(var_C + eps) + bias, biased variance.
@@ -19,13 +21,8 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        c = x.shape[-1]
         x32 = x.astype(jnp.float32)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
-        if self.use_scale:
-            y = y * self.param("scale", nn.initializers.ones, (c,), jnp.float32)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
-        return y.astype(x.dtype)
+        return channel_affine(self, y, self.use_scale, self.use_bias).astype(x.dtype)
