@@ -103,7 +103,7 @@ def _pin_cpu_numerics() -> None:
     """config.reproducible_cpu_threads, before JAX starts its backend (XLA reads its flags and
     thread count once). A config that does not load is reported by cli.run's preflight."""
     try:
-        threads = int(FLAGS.config.get("reproducible_cpu_threads") or 0)
+        threads = int(FLAGS.config.reproducible_cpu_threads or 0)
     except Exception:  # noqa: BLE001
         return
     line = reproducible.apply(threads)
