@@ -4,7 +4,7 @@ Every config value can be overridden: ``--config.batch_size=256 --config.model.n
 also inside dict-valued fields (``--config.model.norm_overrides.block_1.name=rmsnorm``) and to
 None (``--config.model.variant=None``).
 Re-running the same command with the same workdir continues the run from its newest checkpoint;
-``--fresh`` starts over (the old run is moved aside). Exit codes: normvit_jax/cli.py.
+``--fresh`` starts over (the old run is moved aside). Exit codes: docs/faults.md (normvit_jax/cli.py).
 ``--mode=eval [--step=N]`` evaluates a checkpoint without training (with the run's own config,
 its workdir's config.json, unless ``--config`` is given), on any eval set:
 ``--config.data.eval_name=imagenet_v2 --config.data.eval_split=test`` (README: Evaluation).
@@ -20,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from normvit_jax import cli, config_paths, tool_flags  # noqa: E402
+from normvit_jax import cli, config_paths, reproducible, tool_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vit_ln.py:demo; or a "
@@ -99,10 +99,25 @@ def parse_flags(argv):
     return rest
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+def _pin_cpu_numerics() -> None:
+    """config.reproducible_cpu_threads, before JAX starts its backend (XLA reads its flags and
+    thread count once). A config that does not load is reported by cli.run's preflight."""
     try:
+        threads = int(FLAGS.config.reproducible_cpu_threads or 0)
+    except Exception:  # noqa: BLE001
+        return
+    line = reproducible.apply(threads)
+    if line:
+        logging.info("%s", line)
+
+
+def main(argv):
+    if len(argv) > 1:  # one line and exit 2, as every tool (absl's UsageError exits 1 with usage)
+        print(f"error: unexpected arguments {argv[1:]}: main.py takes only flags "
+              "(--config=..., --workdir=..., --config.KEY=VALUE; --help lists them)", file=sys.stderr)
+        sys.exit(cli.EXIT_CONFIG)
+    try:
+        _pin_cpu_numerics()
         if FLAGS.mode == "eval":
             sys.exit(cli.evaluate(FLAGS.config, FLAGS.workdir, step=FLAGS.step))
         sys.exit(cli.run(FLAGS.config, FLAGS.workdir, fresh=FLAGS.fresh))

@@ -1,17 +1,24 @@
 """Regenerates README's table of every method's demo: runs ``main.py --config=configs/<file>:demo``
-for each method, one after another (each in a fresh workdir), records each run's last eval
-top-1/top-5, steps and wall time (start-up and compilation included) with the machine, date,
-versions and command in docs/demo_results.json (the one source of these numbers), and rewrites
-the rows between the README's ``<!-- demo-table:begin -->`` and ``<!-- demo-table:end -->``
-markers from that file. When every method's workdir is there, it also rebuilds the comparison
-report of those same runs (docs/report, normvit_jax.analysis.report) and its table in
-docs/analysis.md; tests/test_demo_numbers.py fails when README, docs and the file disagree.
+for each method and seed, one after another (each in a fresh workdir), records each run's last
+eval top-1/top-5, steps, wall time and CPU time with the machine, date, versions and command in
+docs/demo_results.json (the one source of these numbers), and rewrites the rows between the
+README's ``<!-- demo-table:begin -->`` and ``<!-- demo-table:end -->`` markers from that file, and
+the README's demo-output block from the DTN run's output. When every method's workdir is there,
+it also rebuilds the comparison report of those same runs (docs/report,
+normvit_jax.analysis.report) and its table in docs/analysis.md; tests/test_demo_numbers.py fails
+when README, docs and the file disagree.
 
-    python -m benchmarks.demo_table                     # all twelve, ~15 minutes on a 2-core CPU
+    python -m benchmarks.demo_table                     # all twelve x 3 seeds, ~50 min on 2 idle cores
     python -m benchmarks.demo_table --only=ln,dtn       # re-run two rows, keep the others
     python -m benchmarks.demo_table --dry-run           # print the commands, run nothing
 
-Run it on an otherwise idle machine: the wall times are what the table reports.
+Seed 0 is the README's command (the demos' default seed) and the table's top-1/top-5; seeds 1..N-1
+(``--config.seed=k``) give the range beside it: what another seed, or a change that perturbs the
+last bits of the arithmetic, moves the number by. The demos pin XLA:CPU's numerics
+(``config.reproducible_cpu_threads``), so the seed-0 number is the same on other x86 CPUs.
+Timing, one way for every row: ``wall`` is the whole command (start-up, compilation and evals
+included) by the clock, ``CPU`` its user+sys seconds (``getrusage`` of the child), which other jobs
+on the machine change far less than the wall time; the load average at the start is recorded.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -35,8 +43,12 @@ RESULTS = os.path.join(REPO, "docs", "demo_results.json")
 REPORT = os.path.join(REPO, "docs", "report")
 ANALYSIS_DOC = os.path.join(REPO, "docs", "analysis.md")
 REPORT_BEGIN, REPORT_END = "<!-- demo-report:begin -->", "<!-- demo-report:end -->"
-PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorflow", "numpy")
-HEADER = "| method | config | top-1 | top-5 | wall |\n|---|---|---|---|---|\n"
+OUTPUT_BEGIN, OUTPUT_END = "<!-- demo-output:begin -->\n", "<!-- demo-output:end -->"
+OUTPUT_METHOD = "dtn"  # the run whose whole output the README shows
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorflow", "tensorflow-cpu",
+            "numpy")
+HEADER = ("| method | config | top-1 | top-1 over seeds | top-5 | wall | CPU |\n"
+          "|---|---|---|---|---|---|---|\n")
 METHODS = (  # key (--only), label, config file
     ("ln", "LayerNorm", "vit_ln.py"),
     ("bn", "BatchNorm", "vit_bn.py"),
@@ -91,19 +103,38 @@ def machine() -> dict:
             "load_average_at_start": load, "versions": versions}
 
 
-def run_one(key: str, config_file: str, root: str, extra: Sequence[str]) -> dict:
-    workdir = os.path.join(root, key)
+def workdir_of(root: str, key: str, seed: int) -> str:
+    return os.path.join(root, key if seed == 0 else f"{key}_seed{seed}")
+
+
+def run_one(key: str, config_file: str, root: str, extra: Sequence[str], seed: int = 0) -> dict:
+    """One fresh run (the wall time includes start-up and compilation); its whole output goes to
+    ``<workdir>.log`` and through to this process's stdout."""
+    workdir = workdir_of(root, key, seed)
     if os.path.exists(workdir):
-        shutil.rmtree(workdir)  # a fresh run: the wall time must include start-up and compile
-    cmd = command(config_file, workdir, extra)
+        shutil.rmtree(workdir)
+    cmd = command(config_file, workdir, [*extra, *([f"--config.seed={seed}"] if seed else [])])
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=REPO)
+    r = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(workdir + ".log", "w") as f:
+        f.write(r.stdout)
+    sys.stdout.write(r.stdout[-2000:])
     if r.returncode != 0:
         raise RuntimeError(f"{config_file}:demo exited with {r.returncode}")
     step, top1, top5 = last_eval_step(workdir)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"top1": top1, "top5": top5, "steps": step, "wall_s": round(wall, 1),
+            "cpu_s": round(cpu, 1),
             "command": " ".join(["python"] + [a.replace(REPO + os.sep, "") for a in cmd[1:]])}
+
+
+def run_seeds(key: str, config_file: str, root: str, extra: Sequence[str], seeds: int) -> dict:
+    """Seed 0's run with the top-1 of every seed (``top1_seeds``, in seed order)."""
+    runs = [run_one(key, config_file, root, extra, s) for s in range(seeds)]
+    return {**runs[0], "top1_seeds": [r["top1"] for r in runs]}
 
 
 def update_results(path: str, runs: dict[str, dict], env: dict, date: str) -> dict:
@@ -153,9 +184,28 @@ def rebuild_report(root: str, report_dir: str = REPORT, doc: str = ANALYSIS_DOC)
         f.write(f"{head}{REPORT_BEGIN}\n" + "\n".join(table) + f"\n{REPORT_END}{tail}")
 
 
+def seed_range(result: dict) -> tuple[float, float] | None:
+    """(min, max) top-1 over the seeds, or None when one seed was run."""
+    seeds = result.get("top1_seeds") or []
+    return (min(seeds), max(seeds)) if len(seeds) > 1 else None
+
+
 def row(label: str, config_file: str, result: dict) -> str:
-    return (f"| {label} | `{config_file}:demo` | {100 * result['top1']:.2f}% | "
-            f"{100 * result['top5']:.2f}% | {result['wall_s']:.0f} s |")
+    span = seed_range(result)
+    seeds = (f"{100 * span[0]:.1f}-{100 * span[1]:.1f}% ({len(result['top1_seeds'])})" if span
+             else "-")
+    cpu = f"{result['cpu_s']:.0f} s" if "cpu_s" in result else "-"
+    return (f"| {label} | `{config_file}:demo` | {100 * result['top1']:.2f}% | {seeds} | "
+            f"{100 * result['top5']:.2f}% | {result['wall_s']:.0f} s | {cpu} |")
+
+
+def rewrite_output(readme: str, log: str, command_line: str) -> str:
+    """README text with the demo-output block replaced by ``$ command_line`` and the run's log,
+    indented as code."""
+    head, rest = readme.split(OUTPUT_BEGIN)
+    _, tail = rest.split(OUTPUT_END)
+    lines = [f"$ {command_line}"] + [line for line in log.splitlines() if line.strip()]
+    return head + OUTPUT_BEGIN + "".join(f"    {line}\n" for line in lines) + OUTPUT_END + tail
 
 
 def rewrite(readme: str, new_rows: dict[str, str], date: str | None = None) -> str:
@@ -169,7 +219,7 @@ def rewrite(readme: str, new_rows: dict[str, str], date: str | None = None) -> s
     old = {}
     for line in body.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and cells[1].startswith("`"):
+        if len(cells) >= 5 and cells[1].startswith("`"):
             old[cells[1].strip("`").split(":")[0]] = line.strip()
     rows = [new_rows.get(f) or old.get(f) for _, _, f in METHODS]
     table = HEADER + "".join(r + "\n" for r in rows if r)
@@ -195,22 +245,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--root", default=os.path.join(REPO, "runs", "demo_table"),
                     help="parent of the runs' workdirs (each replaced)")
     ap.add_argument("--results", default=RESULTS, help="the JSON file the numbers are kept in")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per method (0..N-1); seed 0 is "
+                    "the table's run, the others give the range beside it")
     args = ap.parse_args([a for a in argv if a not in extra])
     args.extra = extra
     known = {k: (label, f) for k, label, f in METHODS}
     only = [k.strip() for k in args.only.split(",") if k.strip()] or list(known)
     unknown = [k for k in only if k not in known]
     if unknown:
-        ap._fail(f"unknown method(s) {unknown}; accepted: {list(known)}")
+        ap.error(f"unknown method(s) {unknown}; accepted: {list(known)}")
+    if args.seeds < 1:
+        ap.error(f"--seeds={args.seeds}; accepted: a positive integer")
     if args.dry_run:
         for k in only:
-            print(" ".join(command(known[k][1], os.path.join(args.root, k), args.extra)))
+            for s in range(args.seeds):
+                print(" ".join(command(known[k][1], workdir_of(args.root, k, s),
+                                       [*args.extra, *([f"--config.seed={s}"] if s else [])])))
         return 0
     env, runs, failed = machine(), {}, []
     for k in only:
         label, f = known[k]
         try:
-            runs[k] = run_one(k, f, args.root, args.extra)
+            runs[k] = run_seeds(k, f, args.root, args.extra, args.seeds)
             print(row(label, f, runs[k]), flush=True)
         except Exception as e:  # noqa: BLE001  (one failed method: the others still update)
             print(f"demo_table: {k} failed: {e}", file=sys.stderr)
@@ -221,8 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if f in {known[k][1] for k in runs}}
     with open(args.readme) as fh:
         text = fh.read()
+    text = rewrite(text, new_rows, date=today)
+    if OUTPUT_METHOD in runs and OUTPUT_BEGIN in text:
+        with open(workdir_of(args.root, OUTPUT_METHOD, 0) + ".log") as fh:
+            text = rewrite_output(text, fh.read(), runs[OUTPUT_METHOD]["command"])
     with open(args.readme, "w") as fh:
-        fh.write(rewrite(text, new_rows, date=today))
+        fh.write(text)
     print(f"{args.readme}: {len(new_rows)} row(s) rewritten on {today}; {args.results} updated"
           + (f"; failed: {failed}" if failed else ""))
     if not failed and not args.extra and all(os.path.isdir(os.path.join(args.root, k))

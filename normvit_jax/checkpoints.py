@@ -2,9 +2,12 @@
 
 Saves are asynchronous. Orbax writes each step into a temporary folder and renames it only when
 complete, so a half-written checkpoint is never listed as a step; the manager deletes such
-leftovers when it is created. ``restore_latest`` tries the newest step first: a checkpoint whose
-files are damaged is moved to ``workdir/damaged_checkpoints/`` with one warning line and an older
-one is used; a checkpoint whose tree or shapes differ from the model is a config mismatch and stops.
+leftovers when it is created. Every reader restores through ``first_restorable``, newest step
+first: a checkpoint whose files are damaged is skipped with one warning line naming its step and
+the file (training also moves it to ``workdir/damaged_checkpoints/``) and an older one is used; a
+checkpoint whose tree or shapes differ from the model is a config mismatch and stops. Training,
+evaluation and recalibrate restore into the model's train state (``restore_latest``); predict,
+reparam, export and the analysis tools into the saved tree as numpy arrays (``restore_numpy``).
 """
 from __future__ import annotations
 
@@ -104,50 +107,98 @@ class Restored:
     damaged: list[tuple[int, str, str]]     # (step, error, where it was moved or '') of skipped ones
 
 
+class _Damaged(Exception):
+    """A checkpoint's files cannot be read (the message names the file where it can)."""
+
+
 def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any, move_damaged: bool = True,
                    steps: list[int] | None = None) -> Restored | None:
     """The newest checkpoint (of ``steps``, default all) that restores, or None if there is none.
 
-    A damaged newer checkpoint is skipped with one warning naming its step, the reason and the
-    step used instead; with ``move_damaged`` (training) it is moved out of the way once an older
-    one has restored (Orbax would otherwise keep it as the latest step and refuse to save that
-    step again); evaluation leaves it in place. Raises CheckpointMismatchError if a checkpoint's
-    tree, shapes or dtypes differ from ``abstract_state`` (a config change, not damage), or if
-    checkpoints exist and none restores (then nothing is moved).
+    A damaged newer checkpoint is skipped with one warning naming its step, the file that failed
+    and the step used instead; with ``move_damaged`` (training) it is moved out of the way once an
+    older one has restored (Orbax would otherwise keep it as the latest step and refuse to save
+    that step again); evaluation leaves it in place. Raises CheckpointMismatchError if a
+    checkpoint's tree, shapes or dtypes differ from ``abstract_state`` (a config change, not
+    damage), or if checkpoints exist and none restores (then nothing is moved).
     """
-    steps = sorted(mngr.all_steps() if steps is None else steps, reverse=True)
-    failed: list[tuple[int, str]] = []
-    for step in steps:
+    def one(step: int) -> tuple[Any, dict | None]:
         problem = mismatch(mngr, step, abstract_state)
-        if problem is None:  # metadata readable and matching: restore the arrays
-            try:
-                state = restore(mngr, abstract_state, step)
-                meta = _restore_meta(mngr, step)
-            except Exception as e:  # noqa: BLE001  (tensorstore, JSON, OS errors: damage)
-                problem = ("damaged", describe_error(e))
-        if problem is None:
-            moved = [(s, err, quarantine(mngr, s) if move_damaged else "") for s, err in failed]
-            for s, err, dest in moved:
-                log.warning("Checkpoint at step %d in %s is damaged (%s)%s; using step %d instead.",
-                            s, mngr.directory, err, f"; moved to {dest}" if dest else "", step)
-            if moved and move_damaged:
-                mngr.reload()
-            return Restored(state, step, meta, moved)
-        kind, detail = problem
-        if kind == "mismatch":
+        if problem is not None and problem[0] == "mismatch":
             raise CheckpointMismatchError(
                 f"the checkpoint at step {step} in {mngr.directory} does not match the model built "
-                f"from the config: {detail}. " + (
+                f"from the config: {problem[1]}. " + (
                     "The config in this workdir was changed in a way that changes the model; use "
                     "another --workdir, or --fresh to start over." if move_damaged else
                     "Evaluate with the config the run was trained with (its config.json)."))
-        failed.append((step, detail))
+        if problem is not None:
+            raise _Damaged(problem[1])
+        return restore(mngr, abstract_state, step), _restore_meta(mngr, step)
+
+    return first_restorable(mngr, steps, one, move_damaged)
+
+
+def first_restorable(mngr: ocp.CheckpointManager, steps: list[int] | None,
+                     restore_one: Any, move_damaged: bool = False) -> Restored | None:
+    """The one restore path of training, evaluation and every tool: ``restore_one(step) ->
+    (state, meta)`` on each step newest first; a step that raises anything but
+    CheckpointMismatchError is damaged: skipped with one warning (step, file, the step used
+    instead), and moved aside with ``move_damaged``. None if there are no steps;
+    CheckpointMismatchError naming every step if none restores."""
+    steps = sorted(mngr.all_steps() if steps is None else steps, reverse=True)
+    failed: list[tuple[int, str]] = []
+    for step in steps:
+        try:
+            state, meta = restore_one(step)
+        except CheckpointMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001  (tensorstore, JSON, OS errors: damage)
+            failed.append((step, str(e) if isinstance(e, _Damaged)
+                           else describe_damage(e, step_dir(mngr, step))))
+            continue
+        moved = [(s, err, quarantine(mngr, s) if move_damaged else "") for s, err in failed]
+        for s, err, dest in moved:
+            log.warning("Checkpoint at step %d in %s is damaged (%s)%s; using step %d instead.",
+                        s, mngr.directory, err, f"; moved to {dest}" if dest else "", step)
+        if moved and move_damaged:
+            mngr.reload()
+        return Restored(state, step, meta, moved)
     if failed:
         raise CheckpointMismatchError(
             f"no checkpoint in {mngr.directory} restores: "
             + "; ".join(f"step {s}: {e}" for s, e in failed) + ". Nothing was moved or deleted."
             + (" Re-run with --fresh to start from step 0 (the old run is moved to replaced/)."
                if move_damaged else ""))
+    return None
+
+
+def describe_damage(e: BaseException, step_path: epath.Path) -> str:
+    """``describe_error`` with the file that failed: a truncated JSON metadata file raises a bare
+    JSONDecodeError that names no file, so the step's JSON files are checked to name it."""
+    text = describe_error(e)
+    if str(step_path) in text:
+        return text
+    bad = _unreadable_json(step_path)
+    return f"{bad}: {text}" if bad else text
+
+
+def _unreadable_json(step_path: epath.Path) -> str | None:
+    """The first of a checkpoint's JSON metadata files (all but the OCDBT data, its manifests and
+    the commit markers) that does not parse; None if they all do."""
+    root = str(step_path)
+    if "://" in root or not os.path.isdir(root):
+        return None
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs[:] = sorted(d for d in dirs if d != "d")
+        for name in sorted(files):
+            if name.endswith((".ocdbt", ".txt")):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                with open(path, "rb") as f:
+                    json.loads(f.read())
+            except (OSError, ValueError):
+                return path
     return None
 
 
@@ -161,7 +212,7 @@ def mismatch(mngr: ocp.CheckpointManager, step: int, abstract_state: Any
             raise ValueError("no metadata for the item 'state'")
         saved = _leaf_specs(getattr(meta, "item_metadata", meta))
     except Exception as e:  # noqa: BLE001
-        return "damaged", f"its metadata cannot be read: {describe_error(e)}"
+        return "damaged", f"its metadata cannot be read: {describe_damage(e, step_dir(mngr, step))}"
     wanted = _leaf_specs(abstract_state)
     diffs = []  # the params first: the optimizer state only repeats them
     for path in sorted(set(saved) | set(wanted), key=lambda p: (not p.startswith("params/"), p)):
@@ -247,21 +298,42 @@ def describe_error(e: BaseException, n: int = 500) -> str:
 
 def load_state(workdir: str, step: int | None = None) -> tuple[dict, ml_collections.ConfigDict]:
     """The whole train state of a checkpoint (params, opt_state, batch_stats, rng, step, ...) as
-    numpy arrays, and the run's config, without building the model. ``step`` None: the newest."""
+    numpy arrays, and the run's config, without building the model. ``step`` None: the newest
+    that restores (``restore_numpy``)."""
+    restored, config = restore_numpy(workdir, step)
+    return restored.state, config
+
+
+def restore_numpy(workdir: str, step: int | None = None
+                  ) -> tuple[Restored, ml_collections.ConfigDict]:
+    """(the checkpoint restored as numpy arrays, the run's config) for the tools that read a run
+    without building its train state (predict, reparam, export, analysis). Read-only, through
+    ``first_restorable`` as training and evaluation: with ``step`` None a damaged newest
+    checkpoint is named in one warning and the previous one is used; RunNotFoundError when there
+    is no checkpoint (of ``step``), CheckpointMismatchError when none restores."""
     config = load_config(workdir)
     steps = complete_steps(workdir)
     if not steps or (step is not None and step not in steps):
         raise no_checkpoint(workdir, step, steps)
-    step = steps[-1] if step is None else step
-    ckpt = checkpoint_dir(workdir) / str(step) / "state"
-    checkpointer = ocp.StandardCheckpointer()
-    meta = checkpointer.metadata(ckpt)
-    tree = getattr(meta, "item_metadata", meta)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree,
-                            is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
-    state = checkpointer.restore(ckpt, abstract)
-    return jax.tree.map(np.asarray, state), config
+    is_leaf = lambda m: hasattr(m, "shape") and hasattr(m, "dtype")  # noqa: E731
+    mngr = open_read_only(workdir)
+
+    def one(s: int) -> tuple[Any, None]:
+        try:
+            meta = mngr.item_metadata(s)["state"]
+            tree = getattr(meta, "item_metadata", meta)
+        except Exception as e:  # noqa: BLE001
+            raise _Damaged(f"its metadata cannot be read: {describe_damage(e, step_dir(mngr, s))}")
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                                tree, is_leaf=is_leaf)
+        return jax.tree.map(np.asarray, restore(mngr, abstract, s)), None
+
+    try:
+        restored = first_restorable(mngr, steps if step is None else [step], one)
+    finally:
+        mngr.close()
+    return restored, config
 
 
 def load_params(workdir: str, step: int | None = None) -> tuple[dict, ml_collections.ConfigDict]:
@@ -276,10 +348,15 @@ def load_params(workdir: str, step: int | None = None) -> tuple[dict, ml_collect
 def load_variables(workdir: str, step: int | None = None) -> tuple[dict, ml_collections.ConfigDict]:
     """``{'params': ..., 'batch_stats': ...}`` (batch_stats only if the model has state)."""
     state, config = load_state(workdir, step)
+    return variables_of(state), config
+
+
+def variables_of(state: dict) -> dict:
+    """The model's variables of a restored numpy state: params, and batch_stats if it has any."""
     variables = {"params": state["params"]}
     if state.get("batch_stats"):
         variables["batch_stats"] = state["batch_stats"]
-    return variables, config
+    return variables
 
 
 def config_path(workdir: str) -> epath.Path:

@@ -1,8 +1,11 @@
 """What main.py does around ``train_and_evaluate``: distributed init, errors as short messages
-with distinct exit codes."""
+with distinct exit codes; ``tool_errors`` gives the ``python -m`` tools the same codes
+(docs/faults.md has the one table)."""
 from __future__ import annotations
 
+import contextlib
 import sys
+from typing import Iterator
 
 import ml_collections
 from absl import logging
@@ -15,6 +18,7 @@ EXIT_WORKDIR = 5       # workdir not writable, no credentials, a checkpoint writ
 EXIT_BUSY = 6          # another live process uses the workdir
 EXIT_DISTRIBUTED = 7   # the processes of a multi-process run did not all meet (distributed.py)
 EXIT_PREEMPTED = 42    # SIGTERM or Ctrl-C: checkpoint written, re-run to continue
+EXIT_INTERRUPTED = 130  # Ctrl-C where there is nothing to save (128 + SIGINT)
 
 # Error -> exit code, for training and evaluation alike; the first match wins (a subclass before
 # its base). Named by module so that this table imports nothing: an error's class is loaded if
@@ -26,7 +30,10 @@ EXIT_CODES: tuple[tuple[str, str, int], ...] = (
     ("normvit_jax.distributed", "DistributedStartError", EXIT_DISTRIBUTED),
     ("normvit_jax.workdir", "WorkdirError", EXIT_WORKDIR),
     ("normvit_jax.checkpoints", "CheckpointMismatchError", EXIT_CHECKPOINT),
-    ("normvit_jax.checkpoints", "RunNotFoundError", EXIT_CHECKPOINT),
+    # no workdir, config.json or checkpoint (of that step): the command points at the wrong place
+    ("normvit_jax.checkpoints", "RunNotFoundError", EXIT_CONFIG),
+    # export/serve: a format that cannot express the model, a missing extra, a bad artifact
+    ("normvit_jax.deploy.errors", "DeployError", EXIT_CONFIG),
     # config checks, ConfigChangedError, DatasetNotFoundError, pretrained.CheckpointError
     ("builtins", "ValueError", EXIT_CONFIG),
 )
@@ -39,6 +46,23 @@ def exit_code(error: BaseException) -> int | None:
         if cls is not None and isinstance(error, cls):
             return code
     return None
+
+
+@contextlib.contextmanager
+def tool_errors(prog: str) -> Iterator[None]:
+    """For a ``python -m`` tool's main: a known error (``EXIT_CODES``) becomes one line
+    ``<prog>: error: <message>`` and its exit code, Ctrl-C one line and 130, as in main.py."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (Ctrl-C); stopped", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as e:  # noqa: BLE001  (known errors become exit codes)
+        code = exit_code(e)
+        if code is None:
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(code)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) -> int:

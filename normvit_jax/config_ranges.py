@@ -109,6 +109,7 @@ RANGES: dict[str, Range] = {
     "eval_every": _count(1),
     "checkpoint_every": _count(1),
     "keep_checkpoints": _count(1),
+    "reproducible_cpu_threads": _count(0),
     "skip_nonfinite_steps": _count(0),
     "eval_analysis_images": _count(0),
     "eval_attention_images": _count(0),

@@ -18,6 +18,7 @@ import io
 import sys
 from typing import Any, Callable, NoReturn, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
@@ -127,9 +128,26 @@ def run_deploy(workdir: str, out: str, fmt: str, *, step: int | None = None, fol
 def run(workdir: str, out: str, step: int | None = None) -> dict[str, Any]:
     from normvit_jax import checkpoints  # the train side's restore; imported late on purpose
 
-    params, config = checkpoints.load_params(workdir, step=step)
+    # the shared restore path (checkpoints.restore_numpy): a damaged newest step falls back
+    variables, config = checkpoints.load_variables(workdir, step=step)
     # a scanned run's stacked blocks are written per block (encoderblock_{i})
-    return export_npz(params, out, models.spec_of(config.model))
+    flat = export_npz(variables["params"], out, models.spec_of(config.model))
+    note = running_statistics_note(variables, workdir)
+    if note:
+        print(note)
+    return flat
+
+
+def running_statistics_note(variables: dict, workdir: str) -> str | None:
+    """One line when the run keeps running statistics (BN, RepBN, UN, ...): the .npz format holds
+    parameters only, so they are left out; reparam's folder keeps them."""
+    n = len(jax.tree.leaves(variables.get("batch_stats", {})))
+    if not n:
+        return None
+    return (f"  note: the .npz holds parameters only: the norms' {n} running-statistics arrays "
+            f"(batch_stats) are left out, so the model it loads evaluates differently; `python -m "
+            f"normvit_jax.reparam --workdir={workdir} --out=DIR` writes a folder that keeps them "
+            f"(model.json + variables.msgpack, read by predict --folded=DIR)")
 
 
 def _stop(message: str) -> NoReturn:
@@ -141,30 +159,20 @@ def _stop(message: str) -> NoReturn:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         _stop(f"unexpected arguments: {list(argv[1:])} (--help lists the flags)")
-    from normvit_jax import checkpoints, logs
+    from normvit_jax import cli, logs
     logs.quiet_library_logs()  # Orbax logs ~30 INFO lines per restore
     if not FLAGS.workdir or not FLAGS.out:
         _stop("--workdir and --out are required (--help lists the flags)")
-    if FLAGS.format != "npz":
-        _main_deploy()
-        return
-    if FLAGS.fold or FLAGS.batch is not None or FLAGS.folded:
-        _stop("--fold, --batch and --folded apply to --format=onnx|savedmodel|stablehlo; the npz "
-              "holds the parameters as trained (python -m normvit_jax.reparam --out=DIR folds)")
-    try:
+    with cli.tool_errors("python -m normvit_jax.export"):  # docs/faults.md: the table's codes
+        if FLAGS.format != "npz":
+            run_deploy(FLAGS.workdir, FLAGS.out, FLAGS.format, step=FLAGS.step, fold=FLAGS.fold,
+                       batch=FLAGS.batch, folded=FLAGS.folded)
+            return
+        if FLAGS.fold or FLAGS.batch is not None or FLAGS.folded:
+            _stop("--fold, --batch and --folded apply to --format=onnx|savedmodel|stablehlo; the "
+                  "npz holds the parameters as trained (python -m normvit_jax.reparam --out=DIR "
+                  "folds)")
         run(FLAGS.workdir, FLAGS.out, FLAGS.step)
-    except (CheckpointError, checkpoints.RunNotFoundError) as e:  # a line, not a trace
-        _stop(str(e))
-
-
-def _main_deploy() -> None:
-    from normvit_jax import checkpoints
-    from normvit_jax.deploy import DeployError
-    try:
-        run_deploy(FLAGS.workdir, FLAGS.out, FLAGS.format, step=FLAGS.step, fold=FLAGS.fold,
-                   batch=FLAGS.batch, folded=FLAGS.folded)
-    except (DeployError, checkpoints.RunNotFoundError, FileNotFoundError) as e:
-        _stop(str(e))
 
 
 if __name__ == "__main__":

@@ -60,12 +60,13 @@ def eval_geometry(d: Any) -> Any:
     """The eval pipeline's geometry (``pipeline.Pipeline``): central crop, resize, no flip (or
     ``data.eval_resize_small``: resize, then the central crop)."""
     from normvit_jax.data import transforms
+    from normvit_jax.data.dataspec import setting
     from normvit_jax.data.sources import Geometry
-    interp = str(d.get("interpolation", "bilinear"))
+    interp = str(setting(d, "interpolation"))
     return Geometry(int(d.image_size), False, 1.0, float(d.eval_crop_fraction),
-                    antialias=bool(d.get("antialias", True)),
+                    antialias=bool(setting(d, "antialias")),
                     interpolation=transforms.pick_interpolation(interp, None),
-                    resize_small=int(d.get("eval_resize_small", 0) or 0))
+                    resize_small=int(setting(d, "eval_resize_small") or 0))
 
 
 def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | None = None,
@@ -81,7 +82,7 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
     if folded:
         model_cfg, variables, n = reparam.load(folded)
     else:
-        variables, _ = checkpoints.load_variables(workdir, step)
+        variables, _ = checkpoints.load_variables(workdir, step)  # the shared restore path
         model_cfg, n = config.model, int(np.shape(variables["params"]["head"]["bias"])[-1])
     model = models.create(model_cfg, n)
     names = class_names(workdir, config, n)
@@ -140,12 +141,13 @@ def main(argv: Sequence[str] | None = None) -> Any:
     p.add_argument("--name", default=None, help="--mode=eval: dataset (default: the run's)")
     p.add_argument("--data_dir", default=None, help="--mode=eval: its tfds data dir")
     args = p.parse_args(argv)
-    from normvit_jax import checkpoints
-    try:
-        config = checkpoints.load_config(args.workdir)
-    except FileNotFoundError as e:  # checkpoints.RunNotFoundError: one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+    with cli.tool_errors(p.prog):  # docs/faults.md: one line and the table's exit code
+        return _main(args, p.prog)
+
+
+def _main(args: Any, prog: str) -> Any:
+    from normvit_jax import checkpoints, cli
+    config = checkpoints.load_config(args.workdir)
     if args.mode == "eval":
         with config.unlocked():
             for key, v in (("eval_name", args.name), ("eval_split", args.split),
@@ -157,15 +159,17 @@ def main(argv: Sequence[str] | None = None) -> Any:
             sys.exit(code)
         return code
     if not args.images or args.top_k < 1:
-        print("error: --images=FILES_OR_FOLDERS is required and --top_k must be >= 1",
+        print(f"{prog}: error: --images=FILES_OR_FOLDERS is required and --top_k must be >= 1",
               file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    try:
+    try:  # --images naming nothing, a --folded folder that reparam did not write
         files = list_images(args.images)
         rows, skipped = predict(args.workdir, files, top_k=args.top_k, step=args.step,
                                 folded=args.folded, batch=args.batch)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except FileNotFoundError as e:
+        if isinstance(e, checkpoints.RunNotFoundError):
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     for row in rows:
         print(f"{row['path']}: " + ", ".join(f"{c} {p:.3f}" for c, p in row["top"]))

@@ -10,7 +10,11 @@ on a step across hosts (``reached_preemption_sync_point``), so no Python handler
 there: every host stops after the same step (Ctrl-C keeps Python's default there).
 
 Installed by ``train_and_evaluate`` for the whole run (after ``jax.distributed.initialize``,
-which ``cli.run`` calls first), before the slow imports.
+which ``cli.run`` calls first), before the slow imports. Until the first train step has run
+(``SigtermFlag.started``) there is nothing new to save, so a signal stops the process at once with
+one line: Ctrl-C exits 130, SIGTERM 42 (a scheduler requeues it). Start-up spends most of its time
+in C++ (XLA compiling), where Python signal handlers wait for the call to return; a thread woken
+through ``signal.set_wakeup_fd`` stops the process without waiting.
 """
 from __future__ import annotations
 
@@ -23,9 +27,12 @@ from absl import logging
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _lock = threading.Lock()
+_exit_lock = threading.Lock()  # not _lock: the handler may run while the main thread holds that
 _count = 0
 _previous: dict[int, object] = {}
 _received = False
+_starting = False      # between the handler's installation and the end of the first train step
+_wakeup: tuple[int, int, int] | None = None  # (read fd, write fd, the previous wakeup fd)
 
 
 def multi_process() -> bool:
@@ -40,8 +47,35 @@ def _name(signum: int) -> str:
     return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
+def _stop_starting(signum: int) -> None:
+    """Ends the process in start-up, where nothing new can be saved (see the module docstring)."""
+    with _exit_lock:
+        code = 128 + signum if signum == signal.SIGINT else 42  # 42: cli.EXIT_PREEMPTED
+        sys.stderr.write(f"{_name(signum)} while starting up (before the first step): stopped at "
+                         "once; nothing new to save; rerun the same command to start again.\n")
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _watch(read_fd: int) -> None:
+    """Reads the signal numbers the C-level handler writes (set_wakeup_fd); in start-up, stops."""
+    while True:
+        try:
+            data = os.read(read_fd, 64)
+        except OSError:
+            return
+        if not data:
+            os.close(read_fd)
+            return
+        for signum in data:
+            if _starting and signum in SIGNALS:
+                _stop_starting(signum)
+
+
 def _handle(signum, frame) -> None:
     global _received
+    if _starting:
+        _stop_starting(signum)
     if _received:  # the second one: the user does not want to wait for the step and the save
         sys.stderr.write(f"{_name(signum)} again: stopped at once, nothing saved since the last "
                          "checkpoint; rerun the same command to resume from it.\n")
@@ -57,24 +91,40 @@ class SigtermFlag:
     only) and restores the previous ones on exit of the outermost use."""
 
     def __enter__(self) -> "SigtermFlag":
-        global _count, _received
+        global _count, _received, _starting, _wakeup
         with _lock:
             if _count == 0 and threading.current_thread() is threading.main_thread() \
                     and not multi_process():
-                _received = False
+                _received, _starting = False, True
                 for s in SIGNALS:
                     _previous[s] = signal.signal(s, _handle)
+                r, w = os.pipe()
+                os.set_blocking(w, False)  # set_wakeup_fd requires it; the reader blocks
+                _wakeup = (r, w, signal.set_wakeup_fd(w, warn_on_full_buffer=False))
+                threading.Thread(target=_watch, args=(r,), daemon=True,
+                                 name="normvit-signal-watch").start()
             _count += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        global _count
+        global _count, _starting, _wakeup
         with _lock:
             _count -= 1
             if _count == 0:
+                _starting = False
                 for s, previous in _previous.items():
                     signal.signal(s, previous)
                 _previous.clear()
+                if _wakeup is not None:
+                    r, w, old = _wakeup
+                    signal.set_wakeup_fd(old)
+                    os.close(w)  # the watcher reads EOF and returns; it owns the read end
+                    _wakeup = None
+
+    def started(self) -> None:
+        """The first train step has run: from now on a signal ends in a checkpoint (exit 42)."""
+        global _starting
+        _starting = False
 
     @property
     def received(self) -> bool:

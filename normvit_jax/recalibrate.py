@@ -87,6 +87,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--batches", type=int, default=200, help="train batches to average over")
     args = p.parse_args(argv)
+    with cli.tool_errors(p.prog):  # docs/faults.md: one line and the table's exit code
+        return _main(args)
+
+
+def _main(args: Any) -> dict[str, Any]:
+    from normvit_jax import cli
     if args.batches < 1:
         _fail(f"--batches={args.batches} is not accepted; accepted: a positive integer")
     if epath.Path(args.out).exists() and any(epath.Path(args.out).iterdir()):
@@ -101,12 +107,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     tx, _ = optim.create(config, max(int(config.total_steps or 0), 1))
     abstract, state_sharding = setup.abstract_train_state(model, tx, eval_pipe.image_shape, mesh,
                                                           sharding.fsdp_min_size(config))
+    steps = checkpoints.complete_steps(args.workdir)
+    if not steps or (args.step is not None and args.step not in steps):
+        raise checkpoints.no_checkpoint(args.workdir, args.step, steps)
     mngr = checkpoints.open_read_only(args.workdir)
-    restored = checkpoints.restore_latest(mngr, abstract, move_damaged=False,
-                                          steps=None if args.step is None else [args.step])
-    mngr.close()
-    if restored is None:
-        _fail(f"no checkpoint in {checkpoints.checkpoint_dir(args.workdir)}")
+    try:  # the shared restore path: a damaged newest checkpoint is named, the previous one used
+        restored = checkpoints.restore_latest(mngr, abstract, move_damaged=False,
+                                              steps=None if args.step is None else [args.step])
+    finally:
+        mngr.close()
     state, step = restored.state, restored.step
     if not jax.tree.leaves(state.batch_stats):
         _fail(f"the model of {args.workdir} keeps no running statistics (norm "

@@ -44,17 +44,32 @@ NEXT_LAYERS = {"LayerNorm_0": ((ATTENTION, "query"), (ATTENTION, "key"), (ATTENT
                "LayerNorm_2": (("MlpBlock_3", "Dense_0"),)}
 
 
+# Where a slot sits, by its parameter name (Google's layout names a slot LayerNorm_* whatever it holds).
+_ROLES = {"LayerNorm_0": "before attention", "LayerNorm_2": "before the MLP",
+          FINAL_SLOT: "final norm", FC_SLOT: "final norm", "norm1": "stem, before attention",
+          "norm2": "stem, before the MLP"}
+
+
 @dataclasses.dataclass
 class FoldReport:
-    """folded: slot paths folded into their next layer; kept: (slot path, why it stays)."""
+    """folded: slot paths folded into their next layer; kept: (slot path, why it stays);
+    norms: slot path -> the name of the norm in it (the path's 'LayerNorm_0' is only a name)."""
 
     folded: list[str] = dataclasses.field(default_factory=list)
     kept: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    norms: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def _slot(self, path: str) -> str:
+        """'repbn (before attention) at Transformer/encoderblock_0/LayerNorm_0'."""
+        role = _ROLES.get(path.rsplit("/", 1)[-1])
+        name = self.norms.get(path, "")
+        what = " ".join(x for x in (name, f"({role})" if role else "") if x)
+        return f"{what} at {path}" if what else path
 
     def __str__(self) -> str:
         lines = [f"folded {len(self.folded)} norm slot(s) into the next Dense"]
-        lines += [f"  folded {s}" for s in self.folded]
-        lines += [f"  kept   {s}: {why}" for s, why in self.kept]
+        lines += [f"  folded {self._slot(s)}" for s in self.folded]
+        lines += [f"  kept   {self._slot(s)}: {why}" for s, why in self.kept]
         return "\n".join(lines)
 
 
@@ -149,6 +164,7 @@ def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldR
         block = f"encoderblock_{i}"
         if norms.name_of(ncfg) == "identity":
             continue
+        report.norms[f"Transformer/{block}"] = norms.name_of(ncfg)
         if not (foldable(ncfg) or splittable(ncfg)):
             report.kept.append((f"Transformer/{block}", _why_kept(ncfg)))
             continue
@@ -166,6 +182,7 @@ def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldR
             if block in tf_stats:
                 tf_stats[block].pop(slot, None)
             report.folded.append(f"Transformer/{block}/{slot}")
+            report.norms[f"Transformer/{block}/{slot}"] = norms.name_of(ncfg)
             if new_cfg["name"] != "identity":
                 report.kept.append((f"Transformer/{block}/{slot}", _why_split(ncfg)))
         new_overrides[f"block_{i}"] = new_cfg
@@ -196,6 +213,7 @@ def _fold_final(spec: Any, params: dict, stats: dict, dim: int, report: FoldRepo
         return
     if norms.name_of(cfg) == "identity":
         return
+    report.norms[path] = norms.name_of(cfg)
     if not (foldable(cfg) or splittable(cfg)):
         report.kept.append((path, _why_kept(cfg)))
         return
@@ -215,6 +233,7 @@ def _fold_stem(spec: Any, params: dict, stats: dict, report: FoldReport) -> bool
     """T2T-ViT's stem (models/t2t_vit.py): in each Performer layer ``norm1`` feeds ``kqv`` and
     ``norm2`` feeds ``mlp_0``. Returns whether the stem's norms were folded."""
     cfg = spec.stem_norm_config
+    report.norms[STEM_SCOPE] = norms.name_of(cfg)
     if not foldable(cfg):
         report.kept.append((STEM_SCOPE, _why_kept(cfg)))
         return False
@@ -230,6 +249,7 @@ def _fold_stem(spec: Any, params: dict, stats: dict, report: FoldReport) -> bool
             p.pop(slot, None)
             st.pop(slot, None)
             report.folded.append(f"{STEM_SCOPE}/{layer}/{slot}")
+            report.norms[f"{STEM_SCOPE}/{layer}/{slot}"] = norms.name_of(cfg)
     return True
 
 
@@ -302,7 +322,7 @@ def timing_summary(unfolded: Sequence[float], folded: Sequence[float] | None, ba
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Folds a run's checkpoint, checks the logits on random images and times both models."""
-    from normvit_jax import checkpoints, logs, tool_flags
+    from normvit_jax import cli, logs, tool_flags
 
     logs.quiet_library_logs()
     p = tool_flags.Parser("python -m normvit_jax.reparam", __doc__)
@@ -314,10 +334,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="folder to save the folded model in (model.json + variables.msgpack; "
                         "read back with normvit_jax.reparam.load)")
     args = p.parse_args(argv)
-    try:
-        variables, config = checkpoints.load_variables(args.workdir, args.step)
-    except checkpoints.RunNotFoundError as e:  # one line naming what is missing, exit 2
-        p.exit(2, f"{p.prog}: error: {e}\n")
+    with cli.tool_errors(p.prog):  # docs/faults.md: one line and the table's exit code
+        return _main(args)
+
+
+def _main(args: Any) -> dict[str, Any]:
+    from normvit_jax import checkpoints
+    variables, config = checkpoints.load_variables(args.workdir, args.step)  # the shared restore
     num_classes = int(variables["params"]["head"]["bias"].shape[-1])
     size = int(config.data.image_size)
     images = jax.random.normal(jax.random.key(0), (args.batch, size, size, 3))

@@ -393,15 +393,17 @@ def test_demo_table_reruns_one_method_and_rewrites_its_row(tmp_path):
     original = open(os.path.join(REPO_ROOT, "README.md")).read()
     readme.write_text(original)
     results = tmp_path / "demo_results.json"
-    rc = demo_table.main(["--only=ln", f"--readme={readme}", f"--root={tmp_path}/runs",
-                          f"--results={results}", *TINY])
+    rc = demo_table.main(["--only=ln", "--seeds=2", f"--readme={readme}",
+                          f"--root={tmp_path}/runs", f"--results={results}", *TINY])
     assert rc == 0
     text = readme.read_text()
     top1, top5 = demo_table.last_eval(str(tmp_path / "runs" / "ln"))
     rows = [line for line in text.splitlines() if line.startswith("| LayerNorm |")]
+    seed1 = demo_table.last_eval(str(tmp_path / "runs" / "ln_seed1"))[0]
+    span = f"{100 * min(top1, seed1):.1f}-{100 * max(top1, seed1):.1f}% (2)"
     assert len(rows) == 1 and rows[0].startswith(
-        f"| LayerNorm | `vit_ln.py:demo` | {100 * top1:.2f}% | {100 * top5:.2f}% | ")
-    assert re.fullmatch(r".* \| \d+ s \|", rows[0])
+        f"| LayerNorm | `vit_ln.py:demo` | {100 * top1:.2f}% | {span} | {100 * top5:.2f}% | ")
+    assert re.fullmatch(r".* \| \d+ s \| \d+ s \|", rows[0])  # wall, then CPU seconds
     # every other row and everything outside the markers is unchanged
     untouched = [line for line in original.splitlines() if not line.startswith("| LayerNorm |")
                  and "Measured on this machine on" not in line]
@@ -410,6 +412,7 @@ def test_demo_table_reruns_one_method_and_rewrites_its_row(tmp_path):
     assert f"Measured on this machine on {datetime.date.today()}" in text
     kept = json.loads(results.read_text())["methods"]  # the row comes from the results file
     assert list(kept) == ["ln"] and kept["ln"]["top1"] == top1 and kept["ln"]["steps"] == 2
+    assert kept["ln"]["top1_seeds"] == [top1, seed1] and kept["ln"]["cpu_s"] > 0
     assert kept["ln"]["command"].startswith("python main.py --config=configs/vit_ln.py:demo")
     assert kept["ln"]["machine"]["cores"] == os.cpu_count() and kept["ln"]["machine"]["versions"]
     with pytest.raises(ValueError, match="demo-table:begin"):

@@ -123,6 +123,23 @@ def test_ctrl_c_saves_one_line_exit_42_and_resumes_bit_identical(env, reference,
     assert_same_state(reference, wd)
 
 
+def test_ctrl_c_or_sigterm_while_starting_up_stops_at_once_in_one_line(env, tmp_path):
+    """Issue 35, item 4: before the first step there is nothing to save. The signal comes when the
+    model is built (the log's 'Model:' line), just before the restore and the train step's
+    compilation, which is C++ where a Python handler would wait for it: exit within seconds."""
+    for sig, code, name in ((signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, cli.EXIT_PREEMPTED,
+                                                            "SIGTERM")):
+        run = Run(env, tmp_path / name)
+        run.wait_for(r"Model: ViT")
+        t = time.time()
+        run.p.send_signal(sig)
+        rc, out = run.finish()
+        assert rc == code and time.time() - t < 5, (rc, time.time() - t, out[-4000:])
+        one_line(out, rf"^{name} while starting up \(before the first step\): stopped at once; "
+                      r"nothing new to save; rerun the same command to start again\.$")
+        assert not re.search(r"step \d+/", out) and not checkpoints.complete_steps(tmp_path / name)
+
+
 def test_second_ctrl_c_stops_at_once_and_keeps_the_checkpoints(env, reference, tmp_path):
     """Every checkpoint commit is held 30 s (tests/fault_main.py), so the second Ctrl-C comes
     while the run waits to save: it ends at once, the complete checkpoints are untouched."""

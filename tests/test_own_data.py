@@ -138,7 +138,7 @@ def test_predict_bad_input_is_one_line_exit_2(dataset, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             predict.main(argv)
         assert e.value.code == 2
-        assert capsys.readouterr().err.strip().startswith("error: ")
+        assert capsys.readouterr().err.strip().startswith("python -m normvit_jax.predict: error: ")
 
 
 def test_two_hosts_read_disjoint_rows_that_make_the_global_batch(dataset):

@@ -10,6 +10,8 @@ import io
 import json
 import os
 import pickle
+import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -19,6 +21,7 @@ import pytest
 from PIL import Image
 
 from normvit_jax.data import formats, prepare, prepared
+from tests.conftest import REPO_ROOT
 
 RNG = np.random.default_rng(0)
 
@@ -353,3 +356,71 @@ def test_arrays_folder_of_split_files(tmp_path):
     _, te = _read_split(f"{tmp_path}/dd/arrdir/1.0.0", "test")
     got = {int(r["label"]): r["image"] for r in te}
     np.testing.assert_array_equal(got[1], np.repeat(x[4], 3, -1))  # v * 257 * 255 / 65535 == v
+
+
+def _tree(root, counts: dict[str, int], broken: tuple[str, ...] = ()) -> str:
+    for c, n in counts.items():
+        (root / c).mkdir(parents=True)
+        for i in range(n):
+            if c in broken:
+                (root / c / f"{i}.jpg").write_bytes(b"\xff\xd8\xff not a jpeg")
+            else:
+                Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(root / c / f"{i}.png")
+    return str(root)
+
+
+def test_an_unreadable_class_and_a_hold_out_of_nothing_name_the_classes(tmp_path, capsys):
+    """Issue 35, item 5: a class whose files are all unreadable stops with exit 2 naming it (also
+    with --val_fraction=0, as docs/data.md says); a fraction that holds out nothing names the
+    classes and their sizes and suggests a fraction that works."""
+    src = _tree(tmp_path / "s", {"cat": 5, "dog": 3, "zebra": 3}, broken=("zebra",))
+    line = _fails(capsys, f"--src={src}", "--name=u1", f"--data_dir={tmp_path}/dd",
+                  "--val_fraction=0")
+    assert "class 'zebra' has no readable train image (3 file(s) skipped, e.g. " in line
+    assert "zebra/0.jpg" in line and not os.listdir(tmp_path / "dd")  # nothing left behind
+    line = _fails(capsys, f"--src={src}", "--name=u2", f"--data_dir={tmp_path}/dd")
+    assert "holds out no example" in line and "'dog' 3, 'zebra' 3, 'cat' 5" in line
+    suggested = re.search(r"pass (--val_fraction=[0-9.]+) \(one image of each class\)", line)
+    shutil.rmtree(tmp_path / "s" / "zebra")
+    info = _run(f"--src={src}", "--name=u3", f"--data_dir={tmp_path}/dd", suggested.group(1))
+    assert info["splits"]["validation"]["per_class"] == [1, 1]  # the suggestion holds one each
+
+
+def test_without_an_eval_split_the_suggested_command_evaluates_on_train(tmp_path, capsys):
+    from configs import vit_ln
+    from normvit_jax import data
+    src = _tree(tmp_path / "s", {"cat": 4, "dog": 4})
+    _run(f"--src={src}", "--name=noval", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    out = capsys.readouterr().out
+    assert "eval split: none (--val_fraction=0)" in out and "eval split: None" not in out
+    command = next(line for line in out.splitlines() if line.startswith("train: python main.py"))
+    assert "--config.data.eval_split=train" in command
+    config = vit_ln.get_config("demo")  # what the command's flags set, resolved as main.py does
+    for flag in command.split()[4:]:
+        if flag.startswith("--config.data."):
+            key, value = flag[len("--config.data."):].split("=", 1)
+            config.data[key] = value
+    spec = data.resolve_data_spec(config)
+    pipe = data.make_pipeline(config, "eval", spec)  # what the run evaluates on: the 8 images
+    assert spec.eval_split == "train" and int(pipe.eval_batch(0)["mask"].sum()) == 8
+    pipe.close()
+
+
+def test_local_prepare_makes_no_network_call_and_checks_arguments_before_tensorflow(tmp_path):
+    """Issue 35, item 6: tfds's community catalog is a file on GCS, and listing it made every
+    prepare ask TensorFlow for Google credentials and the GCE metadata server."""
+    src = _tree(tmp_path / "s", {"cat": 3, "dog": 3})
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "0"}
+    r = subprocess.run([sys.executable, "-m", "normvit_jax.data.prepare", f"--src={src}",
+                        "--name=local", f"--data_dir={tmp_path}/dd", "--val_fraction=0"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=REPO_ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for probe in ("google_auth", "metadata.google.internal", "bearer token"):
+        assert probe not in r.stderr, r.stderr[-3000:]
+    code = ("import sys\nfrom normvit_jax.data import prepare\ntry:\n"
+            f"    prepare.main(['--src={tmp_path}/none', '--name=x', '--data_dir={tmp_path}/dd'])\n"
+            "finally:\n    print('tensorflow' in sys.modules, file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120, cwd=REPO_ROOT)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-2:] == [
+        f"error: --src={tmp_path}/none: no such file or folder", "False"], r.stderr[-2000:]

@@ -523,13 +523,13 @@ def test_export_cli(tmp_path, monkeypatch):
     params = random_params(cfg, 5, 12)
     calls = []
 
-    def load_params(workdir, step=None):
+    def load_variables(workdir, step=None):
         calls.append((workdir, step))
         c = ml_collections.ConfigDict({"model": cfg})
         return {"params": jax.tree.map(jnp.asarray, params)}, c
 
     fake = types.ModuleType("normvit_jax.checkpoints")
-    fake.load_params = load_params
+    fake.load_variables = load_variables
     monkeypatch.setitem(sys.modules, "normvit_jax.checkpoints", fake)
     monkeypatch.setattr(normvit_jax, "checkpoints", fake, raising=False)
     export.define_flags()

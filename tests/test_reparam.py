@@ -139,7 +139,9 @@ def test_command_folds_a_trained_run(tmp_path, capsys):
     out = reparam.main(["--workdir", str(tmp_path), "--batch", "4", "--reps", "1",
                         "--out", str(saved)])
     text = capsys.readouterr().out
-    assert "folded 5 norm slot(s)" in text and "folded Transformer/encoderblock_1/LayerNorm_2" in text
+    assert "folded 5 norm slot(s)" in text
+    # the slot's norm by name, not only its Google-layout parameter name (issue 35, item 7)
+    assert "folded batchnorm (before the MLP) at Transformer/encoderblock_1/LayerNorm_2" in text
     assert out["max_diff"] < 1e-3
     # The saved folded model loads back and computes the trained run's eval logits.
     from normvit_jax import checkpoints

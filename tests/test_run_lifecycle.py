@@ -37,7 +37,7 @@ def test_step_policy_ladder():
     (distributed.DistributedStartError("x"), cli.EXIT_DISTRIBUTED),
     (workdir.WorkdirError("x"), cli.EXIT_WORKDIR),
     (checkpoints.CheckpointMismatchError("x"), cli.EXIT_CHECKPOINT),
-    (checkpoints.RunNotFoundError("x"), cli.EXIT_CHECKPOINT),
+    (checkpoints.RunNotFoundError("x"), cli.EXIT_CONFIG),  # the same code in every tool
     (run_config.ConfigChangedError("x"), cli.EXIT_CONFIG),
     (DatasetNotFoundError("x"), cli.EXIT_CONFIG),
     (ValueError("x"), cli.EXIT_CONFIG),

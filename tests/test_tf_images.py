@@ -254,3 +254,22 @@ def test_an_undecodable_image_is_named_by_its_index():
         src.read(np.arange(5), None, geo, stats.affine("imagenet2012", "zscore"))
     x, y = src.read(np.array([0, 4]), None, geo, stats.affine("imagenet2012", "zscore"))
     assert x.shape == (2, 8, 8, 3) and y.tolist() == [1, 1]
+
+
+def test_concurrent_first_batches_trace_once_without_a_retracing_warning(caplog):
+    """Issue 35, item 6: the batches in flight (4 threads) asked for the decoder at once and TF's
+    frequent-tracing detector warned of "retracing" on every training run on a prepared dataset."""
+    rng = np.random.default_rng(3)
+    enc = [_encode(_photo(rng, 20 + i, 24), "PNG") for i in range(3)]
+    geo = Geometry(12, False, 1.0, 1.0, padding=1, flip=True, antialias=False)  # a key of its own
+    dec = tf_images.BatchDecoder(2)
+    u = rng.uniform(size=(3, transforms.NUM_UNIFORMS))
+    threads = [threading.Thread(target=lambda: [dec(enc, u, geo, examples=False) for _ in range(3)])
+               for _ in range(6)]
+    with caplog.at_level("WARNING"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert dec._fn(geo, False).experimental_get_tracing_count() == 1
+    assert not [r for r in caplog.records if "retracing" in r.getMessage()]

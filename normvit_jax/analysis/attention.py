@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from normvit_jax import checkpoints, tool_flags
+from normvit_jax import tool_flags
 from normvit_jax.analysis import (capture, colors, distance, figures, gates, plots_attention,
                                   plots_stats, tables)
 
@@ -132,10 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--blocks", default="auto", help="'auto' (0/3/6/9 of 12), 'all' or '0,3'")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     args = ap.parse_args(argv)
-    try:
+    from normvit_jax import cli
+    with cli.tool_errors(ap.prog):  # docs/faults.md: one line and the table's exit code
         ra = analyze_run(args.workdir, args.images, args.stat_images, args.step)
-    except checkpoints.RunNotFoundError as e:  # one line naming what is missing, exit 2
-        ap.exit(2, f"{ap.prog}: error: {e}\n")
     depth, heads = ra.stats.distance.shape[0], ra.stats.distance.shape[2]
     try:
         hs = parse_indices(args.heads, heads, [0])

@@ -70,8 +70,9 @@ def build_model(config: ml_collections.ConfigDict, data_spec: DataSpec) -> Any:
 
 
 def load_run(workdir: str, step: int | None = None) -> Run:
-    step = latest_step(workdir) if step is None else step
-    variables, config = checkpoints.load_variables(workdir, step)
+    # the shared restore path: a damaged newest checkpoint is named and the previous one used
+    restored, config = checkpoints.restore_numpy(workdir, step)
+    variables, step = checkpoints.variables_of(restored.state), restored.step
     ds = data.resolve_data_spec(config)
     return Run(str(workdir), config, ds, build_model(config, ds), variables, step,
                colors.method_of(config))

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from matplotlib import colormaps
 
-from normvit_jax import norms
+from normvit_jax import models, norms
 from normvit_jax.norms.progressive import Progressive
 
 _TAB10 = colormaps["tab10"].colors
@@ -46,14 +46,13 @@ def method_of(config: Mapping[str, Any]) -> str:
     """The method of a run: the norm of its blocks, 'progressive:N1->N2' for a progressive
     hand-over (its schedule options are not part of the key), or 'dpn' for LN with a Dual
     PatchNorm stem."""
-    model = config["model"]
-    name = norms.name_of(model.get("norm"))
+    model = models.spec_class(config["model"]).resolve_partial(config["model"])  # every key
+    name = norms.name_of(model["norm"])
     if name == "progressive":
-        opts = norms.as_dict(model.get("norm"))
+        opts = norms.as_dict(model["norm"])
         n1, n2 = (norms.name_of(opts.get(k, getattr(Progressive, k))) for k in ("n1", "n2"))
         name = f"progressive:{n1}->{n2}"
-    patch_norm = model.get("patch_norm", "none")
-    if patch_norm not in (None, "none"):
+    if model["patch_norm"] != "none":
         return "dpn" if name == "layernorm" else f"{name}+dpn"
     return name
 

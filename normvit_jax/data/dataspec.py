@@ -12,6 +12,7 @@ that reads them from its ``prepare.json`` (``prepared.resolve``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Any
 
@@ -130,6 +131,19 @@ def resolve_data_spec(config: Any, num_devices: int = 1) -> DataSpec:
 
 def _get(c: Any, key: str, default: Any = None) -> Any:
     return c.get(key, default) if hasattr(c, "get") else getattr(c, key, default)
+
+
+@functools.lru_cache(maxsize=1)
+def _data_defaults() -> dict[str, Any]:
+    from configs import default
+    return default.get_config().data.to_dict()
+
+
+def setting(d: Any, key: str) -> Any:
+    """``config.data.<key>``; where the config lacks it (a config.json written before the key
+    existed, read by predict or the analysis tools) the value configs/default.py documents: the
+    one place a data default is written."""
+    return d[key] if key in d else _data_defaults()[key]
 
 
 def _is_int(v: Any) -> bool:

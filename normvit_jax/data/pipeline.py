@@ -21,6 +21,7 @@ from absl import logging
 from normvit_jax.data import dataspec, decoded, digits, order, prepared, tfds_source, transforms
 from normvit_jax.data import real as real_labels
 from normvit_jax.data.prefetch import Prefetcher, ordered_map
+from normvit_jax.data.dataspec import setting
 from normvit_jax.data.sources import ArraySource, Geometry, JpegSource
 
 Batch = dict[str, np.ndarray]
@@ -93,21 +94,21 @@ class Pipeline:
         # random_resized_crop replaces pad-and-crop (the crop already shifts and scales)
         padding = 0 if d.random_resized_crop else int(d.crop_padding)
         self.prefetch = int(d.prefetch)
-        self.return_index = bool(d.get("return_index", False))
-        aa, interp = bool(d.get("antialias", True)), str(d.get("interpolation", "bilinear"))
+        self.return_index = bool(setting(d, "return_index"))
+        aa, interp = bool(setting(d, "antialias")), str(setting(d, "interpolation"))
         self._train_geo = Geometry(size, bool(d.random_resized_crop), float(d.min_crop_area), 1.0,
                                    padding, bool(d.flip), aa, interp)
         self._eval_geo = Geometry(size, False, 1.0, float(d.eval_crop_fraction), antialias=aa,
                                   interpolation=transforms.pick_interpolation(interp, None),
-                                  resize_small=int(d.get("eval_resize_small", 0) or 0))
+                                  resize_small=int(setting(d, "eval_resize_small") or 0))
         self._affine = spec.affine
         train = split == "train"  # decoded once when it fits (config.data.in_memory_mb)
         what = (f"{spec.name}:{spec.train_split}" if train
                 else f"{spec.eval_name}:{spec.eval_split}")
         self.source = decoded.maybe_decode_once(
             source, self._train_geo if train else self._eval_geo, train,
-            float(d.get("in_memory_mb", 0) or 0), what, logging.info)
-        self._order = order.TrainOrder(self.seed, n, b, int(d.get("repeated_aug", 1)))
+            float(setting(d, "in_memory_mb") or 0), what, logging.info)
+        self._order = order.TrainOrder(self.seed, n, b, int(setting(d, "repeated_aug")))
         # ImageNet-ReaL: eval batches also carry 'real', the multi-hot ReaL label sets
         self._label_sets = getattr(getattr(source, "records", None), "label_sets", None)
         self._num_classes = spec.num_classes

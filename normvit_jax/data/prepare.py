@@ -19,6 +19,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -69,6 +70,8 @@ class _SplitWriter:
             workers, stats
         self.per_class = np.zeros(num_classes, np.int64)
         self.skipped: list[str] = []
+        self.skipped_per_class = np.zeros(num_classes, np.int64)
+        self.first_skipped: dict[int, str] = {}  # label -> its first skipped file (and why)
         self.min_size, self.max_size = [1 << 30, 1 << 30], [0, 0]
 
     def _load(self, i: int) -> Any:
@@ -91,6 +94,9 @@ class _SplitWriter:
                             raise PrepareError(f"{self.split.names[i]}: cannot be decoded "
                                                f"({got}); --strict refuses unreadable images")
                         self.skipped.append(f"{self.split.names[i]} ({got})")
+                        label = int(self.split.labels[i])
+                        self.skipped_per_class[label] += 1
+                        self.first_skipped.setdefault(label, self.skipped[-1])
                         continue
                     data, rgb = got
                     h, w = rgb.shape[:2]
@@ -113,9 +119,12 @@ def check_name(name: str) -> None:
         raise PrepareError(f"--name={name!r}: accepted: lower-case letters, digits and _ starting "
                            f"with a letter (a tfds dataset name), e.g. my_flowers")
     from normvit_jax.data import dataspec
-    import tensorflow_datasets as tfds
+    import tensorflow_datasets as tfds  # without TensorFlow: every argument is checked first
+    # tfds's own catalog only: its community list is a file on GCS, which made every prepare
+    # probe Google credentials and the GCE metadata server (community names have a namespace,
+    # 'ns:name', so they cannot clash with a plain NAME anyway)
     if (name in dataspec.NUM_CLASSES or name in dataspec.EVAL_ONLY_TFDS
-            or name in tfds.list_builders()):
+            or name in tfds.list_builders(with_community_datasets=False)):
         raise PrepareError(f"--name={name!r} is a dataset of tfds's catalog or of this project; "
                            f"choose another name (e.g. my_{name}) so the two cannot be confused")
 
@@ -137,13 +146,47 @@ def parse_source(src: str, fmt: str | None, val_fraction: float, seed: int
     parsed.splits = dict(sorted(parsed.splits.items(), key=lambda kv: kv[0] != "train"))
     held = None
     if single and val_fraction > 0:
+        pool = parsed.splits["train"]
         parsed.splits["train"], parsed.splits["validation"] = formats.hold_out(
-            parsed.splits["train"], val_fraction, seed)
+            pool, val_fraction, seed)
         held = dict(split="validation", fraction=val_fraction, seed=seed)
         if not len(parsed.splits["validation"].labels):
-            raise PrepareError(f"{src}: --val_fraction={val_fraction} holds out no example (too "
-                               f"few per class); raise it, or pass 0 to write only 'train'")
+            raise PrepareError(_nothing_held_out(src, pool, parsed.classes, val_fraction))
     return fmt, parsed, held
+
+
+def _nothing_held_out(src: str, pool: formats.Split, classes: Sequence[str],
+                      fraction: float) -> str:
+    """Names the classes and their sizes: each holds out round(fraction * n), which is 0 here."""
+    counts = np.bincount(pool.labels, minlength=len(classes))
+    sizes = ", ".join(f"{c!r} {n}" for c, n in sorted(zip(classes, counts.tolist()),
+                                                       key=lambda cn: cn[1])[:5])
+    smallest = int(counts.min())
+    # round() halves to even (round(0.5) == 0): one image of every class needs f * n > 0.5
+    one_each = (f"--val_fraction={math.floor(50 / smallest) / 100 + 0.01:.2f} (one image of each "
+                "class) or more, or " if smallest > 1 else "")
+    return (f"{src}: --val_fraction={fraction:g} holds out no example: each class holds out "
+            f"round({fraction:g} x its images), which is 0 for every class (images per class: "
+            f"{sizes}{', ...' if len(classes) > 5 else ''}); pass {one_each}--val_fraction=0 to "
+            f"write only 'train'")
+
+
+def _check_classes(writers: dict[str, Any], classes: Sequence[str], source: str) -> None:
+    """A class left with no readable train image (all its files skipped) cannot be learned and
+    its label would never be seen: refused like an empty class folder (docs/data.md)."""
+    w = writers.get("train")
+    if w is None:
+        return
+    empty = [i for i, n in enumerate(w.per_class) if n == 0]
+    if empty:
+        i = empty[0]
+        example = w.first_skipped.get(i)
+        raise PrepareError(
+            f"{source}: class {classes[i]!r} has no readable train image ("
+            f"{int(w.skipped_per_class[i])} file(s) skipped" + (f", e.g. {example}" if example
+                                                                 else "") + ")"
+            + (f"; also {', '.join(repr(classes[j]) for j in empty[1:4])}" if len(empty) > 1
+               else "") + "; replace the files or remove the class folder")
 
 
 def eval_split_of(splits: Sequence[str]) -> str | None:
@@ -190,6 +233,11 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
                            f"({len(w.skipped)} skipped, e.g. {w.skipped[:1]})") from None
     finally:
         absl_logger.setLevel(level)
+    try:
+        _check_classes(writers, parsed.classes, extra["source"])
+    except PrepareError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     info = dict(extra, classes=parsed.classes, splits={s: w.info() for s, w in writers.items()},
                 eval_split=eval_split_of(list(writers)), stats=stats.result(),
                 ignored=parsed.ignored)
@@ -220,8 +268,9 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float) -> s
                 f"{sp['max_size'][1]} (HxW)" if sp["min_size"] else "no images")
         lines.append(f"  {s}: {sp['examples']} examples ({per}); sizes {size}")
         empty = [c for c, n in zip(classes, sp["per_class"]) if n == 0]
-        if empty and s == "train":
-            lines.append(f"  warning: classes with no train images: {', '.join(empty)}")
+        if empty and s != "train":  # (train: refused by _check_classes)
+            lines.append(f"  note: classes with no {s} image (not evaluated): "
+                         f"{', '.join(empty[:8])}{' ...' if len(empty) > 8 else ''}")
         if sp["skipped"]:
             lines.append(f"  {s}: skipped {len(sp['skipped'])} unreadable file(s):")
             lines += [f"    {x}" for x in sp["skipped"]]
@@ -233,9 +282,13 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float) -> s
         lines.append(f"  held out {h['fraction']:g} of each class as '{h['split']}' (seed {h['seed']})")
     st = info["stats"]
     lines.append(f"  train per-channel mean {st['mean']}, std {st['std']} (data.normalize=zscore)")
-    lines.append(f"  eval split: {info['eval_split']}")
+    # No held-out split (--val_fraction=0): the command evaluates on train, so that it runs.
+    eval_flag = "" if info["eval_split"] else " --config.data.eval_split=train"
+    lines.append(f"  eval split: {info['eval_split']}" if info["eval_split"] else
+                 "  eval split: none (--val_fraction=0): the command below evaluates on 'train', "
+                 "which measures fit, not accuracy on new images")
     lines.append(f"train: python main.py --config={suggested_config(info)} --config.data.name={name} "
-                 f"--config.data.data_dir={data_dir} --workdir=runs/{name}")
+                 f"--config.data.data_dir={data_dir}{eval_flag} --workdir=runs/{name}")
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,12 @@ import numpy as np
 from normvit_jax.data import transforms
 
 _LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
+# One tf.function per (geometry, examples, workers) for the whole process, traced once under a
+# lock before its first call: the batches in flight (sources.JpegSource: 4 threads) called it at
+# once, each saw the tracing count change while the first call traced, and TF's frequent-tracing
+# detector printed its "retracing" warning on every training run (tracing happened only once).
+_FNS: dict[Any, Any] = {}
+_FNS_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,12 +162,17 @@ class BatchDecoder:
 
     def __init__(self, workers: int):
         self.workers = max(1, int(workers))
-        self._fns: dict[Any, Any] = {}
 
     def _fn(self, geo: Any, examples: bool) -> Any:
-        fn = self._fns.get((geo, examples))
-        if fn is not None:
-            return fn
+        key = (geo, examples, self.workers)
+        with _FNS_LOCK:
+            if key not in _FNS:
+                fn = self._make_fn(geo, examples)
+                fn.get_concrete_function()  # the one trace, by its input signature
+                _FNS[key] = fn
+            return _FNS[key]
+
+    def _make_fn(self, geo: Any, examples: bool) -> Any:
         tf = _tf()
         options = tf.data.Options()
         options.threading.private_threadpool_size = self.workers
@@ -181,7 +193,6 @@ class BatchDecoder:
                         deterministic=True)
             return ds.batch(tf.shape(encoded, out_type=tf.int64)[0]).get_single_element(), labels
 
-        self._fns[(geo, examples)] = fn
         return fn
 
     def __call__(self, encoded: list[bytes], u: np.ndarray | None, geo: Any,

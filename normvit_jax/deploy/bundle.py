@@ -1,8 +1,8 @@
 """What an artifact is made of: a run's model, weights, input affine, eval geometry and class
 names (``Bundle``), and the serving function every format converts (``serving_fn``).
 
-``load`` is the only place the deploy code reads a checkpoint: when the project gets one shared
-restore path, this is the call to switch.
+``load`` is the only place the deploy code reads a checkpoint, through the project's one restore
+path (``checkpoints.restore_numpy``, as predict, reparam and export --format=npz).
 """
 from __future__ import annotations
 
@@ -30,22 +30,23 @@ class Bundle:
 
 
 def _checkpoint(workdir: str, step: int | None) -> tuple[dict, Any, int]:
-    """(variables, config, step) of a run's checkpoint (the newest when ``step`` is None)."""
+    """(variables, config, step) of a run's checkpoint through the project's one restore path
+    (``checkpoints.restore_numpy``): with ``step`` None the newest that restores, a damaged newer
+    one named in a warning; the step is the one actually restored."""
     from normvit_jax import checkpoints
-    variables, config = checkpoints.load_variables(workdir, step)
-    if step is None:
-        steps = checkpoints.complete_steps(workdir)
-        step = max(steps) if steps else -1
-    return variables, config, int(step)
+    restored, config = checkpoints.restore_numpy(workdir, step)
+    return checkpoints.variables_of(restored.state), config, int(restored.step)
 
 
 def eval_preprocess(data: Any) -> dict:
-    """The eval pipeline's geometry (``predict.eval_geometry``) as plain JSON values."""
+    """The eval pipeline's geometry (``predict.eval_geometry``) as plain JSON values; a key an
+    older run's config.json lacks is configs/default.py's (``dataspec.setting``)."""
+    from normvit_jax.data.dataspec import setting
     return {"image_size": int(data.image_size),
-            "eval_crop_fraction": float(data.get("eval_crop_fraction", 1.0)),
-            "eval_resize_small": int(data.get("eval_resize_small", 0) or 0),
-            "interpolation": str(data.get("interpolation", "bilinear")),
-            "antialias": bool(data.get("antialias", True))}
+            "eval_crop_fraction": float(setting(data, "eval_crop_fraction")),
+            "eval_resize_small": int(setting(data, "eval_resize_small") or 0),
+            "interpolation": str(setting(data, "interpolation")),
+            "antialias": bool(setting(data, "antialias"))}
 
 
 def load(workdir: str, *, step: int | None = None, folded: str | None = None,

@@ -58,14 +58,14 @@ def to_input(rgb: np.ndarray, pre: dict) -> np.ndarray:
     """uint8 (H, W, 3) -> uint8 (image_size, image_size, 3) by the eval geometry ``pre`` (the
     artifact metadata's ``preprocess``). Crops before converting to float (large photos)."""
     size = int(pre["image_size"])
-    interp = transforms.pick_interpolation(str(pre.get("interpolation", "bilinear")), None)
-    small = int(pre.get("eval_resize_small", 0) or 0)
+    interp = transforms.pick_interpolation(str(pre["interpolation"]), None)
+    small = int(pre["eval_resize_small"])
     if not small:
         left, top, right, bottom = transforms.central_box(rgb.shape[0], rgb.shape[1],
-                                                          float(pre.get("eval_crop_fraction", 1)))
+                                                          float(pre["eval_crop_fraction"]))
         rgb = rgb[top:bottom, left:right]
     x = rgb[None].astype(np.float32) / np.float32(255.0)
     x = transforms.array_to_size(x, size, None, rrc=False, min_area=1.0, fraction=1.0,
-                                 antialias=bool(pre.get("antialias", True)),
+                                 antialias=bool(pre["antialias"]),
                                  interpolation=interp, resize_small=small)
     return np.clip(np.rint(x[0] * 255.0), 0, 255).astype(np.uint8)

@@ -29,11 +29,16 @@ def spec_of(config: Any, num_classes: int | None = None, *, dtype: Any = None,
         return dataclasses.replace(config, **changes) if changes else config
     if hasattr(config, "model") and hasattr(config, "data"):  # a whole run config
         config = config.model
-    name = (config.get("name") if hasattr(config, "get") else None) or "vit"
+    return spec_class(config).from_config(
+        config, num_classes, dtype=jnp.float32 if dtype is None else dtype, remat=bool(remat))
+
+
+def spec_class(model_config: Any) -> type:
+    """The spec class of ``config.model``'s family (``name``; none given: 'vit')."""
+    name = (model_config.get("name") if hasattr(model_config, "get") else None) or "vit"
     if name not in FAMILIES:
         raise ValueError(f"model.name={name!r} is not known; accepted: {sorted(FAMILIES)}")
-    return FAMILIES[name].spec_class.from_config(
-        config, num_classes, dtype=jnp.float32 if dtype is None else dtype, remat=bool(remat))
+    return FAMILIES[name].spec_class
 
 
 def create(config: Any, num_classes: int | None = None, *, dtype: Any = None,

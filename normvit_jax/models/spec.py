@@ -37,6 +37,7 @@ _CHOICES = (("classifier", CLASSIFIERS), ("posemb", POSEMBS), ("norm_placement",
             ("param_init", PARAM_INITS))
 
 DEFAULT_NORM = FrozenDict(norms.DEFAULT)  # the norm of a slot nothing else names
+MLP_RATIO = 4.0  # mlp_dim = MLP_RATIO * hidden_size where neither is set (configs/default.py's)
 # Norm slots, by module name. In a block: pre/post use the first two, sandwich all four.
 BLOCK_SLOTS = ("LayerNorm_0", "LayerNorm_2", "PostNorm_attn", "PostNorm_mlp")
 FINAL_SLOT = "encoder_norm"
@@ -128,19 +129,34 @@ class ViTSpec:
         """The spec of ``config.model`` (a ConfigDict or mapping); keys the ViT does not read
         (``name``, ``mlp_ratio``) are consumed here. Raises a ValueError naming the key, its value
         and the accepted values for anything unknown."""
-        cfg = dict(model_config.to_dict() if hasattr(model_config, "to_dict") else model_config)
-        if cfg.get("name", cls.family) != cls.family:
+        cfg = cls.resolve_partial(model_config)
+        if cfg["name"] != cls.family:
             raise ValueError(f"model.name={cfg['name']!r} is not known; accepted: [{cls.family!r}]")
         cls._fill_sizes(cfg)
         _absolute_blocks(cfg)
         fields = {f.name for f in dataclasses.fields(cls) if f.init}
         kw = {k: v for k, v in cfg.items() if k in fields and v is not None}
-        kw["norm"] = _freeze(cfg.get("norm") or DEFAULT_NORM)
+        kw["norm"] = _freeze(cfg["norm"])
         kw["norm_overrides"] = tuple(sorted(
-            (str(k), _freeze(v)) for k, v in (cfg.get("norm_overrides") or {}).items()))
-        kw["cls_token_at_block"] = cfg.get("cls_token_at_block") or 0
+            (str(k), _freeze(v)) for k, v in cfg["norm_overrides"].items()))
         kw.update(num_classes=num_classes, dtype=dtype, remat=remat)
         return cls(**kw)
+
+    @classmethod
+    def resolve_partial(cls, model_config: Any) -> dict[str, Any]:
+        """``config.model`` (a ConfigDict, or a partial mapping: tests, an older run's
+        config.json) as a plain dict with every key the resolution reads, once: a key left out
+        or None takes the family's default (the dataclass field's, or configs/default.py's
+        ``mlp_ratio``), so nothing downstream restates a default."""
+        cfg = dict(model_config.to_dict() if hasattr(model_config, "to_dict") else model_config)
+        given = {k: v for k, v in cfg.items() if v is not None}
+        fields = {f.name: f.default for f in dataclasses.fields(cls)
+                  if f.init and f.default is not dataclasses.MISSING}
+        defaults = {**fields, "name": cls.family, "norm": DEFAULT_NORM, "norm_overrides": {},
+                    "mlp_ratio": MLP_RATIO}
+        sizes = dict.fromkeys(("variant", "hidden_size", "depth", "num_heads", "mlp_dim",
+                               "patch_size"))
+        return {**sizes, **cfg, **defaults, **given}
 
     @classmethod
     def _fill_sizes(cls, cfg: dict[str, Any]) -> None:
@@ -228,7 +244,7 @@ class ViTSpec:
 def _apply_variant(cfg: dict[str, Any]) -> None:
     """Fills hidden_size/depth/num_heads/mlp_dim/patch_size from 'Ti/16'-style ``variant`` where
     not set: explicit fields win over the preset."""
-    variant = cfg.get("variant")
+    variant = cfg["variant"]
     if variant:
         try:
             size, patch = str(variant).split("/")
@@ -241,7 +257,7 @@ def _apply_variant(cfg: dict[str, Any]) -> None:
             ) from None
         preset = dict(hidden_size=hidden, depth=depth, num_heads=heads, mlp_dim=mlp, patch_size=patch)
         for k, v in preset.items():
-            if cfg.get(k) is None:
+            if cfg[k] is None:
                 cfg[k] = v
 
 
@@ -249,10 +265,10 @@ def complete_sizes(cfg: dict[str, Any]) -> None:
     """Checks the sizes (set or filled from a variant), derives mlp_dim from mlp_ratio where
     unset, and checks every choice by name."""
     for k in ("hidden_size", "depth", "num_heads", "patch_size"):
-        if not cfg.get(k):
+        if not cfg[k]:
             raise ValueError(f"model.{k} is not set and no model.variant gives it")
-    if cfg.get("mlp_dim") is None:
-        cfg["mlp_dim"] = int(cfg["hidden_size"] * cfg.get("mlp_ratio", 4.0))
+    if cfg["mlp_dim"] is None:
+        cfg["mlp_dim"] = int(cfg["hidden_size"] * cfg["mlp_ratio"])
     width = cfg["hidden_size"]
     if width % cfg["num_heads"]:
         raise ValueError(f"model.num_heads={cfg['num_heads']} does not divide model.hidden_size="
@@ -268,13 +284,13 @@ def _absolute_blocks(cfg: dict[str, Any]) -> None:
     ``cls_token_at_block`` is depth + value; a ``last_K`` override key is
     ``blocks_<depth-K>_<depth>``."""
     depth = int(cfg["depth"])
-    at = cfg.get("cls_token_at_block") or 0
+    at = cfg["cls_token_at_block"]
     if at < 0:
         if depth + at < 1:
             raise ValueError(f"model.cls_token_at_block={at} with depth={depth} is not accepted; "
                              f"accepted: 0, 1..depth, or -1..-{depth - 1} (counted from the end)")
         cfg["cls_token_at_block"] = depth + at
-    overrides = cfg.get("norm_overrides")
+    overrides = cfg["norm_overrides"]
     if overrides and any(str(k).startswith("last_") for k in overrides):
         out = {}
         for key, value in overrides.items():

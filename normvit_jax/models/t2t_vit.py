@@ -159,7 +159,7 @@ class T2TViTSpec(ViTSpec):
 
     @classmethod
     def _fill_sizes(cls, cfg: dict[str, Any]) -> None:
-        variant = cfg.get("variant")
+        variant = cfg["variant"]
         if variant:
             if variant not in T2T_VARIANTS:
                 raise ValueError(f"model.variant={variant!r} is not a T2T-ViT preset; accepted: "
@@ -168,9 +168,9 @@ class T2TViTSpec(ViTSpec):
             preset = dict(hidden_size=hidden, depth=depth, num_heads=heads,
                           mlp_dim=int(hidden * ratio), patch_size=16)
             for k, v in preset.items():
-                if cfg.get(k) is None:
+                if cfg[k] is None:
                     cfg[k] = v
-        if cfg.get("patch_size") is None:
+        if cfg["patch_size"] is None:
             cfg["patch_size"] = 16
         complete_sizes(cfg)
 

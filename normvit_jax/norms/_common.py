@@ -99,9 +99,11 @@ def updating(module: Any, train: bool) -> bool:
     return train and not module.is_initializing()
 
 
-def channel_affine(module: Any, y: jax.Array) -> jax.Array:
+def channel_affine(module: Any, y: jax.Array, scale: bool = True, bias: bool = True) -> jax.Array:
     """y * scale + bias with per-channel float32 parameters 'scale' (ones) and 'bias' (zeros),
-    created in ``module`` (called from its compact ``__call__``); the part that folds."""
+    created in ``module`` (called from its compact ``__call__``); the part that folds. Either
+    can be left out (LayerNorm's and RMSNorm's ``use_scale``/``use_bias``)."""
     c = y.shape[-1]
-    y = y * module.param("scale", nn.initializers.ones, (c,), jnp.float32)
-    return y + module.param("bias", nn.initializers.zeros, (c,), jnp.float32)
+    if scale:
+        y = y * module.param("scale", nn.initializers.ones, (c,), jnp.float32)
+    return y + module.param("bias", nn.initializers.zeros, (c,), jnp.float32) if bias else y

@@ -7,6 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from normvit_jax.norms._common import channel_affine
+
 
 class RMSNorm(nn.Module):
     """y = scale * x / sqrt(mean_C(x^2) + eps); no centring, no bias unless asked."""
@@ -17,14 +19,9 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        c = x.shape[-1]
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
-        if self.use_scale:
-            y = y * self.param("scale", nn.initializers.ones, (c,), jnp.float32)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
-        return y.astype(x.dtype)
+        return channel_affine(self, y, self.use_scale, self.use_bias).astype(x.dtype)
 
 
 class ScaleNorm(nn.Module):

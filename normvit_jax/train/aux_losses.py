@@ -81,7 +81,7 @@ class ExtraLoss:
     def from_config(cls, config: Any) -> "ExtraLoss | None":
         """None when feature decay is off (the default): the train step is then unchanged."""
         config_ranges.check_extra_losses(config)
-        if not config.get("feature_decay", 0.0):
+        if not config.feature_decay:
             return None
         return cls(float(config.feature_decay), float(config.feature_decay_threshold),
                    float(config.attn_extra_loss), int(config.attn_extra_loss_layers))

@@ -19,10 +19,10 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 from jax.sharding import Mesh
 
-from normvit_jax import checkpoints, data, preemption, run_config, sharding, summaries
+from normvit_jax import checkpoints, data, run_config, sharding, summaries
 from normvit_jax.train import ema, guards
 from normvit_jax.train import optimizer as optim
-from normvit_jax.train import policy, progress, setup
+from normvit_jax.train import progress, setup
 from normvit_jax.train.evaluator import Evaluator
 from normvit_jax.train.state import TrainState
 
@@ -66,9 +66,9 @@ def total_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
 
 
 def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.RunSpec,
-              mesh: Mesh, sigterm: preemption.SigtermFlag) -> Run:
-    """The run in ``workdir`` (restored if it holds a checkpoint). Raises PreemptedError if a
-    SIGTERM arrived while starting up (nothing new to save)."""
+              mesh: Mesh) -> Run:
+    """The run in ``workdir`` (restored if it holds a checkpoint). A signal while it is built
+    stops the process at once (preemption.py: nothing new to save)."""
     ds = run_spec.data
     train_data = data.make_pipeline(config, "train", ds)
     eval_data = data.make_pipeline(config, "eval", ds)
@@ -92,11 +92,6 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
                                      image_shape=train_data.image_shape)
     start = _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_data,
                    metrics_like)
-    if sigterm.received and not preemption.multi_process():  # SIGTERM/Ctrl-C while starting up
-        saver.mngr.close()
-        raise policy.PreemptedError(
-            f"interrupted before the first step; nothing new to save (newest checkpoint: "
-            f"{saver.describe()}); rerun the same command to resume")
     writer, analysis_writer = _writers(workdir)
     # Marks where this segment of the run starts: readers drop older points after it (summaries.py).
     writer.write_scalars(start.step, {summaries.SEGMENT_TAG: start.step})

@@ -41,5 +41,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             sharding.sync_hosts("normvit_workdir_ready")  # process 0 has moved/written what it must
             logs.import_tensorflow_once()  # CLU's writers need it; its start-up banner once
             from normvit_jax.train import build, trainer  # pylint: disable=import-outside-toplevel
-            run = build.build_run(config, workdir, run_spec, mesh, sigterm)
+            run = build.build_run(config, workdir, run_spec, mesh)
             return trainer.train(run, StepPolicy.from_config(config, run.n_steps, stop_at), sigterm)

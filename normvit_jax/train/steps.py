@@ -122,44 +122,63 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
             loss, acc, grads, new_bs, sched = loss_and_grads(state.params, state.batch_stats,
                                                              images, labels, rng, state.step)
         else:
-            k = grad_accum_steps
-            split = lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:])
-
-            def micro(carry, xs):
-                g_sum, bs, loss_sum, acc_sum = carry
-                i, im, lb = xs
-                loss, acc, g, bs, sched = loss_and_grads(state.params, bs, im, lb,
-                                                         jax.random.fold_in(rng, i), state.step)
-                return (jax.tree.map(jnp.add, g_sum, g), bs, loss_sum + loss, acc_sum + acc), sched
-
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            (g_sum, new_bs, loss_sum, acc_sum), sched = jax.lax.scan(
-                micro, (zeros, state.batch_stats, 0.0, 0.0),
-                (jnp.arange(k), split(images), split(labels)))
-            grads = jax.tree.map(lambda g: g / k, g_sum)
-            loss, acc = loss_sum / k, acc_sum / k
-        grad_norm = optax.tree.norm(grads)
-        # batch_stats: for the EMA of the norm statistics (train/ema.py); other parts ignore it
-        updates, opt_state = optax.with_extra_args_support(tx).update(
-            grads, state.opt_state, state.params, batch_stats=new_bs)
-        params = optax.apply_updates(state.params, updates)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                                  batch_stats=new_bs,
-                                  nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1))
-        if skip_nonfinite:  # keep the previous weights, optimizer and norm state; count the skip
-            kept = state.replace(step=state.step + 1, nonfinite_streak=new_state.nonfinite_streak)
-            new_state = _tree_where(finite, new_state, kept)
-        outputs = dict(loss=loss, accuracy=acc, grad_norm=grad_norm,
-                       learning_rate=lr_schedule(state.step), skipped=(~finite).astype(jnp.float32))
-        weights = jax.tree.leaves(sched)
-        if weights:  # the same step for every micro-batch: any micro-batch's values will do
-            outputs["norm_n1_weight"] = jnp.mean(jnp.stack([jnp.mean(w) for w in weights]))
-            return new_state, ScheduledTrainMetrics.single_from_model_output(**outputs)
-        metrics = TrainMetrics.single_from_model_output(**outputs)
-        return new_state, metrics
+            loss, acc, grads, new_bs, sched = _accumulate(loss_and_grads, state, images, labels,
+                                                          rng, grad_accum_steps)
+        new_state, grad_norm, finite = _update(state, tx, grads, new_bs, loss, skip_nonfinite)
+        return new_state, _metrics(sched, loss=loss, accuracy=acc, grad_norm=grad_norm,
+                                   learning_rate=lr_schedule(state.step),
+                                   skipped=(~finite).astype(jnp.float32))
 
     return train_step
+
+
+def _accumulate(loss_and_grads: Callable, state: TrainState, images: jax.Array, labels: jax.Array,
+                rng: jax.Array, k: int) -> tuple:
+    """``loss_and_grads`` over k micro-batches in sequence (memory of one): gradients, loss and
+    accuracy averaged; the norm state flows through them in order."""
+    split = lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:])  # noqa: E731
+
+    def micro(carry, xs):
+        g_sum, bs, loss_sum, acc_sum = carry
+        i, im, lb = xs
+        loss, acc, g, bs, sched = loss_and_grads(state.params, bs, im, lb,
+                                                 jax.random.fold_in(rng, i), state.step)
+        return (jax.tree.map(jnp.add, g_sum, g), bs, loss_sum + loss, acc_sum + acc), sched
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (g_sum, new_bs, loss_sum, acc_sum), sched = jax.lax.scan(
+        micro, (zeros, state.batch_stats, 0.0, 0.0), (jnp.arange(k), split(images), split(labels)))
+    return loss_sum / k, acc_sum / k, jax.tree.map(lambda g: g / k, g_sum), new_bs, sched
+
+
+def _update(state: TrainState, tx: optax.GradientTransformation, grads: Any, new_bs: Any,
+            loss: jax.Array, skip_nonfinite: bool) -> tuple[TrainState, jax.Array, jax.Array]:
+    """(the state after the optimizer step, the gradient norm, whether loss and norm are
+    finite); with ``skip_nonfinite`` a non-finite step keeps the weights, optimizer and norm
+    state and only counts itself."""
+    grad_norm = optax.tree.norm(grads)
+    # batch_stats: for the EMA of the norm statistics (train/ema.py); other parts ignore it
+    updates, opt_state = optax.with_extra_args_support(tx).update(
+        grads, state.opt_state, state.params, batch_stats=new_bs)
+    params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              batch_stats=new_bs,
+                              nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1))
+    if skip_nonfinite:
+        kept = state.replace(step=state.step + 1, nonfinite_streak=new_state.nonfinite_streak)
+        new_state = _tree_where(finite, new_state, kept)
+    return new_state, grad_norm, finite
+
+
+def _metrics(sched: Any, **outputs: jax.Array) -> Any:
+    """The step's metrics; with step-scheduled norms (what they sowed in ``sched``) also N1's
+    weight, the same for every micro-batch, so any micro-batch's values will do."""
+    weights = jax.tree.leaves(sched)
+    if weights:
+        outputs["norm_n1_weight"] = jnp.mean(jnp.stack([jnp.mean(w) for w in weights]))
+        return ScheduledTrainMetrics.single_from_model_output(**outputs)
+    return TrainMetrics.single_from_model_output(**outputs)
 
 
 def make_eval_step(model: nn.Module, input_affine: tuple[Any, Any] | None = None,

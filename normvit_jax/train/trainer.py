@@ -51,6 +51,8 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
                 batch = sharding.to_global(next(batches), run.mesh) if first is None else first
                 first = None
                 run.state, m = run.train_step(run.state, batch)
+                if step == run.start_step:  # compiled and run: a signal now ends in a checkpoint
+                    sigterm.started()
                 step += 1
                 run.window.add(step, m)
                 run.report(step)

@@ -1,0 +1,175 @@
+"""Issue 35, items 2, 3 and 7: every tool that reads a checkpoint restores through one path
+(checkpoints.first_restorable), so a damaged newest checkpoint (a truncated data file, a truncated
+_METADATA) is one warning naming the step and the file and the previous step is used; every tool
+exits with the codes of docs/faults.md's table (no checkpoint: 2; none restores: 4); reparam names
+each slot's norm and export says what the .npz leaves out.
+
+One tiny RepBN run (checkpoints at steps 3 and 6; RepBN keeps running statistics and folds) is
+shared by the module; each tool runs as the user types it, in a subprocess."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from normvit_jax import checkpoints, cli, predict, recalibrate, reparam
+from normvit_jax.analysis import attention
+from normvit_jax.train import loop
+from tests.conftest import REPO_ROOT, tiny_demo_config
+
+DAMAGED = r"Checkpoint at step 6 in \S+ is damaged \((.+)\); using step 3 instead\."
+
+
+def _command(tool: str, wd: str, out: str) -> list[str]:
+    """The command of each tool that reads a checkpoint (main.py's eval included)."""
+    return {
+        "predict": ["-m", "normvit_jax.predict", f"--workdir={wd}", f"--images={out}/img.png"],
+        "reparam": ["-m", "normvit_jax.reparam", f"--workdir={wd}", "--batch=2", "--reps=1"],
+        "export": ["-m", "normvit_jax.export", f"--workdir={wd}", f"--out={out}/m.npz"],
+        "attention": ["-m", "normvit_jax.analysis.attention", f"--workdir={wd}",
+                      f"--out={out}/att", "--images=1", "--stat_images=2"],
+        "recalibrate": ["-m", "normvit_jax.recalibrate", f"--workdir={wd}", f"--out={out}/rec",
+                        "--batches=1"],
+        "eval": ["main.py", "--mode=eval", f"--workdir={wd}"],
+    }[tool]
+
+
+def _run(tool: str, wd: str, out) -> subprocess.CompletedProcess:
+    os.makedirs(out, exist_ok=True)
+    Image.fromarray(np.full((8, 8, 3), 128, np.uint8)).save(os.path.join(out, "img.png"))
+    return subprocess.run([sys.executable, *_command(tool, wd, str(out))], cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> str:
+    wd = str(tmp_path_factory.mktemp("repbn") / "run")
+    cfg = tiny_demo_config(total_steps=6, checkpoint_every=3, eval_every=6, **{"model.depth": 1})
+    cfg.model.norm = {"name": "repbn"}
+    loop.train_and_evaluate(cfg, wd)
+    assert checkpoints.complete_steps(wd) == [3, 6]
+    return wd
+
+
+def _copy(run: str, dest) -> str:
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns(".lock"))
+    return str(dest)
+
+
+def _truncate_data(step_dir: str) -> None:
+    """The largest OCDBT data file cut in half, as a write cut short would leave it."""
+    files = [p for p in glob.glob(os.path.join(step_dir, "**", "d", "*"), recursive=True)
+             if os.path.isfile(p)]
+    victim = max(files, key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+
+
+def _truncate_metadata(step_dir: str) -> str:
+    path = os.path.join(step_dir, "state", "_METADATA")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    return path
+
+
+@pytest.mark.parametrize("tool", ["predict", "reparam", "export", "attention", "recalibrate"])
+def test_each_tool_skips_a_damaged_newest_checkpoint_with_one_warning(run, tmp_path, tool):
+    wd = _copy(run, tmp_path / "wd")
+    _truncate_data(os.path.join(wd, "checkpoints", "6"))
+    r = _run(tool, wd, tmp_path / "out")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "Traceback" not in out
+    hits = [line for line in out.splitlines() if re.search(DAMAGED, line)]
+    assert len(hits) == 1, out[-3000:]
+    assert f"{wd}/checkpoints/6/state" in hits[0]  # the file that failed, under the step
+    assert checkpoints.complete_steps(wd) == [3, 6]  # read-only: nothing moved
+    if tool == "export":  # item 7: what the .npz leaves out and which format keeps it
+        note = [line for line in out.splitlines() if "running-statistics arrays" in line]
+        assert len(note) == 1 and "normvit_jax.reparam" in note[0] and "left out" in note[0]
+        exported = np.load(tmp_path / "out" / "m.npz")
+        step3, _ = checkpoints.load_params(wd, 3)
+        np.testing.assert_array_equal(exported["head/kernel"], step3["head"]["kernel"])
+    if tool == "reparam":  # item 7: the slots by the norm they hold
+        assert "folded repbn (before attention) at Transformer/encoderblock_0/LayerNorm_0" in out
+        assert "folded repbn (final norm) at Transformer/encoder_norm" in out
+
+
+def test_a_truncated_metadata_file_is_named_and_skipped(run, tmp_path):
+    wd = _copy(run, tmp_path / "wd")
+    path = _truncate_metadata(os.path.join(wd, "checkpoints", "6"))
+    restored, _ = checkpoints.restore_numpy(wd)
+    assert restored.step == 3 and restored.damaged[0][0] == 6
+    assert path in restored.damaged[0][1] and "JSONDecodeError" in restored.damaged[0][1]
+    r = _run("predict", wd, tmp_path / "out")  # the command of the report: exit 2 before
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    hits = [line for line in r.stderr.splitlines() if re.search(DAMAGED, line)]
+    assert len(hits) == 1 and path in hits[0], r.stderr[-3000:]
+    with pytest.raises(checkpoints.CheckpointMismatchError, match=r"step 6: .*_METADATA"):
+        checkpoints.restore_numpy(wd, 6)  # the step asked for: no fallback, exit 4
+
+
+@pytest.mark.parametrize("tool", ["predict", "reparam", "export", "attention", "recalibrate",
+                                  "eval"])
+def test_no_checkpoint_exits_2_in_one_line_from_every_tool(run, tmp_path, tool):
+    """docs/faults.md: a workdir with config.json but no checkpoint is the same code everywhere."""
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    shutil.copy(os.path.join(run, "config.json"), wd / "config.json")
+    r = _run(tool, str(wd), tmp_path / "out")
+    assert r.returncode == cli.EXIT_CONFIG, (tool, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if "no checkpoint in" in line]
+    assert len(lines) == 1 and "the run has not saved one yet" in lines[0], r.stderr[-3000:]
+
+
+def test_no_checkpoint_that_restores_exits_4_from_every_tool(run, tmp_path, capsys):
+    wd = _copy(run, tmp_path / "wd")
+    for step in (3, 6):
+        _truncate_data(os.path.join(wd, "checkpoints", str(step)))
+    calls = {  # the tools' own main functions, in this process (the subprocess path is above)
+        "predict": lambda: predict.main([f"--workdir={wd}", f"--images={tmp_path}"]),
+        "reparam": lambda: reparam.main([f"--workdir={wd}"]),
+        "attention": lambda: attention.main([f"--workdir={wd}", f"--out={tmp_path}/a"]),
+        "recalibrate": lambda: recalibrate.main([f"--workdir={wd}", f"--out={tmp_path}/r"]),
+    }
+    for tool, call in calls.items():
+        with pytest.raises(SystemExit) as e:
+            call()
+        assert e.value.code == cli.EXIT_CHECKPOINT, tool
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.search(r"error: no checkpoint in \S+ restores: step 6: .*; "
+                                           r"step 3: .*Nothing was moved or deleted\.$", err[0]), err
+    assert checkpoints.complete_steps(wd) == [3, 6]
+
+
+def test_main_py_with_an_extra_argument_is_one_line_exit_2():
+    r = subprocess.run([sys.executable, "main.py", "--config=configs/vit_ln.py:demo",
+                        "--workdir=runs/x", "extra"], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert r.returncode == cli.EXIT_CONFIG, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines == ["error: unexpected arguments ['extra']: main.py takes only flags "
+                     "(--config=..., --workdir=..., --config.KEY=VALUE; --help lists them)"]
+    assert not os.path.exists(os.path.join(REPO_ROOT, "runs", "x"))
+
+
+def test_one_exit_code_table_in_the_docs_and_the_readme():
+    """docs/faults.md's table is the README's, and its codes are cli's."""
+    def table(path: str) -> str:
+        with open(os.path.join(REPO_ROOT, path)) as f:
+            return f.read().split("<!-- exit-codes:begin -->")[1].split("<!-- exit-codes:end -->")[0]
+    doc = table("docs/faults.md")
+    assert doc == table("README.md")
+    codes = [int(line.split("|")[1]) for line in doc.strip().splitlines()[2:]]
+    assert codes == sorted({0, 1, cli.EXIT_CONFIG, cli.EXIT_NONFINITE, cli.EXIT_CHECKPOINT,
+                            cli.EXIT_WORKDIR, cli.EXIT_BUSY, cli.EXIT_DISTRIBUTED,
+                            cli.EXIT_PREEMPTED, cli.EXIT_INTERRUPTED})
