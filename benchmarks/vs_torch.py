@@ -39,9 +39,14 @@ INSTALL_HINT = ("benchmarks.vs_torch needs PyTorch and timm: pip install -e '.[t
 
 
 def import_torch_timm() -> tuple[Any, Any]:
-    """torch and timm, or SystemExit with the install line. A CPU torch next to the CUDA-only
+    """torch and timm, or SystemExit with the install line (or, when TensorFlow is already
+    loaded, with why this must be a process of its own). A CPU torch next to the CUDA-only
     torchvision build in the registry fails timm's import ('operator torchvision::nms does not
     exist'); declaring the missing operator names lets timm's model code load."""
+    if "tensorflow" in sys.modules:  # torchvision's import segfaults after TensorFlow 2.21's
+        raise SystemExit("benchmarks.vs_torch: TensorFlow is already imported in this process and "
+                         "torchvision (timm) crashes when imported after it; run python -m "
+                         "benchmarks.vs_torch in its own process")
     try:
         import torch
     except ImportError:
