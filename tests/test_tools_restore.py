@@ -173,3 +173,17 @@ def test_one_exit_code_table_in_the_docs_and_the_readme():
     assert codes == sorted({0, 1, cli.EXIT_CONFIG, cli.EXIT_NONFINITE, cli.EXIT_CHECKPOINT,
                             cli.EXIT_WORKDIR, cli.EXIT_BUSY, cli.EXIT_DISTRIBUTED,
                             cli.EXIT_PREEMPTED, cli.EXIT_INTERRUPTED})
+
+
+def test_the_deploy_bundle_reads_through_the_same_path(run, tmp_path):
+    """export --format=onnx|savedmodel|stablehlo reads the run by deploy.bundle.load: a damaged
+    newest step is skipped as by the other tools and the bundle names the step it used."""
+    from normvit_jax.deploy import bundle
+    wd = _copy(run, tmp_path / "wd")
+    _truncate_data(os.path.join(wd, "checkpoints", "6"))
+    b = bundle.load(wd, log=None)
+    assert b.source["step"] == 3
+    step3, _ = checkpoints.load_params(wd, 3)
+    np.testing.assert_array_equal(b.variables["params"]["head"]["kernel"], step3["head"]["kernel"])
+    with pytest.raises(checkpoints.CheckpointMismatchError, match="step 6"):
+        bundle.load(wd, step=6, log=None)
