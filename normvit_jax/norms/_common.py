@@ -99,11 +99,19 @@ def updating(module: Any, train: bool) -> bool:
     return train and not module.is_initializing()
 
 
+def channel_params(module: Any, c: int, scale: bool = True,
+                   bias: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Per-channel float32 parameters 'scale' (ones) and 'bias' (zeros) created in ``module``
+    (from its compact ``__call__``); one left out is the constant 1 or 0 (XLA drops the op)."""
+    s = (module.param("scale", nn.initializers.ones, (c,), jnp.float32) if scale
+         else jnp.ones((c,), jnp.float32))
+    b = (module.param("bias", nn.initializers.zeros, (c,), jnp.float32) if bias
+         else jnp.zeros((c,), jnp.float32))
+    return s, b
+
+
 def channel_affine(module: Any, y: jax.Array, scale: bool = True, bias: bool = True) -> jax.Array:
-    """y * scale + bias with per-channel float32 parameters 'scale' (ones) and 'bias' (zeros),
-    created in ``module`` (called from its compact ``__call__``); the part that folds. Either
-    can be left out (LayerNorm's and RMSNorm's ``use_scale``/``use_bias``)."""
-    c = y.shape[-1]
-    if scale:
-        y = y * module.param("scale", nn.initializers.ones, (c,), jnp.float32)
-    return y + module.param("bias", nn.initializers.zeros, (c,), jnp.float32) if bias else y
+    """y * scale + bias with ``channel_params``; the part that folds. Either can be left out
+    (LayerNorm's and RMSNorm's ``use_scale``/``use_bias``)."""
+    s, b = channel_params(module, y.shape[-1], scale, bias)
+    return y * s + b

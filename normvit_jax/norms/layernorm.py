@@ -7,6 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from normvit_jax.norms._common import channel_params
+
 
 class LayerNorm(nn.Module):
     """y = scale * (x - mean_C) / sqrt(var_C + eps) + bias, biased variance.
@@ -27,25 +29,16 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        c = x.shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (c,), jnp.float32) if self.use_scale else None
-        bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32) if self.use_bias else None
+        scale, bias = channel_params(self, x.shape[-1], self.use_scale, self.use_bias)
         written_out = self.saved_input
         if written_out is None:
             written_out = jnp.dtype(x.dtype).itemsize < 4
         if written_out:
-            one, zero = jnp.ones((c,), jnp.float32), jnp.zeros((c,), jnp.float32)
-            return standardise(x, one if scale is None else scale, zero if bias is None else bias,
-                               self.epsilon, 0)
+            return standardise(x, scale, bias, self.epsilon, 0)
         x32 = x.astype(jnp.float32)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
-        if scale is not None:
-            y = y * scale
-        if bias is not None:
-            y = y + bias
-        return y.astype(x.dtype)
+        return ((x32 - mean) * jax.lax.rsqrt(var + self.epsilon) * scale + bias).astype(x.dtype)
 
 
 def _stats(x32: jax.Array, eps: float, ddof: int) -> tuple[jax.Array, jax.Array]:
