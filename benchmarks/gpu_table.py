@@ -31,6 +31,7 @@ import tempfile
 from typing import Any, Sequence
 
 from benchmarks import isolate
+from benchmarks.gpu_render import _f  # one number format for both tables
 from normvit_jax import tool_flags
 from normvit_jax.data import pipeline as pipeline_lib
 
@@ -212,14 +213,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(md)
     return {"commands": [c for _, c, _, _ in cmds], "results": results, "failures": failures,
             "markdown": md}
-
-
-def _f(v: Any, digits: int = 3) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}g}"
-    return str(v)
 
 
 def render(results: dict[str, Any], failures: list[str], args: argparse.Namespace) -> str:
