@@ -139,13 +139,21 @@ def bench_norm(model: str, norm: str, args: Any, tmp: str) -> list[dict]:
     return rows
 
 
-def timm_anchors(args: Any, tmp: str) -> list[dict]:
-    """timm's ViT-S/16 (1000 classes, float32): PyTorch eager, torch.compile, ONNX Runtime."""
+def _torch_timm() -> tuple[Any, Any]:
+    """(torch, timm), or (None, why not): imported first, since torchvision's import crashes
+    once TensorFlow is loaded (benchmarks.vs_torch.import_torch_timm)."""
     try:
         from benchmarks.vs_torch import import_torch_timm
-        torch, timm = import_torch_timm()
+        return import_torch_timm()
     except SystemExit as e:
-        print(f"timm anchors skipped: {e}", flush=True)
+        return None, str(e)
+
+
+def timm_anchors(args: Any, tmp: str) -> list[dict]:
+    """timm's ViT-S/16 (1000 classes, float32): PyTorch eager, torch.compile, ONNX Runtime."""
+    torch, timm = args.torch_timm
+    if torch is None:
+        print(f"timm anchors skipped: {timm}", flush=True)
         return []
     import onnxruntime as ort
     torch.set_num_threads(args.threads)
@@ -305,6 +313,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     args.runtimes = [r.strip() for r in args.runtimes.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict] = []
+    args.torch_timm = (None, "--anchors=no")
+    if args.anchors != "no" and "S/16" in args.models.split(","):
+        args.torch_timm = _torch_timm()  # before TensorFlow (the SavedModel runtime) is imported
     with tempfile.TemporaryDirectory(prefix="deploy-bench-") as tmp:
         for model in args.models.split(","):
             for norm in args.norms.split(","):

@@ -441,3 +441,22 @@ def test_prepared_in_memory_times_the_three_pipelines():
     rows = {r["pipeline"]: r for r in res["rows"]}
     assert set(rows) == {"arrays", "prepared", "decoding"} and rows["arrays"]["vs_arrays"] == 1
     assert all(r["steps_s"] > 0 for r in rows.values())
+
+
+def test_deploy_benchmark_times_unfolded_and_folded_artifacts(tmp_path):
+    """benchmarks.deploy on the demo model (LN, RepBN; ONNX Runtime and the StableHLO artifact,
+    batch 1): a row per norm, runtime and kind, RepBN folded, the table written between markers."""
+    from benchmarks import deploy
+    md = tmp_path / "b.md"
+    md.write_text(f"before\n{deploy.BEGIN}\nSTALE TABLE\n{deploy.END}\nafter\n")
+    rows = deploy.main(["--models=demo", "--norms=layernorm,repbn", "--runtimes=onnx,stablehlo",
+                        "--batches=1", "--reps=1", "--anchors=no", f"--md={md}"])
+    kinds = {(r["norm"], r["runtime"], r["kind"]) for r in rows}
+    assert kinds == {(n, rt, k) for rt in ("onnx", "stablehlo")
+                     for n, k in [("layernorm", "unfolded"), ("repbn", "unfolded"),
+                                  ("repbn", "folded")]}
+    assert all(r["median_ms"] > 0 and r["images_per_s"] > 0 for r in rows)
+    assert {r["folded_slots"] for r in rows if r["kind"] == "folded"} == {9}  # 4 blocks x 2 + final
+    text = md.read_text()
+    assert "STALE TABLE" not in text and text.startswith("before") and text.endswith("after\n")
+    assert "| RepBN | ONNX Runtime CPU |" in text
