@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 from typing import Any, Callable
@@ -47,12 +48,19 @@ _PRIMITIVE = re.compile(r"primitive '([^']+)'")
 def to_onnx(fn: Callable, specs: list, **kwargs: Any) -> Any:
     """``jax2onnx.to_onnx`` with a primitive it has no rule for as UnsupportedOpError."""
     j2o = _jax2onnx()
+    # onnx_ir warns once per shape constant whose value_info (optional metadata) it leaves out:
+    # ~100 lines of "value type ... is not known" per export that change nothing in the graph
+    serde = logging.getLogger("onnx_ir.serde")
+    level = serde.level
+    serde.setLevel(logging.ERROR)
     try:
         return j2o.to_onnx(fn, specs, opset=OPSET, **kwargs)
     except NotImplementedError as e:
         text = " ".join(str(e).split())
         m = _PRIMITIVE.search(text)
         raise UnsupportedOpError(m.group(1) if m else text[:120], "onnx", text[:200]) from None
+    finally:
+        serde.setLevel(level)
 
 
 def convert(b: bundle_lib.Bundle, batch: int | None, meta: dict | None = None) -> Any:
