@@ -92,7 +92,8 @@ def test_range_descriptions():
 def test_heads_that_do_not_divide_the_width_are_named_with_the_divisors():
     with pytest.raises(ValueError, match=r"model.num_heads=5 does not divide model.hidden_size=32; "
                                          r"accepted: a divisor of 32: \[1, 2, 4, 8, 16, 32\]"):
-        model_spec.complete_sizes({"hidden_size": 32, "depth": 1, "num_heads": 5, "patch_size": 2})
+        model_spec.complete_sizes({"hidden_size": 32, "depth": 1, "num_heads": 5, "patch_size": 2,
+                                    "mlp_dim": 64})
 
 
 @pytest.mark.parametrize("override,key,shown", [

@@ -177,7 +177,9 @@ def _check_classes(writers: dict[str, Any], classes: Sequence[str], source: str)
     w = writers.get("train")
     if w is None:
         return
-    empty = [i for i, n in enumerate(w.per_class) if n == 0]
+    # classes whose every file was skipped; an archive's class with no example at all (a cut-down
+    # CIFAR) has nothing to replace and is written as it is
+    empty = [i for i, n in enumerate(w.per_class) if n == 0 and w.skipped_per_class[i] > 0]
     if empty:
         i = empty[0]
         example = w.first_skipped.get(i)
