@@ -57,7 +57,10 @@ def load(workdir: str, *, step: int | None = None, folded: str | None = None,
     config = checkpoints.load_config(workdir)
     source: dict = {"workdir": str(workdir)}
     if folded:
-        model_cfg, variables, n = reparam.load(folded)
+        try:
+            model_cfg, variables, n = reparam.load(folded)
+        except FileNotFoundError as e:  # not a reparam --out folder: the command is wrong (exit 2)
+            raise DeployError(str(e)) from None
         model = models.spec_of(model_cfg, n)
         source.update(folded_dir=str(folded))
     else:
