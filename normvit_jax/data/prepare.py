@@ -294,17 +294,15 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float) -> s
     return "\n".join(lines)
 
 
-# ---- the config suggested after preparing (issue 35, point 9) ----
 SMALL_IMAGE_SIDE = 64  # train images no larger than this: the small-image preset
 
 
 def suggested_config(info: dict[str, Any]) -> str:
-    """``configs/vit_ln.py:small32`` (about ten minutes on a 2-core CPU, docs/data.md) when every
+    """``configs/vit_ln.py:small32`` (under five minutes on an idle 2-core CPU, docs/data.md) when every
     train image is at most SMALL_IMAGE_SIDE px on both sides, else the README's method config."""
     largest = (info["splits"].get("train") or {}).get("max_size") or [1 << 30]
     return ("configs/vit_ln.py:small32" if max(largest) <= SMALL_IMAGE_SIDE
             else "configs/vit_dtn.py")
-# ---- end of the suggested config ----
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
