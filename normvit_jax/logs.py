@@ -13,6 +13,7 @@ import logging as std_logging
 import os
 import re
 import sys
+import warnings
 
 _NOISY_INFO = ("/orbax/", "/jax/_src/", "/clu/platform/", "/tensorflow_datasets/")
 _NOISY_WARNINGS = ("Metadata file does not exist",  # Orbax, reading checkpoints without it
@@ -32,6 +33,18 @@ def _orbax_traceback(record: std_logging.LogRecord) -> bool:
     return False
 
 
+# the folder Orbax writes a checkpoint into before renaming it; a TensorStore write into it that
+# failed surfaces as a Future with no Python traceback, named by this path in its message
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
+
+
+def _message(record: std_logging.LogRecord) -> str:
+    try:
+        return record.getMessage()
+    except (TypeError, ValueError):
+        return str(record.msg)
+
+
 class QuietLibraries(std_logging.Filter):
     def filter(self, record: std_logging.LogRecord) -> bool:
         if "/orbax/" in record.pathname and str(record.msg).startswith(_NOISY_WARNINGS):
@@ -39,7 +52,7 @@ class QuietLibraries(std_logging.Filter):
         if record.levelno >= std_logging.ERROR and record.pathname.endswith(_ECHOING_ERRORS):
             return False
         if record.name == "asyncio" and "never retrieved" in str(record.msg) \
-                and _orbax_traceback(record):
+                and (_orbax_traceback(record) or _ORBAX_TMP in _message(record)):
             return False
         return record.levelno >= std_logging.WARNING or not any(
             part in record.pathname for part in _NOISY_INFO)
@@ -66,6 +79,9 @@ def quiet_library_logs() -> None:
                    *std_logging.getLogger().handlers]:
         if _FILTER not in target.filters:
             target.addFilter(_FILTER)
+    # the same failed write's last echo, at exit: the coroutine of a write that never started
+    warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host",
+                            category=RuntimeWarning)
     if not getattr(sys.unraisablehook, "quiet", False):
         sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 

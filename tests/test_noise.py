@@ -51,6 +51,12 @@ def test_library_chatter_and_failure_echoes_are_dropped_and_the_rest_kept():
         _record("/usr/lib/python3/asyncio/base_events.py", std_logging.ERROR,
                 "Task exception was never retrieved", name="asyncio",
                 exc_info=_orbax_exc_info()),
+        # a TensorStore write into Orbax's temporary folder: no traceback, the path names it
+        _record("/usr/lib/python3/asyncio/base_events.py", std_logging.ERROR,
+                "Future exception was never retrieved\nfuture: <Future finished exception="
+                "ValueError('OUT_OF_RANGE: Error writing \"rng/0\" in OCDBT database at local file "
+                "\"/w/checkpoints/25.orbax-checkpoint-tmp/state\"')>", name="asyncio",
+                exc_info=(ValueError, ValueError("OUT_OF_RANGE"), None)),
     ]
     keep = [
         _record(f"{SITE}/orbax/checkpoint/checkpoint_manager.py", std_logging.WARNING,

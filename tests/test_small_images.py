@@ -64,7 +64,9 @@ def test_step_measurement_leaves_the_state_alone():
 def test_a_run_prints_its_expected_time_before_the_first_step(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(progress, "MEASURE_MIN_STEPS", 4)  # a tiny run measures too
     c = tiny_demo_config(**{"model.depth": 1})  # 6 steps, log every 2, checkpoint every 3
-    with caplog.at_level(logging.INFO):
+    # on the absl logger itself: a test before this one in the same worker may have left absl's
+    # verbosity at WARNING (absl flags parsed, then unparsed, in-process by the export tests)
+    with caplog.at_level(logging.INFO, logger="absl"):
         first = loop.train_and_evaluate(c, str(tmp_path / "w"), stop_at=3)
         text = caplog.text
         assert first["step"] == 3 and "Expected run time: 6 steps x " in text
