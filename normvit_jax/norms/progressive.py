@@ -8,6 +8,10 @@ as N1 and RepBN as N2. Here N1 and N2 are any two registered norms, and lam is a
 Schedule (step 0 is the first train step): while ``step < warmup_steps`` only N1 runs (N2 is not
 called, its running statistics do not move); then with k = step - warmup_steps, D = decay_steps,
 ``linear``: lam = r0 * max(0, 1 - k/D); ``cosine``: lam = r0 * (1 + cos(pi * min(k, D)/D)) / 2.
+The train loop compiles one train step per phase of the schedules (train/phases.py) and tells
+each its steps as ``phase=(first, end)``: a phase inside the warm-up runs N1 alone and one after
+the hand-over N2 alone (lam is 0 there: N1 is not computed at all), with no branch and no host
+sync; ``phase=None`` (any step) computes what the step number asks for.
 Evaluation (``eval_mode``): 'n2' (the reference: N2 alone, which folds when N2 does) or 'mixture'
 (lam at the given step times N1 plus the rest times N2). Each train forward sows N1's weight in
 the ``schedule`` collection (the train step logs it).
@@ -38,7 +42,8 @@ def _norm_cfg(value: Any) -> FrozenDict:
 
 def n1_weight(step: jax.Array, *, r0: float, warmup_steps: int, decay_steps: int,
               schedule: str) -> jax.Array:
-    """N1's weight at a global train step: 1 during warm-up (N1 alone), then lam (float32)."""
+    """N1's weight at a global train step: 1 during warm-up (N1 alone), then lam (float32); 0
+    from ``warmup_steps + decay_steps`` on (exactly, for both schedules)."""
     k = jnp.asarray(step, jnp.float32) - warmup_steps
     d = float(decay_steps)
     if schedule == "linear":
@@ -53,7 +58,9 @@ class Progressive(nn.Module):
 
     Options: n1, n2 (norm configs: a name or a mapping with 'name'), r0, warmup_steps,
     decay_steps (> 0), schedule ('linear' | 'cosine'), eval_mode ('n2' | 'mixture'), must_fold
-    (True: fail at build unless evaluation is N2 alone and N2 folds into the next Dense).
+    (True: fail at build unless evaluation is N2 alone and N2 folds into the next Dense), phase
+    (set by the train loop, not by configs: the steps [first, end) the compiled step serves; end
+    None: no end).
     N1's variables sit under ``n1``, N2's under ``n2``.
     """
 
@@ -69,6 +76,7 @@ class Progressive(nn.Module):
     schedule: str = "linear"
     eval_mode: str = "n2"
     must_fold: bool = False
+    phase: tuple[int, int | None] | None = None
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
@@ -95,6 +103,12 @@ class Progressive(nn.Module):
             if opts.get(key, getattr(cls, key)) not in allowed:
                 raise ValueError(f"norm 'progressive': {key}={opts[key]!r} is not accepted; "
                                  f"accepted: {list(allowed)}")
+        phase = opts.get("phase")
+        if phase is not None and not (isinstance(phase, tuple) and len(phase) == 2
+                                      and isinstance(phase[0], int) and phase[0] >= 0
+                                      and (phase[1] is None or isinstance(phase[1], int))):
+            raise ValueError(f"norm 'progressive': phase={phase!r} is not accepted; accepted: None "
+                             "or (first, end) steps, end None for no end (set by train/phases.py)")
         r0 = opts.get("r0", 1.0)
         if not 0.0 <= float(r0) <= 1.0:
             raise ValueError(f"norm 'progressive': r0={r0!r} is not accepted; accepted: 0 <= r0 <= 1")
@@ -120,6 +134,24 @@ class Progressive(nn.Module):
     def setup(self) -> None:
         self.norm1 = self._sub("n1", "n1")
         self.norm2 = self._sub("n2", "n2")
+
+    @staticmethod
+    def phase_starts(opts: Mapping[str, Any]) -> set[int]:
+        """The steps at which this norm's train computation changes: the end of the warm-up (N1
+        alone before it) and of the hand-over (N2 alone from it)."""
+        ws, ds = int(opts.get("warmup_steps", 0)), int(opts.get("decay_steps", 1000))
+        return {ws, ws + ds} if ws else {ws + ds}
+
+    def _train_part(self) -> str:
+        """'n1', 'n2' or 'mix' where the phase decides it; 'any' where the step must."""
+        if self.phase is None:
+            return "any"
+        first, end = self.phase
+        if end is not None and end <= self.warmup_steps:
+            return "n1"
+        if first >= self.warmup_steps + self.decay_steps:
+            return "n2"
+        return "mix" if first >= self.warmup_steps else "any"
 
     def weight(self, step: jax.Array) -> jax.Array:
         """N1's weight at a global train step."""
@@ -163,6 +195,11 @@ class Progressive(nn.Module):
         if step is None:
             raise ValueError("norm 'progressive' needs the global train step: call the model as "
                              "model.apply(..., step=state.step) (training, or eval_mode='mixture')")
+        part = self._train_part() if train else "any"
+        if part in ("n1", "n2"):  # the phase's promise: the weight is constant (1 or 0)
+            self.sow("schedule", "n1_weight", jnp.float32(part == "n1"))
+            norm = self.norm1 if part == "n1" else self.norm2
+            return norm(x, train=True).astype(jnp.float32).astype(x.dtype)
         w = self.weight(step)
         if not train:
             return (w * self.norm1(x, train=False).astype(jnp.float32) + (1.0 - w)
@@ -173,7 +210,7 @@ class Progressive(nn.Module):
         else:
             mix = lambda m, x: (w * m.norm1(x, train=True).astype(jnp.float32)
                                 + (1.0 - w) * m.norm2(x, train=True).astype(jnp.float32))
-        if self.warmup_steps == 0:  # the reference's setting: no branch in the compiled step
+        if self.warmup_steps == 0 or part == "mix":  # no branch in the compiled step
             return mix(self, x).astype(x.dtype)
         # A data-dependent branch: on GPU each one makes the host read its predicate.
         only1 = lambda m, x: m.norm1(x, train=True).astype(jnp.float32)

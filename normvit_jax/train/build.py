@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from normvit_jax import checkpoints, data, run_config, sharding, summaries
 from normvit_jax.train import ema, guards
 from normvit_jax.train import optimizer as optim
-from normvit_jax.train import progress, setup
+from normvit_jax.train import phases, progress, setup
 from normvit_jax.train.evaluator import Evaluator
 from normvit_jax.train.state import TrainState
 
@@ -39,7 +39,7 @@ class Run:
     model: Any
     n_steps: int
     state: TrainState
-    train_step: Callable
+    train_step: phases.PhasedTrainStep  # .at(step): the step compiled for step's phase
     saver: guards.CheckpointSaver
     writer: Any                  # TensorBoard on process 0, a no-op writer elsewhere
     report: Any                  # clu's ReportProgress: steps/s, and timed() phases
@@ -99,7 +99,12 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
         writer.write_hparams({k: v for k, v in run_config.flat_values(config).items()
                               if isinstance(v, (int, float, str, bool))})
 
-    train_step = setup.jit_train_step(step_fn, state_sharding, mesh)
+    def jitted_step(m: Any) -> Any:  # the run's model, or the same model told a phase
+        fn = step_fn if m is model else setup.make_train_step(config, m, tx, lr_schedule, ds)
+        return setup.jit_train_step(fn, state_sharding, mesh)
+
+    # one compiled step per phase of the step-scheduled norms (train/phases.py)
+    train_step = phases.PhasedTrainStep(jitted_step, model)
     report = periodic_actions.ReportProgress(num_train_steps=n_steps, writer=writer)
     evaluator = Evaluator(config, ds, model, state_sharding, mesh, eval_data, writer,
                           analysis_writer, report)

@@ -50,7 +50,7 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
             while step < run.n_steps:
                 batch = sharding.to_global(next(batches), run.mesh) if first is None else first
                 first = None
-                run.state, m = run.train_step(run.state, batch)
+                run.state, m = run.train_step.at(step)(run.state, batch)
                 if step == run.start_step:  # compiled and run: a signal now ends in a checkpoint
                     sigterm.started()
                 step += 1
@@ -94,7 +94,7 @@ def _announce_run_time(run: Run, step: int, batches: Any) -> Any:
     if run.n_steps - step < progress.MEASURE_MIN_STEPS or jax.default_backend() != "cpu":
         return None
     batch = sharding.to_global(next(batches), run.mesh)
-    step_s, first_s = progress.measure_step_s(run.train_step, run.state, batch)
+    step_s, first_s = progress.measure_step_s(run.train_step.at(step), run.state, batch)
     logging.info("Compiled the train step in %.1f s.", max(first_s - step_s, 0.0))
     logging.info(progress.expected_time_line(step, run.n_steps, step_s))
     return batch
