@@ -9,7 +9,12 @@ timm's ViT-S/16 in PyTorch (eager, ``torch.compile``) and exported to ONNX Runti
 Weights are random (latency does not depend on their values; the norms' statistics are moved
 off their initial values so folding is not a special case). The unfolded and folded artifacts of
 a norm are timed alternately, call by call, so a shared machine's drift hits both alike; medians
-of ``--reps`` calls (``--reps_large`` at batch >= 16) after two warm-up calls. ``--md``: the
+of ``--reps`` calls (``--reps_large`` at batch >= 16) after two warm-up calls. Sessions called in
+turn must not busy-wait: an ONNX Runtime session's idle threads spin for the next call by
+default, and on 2 cores two alternating sessions then slow each other by up to 1.5x (measured
+2026-11-26: folded RepBN and timm's ViT-S/16, alternating, 102 vs 121 ms with spinning, 74 vs 70
+ms without; alone 69-83 ms each). So every ONNX Runtime session here has spinning off, and
+PyTorch's OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE``). ``--md``: the
 table replaces the block between the ``deploy-table`` markers of that file.
 """
 from __future__ import annotations
@@ -123,7 +128,7 @@ def bench_norm(model: str, norm: str, args: Any, tmp: str) -> list[dict]:
                 print(f"{model} {norm} {kind} {fmt}: skipped: {e}", flush=True)
                 continue
             export_s[kind] = time.perf_counter() - t
-            runs[kind] = runtimes.open_artifact(path, fmt, threads=args.threads)
+            runs[kind] = runtimes.open_artifact(path, fmt, threads=args.threads, spin=False)
         for batch in args.batches if runs else ():
             size = int(c.data.image_size)
             x = np.random.default_rng(batch).integers(0, 256, (batch, size, size, 3), np.uint8)
@@ -178,6 +183,7 @@ def timm_anchors(args: Any, tmp: str) -> list[dict]:
                           output_names=["logits"], dynamic_axes={"x": {0: "n"}}, dynamo=False)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = args.threads
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as ours
         session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
         fns["timm ONNX Runtime CPU"] = lambda x: session.run(None, {"x": x})
     except Exception as e:  # noqa: BLE001
@@ -187,7 +193,7 @@ def timm_anchors(args: Any, tmp: str) -> list[dict]:
     b = bundle.from_variables(c, c.model, variables_of(c, 1000), 1000, fold=True, log=None)
     ours = os.path.join(tmp, "repbn_folded_anchor.onnx")
     artifact.export_artifact(b, "onnx", ours, log=None)
-    run_ours = runtimes.open_artifact(ours, "onnx", threads=args.threads)
+    run_ours = runtimes.open_artifact(ours, "onnx", threads=args.threads, spin=False)
     for batch in args.batches:
         x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), np.float32)
         pixels = np.random.default_rng(batch).integers(0, 256, (batch, 224, 224, 3), np.uint8)
@@ -226,6 +232,12 @@ def _cell(r: dict | None, spread: bool = False) -> str:
     return text
 
 
+def _ordered(names: set, canonical: Any) -> list:
+    """``names`` in the order of ``canonical`` (rows of several runs joined: one order)."""
+    order = list(canonical)
+    return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
+
+
 def table(rows: list[dict], header: str) -> str:
     """Markdown: per model, norm and runtime, median ms (images/s) unfolded, folded, and the
     folded/unfolded time ratio per batch."""
@@ -236,9 +248,9 @@ def table(rows: list[dict], header: str) -> str:
         cols = " | ".join(f"batch {b}: unfolded | folded | folded/unfolded" for b in batches)
         out += [f"| norm | runtime | {cols} |", "|---|---|" + "---|" * (3 * len(batches))]
         ours = [r for r in rows if r["model"] == model and not r["norm"].startswith("timm")]
-        for norm in dict.fromkeys(r["norm"] for r in ours):
+        for norm in _ordered({r["norm"] for r in ours}, NORMS):
             folds = any(r["kind"] == "folded" for r in ours if r["norm"] == norm)
-            for fmt in dict.fromkeys(r["runtime"] for r in ours):
+            for fmt in _ordered({r["runtime"] for r in ours}, RUNTIMES):
                 cells = []
                 for b in batches:
                     got = {r["kind"]: r for r in ours if (r["norm"], r["runtime"], r["batch"]) == (norm, fmt, b)}
@@ -286,7 +298,8 @@ def provenance() -> str:
     return (f"Measured {datetime.date.today().isoformat()} at commit {commit} on "
             f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, "
             f"jax {jax.__version__}, onnxruntime {onnxruntime.__version__}, tensorflow "
-            f"{tf.__version__}; float32, median latency per call (images/s).")
+            f"{tf.__version__}; float32, median latency per call (images/s); ONNX Runtime "
+            "sessions without spinning threads (the module docstring says why).")
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
@@ -315,6 +328,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     rows: list[dict] = []
     args.torch_timm = (None, "--anchors=no")
     if args.anchors != "no" and "S/16" in args.models.split(","):
+        # PyTorch's OpenMP threads sleep between calls too (read when torch loads it)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         args.torch_timm = _torch_timm()  # before TensorFlow (the SavedModel runtime) is imported
     with tempfile.TemporaryDirectory(prefix="deploy-bench-") as tmp:
         for model in args.models.split(","):

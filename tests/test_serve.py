@@ -223,3 +223,27 @@ def test_command_errors_are_one_line_exit_2(tmp_path, served):
     r = _start(f"--artifact={served[3]}", f"--port={port}")
     _, err = r.communicate(timeout=120)
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err[-2000:]
+
+
+def test_onnx_sessions_spin_by_default_and_can_sleep_between_calls(monkeypatch, tmp_path):
+    """serve keeps ONNX Runtime's default (threads busy-wait for the next call: lowest latency);
+    spin=False, for sessions called in turn on few cores (benchmarks/deploy.py), turns it off."""
+    ort = pytest.importorskip("onnxruntime")
+    from normvit_jax.deploy import runtimes
+    seen = []
+
+    class Session:
+        def __init__(self, path, opts, providers):
+            seen.append(opts)
+
+        def get_outputs(self):
+            return []
+    monkeypatch.setattr(ort, "InferenceSession", Session)
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"")
+    runtimes.open_artifact(str(path), "onnx", threads=2, spin=False)
+    runtimes.open_artifact(str(path), "onnx", threads=2)
+    assert seen[0].get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert seen[0].intra_op_num_threads == seen[1].intra_op_num_threads == 2
+    with pytest.raises(RuntimeError, match="allow_spinning"):  # not set: ONNX Runtime's default
+        seen[1].get_session_config_entry("session.intra_op.allow_spinning")

@@ -13,9 +13,11 @@ from normvit_jax.deploy.errors import DeployError, require
 RUNTIMES = {"onnx": "onnxruntime", "savedmodel": "tensorflow", "stablehlo": "jax"}
 
 
-def _onnx(path: str, threads: int) -> Callable:
+def _onnx(path: str, threads: int, spin: bool = True) -> Callable:
     ort = require("onnxruntime", "the onnx format")
     opts = ort.SessionOptions()
+    if not spin:  # idle threads sleep at once instead of busy-waiting for the next call
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     # ONNX Runtime's defaults, said: every graph optimization (it fuses the attention's scale
     # into its matmul, bias adds into Gemm, drops the Dropouts); intra-op threads = the cores
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -58,17 +60,19 @@ def _stablehlo(path: str, threads: int) -> Callable:
     return run
 
 
-def open_artifact(path: str, fmt: str, batch: int | None = None,
-                  threads: int = 0) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+def open_artifact(path: str, fmt: str, batch: int | None = None, threads: int = 0,
+                  spin: bool = True) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """``run(images uint8 (N, H, W, 3)) -> (probabilities, logits)`` of the artifact at ``path``
     (``batch``: its fixed batch size, from its metadata; ``threads``: intra-op threads, 0 the
-    runtime's default)."""
+    runtime's default). ``spin=False`` (ONNX Runtime): its threads do not busy-wait between
+    calls, which a server with one model wants but two sessions called in turn on few cores do
+    not (each one's spinning threads slow the other: benchmarks/deploy.py)."""
     if not os.path.exists(path):
         raise DeployError(f"--artifact={path} does not exist")
     loaders = {"onnx": _onnx, "savedmodel": _savedmodel, "stablehlo": _stablehlo}
     if fmt not in loaders:
         raise DeployError(f"{path}: format {fmt!r} is not one of {sorted(loaders)}")
-    run = loaders[fmt](path, threads)
+    run = _onnx(path, threads, spin) if fmt == "onnx" else loaders[fmt](path, threads)
     if batch is None:
         return run
 
