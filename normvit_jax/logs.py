@@ -33,9 +33,11 @@ def _orbax_traceback(record: std_logging.LogRecord) -> bool:
     return False
 
 
-# the folder Orbax writes a checkpoint into before renaming it; a TensorStore write into it that
-# failed surfaces as a Future with no Python traceback, named by this path in its message
-_ORBAX_TMP = ".orbax-checkpoint-tmp"
+# A TensorStore read or write of a checkpoint that failed can surface as a Future with no Python
+# traceback; its message names Orbax's temporary folder (a write) or the OCDBT database that Orbax
+# stores checkpoints in (a read of a damaged one, a write). This project uses TensorStore only
+# through Orbax, and reports such a failure itself in one line.
+_ORBAX_SIGNS = (".orbax-checkpoint-tmp", "in OCDBT database at")
 
 
 def _message(record: std_logging.LogRecord) -> str:
@@ -52,7 +54,7 @@ class QuietLibraries(std_logging.Filter):
         if record.levelno >= std_logging.ERROR and record.pathname.endswith(_ECHOING_ERRORS):
             return False
         if record.name == "asyncio" and "never retrieved" in str(record.msg) \
-                and (_orbax_traceback(record) or _ORBAX_TMP in _message(record)):
+                and (_orbax_traceback(record) or any(m in _message(record) for m in _ORBAX_SIGNS)):
             return False
         return record.levelno >= std_logging.WARNING or not any(
             part in record.pathname for part in _NOISY_INFO)

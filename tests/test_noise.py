@@ -57,6 +57,12 @@ def test_library_chatter_and_failure_echoes_are_dropped_and_the_rest_kept():
                 "ValueError('OUT_OF_RANGE: Error writing \"rng/0\" in OCDBT database at local file "
                 "\"/w/checkpoints/25.orbax-checkpoint-tmp/state\"')>", name="asyncio",
                 exc_info=(ValueError, ValueError("OUT_OF_RANGE"), None)),
+        # a read of a damaged checkpoint, the same way
+        _record("/usr/lib/python3/asyncio/base_events.py", std_logging.ERROR,
+                "Future exception was never retrieved\nfuture: <Future finished exception="
+                "ValueError('DATA_LOSS: Error reading \"params.x/0\" in OCDBT database at local "
+                "file \"/w/checkpoints/6/state/ocdbt.process_0/\"')>", name="asyncio",
+                exc_info=(ValueError, ValueError("DATA_LOSS"), None)),
     ]
     keep = [
         _record(f"{SITE}/orbax/checkpoint/checkpoint_manager.py", std_logging.WARNING,
