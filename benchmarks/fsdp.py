@@ -35,6 +35,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--norm", default="layernorm", help=f"one of {list(common.NORMS)}")
     p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
     p.add_argument("--num_classes", type=int, default=1000)
+    p.add_argument("--depth", type=int, default=None,
+                   help="blocks of every model (default: the model's own; fewer compile faster)")
+    p.add_argument("--image_size", type=int, default=None,
+                   help="default: 32 for patch sizes up to 8, else 224")
     p.add_argument("--step_model", default="Ti/4", help="step-time model ('' for none)")
     p.add_argument("--step_batch", type=int, default=64, help="global batch of the step timing")
     p.add_argument("--steps", type=int, default=10, help="timed rounds")
@@ -45,7 +49,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _config(model: str, args: argparse.Namespace, batch: int, fsdp: int, num_classes: int) -> Any:
     cfg = common.bench_config(model, args.norm, batch=batch, dtype=args.dtype,
-                              num_classes=num_classes)
+                              num_classes=num_classes, depth=args.depth,
+                              image_size=args.image_size)
     cfg.mesh.fsdp = fsdp
     return cfg
 

@@ -41,6 +41,28 @@ def tiny_config():
     return tiny_demo_config()
 
 
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """JAX's persistent compilation cache for one test module (``pytestmark =
+    pytest.mark.usefixtures("compile_cache")``): a program compiled again in the same module (a
+    straight run, then stop + resume, or the same tiny config in several tests) is loaded, not
+    compiled; its executable is the one compiled the first time. Off again after the module."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: jax.config.values[n] for n in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    cc.reset_cache()
+    try:
+        yield
+    finally:
+        for n, v in old.items():
+            jax.config.update(n, v)
+        cc.reset_cache()
+
+
 # `pytest -m gpu`: tests/test_gpu.py (marked there) and these, which check what a GPU computes
 # differently (cuDNN/TF32/bfloat16 paths, DTN's products, the padded attention, the train step's
 # donation and single compile). Node ids are matched as prefixes; about 2 minutes on one CPU.

@@ -16,6 +16,7 @@ import pytest
 
 from normvit_jax import cli, config_paths, models
 from tests.conftest import REPO_ROOT
+from tests.deploy_runs import XLA_FAST
 
 
 def _config(name: str, arg: str | None) -> ml_collections.ConfigDict:
@@ -88,9 +89,11 @@ def test_main_sets_a_block_override_and_unsets_the_variant(tmp_path):
     is one line and exit 2."""
     wd = tmp_path / "wd"
     base = [sys.executable, "main.py", "--config=configs/vit_dtn.py:demo", f"--workdir={wd}"]
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    # XLA's backend optimizations off (tests/deploy_runs.XLA_FAST): the compiles are its time
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "XLA_FLAGS": XLA_FAST}
     r = subprocess.run(base + ["--config.model.norm_overrides.block_1.name=rmsnorm",
                                "--config.model.variant=None", "--config.total_steps=1",
+                               "--config.model.depth=3",  # DTN's class token joins at depth - 2
                                "--config.model.hidden_size=16", "--config.model.mlp_dim=16",
                                "--config.model.num_heads=2", "--config.eval_every=1",
                                "--config.eval_analysis_images=0"],

@@ -21,6 +21,10 @@ from normvit_jax import data
 from normvit_jax.data import digits, order, stats, transforms
 from normvit_jax.data.prefetch import Prefetcher
 
+# Runs that compile the same programs again (a straight run, then stop + resume) load them from
+# JAX's persistent compilation cache (tests/conftest.py: compile_cache) instead of compiling.
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 
 def cfg(name: str = "digits", **over):
     """The demo config (digits at 8x8), with ``over`` applied to ``config.data``."""

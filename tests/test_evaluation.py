@@ -12,6 +12,10 @@ from normvit_jax import checkpoints, data, evaluation
 from normvit_jax.data import real
 from tests.conftest import tiny_demo_config
 
+# Runs that compile the same programs again (a straight run, then stop + resume) load them from
+# JAX's persistent compilation cache (tests/conftest.py: compile_cache) instead of compiling.
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 
 def test_real_top1_counts_hand_made_sets():
     # argmax per row: 2, 0, 1, 3, 1 (row 4 is padding)

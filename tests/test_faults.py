@@ -31,6 +31,7 @@ import pytest
 
 from normvit_jax import checkpoints, cli, summaries
 from tests.conftest import REPO_ROOT
+from tests.deploy_runs import XLA_FAST
 
 CONFIG = "tests/fault_config.py"
 STEPS = 24
@@ -118,8 +119,9 @@ def _subprocess_env(tmp_path_factory):
     _ENV.update(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2",
                 JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "XLA_FLAGS"):
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         _ENV.pop(key, None)
+    _ENV["XLA_FLAGS"] = XLA_FAST  # every run compiled alike, 3-6x faster (tests/deploy_runs.py)
 
 
 EARLY: dict[str, Callable] = {}

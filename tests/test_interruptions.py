@@ -23,6 +23,7 @@ import pytest
 
 from normvit_jax import checkpoints, cli
 from tests.conftest import REPO_ROOT
+from tests.deploy_runs import XLA_FAST
 
 CONFIG, STEPS = "tests/fault_config.py", 24  # checkpoints every 5, logs every 2
 TIMEOUT = 600
@@ -88,8 +89,9 @@ def env(tmp_path_factory) -> dict:
     e = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2",
          "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "XLA_FLAGS"):
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         e.pop(key, None)
+    e["XLA_FLAGS"] = XLA_FAST  # every run compiled alike, 3-6x faster (tests/deploy_runs.py)
     return e
 
 

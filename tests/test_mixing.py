@@ -17,6 +17,10 @@ from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
 from tests.conftest import tiny_demo_config
 
+# Runs that compile the same programs again (a straight run, then stop + resume) load them from
+# JAX's persistent compilation cache (tests/conftest.py: compile_cache) instead of compiling.
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 
 def _timm_box(c, cut, size, box):
     """timm/data/mixup.py rand_bbox along one axis: 1.0.28 and before ('even'): c +- cut // 2;

@@ -32,15 +32,19 @@ import pytest
 
 from normvit_jax import checkpoints, cli, summaries
 from tests.conftest import REPO_ROOT
+from tests.deploy_runs import XLA_FAST
 
 CONFIG = "tests/multiproc_config.py"
 STEPS, EVAL_EXAMPLES, EVAL_BATCHES, GLOBAL_BATCH = 24, 100, 4, 16
 TIMEOUT = 300
 
 def _env(tmp_path, **extra: str) -> dict:
+    """Every process with XLA's backend optimizations off (tests/deploy_runs.XLA_FAST: compiles
+    3-6x faster; the runs compared are compiled alike); local.sh appends its device count."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
                         "XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = XLA_FAST
     env.update(PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2", ENTRY="tests/fault_main.py",
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -136,7 +140,7 @@ def test_two_processes_killed_and_restarted_end_like_one(tmp_path):
     reference = subprocess.Popen(  # one process, 4 devices, the same global batch of 16
         [sys.executable, "tests/fault_main.py", f"--config={CONFIG}", f"--workdir={ref_wd}"],
         cwd=REPO_ROOT, env=_env(tmp_path, JAX_PLATFORMS="cpu", NORMVIT_TEST_RECORD=rec("ref"),
-                                XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+                                XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     jobs: list[Job] = []
     try:

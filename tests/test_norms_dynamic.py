@@ -16,6 +16,10 @@ from scipy import special
 from normvit_jax import norms
 from normvit_jax.norms.progressive import n1_weight
 
+# Runs that compile the same programs again (a straight run, then stop + resume) load them from
+# JAX's persistent compilation cache (tests/conftest.py: compile_cache) instead of compiling.
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 SHAPE = (3, 5, 8)  # (B, T, C)
 X = np.random.default_rng(0).normal(1.0, 2.0, size=SHAPE)
 W = np.random.default_rng(1).normal(size=SHAPE)  # loss = sum(W * y): every output weighs

@@ -18,6 +18,10 @@ from normvit_jax.data import prepare, prepared, stats
 from normvit_jax.train import loop
 from tests.conftest import REPO_ROOT, tiny_demo_config
 
+# Runs that compile the same programs again (a straight run, then stop + resume) load them from
+# JAX's persistent compilation cache (tests/conftest.py: compile_cache) instead of compiling.
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 CLASSES = ["ant", "bee", "cat"]
 
 
@@ -169,6 +173,7 @@ def test_main_py_names_prepare_for_an_unprepared_dataset(dataset, tmp_path):
 @pytest.mark.multiprocess
 def test_two_processes_read_their_halves_and_train_like_one(dataset, tmp_path):
     """launch/local.sh with 2 processes x 2 CPU devices against one process with 4 devices."""
+    from tests.deploy_runs import XLA_FAST
     from tests.test_multiprocess import _env, assert_state_close, read_record
     cfg = "tests/own_data_multiproc_config.py"
     rec = lambda phase, kind="train": str(tmp_path / f"{phase}.{kind}.{{process}}")  # noqa: E731
@@ -178,7 +183,7 @@ def test_two_processes_read_their_halves_and_train_like_one(dataset, tmp_path):
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
         env=_env(tmp_path, JAX_PLATFORMS="cpu", NORMVIT_TEST_RECORD=rec("ref"),
                  NORMVIT_TEST_RECORD_EVAL=rec("ref", "eval"),
-                 XLA_FLAGS="--xla_force_host_platform_device_count=4", **extra))
+                 XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4", **extra))
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     logs = tmp_path / "logs"
     two = subprocess.run(

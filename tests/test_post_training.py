@@ -13,6 +13,20 @@ import pytest
 from normvit_jax import checkpoints, cli
 from normvit_jax.analysis import capture
 from tests.conftest import REPO_ROOT
+from tests.deploy_runs import XLA_FAST
+
+# The children's environment: XLA's backend optimizations off (tests/deploy_runs.XLA_FAST) and one
+# JAX compilation cache shared by this module's runs (the evals compile the same programs).
+_ENV: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _subprocess_env(tmp_path_factory):
+    _ENV.clear()
+    _ENV.update(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2", XLA_FLAGS=XLA_FAST,
+                JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 def test_missing_workdir_config_and_checkpoint_are_named_with_the_command(tmp_path):
@@ -43,7 +57,7 @@ def test_missing_workdir_config_and_checkpoint_are_named_with_the_command(tmp_pa
 
 def _main(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "main.py", *args], cwd=REPO_ROOT, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                          env=_ENV,
                           capture_output=True, text=True)
 
 
@@ -95,7 +109,7 @@ def test_a_config_that_is_not_one_and_a_missing_run_are_one_line_exit_2(tmp_path
 
 def _tool(module: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, timeout=300,
-                          env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                          env=_ENV,
                           capture_output=True, text=True)
 
 
@@ -141,7 +155,7 @@ def test_eval_of_a_read_only_workdir_prints_the_metrics_then_says_where_it_could
     prefix = ["-c", _AS_PLAIN_USER] if os.geteuid() == 0 else []
     r = subprocess.run([sys.executable, *prefix, "main.py", "--mode=eval", f"--workdir={wd}"],
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
+                       env=_ENV)
     if r.returncode == 77:
         pytest.skip("root without CAP_SETPCAP: cannot make a directory unwritable for a child")
     assert r.returncode == cli.EXIT_OK, r.stderr[-3000:]

@@ -40,7 +40,10 @@ def shrink(c):
     c.data.image_size, c.data.normalize, c.data.random_resized_crop = 8, "zero_one", False
     c.data.num_eval_examples = 48
     c.model.variant = None
-    c.model.patch_size, c.model.hidden_size, c.model.depth = 2, 32, 3
+    # one block (compiles fastest), three where the class token joins two blocks from the end
+    # (DTN's layout: cls_token_at_block=-2 needs a block before it)
+    at = c.model.get("cls_token_at_block") or 0
+    c.model.patch_size, c.model.hidden_size, c.model.depth = 2, 32, max(1, 1 - at)
     c.model.num_heads, c.model.mlp_dim = 2, 64
     if c.model.name == "t2t_vit":  # the soft splits' fixed stride 16: one 16x16 image = 1 token
         c.data.image_size, c.model.patch_size, c.model.token_dim = 16, 16, 8

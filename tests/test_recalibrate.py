@@ -15,6 +15,10 @@ from normvit_jax.data import stats as data_stats
 from normvit_jax.train import loop, setup
 from tests.conftest import tiny_demo_config
 
+# Runs that compile the same programs again (a straight run, then stop + resume) load them from
+# JAX's persistent compilation cache (tests/conftest.py: compile_cache) instead of compiling.
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 
 def test_recalibrates_the_statistics_and_writes_a_checkpoint(tmp_path, capsys):
     cfg = tiny_demo_config(total_steps=4, eval_every=100, checkpoint_every=100)

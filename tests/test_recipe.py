@@ -14,6 +14,10 @@ from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
 from tests.conftest import tiny_demo_config
 
+# Runs that compile the same programs again (a straight run, then stop + resume) load them from
+# JAX's persistent compilation cache (tests/conftest.py: compile_cache) instead of compiling.
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 TINY = {"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2, "mlp_dim": 32}
 
 

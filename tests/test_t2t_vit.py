@@ -3,6 +3,7 @@ and the reference Token_performer's formulas in numpy float64, the published T2T
 (21.5M parameters, 4.8G multiply-adds at 224) and the sinusoid table's formula."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -141,12 +142,16 @@ def test_model_passes_the_step_to_a_progressive_stem_norm():
     model = models.create(models.spec_of(tiny(stem_norm={
         "name": "progressive", "n2": {"name": "identity"}, "decay_steps": 4}), 5))
     x = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
-    v = model.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x, train=False)
+    # jitted (one compile each, not one per operation); the step is traced, as in the train step
+    v = jax.jit(functools.partial(model.init, train=False))(
+        {"params": jax.random.key(1), "dropout": jax.random.key(2)}, x)
     head = v["params"]["head"]  # the init's zero head would hide any difference
     v = {**v, "params": {**v["params"], "head": {
         "kernel": jax.random.normal(jax.random.key(4), head["kernel"].shape), "bias": head["bias"]}}}
-    out = [model.apply(v, x, train=True, step=jnp.asarray(k), rngs={"dropout": jax.random.key(3)},
-                       mutable=["batch_stats"])[0] for k in (0, 4)]
+    apply = jax.jit(lambda v, k: model.apply(v, x, train=True, step=k,
+                                             rngs={"dropout": jax.random.key(3)},
+                                             mutable=["batch_stats"])[0])
+    out = [apply(v, jnp.asarray(k)) for k in (0, 4)]
     assert np.abs(np.asarray(out[0]) - np.asarray(out[1])).max() > 1e-4  # LN vs identity stem
 
 
@@ -195,7 +200,8 @@ def test_model_runs_with_un_everywhere_and_another_stem_norm():
     spec = models.spec_of(cfg, 5)
     model = models.create(spec)
     x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
-    variables = model.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x, train=False)
+    variables = jax.jit(functools.partial(model.init, train=False))(
+        {"params": jax.random.key(1), "dropout": jax.random.key(2)}, x)  # one compile
     stem = variables["params"]["tokens_to_token"]
     assert set(stem) == {"attention1", "attention2", "project"}
     assert set(stem["attention1"]["norm1"]) == {"scale", "bias"}  # LayerNorm's, not UN's

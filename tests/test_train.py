@@ -15,6 +15,11 @@ from normvit_jax import checkpoints
 from normvit_jax import run_config
 from normvit_jax.train import loop, setup
 from tests.conftest import REPO_ROOT, tiny_demo_config
+from tests.deploy_runs import XLA_FAST
+
+# Runs that compile the same programs again (a straight run, then stop + resume) load them from
+# JAX's persistent compilation cache (tests/conftest.py: compile_cache) instead of compiling.
+pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 def _params(workdir):
@@ -61,9 +66,10 @@ def test_eval_counts_every_example_once(tmp_path):
     pipe = data.make_pipeline(cfg, "eval")
     model = models.create(cfg.model, 10)
     state = out["state"]
+    apply = jax.jit(model.apply)  # one compile, not one per operation (every batch is 64)
     correct, seen = 0, 0
     for batch in pipe.eval_batches():
-        logits = np.asarray(model.apply(state.variables(), batch["image"]))
+        logits = np.asarray(apply(state.variables(), batch["image"]))
         m = batch["mask"].astype(bool)
         correct += int((logits.argmax(-1) == batch["label"])[m].sum())
         seen += int(m.sum())
@@ -207,8 +213,9 @@ def test_loop_with_fsdp_resumes_on_another_mesh_and_evaluates(tmp_path):
 
 def _run_on_cpu_devices(script: str, n: int, timeout: int) -> None:
     """Runs ``script`` in a fresh Python with ``n`` CPU devices (the XLA flag must be set before
-    JAX starts); it must print OK."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+    JAX starts), with XLA's backend optimizations off (tests/deploy_runs.XLA_FAST: the compiles
+    are its time; what it compares is compiled alike); it must print OK."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n} {XLA_FAST}",
                PYTHONPATH=REPO_ROOT)
     r = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
