@@ -17,11 +17,11 @@ from normvit_jax.train.state import TrainState
 WARMUP, DECAY = 2, 3
 
 
-def _model(n1: str = "layernorm", n2: str = "repbn"):
+def _model(n1: str = "layernorm", n2: str = "repbn", **layout):
     cfg = {"hidden_size": 16, "depth": 2, "num_heads": 2, "mlp_dim": 32, "patch_size": 4,
            "norm": {"name": "progressive", "warmup_steps": WARMUP, "decay_steps": DECAY,
                     "n1": n1, "n2": n2},
-           "norm_overrides": {"final": "layernorm"}}
+           "norm_overrides": {"final": "layernorm"}, **layout}
     return models.create(cfg, 3)
 
 
@@ -45,11 +45,14 @@ def _state(model, images):
                              jax.random.key_data(jax.random.key(1)))
 
 
-# warm-up, hand-over, after; one-pass (LN + RepBN) and two-pass (RMSNorm + BN) mixes
-@pytest.mark.parametrize("n1,n2,at", [("layernorm", "repbn", 1), ("layernorm", "repbn", 3),
-                                      ("layernorm", "repbn", 6), ("rmsnorm", "batchnorm", 6)])
-def test_each_phase_step_equals_the_step_that_reads_the_step_number(n1, n2, at):
-    model = _model(n1, n2)
+# warm-up, hand-over, after; one-pass (LN + RepBN) and two-pass (RMSNorm + BN) mixes; the
+# scanned blocks and post-norm layouts
+@pytest.mark.parametrize("n1,n2,at,layout", [
+    ("layernorm", "repbn", 1, {}), ("layernorm", "repbn", 3, {}), ("layernorm", "repbn", 6, {}),
+    ("rmsnorm", "batchnorm", 6, {}), ("layernorm", "repbn", 1, {"scan": True}),
+    ("layernorm", "repbn", 6, {"norm_placement": "post"})])
+def test_each_phase_step_equals_the_step_that_reads_the_step_number(n1, n2, at, layout):
+    model = _model(n1, n2, **layout)
     rng = np.random.default_rng(at)
     images = jnp.asarray(rng.normal(size=(8, 8, 8, 3)), jnp.float32)
     batch = {"image": images, "label": jnp.asarray(rng.integers(0, 3, 8))}

@@ -3,6 +3,7 @@ the model code: what ``serve`` and ``benchmarks.deploy`` call. A fixed-batch art
 inputs padded to that batch (and the padding dropped from the outputs)."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -69,10 +70,11 @@ def open_artifact(path: str, fmt: str, batch: int | None = None, threads: int = 
     not (each one's spinning threads slow the other: benchmarks/deploy.py)."""
     if not os.path.exists(path):
         raise DeployError(f"--artifact={path} does not exist")
-    loaders = {"onnx": _onnx, "savedmodel": _savedmodel, "stablehlo": _stablehlo}
+    loaders = {"onnx": functools.partial(_onnx, spin=spin), "savedmodel": _savedmodel,
+               "stablehlo": _stablehlo}
     if fmt not in loaders:
         raise DeployError(f"{path}: format {fmt!r} is not one of {sorted(loaders)}")
-    run = _onnx(path, threads, spin) if fmt == "onnx" else loaders[fmt](path, threads)
+    run = loaders[fmt](path, threads)
     if batch is None:
         return run
 

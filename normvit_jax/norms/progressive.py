@@ -135,11 +135,12 @@ class Progressive(nn.Module):
         self.norm1 = self._sub("n1", "n1")
         self.norm2 = self._sub("n2", "n2")
 
-    @staticmethod
-    def phase_starts(opts: Mapping[str, Any]) -> set[int]:
+    @classmethod
+    def phase_starts(cls, opts: Mapping[str, Any]) -> set[int]:
         """The steps at which this norm's train computation changes: the end of the warm-up (N1
         alone before it) and of the hand-over (N2 alone from it)."""
-        ws, ds = int(opts.get("warmup_steps", 0)), int(opts.get("decay_steps", 1000))
+        ws = int(opts.get("warmup_steps", cls.warmup_steps))
+        ds = int(opts.get("decay_steps", cls.decay_steps))
         return {ws, ws + ds} if ws else {ws + ds}
 
     def _train_part(self) -> str:
