@@ -5,8 +5,9 @@ manager) are dropped; other warnings and errors still show.
 A failed checkpoint read or write (a damaged file, a full disk) is reported by this project in one
 line naming the step and the innermost cause (checkpoints.restore_latest, train/guards.py), so the
 same failure's echoes are dropped: Orbax's error records with tracebacks from its background
-threads, asyncio's "exception was never retrieved" for Orbax's pending writes, and TensorStore's
-"Event loop is closed" (a write that completes after Orbax closed the loop that waited for it)."""
+threads, asyncio's "exception was never retrieved" for Orbax's pending writes, TensorStore's
+"Event loop is closed" (a write that completes after Orbax closed the loop that waited for it) and
+Python's "Exception ignored in" for an Orbax coroutine that failed after nobody waited for it."""
 from __future__ import annotations
 
 import logging as std_logging
@@ -25,7 +26,10 @@ _ECHOING_ERRORS = ("/orbax/checkpoint/_src/futures/future.py", "/orbax/checkpoin
 
 
 def _orbax_traceback(record: std_logging.LogRecord) -> bool:
-    tb = record.exc_info[2] if record.exc_info else None
+    return _passes_orbax(record.exc_info[2] if record.exc_info else None)
+
+
+def _passes_orbax(tb) -> bool:
     while tb is not None:
         if "/orbax/" in tb.tb_frame.f_code.co_filename:
             return True
@@ -64,6 +68,10 @@ def _quiet_unraisable(previous):
     def hook(unraisable) -> None:
         if isinstance(unraisable.exc_value, RuntimeError) \
                 and "Event loop is closed" in str(unraisable.exc_value):
+            return
+        # a read coroutine of a damaged checkpoint that failed after Orbax gave up waiting for it
+        # ("Exception ignored in: <coroutine object _read_array_index_and_device_put>")
+        if _passes_orbax(getattr(unraisable, "exc_traceback", None)):
             return
         previous(unraisable)
     hook.quiet = True

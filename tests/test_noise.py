@@ -77,13 +77,16 @@ def test_library_chatter_and_failure_echoes_are_dropped_and_the_rest_kept():
     assert [f.filter(r) for r in keep] == [True] * len(keep)
 
 
-def test_event_loop_closed_echo_is_dropped_other_unraisables_are_not():
+def test_event_loop_closed_and_orbax_coroutine_echoes_are_dropped_other_unraisables_are_not():
     seen = []
     hook = logs._quiet_unraisable(seen.append)
     closed = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"))
     other = types.SimpleNamespace(exc_value=RuntimeError("something else"))
+    _, error, tb = _orbax_exc_info()  # "Exception ignored in: <coroutine ... device_put>"
+    orbax_read = types.SimpleNamespace(exc_value=error, exc_traceback=tb)
     hook(closed)
     hook(other)
+    hook(orbax_read)
     assert seen == [other]
 
 
