@@ -3,8 +3,28 @@ from __future__ import annotations
 
 import os
 
+import glob
+
+from tests.deploy_runs import XLA_FAST
+
 # Several pytest-xdist workers may share one GPU: each allocates on demand instead of taking 75%.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def _cpu_only() -> bool:
+    """No GPU or TPU device file, and JAX not pointed at one (checked before JAX starts)."""
+    return (os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu")
+            and not glob.glob("/dev/nvidia[0-9]*") and not glob.glob("/dev/accel*"))
+
+
+# On a CPU-only machine, this process and every child that inherits its environment compile with
+# XLA's backend optimizations off (tests/deploy_runs.XLA_FAST): the tests' tiny programs spend
+# most of their time compiling, and these flags halve the suite's time. They change no result that
+# a test checks: float32 tolerances against float64 references, and equality between programs that
+# are all compiled the same way. A machine with an accelerator (`pytest -m gpu`, gpu_check.sh) and
+# a user's own XLA_FLAGS are left as they are.
+if _cpu_only() and "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = XLA_FAST
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
