@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import os
 
+import functools
 import glob
+import subprocess
+import sys
 
 from tests.deploy_runs import XLA_FAST
 
@@ -25,6 +28,27 @@ def _cpu_only() -> bool:
 # a user's own XLA_FLAGS are left as they are.
 if _cpu_only() and "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = XLA_FAST
+
+
+def environ_without_xla_flags() -> dict:
+    """This process's environment as a user's shell has it: without the XLA_FLAGS set above."""
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def with_default_xla_flags(test):
+    """For a test whose claim holds for the programs XLA compiles by default, not for any
+    compilation (two different programs that must give bit-identical results): under XLA_FAST it
+    runs in a child pytest with XLA's default flags, and passes or fails with it."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        if os.environ.get("XLA_FLAGS") != XLA_FAST:
+            return test(*args, **kwargs)
+        node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                            node], cwd=REPO_ROOT, env={**os.environ, "XLA_FLAGS": ""},
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return run
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from benchmarks import demo_table
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, environ_without_xla_flags
 
 
 def _read(*path: str) -> str:
@@ -116,7 +116,7 @@ def test_the_readmes_first_command_prints_the_tables_top1():
         r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "main.py"),
                             f"--config={REPO_ROOT}/configs/vit_ln.py:demo", "--workdir=runs/demo"],
                            cwd=tmp, capture_output=True, text=True, timeout=900,
-                           env={**os.environ, "PYTHONPATH": REPO_ROOT})
+                           env={**environ_without_xla_flags(), "PYTHONPATH": REPO_ROOT})
     assert r.returncode == 0, r.stderr[-3000:]
     printed = 100 * float(re.search(r"Done at step 880: eval top-1 ([\d.]+)", r.stderr).group(1))
     # the row's range over seeds (seed 0 is the row's top-1, in it); pinned, it is that number

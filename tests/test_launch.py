@@ -10,7 +10,7 @@ import time
 import pytest
 
 from normvit_jax import cli, distributed
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, environ_without_xla_flags
 
 SRUN_STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5",
              "SLURM_LOCALID": "5", "SLURM_STEP_NODELIST": "gpu[001-002]", "SLURM_NTASKS": "16",
@@ -123,7 +123,8 @@ def stubs(tmp_path):
     for name in ("gcloud", "srun", "sbatch", "scontrol", "git", "pip", "python"):
         (bin_dir / name).write_text(STUB)
         (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_CALLS": str(calls)}
+    env = {**environ_without_xla_flags(), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "STUB_CALLS": str(calls)}
 
     def seen() -> list[list[str]]:
         return [open(p, "rb").read().decode().split("\0")[:-1] for p in sorted(calls.iterdir())]
@@ -250,7 +251,8 @@ def fake_python(tmp_path):
     fake = tmp_path / "fake_python"
     fake.write_text(FAKE_PROCESS)
     fake.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(fake), "STUB_CALLS": str(calls)}
+    # the scripts' own XLA_FLAGS, as where the environment sets none (tests/conftest.py sets some)
+    env = {**environ_without_xla_flags(), "PYTHON": str(fake), "STUB_CALLS": str(calls)}
 
     def seen(i: int) -> list[str]:
         return (calls / f"p{i}").read_bytes().decode().split("\0")[:-1]

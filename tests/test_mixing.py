@@ -15,7 +15,7 @@ from normvit_jax import data, models
 from normvit_jax.train import batch_aug, erasing, mixing
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
-from tests.conftest import tiny_demo_config
+from tests.conftest import tiny_demo_config, with_default_xla_flags
 
 # Runs that compile the same programs again (a straight run, then stop + resume) load them from
 # JAX's persistent compilation cache (tests/conftest.py: compile_cache) instead of compiling.
@@ -175,6 +175,7 @@ def _tiny_step(transform):
     return step, state
 
 
+@with_default_xla_flags  # the unoptimized programs may differ in the last bit
 def test_train_step_with_prob_zero_mixing_is_bit_identical():
     x, y = _batch()
     batch = {"image": jnp.asarray(x), "label": jnp.asarray(y)}
