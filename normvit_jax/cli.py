@@ -95,7 +95,6 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None =
 
     from normvit_jax import logs
     logs.quiet_library_logs()
-    logs.import_tensorflow_once()
     try:
         from normvit_jax import evaluation
         result = evaluation.evaluate_checkpoint(config, workdir, step)

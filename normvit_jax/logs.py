@@ -122,10 +122,17 @@ def only_process_zero_informs(process_index: int) -> None:
 
 def import_tensorflow_once() -> None:
     """Imports TensorFlow with its start-up lines printed once: its two C++ libraries each print
-    the oneDNN banner (and absl's 'before InitializeLog' warning) before any log level applies."""
+    the oneDNN banner (and absl's 'before InitializeLog' warning) before any log level applies.
+    Called where the project first needs TensorFlow (the tf.data/tfds input pipelines, the
+    SavedModel export). Off the main thread it only imports: the banner is caught by pointing the
+    process's stderr elsewhere, which would hide other threads' output meanwhile."""
     import sys
     import tempfile
+    import threading
     if "tensorflow" in sys.modules:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        import tensorflow  # noqa: F401
         return
     sys.stderr.flush()
     saved = os.dup(2)

@@ -15,6 +15,7 @@ from typing import Any
 
 from etils import epath
 
+from normvit_jax import logs
 from normvit_jax.data.errors import DatasetNotFoundError
 
 VERSION = "1.0.0"
@@ -89,6 +90,7 @@ def resolve(name: str, data_dir: str | None, train_split: str, eval_split: str
 
 def builder(name: str, data_dir: str | None) -> Any:
     """The dataset's tfds builder, read from its folder (``tfds.builder_from_directory``)."""
+    logs.import_tensorflow_once()
     import tensorflow_datasets as tfds
     if not is_prepared(name, data_dir):
         describe(name, data_dir)  # raises with what to do

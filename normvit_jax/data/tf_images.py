@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from normvit_jax import logs
 from normvit_jax.data import transforms
 
 _LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
@@ -34,6 +35,7 @@ _FNS_LOCK = threading.Lock()
 
 @functools.lru_cache(maxsize=None)
 def _tf():
+    logs.import_tensorflow_once()
     import tensorflow as tf
     # Only tf.data's CPU kernels are used: never let TF take an accelerator's memory.
     try:

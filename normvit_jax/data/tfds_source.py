@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from normvit_jax import logs
 from normvit_jax.data.errors import DatasetNotFoundError
 
 _OFFLINE = ("Offline alternatives: the bundled digits data (`--config=configs/<method>.py:demo` or "
@@ -20,6 +21,7 @@ _OFFLINE = ("Offline alternatives: the bundled digits data (`--config=configs/<m
 
 
 def _tfds():
+    logs.import_tensorflow_once()
     import tensorflow_datasets as tfds
     return tfds
 

@@ -16,13 +16,12 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
-from clu import metric_writers, periodic_actions
 from jax.sharding import Mesh
 
 from normvit_jax import checkpoints, data, run_config, sharding, summaries
 from normvit_jax.train import ema, guards
 from normvit_jax.train import optimizer as optim
-from normvit_jax.train import phases, progress, setup
+from normvit_jax.train import phases, progress, setup, tensorboard
 from normvit_jax.train.evaluator import Evaluator
 from normvit_jax.train.state import TrainState
 
@@ -42,7 +41,6 @@ class Run:
     train_step: phases.PhasedTrainStep  # .at(step): the step compiled for step's phase
     saver: guards.CheckpointSaver
     writer: Any                  # TensorBoard on process 0, a no-op writer elsewhere
-    report: Any                  # clu's ReportProgress: steps/s, and timed() phases
     evaluator: Evaluator
     start_step: int
     window: guards.MetricsWindow  # train metrics since the last log step (restored on resume)
@@ -105,11 +103,10 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
 
     # one compiled step per phase of the step-scheduled norms (train/phases.py)
     train_step = phases.PhasedTrainStep(jitted_step, model)
-    report = periodic_actions.ReportProgress(num_train_steps=n_steps, writer=writer)
     evaluator = Evaluator(config, ds, model, state_sharding, mesh, eval_data, writer,
-                          analysis_writer, report)
+                          analysis_writer)
     return Run(config, workdir, mesh, train_data, eval_data, model, n_steps, start.state,
-               train_step, saver, writer, report, evaluator, start.step, start.window,
+               train_step, saver, writer, evaluator, start.step, start.window,
                start.skipped_total)
 
 
@@ -149,13 +146,13 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
 
 
 def _writers(workdir: str) -> tuple[Any, Any]:
-    """(writer, analysis_writer): TensorBoard summaries on process 0 (both the same writer; no
-    metrics writer elsewhere). Not logged: the progress line already shows the train metrics, and
+    """(writer, analysis_writer): TensorBoard summaries on process 0 (train/tensorboard.py, without
+    TensorFlow; both the same writer; no metrics writer elsewhere). Not logged: the progress line already shows the train metrics, and
     CLU's LoggingWriter repeated them, and the hyperparameters, as long lines."""
     if jax.process_index() > 0:
-        return metric_writers.MultiWriter([]), None
-    tensorboard = metric_writers.AsyncWriter(metric_writers.SummaryWriter(workdir))
-    return tensorboard, tensorboard
+        return tensorboard.NullWriter(), None
+    writer = tensorboard.SummaryWriter(workdir)
+    return writer, writer
 
 
 def init_from_pretrained(config: ml_collections.ConfigDict, spec: Any, num_classes: int,

@@ -21,9 +21,9 @@ class Evaluator:
 
     def __init__(self, config: ml_collections.ConfigDict, data_spec: data.DataSpec, model: Any,
                  state_sharding: Any, mesh: Mesh, eval_data: data.Pipeline, writer: Any,
-                 analysis_writer: Any, report: Any):
+                 analysis_writer: Any):
         self.eval_step = setup.jit_eval_step(model, state_sharding, mesh, data_spec.affine)
-        self.eval_data, self.mesh, self.report = eval_data, mesh, report
+        self.eval_data, self.mesh = eval_data, mesh
         self.writer, self.analysis_writer = writer, analysis_writer
         self.fixed_images = self.analyzer = None
         n_fixed = max(config.eval_analysis_images, config.eval_attention_images)
@@ -33,14 +33,12 @@ class Evaluator:
             self.analyzer = eval_hook.EvalAnalyzer(model, config, data_spec)
 
     def __call__(self, state: TrainState, step: int) -> dict[str, Any]:
-        with self.report.timed("eval"):
-            metrics = setup.evaluate(self.eval_step, state, self.eval_data, self.mesh)
+        metrics = setup.evaluate(self.eval_step, state, self.eval_data, self.mesh)
         self.writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
         if self.analyzer is not None:
-            with self.report.timed("eval_analysis"):
-                scalars, pictures = self.analyzer(
-                    {"params": state.params, "batch_stats": state.batch_stats}, self.fixed_images,
-                    sharding=sharding.replicated(self.mesh))
+            scalars, pictures = self.analyzer(
+                {"params": state.params, "batch_stats": state.batch_stats}, self.fixed_images,
+                sharding=sharding.replicated(self.mesh))
             if self.analysis_writer is not None:  # process 0; kept out of the log: ~100 scalars
                 self.analysis_writer.write_scalars(step, scalars)
                 if pictures:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from normvit_jax import logs, preemption, sharding
+from normvit_jax import preemption, sharding
 from normvit_jax import workdir as workdir_lib
 from normvit_jax.train import setup
 from normvit_jax.train.policy import NonFiniteError, PreemptedError, StepPolicy
@@ -39,7 +39,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         workdir = workdir_lib.absolute(workdir)
         with workdir_lib.prepare(config, workdir, fresh=fresh, process_index=jax.process_index()):
             sharding.sync_hosts("normvit_workdir_ready")  # process 0 has moved/written what it must
-            logs.import_tensorflow_once()  # CLU's writers need it; its start-up banner once
             from normvit_jax.train import build, trainer  # pylint: disable=import-outside-toplevel
             run = build.build_run(config, workdir, run_spec, mesh)
             return trainer.train(run, StepPolicy.from_config(config, run.n_steps, stop_at), sigterm)

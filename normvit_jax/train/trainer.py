@@ -13,13 +13,13 @@ What happens when things go wrong (docs/faults.md has the user-facing promises):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
 
 import jax
 from absl import logging
-from clu import metric_writers
 
 from normvit_jax import preemption, sharding
 from normvit_jax.train import guards, progress
@@ -44,7 +44,7 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
         logging.info("The run in %s is already complete (step %d of %d).", run.workdir, step,
                      run.n_steps)
     batches = run.train_data.train_batches(step)
-    with metric_writers.ensure_flushes(run.writer):
+    with contextlib.closing(run.writer):  # its records on disk whatever ends the loop
         try:
             first = _announce_run_time(run, step, batches)
             while step < run.n_steps:
@@ -55,7 +55,6 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
                     sigterm.started()
                 step += 1
                 run.window.add(step, m)
-                run.report(step)
                 act = policy.after(step, preemption.reached(sigterm, step))
                 if act.log:
                     _log(run, step, eta, last_log)
@@ -130,5 +129,5 @@ def _save(run: Run, step: int, eta: progress.Eta) -> None:
             "Lower the learning rate or enable grad clipping (config.optimizer.grad_clip).")
     run.writer.flush()  # summaries up to this step are on disk before its checkpoint
     meta = guards.checkpoint_meta(run.window, run.skipped_total)
-    with run.report.timed("checkpoint"), eta.paused():
+    with eta.paused():
         run.saver.save(step, run.state, meta)
