@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from tensorboard.compat.proto import event_pb2
 
 SEGMENT_TAG = "run/start_step"
+# the loop's timing scalars; "steps_per_sec" and "uptime" are CLU's, in runs written before
+# train/tensorboard.py replaced its writer
 TIMING_TAGS = ("steps_per_sec", "uptime", "train/steps_per_sec", "train/examples_per_sec")
 
 Point = tuple[int, float, float]  # (step, value, wall_time)
