@@ -150,7 +150,7 @@ def test_eight_devices_match_one_device():
 
 def test_setup_and_benchmarks_do_not_import_tensorflow():
     """normvit_jax.train.setup (and so the benchmarks) stays free of TensorFlow and the CLU
-    writers, which only the loop needs."""
+    writers (the whole loop does too: tests/test_tensorboard.py)."""
     code = ("import sys, normvit_jax.train.setup, benchmarks.common; "
             "print(sorted(m for m in ('tensorflow', 'clu.metric_writers', 'matplotlib') "
             "if m in sys.modules))")
