@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import ml_collections
@@ -147,8 +147,9 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
 
 def _writers(workdir: str) -> tuple[Any, Any]:
     """(writer, analysis_writer): TensorBoard summaries on process 0 (train/tensorboard.py, without
-    TensorFlow; both the same writer; no metrics writer elsewhere). Not logged: the progress line already shows the train metrics, and
-    CLU's LoggingWriter repeated them, and the hyperparameters, as long lines."""
+    TensorFlow; both the same writer; no metrics writer elsewhere). Not logged: the progress line
+    already shows the train metrics, and a logging writer repeated them, and the hyperparameters,
+    as long lines."""
     if jax.process_index() > 0:
         return tensorboard.NullWriter(), None
     writer = tensorboard.SummaryWriter(workdir)

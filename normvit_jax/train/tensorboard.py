@@ -20,6 +20,13 @@ from typing import Any, Mapping
 
 import numpy as np
 from etils import epath
+from PIL import Image
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.plugins.hparams import summary_v2 as hparams_summary
+from tensorboard.plugins.image import metadata as image_metadata
+from tensorboard.plugins.scalar import summary as scalar_summary
+from tensorboard.summary.writer.record_writer import RecordWriter
+from tensorboard.util import tensor_util
 
 _FILE_NUMBER = itertools.count()  # tells apart the files one process opens in one second
 
@@ -29,8 +36,6 @@ class SummaryWriter:
     (``events.out.tfevents.<time>.<host>.<pid>.<n>``); ``flush`` puts what was written on disk."""
 
     def __init__(self, logdir: str):
-        from tensorboard.compat.proto import event_pb2
-        from tensorboard.summary.writer.record_writer import RecordWriter
         name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
                 f"{os.getpid()}.{next(_FILE_NUMBER)}")
         path = epath.Path(logdir)
@@ -41,23 +46,18 @@ class SummaryWriter:
         self._records.flush()
 
     def _add(self, step: int, values: list[Any]) -> None:
-        from tensorboard.compat.proto import event_pb2, summary_pb2
         if values:
             self._records.write(event_pb2.Event(
                 step=int(step), wall_time=time.time(),
                 summary=summary_pb2.Summary(value=values)).SerializeToString())
 
     def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-        from tensorboard.plugins.scalar import summary as scalar_summary
         self._add(step, [v for tag, x in scalars.items()
                          for v in scalar_summary.scalar_pb(tag, float(np.asarray(x))).value])
 
     def write_images(self, step: int, images: Mapping[str, Any]) -> None:
         """Each value: uint8 (N, H, W, C) or (H, W, C), C in 1, 3, 4; one tag holds the N images
         (as ``tf.summary.image``: a string tensor [width, height, png, ...])."""
-        from tensorboard.compat.proto import summary_pb2
-        from tensorboard.plugins.image import metadata
-        from tensorboard.util import tensor_util
         values = []
         for tag, x in images.items():
             x = np.asarray(x)
@@ -66,14 +66,13 @@ class SummaryWriter:
                 raise ValueError(f"image summary {tag!r}: uint8 expected, got {x.dtype}")
             parts = [str(x.shape[2]).encode(), str(x.shape[1]).encode(), *map(_png, x)]
             values.append(summary_pb2.Summary.Value(
-                tag=tag, metadata=metadata.create_summary_metadata(
+                tag=tag, metadata=image_metadata.create_summary_metadata(
                     display_name=tag, description=""),
                 tensor=tensor_util.make_tensor_proto(np.array(parts, dtype=object))))
         self._add(step, values)
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-        from tensorboard.plugins.hparams import summary_v2
-        self._add(0, list(summary_v2.hparams_pb(dict(hparams)).value))
+        self._add(0, list(hparams_summary.hparams_pb(dict(hparams)).value))
 
     def flush(self) -> None:
         self._records.flush()
@@ -104,7 +103,6 @@ class NullWriter:
 
 
 def _png(image: np.ndarray) -> bytes:
-    from PIL import Image
     buf = io.BytesIO()
     Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(buf, format="PNG")
     return buf.getvalue()
