@@ -191,6 +191,28 @@ def attention_matmul(q: jax.Array, k: jax.Array, v: jax.Array, dtype: Any) -> ja
     logits = jnp.matmul(q, k, preferred_element_type=jnp.float32)
     weights = jax.nn.softmax(logits / math.sqrt(q.shape[-1]), axis=-1)
     return jnp.transpose(jnp.matmul(weights.astype(dtype), v), (0, 2, 1, 3))
+
+
+def _concrete_concatenate(arrays: list, axis: int = 0) -> jax.Array:
+    """``jnp.concatenate``, done on the host when every array is concrete (an export's closed-over
+    parameters): the graph then holds one constant, not a join (and, for a bias, an ``Expand``
+    to the dynamic batch) on every call."""
+    if any(isinstance(a, jax.core.Tracer) for a in arrays):
+        return jnp.concatenate(arrays, axis=axis)
+    return jnp.asarray(np.concatenate([np.asarray(a) for a in arrays], axis=axis))
+
+
+def token_dense(x: jax.Array, kernel: jax.Array, bias: jax.Array, dtype: Any,
+                barriers: bool = False) -> jax.Array:
+    """(B, T, K) @ kernel (K, F) + bias -> (B, T, F). Computed on the flattened (B*T, K), which
+    XLA:CPU runs faster; traced inside ``matmul_attention()`` on the (B, T, K) tokens as they
+    are, so the ONNX graph holds timm's 3-D ``MatMul`` + ``Add``: ONNX Runtime fuses a 2-D
+    ``MatMul`` + ``Add`` into a ``Gemm`` that ran the linear layers of a ViT-S/16 ~17% slower
+    in-graph (docs/deploy.md, "Speed")."""
+    if _MATMUL_ATTENTION.get():  # matmul, not dot: jax2onnx writes MatMul, not Einsum
+        return jnp.matmul(x.astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
+    b, t, k = x.shape
+    return dense(x.reshape(b * t, k), kernel, bias, dtype, barriers).reshape(b, t, -1)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -253,16 +275,18 @@ class Attention(nn.Module):
             proj = lambda name: _Projection((d, h, hd), (h, hd), (d, d), use_bias=self.qkv_bias,
                                             param_init=self.param_init, name=name)()
             (wq, bq), (wk, bk), (wv, bv) = proj("query"), proj("key"), proj("value")
-            w = jnp.concatenate([wq.reshape(d, d), wk.reshape(d, d), wv.reshape(d, d)], axis=1)
-            bias = jnp.concatenate([bq.reshape(d), bk.reshape(d), bv.reshape(d)])
-            qkv = dense(x.reshape(b * t, d), w, bias, self.dtype, self.barriers)
+            # An export with concrete parameters joins them once, into a constant of the graph
+            cat = _concrete_concatenate if matmul else jnp.concatenate
+            w = cat([wq.reshape(d, d), wk.reshape(d, d), wv.reshape(d, d)], axis=1)
+            bias = cat([bq.reshape(d), bk.reshape(d), bv.reshape(d)])
+            qkv = token_dense(x, w, bias, self.dtype, self.barriers)
             qkv = qkv.reshape(b, t, 3, h, hd)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             wo, bo = _Projection((h, hd, d), (d,), (d, d), param_init=self.param_init, name="out")()
             if impl == "fused_sdpa" and not (capture or use_dropout or sow_max or matmul):
                 out = sdpa(q, k, v)  # (B, T, H, Dh)
-                y = dense(out.reshape(b * t, d), wo.reshape(d, d), bo, self.dtype, self.barriers)
-                return y.reshape(b, t, d)
+                return token_dense(out.reshape(b, t, d), wo.reshape(d, d), bo, self.dtype,
+                                   self.barriers)
         if matmul:
             out = attention_matmul(q, k, v, self.dtype)
         else:
@@ -278,8 +302,7 @@ class Attention(nn.Module):
         if wo is None:
             return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32,
                                    kernel_init=kinit, name="out")(out)
-        y = dense(out.reshape(b * t, d), wo.reshape(d, d), bo, self.dtype, self.barriers)
-        return y.reshape(b, t, d)
+        return token_dense(out.reshape(b, t, d), wo.reshape(d, d), bo, self.dtype, self.barriers)
 
 
 class MlpBlock(nn.Module):
@@ -297,12 +320,12 @@ class MlpBlock(nn.Module):
         b, t, d = x.shape
         w0, b0 = _Projection((d, self.mlp_dim), (self.mlp_dim,), (d, self.mlp_dim), 1e-6,
                              param_init=self.param_init, name="Dense_0")()
-        y = dense(x.reshape(b * t, d), w0, b0, self.dtype, self.barriers)
+        y = token_dense(x, w0, b0, self.dtype, self.barriers)
         y = nn.gelu(y, approximate=self.gelu_approximate)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=not train)
         w1, b1 = _Projection((self.mlp_dim, d), (d,), (self.mlp_dim, d), 1e-6,
                              param_init=self.param_init, name="Dense_1")()
-        y = dense(y, w1, b1, self.dtype, self.barriers).reshape(b, t, d)
+        y = token_dense(y, w1, b1, self.dtype, self.barriers)
         return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
 
 
