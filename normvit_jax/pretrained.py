@@ -9,7 +9,7 @@ Every mismatch raises ``CheckpointError`` naming the keys and shapes: never a si
 from __future__ import annotations
 
 import zipfile
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 from etils import epath

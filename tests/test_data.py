@@ -165,6 +165,23 @@ def test_digits_split_is_fixed_and_stratified():
     assert (p.image_shape, p.global_batch_size, e.global_batch_size) == ((8, 8, 3), 64, 128)
 
 
+def test_digits_are_scikit_learns_read_without_importing_it():
+    """The bundled CSV read directly equals ``sklearn.datasets.load_digits`` (its own loader), and
+    a fresh process loads the demo set without importing scikit-learn (~2 s per process)."""
+    import subprocess
+    import sys
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    images, target = digits._raw()
+    assert digits._bundled_csv() is not None  # the fast path is the one tested here
+    np.testing.assert_array_equal(images, d.images)
+    np.testing.assert_array_equal(target.astype(int), d.target)
+    code = ("import sys; from normvit_jax.data import digits; x, y = digits.load('train'); "
+            "print(len(y), 'sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1442", "False"], out
+
+
 @pytest.mark.parametrize("normalize", data.NORMALIZE)
 def test_value_range(normalize):
     # one pass over the training split, without augmentation, in split order
@@ -354,6 +371,8 @@ def test_resize_keeps_constants_and_ramps():
 
 def test_not_prepared_fails_fast_with_instructions(tmp_path):
     import tensorflow_datasets  # noqa: F401  (import time is not the check's time)
+    from normvit_jax import logs
+    logs.import_tensorflow_once()  # nor TensorFlow's, which the tfds source imports on first use
     for name, extra in (("cifar10", "tfds build cifar10"),
                         ("imagenet2012", "file_format=array_record")):
         t = time.perf_counter()

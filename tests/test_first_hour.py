@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from configs import default
 from normvit_jax import cli, pretrained, run_config, workdir
-from normvit_jax.train import loop, setup
+from normvit_jax.train import setup
 from tests import conftest
 from tests.conftest import REPO_ROOT
 

@@ -148,7 +148,7 @@ def test_second_ctrl_c_stops_at_once_and_keeps_the_checkpoints(env, reference, t
     wd = copy(reference, tmp_path / "run")
     run = Run({**env, "NORMVIT_TEST_HOLD_COMMIT": "30"}, wd, "--config.total_steps=30",
               "--config.allow_config_change=True", instrumented=True)
-    run.wait_for(rf"step 26/30:")  # the checkpoint of step 25 is being held
+    run.wait_for(r"step 26/30:")  # the checkpoint of step 25 is being held
     run.p.send_signal(signal.SIGINT)
     run.wait_for("Ctrl-C received: finishing this step")
     t = time.time()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging as std_logging
 import os
 import subprocess
-import sys
 import types
 
 import pytest

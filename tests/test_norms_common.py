@@ -5,7 +5,6 @@ Tolerances are relative to the largest reference value: max|jax - ref| / max|ref
 """
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp

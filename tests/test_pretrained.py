@@ -11,7 +11,7 @@ import math
 import re
 import sys
 import types
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax

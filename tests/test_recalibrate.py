@@ -6,7 +6,6 @@ the first norm slot's input, computed from the model's own position-embedded tok
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

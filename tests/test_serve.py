@@ -9,10 +9,8 @@ import functools
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 

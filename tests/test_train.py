@@ -46,7 +46,7 @@ def test_resume_is_bitwise_exact(tmp_path):
     """N steps straight == N/2, stop, N/2 more: identical parameters on CPU."""
     cfg = tiny_demo_config(total_steps=8, checkpoint_every=100, eval_every=100)
     cfg.model.dropout_rate = 0.1  # dropout draws must continue exactly too
-    straight = loop.train_and_evaluate(cfg, str(tmp_path / "a"))
+    loop.train_and_evaluate(cfg, str(tmp_path / "a"))
     first = loop.train_and_evaluate(cfg, str(tmp_path / "b"), stop_at=4)
     assert first["step"] == 4
     second = loop.train_and_evaluate(cfg, str(tmp_path / "b"))

@@ -13,18 +13,42 @@ channels. Split names: 'train', and 'test' (alias 'validation').
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 
 import numpy as np
 
 NUM_TRAIN, NUM_TEST = 1442, 355
 
 
+def _bundled_csv() -> str | None:
+    """scikit-learn's ``datasets/data/digits.csv.gz``, found without importing scikit-learn (its
+    import costs ~2 s of CPU, paid by every training process of the demo and the tests)."""
+    spec = importlib.util.find_spec("sklearn")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "datasets", "data", "digits.csv.gz")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def _raw() -> tuple[np.ndarray, np.ndarray]:
+    """(values 0..16 (N, 8, 8), labels (N,)) as ``sklearn.datasets.load_digits`` reads them: one
+    row per image, 64 pixel values then the label."""
+    path = _bundled_csv()
+    if path is None:  # another scikit-learn layout: its own loader
+        from sklearn.datasets import load_digits
+        d = load_digits()
+        return d.images, d.target
+    data = np.loadtxt(path, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1]
+
+
 @functools.lru_cache(maxsize=None)
 def _load_all() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    y = d.target.astype(np.int32)
-    x = np.repeat((d.images / 16.0).astype(np.float32)[..., None], 3, axis=-1)
+    images, target = _raw()
+    y = target.astype(np.int32)
+    x = np.repeat((images / 16.0).astype(np.float32)[..., None], 3, axis=-1)
     test = np.zeros(len(y), bool)
     for c in range(10):
         test[np.flatnonzero(y == c)[4::5]] = True

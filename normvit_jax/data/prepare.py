@@ -225,7 +225,7 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
     except PrepareError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    except AssertionError as e:  # tfds refuses a split with no examples
+    except AssertionError:  # tfds refuses a split with no examples
         shutil.rmtree(tmp, ignore_errors=True)
         empty = [s for s, w in writers.items() if not w.per_class.sum()]
         if not empty:

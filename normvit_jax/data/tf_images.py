@@ -211,7 +211,7 @@ class BatchDecoder:
         enc, u = np.asarray(encoded, dtype=object), np.asarray(u, np.float64)
         try:
             x, labels = fn(enc, u)
-        except _tf().errors.OpError as e:  # find the culprit, one by one, only on failure
+        except _tf().errors.OpError:  # find the culprit, one by one, only on failure
             for k in range(n):
                 try:
                     fn(enc[k:k + 1], u[k:k + 1])

@@ -8,7 +8,7 @@ No statistics: each element is mapped on its own. ``affine=False`` drops gamma/b
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
