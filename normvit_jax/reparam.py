@@ -253,6 +253,31 @@ def _fold_stem(spec: Any, params: dict, stats: dict, report: FoldReport) -> bool
     return True
 
 
+# the patch-embedding stems whose first operation on the pixels is the linear patch projection
+_LINEAR_STEMS = ("none", "post", "post_posemb")
+
+
+def fold_input_affine(model: Any, variables: Mapping[str, Any], scale: np.ndarray,
+                      shift: np.ndarray) -> dict | None:
+    """The variables of a model that takes pixels ``x`` where it took ``x * scale + shift`` (the
+    run's input affine, per channel): the affine moved into the patch embedding, kernel K (p, p,
+    C, D) -> K * scale[c], bias -> bias + sum K * shift[c], so a deployed graph normalizes
+    nothing itself. None where the stem does not start with that linear map (T2T-ViT's
+    unfolding attention; a norm on the raw patches, ``patch_norm`` 'pre'/'dual'). Computed in
+    float64. The inputs are left unchanged."""
+    spec = models.spec_of(model)
+    if isinstance(spec, T2TViTSpec) or spec.patch_norm not in _LINEAR_STEMS:
+        return None
+    out = _plain(variables)  # new containers
+    emb = out["params"]["embedding"]
+    k = np.asarray(emb["kernel"], np.float64)
+    scale, shift = (np.asarray(a, np.float64).reshape(-1) for a in (scale, shift))
+    emb["kernel"] = (k * scale[None, None, :, None]).astype(np.float32)
+    emb["bias"] = (np.asarray(emb["bias"], np.float64)
+                   + np.einsum("pqcd,c->d", k, shift)).astype(np.float32)
+    return out
+
+
 def _eval_logits(model: Any, variables: Mapping, images: jax.Array,
                  num_classes: int) -> jax.Array:
     return models.create(model, num_classes).apply(variables, images, train=False)

@@ -154,3 +154,25 @@ def test_command_folds_a_trained_run(tmp_path, capsys):
     assert "LayerNorm_0" not in folded["params"]["Transformer"]["encoderblock_0"]
     with pytest.raises(FileNotFoundError, match="reparam.save"):
         reparam.load(str(tmp_path / "nothing"))
+
+
+@pytest.mark.parametrize("patch_norm", ["none", "post"])
+def test_input_affine_folds_into_the_patch_embedding(patch_norm):
+    """Folded into the patch embedding, the pixels' per-channel affine gives the same logits on
+    raw pixels as the model on ``x * scale + shift`` (random pixels 0..255, scale and shift unlike
+    per channel, float32 within 1e-4 of logits ~1-10); stems that do not start with the linear
+    patch map are refused (None)."""
+    cfg = tiny_model_cfg("repbn", patch_norm=patch_norm)
+    variables = random_variables(cfg)
+    scale = np.array([0.017, 0.0175, 0.0171], np.float32)  # ImageNet's 1/(255*std)
+    shift = np.array([-2.12, -2.04, -1.80], np.float32)     # -mean/std
+    pixels = np.asarray(jax.random.randint(jax.random.key(3), (6, SIZE, SIZE, 3), 0, 256), np.float32)
+    want = eval_logits(cfg, variables, jnp.asarray(pixels * scale + shift))
+    folded = reparam.fold_input_affine(cfg, variables, scale, shift)
+    got = eval_logits(cfg, folded, jnp.asarray(pixels))
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert not np.array_equal(folded["params"]["embedding"]["kernel"],
+                              np.asarray(variables["params"]["embedding"]["kernel"]))
+    for refused in (tiny_model_cfg("layernorm", patch_norm="dual"),):
+        assert reparam.fold_input_affine(refused, random_variables(refused), scale, shift) is None

@@ -27,6 +27,7 @@ class Bundle:
     image_size: int
     preprocess: dict              # the eval geometry serve applies before the artifact
     source: dict                  # provenance: workdir, step, norms, what was folded
+    affine_in_weights: bool = False  # the affine folded into the patch embedding (--fold)
 
 
 def _checkpoint(workdir: str, step: int | None) -> tuple[dict, Any, int]:
@@ -94,17 +95,25 @@ def from_variables(config: Any, model: Any, variables: Any, num_classes: int,
             log(str(report))
     source["norms"] = sorted({str(c.get("name")) for c in getattr(model, "slot_norms", [])})
     spec = predict._spec(config)
+    affine = tuple(np.asarray(a, np.float32) for a in spec.affine)
+    in_weights = None
+    if fold:  # the pixels' affine too: no normalizing ops on the whole image in the graph
+        in_weights = reparam.fold_input_affine(model, variables, affine[0] / np.float32(255.0),
+                                               affine[1])
+        if in_weights is not None:
+            variables = jax.tree.map(np.asarray, in_weights)
+            source["input_affine"] = "folded into the patch embedding"
     names = list(class_names or [str(i) for i in range(n)])
     return Bundle(model=model, variables=variables, num_classes=n, class_names=names,
-                  affine=tuple(np.asarray(a, np.float32) for a in spec.affine),
-                  image_size=int(config.data.image_size),
-                  preprocess=eval_preprocess(config.data), source=source)
+                  affine=affine, image_size=int(config.data.image_size),
+                  preprocess=eval_preprocess(config.data), source=source,
+                  affine_in_weights=in_weights is not None)
 
 
 def serving_fn(b: Bundle, with_variables: bool = False) -> Callable:
     """``image`` uint8 (N, H, W, 3) -> {'probabilities', 'logits'} float32 (N, classes): the
     model's eval forward after the run's input affine (``stats.model_input``, as predict and the
-    eval step). ``with_variables``: a function of (variables, image) instead of closing over them
+    eval step; folded, in the patch embedding's weights: ``reparam.fold_input_affine``). ``with_variables``: a function of (variables, image) instead of closing over them
     (the SavedModel keeps them as TF variables)."""
     import jax
     from normvit_jax import models
@@ -112,7 +121,8 @@ def serving_fn(b: Bundle, with_variables: bool = False) -> Callable:
     model = models.create(b.model, b.num_classes)
 
     def forward(variables: Any, image: Any) -> dict:
-        logits = model.apply(variables, stats.model_input(image, b.affine), train=False)
+        x = image.astype(np.float32) if b.affine_in_weights else stats.model_input(image, b.affine)
+        logits = model.apply(variables, x, train=False)
         logits = logits.astype(np.float32)
         return {"probabilities": jax.nn.softmax(logits, axis=-1), "logits": logits}
 
