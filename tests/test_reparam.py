@@ -166,7 +166,7 @@ def test_input_affine_folds_into_the_patch_embedding(patch_norm):
     variables = random_variables(cfg)
     scale = np.array([0.017, 0.0175, 0.0171], np.float32)  # ImageNet's 1/(255*std)
     shift = np.array([-2.12, -2.04, -1.80], np.float32)     # -mean/std
-    pixels = np.asarray(jax.random.randint(jax.random.key(3), (6, SIZE, SIZE, 3), 0, 256), np.float32)
+    pixels = np.random.default_rng(3).integers(0, 256, (6, SIZE, SIZE, 3)).astype(np.float32)
     want = eval_logits(cfg, variables, jnp.asarray(pixels * scale + shift))
     folded = reparam.fold_input_affine(cfg, variables, scale, shift)
     got = eval_logits(cfg, folded, jnp.asarray(pixels))
@@ -174,5 +174,8 @@ def test_input_affine_folds_into_the_patch_embedding(patch_norm):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert not np.array_equal(folded["params"]["embedding"]["kernel"],
                               np.asarray(variables["params"]["embedding"]["kernel"]))
-    for refused in (tiny_model_cfg("layernorm", patch_norm="dual"),):
-        assert reparam.fold_input_affine(refused, random_variables(refused), scale, shift) is None
+    dual = tiny_model_cfg("layernorm", patch_norm="dual")  # a norm on the raw patches
+    assert reparam.fold_input_affine(dual, random_variables(dual), scale, shift) is None
+    t2t = dict(name="t2t_vit", hidden_size=32, depth=1, num_heads=2, mlp_dim=48, patch_size=16,
+               token_dim=16, norm={"name": "layernorm"})  # its stem attends over unfolded pixels
+    assert reparam.fold_input_affine(t2t, {}, scale, shift) is None

@@ -113,8 +113,9 @@ def from_variables(config: Any, model: Any, variables: Any, num_classes: int,
 def serving_fn(b: Bundle, with_variables: bool = False) -> Callable:
     """``image`` uint8 (N, H, W, 3) -> {'probabilities', 'logits'} float32 (N, classes): the
     model's eval forward after the run's input affine (``stats.model_input``, as predict and the
-    eval step; folded, in the patch embedding's weights: ``reparam.fold_input_affine``). ``with_variables``: a function of (variables, image) instead of closing over them
-    (the SavedModel keeps them as TF variables)."""
+    eval step; with ``--fold`` it is in the patch embedding's weights instead,
+    ``reparam.fold_input_affine``). ``with_variables``: a function of (variables, image) instead
+    of closing over them (the SavedModel keeps them as TF variables)."""
     import jax
     from normvit_jax import models
     from normvit_jax.data import stats

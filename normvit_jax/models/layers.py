@@ -207,8 +207,8 @@ def token_dense(x: jax.Array, kernel: jax.Array, bias: jax.Array, dtype: Any,
     """(B, T, K) @ kernel (K, F) + bias -> (B, T, F). Computed on the flattened (B*T, K), which
     XLA:CPU runs faster; traced inside ``matmul_attention()`` on the (B, T, K) tokens as they
     are, so the ONNX graph holds timm's 3-D ``MatMul`` + ``Add``: ONNX Runtime fuses a 2-D
-    ``MatMul`` + ``Add`` into a ``Gemm`` that ran the linear layers of a ViT-S/16 ~17% slower
-    in-graph (docs/deploy.md, "Speed")."""
+    ``MatMul`` + ``Add`` into a ``Gemm``, which ran a ViT-S/16's linear layers slower in a
+    profile (docs/deploy.md, "Speed")."""
     if _MATMUL_ATTENTION.get():  # matmul, not dot: jax2onnx writes MatMul, not Einsum
         return jnp.matmul(x.astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
     b, t, k = x.shape
