@@ -297,3 +297,35 @@ def test_onnx_attention_is_matmuls_not_einsum(artifacts):
         # joined bias was broadcast to the dynamic batch by an Expand)
         if key in ("ln", "dyt") or key.endswith("_folded"):  # unfolded UN/BN/DTN broadcast stats
             assert ops["Expand"] == 0, (key, ops)
+
+
+def test_a_scanned_model_exports_with_its_blocks_unrolled(tmp_path):
+    """model.scan=True (blocks stacked under one nn.scan, which jax2onnx cannot trace): the bundle
+    unrolls the blocks, and the ONNX artifact, run in ONNX Runtime, gives the probabilities of
+    the scanned model's own serving function (folded too: RepBN)."""
+    import onnxruntime as ort
+    from normvit_jax import models
+    from normvit_jax.data import stats
+    from normvit_jax.deploy import artifact, bundle
+    from tests.conftest import tiny_demo_config
+    c = tiny_demo_config()
+    c.model.update(scan=True, norm={"name": "repbn"})
+    spec = models.spec_of(c.model, 10)
+    assert spec.scan
+    v = models.create(spec).init(jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32), train=False)
+    rng = np.random.default_rng(0)
+    v = jax.tree.map(lambda a: np.asarray(a) + 0.1 * rng.standard_normal(np.shape(a)).astype(
+        np.float32), v)
+    img = np.random.default_rng(1).integers(0, 256, (4, 8, 8, 3), np.uint8)
+    affine = bundle.from_variables(c, c.model, v, 10, log=None).affine
+    logits = models.create(spec).apply(v, stats.model_input(img, affine), train=False)
+    want = np.asarray(jax.nn.softmax(logits, axis=-1))  # the scanned model itself
+    for fold in (False, True):
+        b = bundle.from_variables(c, c.model, v, 10, fold=fold, log=None)
+        assert not b.model.scan
+        path = str(tmp_path / f"m{fold}.onnx")
+        artifact.export_artifact(b, "onnx", path, log=None)
+        got = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(
+            ["probabilities"], {"image": img})[0]
+        assert float(want.max() - want.min()) > 0.05
+        np.testing.assert_allclose(got, want, atol=TOL)

@@ -79,6 +79,7 @@ def from_variables(config: Any, model: Any, variables: Any, num_classes: int,
     spec or ``config.model``."""
     import jax
     from normvit_jax import models, predict, reparam
+    from normvit_jax.models import scan_convert
     n = int(num_classes)
     model = models.spec_of(model, n)
     variables = jax.tree.map(np.asarray, dict(variables))
@@ -93,6 +94,9 @@ def from_variables(config: Any, model: Any, variables: Any, num_classes: int,
         source.update(folded=list(report.folded), kept=[f"{s}: {why}" for s, why in report.kept])
         if log is not None:
             log(str(report))
+    if getattr(model, "scan", False):  # blocks unrolled: jax2onnx cannot trace nn.scan's loop
+        model = dataclasses.replace(model, scan=False)
+        variables = jax.tree.map(np.asarray, scan_convert.to_layout(variables, model))
     source["norms"] = sorted({str(c.get("name")) for c in getattr(model, "slot_norms", [])})
     spec = predict._spec(config)
     affine = tuple(np.asarray(a, np.float32) for a in spec.affine)
