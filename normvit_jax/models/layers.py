@@ -20,6 +20,7 @@ import numpy as np
 
 from normvit_jax import norms
 from normvit_jax.models import padded_attention
+from normvit_jax.models.gelu import gelu
 from normvit_jax.models.fusion_barriers import dense
 from normvit_jax.models.spec import DEFAULT_NORM
 
@@ -321,7 +322,10 @@ class MlpBlock(nn.Module):
         w0, b0 = _Projection((d, self.mlp_dim), (self.mlp_dim,), (d, self.mlp_dim), 1e-6,
                              param_init=self.param_init, name="Dense_0")()
         y = token_dense(x, w0, b0, self.dtype, self.barriers)
-        y = nn.gelu(y, approximate=self.gelu_approximate)
+        # training: a GELU whose backward keeps only y (models/gelu.py); inference (and so the
+        # export's trace) runs the plain one: same values, no backward to save for
+        act = gelu if train else lambda h, approximate: nn.gelu(h, approximate=approximate)
+        y = act(y, self.gelu_approximate)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=not train)
         w1, b1 = _Projection((self.mlp_dim, d), (d,), (self.mlp_dim, d), 1e-6,
                              param_init=self.param_init, name="Dense_1")()

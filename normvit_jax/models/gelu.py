@@ -1,0 +1,33 @@
+"""GELU whose backward keeps only its input, as PyTorch's does.
+
+Autodiff of ``jax.nn.gelu`` saves what its derivative reads: for the tanh form the tanh and three
+products, for the erf form the erf and an exp, each the size of the MLP's hidden activation
+(B, T, mlp_dim), the largest activation of a block. Whichever of them XLA does not recompute in
+the backward stays in memory from the forward to the backward (a GPU compiler does not copy a
+tanh or erf into a second fusion). Here the backward recomputes them from the saved input: a few
+elementwise operations on data the backward reads anyway, and the forward writes only what the
+next matmul needs. Values are those of ``jax.nn.gelu`` and its autodiff gradient.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gelu(x: jax.Array, approximate: bool = True) -> jax.Array:
+    """``jax.nn.gelu(x, approximate)``; its backward saves ``x`` alone."""
+    return jax.nn.gelu(x, approximate=approximate)
+
+
+def _gelu_fwd(x: jax.Array, approximate: bool) -> tuple[jax.Array, jax.Array]:
+    return jax.nn.gelu(x, approximate=approximate), x
+
+
+def _gelu_bwd(approximate: bool, x: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    _, vjp = jax.vjp(functools.partial(jax.nn.gelu, approximate=approximate), x)
+    return vjp(g)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)

@@ -1,0 +1,81 @@
+"""models/gelu.py: the MLP's GELU whose backward keeps only its input."""
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+
+from normvit_jax import models
+from normvit_jax.models.gelu import gelu
+from normvit_jax.models.layers import MlpBlock
+
+
+def _reference(x: np.ndarray, approximate: bool) -> tuple[np.ndarray, np.ndarray]:
+    """GELU and its derivative in float64 from the published formulas (Hendrycks & Gimpel)."""
+    if approximate:
+        c = math.sqrt(2 / math.pi)
+        t = np.tanh(c * (x + 0.044715 * x ** 3))
+        return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t ** 2) * c * (1 + 3 * 0.044715 * x ** 2)
+    erf = np.vectorize(math.erf)
+    cdf = 0.5 * (1 + erf(x / math.sqrt(2)))
+    return x * cdf, cdf + x * np.exp(-x ** 2 / 2) / math.sqrt(2 * math.pi)
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+def test_values_and_gradient_are_the_published_ones(approximate):
+    x = np.random.default_rng(0).normal(0, 3, (4, 33, 64)).astype(np.float32)
+    g = np.random.default_rng(1).normal(0, 1, x.shape).astype(np.float32)
+    y, vjp = jax.vjp(lambda a: gelu(a, approximate), jnp.asarray(x))
+    (dx,) = vjp(jnp.asarray(g))
+    want_y, want_d = _reference(x.astype(np.float64), approximate)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+    # float32 against float64: where tanh is within float32 rounding of +-1, 1 - t**2 keeps
+    # few bits (inputs up to 12 here); 5e-5 of gradients of size ~1
+    np.testing.assert_allclose(dx, want_d * g, rtol=1e-5, atol=5e-5)
+    # and exactly jax.nn.gelu's forward, its autodiff gradient to float32 rounding
+    auto_y, auto_vjp = jax.vjp(lambda a: jax.nn.gelu(a, approximate=approximate), jnp.asarray(x))
+    np.testing.assert_array_equal(y, auto_y)
+    np.testing.assert_allclose(dx, auto_vjp(jnp.asarray(g))[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+def test_the_mlp_saves_two_hidden_sized_tensors_for_its_backward(approximate):
+    """The MLP's backward keeps the first matmul's output (the GELU's input) and the GELU's output
+    (the second matmul's input): autodiff of jax.nn.gelu kept 4 (tanh form) or 3 (erf form)
+    more of that size."""
+    b, t, d, hidden = 2, 5, 8, 32
+    x = jax.random.normal(jax.random.key(0), (b, t, d))
+    mlp = MlpBlock(hidden, jnp.float32, gelu_approximate=approximate)
+    params = mlp.init(jax.random.key(1), x, train=False)
+    loss = lambda p: jnp.sum(jnp.sin(mlp.apply(p, x, train=True)))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(loss, params)
+    shapes = [tuple(int(n) for n in s.split(",") if n)
+              for s in re.findall(r"^f32\[([\d,]*)\]", out.getvalue(), re.M)]
+    assert len([s for s in shapes if math.prod(s) == b * t * hidden]) == 2, out.getvalue()
+    # training and inference compute the same MLP
+    np.testing.assert_array_equal(mlp.apply(params, x, train=True), mlp.apply(params, x, train=False))
+
+
+def test_model_gradients_equal_autodiff_of_the_plain_gelu(monkeypatch):
+    """A whole ViT's parameter gradients with this GELU and with jax.nn.gelu's autodiff."""
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    model = models.create({"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2,
+                           "mlp_dim": 64}, num_classes=4)
+    variables = model.init(jax.random.key(1), x)
+    grads = lambda: jax.grad(lambda v: jnp.sum(jnp.sin(model.apply(v, x, train=True))))(variables)
+    ours = grads()
+    monkeypatch.setattr("normvit_jax.models.layers.gelu",
+                        lambda h, approximate: jax.nn.gelu(h, approximate=approximate))
+    plain = grads()
+    assert float(max(jnp.abs(a).max() for a in jax.tree.leaves(ours))) > 1e-3
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
