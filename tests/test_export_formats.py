@@ -241,6 +241,26 @@ def test_derf_savedmodel_runs_in_tensorflow_or_names_the_operation(built):
         np.testing.assert_allclose(derf["sums"], 1.0, atol=1e-5)
 
 
+def test_a_savedmodel_has_a_dynamic_batch_or_the_error_says_how_to_export_one(built, artifacts):
+    """JAX 0.11 checks a dynamic batch's size with a custom call that TF 2.21 cannot read: the
+    export stops with one line naming the cause and --batch=N (exit 2 in the command; the
+    fixed-batch SavedModels then written run above). With JAX 0.10 the batch is dynamic."""
+    errors_seen = built["dynamic_batch_errors"]
+    for key in keys("savedmodel"):
+        meta = artifact.read_metadata(artifacts["savedmodel"][key])[0]
+        if key + ".savedmodel" in errors_seen:
+            text = errors_seen[key + ".savedmodel"]
+            assert "\n" not in text and re.match(
+                r"--format=savedmodel with a dynamic batch: TensorFlow [\d.]+'s XlaCallModule "
+                r"cannot read the batch-size check .* jax 0\.1[1-9][\d.]* writes .*--batch=N",
+                text), text
+            assert meta["input"]["shape"][0] == 12
+        else:
+            assert meta["input"]["shape"][0] is None
+    if jax.__version_info__ < (0, 11):
+        assert not errors_seen, errors_seen
+
+
 @pytest.mark.parametrize("impl", ["fused", "fused_sdpa", "separate"])
 def test_matmul_attention_is_the_attention_of_every_impl(impl):
     """``layers.matmul_attention()`` (what the ONNX export traces: transposes and batched

@@ -18,6 +18,11 @@ class UnsupportedOpError(DeployError):
                          f"{tail}; try another format (onnx, savedmodel, stablehlo)")
 
 
+class DynamicBatchError(DeployError):
+    """The format's runtime cannot read what the converter writes for a dynamic batch (a fixed
+    ``--batch`` can still be exported)."""
+
+
 class MissingExtraError(DeployError):
     """A package of the ``deploy`` extra is not installed."""
 

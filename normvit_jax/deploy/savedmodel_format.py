@@ -11,7 +11,7 @@ import shutil
 import tempfile
 
 from normvit_jax.deploy import bundle as bundle_lib
-from normvit_jax.deploy.errors import UnsupportedOpError, require
+from normvit_jax.deploy.errors import DynamicBatchError, UnsupportedOpError, require
 
 
 def _tf():
@@ -27,17 +27,25 @@ _UNREGISTERED = re.compile(r"unregistered operation '([^']+)'")
 _WHERE = re.compile(r"([\w./-]+\.py:\d+):\d+: error")
 
 
-def _check_tf_runs(tf: object, concrete: object, batch: int, size: int) -> None:
+def _check_tf_runs(tf: object, concrete: object, batch: int | None, size: int) -> None:
     """Runs the signature once in TensorFlow: its XlaCallModule deserializes the StableHLO only
     here, and a TF older than the JAX that wrote it refuses operations it does not know (JAX
-    0.10 writes erf as a ``composite`` that TF 2.21 cannot read)."""
+    0.10 writes erf as a ``composite`` that TF 2.21 cannot read; JAX 0.11 checks a dynamic
+    batch's size with a ``shape_assertion`` custom call in a form TF 2.21 cannot read)."""
     try:
-        concrete(tf.zeros([batch, size, size, 3], tf.uint8))
+        concrete(tf.zeros([batch or 1, size, size, 3], tf.uint8))
     except tf.errors.InvalidArgumentError as e:
         text = str(e)
         op, where = _UNREGISTERED.search(text), _WHERE.search(text)
         if op is None:
             raise
+        if batch is None and "shape_assertion" in text:
+            import jax
+            raise DynamicBatchError(
+                f"--format=savedmodel with a dynamic batch: TensorFlow {tf.__version__}'s "
+                f"XlaCallModule cannot read the batch-size check ({op.group(1)!r}) that jax "
+                f"{jax.__version__} writes for it; export a fixed batch (--batch=N), or use "
+                "onnx or stablehlo") from None
         raise UnsupportedOpError(op.group(1), "savedmodel", (
             f"written at {where.group(1)}; " if where else "") + f"TensorFlow {tf.__version__}'s "
             "XlaCallModule cannot read it") from None
@@ -72,7 +80,7 @@ def write(b: bundle_lib.Bundle, out: str, batch: int | None, meta: dict) -> None
             concrete = serve.get_concrete_function()
         except NotImplementedError as e:
             raise UnsupportedOpError(str(e).split("\n")[0][:200], "savedmodel") from None
-        _check_tf_runs(tf, concrete, batch or 1, b.image_size)
+        _check_tf_runs(tf, concrete, batch, b.image_size)
         tmp = out.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tf.saved_model.save(module, tmp, signatures={"serving_default": concrete})
