@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from normvit_jax import checkpoints, cli, summaries
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, compile_cache_env
 from tests.deploy_runs import XLA_FAST
 
 CONFIG = "tests/fault_config.py"
@@ -114,11 +114,9 @@ _DROP_FILE_OVERRIDE = (  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER; 24
 
 @pytest.fixture(scope="module", autouse=True)
 def _subprocess_env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("jax_cache")
     _ENV.clear()
     _ENV.update(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2",
-                JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+                **compile_cache_env(tmp_path_factory.mktemp("jax_cache")))
     for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         _ENV.pop(key, None)
     _ENV["XLA_FLAGS"] = XLA_FAST  # every run compiled alike, 3-6x faster (tests/deploy_runs.py)

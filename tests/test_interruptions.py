@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from normvit_jax import checkpoints, cli
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, compile_cache_env
 from tests.deploy_runs import XLA_FAST
 
 CONFIG, STEPS = "tests/fault_config.py", 24  # checkpoints every 5, logs every 2
@@ -85,10 +85,8 @@ def scramble(step_dir) -> None:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    cache = tmp_path_factory.mktemp("jax_cache")
     e = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2",
-         "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+         **compile_cache_env(tmp_path_factory.mktemp("jax_cache"))}
     for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         e.pop(key, None)
     e["XLA_FLAGS"] = XLA_FAST  # every run compiled alike, 3-6x faster (tests/deploy_runs.py)

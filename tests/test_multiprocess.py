@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from normvit_jax import checkpoints, cli, summaries
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, compile_cache_env
 from tests.deploy_runs import XLA_FAST
 
 CONFIG = "tests/multiproc_config.py"
@@ -46,9 +46,7 @@ def _env(tmp_path, **extra: str) -> dict:
                         "XLA_FLAGS", "JAX_PLATFORMS")}
     env["XLA_FLAGS"] = XLA_FAST
     env.update(PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2", ENTRY="tests/fault_main.py",
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", **extra)
+               **compile_cache_env(tmp_path / "jax_cache"), **extra)
     return env
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from normvit_jax import checkpoints, cli
 from normvit_jax.analysis import capture
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, compile_cache_env
 from tests.deploy_runs import XLA_FAST
 
 # The children's environment: XLA's backend optimizations off (tests/deploy_runs.XLA_FAST) and one
@@ -24,9 +24,7 @@ _ENV: dict = {}
 def _subprocess_env(tmp_path_factory):
     _ENV.clear()
     _ENV.update(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2", XLA_FLAGS=XLA_FAST,
-                JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+                **compile_cache_env(tmp_path_factory.mktemp("jax_cache")))
 
 
 def test_missing_workdir_config_and_checkpoint_are_named_with_the_command(tmp_path):
