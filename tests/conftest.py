@@ -81,6 +81,11 @@ def with_default_xla_flags(test):
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+if os.environ.get("NORMVIT_JAX_TESTS_CACHE_OWNER"):  # in case a plugin imported JAX first
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 from configs import vit_ln  # noqa: E402
 
 
@@ -118,7 +123,8 @@ def compile_cache(tmp_path_factory):
     """JAX's persistent compilation cache for one test module (``pytestmark =
     pytest.mark.usefixtures("compile_cache")``): a program compiled again in the same module (a
     straight run, then stop + resume, or the same tiny config in several tests) is loaded, not
-    compiled; its executable is the one compiled the first time. Off again after the module."""
+    compiled; its executable is the one compiled the first time. Off again after the module.
+    Nothing to do where the run's shared cache is on (a CPU-only machine: _shared_compile_cache)."""
     if os.environ.get("NORMVIT_JAX_TESTS_CACHE_OWNER"):
         yield  # the run's shared cache is on already
         return
