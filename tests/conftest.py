@@ -36,7 +36,7 @@ def _shared_compile_cache() -> None:
     """One JAX persistent compilation cache for the whole test run on a CPU-only machine: the
     workers and every child process they start inherit it with the environment, and load a
     program that another one compiled (the tiny configs' train and eval steps recur across files,
-    and a resumed run compiles its first run's programs again): 13% less time on 2 cores. A loaded
+    and a resumed run compiles its first run's programs again): 5-13% less time on 2 cores. A loaded
     executable is the one compiled, so no result changes. The process that made the folder (the
     xdist controller, which loads this file before it starts the workers) removes it at the end."""
     if not _cpu_only() or "JAX_COMPILATION_CACHE_DIR" in os.environ:
