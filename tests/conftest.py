@@ -32,30 +32,27 @@ if _cpu_only() and "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = XLA_FAST
 
 
-def _shared_compile_cache() -> None:
-    """One JAX persistent compilation cache for the whole test run on a CPU-only machine: the
-    workers and every child process they start inherit it with the environment, and load a
-    program that another one compiled (the tiny configs' train and eval steps recur across files,
-    and a resumed run compiles its first run's programs again): 5-13% less time on 2 cores. A loaded
-    executable is the one compiled, so no result changes. The process that made the folder (the
-    xdist controller, which loads this file before it starts the workers) removes it at the end."""
-    if not _cpu_only() or "JAX_COMPILATION_CACHE_DIR" in os.environ:
-        return
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=tempfile.mkdtemp(prefix="normvit_jax_tests_cache_"),
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-                      NORMVIT_JAX_TESTS_CACHE_OWNER=str(os.getpid()))
-
-
-_shared_compile_cache()
-
-
 def compile_cache_env(folder) -> dict:
     """Environment variables that give child processes a JAX persistent compilation cache: the
     run's shared one where it is on, else ``folder`` (a module's own)."""
     return {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder)),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def _shared_compile_cache() -> None:
+    """One JAX persistent compilation cache for the whole test run on a CPU-only machine: the
+    workers and every child process they start inherit it with the environment, and load a
+    program that another one compiled (the tiny configs' train and eval steps recur across files,
+    and a resumed run compiles its first run's programs again): 5-13% less time on 2 cores. A loaded
+    executable is the one compiled, so no result changes. The process that made the folder (the
+    xdist controller, whose pytest_configure runs before it starts the workers) removes it at the
+    end. Made in pytest_configure, not on import: scripts run outside pytest (tests/fault_config.py
+    through main.py, tests/fsdp_script.py) import this file too."""
+    if not _cpu_only() or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    os.environ.update(compile_cache_env(tempfile.mkdtemp(prefix="normvit_jax_tests_cache_")),
+                      NORMVIT_JAX_TESTS_CACHE_OWNER=str(os.getpid()))
 
 
 def environ_without_xla_flags() -> dict:
@@ -80,11 +77,6 @@ def with_default_xla_flags(test):
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-if os.environ.get("NORMVIT_JAX_TESTS_CACHE_OWNER"):  # in case a plugin imported JAX first
-    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 from configs import vit_ln  # noqa: E402
 
@@ -191,6 +183,16 @@ def float32_matmuls():
     so this changes nothing there; the tolerances stay what they are."""
     with jax.default_matmul_precision("float32"):
         yield
+
+
+def pytest_configure(config):
+    """The run's shared compilation cache (_shared_compile_cache), in this process's JAX too (JAX
+    read its environment when this file imported it)."""
+    _shared_compile_cache()
+    if os.environ.get("NORMVIT_JAX_TESTS_CACHE_OWNER"):
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_unconfigure(config):
