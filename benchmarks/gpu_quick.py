@@ -25,8 +25,10 @@ stopped (its process group killed); what it had written is kept (the ``train_ste
 not measured. Inside a part, norms start only within ``--time_budget_s`` (its share less
 ``CHILD_MARGIN_S``). A JAX persistent compilation cache (``--compile_cache``) lets ``vs_torch``
 load the LN steps the train parts compiled instead of compiling them again.
-Outputs: ``<out>/gpu_table.json`` (every part's status, seconds, share and results) and
-``<out>/gpu_table.md``, both rewritten after every part.
+Outputs: ``<out>/gpu_table.json`` (every part's status, seconds, share and results),
+``<out>/gpu_table.md`` and ``<out>/gpu_table_bundle.tar.gz`` (every log and JSON of ``<out>`` in one
+file: the GPU lending service returns at most 8 files of a command), all rewritten after every part.
+``--parts=vs_torch,train_B16``: only those parts (their weights share ``--budget_s``).
 """
 from __future__ import annotations
 
@@ -38,16 +40,20 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from typing import Any
 
 from benchmarks import gpu_render, xla_flags
 
-# Expected seconds of each part from a cold process (2026-11-26, H100/H200: ~15 s to start, a
-# B/16 LN compile ~20 s, DTN's well over a minute, ~35 s per torch.compile; vs_torch runs first,
-# so the train parts load its LN steps from the compilation cache); a variant adds one LN compile
-# per model. With --isolate_norms each norm is a part: NORM_WEIGHTS.
-WEIGHTS = {"vs_torch": 110.0, "train_B16": 130.0, "train_S16": 130.0, "norm_kernels": 70.0,
+# Expected seconds of each part from a cold process. H200, 2026-11-27 (5b174bc): vs_torch from a
+# cold cache did not finish in 118 s (two torch.compiles ~35 s each, our two LN steps compiled
+# there first); train_B16 took 98 s (LN loaded from the cache, DTN 79 s of build + compile);
+# train_S16 161 s for LN, RepBN and progressive (~50 s a norm: init and step compiles), so ~210 s
+# with z-score; norm_kernels did not finish its five layers in 94 s. A variant adds one LN compile
+# per model. With --isolate_norms each norm is a part: NORM_WEIGHTS. All of it is ~650 s, over
+# the 480 s default: ``--parts`` splits the run in two (docs/benchmarks.md, "The quick run").
+WEIGHTS = {"vs_torch": 180.0, "train_B16": 130.0, "train_S16": 210.0, "norm_kernels": 130.0,
            "profile": 40.0}
 VARIANT_WEIGHT = {"train_B16": 30.0, "train_S16": 20.0}
 NORM_WEIGHTS = {"dtn": 110.0}  # --isolate_norms: a norm's own process; others NORM_WEIGHT
@@ -109,7 +115,23 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]]:
                                      f"--dtype={args.dtype}", f"--num_classes={args.num_classes}",
                                      "--steps=2", "--part=each", *size, f"--json={j}"],
                     j, WEIGHTS["profile"]))
-    return out
+    return select(out, args.parts)
+
+
+def select(todo: list, names: str) -> list:
+    """The parts named in ``names`` (comma list; '' = all), in the plan's order. A train part's
+    name also selects its per-norm parts under --isolate_norms (``train_B16`` -> ``train_B16_dtn``)."""
+    wanted = [n for n in names.split(",") if n]
+    if not wanted:
+        return todo
+    keep = lambda name: any(name == w or name.startswith(w + "_") for w in wanted)
+    return [t for t in todo if keep(t[0])]
+
+
+def part_names(args: argparse.Namespace) -> list[str]:
+    """Every part the plan has for these options (what ``--parts`` accepts)."""
+    full = argparse.Namespace(**{**vars(args), "parts": "", "no_torch": False, "dry_run": True})
+    return [name for name, *_ in parts(full)]
 
 
 def share(left: float, weights: list[float]) -> float:
@@ -185,6 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_torch or not any(n == "vs_torch" for n, *_ in todo):
         state["parts"]["vs_torch"] = {"status": "not run", "seconds": 0, "result": None,
                                       "reason": "--no_torch" if args.no_torch else
+                                      f"--parts={args.parts}" if args.parts else
                                       "torch/timm not installed"}
     for i, (name, cmd, j, _) in enumerate(todo):
         left = args.budget_s - (time.monotonic() - t0) - RESERVE_S
@@ -217,4 +240,20 @@ def publish(state: dict[str, Any], args: argparse.Namespace, t0: float) -> str:
     with open(tmp, "w") as f:
         json.dump(state, f, indent=1, default=str)
     os.replace(tmp, os.path.join(args.out, "gpu_table.json"))
+    bundle(args.out)
     return md
+
+
+BUNDLE = "gpu_table_bundle.tar.gz"
+
+
+def bundle(out: str) -> str:
+    """Every log and JSON in ``out`` as one ``BUNDLE`` (written aside, then renamed: a stop
+    mid-write keeps the previous one)."""
+    path, tmp = os.path.join(out, BUNDLE), os.path.join(out, BUNDLE + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for name in sorted(os.listdir(out)):
+            if name.endswith((".log", ".json", ".md")):
+                tar.add(os.path.join(out, name), arcname=name)
+    os.replace(tmp, path)
+    return path

@@ -93,9 +93,22 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="--quick: JAX persistent compilation cache shared by the parts (default: "
                         "a new temporary folder, removed at the end, kept out of --out; '' turns "
                         "it off)")
+    q.add_argument("--parts", default="",
+                   help="--quick: only these parts, comma-separated (vs_torch, train_B16, "
+                        "train_S16, norm_kernels, profile; a train part's name also selects its "
+                        "per-norm parts under --isolate_norms), to split the run over two calls")
     args = p.parse_args(argv)
     from benchmarks import xla_flags
     xla_flags.parse_variants(args.variants)
+    if args.parts:
+        if not args.quick:
+            p.error("--parts applies to --quick only")
+        from benchmarks import gpu_quick
+        known = gpu_quick.part_names(args)
+        bad = [n for n in args.parts.split(",") if n and not any(
+            k == n or k.startswith(n + "_") for k in known)]
+        if bad:
+            p.error(f"--parts: unknown part(s) {bad}; accepted: {sorted(set(known))}")
     args.temp_cache = args.compile_cache is None and args.quick and not args.dry_run
     if args.compile_cache is None:
         args.compile_cache = tempfile.mkdtemp(prefix="gpu_table_jax_cache_") if args.temp_cache else ""

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -83,6 +84,25 @@ def test_gpu_table_quick_dry_run_lists_the_parts_with_their_shares(capsys):
     assert text.index("benchmarks.vs_torch") < text.index("benchmarks.train_step")  # first
 
 
+def test_gpu_table_quick_parts_selects_and_rejects(capsys):
+    """--parts runs only the named parts (the budget shared by their weights); a train part's
+    name selects its per-norm parts under --isolate_norms; an unknown name exits 2 naming it."""
+    from benchmarks import gpu_table
+    res = gpu_table.main(["--quick", "--dry-run", "--parts=norm_kernels,train_S16",
+                          "--budget_s=300"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# ")]
+    assert [line.split(":")[0][2:] for line in lines] == ["train_S16", "norm_kernels"]
+    assert "benchmarks.vs_torch" not in " ".join(map(" ".join, res["commands"]))
+    assert sum(float(line.split(": ")[1].split(" s ")[0]) for line in lines) == pytest.approx(300, abs=2)
+    gpu_table.main(["--quick", "--dry-run", "--isolate_norms", "--parts=train_B16"])
+    assert [line.split(":")[0][2:] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("# ")] == ["train_B16_layernorm", "train_B16_dtn"]
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_table", "--quick", "--dry-run",
+                        "--parts=vs_torch,trian_S16"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown part(s) ['trian_S16']" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_gpu_table_quick_isolate_norms_gives_each_norm_a_part(capsys):
     from benchmarks import gpu_table
     gpu_table.main(["--quick", "--dry-run", "--isolate_norms", "--variants=lhs=--xla_a=true"])
@@ -145,6 +165,11 @@ def test_gpu_table_quick_tiny_runs_without_tensorflow(tmp_path):
     assert "| kind | ms/step | share |" in md and "- vs_torch: not run: --no_torch" in md
     for part in ("train_B16", "train_S16", "norm_kernels", "profile"):
         assert (out / f"{part}.log").exists() and (out / f"{part}.json").exists()
+    with tarfile.open(out / "gpu_table_bundle.tar.gz") as tar:  # what a GPU lease returns
+        names = set(tar.getnames())
+        assert json.load(tar.extractfile("gpu_table.json"))["parts"].keys() == res["parts"].keys()
+    assert names == {p.name for p in out.iterdir() if p.suffix in (".log", ".json", ".md")}
+    assert {"train_S16.log", "norm_kernels.json", "gpu_table.md"} <= names
 
 
 def test_gpu_quick_stops_a_part_at_its_share_and_keeps_what_it_wrote(tmp_path):
