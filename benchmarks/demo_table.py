@@ -15,7 +15,11 @@ when README, docs and the file disagree.
 Seed 0 is the README's command (the demos' default seed) and the table's top-1/top-5; seeds 1..N-1
 (``--config.seed=k``) give the range beside it: what another seed, or a change that perturbs the
 last bits of the arithmetic, moves the number by. The demos pin XLA:CPU's numerics
-(``config.reproducible_cpu_threads``), so the seed-0 number is the same on other x86 CPUs.
+(``config.reproducible_cpu_threads``): the same bits on any core count of one CPU model, but not
+across CPU models (2026-11-27: the LayerNorm demo printed 96.34% on an AVX2 EPYC and 98.31% on an
+AVX-512 Xeon with the same pins). So a method's earlier runs on another CPU model are kept
+(``other_machines``: CPU, date, versions, the top-1 of each seed) when it is re-run on a new one,
+and the range column spans the seeds of every CPU model measured.
 Timing, one way for every row: ``wall`` is the whole command (start-up, compilation and evals
 included) by the clock, ``CPU`` its user+sys seconds (``getrusage`` of the child), which other jobs
 on the machine change far less than the wall time; the load average at the start is recorded.
@@ -47,7 +51,7 @@ OUTPUT_BEGIN, OUTPUT_END = "<!-- demo-output:begin -->\n", "<!-- demo-output:end
 OUTPUT_METHOD = "dtn"  # the run whose whole output the README shows
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorflow", "tensorflow-cpu",
             "numpy")
-HEADER = ("| method | config | top-1 | top-1 over seeds | top-5 | wall | CPU |\n"
+HEADER = ("| method | config | top-1 | top-1 over seeds and CPUs | top-5 | wall | CPU |\n"
           "|---|---|---|---|---|---|---|\n")
 METHODS = (  # key (--only), label, config file
     ("ln", "LayerNorm", "vit_ln.py"),
@@ -85,11 +89,16 @@ def last_eval_step(workdir: str) -> tuple[int, float, float]:
 
 def machine() -> dict:
     """Where the numbers were measured: CPU, cores, the load when the runs started, versions."""
-    cpu = platform.processor()
+    cpu, isa = platform.processor(), None
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
+            info = f.read().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in info
+                    if line.startswith("model name")), cpu)
+        flags = set(next((line.split(":", 1)[1].split() for line in info
+                          if line.startswith("flags")), []))
+        isa = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"),
+                                            ("avx2", "AVX2")) if flag in flags), None)
     except OSError:
         pass
     versions = {"python": platform.python_version()}
@@ -99,7 +108,7 @@ def machine() -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+    return {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "platform": platform.platform(),
             "load_average_at_start": load, "versions": versions}
 
 
@@ -147,13 +156,30 @@ def update_results(path: str, runs: dict[str, dict], env: dict, date: str) -> di
     labels = {k: (label, f) for k, label, f in METHODS}
     for key, run in runs.items():
         results["methods"][key] = {"label": labels[key][0], "config": f"{labels[key][1]}:demo",
-                                   **run, "date": date, "machine": env}
+                                   **run, "date": date, "machine": env,
+                                   "other_machines": kept_machines(results["methods"].get(key), env)}
     results["methods"] = {k: results["methods"][k] for k, _, _ in METHODS
                           if k in results["methods"]}
     with open(path, "w") as f:
         json.dump(results, f, indent=1, sort_keys=False)
         f.write("\n")
     return results
+
+
+def kept_machines(previous: dict | None, env: dict) -> list[dict]:
+    """The runs of a method on other CPU models than ``env``'s, from its previous entry (its own
+    run and the ones it kept), one per CPU model, the newest first; same model: replaced."""
+    if not previous:
+        return []
+    own = {"cpu": previous["machine"]["cpu"], "isa": previous["machine"].get("isa"),
+           "date": previous["date"], "versions": previous["machine"].get("versions", {}),
+           "top1_seeds": previous.get("top1_seeds") or [previous["top1"]]}
+    model = lambda m: (m["cpu"], m.get("isa"))
+    out = []
+    for m in [own, *previous.get("other_machines", [])]:
+        if model(m) != model(env) and all(model(m) != model(o) for o in out):
+            out.append(m)
+    return out
 
 
 def rows_from_results(results: dict) -> dict[str, str]:
@@ -184,16 +210,23 @@ def rebuild_report(root: str, report_dir: str = REPORT, doc: str = ANALYSIS_DOC)
         f.write(f"{head}{REPORT_BEGIN}\n" + "\n".join(table) + f"\n{REPORT_END}{tail}")
 
 
+def all_top1(result: dict) -> list[float]:
+    """The top-1 of every seed on every CPU model measured (this entry's and ``other_machines``)."""
+    return [*(result.get("top1_seeds") or []),
+            *(t for m in result.get("other_machines", []) for t in m["top1_seeds"])]
+
+
 def seed_range(result: dict) -> tuple[float, float] | None:
-    """(min, max) top-1 over the seeds, or None when one seed was run."""
-    seeds = result.get("top1_seeds") or []
-    return (min(seeds), max(seeds)) if len(seeds) > 1 else None
+    """(min, max) top-1 over the seeds and CPU models, or None when one run was made."""
+    runs = all_top1(result)
+    return (min(runs), max(runs)) if len(runs) > 1 else None
 
 
 def row(label: str, config_file: str, result: dict) -> str:
     span = seed_range(result)
-    seeds = (f"{100 * span[0]:.1f}-{100 * span[1]:.1f}% ({len(result['top1_seeds'])})" if span
-             else "-")
+    cpus = 1 + len(result.get("other_machines", []))
+    count = f"{len(all_top1(result))}" + (f", {cpus} CPUs" if cpus > 1 else "")
+    seeds = (f"{100 * span[0]:.2f}-{100 * span[1]:.2f}% ({count})" if span else "-")
     cpu = f"{result['cpu_s']:.0f} s" if "cpu_s" in result else "-"
     return (f"| {label} | `{config_file}:demo` | {100 * result['top1']:.2f}% | {seeds} | "
             f"{100 * result['top5']:.2f}% | {result['wall_s']:.0f} s | {cpu} |")

@@ -11,6 +11,8 @@ written as they come (the parent's own lines in ``<out>/gpu_table.log``):
                 z-score->RepBN (+ the LN ``--variants``)
   norm_kernels  ``norm_kernels --model=B/16``: each norm layer alone (LN, DTN, RepBN, progressive,
                 z-score->RepBN)
+  train_<m>_recompute  (``--recompute=gelu``) ``train_step --one_process``: the LN step of B/16 and
+                S/16 with ``model.recompute``, each in its own process (its own device peak)
   profile       (``--profile``) ``benchmarks.profile``: B/16 LN step by op kind and model part
 
 ``--isolate_norms``: each norm of the train parts in its own process with its own share
@@ -58,6 +60,7 @@ WEIGHTS = {"vs_torch": 180.0, "train_B16": 130.0, "train_S16": 210.0, "norm_kern
 VARIANT_WEIGHT = {"train_B16": 30.0, "train_S16": 20.0}
 NORM_WEIGHTS = {"dtn": 110.0}  # --isolate_norms: a norm's own process; others NORM_WEIGHT
 NORM_WEIGHT = 40.0
+RECOMPUTE_WEIGHT = 50.0  # --recompute: a LayerNorm step in a process of its own (start, two compiles)
 NORMS = {"train_B16": "layernorm,dtn", "train_S16": "layernorm,repbn,progressive,zscore_repbn"}
 KERNEL_NORMS = "layernorm,dtn,repbn,progressive,zscore_repbn"
 CHILD_MARGIN_S = 15.0  # a part's own --time_budget_s is its share less this
@@ -102,6 +105,12 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]]:
             j = os.path.join(args.out, f"{part}_variants.json")
             out.append((f"{part}_variants", train + ["--norm=layernorm", flags, f"--json={j}"],
                         j, NORM_WEIGHT + VARIANT_WEIGHT[part] * len(variants)))
+    if args.recompute != "none":  # LN with model.recompute, its own process: its own device peak
+        for part in ("train_B16", "train_S16"):
+            j = os.path.join(args.out, f"{part}_recompute.json")
+            out.append((f"{part}_recompute", py + [
+                "benchmarks.train_step", f"--model={m[part]}", "--one_process", *common,
+                "--norm=layernorm", f"--recompute={args.recompute}", f"--json={j}"], j, RECOMPUTE_WEIGHT))
     j = os.path.join(args.out, "norm_kernels.json")
     kern = ["--batch=2", "--steps=1", "--warmup=0"] if args.tiny else [
         f"--batch={args.batch}", f"--steps={args.steps}", f"--warmup={args.warmup}"]

@@ -37,8 +37,9 @@ def summary_rows(parts: dict[str, Any]) -> list[dict[str, Any]]:
         res = (p or {}).get("result") or {}
         if not part.startswith("train_") or not res.get("rows"):
             continue
-        model = res["args"]["model"]
-        raw += [(model, r) for r in res["rows"]
+        model, rec = res["args"]["model"], res["args"].get("recompute") or "none"
+        raw += [(model, r if rec == "none" else {**r, "norm": f"{r['norm']}+recompute={rec}"})
+                for r in res["rows"]
                 if not (part.endswith("_variants") and r["norm"] == "layernorm")]
     base = {}
     for model, r in raw:

@@ -93,6 +93,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="--quick: JAX persistent compilation cache shared by the parts (default: "
                         "a new temporary folder, removed at the end, kept out of --out; '' turns "
                         "it off)")
+    q.add_argument("--recompute", default="none", choices=["none", "gelu"],
+                   help="--quick: also the B/16 and S/16 LayerNorm steps with this model.recompute, "
+                        "each in its own process (parts train_B16_recompute, train_S16_recompute)")
     q.add_argument("--parts", default="",
                    help="--quick: only these parts, comma-separated (vs_torch, train_B16, "
                         "train_S16, norm_kernels, profile; a train part's name also selects its "

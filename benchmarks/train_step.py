@@ -49,6 +49,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--scan", action="store_true", help="nn.scan over blocks (model.scan)")
     p.add_argument("--grad_accum", type=int, default=1, help="config.grad_accum_steps")
     p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
+    p.add_argument("--recompute", default=None, choices=["none", "gelu"],
+                   help="model.recompute (default: the config's, none)")
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="device peak for MFU; default: the datasheet's (GPUs), else a matmul probe")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
@@ -144,7 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def config(args: argparse.Namespace, norm: str, aug: str = "none") -> Any:
     """The benchmark config of one norm (and on-device augmentation set) from the flags."""
-    overrides = {"attention_impl": args.attention_impl} if args.attention_impl else None
+    overrides = {k: getattr(args, k) for k in ("attention_impl", "recompute")
+                 if getattr(args, k)} or None
     cfg = common.bench_config(args.model, norm, image_size=args.image_size, batch=args.batch,
                               dtype=args.dtype, remat=args.remat, scan=args.scan,
                               grad_accum=args.grad_accum, num_classes=args.num_classes,
@@ -193,7 +196,7 @@ def child_argv(args: argparse.Namespace, norm: str, json_path: str) -> list[str]
            f"--num_classes={args.num_classes}", f"--grad_accum={args.grad_accum}",
            f"--xla_preset={args.xla_preset}", f"--augment={args.augment}",
            f"--json={json_path}"]
-    for flag in ("image_size", "depth", "attention_impl", "peak_tflops"):
+    for flag in ("image_size", "depth", "attention_impl", "recompute", "peak_tflops"):
         if getattr(args, flag) is not None:
             out.append(f"--{flag}={getattr(args, flag)}")
     out += [f"--{flag}" for flag in ("remat", "scan") if getattr(args, flag)]
@@ -239,7 +242,8 @@ def report(res: dict[str, Any]) -> str:
            "one process per norm, ratio of medians" if a.get("isolate") and len(res["rows"]) > 1
            else "round-robin in one process")
     head = (f"train step: model={a['model']} image={a['image_size'] or 'default'} batch={a['batch']} "
-            f"dtype={a['dtype']} remat={a['remat']} scan={a['scan']} grad_accum={a['grad_accum']}; "
+            f"dtype={a['dtype']} remat={a['remat']} recompute={a.get('recompute') or 'none'} "
+            f"scan={a['scan']} grad_accum={a['grad_accum']}; "
             f"{a['steps']} timed rounds after {a['warmup']} warm-up ({how}); step time median "
             f"[p25, p75] s; MFU from analytic model FLOPs; peak {res['peak_flops'] / 1e12:.3f} "
             f"TFLOP/s ({res['peak_source']})")

@@ -93,6 +93,9 @@ def get_config() -> ml_collections.ConfigDict:
                                     # separate: 3 DenseGeneral + dot_product_attention
     c.model.fusion_barriers = "auto"  # auto (CPU only) | on | off: store the residual gradient per block
                                     # instead of XLA:CPU recomputing it (docs/benchmarks.md)
+    c.model.recompute = "none"      # none | gelu: the MLP's backward recomputes the GELU's output from its
+                                    # input instead of keeping it (per block one (B, T, mlp_dim) activation
+                                    # less in memory, one elementwise pass more); config.remat: whole blocks
     c.model.scan = False            # nn.scan over the leading identical blocks (fast compile of deep models;
                                     # params under Transformer/encoderblock, see models/scan_convert.py)
     # model.name='t2t_vit' (models/t2t_vit.py): configs/recipes.py t2t_vit adds these keys, so only
@@ -165,9 +168,10 @@ def get_config() -> ml_collections.ConfigDict:
     # ---- precision and memory ----
     c.dtype = "float32"             # compute dtype: float32 | bfloat16 (params and stats stay float32)
     c.remat = False                 # activation checkpointing per block
-    c.reproducible_cpu_threads = 0  # >0: XLA:CPU on this many threads with AVX2 code and no YNNPACK, so
-                                    # every x86 CPU computes the same numbers (normvit_jax/reproducible.py;
-                                    # main.py sets it before JAX starts); 0: XLA's defaults, every core
+    c.reproducible_cpu_threads = 0  # >0: XLA:CPU on this many threads with AVX2 code and no YNNPACK: the
+                                    # same numbers on any core count of a CPU model, not across models
+                                    # (normvit_jax/reproducible.py; main.py sets it before JAX starts);
+                                    # 0: XLA's defaults, every core
 
     # ---- device mesh (normvit_jax/sharding.py; README "Sharded parameters (FSDP)") ----
     c.mesh = ml_collections.ConfigDict()
@@ -210,7 +214,7 @@ def get_demo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.model.mlp_dim = 128
     c.batch_size = 64
     c.eval_batch_size = 128
-    c.reproducible_cpu_threads = 2  # the README's numbers on any x86 CPU (no faster with more threads)
+    c.reproducible_cpu_threads = 2  # the README's numbers on any core count (no faster with more threads)
     c.num_epochs = 40.0
     c.optimizer.learning_rate = 3e-3
     c.optimizer.weight_decay = 0.05

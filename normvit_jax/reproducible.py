@@ -1,4 +1,5 @@
-"""The same numbers on every x86 CPU (``config.reproducible_cpu_threads``; the demos set 2).
+"""The same numbers on any core count of a CPU model (``config.reproducible_cpu_threads``; the
+demos set 2). Not across CPU models: see the end of this docstring.
 
 XLA:CPU's defaults make a float32 result depend on the machine, and a training run amplifies the
 last-bit differences until the final top-1 differs by a percent or two (issue 35, measured on the
@@ -17,6 +18,15 @@ was measured on has), YNNPACK fusions are off (dots run in the Eigen kernels bui
 which do not dispatch on the CPU; faster on shared cores too: benchmarks/xla_flags.py's 'tuned'
 preset, whose barrier flag comes with it), and platform-dependent math is off. GPU and TPU
 backends ignore all of it. Off (0) by default: a large CPU run wants every core.
+
+What it does not pin (2026-11-27): with all of the above, the LayerNorm demo printed 96.34% on a
+2-core AVX2 EPYC and 98.31% on a 2-core AVX-512/AMX Xeon. On the Xeon the result was the same
+bits on 1 and 2 cores, with single-threaded Eigen, with XNNPACK off (``xla_cpu_use_xnnpack``) and
+with numpy and OpenBLAS held to AVX2 (``NPY_DISABLE_CPU_FEATURES``, ``OPENBLAS_CORETYPE``), so none
+of those is the difference. What is left varies with the CPU model, not the core count: Eigen's
+matrix-product blocking, which it sizes from the CPU's cache sizes at run time (the order of a
+long contraction's partial sums), is the likely cause; no flag sets it. README's demo table
+therefore gives each method's range over seeds and CPU models.
 """
 from __future__ import annotations
 
@@ -68,5 +78,6 @@ def apply(threads: int, environ: dict | None = None) -> str | None:
     else:
         env[THREADS_ENV] = str(int(threads))
     return (f"Reproducible CPU numerics (config.reproducible_cpu_threads={threads}): XLA:CPU on "
-            f"{env[THREADS_ENV]} threads, AVX2 code, no YNNPACK, so every x86 CPU computes the same "
-            "numbers" + (f"; kept your own {', '.join(kept)}" if kept else "") + ".")
+            f"{env[THREADS_ENV]} threads, AVX2 code, no YNNPACK: the same numbers on any core count "
+            "of this CPU model (other models may differ in the last bits)"
+            + (f"; kept your own {', '.join(kept)}" if kept else "") + ".")

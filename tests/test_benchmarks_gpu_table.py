@@ -94,6 +94,11 @@ def test_gpu_table_quick_parts_selects_and_rejects(capsys):
     assert [line.split(":")[0][2:] for line in lines] == ["train_S16", "norm_kernels"]
     assert "benchmarks.vs_torch" not in " ".join(map(" ".join, res["commands"]))
     assert sum(float(line.split(": ")[1].split(" s ")[0]) for line in lines) == pytest.approx(300, abs=2)
+    gpu_table.main(["--quick", "--dry-run", "--recompute=gelu", "--parts=train_S16_recompute"])
+    text = capsys.readouterr().out
+    assert [line.split(":")[0][2:] for line in text.splitlines() if line.startswith("# ")] == [
+        "train_S16_recompute"]
+    assert "--model=S/16 --one_process" in text and "--norm=layernorm --recompute=gelu" in text
     gpu_table.main(["--quick", "--dry-run", "--isolate_norms", "--parts=train_B16"])
     assert [line.split(":")[0][2:] for line in capsys.readouterr().out.splitlines()
             if line.startswith("# ")] == ["train_B16_layernorm", "train_B16_dtn"]
@@ -125,10 +130,15 @@ def test_gpu_render_ratios_across_processes():
              "train_B16_dtn": part(row("dtn", 0.12, extra=1.0)),
              "train_B16_variants": part(row("layernorm", 0.2), row("layernorm@x", 0.19,
                                                                   time_ratio_median=0.95)),
+             "train_B16_recompute": {"status": "ok", "result": {
+                 "args": {"model": "B/16", "recompute": "gelu"},
+                 "rows": [row("layernorm", 0.103, device_peak_gib=17.0)]}},
              "vs_torch": {"status": "ok", "result": {"args": {"model": "B/16"}, "rows": [
                  {"impl": "timm_compiled", "step_median_s": 0.11, "images_per_s": 9.0}]}}}
     rows = {r["norm"]: r for r in gpu_render.summary_rows(parts)}
-    assert list(rows) == ["layernorm", "dtn", "layernorm@x"]
+    assert list(rows) == ["layernorm", "dtn", "layernorm@x", "layernorm+recompute=gelu"]
+    rec = rows["layernorm+recompute=gelu"]  # against the plain LN row of its model
+    assert rec["ratio_to_ln"] == pytest.approx(1.03) and rec["device_peak_gib"] == 17.0
     assert rows["dtn"]["ratio_to_ln"] == pytest.approx(1.2)
     assert rows["dtn"]["bound"] == pytest.approx(1.15) and rows["dtn"]["within"] == "NO"
     assert rows["layernorm@x"]["ratio_to_ln"] == 0.95 and rows["layernorm@x"]["bound"] is None

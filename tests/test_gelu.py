@@ -82,3 +82,59 @@ def test_model_gradients_equal_autodiff_of_the_plain_gelu(monkeypatch):
     assert float(max(jnp.abs(a).max() for a in jax.tree.leaves(ours))) > 1e-3
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(plain)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _hidden_sized_residuals(fn, *args, size: int) -> int:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(fn, *args)
+    shapes = [tuple(int(n) for n in s.split(",") if n)
+              for s in re.findall(r"^\w+\[([\d,]*)\]", out.getvalue(), re.M)]
+    return len([s for s in shapes if math.prod(s) == size])
+
+
+@pytest.mark.parametrize("barriers", [False, True])
+def test_recompute_gelu_keeps_one_hidden_sized_tensor_and_computes_the_same(barriers):
+    """model.recompute='gelu': the MLP's backward keeps only the GELU's input (1 hidden-sized
+    residual, 2 without) and recomputes the GELU's output; outputs and gradients equal the plain
+    MLP's (the same operations, recomputed), with and without the CPU fusion barriers."""
+    b, t, d, hidden = 2, 5, 8, 32
+    x = jax.random.normal(jax.random.key(0), (b, t, d))
+    cot = jax.random.normal(jax.random.key(2), (b, t, d))
+    runs = {}
+    for rec in (False, True):
+        mlp = MlpBlock(hidden, jnp.float32, barriers=barriers, recompute_gelu=rec)
+        params = mlp.init(jax.random.key(1), x, train=False)
+        loss = lambda p, xx, m=mlp: jnp.sum(jnp.sin(m.apply(p, xx, train=True)) * cot)
+        runs[rec] = (jax.jit(loss)(params, x), jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x),
+                     _hidden_sized_residuals(loss, params, x, size=b * t * hidden))
+    assert runs[False][2] == 2 and runs[True][2] == 1, runs
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
+    assert float(max(jnp.abs(a).max() for a in jax.tree.leaves(runs[False][1]))) > 1e-2
+    for a, c in zip(jax.tree.leaves(runs[True][1]), jax.tree.leaves(runs[False][1])):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7)
+
+
+def test_recompute_gelu_in_a_vit_and_its_bad_settings():
+    """A ViT with model.recompute='gelu' (a BatchNorm in its slots: state updated alike) trains to
+    the same loss, gradients and statistics; with MLP dropout or an unknown value it is refused."""
+    x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
+    cfg = {"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2, "mlp_dim": 64,
+           "fusion_barriers": "off", "norm": {"name": "batchnorm"}}
+    res = {}
+    for rec in ("none", "gelu"):
+        model = models.create({**cfg, "recompute": rec}, num_classes=4)
+        variables = model.init(jax.random.key(1), x)
+
+        def loss(p, m=model, v=variables):
+            y, upd = m.apply({**v, "params": p}, x, train=True, mutable=["batch_stats"])
+            return jnp.sum(jnp.sin(y)), upd
+        (val, upd), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
+        res[rec] = (val, g, upd)
+    np.testing.assert_allclose(res["gelu"][0], res["none"][0], rtol=1e-6)
+    for a, c in zip(jax.tree.leaves(res["gelu"][1:]), jax.tree.leaves(res["none"][1:])):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"model.recompute='gelu'.*dropout_rate=0.1"):
+        models.create({**cfg, "recompute": "gelu", "dropout_rate": 0.1}, num_classes=4)
+    with pytest.raises(ValueError, match=r"model.recompute='all' is not accepted; accepted: \['none', 'gelu'\]"):
+        models.create({**cfg, "recompute": "all"}, num_classes=4)

@@ -315,6 +315,7 @@ class MlpBlock(nn.Module):
     gelu_approximate: bool = True
     barriers: bool = False
     param_init: str = "google"  # 'timm': normal(0.02) kernels, zero biases
+    recompute_gelu: bool = False  # model.recompute='gelu'
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
@@ -322,13 +323,21 @@ class MlpBlock(nn.Module):
         w0, b0 = _Projection((d, self.mlp_dim), (self.mlp_dim,), (d, self.mlp_dim), 1e-6,
                              param_init=self.param_init, name="Dense_0")()
         y = token_dense(x, w0, b0, self.dtype, self.barriers)
+        w1, b1 = _Projection((self.mlp_dim, d), (d,), (self.mlp_dim, d), 1e-6,
+                             param_init=self.param_init, name="Dense_1")()
+        if train and self.recompute_gelu and self.dropout_rate == 0.0:
+            # GELU and Dense_1 as one checkpointed function of the GELU's input: the backward keeps
+            # only y (B, T, mlp_dim) and recomputes the GELU's output for Dense_1's weight
+            # gradient, where the plain path keeps both (the largest activations of a block).
+            tail = lambda h, w, bias: token_dense(gelu(h, self.gelu_approximate), w, bias,
+                                                  self.dtype, self.barriers)
+            y = jax.checkpoint(tail, policy=jax.checkpoint_policies.nothing_saveable)(y, w1, b1)
+            return y
         # training: a GELU whose backward keeps only y (models/gelu.py); inference (and so the
         # export's trace) runs the plain one: same values, no backward to save for
         act = gelu if train else lambda h, approximate: nn.gelu(h, approximate=approximate)
         y = act(y, self.gelu_approximate)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=not train)
-        w1, b1 = _Projection((self.mlp_dim, d), (d,), (self.mlp_dim, d), 1e-6,
-                             param_init=self.param_init, name="Dense_1")()
         y = token_dense(y, w1, b1, self.dtype, self.barriers)
         return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
 

@@ -30,11 +30,14 @@ PATCH_NORMS = ("none", "pre", "post", "dual", "post_posemb")
 RESIDUALS = ("none", "rescale")
 ATTENTION_IMPLS = ("auto", "fused", "fused_sdpa", "separate")
 FUSION_BARRIERS = ("auto", "on", "off")
+# model.recompute: 'gelu': the MLP's backward recomputes its GELU output from the GELU's input
+# instead of keeping it from the forward (models/layers.py, MlpBlock).
+RECOMPUTE = ("none", "gelu")
 PARAM_INITS = ("google", "timm")  # model.param_init: the layers' initialisers (layers.timm_normal)
 _CHOICES = (("classifier", CLASSIFIERS), ("posemb", POSEMBS), ("norm_placement", PLACEMENTS),
             ("patch_norm", PATCH_NORMS), ("residual_scaling", RESIDUALS),
             ("attention_impl", ATTENTION_IMPLS), ("fusion_barriers", FUSION_BARRIERS),
-            ("param_init", PARAM_INITS))
+            ("param_init", PARAM_INITS), ("recompute", RECOMPUTE))
 
 DEFAULT_NORM = FrozenDict(norms.DEFAULT)  # the norm of a slot nothing else names
 MLP_RATIO = 4.0  # mlp_dim = MLP_RATIO * hidden_size where neither is set (configs/default.py's)
@@ -101,6 +104,7 @@ class ViTSpec:
     param_init: str = "google"      # google (vit_jax/big_vision) | timm (DeiT, T2T-ViT: normal 0.02)
     attention_impl: str = "auto"
     fusion_barriers: str = "auto"
+    recompute: str = "none"         # RECOMPUTE ('gelu'); config.remat recomputes whole blocks
     scan: bool = False
     remat: bool = False
     dtype: Any = jnp.float32
@@ -114,6 +118,10 @@ class ViTSpec:
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.{key}={getattr(self, key)!r} is not accepted; "
                                  f"accepted: {list(allowed)}")
+        if self.recompute == "gelu" and self.dropout_rate:
+            raise ValueError(f"model.recompute='gelu' recomputes the GELU without the MLP's dropout; "
+                             f"model.dropout_rate={self.dropout_rate} is not accepted with it; "
+                             "accepted: model.dropout_rate=0 or model.recompute='none'")
         _check_override_keys(dict(self.norm_overrides), self.depth)
         slots = tuple(_norm_for_slot(self.norm, self.norm_overrides, i)
                       for i in list(range(self.depth)) + [None])

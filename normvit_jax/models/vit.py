@@ -74,7 +74,7 @@ class EncoderBlock(nn.Module):
         attn = Attention(s.num_heads, s.dtype, s.attention_dropout_rate, s.attention_impl, barriers,
                          s.qkv_bias, s.param_init, name="MultiHeadDotProductAttention_1")
         mlp = MlpBlock(s.mlp_dim, s.dtype, s.dropout_rate, s.gelu_approximate, barriers,
-                       s.param_init, name="MlpBlock_3")
+                       s.param_init, s.recompute == "gelu", name="MlpBlock_3")
         dropout = nn.Dropout(s.dropout_rate)
         dpath = lambda y: drop_path(self, y, rate, train, dp_on)
         branch = lambda f, y: dpath(dropout(f(y), deterministic=not train))
