@@ -400,7 +400,7 @@ def test_demo_table_reruns_one_method_and_rewrites_its_row(tmp_path):
     top1, top5 = demo_table.last_eval(str(tmp_path / "runs" / "ln"))
     rows = [line for line in text.splitlines() if line.startswith("| LayerNorm |")]
     seed1 = demo_table.last_eval(str(tmp_path / "runs" / "ln_seed1"))[0]
-    span = f"{100 * min(top1, seed1):.1f}-{100 * max(top1, seed1):.1f}% (2)"
+    span = f"{100 * min(top1, seed1):.2f}-{100 * max(top1, seed1):.2f}% (2)"
     assert len(rows) == 1 and rows[0].startswith(
         f"| LayerNorm | `vit_ln.py:demo` | {100 * top1:.2f}% | {span} | {100 * top5:.2f}% | ")
     assert re.fullmatch(r".* \| \d+ s \| \d+ s \|", rows[0])  # wall, then CPU seconds

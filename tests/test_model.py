@@ -43,7 +43,8 @@ def test_output_shape_and_google_names():
 def test_patch_embedding_equals_convolution():
     """The (ph, pw, c)-ordered patchify + matmul is the conv with Google's kernel layout."""
     model = models.create({"variant": "Ti/8", "depth": 1}, num_classes=3)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
+    # jitted init: op by op a GPU compiles each primitive alone (14 s of `pytest -m gpu`)
+    variables = jax.jit(lambda k: model.init(k, jnp.zeros((1, 16, 16, 3))))(jax.random.key(0))
     x = jax.random.normal(jax.random.key(2), (2, 16, 16, 3))
     k = variables["params"]["embedding"]["kernel"]
     b = variables["params"]["embedding"]["bias"]

@@ -117,9 +117,11 @@ def test_model_through_the_padded_path_gives_the_unpadded_logits(monkeypatch):
                            "mlp_dim": 64, "attention_impl": "fused_sdpa"}, num_classes=5)
     model = models.create(spec)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 28, 28, 3)), jnp.float32)
-    variables = model.init(jax.random.key(0), x, train=False)
+    variables = jax.jit(lambda k: model.init(k, x, train=False))(jax.random.key(0))
     loss = lambda v: jnp.sum(jnp.sin(model.apply(v, x, train=False)))
-    want, want_g = jax.value_and_grad(loss)(variables)
+    # jitted: op by op, a GPU compiles every primitive on its own (34 s of `pytest -m gpu`);
+    # each jax.jit object traces anew, so the second one sees the patched attention
+    want, want_g = jax.jit(jax.value_and_grad(loss))(variables)
     calls = []
 
     def padded(q, k, v, **kw):
@@ -128,7 +130,7 @@ def test_model_through_the_padded_path_gives_the_unpadded_logits(monkeypatch):
 
     monkeypatch.setattr(layers.padded_attention, "choose_implementation", lambda dtype: "xla")
     monkeypatch.setattr(layers.padded_attention, "padded_dot_product_attention", padded)
-    got, got_g = jax.value_and_grad(loss)(variables)
+    got, got_g = jax.jit(jax.value_and_grad(loss))(variables)
     assert calls and all(shape[1] == 50 for shape in calls)  # 7x7 patches + class token
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
