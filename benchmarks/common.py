@@ -111,6 +111,7 @@ class TrainBench:
     compile_s: float
     flops: float | None
     memory: dict[str, int]
+    init_s: float = 0.0  # building the model and its initial state (the init program's compile)
 
     def step(self) -> float:
         """One step, synchronised; returns its wall time in seconds."""
@@ -191,18 +192,21 @@ def compile_train(name: str, config: ml_collections.ConfigDict, *, num_classes: 
     """Builds the model, optimizer and state as the train loop does, and compiles the train step
     with the loop's shardings and donation (normvit_jax.train.setup), with the preset's flags
     and ``compiler_options`` (XLA debug options by name, e.g. an XLA GPU flag variant)."""
+    t = time.perf_counter()
     mesh, model, tx, fn = _train_parts(config, num_classes)
     size = int(config.data.image_size)
     state, state_sharding = setup.create_train_state(model, tx, (size, size, 3), mesh,
                                                      jax.random.key(seed),
                                                      sharding.fsdp_min_size(config))
     batch = synthetic_batch(int(config.batch_size), size, num_classes, mesh, seed)
+    jax.block_until_ready((state, batch))
+    init_s = time.perf_counter() - t
     t = time.perf_counter()
     compiled = setup.jit_train_step(fn, state_sharding, mesh).lower(state, batch).compile(
         compiler_options={**xla_flags.compiler_options(), **(compiler_options or {})})
     compile_s = time.perf_counter() - t
     return TrainBench(name, config, compiled, state, batch, compile_s, cost_flops(compiled),
-                      memory_stats(compiled))
+                      memory_stats(compiled), init_s)
 
 
 def interleaved(runners: Mapping[str, Callable[[], float]], rounds: int,

@@ -75,7 +75,8 @@ def measure(args: argparse.Namespace, name: str, norm: str, aug: str, options: d
     flops = train_step.analytic_flops(args, cfg, norm)
     log(f"{name}: building and compiling")
     bench = common.compile_train(name, cfg, num_classes=args.num_classes, compiler_options=options)
-    log(f"{name}: compiled in {bench.compile_s:.1f} s; {args.warmup} + {args.steps} steps")
+    log(f"{name}: model and state built in {bench.init_s:.1f} s (the init program's compile "
+        f"included), step compiled in {bench.compile_s:.1f} s; {args.warmup} + {args.steps} steps")
     times = [bench.step() for _ in range(args.warmup + args.steps)][args.warmup:]
     log(f"{name}: median step {common.summarize(times).median:.4f} s")
     return train_step.row(args, bench, times, flops, peak_flops), times

@@ -161,7 +161,8 @@ def row(args: argparse.Namespace, b: common.TrainBench, times: list[float],
     """One norm's report row from its compiled step and timed steps."""
     s = common.summarize(times)
     vit, with_norm = flops
-    return {"norm": b.name, "compile_s": round(b.compile_s, 1), "step_s": s.fmt(),
+    return {"norm": b.name, "compile_s": round(b.compile_s, 1), "init_s": round(b.init_s, 1),
+            "step_s": s.fmt(),
             "step_median_s": s.median, "images_per_s": round(args.batch / s.median, 1),
             "model_gflops": vit / 1e9, "norm_gflops": (with_norm - vit) / 1e9,
             "xla_gflops": None if b.flops is None else b.flops / 1e9,
