@@ -60,7 +60,7 @@ WEIGHTS = {"vs_torch": 180.0, "train_B16": 130.0, "train_S16": 210.0, "norm_kern
 VARIANT_WEIGHT = {"train_B16": 30.0, "train_S16": 20.0}
 NORM_WEIGHTS = {"dtn": 110.0}  # --isolate_norms: a norm's own process; others NORM_WEIGHT
 NORM_WEIGHT = 40.0
-RECOMPUTE_WEIGHT = 50.0  # --recompute: a LayerNorm step in a process of its own (start, two compiles)
+RECOMPUTE_WEIGHT = 70.0  # --recompute: a LayerNorm step in a process of its own (start, two compiles)
 NORMS = {"train_B16": "layernorm,dtn", "train_S16": "layernorm,repbn,progressive,zscore_repbn"}
 KERNEL_NORMS = "layernorm,dtn,repbn,progressive,zscore_repbn"
 CHILD_MARGIN_S = 15.0  # a part's own --time_budget_s is its share less this
@@ -129,11 +129,13 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]]:
 
 def select(todo: list, names: str) -> list:
     """The parts named in ``names`` (comma list; '' = all), in the plan's order. A train part's
-    name also selects its per-norm parts under --isolate_norms (``train_B16`` -> ``train_B16_dtn``)."""
+    name also selects its per-norm parts under --isolate_norms (``train_B16`` -> ``train_B16_dtn``),
+    not its ``_recompute`` part, which is named on its own."""
     wanted = [n for n in names.split(",") if n]
     if not wanted:
         return todo
-    keep = lambda name: any(name == w or name.startswith(w + "_") for w in wanted)
+    keep = lambda name: any(name == w or (name.startswith(w + "_")
+                                          and not name.endswith("_recompute")) for w in wanted)
     return [t for t in todo if keep(t[0])]
 
 

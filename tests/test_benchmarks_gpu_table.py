@@ -98,6 +98,9 @@ def test_gpu_table_quick_parts_selects_and_rejects(capsys):
     text = capsys.readouterr().out
     assert [line.split(":")[0][2:] for line in text.splitlines() if line.startswith("# ")] == [
         "train_S16_recompute"]
+    gpu_table.main(["--quick", "--dry-run", "--recompute=gelu", "--parts=train_S16,norm_kernels"])
+    assert [line.split(":")[0][2:] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("# ")] == ["train_S16", "norm_kernels"]  # not its _recompute part
     assert "--model=S/16 --one_process" in text and "--norm=layernorm --recompute=gelu" in text
     gpu_table.main(["--quick", "--dry-run", "--isolate_norms", "--parts=train_B16"])
     assert [line.split(":")[0][2:] for line in capsys.readouterr().out.splitlines()
