@@ -108,9 +108,9 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]]:
     if args.recompute != "none":  # LN with model.recompute, its own process: its own device peak
         for part in ("train_B16", "train_S16"):
             j = os.path.join(args.out, f"{part}_recompute.json")
-            out.append((f"{part}_recompute", py + [
-                "benchmarks.train_step", f"--model={m[part]}", "--one_process", *common,
-                "--norm=layernorm", f"--recompute={args.recompute}", f"--json={j}"], j, RECOMPUTE_WEIGHT))
+            cmd = py + ["benchmarks.train_step", f"--model={m[part]}", "--one_process", *common,
+                        "--norm=layernorm", f"--recompute={args.recompute}", f"--json={j}"]
+            out.append((f"{part}_recompute", cmd, j, RECOMPUTE_WEIGHT))
     j = os.path.join(args.out, "norm_kernels.json")
     kern = ["--batch=2", "--steps=1", "--warmup=0"] if args.tiny else [
         f"--batch={args.batch}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
@@ -259,7 +259,7 @@ BUNDLE = "gpu_table_bundle.tar.gz"
 
 
 def bundle(out: str) -> str:
-    """Every log and JSON in ``out`` as one ``BUNDLE`` (written aside, then renamed: a stop
+    """Every log, JSON and table in ``out`` as one ``BUNDLE`` (written aside, then renamed: a stop
     mid-write keeps the previous one)."""
     path, tmp = os.path.join(out, BUNDLE), os.path.join(out, BUNDLE + ".tmp")
     with tarfile.open(tmp, "w:gz") as tar:

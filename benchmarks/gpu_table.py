@@ -93,6 +93,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="--quick: JAX persistent compilation cache shared by the parts (default: "
                         "a new temporary folder, removed at the end, kept out of --out; '' turns "
                         "it off)")
+    # models.spec.RECOMPUTE, written out: this parent process does not import JAX
     q.add_argument("--recompute", default="none", choices=["none", "gelu"],
                    help="--quick: also the B/16 and S/16 LayerNorm steps with this model.recompute, "
                         "each in its own process (parts train_B16_recompute, train_S16_recompute)")
@@ -108,8 +109,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error("--parts applies to --quick only")
         from benchmarks import gpu_quick
         known = gpu_quick.part_names(args)
-        bad = [n for n in args.parts.split(",") if n and not any(
-            k == n or k.startswith(n + "_") for k in known)]
+        bad = [n for n in args.parts.split(",")
+               if n and not gpu_quick.select([(k,) for k in known], n)]
         if bad:
             p.error(f"--parts: unknown part(s) {bad}; accepted: {sorted(set(known))}")
     args.temp_cache = args.compile_cache is None and args.quick and not args.dry_run

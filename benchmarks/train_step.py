@@ -27,6 +27,7 @@ from typing import Any, Sequence  # noqa: E402
 
 from benchmarks import common, isolate, model_flops  # noqa: E402
 from normvit_jax import models, tool_flags  # noqa: E402
+from normvit_jax.models.spec import RECOMPUTE  # noqa: E402
 
 SLACK = 0.05  # the target: time ratio <= FLOP ratio + SLACK
 XLA_AGREES = 0.25  # XLA's count is used for the FLOP ratio only within 25% of the analytic one
@@ -49,7 +50,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--scan", action="store_true", help="nn.scan over blocks (model.scan)")
     p.add_argument("--grad_accum", type=int, default=1, help="config.grad_accum_steps")
     p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
-    p.add_argument("--recompute", default=None, choices=["none", "gelu"],
+    p.add_argument("--recompute", default=None, choices=list(RECOMPUTE),
                    help="model.recompute (default: the config's, none)")
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="device peak for MFU; default: the datasheet's (GPUs), else a matmul probe")

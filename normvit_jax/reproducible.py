@@ -20,10 +20,10 @@ preset, whose barrier flag comes with it), and platform-dependent math is off. G
 backends ignore all of it. Off (0) by default: a large CPU run wants every core.
 
 What it does not pin (2026-11-27): with all of the above, the same code (26d2750) printed 96.34%
-for the LayerNorm demo on a 2-core AVX2 EPYC and 98.31% on a 2-core AVX-512/AMX Xeon. On the Xeon the result was the same
-bits on 1 and 2 cores, with single-threaded Eigen, with XNNPACK off (``xla_cpu_use_xnnpack``) and
-with numpy and OpenBLAS held to AVX2 (``NPY_DISABLE_CPU_FEATURES``, ``OPENBLAS_CORETYPE``), so none
-of those is the difference. What is left varies with the CPU model, not the core count: Eigen's
+for the LayerNorm demo on a 2-core AVX2 EPYC and 98.31% on a 2-core AVX-512/AMX Xeon. On the Xeon
+the result was the same bits on 1 and 2 cores, with single-threaded Eigen, with XNNPACK off
+(``xla_cpu_use_xnnpack``) and with numpy and OpenBLAS held to AVX2 (``NPY_DISABLE_CPU_FEATURES``,
+``OPENBLAS_CORETYPE``), so none of those is the difference. What is left varies with the CPU model, not the core count: Eigen's
 matrix-product blocking, which it sizes from the CPU's cache sizes at run time (the order of a
 long contraction's partial sums), is the likely cause; no flag sets it. README's demo table
 therefore gives each method's range over seeds and CPU models.

@@ -115,12 +115,14 @@ def test_recompute_gelu_keeps_one_hidden_sized_tensor_and_computes_the_same(barr
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7)
 
 
-def test_recompute_gelu_in_a_vit_and_its_bad_settings():
-    """A ViT with model.recompute='gelu' (a BatchNorm in its slots: state updated alike) trains to
-    the same loss, gradients and statistics; with MLP dropout or an unknown value it is refused."""
+@pytest.mark.parametrize("layout", [{}, {"scan": True}, {"norm_placement": "post"}])
+def test_recompute_gelu_in_a_vit_and_its_bad_settings(layout):
+    """A ViT with model.recompute='gelu' (a BatchNorm in its slots: state updated alike; blocks
+    unrolled or under nn.scan, pre- or post-norm) trains to the same loss, gradients and
+    statistics; with MLP dropout or an unknown value it is refused."""
     x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
     cfg = {"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2, "mlp_dim": 64,
-           "fusion_barriers": "off", "norm": {"name": "batchnorm"}}
+           "fusion_barriers": "off", "norm": {"name": "batchnorm"}, **layout}
     res = {}
     for rec in ("none", "gelu"):
         model = models.create({**cfg, "recompute": rec}, num_classes=4)

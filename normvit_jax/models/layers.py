@@ -331,8 +331,7 @@ class MlpBlock(nn.Module):
             # gradient, where the plain path keeps both (the largest activations of a block).
             tail = lambda h, w, bias: token_dense(gelu(h, self.gelu_approximate), w, bias,
                                                   self.dtype, self.barriers)
-            y = jax.checkpoint(tail, policy=jax.checkpoint_policies.nothing_saveable)(y, w1, b1)
-            return y
+            return jax.checkpoint(tail, policy=jax.checkpoint_policies.nothing_saveable)(y, w1, b1)
         # training: a GELU whose backward keeps only y (models/gelu.py); inference (and so the
         # export's trace) runs the plain one: same values, no backward to save for
         act = gelu if train else lambda h, approximate: nn.gelu(h, approximate=approximate)
