@@ -1,0 +1,292 @@
+"""What XLA:GPU makes of the train step, without a GPU: a deviceless compile for an H100/H200 and
+a census of its kernels (how many, of which kind, the bytes each reads and writes, per model part).
+
+    python -m benchmarks.gpu_hlo --model=S/16 --norm=layernorm,progressive --batch=256
+    python -m benchmarks.gpu_hlo --model=B/16 --norm=layernorm,dtn --depth=2 --md=runs/hlo.md
+
+A GPU is lent rarely and briefly; this answers on any CPU what a GPU run would execute: XLA compiles
+the loop's train step (bfloat16, the GPU code paths: cuDNN attention, half-precision DTN moments)
+for a described device (``jax.experimental.topologies``, XLA's deviceless compilation), and the
+optimized HLO lists every kernel with its operands and results. Bytes are operands + results per
+kernel (what it moves through memory if nothing stays in cache); ``est ms`` is those bytes of the
+memory-bound kernels (everything but matmuls and attention) at the device's bandwidth: a floor for
+their time, not a measurement. Nothing here replaces ``gpu_table``: it says where to look, and
+whether a change moves fewer bytes or launches fewer kernels, before a GPU measures it.
+
+It needs jax's CUDA plugin for the installed jax, kept apart from the environment (installed, it
+would make JAX try the GPU at every start):
+
+    pip install --target .gpu_hlo_site "jax-cuda12-plugin[with-cuda]==$(python -c 'import jax; print(jax.__version__)')"
+
+(about 5 GB; ``--site`` names another folder). The tool starts itself again with that folder on
+its path and JAX on the CPU; the compile runs on the CPU (an S/16 step ~1 minute on 2 cores).
+``--depth`` compiles fewer blocks (per-block figures are the same; totals scale).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any, Iterable, Sequence
+
+from normvit_jax import tool_flags
+
+TARGETS = {  # XLA's GpuDeviceInfo of the two cards this project is measured on (public specs)
+    "h100": {"desc": "NVIDIA H100 80GB HBM3", "bandwidth": 3.35e12, "memory": 84_929_347_584},
+    "h200": {"desc": "NVIDIA H200", "bandwidth": 4.8e12, "memory": 150_754_820_096},
+}
+_SPEC = """gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth:.0f} l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: {memory} shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 }} registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 7 }}
+runtime_version {{ major: 12 minor: 8 patch: 0 }}
+device_description_str: "{desc}"
+"""
+_CHILD = "NORMVIT_GPU_HLO_CHILD"
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+          "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+_SKIP = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all"}
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One launch of the optimized module's entry computation."""
+
+    name: str
+    kind: str  # matmul | attention | reduction/transpose | elementwise | custom fusion | copy | other
+    bytes_in: int
+    bytes_out: int
+    part: str  # model part (block slot, or a top-level module), from the op_name metadata
+    backward: bool
+    block: int | None
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of every array in an HLO shape string (tuples summed; layouts ignored)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _BYTES[dtype]
+    return total
+
+
+def _kind(op: str, line: str, name: str) -> str:
+    if "cudnn" in line:
+        return "attention"
+    if "gemm" in name or "__cublas" in line or "gemm" in line.split("calls=")[-1][:40]:
+        return "matmul"
+    if op == "fusion":
+        k = re.search(r"kind=(k\w+)", line)
+        return {"kInput": "reduction/transpose", "kLoop": "elementwise",
+                "kOutput": "matmul"}.get(k.group(1) if k else "", "custom fusion")
+    return "copy" if op in ("copy", "transpose") else "other"
+
+
+def _part(op_name: str | None) -> tuple[str, bool, int | None]:
+    """(part, backward, block) of an op_name such as
+    'jit(train_step)/transpose(jvp(ViT))/Transformer/encoderblock_5/encoderblock_5._block/LayerNorm_2/mul'."""
+    if not op_name:
+        return "(no op name)", False, None
+    backward = "transpose(" in op_name
+    segs = [s for s in op_name.split("/") if "(" not in s and ")" not in s]
+    block = None
+    rest = []
+    for s in segs[:-1]:  # the last segment is the primitive
+        m = re.fullmatch(r"encoderblock_(\d+)(\._block)?", s)
+        if m:
+            block = int(m.group(1))
+            rest = []
+            continue
+        rest.append(s)
+    if block is not None:
+        return (rest[0] if rest else "(block: residual adds)"), backward, block
+    if rest and rest[0] == "Transformer" and len(rest) > 1:
+        return rest[1], backward, None
+    return (rest[0] if rest else "(step: loss, optimizer)"), backward, None
+
+
+def census(hlo_text: str) -> list[Kernel]:
+    """The kernels of the ENTRY computation of an optimized HLO module's text."""
+    start = hlo_text.index("\nENTRY")
+    body = hlo_text[hlo_text.index("{", start) + 1:]
+    body = body[:body.index("\n}")]
+    shapes: dict[str, str] = {}
+    out = []
+    for line in body.split("\n"):
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        shapes[name] = shape
+        if op in _SKIP:
+            continue
+        args = rest.split("), ")[0]
+        operands = re.findall(r"%([\w.\-]+)", args)
+        b_in = sum(array_bytes(shapes[o]) for o in operands if o in shapes)
+        meta = re.search(r'op_name="([^"]+)"', line)
+        part, backward, block = _part(meta.group(1) if meta else None)
+        out.append(Kernel(name, _kind(op, line, name), b_in, array_bytes(shape), part, backward,
+                          block))
+    return out
+
+
+def summarize(kernels: Iterable[Kernel], bandwidth: float) -> dict[str, Any]:
+    """Totals, by kind, and per block part (averaged over the blocks that have it)."""
+    kernels = list(kernels)
+    by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for k in kernels:
+        by_kind[k.kind][0] += 1
+        by_kind[k.kind][1] += k.bytes_in + k.bytes_out
+    mem_bound = [k for k in kernels if k.kind not in ("matmul", "attention")]
+    blocks = sorted({k.block for k in kernels if k.block is not None})
+    per_part: dict[str, dict[str, float]] = {}
+    for k in kernels:
+        if k.block is None:
+            continue
+        key = ("backward " if k.backward else "forward ") + k.part
+        d = per_part.setdefault(key, {"kernels": 0.0, "mem_bound_mb": 0.0, "all_mb": 0.0})
+        n = max(len(blocks), 1)
+        d["kernels"] += 1 / n
+        d["all_mb"] += (k.bytes_in + k.bytes_out) / n / 1e6
+        if k.kind not in ("matmul", "attention"):
+            d["mem_bound_mb"] += (k.bytes_in + k.bytes_out) / n / 1e6
+    mb = sum(k.bytes_in + k.bytes_out for k in mem_bound)
+    return {"kernels": len(kernels), "blocks": len(blocks),
+            "mem_bound_gb": mb / 1e9, "mem_bound_est_ms": mb / bandwidth * 1e3,
+            "by_kind": {k: {"kernels": int(v[0]), "gb": v[1] / 1e9} for k, v in by_kind.items()},
+            "per_block_part": per_part}
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = tool_flags.Parser("python -m benchmarks.gpu_hlo", __doc__)
+    p.add_argument("--model", default="S/16", help="model preset (S/16, B/16, ...)")
+    p.add_argument("--norm", default="layernorm",
+                   help="comma list of benchmarks.common.NORMS names; the first is the baseline")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--image_size", type=int, default=224)
+    p.add_argument("--depth", type=int, default=None, help="blocks to compile (default: the preset's)")
+    p.add_argument("--target", default="h100", choices=sorted(TARGETS))
+    p.add_argument("--site", default=".gpu_hlo_site",
+                   help="folder holding jax's CUDA plugin (pip install --target, see above)")
+    p.add_argument("--hlo_dir", default=None, help="also write each optimized HLO module here")
+    p.add_argument("--json", default=None, help="write the census here")
+    p.add_argument("--md", default=None, help="write the markdown tables here")
+    return p.parse_args(argv)
+
+
+def _plugin_missing(site: str) -> str | None:
+    if not os.path.isdir(os.path.join(site, "jax_plugins")):
+        import jax
+        return (f"--site={site!r} holds no jax CUDA plugin; install it there: pip install --target "
+                f"{site} \"jax-cuda12-plugin[with-cuda]=={jax.__version__}\" (about 5 GB)")
+    return None
+
+
+def compile_census(args: argparse.Namespace, norm: str) -> dict[str, Any]:
+    """In the child: the deviceless GPU compile of ``norm``'s train step and its census."""
+    import jax
+    from jax.experimental import topologies
+
+    target = TARGETS[args.target]
+    topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                        target_config=_SPEC.format(**target))
+    from benchmarks import common
+    from normvit_jax import sharding
+
+    make_mesh = sharding.make_mesh
+    real_backend = jax.default_backend
+    # The model picks its GPU code paths from jax.default_backend(); the mesh is the described GPU.
+    jax.default_backend = lambda: "gpu"
+    sharding.make_mesh = lambda config=None, devices=None: make_mesh(config,
+                                                                     devices=list(topo.devices))
+    try:
+        cfg = common.bench_config(args.model, norm, image_size=args.image_size, batch=args.batch,
+                                  dtype="bfloat16", num_classes=1000, depth=args.depth)
+        lowered, _ = common.lower_abstract_train_step(cfg, 1000)
+        text = lowered.compile().as_text()
+    finally:
+        jax.default_backend, sharding.make_mesh = real_backend, make_mesh
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        with open(os.path.join(args.hlo_dir, f"{norm}.hlo.txt"), "w") as f:
+            f.write(text)
+    return summarize(census(text), target["bandwidth"])
+
+
+def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
+    norms = list(results)
+    base = norms[0]
+    t = TARGETS[args.target]
+    lines = [f"Deviceless XLA:GPU compile for an {t['desc']} ({t['bandwidth'] / 1e12:.2f} TB/s): "
+             f"{args.model}, batch {args.batch}, bfloat16, {results[base]['blocks']} blocks. "
+             "Bytes: operands + results of each kernel; est ms: the memory-bound kernels' bytes "
+             "at the bandwidth (a floor, not a measurement).", "",
+             "| norm | kernels | memory-bound GB | est ms | matmul GB | attention GB |",
+             "|---|---|---|---|---|---|"]
+    for n in norms:
+        r = results[n]
+        kind = lambda k: r["by_kind"].get(k, {"gb": 0.0})["gb"]  # noqa: E731
+        lines.append(f"| {n} | {r['kernels']} | {r['mem_bound_gb']:.2f} | "
+                     f"{r['mem_bound_est_ms']:.2f} | {kind('matmul'):.2f} | {kind('attention'):.2f} |")
+    parts = sorted({p for n in norms for p in results[n]["per_block_part"]})
+    lines += ["", "Per block (average over blocks): kernels / memory-bound MB",
+              "", "| part | " + " | ".join(norms) + " |", "|---|" + "---|" * len(norms)]
+    for p in parts:
+        cells = []
+        for n in norms:
+            d = results[n]["per_block_part"].get(p)
+            cells.append("-" if d is None else f"{d['kernels']:.0f} / {d['mem_bound_mb']:.0f}")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    from benchmarks import common
+    norms = common.norm_names(args.norm)
+    if os.environ.get(_CHILD) != "1":
+        problem = _plugin_missing(args.site)
+        if problem:
+            print(f"gpu_hlo: {problem}", file=sys.stderr)
+            return 2
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [os.path.abspath(args.site), os.getcwd(),
+                                                            os.environ.get("PYTHONPATH")])))
+        env[_CHILD] = "1"
+        cmd = [sys.executable, "-m", "benchmarks.gpu_hlo", *(sys.argv[1:] if argv is None else argv)]
+        return subprocess.call(cmd, env=env)
+    results = {}
+    for n in norms:
+        print(f"gpu_hlo: compiling {args.model} {n} for {args.target} ...", flush=True)
+        results[n] = compile_census(args, n)
+        r = results[n]
+        print(f"gpu_hlo: {n}: {r['kernels']} kernels, memory-bound {r['mem_bound_gb']:.2f} GB "
+              f"(~{r['mem_bound_est_ms']:.2f} ms at {args.target}'s bandwidth)", flush=True)
+    md = markdown(results, args)
+    print(md)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    if args.json:
+        common.write_json(args.json, {"args": vars(args), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

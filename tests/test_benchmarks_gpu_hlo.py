@@ -1,0 +1,62 @@
+"""benchmarks.gpu_hlo: the kernel census of an optimized HLO module, checked on what XLA:CPU makes
+of the train step (the same HLO text format and op_name metadata as XLA:GPU's); the deviceless
+GPU compile itself needs jax's CUDA plugin (5 GB), which CI does not install: without it the tool
+exits 2 in one line naming the install command."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+
+from benchmarks import gpu_hlo
+from tests.conftest import REPO_ROOT
+
+
+def test_array_bytes_of_arrays_and_tuples():
+    assert gpu_hlo.array_bytes("f32[2,3]{1,0}") == 24
+    assert gpu_hlo.array_bytes("(f32[2,3]{1,0}, bf16[4]{0}, s32[])") == 24 + 8 + 4
+    assert gpu_hlo.array_bytes("pred[10]") == 10
+
+
+def test_part_from_op_names():
+    name = ("jit(train_step)/transpose(jvp(ViT))/Transformer/encoderblock_5/"
+            "encoderblock_5._block/LayerNorm_2/n2/bn/mul")
+    assert gpu_hlo._part(name) == ("LayerNorm_2", True, 5)
+    assert gpu_hlo._part("jit(train_step)/jvp(ViT)/Transformer/encoder_norm/sub") == (
+        "encoder_norm", False, None)
+    assert gpu_hlo._part("jit(train_step)/jvp(ViT)/Transformer/encoderblock_0/"
+                         "encoderblock_0._block/add") == ("(block: residual adds)", False, 0)
+    assert gpu_hlo._part(None)[0] == "(no op name)"
+
+
+def test_census_of_the_train_step_as_xla_compiles_it():
+    from benchmarks import common
+    cfg = common.bench_config("Ti/4", "layernorm", image_size=8, batch=4, depth=2)
+    lowered, _ = common.lower_abstract_train_step(cfg)
+    kernels = gpu_hlo.census(lowered.compile().as_text())
+    blocks = {k.block for k in kernels if k.block is not None}
+    assert blocks == {0, 1}
+    parts = {(k.part, k.backward) for k in kernels if k.block == 1}
+    for part in ("LayerNorm_0", "LayerNorm_2", "MlpBlock_3"):
+        assert (part, False) in parts and (part, True) in parts, (part, sorted(parts))
+    # Every kernel's bytes are those of its operands and results: the largest any kernel can read
+    # is bounded by all the arrays of the step, and the matmuls of the MLP read their activations.
+    mlp = [k for k in kernels if k.block == 1 and k.part == "MlpBlock_3" and not k.backward]
+    width = 192 * 4  # Ti hidden width x 4, float32 activations (4 images of 4 tokens + class)
+    assert max(k.bytes_in + k.bytes_out for k in mlp) >= 4 * 5 * width * 4
+    s = gpu_hlo.summarize(kernels, bandwidth=1e12)
+    assert s["kernels"] == len(kernels) and s["blocks"] == 2
+    assert np.isclose(s["mem_bound_est_ms"], s["mem_bound_gb"] * 1e9 / 1e12 * 1e3)
+    assert sum(v["kernels"] for v in s["by_kind"].values()) == len(kernels)
+    block_mb = sum(d["all_mb"] for d in s["per_block_part"].values()) * 2
+    in_blocks = sum(k.bytes_in + k.bytes_out for k in kernels if k.block is not None) / 1e6
+    assert np.isclose(block_mb, in_blocks)
+
+
+def test_without_the_cuda_plugin_it_says_how_to_install_it(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_hlo", f"--site={tmp_path}/none",
+                        "--depth=1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and "pip install --target" in lines[0] and "jax-cuda12-plugin" in lines[0]
