@@ -21,6 +21,14 @@ default, and on 2 cores two alternating sessions then slow each other by up to 1
 ms without; alone 69-83 ms each). So every ONNX Runtime session here has spinning off, and
 PyTorch's OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE``). ``--md``: the
 table replaces the block between the ``deploy-table`` markers of that file.
+
+On a GPU (JAX's backend is one): the StableHLO artifact runs there ("JAX jit GPU"; inputs from
+and outputs to host memory, as a service), timm's anchors run in PyTorch on the same GPU, the
+folded RepBN artifact is timed against timm's ``torch.compile`` on it, and ``--md`` fills the
+``deploy-table-gpu`` block instead (the CPU table stays). The GPU hosts have neither TensorFlow
+nor ONNX Runtime (and onnxruntime-gpu's wheel is over what a lease carries), so there:
+
+    python -m benchmarks.deploy --runtimes=stablehlo --models=S/16 --md=docs/benchmarks.md
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
@@ -51,10 +60,32 @@ LABELS = {"layernorm": "LN", "batchnorm": "BN", "unified": "UN", "repbn": "RepBN
           "progressive": "progressive LN->RepBN", "zscore_repbn": "z-score->RepBN", "dyt": "DyT",
           "derf": "Derf", "dtn": "DTN"}
 RUNTIMES = {"onnx": "ONNX Runtime CPU", "savedmodel": "TF SavedModel CPU", "stablehlo": "JAX jit CPU"}
+GPU_RUNTIMES = {**RUNTIMES, "stablehlo": "JAX jit GPU"}  # the StableHLO artifact runs where JAX does
 EXT = {"onnx": ".onnx", "savedmodel": "", "stablehlo": ".stablehlo"}
 BEGIN, END = "<!-- deploy-table:begin -->", "<!-- deploy-table:end -->"
+GPU_BEGIN, GPU_END = "<!-- deploy-table-gpu:begin -->", "<!-- deploy-table-gpu:end -->"
 OURS_ANCHOR = "RepBN folded, this project's ONNX Runtime CPU"
 RATIO = "RepBN folded / timm, ONNX Runtime, per interleaved round"
+OURS_GPU_ANCHOR = "RepBN folded, this project's StableHLO in JAX on the GPU"
+GPU_RATIO = "RepBN folded (JAX GPU) / timm torch.compile GPU, per interleaved round"
+
+
+def on_gpu() -> bool:
+    """Whether JAX (so the StableHLO artifact) runs on a GPU here; then torch's anchors run on it
+    too, and the table goes between the deploy-table-gpu markers (the CPU table stays)."""
+    return jax.default_backend() == "gpu"
+
+
+def runtime_labels() -> dict[str, str]:
+    return GPU_RUNTIMES if on_gpu() else RUNTIMES
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # sys.modules[name] is None: blocked
+        return False
 
 
 def config(model: str, norm: str) -> Any:
@@ -167,46 +198,60 @@ def timm_anchors(args: Any, tmp: str) -> list[dict]:
     if torch is None:
         print(f"timm anchors skipped: {timm}", flush=True)
         return []
-    import onnxruntime as ort
+    gpu = on_gpu() and torch.cuda.is_available()
+    device, where = ("cuda", "GPU") if gpu else ("cpu", "")
     torch.set_num_threads(args.threads)
     net = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=1000).eval()
     rows = []
     fns: dict[str, Callable] = {}
 
     def torch_fn(m: Any) -> Callable:
-        def run(x: np.ndarray) -> Any:
+        def run(x: np.ndarray) -> Any:  # from host memory to host memory, as a service does
             with torch.inference_mode():
-                return m(torch.from_numpy(x)).numpy()
+                return m(torch.from_numpy(x).to(device)).cpu().numpy()
         return run
-    if args.anchors == "yes":  # --anchors=onnx: only the ONNX Runtime pair (a shorter run)
-        fns["timm PyTorch eager"] = torch_fn(net)
-        try:
-            fns["timm PyTorch torch.compile"] = torch_fn(torch.compile(net))
-        except Exception as e:  # noqa: BLE001  an inductor without a C++ compiler
-            print(f"torch.compile skipped: {type(e).__name__}: {e}", flush=True)
-    path = os.path.join(tmp, "timm_vit_s16.onnx")
-    try:
-        torch.onnx.export(net, (torch.zeros(1, 3, 224, 224),), path, input_names=["x"],
-                          output_names=["logits"], dynamic_axes={"x": {0: "n"}}, dynamo=False)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = args.threads
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as ours
-        session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-        fns["timm ONNX Runtime CPU"] = lambda x: session.run(None, {"x": x})
-    except Exception as e:  # noqa: BLE001
-        print(f"timm ONNX export skipped: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    # The acceptance's pair, timed interleaved with the anchors: folded RepBN ViT-S/16 in ORT.
     c = config("S/16", "repbn")
     b = bundle.from_variables(c, c.model, variables_of(c, 1000), 1000, fold=True, log=None)
-    ours = os.path.join(tmp, "repbn_folded_anchor.onnx")
-    artifact.export_artifact(b, "onnx", ours, log=None)
-    run_ours = runtimes.open_artifact(ours, "onnx", threads=args.threads, spin=False)
+    ours: dict[str, Callable] = {}
+    if _importable("onnxruntime"):  # the acceptance's pair: folded RepBN and timm in ORT (CPU)
+        import onnxruntime as ort
+        path = os.path.join(tmp, "timm_vit_s16.onnx")
+        try:  # exported while the model is still on the CPU
+            torch.onnx.export(net, (torch.zeros(1, 3, 224, 224),), path, input_names=["x"],
+                              output_names=["logits"], dynamic_axes={"x": {0: "n"}},
+                              dynamo=False)
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = args.threads
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as ours
+            session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+            fns["timm ONNX Runtime CPU"] = lambda x: session.run(None, {"x": x})
+        except Exception as e:  # noqa: BLE001
+            print(f"timm ONNX export skipped: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        onnx_path = os.path.join(tmp, "repbn_folded_anchor.onnx")
+        artifact.export_artifact(b, "onnx", onnx_path, log=None)
+        ours[OURS_ANCHOR] = runtimes.open_artifact(onnx_path, "onnx", threads=args.threads,
+                                                   spin=False)
+    else:
+        print("ONNX Runtime anchors skipped: onnxruntime is not installed here", flush=True)
+    if args.anchors == "yes":  # --anchors=onnx: only the ONNX Runtime pair (a shorter run)
+        net = net.to(device)
+        fns[f"timm PyTorch eager {where}".strip()] = torch_fn(net)
+        try:
+            fns[f"timm PyTorch torch.compile {where}".strip()] = torch_fn(torch.compile(net))
+        except Exception as e:  # noqa: BLE001  an inductor without a C++ compiler
+            print(f"torch.compile skipped: {type(e).__name__}: {e}", flush=True)
+    if gpu:  # on a GPU: the folded RepBN artifact in JAX against timm on the same GPU
+        hlo_path = os.path.join(tmp, "repbn_folded_anchor.stablehlo")
+        artifact.export_artifact(b, "stablehlo", hlo_path, log=None)
+        ours[OURS_GPU_ANCHOR] = runtimes.open_artifact(hlo_path, "stablehlo")
+    pairs = [(OURS_ANCHOR, "timm ONNX Runtime CPU", RATIO),
+             (OURS_GPU_ANCHOR, "timm PyTorch torch.compile GPU", GPU_RATIO)]
     for batch in args.batches:
         x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), np.float32)
         pixels = np.random.default_rng(batch).integers(0, 256, (batch, 224, 224, 3), np.uint8)
         reps = args.reps_large if batch >= 16 else (args.anchor_reps or args.reps)
         calls = {name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}
-        calls[OURS_ANCHOR] = lambda: run_ours(pixels)
+        calls.update({name: (lambda fn=fn: fn(pixels)) for name, fn in ours.items()})
         for name, fn in list(calls.items()):
             try:
                 fn()
@@ -217,11 +262,12 @@ def timm_anchors(args: Any, tmp: str) -> list[dict]:
         for name, ts in times.items():
             rows.append(_row(ts, batch, model="S/16", norm="timm LN", kind=name, runtime=name))
             print(json.dumps(rows[-1]), flush=True)
-        pair = (OURS_ANCHOR, "timm ONNX Runtime CPU")
-        if all(n in times for n in pair):  # calls made moments apart, the load's drift shared
-            ratio = times[pair[0]] / times[pair[1]]
+        for a, timm_name, label in pairs:
+            if a not in times or timm_name not in times:
+                continue
+            ratio = times[a] / times[timm_name]  # calls made moments apart: the drift is shared
             rows.append({"model": "S/16", "norm": "timm LN", "kind": "ratio", "batch": batch,
-                         "runtime": RATIO, "median": float(np.median(ratio)),
+                         "runtime": label, "median": float(np.median(ratio)),
                          "p25": float(np.percentile(ratio, 25)),
                          "p75": float(np.percentile(ratio, 75)), "reps": len(ratio)})
             print(json.dumps(rows[-1]), flush=True)
@@ -249,6 +295,7 @@ def table(rows: list[dict], header: str) -> str:
     """Markdown: per model, norm and runtime, median ms (images/s) unfolded, folded, and the
     folded/unfolded time ratio per batch."""
     out = [header, ""]
+    labels = runtime_labels()
     batches = sorted({r["batch"] for r in rows})
     for model in dict.fromkeys(r["model"] for r in rows):
         out += [f"**{'ViT-S/16, 224 px, 1000 classes' if model != 'demo' else 'demo model (8x8 digits, 4 blocks of 64)'}**", ""]
@@ -257,7 +304,7 @@ def table(rows: list[dict], header: str) -> str:
         ours = [r for r in rows if r["model"] == model and not r["norm"].startswith("timm")]
         for norm in _ordered({r["norm"] for r in ours}, NORMS):
             folds = any(r["kind"] == "folded" for r in ours if r["norm"] == norm)
-            for fmt in _ordered({r["runtime"] for r in ours}, RUNTIMES):
+            for fmt in _ordered({r["runtime"] for r in ours}, labels):
                 cells = []
                 for b in batches:
                     got = {r["kind"]: r for r in ours if (r["norm"], r["runtime"], r["batch"]) == (norm, fmt, b)}
@@ -266,7 +313,7 @@ def table(rows: list[dict], header: str) -> str:
                              "nothing folds" if u and not folds else "-")
                     cells += [_cell(u), _cell(f), ratio]
                 if any(c != "-" for c in cells):
-                    out.append(f"| {LABELS.get(norm, norm)} | {RUNTIMES[fmt]} | " + " | ".join(cells) + " |")
+                    out.append(f"| {LABELS.get(norm, norm)} | {labels[fmt]} | " + " | ".join(cells) + " |")
         anchors = [r for r in rows if r["model"] == model and r["norm"].startswith("timm")]
         if anchors:
             out += ["", "| anchors, timed interleaved (timm ViT-S/16 with LayerNorm; this project's "
@@ -283,11 +330,14 @@ def table(rows: list[dict], header: str) -> str:
 
 
 def write_md(path: str, text: str) -> None:
-    with open(path, encoding="utf-8") as f:
-        doc = f.read()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc and END in doc:
-        doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
+    doc = ""
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            doc = f.read()
+    begin, end = (GPU_BEGIN, GPU_END) if on_gpu() else (BEGIN, END)
+    block = f"{begin}\n{text}\n{end}"
+    if begin in doc and end in doc:
+        doc = doc[:doc.index(begin)] + block + doc[doc.index(end) + len(end):]
     else:
         doc = doc.rstrip("\n") + "\n\n" + block + "\n"
     with open(path, "w", encoding="utf-8") as f:
@@ -300,13 +350,16 @@ def provenance() -> str:
                                 text=True, timeout=10).stdout.strip()
     except OSError:
         commit = "?"
-    import onnxruntime
-    import tensorflow as tf
+    versions = [f"jax {jax.__version__}"]
+    for name in ("onnxruntime", "tensorflow", "torch"):
+        if sys.modules.get(name) is not None:  # what this run used, not what it could import
+            versions.append(f"{name} {sys.modules[name].__version__}")
+    gpu = f" and {jax.devices()[0].device_kind}" if on_gpu() else ""
     return (f"Measured {datetime.date.today().isoformat()} at commit {commit} on "
-            f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, "
-            f"jax {jax.__version__}, onnxruntime {onnxruntime.__version__}, tensorflow "
-            f"{tf.__version__}; float32, median latency per call (images/s); ONNX Runtime "
-            "sessions without spinning threads (the module docstring says why).")
+            f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores{gpu}, "
+            f"{', '.join(versions)}; float32, median latency per call (images/s), inputs from "
+            "and outputs to host memory; ONNX Runtime sessions without spinning threads (the "
+            "module docstring says why).")
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

@@ -20,14 +20,16 @@ would make JAX try the GPU at every start):
 
 (about 5 GB; ``--site`` names another folder). The tool starts itself again with that folder on
 its path and JAX on the CPU; the compile runs on the CPU (an S/16 step ~1 minute on 2 cores).
-``--depth`` compiles fewer blocks (per-block figures are the same; totals scale).
+``--depth`` compiles fewer blocks (per-block figures are the same; totals scale); ``--set``
+changes the config of every compiled step (``--set=model.attention_impl='separate'``), so that
+one formulation can be compared with another in a 40-second compile.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import dataclasses
-import json
 import os
 import re
 import subprocess
@@ -181,6 +183,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--image_size", type=int, default=224)
     p.add_argument("--depth", type=int, default=None, help="blocks to compile (default: the preset's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every norm's step (repeatable), e.g. "
+                   "--set=model.attention_impl='separate' (VALUE a Python literal)")
     p.add_argument("--target", default="h100", choices=sorted(TARGETS))
     p.add_argument("--site", default=".gpu_hlo_site",
                    help="folder holding jax's CUDA plugin (pip install --target, see above)")
@@ -188,6 +193,21 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the census here")
     p.add_argument("--md", default=None, help="write the markdown tables here")
     return p.parse_args(argv)
+
+
+def overrides(items: Sequence[str]) -> list[tuple[str, Any]]:
+    """``KEY=VALUE`` strings as (key, Python literal); a bad one exits 2 naming it."""
+    out = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        try:
+            if not sep or not key:
+                raise ValueError
+            out.append((key, ast.literal_eval(text)))
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--set={item!r} is not KEY=VALUE with VALUE a Python literal "
+                             "(e.g. --set=model.attention_impl='separate')") from None
+    return out
 
 
 def _plugin_missing(site: str) -> str | None:
@@ -218,6 +238,12 @@ def compile_census(args: argparse.Namespace, norm: str) -> dict[str, Any]:
     try:
         cfg = common.bench_config(args.model, norm, image_size=args.image_size, batch=args.batch,
                                   dtype="bfloat16", num_classes=1000, depth=args.depth)
+        for key, value in overrides(args.set):
+            *path, last = key.split(".")
+            node = cfg
+            for part in path:
+                node = node[part]
+            node[last] = value
         lowered, _ = common.lower_abstract_train_step(cfg, 1000)
         text = lowered.compile().as_text()
     finally:
@@ -261,6 +287,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks import common
     norms = common.norm_names(args.norm)
     if os.environ.get(_CHILD) != "1":
+        try:
+            overrides(args.set)  # a bad --set exits 2 before anything starts
+        except ValueError as e:
+            print(f"gpu_hlo: {e}", file=sys.stderr)
+            return 2
         problem = _plugin_missing(args.site)
         if problem:
             print(f"gpu_hlo: {problem}", file=sys.stderr)

@@ -294,3 +294,24 @@ def test_deploy_benchmark_times_unfolded_and_folded_artifacts(tmp_path):
     text = md.read_text()
     assert "STALE TABLE" not in text and text.startswith("before") and text.endswith("after\n")
     assert "| RepBN | ONNX Runtime CPU |" in text
+
+
+def test_deploy_benchmark_runs_where_only_jax_is(tmp_path):
+    """The GPU hosts have no TensorFlow and no ONNX Runtime: `--runtimes=stablehlo` must run with
+    neither importable (the JAX rows of issue 34's GPU table), label the runtime by the device JAX
+    runs on, and name only the runtimes it used; the CPU table's block stays for CPU runs."""
+    md = tmp_path / "b.md"
+    md.write_text("intro\n")
+    code = ("import sys\n"
+            "for m in ('tensorflow', 'onnxruntime', 'onnx', 'jax2onnx'): sys.modules[m] = None\n"
+            "from benchmarks import deploy\n"
+            "rows = deploy.main(['--models=demo', '--norms=repbn', '--runtimes=stablehlo',\n"
+            f"    '--batches=1', '--reps=1', '--anchors=no', '--md={md}'])\n"
+            "assert {(r['runtime'], r['kind']) for r in rows} == "
+            "{('stablehlo', 'unfolded'), ('stablehlo', 'folded')}, rows\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = md.read_text()
+    assert "| RepBN | JAX jit CPU |" in text and "onnxruntime" not in text
+    assert "<!-- deploy-table:begin -->" in text and "deploy-table-gpu" not in text

@@ -60,3 +60,13 @@ def test_without_the_cuda_plugin_it_says_how_to_install_it(tmp_path):
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and "pip install --target" in lines[0] and "jax-cuda12-plugin" in lines[0]
+
+
+def test_config_overrides_and_a_bad_one_in_one_line(tmp_path):
+    assert gpu_hlo.overrides(["model.attention_impl='separate'", "model.depth=2"]) == [
+        ("model.attention_impl", "separate"), ("model.depth", 2)]
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_hlo", "--set=model.depth"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and "--set='model.depth'" in lines[0], r.stderr

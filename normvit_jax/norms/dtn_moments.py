@@ -6,8 +6,9 @@ the shifted tokens and their squares.
 Two precisions (docs/norms.md, "dtn: precision"):
 - float32 operands at ``Precision.HIGHEST``: exact float32, the CPU/float32 path (what the
   float32 parity tests check);
-- a half dtype (bfloat16) for both operands with float32 accumulation and float32 output: a GPU or
-  TPU runs it on its matrix units. The backward is written out (custom_vjp) so that its two
+- a half dtype (bfloat16) for both operands with float32 accumulation, the sums rounded to the
+  half dtype on output (half the bytes of DTN's largest tensors): a GPU or TPU runs it on its
+  matrix units. The backward is written out (custom_vjp) so that its two
   matmuls (d tokens = P . d moments, dP = tokens . d moments) also take half operands: autodiff of a
   mixed-precision dot would promote the float32 cotangent and run the matmul in float32.
 """
@@ -25,23 +26,31 @@ import jax.numpy as jnp
 _FWD = (((1,), (1,)), ((0,), (2,)))
 
 
-def _dot(a: jax.Array, b: jax.Array, dims: Any, precision: Any = None) -> jax.Array:
-    """dot_general with float32 sums. XLA:CPU has no half x half -> float32 kernel for every
-    layout ("Unsupported element type for DotThunk"): there the half operands are widened, which
-    computes the same products exactly (a product of two bfloat16 numbers fits in float32)."""
+def _dot(a: jax.Array, b: jax.Array, dims: Any, precision: Any = None,
+         out: Any = jnp.float32) -> jax.Array:
+    """dot_general with float32 sums, its result in ``out``. XLA:CPU has no half x half -> float32
+    kernel for every layout ("Unsupported element type for DotThunk"): there the half operands
+    are widened, which computes the same products exactly (a product of two bfloat16 numbers fits
+    in float32), and the float32 sums are rounded to ``out`` as a GPU's GEMM rounds them."""
     if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
-        a, b, precision = a.astype(jnp.float32), b.astype(jnp.float32), jax.lax.Precision.HIGHEST
-    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32).astype(out)
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out)
 
 
-def _fwd_dot(tokens: jax.Array, p: jax.Array, precision: Any) -> jax.Array:
-    out = _dot(p, tokens, _FWD, precision)  # (h, t, b, d)
-    return jnp.transpose(out, (2, 1, 0, 3))  # (b, t, h, d)
+def _fwd_dot(tokens: jax.Array, p: jax.Array, precision: Any, out: Any = jnp.float32
+             ) -> jax.Array:
+    moments = _dot(p, tokens, _FWD, precision, out)  # (h, t, b, d)
+    return jnp.transpose(moments, (2, 1, 0, 3))  # (b, t, h, d)
 
 
 @jax.custom_vjp
 def _half_moments(tokens: jax.Array, p: jax.Array) -> jax.Array:
-    return _fwd_dot(tokens, p.astype(tokens.dtype), None)
+    # float32 sums rounded to the half dtype on the way out: the moments are means of centred
+    # values (module docstring of norms/dtn.py), which the half dtype holds to 2^-9 of their size,
+    # and half the bytes of the largest tensors DTN writes and reads
+    return _fwd_dot(tokens, p.astype(tokens.dtype), None, tokens.dtype)
 
 
 def _half_fwd(tokens: jax.Array, p: jax.Array):
@@ -69,4 +78,4 @@ def in_moments(tokens: jax.Array, p: jax.Array, dtype: Any) -> jax.Array:
     float32 weighted sums. ``dtype`` float32: exact; a half dtype: half operands, float32 sums."""
     if jnp.dtype(dtype) == jnp.float32:
         return _fwd_dot(tokens, p, jax.lax.Precision.HIGHEST)
-    return _half_moments(tokens.astype(dtype), p)
+    return _half_moments(tokens.astype(dtype), p).astype(jnp.float32)
