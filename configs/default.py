@@ -96,6 +96,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.recompute = "none"      # none | gelu: the MLP's backward recomputes the GELU's output from its
                                     # input instead of keeping it (per block one (B, T, mlp_dim) activation
                                     # less in memory, one elementwise pass more); config.remat: whole blocks
+    c.model.stream_layout = "auto"  # auto (GPU only) | row_major | free: pin the residual stream's layout to
+                                    # (batch, tokens, channels) at each block; XLA:GPU otherwise lays it out
+                                    # batch-innermost and transposes it around every norm (docs/benchmarks.md)
     c.model.scan = False            # nn.scan over the leading identical blocks (fast compile of deep models;
                                     # params under Transformer/encoderblock, see models/scan_convert.py)
     # model.name='t2t_vit' (models/t2t_vit.py): configs/recipes.py t2t_vit adds these keys, so only

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from normvit_jax import norms
+from normvit_jax.models import stream_layout
 
 # (hidden_size, depth, num_heads, mlp_dim) of the published presets.
 VARIANTS: dict[str, tuple[int, int, int, int]] = {
@@ -34,10 +35,13 @@ FUSION_BARRIERS = ("auto", "on", "off")
 # instead of keeping it from the forward (models/layers.py, MlpBlock).
 RECOMPUTE = ("none", "gelu")
 PARAM_INITS = ("google", "timm")  # model.param_init: the layers' initialisers (layers.timm_normal)
+# model.stream_layout: the residual stream's memory layout (models/stream_layout.py)
+STREAM_LAYOUTS = stream_layout.STREAM_LAYOUTS
 _CHOICES = (("classifier", CLASSIFIERS), ("posemb", POSEMBS), ("norm_placement", PLACEMENTS),
             ("patch_norm", PATCH_NORMS), ("residual_scaling", RESIDUALS),
             ("attention_impl", ATTENTION_IMPLS), ("fusion_barriers", FUSION_BARRIERS),
-            ("param_init", PARAM_INITS), ("recompute", RECOMPUTE))
+            ("param_init", PARAM_INITS), ("recompute", RECOMPUTE),
+            ("stream_layout", STREAM_LAYOUTS))
 
 DEFAULT_NORM = FrozenDict(norms.DEFAULT)  # the norm of a slot nothing else names
 MLP_RATIO = 4.0  # mlp_dim = MLP_RATIO * hidden_size where neither is set (configs/default.py's)
@@ -105,6 +109,7 @@ class ViTSpec:
     attention_impl: str = "auto"
     fusion_barriers: str = "auto"
     recompute: str = "none"         # RECOMPUTE ('gelu'); config.remat recomputes whole blocks
+    stream_layout: str = "auto"     # STREAM_LAYOUTS: auto pins the residual stream row-major on GPU
     scan: bool = False
     remat: bool = False
     dtype: Any = jnp.float32

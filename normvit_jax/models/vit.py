@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from normvit_jax import norms
+from normvit_jax.models import stream_layout
 from normvit_jax.models.fusion_barriers import barriers_on, grad_barrier
 from normvit_jax.models.layers import (ATTENTION_MAX, RESIDUAL, AddPositionEmbs, Attention, MlpBlock, PatchEmbed,
                                        drop_path, drop_path_rate, rescale_coefficient, sincos_1d,
@@ -80,7 +81,10 @@ class EncoderBlock(nn.Module):
         branch = lambda f, y: dpath(dropout(f(y), deterministic=not train))
         # The residual stream's gradient is materialised at the block's input and after its first
         # residual add (see grad_barrier): XLA:CPU otherwise re-derives it from every block above.
-        bar = grad_barrier if barriers else (lambda v: v)
+        # The stream is also pinned row-major on GPU at each block's input, after its first residual
+        # add and at its output (models/stream_layout.py: XLA:GPU otherwise transposes it).
+        pin = lambda v: stream_layout.pin(v, s.stream_layout)  # noqa: E731
+        bar = (lambda v: pin(grad_barrier(v))) if barriers else pin
         x = bar(x)
         # The stream after each residual add (before any norm of it) feeds the extra losses
         # (train/aux_losses.py); sown only when the train step asks for RESIDUAL.
@@ -91,18 +95,19 @@ class EncoderBlock(nn.Module):
             y = norm("LayerNorm_2", x)
         elif s.norm_placement == "post":
             x = bar(norm("LayerNorm_0", first(x + branch(lambda y: attn(y, train, capture), x))))
-            return norm("LayerNorm_2", second(x + branch(lambda y: mlp(y, train), x)))
+            return pin(norm("LayerNorm_2", second(x + branch(lambda y: mlp(y, train), x))))
         else:  # sandwich: norm before and after each branch
             a = attn(norm("LayerNorm_0", x), train, capture)
             x = bar(first(x + dpath(dropout(norm("PostNorm_attn", a), deterministic=not train))))
             m = mlp(norm("LayerNorm_2", x), train)
-            return second(x + dpath(dropout(norm("PostNorm_mlp", m), deterministic=not train)))
+            return pin(second(x + dpath(dropout(norm("PostNorm_mlp", m),
+                                                deterministic=not train))))
         if s.residual_scaling == "rescale":
             # RescaleViT: sqrt(i/(i+1)) * x + s/sqrt(L) * MLP(y), i 1-based, s learnable (init 1).
             scale = self.param("rescale_s", nn.initializers.ones, (), jnp.float32)
-            return second(res_coef * x + (scale / math.sqrt(s.depth)).astype(x.dtype)
-                          * branch(lambda z: mlp(z, train), y))
-        return second(x + branch(lambda z: mlp(z, train), y))
+            return pin(second(res_coef * x + (scale / math.sqrt(s.depth)).astype(x.dtype)
+                              * branch(lambda z: mlp(z, train), y)))
+        return pin(second(x + branch(lambda z: mlp(z, train), y)))
 
 
 class _ScannedBlock(EncoderBlock):
