@@ -13,6 +13,8 @@ written as they come (the parent's own lines in ``<out>/gpu_table.log``):
                 z-score->RepBN)
   train_<m>_recompute  (``--recompute=gelu``) ``train_step --one_process``: the LN step of B/16 and
                 S/16 with ``model.recompute``, each in its own process (its own device peak)
+  train_<m>_stream  (``--stream_layout=free``) the same with ``model.stream_layout``: the LN step
+                as it was before the stream was pinned, beside the pinned one of this run
   profile       (``--profile``) ``benchmarks.profile``: B/16 LN step by op kind and model part
 
 ``--isolate_norms``: each norm of the train parts in its own process with its own share
@@ -105,12 +107,15 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]]:
             j = os.path.join(args.out, f"{part}_variants.json")
             out.append((f"{part}_variants", train + ["--norm=layernorm", flags, f"--json={j}"],
                         j, NORM_WEIGHT + VARIANT_WEIGHT[part] * len(variants)))
-    if args.recompute != "none":  # LN with model.recompute, its own process: its own device peak
-        for part in ("train_B16", "train_S16"):
-            j = os.path.join(args.out, f"{part}_recompute.json")
+    for suffix, flag, value, default in (("recompute", "recompute", args.recompute, "none"),
+                                         ("stream", "stream_layout", args.stream_layout, "auto")):
+        if value == default:
+            continue
+        for part in ("train_B16", "train_S16"):  # the LN step in its own process: its own peak
+            j = os.path.join(args.out, f"{part}_{suffix}.json")
             cmd = py + ["benchmarks.train_step", f"--model={m[part]}", "--one_process", *common,
-                        "--norm=layernorm", f"--recompute={args.recompute}", f"--json={j}"]
-            out.append((f"{part}_recompute", cmd, j, RECOMPUTE_WEIGHT))
+                        "--norm=layernorm", f"--{flag}={value}", f"--json={j}"]
+            out.append((f"{part}_{suffix}", cmd, j, RECOMPUTE_WEIGHT))
     j = os.path.join(args.out, "norm_kernels.json")
     kern = ["--batch=2", "--steps=1", "--warmup=0"] if args.tiny else [
         f"--batch={args.batch}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
@@ -130,12 +135,13 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]]:
 def select(todo: list, names: str) -> list:
     """The parts named in ``names`` (comma list; '' = all), in the plan's order. A train part's
     name also selects its per-norm parts under --isolate_norms (``train_B16`` -> ``train_B16_dtn``),
-    not its ``_recompute`` part, which is named on its own."""
+    not its ``_recompute`` or ``_stream`` part, which are named on their own."""
     wanted = [n for n in names.split(",") if n]
     if not wanted:
         return todo
-    keep = lambda name: any(name == w or (name.startswith(w + "_")
-                                          and not name.endswith("_recompute")) for w in wanted)
+    own = ("_recompute", "_stream")
+    keep = lambda name: any(name == w or (name.startswith(w + "_") and not name.endswith(own))
+                            for w in wanted)
     return [t for t in todo if keep(t[0])]
 
 

@@ -37,9 +37,11 @@ def summary_rows(parts: dict[str, Any]) -> list[dict[str, Any]]:
         res = (p or {}).get("result") or {}
         if not part.startswith("train_") or not res.get("rows"):
             continue
-        model, rec = res["args"]["model"], res["args"].get("recompute") or "none"
-        raw += [(model, r if rec == "none" else {**r, "norm": f"{r['norm']}+recompute={rec}"})
-                for r in res["rows"]
+        model, a = res["args"]["model"], res["args"]
+        tag = "".join(f"+{k}={a[k]}" for k, plain in (("recompute", "none"),
+                                                       ("stream_layout", "auto"))
+                      if a.get(k) not in (None, plain))
+        raw += [(model, {**r, "norm": r["norm"] + tag} if tag else r) for r in res["rows"]
                 if not (part.endswith("_variants") and r["norm"] == "layernorm")]
     base = {}
     for model, r in raw:

@@ -97,6 +97,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     q.add_argument("--recompute", default="none", choices=["none", "gelu"],
                    help="--quick: also the B/16 and S/16 LayerNorm steps with this model.recompute, "
                         "each in its own process (parts train_B16_recompute, train_S16_recompute)")
+    # models.spec.STREAM_LAYOUTS, written out likewise
+    q.add_argument("--stream_layout", default="auto", choices=["auto", "row_major", "free"],
+                   help="--quick: also the B/16 and S/16 LayerNorm steps with this "
+                        "model.stream_layout, each in its own process (parts train_B16_stream, "
+                        "train_S16_stream): 'free' is the step before the stream was pinned")
     q.add_argument("--parts", default="",
                    help="--quick: only these parts, comma-separated (vs_torch, train_B16, "
                         "train_S16, norm_kernels, profile; a train part's name also selects its "

@@ -27,7 +27,7 @@ from typing import Any, Sequence  # noqa: E402
 
 from benchmarks import common, isolate, model_flops  # noqa: E402
 from normvit_jax import models, tool_flags  # noqa: E402
-from normvit_jax.models.spec import RECOMPUTE  # noqa: E402
+from normvit_jax.models.spec import RECOMPUTE, STREAM_LAYOUTS  # noqa: E402
 
 SLACK = 0.05  # the target: time ratio <= FLOP ratio + SLACK
 XLA_AGREES = 0.25  # XLA's count is used for the FLOP ratio only within 25% of the analytic one
@@ -52,6 +52,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
     p.add_argument("--recompute", default=None, choices=list(RECOMPUTE),
                    help="model.recompute (default: the config's, none)")
+    p.add_argument("--stream_layout", default=None, choices=list(STREAM_LAYOUTS),
+                   help="model.stream_layout (default: the config's, auto: pinned on GPU)")
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="device peak for MFU; default: the datasheet's (GPUs), else a matmul probe")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
@@ -147,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def config(args: argparse.Namespace, norm: str, aug: str = "none") -> Any:
     """The benchmark config of one norm (and on-device augmentation set) from the flags."""
-    overrides = {k: getattr(args, k) for k in ("attention_impl", "recompute")
+    overrides = {k: getattr(args, k) for k in ("attention_impl", "recompute", "stream_layout")
                  if getattr(args, k)} or None
     cfg = common.bench_config(args.model, norm, image_size=args.image_size, batch=args.batch,
                               dtype=args.dtype, remat=args.remat, scan=args.scan,
@@ -198,7 +200,8 @@ def child_argv(args: argparse.Namespace, norm: str, json_path: str) -> list[str]
            f"--num_classes={args.num_classes}", f"--grad_accum={args.grad_accum}",
            f"--xla_preset={args.xla_preset}", f"--augment={args.augment}",
            f"--json={json_path}"]
-    for flag in ("image_size", "depth", "attention_impl", "recompute", "peak_tflops"):
+    for flag in ("image_size", "depth", "attention_impl", "recompute", "stream_layout",
+                 "peak_tflops"):
         if getattr(args, flag) is not None:
             out.append(f"--{flag}={getattr(args, flag)}")
     out += [f"--{flag}" for flag in ("remat", "scan") if getattr(args, flag)]
@@ -245,6 +248,7 @@ def report(res: dict[str, Any]) -> str:
            else "round-robin in one process")
     head = (f"train step: model={a['model']} image={a['image_size'] or 'default'} batch={a['batch']} "
             f"dtype={a['dtype']} remat={a['remat']} recompute={a.get('recompute') or 'none'} "
+            f"stream_layout={a.get('stream_layout') or 'auto'} "
             f"scan={a['scan']} grad_accum={a['grad_accum']}; "
             f"{a['steps']} timed rounds after {a['warmup']} warm-up ({how}); step time median "
             f"[p25, p75] s; MFU from analytic model FLOPs; peak {res['peak_flops'] / 1e12:.3f} "

@@ -102,6 +102,12 @@ def test_gpu_table_quick_parts_selects_and_rejects(capsys):
     assert [line.split(":")[0][2:] for line in capsys.readouterr().out.splitlines()
             if line.startswith("# ")] == ["train_S16", "norm_kernels"]  # not its _recompute part
     assert "--model=S/16 --one_process" in text and "--norm=layernorm --recompute=gelu" in text
+    gpu_table.main(["--quick", "--dry-run", "--stream_layout=free", "--recompute=gelu",
+                    "--parts=train_B16,train_B16_stream"])
+    text = capsys.readouterr().out
+    assert [line.split(":")[0][2:] for line in text.splitlines() if line.startswith("# ")] == [
+        "train_B16", "train_B16_stream"]  # the train part's name selects neither extra part
+    assert "--norm=layernorm --stream_layout=free" in text
     gpu_table.main(["--quick", "--dry-run", "--isolate_norms", "--parts=train_B16"])
     assert [line.split(":")[0][2:] for line in capsys.readouterr().out.splitlines()
             if line.startswith("# ")] == ["train_B16_layernorm", "train_B16_dtn"]
@@ -136,10 +142,15 @@ def test_gpu_render_ratios_across_processes():
              "train_B16_recompute": {"status": "ok", "result": {
                  "args": {"model": "B/16", "recompute": "gelu"},
                  "rows": [row("layernorm", 0.103, device_peak_gib=17.0)]}},
+             "train_B16_stream": {"status": "ok", "result": {
+                 "args": {"model": "B/16", "recompute": None, "stream_layout": "free"},
+                 "rows": [row("layernorm", 0.11)]}},
              "vs_torch": {"status": "ok", "result": {"args": {"model": "B/16"}, "rows": [
                  {"impl": "timm_compiled", "step_median_s": 0.11, "images_per_s": 9.0}]}}}
     rows = {r["norm"]: r for r in gpu_render.summary_rows(parts)}
-    assert list(rows) == ["layernorm", "dtn", "layernorm@x", "layernorm+recompute=gelu"]
+    assert list(rows) == ["layernorm", "dtn", "layernorm@x", "layernorm+recompute=gelu",
+                          "layernorm+stream_layout=free"]
+    assert rows["layernorm+stream_layout=free"]["ratio_to_ln"] == pytest.approx(1.1)
     rec = rows["layernorm+recompute=gelu"]  # against the plain LN row of its model
     assert rec["ratio_to_ln"] == pytest.approx(1.03) and rec["device_peak_gib"] == 17.0
     assert rows["dtn"]["ratio_to_ln"] == pytest.approx(1.2)
