@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from normvit_jax.norms import dtn_moments
-from normvit_jax.norms._common import NormContext, group_rms_scale, resolve_groups
+from normvit_jax.norms._common import NormContext, resolve_groups
 
 POSITION_INITS = ("reference", "local")
 MOMENTS_DTYPES = (None, "float32", "bfloat16", "float16")
@@ -157,9 +157,17 @@ def _dtn(x: jax.Array, params: Mapping[str, jax.Array], cfg: _Static) -> jax.Arr
     b, t, c = x.shape
     side, pre, h = cfg.side, cfg.pre, cfg.heads
     d = c // h
-    xs = group_rms_scale(x.astype(jnp.float32), h, cfg.epsilon)  # per-head RMS pre-scaling
-    mu_ln = jnp.mean(xs, axis=-1, keepdims=True)
-    var_ln = jnp.sum(jnp.square(xs - mu_ln), -1, keepdims=True) / (c - 1 if cfg.ln_unbiased else c)
+    xh = x.astype(jnp.float32).reshape(b, t, h, d)
+    s1, s2 = jnp.sum(xh, -1, keepdims=True), jnp.sum(jnp.square(xh), -1, keepdims=True)
+    rs = jax.lax.rsqrt(s2 / d + cfg.epsilon)  # per-head RMS pre-scaling (group_rms_scale)
+    xs = (xh * rs).reshape(b, t, c)
+    # LN statistics of xs from the per-head sums of x and x^2, not from a pass over xs (for which
+    # XLA:GPU stored xs in float32): E[xs^2] - E[xs]^2 with E[xs^2] ~ 1 (RMS 1 per head), so
+    # float32 holds the variance to ~1e-7, relatively worse only for a token whose channels
+    # are all nearly equal (a variance far below 1, which the epsilon then dominates).
+    mu_ln = jnp.sum(rs * s1, axis=2) / c
+    m2_ln = jnp.sum(rs * rs * s2, axis=2) / c
+    var_ln = jnp.maximum(m2_ln - jnp.square(mu_ln), 0.0) * (c / (c - 1 if cfg.ln_unbiased else c))
 
     # Position-aware IN statistics, once per call: P (H, N_src, N_tgt), softmax over sources.
     s = cfg.stat_side
@@ -179,7 +187,11 @@ def _dtn(x: jax.Array, params: Mapping[str, jax.Array], cfg: _Static) -> jax.Arr
     shift = jax.lax.stop_gradient(jnp.mean(patches, axis=1, keepdims=True))
     ph = (patches - shift).reshape(b, s * s, h, d)
     sq = jnp.square(ph)
-    sq_shift = jax.lax.stop_gradient(jnp.mean(sq, axis=1, keepdims=True))
+    # the squares' token mean from the same pass as the shift (E[x^2] - E[x]^2 over tokens):
+    # only a centring constant, exact whatever its rounding
+    sq_shift = jax.lax.stop_gradient(jnp.maximum(
+        jnp.mean(jnp.square(patches), axis=1, keepdims=True) - jnp.square(shift), 0.0)
+        ).reshape(b, 1, h, d)
     moments = dtn_moments.in_moments(jnp.concatenate([ph, sq - sq_shift], -1), p,
                                      cfg.moments_dtype)
     mu_in, m2_in = jnp.split(moments, 2, axis=-1)
