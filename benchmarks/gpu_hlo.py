@@ -76,6 +76,14 @@ class Kernel:
     backward: bool
     block: int | None
 
+    @property
+    def bytes(self) -> int:
+        return self.bytes_in + self.bytes_out
+
+    @property
+    def memory_bound(self) -> bool:
+        return self.kind not in ("matmul", "attention")
+
 
 def array_bytes(shape: str) -> int:
     """Bytes of every array in an HLO shape string (tuples summed; layouts ignored)."""
@@ -149,26 +157,24 @@ def census(hlo_text: str) -> list[Kernel]:
 
 
 def summarize(kernels: Iterable[Kernel], bandwidth: float) -> dict[str, Any]:
-    """Totals, by kind, and per block part (averaged over the blocks that have it)."""
+    """Totals, by kind, and per block part (summed over the blocks, divided by their number)."""
     kernels = list(kernels)
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     for k in kernels:
         by_kind[k.kind][0] += 1
-        by_kind[k.kind][1] += k.bytes_in + k.bytes_out
-    mem_bound = [k for k in kernels if k.kind not in ("matmul", "attention")]
+        by_kind[k.kind][1] += k.bytes
     blocks = sorted({k.block for k in kernels if k.block is not None})
+    n = max(len(blocks), 1)
     per_part: dict[str, dict[str, float]] = {}
     for k in kernels:
         if k.block is None:
             continue
         key = ("backward " if k.backward else "forward ") + k.part
         d = per_part.setdefault(key, {"kernels": 0.0, "mem_bound_mb": 0.0, "all_mb": 0.0})
-        n = max(len(blocks), 1)
         d["kernels"] += 1 / n
-        d["all_mb"] += (k.bytes_in + k.bytes_out) / n / 1e6
-        if k.kind not in ("matmul", "attention"):
-            d["mem_bound_mb"] += (k.bytes_in + k.bytes_out) / n / 1e6
-    mb = sum(k.bytes_in + k.bytes_out for k in mem_bound)
+        d["all_mb"] += k.bytes / n / 1e6
+        d["mem_bound_mb"] += k.bytes / n / 1e6 if k.memory_bound else 0.0
+    mb = sum(k.bytes for k in kernels if k.memory_bound)
     return {"kernels": len(kernels), "blocks": len(blocks),
             "mem_bound_gb": mb / 1e9, "mem_bound_est_ms": mb / bandwidth * 1e3,
             "by_kind": {k: {"kernels": int(v[0]), "gb": v[1] / 1e9} for k, v in by_kind.items()},

@@ -12,8 +12,9 @@ their gradients in separate passes. Here the output is one per-element affine
 u = dy * g1, and only the input and the small statistics are kept. Every sum and dx are written
 as functions of dy, x and small vectors only (no shared full-size product such as u or xhat_t):
 XLA:GPU then reads the activation in each reduction instead of storing float32 products of it
-(``python -m benchmarks.gpu_hlo``: a hand-over slot's backward at S/16 went from 12-13 kernels
-and 816-893 MB to 9-10 kernels and 545-623 MB; LayerNorm's: 7 kernels, 389-525 MB).
+(``python -m benchmarks.gpu_hlo``, S/16, stream layout left to XLA: a hand-over slot's backward
+went from 12-13 kernels and 855-893 MB to 10 kernels and 584-623 MB; LayerNorm's: 7 kernels,
+389-525 MB; docs/benchmarks.md).
 """
 from __future__ import annotations
 
