@@ -23,6 +23,11 @@ its path and JAX on the CPU; the compile runs on the CPU (an S/16 step ~1 minute
 ``--depth`` compiles fewer blocks (per-block figures are the same; totals scale); ``--set``
 changes the config of every compiled step (``--set=model.attention_impl='separate'``), so that
 one formulation can be compared with another in a 40-second compile.
+
+Memory comes from XLA's buffer assignment for the target: temporaries + arguments, what the step
+holds on the device (within 0.1-0.3 GiB of the peak a GPU measured for the same step, which adds
+cuBLAS/cuDNN workspaces). ``--peak=N`` lists the N largest groups of buffers live at that peak
+(XLA's live-range report, written into a temporary dump), by what made them, blocks folded.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from typing import Any, Iterable, Sequence
 
 from normvit_jax import tool_flags
@@ -196,6 +202,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--site", default=".gpu_hlo_site",
                    help="folder holding jax's CUDA plugin (pip install --target, see above)")
     p.add_argument("--hlo_dir", default=None, help="also write each optimized HLO module here")
+    p.add_argument("--peak", type=int, default=0, metavar="N",
+                   help="also list the N largest groups of buffers live at the step's memory peak "
+                   "(XLA's buffer assignment, blocks folded together)")
     p.add_argument("--json", default=None, help="write the census here")
     p.add_argument("--md", default=None, help="write the markdown tables here")
     return p.parse_args(argv)
@@ -251,14 +260,81 @@ def compile_census(args: argparse.Namespace, norm: str) -> dict[str, Any]:
                 node = node[part]
             node[last] = value
         lowered, _ = common.lower_abstract_train_step(cfg, 1000)
-        text = lowered.compile().as_text()
+        with tempfile.TemporaryDirectory(prefix="gpu_hlo_") as dump:
+            # XLA writes its buffers' live ranges only into a dump
+            compiled = lowered.compile(compiler_options=dump_options(dump) if args.peak else None)
+            text = compiled.as_text()
+            peak = peak_groups(live_range_text(dump), text)[:args.peak] if args.peak else None
     finally:
         jax.default_backend, sharding.make_mesh = real_backend, make_mesh
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
         with open(os.path.join(args.hlo_dir, f"{norm}.hlo.txt"), "w") as f:
             f.write(text)
-    return summarize(census(text), target["bandwidth"])
+    return {**summarize(census(text), target["bandwidth"]), "memory": _memory(compiled),
+            "peak": peak}
+
+
+def dump_options(folder: str) -> dict[str, str]:
+    """XLA debug options that write the optimized module's buffer assignment into ``folder``."""
+    return {"xla_dump_to": folder, "xla_dump_hlo_pass_re": "NONE"}
+
+
+def live_range_text(dump: str) -> str:
+    """The train step's live-range report from an XLA dump folder."""
+    names = [n for n in os.listdir(dump) if n.endswith("live-range.txt") and "train_step" in n]
+    if not names:
+        raise SystemExit(f"gpu_hlo: XLA wrote no live-range file into {dump}")
+    with open(os.path.join(dump, sorted(names)[-1])) as f:
+        return f.read()
+
+
+def peak_groups(live_range: str, hlo_text: str) -> list[dict[str, Any]]:
+    """The buffers live at the peak of XLA's live-range report, grouped by what made them: the
+    step's state by its tree path, every other buffer by direction, model part and primitive,
+    blocks folded together. Largest first: [{'what', 'buffers', 'bytes'}]."""
+    lines = live_range.splitlines()
+    start = next(i for i, line in enumerate(lines) if "(peak):" in line)
+    op_names = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        meta = re.search(r'op_name="([^"]+)"', line) if m else None
+        if meta:
+            op_names[m.group(1)] = meta.group(1)
+    groups: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for line in lines[start + 1:]:
+        m = re.match(r"\s+([\w.\-]+)(?:\{[\d,]*\})?: (\d+) bytes", line)
+        if not m:
+            break
+        group = groups[_buffer_group(op_names.get(m.group(1)))]
+        group[0] += 1
+        group[1] += int(m.group(2))
+    return [{"what": k, "buffers": v[0], "bytes": v[1]}
+            for k, v in sorted(groups.items(), key=lambda kv: -kv[1][1])]
+
+
+def _buffer_group(op_name: str | None) -> str:
+    if op_name and op_name.startswith("state."):
+        return re.sub(r"\[.*", "", op_name.replace("state.opt_state", "optimizer state")
+                      .replace("state.params", "parameters"))
+    if op_name and op_name.startswith("batch"):
+        return "batch"
+    part, backward, block = _part(op_name)
+    prim = op_name.rsplit("/", 1)[-1] if op_name else ""
+    where = f"{'backward' if backward else 'forward'} {part}"
+    return f"{where}{', all blocks' if block is not None else ''}: {prim}"
+
+
+def _memory(compiled: Any) -> dict[str, float] | None:
+    """XLA's buffer assignment for the target, in GiB: what the step holds on the device."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    gib = lambda n: n / 2**30  # noqa: E731
+    return {"temp_gib": gib(stats.temp_size_in_bytes),
+            "argument_gib": gib(stats.argument_size_in_bytes),
+            "output_gib": gib(stats.output_size_in_bytes),
+            "alias_gib": gib(stats.alias_size_in_bytes)}
 
 
 def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
@@ -268,14 +344,19 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [f"Deviceless XLA:GPU compile for an {t['desc']} ({t['bandwidth'] / 1e12:.2f} TB/s): "
              f"{args.model}, batch {args.batch}, bfloat16, {results[base]['blocks']} blocks. "
              "Bytes: operands + results of each kernel; est ms: the memory-bound kernels' bytes "
-             "at the bandwidth (a floor, not a measurement).", "",
-             "| norm | kernels | memory-bound GB | est ms | matmul GB | attention GB |",
-             "|---|---|---|---|---|---|"]
+             "at the bandwidth (a floor, not a measurement). Memory: XLA's buffer assignment, "
+             "temporaries + arguments (the state and the batch), what the step holds on the device "
+             "(a measured peak adds the GPU libraries' workspaces).", "",
+             "| norm | kernels | memory-bound GB | est ms | matmul GB | attention GB | memory GiB |",
+             "|---|---|---|---|---|---|---|"]
     for n in norms:
         r = results[n]
         kind = lambda k: r["by_kind"].get(k, {"gb": 0.0})["gb"]  # noqa: E731
+        mem = r.get("memory")
+        held = "-" if not mem else f"{mem['temp_gib'] + mem['argument_gib']:.2f}"
         lines.append(f"| {n} | {r['kernels']} | {r['mem_bound_gb']:.2f} | "
-                     f"{r['mem_bound_est_ms']:.2f} | {kind('matmul'):.2f} | {kind('attention'):.2f} |")
+                     f"{r['mem_bound_est_ms']:.2f} | {kind('matmul'):.2f} | {kind('attention'):.2f} "
+                     f"| {held} |")
     parts = sorted({p for n in norms for p in results[n]["per_block_part"]})
     lines += ["", "Per block (average over blocks): kernels / memory-bound MB",
               "", "| part | " + " | ".join(norms) + " |", "|---|" + "---|" * len(norms)]
@@ -285,6 +366,12 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
             d = results[n]["per_block_part"].get(p)
             cells.append("-" if d is None else f"{d['kernels']:.0f} / {d['mem_bound_mb']:.0f}")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    for n in norms:
+        if results[n].get("peak"):
+            lines += ["", f"{n}: the largest buffers live at the memory peak", "",
+                      "| what | buffers | GiB |", "|---|---|---|"]
+            lines += [f"| {g['what']} | {g['buffers']} | {g['bytes'] / 2**30:.2f} |"
+                      for g in results[n]["peak"]]
     return "\n".join(lines) + "\n"
 
 

@@ -70,3 +70,30 @@ def test_config_overrides_and_a_bad_one_in_one_line(tmp_path):
     assert r.returncode == 2
     lines = [line for line in r.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and "--set='model.depth'" in lines[0], r.stderr
+
+
+def test_buffers_at_the_memory_peak_grouped_by_what_made_them(tmp_path):
+    """--peak: XLA's live-range report of the real train step (XLA:CPU writes the same report as
+    XLA:GPU), grouped: the parameters and optimizer state are the state's arrays, the
+    activations are named by block part with the blocks folded together, and the whole is what
+    XLA's memory analysis says the step holds."""
+    import jax
+    from benchmarks import common
+    # activations well above the state, as in any real step: the peak falls before the update
+    cfg = common.bench_config("Ti/4", "layernorm", image_size=32, batch=64, depth=2)
+    lowered, state = common.lower_abstract_train_step(cfg)
+    compiled = lowered.compile(compiler_options=gpu_hlo.dump_options(str(tmp_path)))
+    groups = gpu_hlo.peak_groups(gpu_hlo.live_range_text(str(tmp_path)), compiled.as_text())
+    got = {g["what"]: g["bytes"] for g in groups}
+    nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+    # the whole state but the few small arrays whose update XLA schedules before the peak (the
+    # head's bias, whose gradient is the first the backward has: their new values count there)
+    for what, tree in (("parameters", state.params), ("optimizer state", state.opt_state)):
+        assert 0.99 * nbytes(tree) <= got[what] <= nbytes(tree), (what, got[what], nbytes(tree))
+    assert [g["bytes"] for g in groups] == sorted((g["bytes"] for g in groups), reverse=True)
+    assert any(w.startswith("forward MlpBlock_3, all blocks: ") for w in got), list(got)
+    blocks = sum(b for w, b in got.items() if ", all blocks: " in w)
+    assert blocks > got["parameters"] + got["optimizer state"], got
+    stats = compiled.memory_analysis()
+    total = sum(got.values())
+    assert stats.argument_size_in_bytes < total <= stats.argument_size_in_bytes + stats.temp_size_in_bytes + 2**20

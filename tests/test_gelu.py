@@ -140,3 +140,15 @@ def test_recompute_gelu_in_a_vit_and_its_bad_settings(layout):
         models.create({**cfg, "recompute": "gelu", "dropout_rate": 0.1}, num_classes=4)
     with pytest.raises(ValueError, match=r"model.recompute='all' is not accepted; accepted: \['none', 'gelu'\]"):
         models.create({**cfg, "recompute": "all"}, num_classes=4)
+
+
+def test_xla_keeps_the_backwards_tanh_apart_from_the_forwards():
+    """The backward's tanh is its own: XLA's CSE merged it with the forward's (the same function of
+    the same input) and so kept the tanh (B, T, mlp_dim) from the forward to the backward, the
+    tensor this GELU exists not to keep (XLA:GPU's buffer assignment of a B/16 step: 3.5 GiB,
+    docs/benchmarks.md). Counted in the optimized module of the forward and its gradient: two
+    tanh, one each way (one when merged)."""
+    h = jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16)
+    step = jax.jit(jax.value_and_grad(lambda a: jnp.sum(gelu(a, True) * 3.0)))
+    text = step.lower(h).compile().as_text()
+    assert len(re.findall(r" tanh\(", text)) == 2, text

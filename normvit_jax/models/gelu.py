@@ -26,6 +26,10 @@ def _gelu_fwd(x: jax.Array, approximate: bool) -> tuple[jax.Array, jax.Array]:
 
 
 def _gelu_bwd(approximate: bool, x: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    # The barrier hides x's identity from XLA's CSE, which would otherwise merge this tanh (erf)
+    # with the forward's and keep it in memory from the forward to here: the very tensor this
+    # function exists not to keep (seen in XLA:GPU's buffer assignment, docs/benchmarks.md).
+    x = jax.lax.optimization_barrier(x)
     _, vjp = jax.vjp(functools.partial(jax.nn.gelu, approximate=approximate), x)
     return vjp(g)
 
