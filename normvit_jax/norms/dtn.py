@@ -16,20 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from normvit_jax.norms import dtn_moments
+from normvit_jax.norms import dtn_half, dtn_moments
+from normvit_jax.norms.dtn_moments import position_weights, relative_offsets  # noqa: F401
 from normvit_jax.norms._common import NormContext, resolve_groups
 
 POSITION_INITS = ("reference", "local")
 MOMENTS_DTYPES = (None, "float32", "bfloat16", "float16")
-
-
-def relative_offsets(side: int) -> np.ndarray:
-    """(N, N, 3) offsets [source i, target j] = (dx, dy, dx^2+dy^2), target minus source, tokens
-    row-major, x along columns and y along rows."""
-    rows, cols = np.divmod(np.arange(side * side), side)
-    dx = cols[None, :] - cols[:, None]
-    dy = rows[None, :] - rows[:, None]
-    return np.stack([dx, dy, dx * dx + dy * dy], axis=-1).astype(np.float32)
 
 
 def position_init(heads: int, local: bool, strength: float):
@@ -60,7 +52,8 @@ class DTN(nn.Module):
     to it for the IN statistics as the reference does; None: always exact), moments_dtype (None:
     the input's dtype; the IN moments' matmul operands, accumulated in float32: 'float32' is exact
     float32, 'bfloat16'/'float16' run on a GPU's or TPU's matrix units), recompute (None: when the
-    moments are half precision; True: the backward recomputes the forward and keeps only the input).
+    moments are half precision; True: the backward recomputes the forward and keeps only the input;
+    half-precision moments without pooling always do: norms/dtn_half.py writes that case out).
 
     Prefix (class) tokens get plain LN statistics; the reference instead keeps the class token out
     of its DTN blocks (``model.cls_token_at_block``).
@@ -135,6 +128,10 @@ class DTN(nn.Module):
             recompute = moments_dtype != jnp.float32
         cfg = _Static(side, pre, h, self._stat_side(), self.epsilon, self.ln_unbiased,
                       self.mix_mean, moments_dtype)
+        if moments_dtype != jnp.float32 and cfg.stat_side == side:
+            # the half-precision path on the matrix units, written out with its backward
+            # (norms/dtn_half.py): the backward keeps the input and two (B, 1, C) shifts
+            return dtn_half.dtn(x, params, cfg)
         fn = functools.partial(_dtn, cfg=cfg)
         # Recomputed in the backward, DTN keeps only its input (as LayerNorm): its float32
         # per-channel statistics would otherwise stay alive from the forward to the backward.
@@ -172,9 +169,7 @@ def _dtn(x: jax.Array, params: Mapping[str, jax.Array], cfg: _Static) -> jax.Arr
     # Position-aware IN statistics, once per call: P (H, N_src, N_tgt), softmax over sources.
     s = cfg.stat_side
     k = side // s
-    logits = jnp.einsum("ijd,dh->hij", jnp.asarray(relative_offsets(s)), params["pos_proj"],
-                        precision=jax.lax.Precision.HIGHEST)
-    p = jax.nn.softmax(logits, axis=1)
+    p = position_weights(params["pos_proj"], s)
     patches = xs[:, pre:]
     if k > 1:  # the reference's average pooling to s x s (statistics of the pooled tokens)
         patches = patches.reshape(b, s, k, s, k, c).mean(axis=(2, 4)).reshape(b, s * s, c)

@@ -18,12 +18,29 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # P first: (h, s, t) x (b, s, h, d) -> (h, t, b, d), batch h, contract s: per head one GEMM
 # (t x s) . (s x b*d) with the large N = b*d, and the output's innermost axis is d, as the
 # tokens' is, so every layout change around the matmul only permutes contiguous rows of d
 # (the tokens-first order gives (h, b, d, t): t innermost, a full transpose back).
 _FWD = (((1,), (1,)), ((0,), (2,)))
+
+
+def relative_offsets(side: int) -> np.ndarray:
+    """(N, N, 3) offsets [source i, target j] = (dx, dy, dx^2+dy^2), target minus source, tokens
+    row-major, x along columns and y along rows."""
+    rows, cols = np.divmod(np.arange(side * side), side)
+    dx = cols[None, :] - cols[:, None]
+    dy = rows[None, :] - rows[:, None]
+    return np.stack([dx, dy, dx * dx + dy * dy], axis=-1).astype(np.float32)
+
+
+def position_weights(pos_proj: jax.Array, side: int) -> jax.Array:
+    """P (H, N_src, N_tgt) of a side x side grid: softmax over sources of the offsets' logits."""
+    logits = jnp.einsum("ijd,dh->hij", jnp.asarray(relative_offsets(side)), pos_proj,
+                        precision=jax.lax.Precision.HIGHEST)
+    return jax.nn.softmax(logits, axis=1)
 
 
 def _dot(a: jax.Array, b: jax.Array, dims: Any, precision: Any = None,
@@ -45,20 +62,17 @@ def _fwd_dot(tokens: jax.Array, p: jax.Array, precision: Any, out: Any = jnp.flo
     return jnp.transpose(moments, (2, 1, 0, 3))  # (b, t, h, d)
 
 
-@jax.custom_vjp
-def _half_moments(tokens: jax.Array, p: jax.Array) -> jax.Array:
-    # float32 sums rounded to the half dtype on the way out: the moments are means of centred
-    # values (module docstring of norms/dtn.py), which the half dtype holds to 2^-9 of their size,
-    # and half the bytes of the largest tensors DTN writes and reads
+def half_moments(tokens: jax.Array, p: jax.Array) -> jax.Array:
+    """(b, s, h, 2d) half-dtype tokens, P (h, s, t) float32 -> (b, t, h, 2d) moments in the half
+    dtype: half operands, float32 sums rounded on the way out. The moments are means of centred
+    values (module docstring of norms/dtn.py), which the half dtype holds to 2^-9 of their size,
+    and half the bytes of the largest tensors DTN writes and reads."""
     return _fwd_dot(tokens, p.astype(tokens.dtype), None, tokens.dtype)
 
 
-def _half_fwd(tokens: jax.Array, p: jax.Array):
-    return _half_moments(tokens, p), (tokens, p)
-
-
-def _half_bwd(res, g: jax.Array):
-    tokens, p = res  # tokens in the half dtype, P in float32
+def half_moments_vjp(tokens: jax.Array, p: jax.Array, g: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+    """(d tokens in the half dtype, dP in float32) of ``half_moments`` for the cotangent ``g``."""
     half = tokens.dtype
     g = g.astype(half)  # (b, t, h, d): the cotangent in the operands' half dtype
     # d tokens[b, s, h, d] = sum_t P[h, s, t] g[b, t, h, d]
@@ -66,11 +80,18 @@ def _half_bwd(res, g: jax.Array):
     dt = jnp.transpose(dt, (2, 1, 0, 3)).astype(half)
     # dP[h, s, t] = sum_{b, d} tokens[b, s, h, d] g[b, t, h, d], kept in float32: the softmax's
     # backward subtracts its weighted mean, which a half-precision dP would not survive.
-    dp = _dot(tokens, g, (((0, 3), (0, 3)), ((2,), (2,))))  # (h, s, t)
+    # Both operands as (h, tokens, b*d), the layout the two other matmuls read and write: one
+    # GEMM per head with the long axis innermost in both (contracting (b, d) in place, XLA:GPU
+    # transposed both operands to (h, b, d, tokens) first: ~1.4 GB of copies a B/16 slot).
+    b, s, h, e = tokens.shape
+    rows = lambda a: jnp.transpose(a, (2, 1, 0, 3)).reshape(h, a.shape[1], b * e)  # noqa: E731
+    dp = _dot(rows(tokens), rows(g), (((2,), (2,)), ((0,), (0,))))  # (h, s, t)
     return dt, dp
 
 
-_half_moments.defvjp(_half_fwd, _half_bwd)
+_half_moments = jax.custom_vjp(half_moments)
+_half_moments.defvjp(lambda tokens, p: (half_moments(tokens, p), (tokens, p)),
+                     lambda res, g: half_moments_vjp(*res, g))
 
 
 def in_moments(tokens: jax.Array, p: jax.Array, dtype: Any) -> jax.Array:
