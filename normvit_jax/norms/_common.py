@@ -115,3 +115,11 @@ def channel_affine(module: Any, y: jax.Array, scale: bool = True, bias: bool = T
     (LayerNorm's and RMSNorm's ``use_scale``/``use_bias``)."""
     s, b = channel_params(module, y.shape[-1], scale, bias)
     return y * s + b
+
+
+def variadic_sums(arrays: tuple[jax.Array, ...], axes: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """Sums of same-shaped arrays over ``axes`` as one variadic reduce: one kernel that reads what
+    they are computed from once. Separate sums were a kernel each on XLA:GPU, and a product that
+    two of them shared was written out in float32 and read back (docs/benchmarks.md)."""
+    return jax.lax.reduce(arrays, tuple(jnp.zeros((), a.dtype) for a in arrays),
+                          lambda u, v: tuple(a + b for a, b in zip(u, v)), axes)

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from normvit_jax.norms import dtn_moments
+from normvit_jax.norms._common import variadic_sums
 
 _F32 = jnp.float32
 
@@ -168,7 +169,7 @@ def _dtn_bwd(cfg, res, g):
     # them and of r instead: 5.2 GB against 4.0 GB a B/16 slot)
     direct, dvar, dyy = jax.lax.optimization_barrier((direct, dvar, dyy))
     direct, dvar, dyy = direct.astype(_F32), dvar.astype(_F32), dyy.astype(_F32)
-    dmu_ln, dvar_ln = _sums((-f.lm * direct, f.lv * dvar), (2,))
+    dmu_ln, dvar_ln = variadic_sums((-f.lm * direct, f.lv * dvar), (2,))
     dvar_in = jnp.where(f.var_in_raw > 0, ((1 - f.lv) * dvar).reshape(b, t, h, d), 0.0)
     dmu_in = (-(1 - f.lm) * direct).reshape(b, t, h, d)
     d_moments = jnp.concatenate([dmu_in - 2 * f.mu_c * dvar_in, dvar_in], -1)
@@ -180,7 +181,7 @@ def _dtn_bwd(cfg, res, g):
     patch = (jnp.arange(t) >= pre)[:, None]
     dlv = jnp.where(patch, (ts.var_ln - f.var_in) * dvar, 0.0)
     dlm = jnp.where(patch, (ts.mu_ln - f.mu_in) * -direct, 0.0)
-    dscale, dbias, dlv, dlm = _sums((dyy, g.astype(_F32), dlv, dlm), (0, 1))
+    dscale, dbias, dlv, dlm = variadic_sums((dyy, g.astype(_F32), dlv, dlm), (0, 1))
 
     # passes 3 and 4: d xs, its per-head sum with xs, dx (the RMS pre-scaling's backward)
     d_tok = d_tokens.astype(_F32)
@@ -200,10 +201,3 @@ def _dtn_bwd(cfg, res, g):
 
 
 dtn.defvjp(_dtn_fwd, _dtn_bwd)
-
-
-def _sums(arrays: tuple[jax.Array, ...], axes: tuple[int, ...]) -> tuple[jax.Array, ...]:
-    """Sums of same-shaped arrays over ``axes`` as one variadic reduce: one kernel that reads the
-    inputs they are computed from once (separate sums were one kernel and one read each)."""
-    return jax.lax.reduce(arrays, tuple(jnp.zeros((), a.dtype) for a in arrays),
-                          lambda u, v: tuple(a + b for a, b in zip(u, v)), axes)

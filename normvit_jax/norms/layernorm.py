@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import channel_params
+from normvit_jax.norms._common import channel_params, variadic_sums
 
 
 class LayerNorm(nn.Module):
@@ -63,14 +63,19 @@ def _standardise_fwd(x, scale, bias, eps, ddof):
 
 def _standardise_bwd(eps, ddof, res, dy):
     x, scale, mean, rstd = res
+    # Behind a barrier, the saved statistics are used as they are: XLA:GPU otherwise recomputed
+    # them from x inside a row-reduction fusion, which then wrote dy * xhat out in float32 for
+    # the parameters' sums to read back (B/16: 854 -> 467 MB a slot's backward; the step's
+    # memory-bound traffic -10%, docs/benchmarks.md).
+    x, mean, rstd, dy = jax.lax.optimization_barrier((x, mean, rstd, dy))
     dy = dy.astype(jnp.float32)
     xhat = (x.astype(jnp.float32) - mean) * rstd
     u = dy * scale
     c = x.shape[-1]
     dx = rstd * (u - jnp.mean(u, axis=-1, keepdims=True)
                  - xhat * jnp.sum(u * xhat, axis=-1, keepdims=True) / (c - ddof))
-    axes = tuple(range(x.ndim - 1))
-    return dx.astype(x.dtype), jnp.sum(dy * xhat, axis=axes), jnp.sum(dy, axis=axes)
+    dscale, dbias = variadic_sums((dy * xhat, dy), tuple(range(x.ndim - 1)))
+    return dx.astype(x.dtype), dscale, dbias
 
 
 standardise.defvjp(_standardise_fwd, _standardise_bwd)
