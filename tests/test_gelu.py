@@ -152,3 +152,59 @@ def test_xla_keeps_the_backwards_tanh_apart_from_the_forwards():
     step = jax.jit(jax.value_and_grad(lambda a: jnp.sum(gelu(a, True) * 3.0)))
     text = step.lower(h).compile().as_text()
     assert len(re.findall(r" tanh\(", text)) == 2, text
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+def test_gelu_bias_is_gelu_of_the_sum_and_keeps_the_matmul_output(approximate):
+    """gelu_bias(z, b) = jax.nn.gelu(z + b): values exactly, gradients of z and b as autodiff's
+    (float32, 1e-6 relative); its backward keeps z (not z + b) and the bias; XLA keeps the
+    backward's tanh apart from the forward's (two tanh, as for ``gelu``)."""
+    from normvit_jax.models.gelu import gelu_bias
+    r = np.random.default_rng(5)
+    z = jnp.asarray(r.normal(0, 3, (4, 9, 32)), jnp.float32)
+    bias = jnp.asarray(r.normal(0, 1, (32,)), jnp.float32)
+    g = jnp.asarray(r.normal(0, 1, z.shape), jnp.float32)
+    plain = lambda a, c: jax.nn.gelu(a + c, approximate=approximate)  # noqa: E731
+    y, vjp = jax.vjp(lambda a, c: gelu_bias(a, c, approximate), z, bias)
+    want_y, want_vjp = jax.vjp(plain, z, bias)
+    np.testing.assert_array_equal(y, want_y)
+    for got, want in zip(vjp(g), want_vjp(g)):
+        assert float(jnp.max(jnp.abs(want))) > 1e-2
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(lambda a, c: jnp.sum(gelu_bias(a, c, approximate)), z, bias)
+    assert [line.split()[0] for line in out.getvalue().strip().splitlines()] == [
+        "f32[4,9,32]", "f32[32]"] and "argument" in out.getvalue(), out.getvalue()
+    if approximate:
+        step = jax.jit(jax.value_and_grad(lambda a: jnp.sum(gelu_bias(a, bias, True) * 3.0)))
+        assert len(re.findall(r" tanh\(", step.lower(z).compile().as_text())) == 2
+
+
+def test_the_mlp_without_cpu_barriers_adds_the_bias_in_the_gelu_and_computes_the_same():
+    """MlpBlock with the fusion barriers off (the GPU/TPU default) runs gelu_bias: the training
+    output equals the inference output (the plain path), and its gradients equal those of the
+    plain MLP written out here (float32, 1e-5)."""
+    b, t, d, hidden = 2, 5, 8, 32
+    x = jax.random.normal(jax.random.key(0), (b, t, d))
+    cot = jax.random.normal(jax.random.key(2), (b, t, d))
+    mlp = MlpBlock(hidden, jnp.float32, barriers=False)
+    params = mlp.init(jax.random.key(1), x, train=False)
+    calls = []
+    import normvit_jax.models.layers as layers
+    real = layers.gelu_bias
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layers, "gelu_bias", lambda *a: calls.append(1) or real(*a))
+        train = mlp.apply(params, x, train=True)
+    assert calls
+    np.testing.assert_allclose(train, mlp.apply(params, x, train=False), rtol=1e-6, atol=1e-6)
+
+    def written(p, xx):
+        q = p["params"]
+        h = jax.nn.gelu(xx @ q["Dense_0"]["kernel"] + q["Dense_0"]["bias"], approximate=True)
+        return jnp.sum((h @ q["Dense_1"]["kernel"] + q["Dense_1"]["bias"]) * cot)
+    got = jax.grad(lambda p, xx: jnp.sum(mlp.apply(p, xx, train=True) * cot), (0, 1))(params, x)
+    want = jax.grad(written, (0, 1))(params, x)
+    for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert float(jnp.max(jnp.abs(c))) > 1e-3
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)

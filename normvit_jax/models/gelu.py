@@ -7,12 +7,17 @@ the backward stays in memory from the forward to the backward (a GPU compiler do
 tanh or erf into a second fusion). Here the backward recomputes them from the saved input: a few
 elementwise operations on data the backward reads anyway, and the forward writes only what the
 next matmul needs. Values are those of ``jax.nn.gelu`` and its autodiff gradient.
+
+``gelu_bias(z, bias)`` is ``gelu(z + bias)`` keeping ``z``, the matmul's output, which is in memory
+anyway: the bias add then happens inside the GELU's kernel, where XLA:GPU otherwise wrote
+``z + bias`` out as the saved input beside the GELU's output (models/layers.py, MlpBlock).
 """
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -35,3 +40,25 @@ def _gelu_bwd(approximate: bool, x: jax.Array, g: jax.Array) -> tuple[jax.Array]
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def gelu_bias(z: jax.Array, bias: jax.Array, approximate: bool = True) -> jax.Array:
+    """``jax.nn.gelu(z + bias, approximate)`` whose backward saves ``z`` and ``bias``: the bias
+    add stays inside the GELU's kernel instead of writing ``z + bias`` out for the backward."""
+    return jax.nn.gelu(z + bias, approximate=approximate)
+
+
+def _gelu_bias_fwd(z, bias, approximate):
+    return gelu_bias(z, bias, approximate), (z, bias)
+
+
+def _gelu_bias_bwd(approximate, res, g):
+    z, bias = res
+    z = jax.lax.optimization_barrier(z)  # kept apart from the forward's tanh (``_gelu_bwd``)
+    _, vjp = jax.vjp(functools.partial(jax.nn.gelu, approximate=approximate), z + bias)
+    (dh,) = vjp(g)
+    return dh, jnp.sum(dh, axis=tuple(range(dh.ndim - 1)))
+
+
+gelu_bias.defvjp(_gelu_bias_fwd, _gelu_bias_bwd)

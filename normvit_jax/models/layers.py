@@ -20,7 +20,7 @@ import numpy as np
 
 from normvit_jax import norms
 from normvit_jax.models import padded_attention
-from normvit_jax.models.gelu import gelu
+from normvit_jax.models.gelu import gelu, gelu_bias
 from normvit_jax.models.fusion_barriers import dense
 from normvit_jax.models.spec import DEFAULT_NORM
 
@@ -322,20 +322,28 @@ class MlpBlock(nn.Module):
         b, t, d = x.shape
         w0, b0 = _Projection((d, self.mlp_dim), (self.mlp_dim,), (d, self.mlp_dim), 1e-6,
                              param_init=self.param_init, name="Dense_0")()
-        y = token_dense(x, w0, b0, self.dtype, self.barriers)
         w1, b1 = _Projection((self.mlp_dim, d), (d,), (self.mlp_dim, d), 1e-6,
                              param_init=self.param_init, name="Dense_1")()
         if train and self.recompute_gelu and self.dropout_rate == 0.0:
             # GELU and Dense_1 as one checkpointed function of the GELU's input: the backward keeps
             # only y (B, T, mlp_dim) and recomputes the GELU's output for Dense_1's weight
             # gradient, where the plain path keeps both (the largest activations of a block).
+            y = token_dense(x, w0, b0, self.dtype, self.barriers)
             tail = lambda h, w, bias: token_dense(gelu(h, self.gelu_approximate), w, bias,
                                                   self.dtype, self.barriers)
             return jax.checkpoint(tail, policy=jax.checkpoint_policies.nothing_saveable)(y, w1, b1)
-        # training: a GELU whose backward keeps only y (models/gelu.py); inference (and so the
-        # export's trace) runs the plain one: same values, no backward to save for
-        act = gelu if train else lambda h, approximate: nn.gelu(h, approximate=approximate)
-        y = act(y, self.gelu_approximate)
+        if train and not self.barriers and not _MATMUL_ATTENTION.get():
+            # Dense_0's bias added inside the GELU's kernel, whose backward keeps the matmul's
+            # output (models/gelu.py, ``gelu_bias``): XLA:GPU otherwise wrote the biased
+            # activation out beside the GELU's output (B/16: -310 MB a block's forward). Where
+            # the CPU's fusion barriers are on, Dense_0 keeps its stored-gradient matmul.
+            z = jnp.dot(x.reshape(b * t, d).astype(self.dtype), w0.astype(self.dtype))
+            y = gelu_bias(z, b0.astype(self.dtype), self.gelu_approximate).reshape(b, t, -1)
+        else:
+            # training: a GELU whose backward keeps only y (models/gelu.py); inference (and so
+            # the export's trace) runs the plain one: same values, no backward to save for
+            act = gelu if train else lambda h, approximate: nn.gelu(h, approximate=approximate)
+            y = act(token_dense(x, w0, b0, self.dtype, self.barriers), self.gelu_approximate)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=not train)
         y = token_dense(y, w1, b1, self.dtype, self.barriers)
         return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
