@@ -148,9 +148,9 @@ def main(tmp: str) -> None:
     checkpoints.save(mngr, STEPS, saved, {"note": "fsdp"})
     mngr.wait_until_finished()
     model, tx, _ = parts(config("layernorm", 2, 4))
-    for name, data, fsdp, n in (("4dev_fsdp4", 1, 4, 4), ("4dev_data2_fsdp2", 2, 2, 4),
-                                ("1dev", 1, 1, 1)):
-        c = config("layernorm", data, fsdp)
+    for name, data_axis, fsdp, n in (("4dev_fsdp4", 1, 4, 4), ("4dev_data2_fsdp2", 2, 2, 4),
+                                     ("1dev", 1, 1, 1)):
+        c = config("layernorm", data_axis, fsdp)
         mesh = sharding.make_mesh(c, devices=devs[:n])
         abstract, ss = setup.abstract_train_state(model, tx, IMAGE, mesh, sharding.fsdp_min_size(c))
         restored = checkpoints.restore_latest(mngr, abstract)
