@@ -223,6 +223,7 @@ def test_dtn_bad_precision_options():
             build("dtn", opts, dim=8, heads=2, grid=(3, 3))
 
 
+@pytest.mark.usefixtures("float32_matmuls")  # on a GPU: float32 products, not TF32
 @pytest.mark.parametrize("pre,mix_mean", [(0, True), (1, True), (2, True), (1, False)])
 def test_dtn_half_path_is_the_autodiff_function(pre, mix_mean):
     """norms/dtn_half.py (the written-out forward and backward of the half-precision path) is
