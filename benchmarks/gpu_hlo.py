@@ -271,7 +271,7 @@ def compile_census(args: argparse.Namespace, norm: str) -> dict[str, Any]:
         os.makedirs(args.hlo_dir, exist_ok=True)
         with open(os.path.join(args.hlo_dir, f"{norm}.hlo.txt"), "w") as f:
             f.write(text)
-    return {**summarize(census(text), target["bandwidth"]), "memory": _memory(compiled),
+    return {**summarize(census(text), target["bandwidth"]), "memory": common.memory_stats(compiled),
             "peak": peak}
 
 
@@ -325,18 +325,6 @@ def _buffer_group(op_name: str | None) -> str:
     return f"{where}{', all blocks' if block is not None else ''}: {prim}"
 
 
-def _memory(compiled: Any) -> dict[str, float] | None:
-    """XLA's buffer assignment for the target, in GiB: what the step holds on the device."""
-    stats = compiled.memory_analysis()
-    if stats is None:
-        return None
-    gib = lambda n: n / 2**30  # noqa: E731
-    return {"temp_gib": gib(stats.temp_size_in_bytes),
-            "argument_gib": gib(stats.argument_size_in_bytes),
-            "output_gib": gib(stats.output_size_in_bytes),
-            "alias_gib": gib(stats.alias_size_in_bytes)}
-
-
 def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     norms = list(results)
     base = norms[0]
@@ -353,7 +341,7 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         r = results[n]
         kind = lambda k: r["by_kind"].get(k, {"gb": 0.0})["gb"]  # noqa: E731
         mem = r.get("memory")
-        held = "-" if not mem else f"{mem['temp_gib'] + mem['argument_gib']:.2f}"
+        held = "-" if not mem else f"{(mem['temp'] + mem['arguments']) / 2**30:.2f}"
         lines.append(f"| {n} | {r['kernels']} | {r['mem_bound_gb']:.2f} | "
                      f"{r['mem_bound_est_ms']:.2f} | {kind('matmul'):.2f} | {kind('attention'):.2f} "
                      f"| {held} |")

@@ -55,9 +55,8 @@ def _gelu_bias_fwd(z, bias, approximate):
 
 def _gelu_bias_bwd(approximate, res, g):
     z, bias = res
-    z = jax.lax.optimization_barrier(z)  # kept apart from the forward's tanh (``_gelu_bwd``)
-    _, vjp = jax.vjp(functools.partial(jax.nn.gelu, approximate=approximate), z + bias)
-    (dh,) = vjp(g)
+    z = jax.lax.optimization_barrier(z)  # z + bias, too, kept apart from the forward's
+    (dh,) = _gelu_bwd(approximate, z + bias, g)
     return dh, jnp.sum(dh, axis=tuple(range(dh.ndim - 1)))
 
 

@@ -50,8 +50,9 @@ class _PointwiseNorm(nn.Module):
         scale, bias = channel_params(self, x.shape[-1], self.affine, self.affine)
         if train and jnp.dtype(x.dtype).itemsize < 4:
             return pointwise_affine(x, p, scale, bias, fn)
-        y = fn(x.astype(jnp.float32), p)  # float32 or inference: as written (and as exported)
-        return (y * scale + bias if self.affine else y).astype(x.dtype)
+        if self.affine:  # float32 or inference: as written (and as exported)
+            return _affine(x, p, scale, bias, fn)
+        return fn(x.astype(jnp.float32), p).astype(x.dtype)
 
 
 def _affine(x: jax.Array, p: tuple[jax.Array, ...], scale: jax.Array, bias: jax.Array,
