@@ -55,8 +55,12 @@ def _gelu_bias_fwd(z, bias, approximate):
 
 def _gelu_bias_bwd(approximate, res, g):
     z, bias = res
-    z = jax.lax.optimization_barrier(z)  # z + bias, too, kept apart from the forward's
-    (dh,) = _gelu_bwd(approximate, z + bias, g)
+    # kept apart from the forward's tanh (``_gelu_bwd``); one barrier, on z alone: a second one
+    # on z + bias (calling ``_gelu_bwd``) made XLA:GPU write z + bias out for the backward, 310 MB
+    # a B/16 block (benchmarks.gpu_hlo)
+    z = jax.lax.optimization_barrier(z)
+    _, vjp = jax.vjp(functools.partial(jax.nn.gelu, approximate=approximate), z + bias)
+    (dh,) = vjp(g)
     return dh, jnp.sum(dh, axis=tuple(range(dh.ndim - 1)))
 
 
