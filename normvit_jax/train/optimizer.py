@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from normvit_jax.train import ema, layer_decay
+from normvit_jax.train import ema, global_norm, layer_decay
 
 # lamb: timm's Lamb (the LearnableScaler recipe's); lamb_optax: optax.lamb (trust ratio everywhere).
 OPTIMIZERS = ("adamw", "sgd", "lamb", "lamb_optax")
@@ -91,7 +91,7 @@ def timm_lamb(learning_rate: optax.ScalarOrSchedule, b1: float, b2: float, weigh
     correction, L2 decay added to the update, and the trust ratio ||w|| / ||update|| only where
     the weight decay is non-zero (params with none, under ``mask``, take plain Adam steps, as do all
     when ``weight_decay`` is 0). optax.lamb applies the trust ratio to every parameter."""
-    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    parts = [global_norm.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
     parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
     if weight_decay:
         parts += [optax.add_decayed_weights(weight_decay, mask=mask),
@@ -122,7 +122,7 @@ def create(config: Any, total_steps: int) -> tuple[optax.GradientTransformation,
         tx = optax.chain(optax.add_decayed_weights(o.weight_decay, mask=decay_mask),
                          optax.sgd(lr, momentum=o.momentum or None, nesterov=o.nesterov))
     if o.grad_clip:
-        tx = optax.chain(optax.clip_by_global_norm(o.grad_clip), tx)
+        tx = optax.chain(global_norm.clip_by_global_norm(o.grad_clip), tx)
     # Only when on, so the default optimizer state (and checkpoints) keep their tree.
     if config.layer_decay != 1.0:
         tx = optax.chain(tx, layer_decay.scale_by_layer(config.layer_decay))

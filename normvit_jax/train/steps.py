@@ -15,7 +15,7 @@ from clu import metrics as clu_metrics
 import flax.struct
 
 from normvit_jax.data import stats
-from normvit_jax.train import aux_losses, batch_aug
+from normvit_jax.train import aux_losses, batch_aug, global_norm
 from normvit_jax.norms import gradient_rule
 from normvit_jax.train.state import TrainState
 
@@ -156,7 +156,7 @@ def _update(state: TrainState, tx: optax.GradientTransformation, grads: Any, new
     """(the state after the optimizer step, the gradient norm, whether loss and norm are
     finite); with ``skip_nonfinite`` a non-finite step keeps the weights, optimizer and norm
     state and only counts itself."""
-    grad_norm = optax.tree.norm(grads)
+    grad_norm = global_norm.global_norm(grads)  # the clip's own: XLA computes it once
     # batch_stats: for the EMA of the norm statistics (train/ema.py); other parts ignore it
     updates, opt_state = optax.with_extra_args_support(tx).update(
         grads, state.opt_state, state.params, batch_stats=new_bs)
