@@ -83,3 +83,24 @@ def test_budget_and_drawn_first_stages_keep_the_decoding_path(dataset):
 def test_a_train_pipeline_read_with_the_eval_geometry_decodes(dataset):
     mem, off = _pipelines(dataset, "train")
     np.testing.assert_array_equal(mem.eval_batch(1)["image"], off.eval_batch(1)["image"])
+
+
+def test_the_analysis_probe_reads_its_few_images_without_decoding_the_split(dataset, monkeypatch):
+    """The training loop's analysis probe (16 eval images) reads them as they come: it had
+    decoded the whole eval split into memory a second time in every run."""
+    from normvit_jax.analysis import capture
+    made = []
+    real = decoded.maybe_decode_once
+    monkeypatch.setattr(decoded, "maybe_decode_once",
+                        lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    config = _config(dataset)
+    spec = data.resolve_data_spec(config)
+    images, labels = capture.eval_images(config, spec, 2)
+    assert len(made) == 1 and isinstance(made[0], JpegSource)
+    assert config.data.in_memory_mb > 0  # the caller's config is left as it was
+    mem = data.make_pipeline(config, "eval", spec, process_index=0, process_count=1)
+    assert isinstance(mem.source, decoded.DecodedSource)
+    batch = mem.eval_batch(0)
+    from normvit_jax.data import stats as data_stats
+    np.testing.assert_array_equal(images, data_stats.model_input(batch["image"][:2], spec.affine))
+    np.testing.assert_array_equal(labels, batch["label"][:2])
