@@ -26,7 +26,7 @@ from tests.conftest import REPO_ROOT
 MAX_BYTES, MAX_PIXELS = 200_000, 1_000_000
 
 
-def _tiny_artifact(out: str) -> None:
+def _tiny_artifact(out: str, names: list[str] | None = None) -> None:
     """A one-block demo ViT with random weights (drawn in numpy at the shapes ``init`` gives, so
     nothing is compiled) and a wide random head (so predictions vary)."""
     import jax
@@ -39,7 +39,7 @@ def _tiny_artifact(out: str) -> None:
     v = jax.tree.map(lambda s: rng.normal(0, 0.2, s.shape).astype(s.dtype), shapes)
     v["params"]["head"]["kernel"] = rng.normal(0, 0.5, shapes["params"]["head"]["kernel"].shape
                                                ).astype(np.float32)
-    names = [f"digit {i}" for i in range(10)]
+    names = names or [f"digit {i}" for i in range(10)]
     artifact.export_artifact(bundle.from_variables(c, c.model, v, 10, names, log=None), "onnx",
                              out, log=None)
 
@@ -245,3 +245,28 @@ def test_onnx_sessions_spin_by_default_and_can_sleep_between_calls(monkeypatch, 
     assert seen[0].intra_op_num_threads == seen[1].intra_op_num_threads == 2
     with pytest.raises(RuntimeError, match="allow_spinning"):  # not set: ONNX Runtime's default
         seen[1].get_session_config_entry("session.intra_op.allow_spinning")
+
+
+def test_artifacts_sharing_a_folder_keep_their_class_names(tmp_path):
+    """ONNX/StableHLO files in one folder share its classes.json: a model with other class names
+    is refused there before anything is written (it would have relabelled the others); the same
+    path may be re-exported; a classes.json that does not fit the artifact is named on reading."""
+    from normvit_jax.deploy import DeployError
+    first = [f"digit {i}" for i in range(10)]
+    other = [f"letter {c}" for c in "abcdefghij"]
+    _tiny_artifact(str(tmp_path / "a.onnx"))
+    _tiny_artifact(str(tmp_path / "a2.onnx"))  # the same classes: shared without harm
+    with pytest.raises(DeployError, match=r"classes.json holds the class names of a.onnx and 1 "
+                       r"more, not this model's \(10 classes\): export it to another folder"):
+        _tiny_artifact(str(tmp_path / "b.onnx"), other)
+    assert not (tmp_path / "b.onnx").exists() and not (tmp_path / "b.onnx.json").exists()
+    assert artifact.read_metadata(str(tmp_path / "a.onnx"))[1] == first
+    _tiny_artifact(str(tmp_path / "c" / "b.onnx"), other)  # a folder of its own
+    assert artifact.read_metadata(str(tmp_path / "c" / "b.onnx"))[1] == other
+    (tmp_path / "a2.onnx").unlink()
+    _tiny_artifact(str(tmp_path / "a.onnx"), other)  # alone in the folder: re-exported
+    assert artifact.read_metadata(str(tmp_path / "a.onnx"))[1] == other
+    (tmp_path / "classes.json").write_text(json.dumps(other[:3]))
+    with pytest.raises(DeployError, match=r"classes.json names 3 classes, the artifact .*a.onnx "
+                       r"has 10: it belongs to another artifact"):
+        artifact.read_metadata(str(tmp_path / "a.onnx"))

@@ -56,7 +56,39 @@ def read_metadata(path: str) -> tuple[dict, list[str]]:
         meta = json.load(f)
     with open(classes_path, encoding="utf-8") as f:
         names = [str(c) for c in json.load(f)]
+    if len(names) != meta.get("num_classes", len(names)):
+        raise DeployError(f"{classes_path} names {len(names)} classes, the artifact {path} has "
+                          f"{meta['num_classes']}: it belongs to another artifact")
     return meta, names
+
+
+def _refuse_other_classes(fmt: str, out: str, names: list[str]) -> None:
+    """ONNX and StableHLO files in one folder share its ``classes.json``: a model with other
+    classes would relabel every other artifact there, so it is refused before anything is
+    written (re-exporting the same path may change them: nothing else reads them)."""
+    if fmt == "savedmodel":  # a folder of its own
+        return
+    out = os.path.abspath(out)
+    folder = os.path.dirname(out)
+    classes_path = os.path.join(folder, "classes.json")
+    if not os.path.isfile(classes_path):
+        return
+    others = sorted(n[:-5] for n in os.listdir(folder)
+                    if n.endswith(".json") and n != "classes.json"
+                    and os.path.join(folder, n[:-5]) != out
+                    and os.path.isfile(os.path.join(folder, n[:-5])))
+    if not others:
+        return
+    try:
+        with open(classes_path, encoding="utf-8") as f:
+            there = [str(c) for c in json.load(f)]
+    except (OSError, ValueError):
+        there = None
+    if there != names:
+        raise DeployError(f"{classes_path} holds the class names of {others[0]}"
+                          + (f" and {len(others) - 1} more" if len(others) > 1 else "")
+                          + f", not this model's ({len(names)} classes): export it to another "
+                          "folder")
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -89,6 +121,7 @@ def export_artifact(b: bundle_lib.Bundle, fmt: str, out: str, batch: int | None 
         raise DeployError(f"--out={out}: artifacts are written to a local path")
     write = _writer(fmt)
     meta = metadata(b, fmt, batch)
+    _refuse_other_classes(fmt, out, list(b.class_names))
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     write(b, out, batch, meta)
