@@ -1,5 +1,5 @@
 """Quieter logs for every entry point (main.py, export, reparam, the analysis CLIs): Orbax's, JAX's,
-CLU's and tfds' INFO chatter and Orbax's harmless warnings (a missing metadata file, a read-only
+CLU's, tfds', TensorFlow's and jax2onnx's INFO chatter and Orbax's harmless warnings (a missing metadata file, a read-only
 manager) are dropped; other warnings and errors still show.
 
 A failed checkpoint read or write (a damaged file, a full disk) is reported by this project in one
@@ -16,7 +16,10 @@ import re
 import sys
 import warnings
 
-_NOISY_INFO = ("/orbax/", "/jax/_src/", "/clu/platform/", "/tensorflow_datasets/")
+# (export: the SavedModel writer's and the ONNX converter's progress notes, e.g. "Sharding callback
+# duration", "Removed 91 unused nodes")
+_NOISY_INFO = ("/orbax/", "/jax/_src/", "/clu/platform/", "/tensorflow_datasets/",
+               "/tensorflow/python/", "/jax2onnx/", "/onnx_ir/")
 _NOISY_WARNINGS = ("Metadata file does not exist",  # Orbax, reading checkpoints without it
                    "CheckpointManagerOptions.read_only=True", "Given directory is read only")
 # Orbax modules whose ERROR records repeat a checkpoint failure that the caller reports

@@ -63,7 +63,15 @@ def test_library_chatter_and_failure_echoes_are_dropped_and_the_rest_kept():
                 "file \"/w/checkpoints/6/state/ocdbt.process_0/\"')>", name="asyncio",
                 exc_info=(ValueError, ValueError("DATA_LOSS"), None)),
     ]
+    drop += [  # what an export printed between its report lines
+        _record(f"{SITE}/tensorflow/python/checkpoint/functional_saver.py", std_logging.INFO,
+                "Sharding callback duration: %s"),
+        _record(f"{SITE}/jax2onnx/user_interface.py", std_logging.INFO,
+                "Converting JAX function to ONNX model with parameters: %s"),
+        _record(f"{SITE}/onnx_ir/passes/common/unused_removal.py", std_logging.INFO,
+                "Removed %s unused nodes")]
     keep = [
+        _record(f"{SITE}/tensorflow/python/saved_model/save.py", std_logging.WARNING, "a warning"),
         _record(f"{SITE}/orbax/checkpoint/checkpoint_manager.py", std_logging.WARNING,
                 "Something else went wrong"),
         _record(f"{SITE}/tensorflow_datasets/core/load.py", std_logging.WARNING, "a real warning"),
