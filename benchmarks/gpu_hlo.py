@@ -8,7 +8,8 @@ A GPU is lent rarely and briefly; this answers on any CPU what a GPU run would e
 the loop's train step (bfloat16, the GPU code paths: cuDNN attention, half-precision DTN moments)
 for a described device (``jax.experimental.topologies``, XLA's deviceless compilation), and the
 optimized HLO lists every kernel with its operands and results. Bytes are operands + results per
-kernel (what it moves through memory if nothing stays in cache); ``est ms`` is those bytes of the
+kernel (what it moves through memory if nothing stays in cache; an operand the kernel reads only
+through slices counts the slices' elements); ``est ms`` is those bytes of the
 memory-bound kernels (everything but matmuls and attention) at the device's bandwidth: a floor for
 their time, not a measurement. Nothing here replaces ``gpu_table``: it says where to look, and
 whether a change moves fewer bytes or launches fewer kernels, before a GPU measures it.
@@ -137,11 +138,78 @@ def _part(op_name: str | None) -> tuple[str, bool, int | None]:
     return (rest[0] if rest else "(step: loss, optimizer)"), backward, None
 
 
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """Every computation's instruction lines, by name."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in hlo_text.split("\n"):
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            current = out.setdefault(head.group(1), [])
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            current.append(line)
+    return out
+
+
+def _elements(shape: str) -> int:
+    n = 0
+    for _, dims in _ARRAY.findall(shape):
+        k = 1
+        for d in filter(None, dims.split(",")):
+            k *= int(d)
+        n += k
+    return n
+
+
+_ONE_TO_ONE = ("bitcast", "convert", "reshape", "copy")  # an element in, an element out
+
+
+def _sliced_parameters(lines: list[str]) -> dict[int, int]:
+    """{parameter number: bytes read} for a fused computation's parameters that it reads only
+    through slices (through bitcasts, converts and reshapes on the way): a kernel that slices
+    each row's first element reads those elements, not the whole operand."""
+    defs, users = {}, {}
+    for line in lines:
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        defs[name] = (shape, op, rest)
+        for o in set(re.findall(r"%([\w.\-]+)", rest.split("), ")[0])):
+            users.setdefault(o, []).append(name)
+
+    def read(name: str) -> int | None:  # elements read through slices; None if read otherwise
+        if not users.get(name):  # an output of the kernel: written whole
+            return None
+        total = 0
+        for u in users[name]:
+            shape, op, _ = defs[u]
+            sub = (_elements(shape) if op in ("slice", "dynamic-slice")
+                   else read(u) if op in _ONE_TO_ONE else None)
+            if sub is None:
+                return None
+            total += sub
+        return total
+
+    out = {}
+    for name, (shape, op, rest) in defs.items():
+        if op == "parameter":
+            got = read(name)
+            if got is not None:
+                size = array_bytes(shape) // max(_elements(shape), 1)
+                out[int(rest.split(")")[0])] = got * size
+    return out
+
+
 def census(hlo_text: str) -> list[Kernel]:
-    """The kernels of the ENTRY computation of an optimized HLO module's text."""
+    """The kernels of the ENTRY computation of an optimized HLO module's text; an operand that
+    a fusion only slices counts the slices' bytes."""
     start = hlo_text.index("\nENTRY")
     body = hlo_text[hlo_text.index("{", start) + 1:]
     body = body[:body.index("\n}")]
+    computations = _computations(hlo_text)
     shapes: dict[str, str] = {}
     out = []
     for line in body.split("\n"):
@@ -154,7 +222,11 @@ def census(hlo_text: str) -> list[Kernel]:
             continue
         args = rest.split("), ")[0]
         operands = re.findall(r"%([\w.\-]+)", args)
-        b_in = sum(array_bytes(shapes[o]) for o in operands if o in shapes)
+        called = re.search(r"calls=%([\w.\-]+)", line)
+        sliced = (_sliced_parameters(computations.get(called.group(1), []))
+                  if op == "fusion" and called else {})
+        b_in = sum(sliced.get(i, array_bytes(shapes[o])) for i, o in enumerate(operands)
+                   if o in shapes)
         meta = re.search(r'op_name="([^"]+)"', line)
         part, backward, block = _part(meta.group(1) if meta else None)
         out.append(Kernel(name, _kind(op, line, name), b_in, array_bytes(shape), part, backward,
@@ -331,8 +403,9 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     t = TARGETS[args.target]
     lines = [f"Deviceless XLA:GPU compile for an {t['desc']} ({t['bandwidth'] / 1e12:.2f} TB/s): "
              f"{args.model}, batch {args.batch}, bfloat16, {results[base]['blocks']} blocks. "
-             "Bytes: operands + results of each kernel; est ms: the memory-bound kernels' bytes "
-             "at the bandwidth (a floor, not a measurement). Memory: XLA's buffer assignment, "
+             "Bytes: operands (only their slices where a kernel slices them) + results of each "
+             "kernel; est ms: the memory-bound kernels' bytes at the bandwidth (a floor, not a "
+             "measurement). Memory: XLA's buffer assignment, "
              "temporaries + arguments (the state and the batch), what the step holds on the device "
              "(a measured peak adds the GPU libraries' workspaces).", "",
              "| norm | kernels | memory-bound GB | est ms | matmul GB | attention GB | memory GiB |",

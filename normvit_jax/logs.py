@@ -1,6 +1,6 @@
 """Quieter logs for every entry point (main.py, export, reparam, the analysis CLIs): Orbax's, JAX's,
-CLU's, tfds', TensorFlow's and jax2onnx's INFO chatter and Orbax's harmless warnings (a missing metadata file, a read-only
-manager) are dropped; other warnings and errors still show.
+CLU's, tfds', TensorFlow's and the ONNX converter's INFO chatter and Orbax's harmless warnings (a
+missing metadata file, a read-only manager) are dropped; other warnings and errors still show.
 
 A failed checkpoint read or write (a damaged file, a full disk) is reported by this project in one
 line naming the step and the innermost cause (checkpoints.restore_latest, train/guards.py), so the

@@ -97,3 +97,37 @@ def test_buffers_at_the_memory_peak_grouped_by_what_made_them(tmp_path):
     stats = compiled.memory_analysis()
     total = sum(got.values())
     assert stats.argument_size_in_bytes < total <= stats.argument_size_in_bytes + stats.temp_size_in_bytes + 2**20
+
+
+_SLICING = """HloModule m
+
+%fused_slice (param_0.1: bf16[8,5,64]) -> f32[8,5,1] {
+  %param_0.1 = bf16[8,5,64]{2,1,0} parameter(0)
+  %convert.1 = f32[8,5,64]{2,1,0} convert(%param_0.1)
+  ROOT %slice.1 = f32[8,5,1]{2,1,0} slice(%convert.1), slice={[0:8], [0:5], [0:1]}
+}
+
+%fused_mixed (param_0.2: bf16[8,5,64], param_1.2: f32[8,5,1]) -> bf16[8,5,64] {
+  %param_0.2 = bf16[8,5,64]{2,1,0} parameter(0)
+  %bitcast.2 = bf16[40,64]{1,0} bitcast(%param_0.2)
+  %slice.2 = bf16[40,1]{1,0} slice(%bitcast.2), slice={[0:40], [0:1]}
+  %param_1.2 = f32[8,5,1]{2,1,0} parameter(1)
+  %convert.2 = f32[8,5,64]{2,1,0} convert(%param_0.2)
+  ROOT %r = bf16[8,5,64]{2,1,0} convert(%convert.2)
+}
+
+ENTRY %main (p0: bf16[8,5,64]) -> bf16[8,5,64] {
+  %p0 = bf16[8,5,64]{2,1,0} parameter(0)
+  %loop_slice_fusion = f32[8,5,1]{2,1,0} fusion(%p0), kind=kLoop, calls=%fused_slice
+  ROOT %loop_convert_fusion = bf16[8,5,64]{2,1,0} fusion(%p0, %loop_slice_fusion), kind=kLoop, calls=%fused_mixed
+}
+"""
+
+
+def test_an_operand_read_only_through_slices_counts_the_slices():
+    """A kernel that converts a (8, 5, 64) bfloat16 operand and keeps each row's first element
+    reads 40 of its elements (80 bytes), not 5,120 bytes; one that also reads it whole counts it
+    whole."""
+    sliced, mixed = gpu_hlo.census(_SLICING)
+    assert (sliced.bytes_in, sliced.bytes_out) == (40 * 2, 40 * 4)
+    assert (mixed.bytes_in, mixed.bytes_out) == (8 * 5 * 64 * 2 + 40 * 4, 8 * 5 * 64 * 2)

@@ -1,4 +1,4 @@
-"""The gradients' global L2 norm (the logged ``grad_norm`` and the clip) in few kernels on a GPU/TPU.
+"""The gradients' global L2 norm (the logged ``grad_norm``, the clip) in few kernels on a GPU/TPU.
 
 ``optax.tree.norm`` sums every parameter's squares in its own reduction: XLA:GPU runs each as a
 kernel, about 280 of the ~1,100 kernels of a ViT-B/16 train step, most of them over a few thousand
