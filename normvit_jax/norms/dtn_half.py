@@ -8,7 +8,7 @@ statistics and of their cotangents, each written and read back. Here the backwar
 and the two (B, 1, C) token shifts, recomputes the moments (one half-precision matmul), writes the
 three per-element cotangents it needs once, in the half dtype, and is otherwise a few passes over
 (x, moments, cotangents): the per-token sums, the moments' cotangent and its two matmuls, the
-parameters' sums over the tokens, dx. 18 kernels and 4.0 GB a slot (``benchmarks.gpu_hlo``). What
+parameters' sums over the tokens, dx. 18 kernels and 2.9 GB a slot (``benchmarks.gpu_hlo``). What
 keeps XLA's fusions whole:
 - P is padded with zero rows and columns for the prefix (class) tokens, so the moments, the
   matmul operands and their cotangents cover all T tokens: no slice or concatenation of the
@@ -21,7 +21,8 @@ keeps XLA's fusions whole:
 - the per-element cotangents (g scale r, the variance's, g yhat) are rounded to the half dtype,
   g's own: each is g times float32 factors, rounded as g itself was (docs/norms.md gives the
   errors against float64: no worse than autodiff's);
-- the sums that share a pass are one variadic reduce (one kernel, one read of its inputs).
+- the sums that share a pass are one variadic reduce (one kernel, one read of its inputs), two
+  sums at most: of four, XLA wrote the summands out in float32 first (3.8 against 2.9 GB a slot).
 
 With xs = x * rs (rs the per-head RMS pre-scaling), mu = lm mu_LN + (1 - lm) mu_IN and
 var = lv var_LN + (1 - lv) var_IN (per channel), r = (var + eps)^-1/2, yhat = (xs - mu) r and the
@@ -181,7 +182,11 @@ def _dtn_bwd(cfg, res, g):
     patch = (jnp.arange(t) >= pre)[:, None]
     dlv = jnp.where(patch, (ts.var_ln - f.var_in) * dvar, 0.0)
     dlm = jnp.where(patch, (ts.mu_ln - f.mu_in) * -direct, 0.0)
-    dscale, dbias, dlv, dlm = variadic_sums((dyy, g.astype(_F32), dlv, dlm), (0, 1))
+    # two reduces of two sums each: as one of four, XLA:GPU wrote its four summands out in
+    # float32 and read them back (B/16: a slot's backward 3.8 -> 2.7 GB, benchmarks.gpu_hlo);
+    # in pairs it sums from dyy and g as they are and fuses the gates' pair into dx's pass
+    dscale, dbias = variadic_sums((dyy, g.astype(_F32)), (0, 1))
+    dlv, dlm = variadic_sums((dlv, dlm), (0, 1))
 
     # passes 3 and 4: d xs, its per-head sum with xs, dx (the RMS pre-scaling's backward)
     d_tok = d_tokens.astype(_F32)
