@@ -39,6 +39,13 @@ def test_grouped_norm_is_the_float64_norm_with_one_reduce_per_shape():
     # 5 kernels, 5 biases and 5 qkv leaves: one variadic reduce of 5 each; the head alone
     assert _reduces(global_norm.grouped_norm, tree) == [1, 5, 5, 5]
     assert len(jax.tree.leaves(tree)) == 16
+    # bfloat16 leaves: their squares summed in float32 (a bfloat16 sum of 40 numbers of ~1e4
+    # keeps 8 bits)
+    half = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), tree)
+    want16 = np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64)))
+                         for x in jax.tree.leaves(half)))
+    got16 = float(jax.jit(global_norm.grouped_norm)(half))
+    assert abs(got16 - want16) <= 1e-6 * want16, (got16, want16)
 
 
 def test_on_the_cpu_the_norm_and_clip_are_optaxs_bit_for_bit():
@@ -88,3 +95,47 @@ def test_the_train_step_logs_the_norm_it_clipped_with(monkeypatch):
     update = lambda t: steps._update(state, tx, t, {}, jnp.float32(1.0), False)[1]  # noqa: E731
     assert _reduces(update, tree) == [1, 1, 5, 5, 5, 5, 5, 5]
     assert jax.jit(update).lower(tree).compile().as_text().count("reduce(") == 4
+
+
+_SHARDED = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+sys.path.insert(0, sys.argv[1])
+from tests.test_global_norm import _tree
+from normvit_jax.train import global_norm
+tree = _tree(5)
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+def place(x):  # FSDP-like: the first axis that 4 divides split over 'fsdp'
+    spec = [None] * x.ndim
+    for i, n in enumerate(x.shape):
+        if n % 4 == 0:
+            spec[i] = "fsdp"
+            break
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+sharded = jax.tree.map(place, tree)
+jax.default_backend = lambda: "gpu"
+got = float(jax.jit(global_norm.global_norm)(sharded))
+want = float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree))))
+print(json.dumps({"got": got, "want": want, "devices": jax.device_count(),
+                  "split": sum(len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated
+                               for x in jax.tree.leaves(sharded))}))
+"""
+
+
+def test_the_grouped_norm_of_parameters_sharded_over_devices():
+    """Under FSDP the leaves are split over devices: the grouped reduce (one per shape, sharded
+    operands) is partitioned by XLA and still gives the float64 norm (8 CPU devices)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from tests.conftest import REPO_ROOT
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, "-c", _SHARDED, REPO_ROOT], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["devices"] == 8 and r["split"] >= 10, r
+    assert abs(r["got"] - r["want"]) <= 1e-6 * r["want"], r

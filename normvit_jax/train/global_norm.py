@@ -20,6 +20,8 @@ def grouped_norm(tree: Any) -> jax.Array:
     groups: dict[tuple, list[jax.Array]] = {}
     for leaf in jax.tree.leaves(tree):
         leaf = jnp.asarray(leaf)
+        if jnp.dtype(leaf.dtype).itemsize < 4:  # half-precision leaves: squares summed in float32
+            leaf = leaf.astype(jnp.float32)
         groups.setdefault((leaf.shape, leaf.dtype), []).append(jnp.square(leaf))
     total = jnp.zeros((), jnp.float32)
     for (shape, dtype), squares in groups.items():
