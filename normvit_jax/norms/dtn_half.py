@@ -183,7 +183,7 @@ def _dtn_bwd(cfg, res, g):
     dlv = jnp.where(patch, (ts.var_ln - f.var_in) * dvar, 0.0)
     dlm = jnp.where(patch, (ts.mu_ln - f.mu_in) * -direct, 0.0)
     # two reduces of two sums each: as one of four, XLA:GPU wrote its four summands out in
-    # float32 and read them back (B/16: a slot's backward 3.8 -> 2.7 GB, benchmarks.gpu_hlo);
+    # float32 and read them back (B/16: a slot's backward 3.8 -> 2.9 GB, benchmarks.gpu_hlo);
     # in pairs it sums from dyy and g as they are and fuses the gates' pair into dx's pass
     dscale, dbias = variadic_sums((dyy, g.astype(_F32)), (0, 1))
     dlv, dlm = variadic_sums((dlv, dlm), (0, 1))

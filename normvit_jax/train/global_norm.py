@@ -1,7 +1,7 @@
 """The gradients' global L2 norm (the logged ``grad_norm``, the clip) in few kernels on a GPU/TPU.
 
 ``optax.tree.norm`` sums every parameter's squares in its own reduction: XLA:GPU runs each as a
-kernel, about 280 of the ~1,100 kernels of a ViT-B/16 train step, most of them over a few thousand
+kernel, about 230 of the ~1,100 kernels of a ViT-B/16 train step, most of them over a few thousand
 numbers (``benchmarks.gpu_hlo``). Here the squares of the leaves that share a shape are summed by
 one variadic reduce, a kernel per shape (22 at B/16), reading the same bytes once. On the CPU the
 norm is optax's, in its order: its float32 rounding is what the pinned demos computed.
