@@ -36,6 +36,7 @@ import argparse
 import ast
 import collections
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -92,15 +93,15 @@ class Kernel:
         return self.kind not in ("matmul", "attention")
 
 
+def _arrays(shape: str) -> list[tuple[str, int]]:
+    """(dtype, element count) of every array in an HLO shape string (tuples flattened)."""
+    return [(dtype, math.prod(int(d) for d in dims.split(",") if d))
+            for dtype, dims in _ARRAY.findall(shape)]
+
+
 def array_bytes(shape: str) -> int:
     """Bytes of every array in an HLO shape string (tuples summed; layouts ignored)."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _BYTES[dtype]
-    return total
+    return sum(n * _BYTES[dtype] for dtype, n in _arrays(shape))
 
 
 def _kind(op: str, line: str, name: str) -> str:
@@ -154,13 +155,7 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
 
 
 def _elements(shape: str) -> int:
-    n = 0
-    for _, dims in _ARRAY.findall(shape):
-        k = 1
-        for d in filter(None, dims.split(",")):
-            k *= int(d)
-        n += k
-    return n
+    return sum(n for _, n in _arrays(shape))
 
 
 _ONE_TO_ONE = ("bitcast", "convert", "reshape", "copy")  # an element in, an element out

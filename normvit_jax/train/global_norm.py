@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from normvit_jax.norms._common import variadic_sums
+
 
 def grouped_norm(tree: Any) -> jax.Array:
     """The L2 norm of all leaves of ``tree``, with one reduction per distinct (shape, dtype)."""
@@ -24,10 +26,8 @@ def grouped_norm(tree: Any) -> jax.Array:
             leaf = leaf.astype(jnp.float32)
         groups.setdefault((leaf.shape, leaf.dtype), []).append(jnp.square(leaf))
     total = jnp.zeros((), jnp.float32)
-    for (shape, dtype), squares in groups.items():
-        sums = jax.lax.reduce(tuple(squares), (jnp.zeros((), dtype),) * len(squares),
-                              lambda u, v: tuple(a + b for a, b in zip(u, v)),
-                              tuple(range(len(shape))))
+    for (shape, _), squares in groups.items():
+        sums = variadic_sums(tuple(squares), tuple(range(len(shape))))
         total = total + sum(s.astype(jnp.float32) for s in sums)
     return jnp.sqrt(total)
 
