@@ -356,3 +356,29 @@ def test_a_scanned_model_exports_with_its_blocks_unrolled(tmp_path):
         logit_tol = 32 * np.finfo(np.float32).eps * float(np.abs(logits).max())
         np.testing.assert_allclose(got_logits, logits, rtol=0, atol=logit_tol)
         np.testing.assert_allclose(got, want, atol=max(TOL, 0.5 * logit_tol))
+
+
+def test_an_artifact_leaves_the_training_stream_layout_pin_out():
+    """model.stream_layout pins the residual stream with a LayoutConstraint custom call (on a
+    GPU by default): jax.export refused it there (found on an H200, 2026-11-27), and no other
+    runtime has it. The bundle drops the pin; the graph has none and computes the same logits."""
+    import dataclasses
+    from normvit_jax import models
+    from normvit_jax.deploy import bundle
+    from tests.deploy_runs import demo_config
+    c = demo_config("vit_ln")
+    c.model.stream_layout = "row_major"  # pinned on any backend, as 'auto' is on a GPU
+    pinned = models.create(models.spec_of(c.model, 3), 3)
+    x = np.random.default_rng(0).integers(0, 256, (2, c.data.image_size, c.data.image_size, 3),
+                                          dtype=np.uint8)
+    variables = pinned.init(jax.random.PRNGKey(0), x.astype(np.float32), train=False)
+    b = bundle.from_variables(c, c.model, variables, 3, log=None)
+    assert b.model.stream_layout == "free"
+    exp = stablehlo_format.exported(b, None)
+    assert "LayoutConstraint" not in exp.mlir_module()
+    with pytest.raises(Exception, match="LayoutConstraint"):  # the pinned model's graph
+        stablehlo_format.export(bundle.serving_fn(dataclasses.replace(b, model=models.spec_of(
+            c.model, 3))), stablehlo_format.input_spec(b, None))
+    np.testing.assert_allclose(np.asarray(exp.call(x)["logits"]),
+                               np.asarray(bundle.serving_fn(b)(x)["logits"]), rtol=1e-5,
+                               atol=1e-6)

@@ -97,6 +97,11 @@ def from_variables(config: Any, model: Any, variables: Any, num_classes: int,
     if getattr(model, "scan", False):  # blocks unrolled: jax2onnx cannot trace nn.scan's loop
         model = dataclasses.replace(model, scan=False)
         variables = jax.tree.map(np.asarray, scan_convert.to_layout(variables, model))
+    # The residual stream's layout pin (models/stream_layout.py) picks training kernels on a GPU;
+    # in an artifact it would be a LayoutConstraint custom call that jax.export refuses and
+    # other runtimes lack. Values are the same without it.
+    if getattr(model, "stream_layout", "free") != "free":
+        model = dataclasses.replace(model, stream_layout="free")
     source["norms"] = sorted({str(c.get("name")) for c in getattr(model, "slot_norms", [])})
     spec = predict._spec(config)
     affine = tuple(np.asarray(a, np.float32) for a in spec.affine)
