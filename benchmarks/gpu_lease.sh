@@ -3,9 +3,11 @@
 # with .device set up (../shared/gpu/README.md):
 #   bash benchmarks/gpu_lease.sh                          # table, check, deploy; DEADLINE_S=575
 #   STAGES="table deploy" TABLE_ARGS="--profile" bash benchmarks/gpu_lease.sh
-# Stages, in order: table (`gpu_table --quick`, budget TABLE_S=400), check (`pytest -m gpu`,
-# benchmarks/gpu_check.sh, at most 240 s), deploy (`benchmarks.deploy`'s StableHLO rows and the timm
-# anchors on the GPU, DEPLOY_NORMS=layernorm,repbn). Each stage gets what the deadline leaves.
+# Stages, in the order given: table (`gpu_table --quick`, budget TABLE_S=400), check (`pytest -m
+# gpu`, benchmarks/gpu_check.sh, at most 240 s), deploy (`benchmarks.deploy`'s StableHLO rows and the
+# timm anchors on the GPU, DEPLOY_NORMS=layernorm,repbn), profile (`benchmarks.profile` of the B/16
+# step of each of PROFILE_NORMS=dtn,layernorm, by op kind and model part, 120 s each at most).
+# Each stage gets what the deadline leaves.
 # The device returns at most 8 files of $OUT: the runs write under runs/lease and only their
 # tables, JSON and one archive of all logs are copied to $OUT (8 files at most).
 set -u
@@ -40,6 +42,15 @@ for stage in $STAGES; do
         cp $RUNS/deploy_gpu.json "$OUT"/ 2>/dev/null
         sed -n '/deploy-table-gpu:begin/,/deploy-table-gpu:end/p' docs/benchmarks.md > "$OUT/deploy_gpu.md"
       fi ;;
+    profile)
+      for norm in $(echo "${PROFILE_NORMS:-dtn,layernorm}" | tr , ' '); do
+        L=$(( $(left) - 5 )); [ $L -gt 120 ] && L=120; [ $L -lt 30 ] && break
+        timeout $L python3 -m benchmarks.profile --model=B/16 --norm=$norm --batch=256 \
+          --dtype=bfloat16 --num_classes=1000 --steps=2 --part=each \
+          --json=$RUNS/profile_$norm.json > "$RUNS/profile_$norm.log" 2>&1
+        stamp "profile_$norm" $?
+      done
+      cat $RUNS/profile_*.log > "$OUT/profile.log" 2>/dev/null ;;
   esac
 done
 cp "$RUNS/times.txt" "$OUT"/

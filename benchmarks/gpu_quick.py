@@ -95,7 +95,9 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]]:
         train = py + ["benchmarks.train_step", f"--model={m[part]}", "--one_process", *common]
         if not args.isolate_norms:
             j = os.path.join(args.out, f"{part}.json")
-            out.append((part, train + [f"--norm={NORMS[part]}", f"--json={j}"]
+            # then every norm's step again, round-robin: ratios free of the drift between turns
+            out.append((part, train + [f"--norm={NORMS[part]}", f"--json={j}",
+                                       f"--interleave_rounds={args.steps}"]
                         + ([flags] if variants else []),
                         j, WEIGHTS[part] + VARIANT_WEIGHT[part] * len(variants)))
             continue

@@ -64,6 +64,7 @@ def summary_rows(parts: dict[str, Any]) -> list[dict[str, Any]]:
             "device_peak_le_gib": r.get("device_peak_le_gib"),
             "xla_peak_gib": r.get("xla_peak_gib"), "ratio_to_ln": ratio, "bound": bound,
             "within": within, "compile_s": r["compile_s"],
+            "interleaved": r.get("interleaved_ratio_median"),
             "vs_timm_eager": t["timm"] / med if "timm" in t else None,
             "vs_timm_compiled": t["timm_compiled"] / med if "timm_compiled" in t else None})
     return out
@@ -101,12 +102,13 @@ def headline(parts: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
 
 
 def norm_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| model | norm | step s | img/s | MFU | peak GiB | ratio to LN | bound | within | "
-             "vs timm eager | vs timm compiled | compile s |", "|" + "---|" * 12]
+    lines = ["| model | norm | step s | img/s | MFU | peak GiB | ratio to LN | interleaved | bound "
+             "| within | vs timm eager | vs timm compiled | compile s |", "|" + "---|" * 13]
     for r in rows:
         lines.append(" | ".join(["", r["model"], r["norm"], _f(r["step_s"], 4),
                                  _f(r["images_per_s"], 5), _f(r["mfu"]), _peak(r),
-                                 _f(r["ratio_to_ln"]), _f(r["bound"]), _f(r["within"]),
+                                 _f(r["ratio_to_ln"]), _f(r.get("interleaved")), _f(r["bound"]),
+                                 _f(r["within"]),
                                  _f(r["vs_timm_eager"]), _f(r["vs_timm_compiled"]),
                                  _f(r["compile_s"])]).strip() + " |")
     return lines
@@ -164,8 +166,9 @@ def markdown(state: dict[str, Any], args: argparse.Namespace) -> str:
              + ("Each norm in its own process (`train_step --one_process --norm=N`; ratio to LN: "
                 "ratio of medians; peak: the device's). " if args.isolate_norms else
                 "Norms of a model one after another in one process (`train_step --one_process`; "
-                "ratio to LN: ratio of medians; peak: the device's, '<=' where an earlier norm's "
-                "peak hides it). ")
+                "ratio to LN: ratio of medians; interleaved: then every step again, round-robin, "
+                "the median of each round's ratio to LN's; peak: the device's, '<=' where an "
+                "earlier norm's peak hides it). ")
              + "compile s: a load from the compilation cache where an earlier part compiled the "
              "same step (LN after vs_torch). timm: `benchmarks.vs_torch` (same ViT, "
              "tanh GELU, grad clipping, fused AdamW, bf16 autocast) alternating with this "

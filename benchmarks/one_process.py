@@ -14,6 +14,14 @@ far). ``xla_peak_gib`` (XLA's buffer assignment of that executable) is given for
 (per-compile options, ``xla_flags.flag_options``), after the norms, as ``layernorm@NAME``.
 ``--time_budget_s``: no norm starts after that many seconds; the JSON (``--json``) is rewritten
 after every norm, so a parent that stops this process still finds what was measured.
+
+``--interleave_rounds=N``: each norm's state and executable stay on the device after its own
+timing, and at the end every kept step runs once per round, round-robin, for N rounds; each row
+then also has ``interleaved_ratio``, the median [quartiles] of its per-round time over
+LayerNorm's in the same round. Timed one after another, two norms see whatever drifts between
+their turns (clocks, the other process's load): on an H200 the progressive and z-score->RepBN
+steps, the same program up to one constant, measured 1.11x and 1.04x LN's in one run.
+Its peak per norm stays what it measured alone (the memory held before a norm is subtracted).
 """
 from __future__ import annotations
 
@@ -70,7 +78,7 @@ def log(message: str) -> None:
 
 
 def measure(args: argparse.Namespace, name: str, norm: str, aug: str, options: dict,
-            peak_flops: float) -> tuple[dict[str, Any], list[float]]:
+            peak_flops: float) -> tuple[dict[str, Any], list[float], Any]:
     cfg = train_step.config(args, norm, aug)
     flops = train_step.analytic_flops(args, cfg, norm)
     log(f"{name}: building and compiling")
@@ -79,7 +87,25 @@ def measure(args: argparse.Namespace, name: str, norm: str, aug: str, options: d
         f"included), step compiled in {bench.compile_s:.1f} s; {args.warmup} + {args.steps} steps")
     times = [bench.step() for _ in range(args.warmup + args.steps)][args.warmup:]
     log(f"{name}: median step {common.summarize(times).median:.4f} s")
-    return train_step.row(args, bench, times, flops, peak_flops), times
+    return train_step.row(args, bench, times, flops, peak_flops), times, bench
+
+
+def interleave(kept: dict[str, Any], rounds: int, rows: list[dict[str, Any]],
+               budget_left: float) -> str | None:
+    """Times the kept steps round-robin and adds each row's ``interleaved_ratio``; the reason
+    when it cannot (no LayerNorm kept, one step only, too little of the budget left)."""
+    if "layernorm" not in kept or len(kept) < 2:
+        return "needs LayerNorm and another step kept"
+    by_name = {r["norm"]: r for r in rows}
+    need = (rounds + 1) * sum(by_name[n]["step_median_s"] for n in kept)
+    if need > budget_left - MIN_LEFT_S:
+        return f"~{need:.0f} s needed, {budget_left:.0f} s of --time_budget_s left"
+    log(f"interleaved: {rounds} rounds of {list(kept)}")
+    times = common.interleaved({n: b.step for n, b in kept.items()}, rounds)
+    for name, ratio in common.paired_ratios(times, "layernorm").items():
+        by_name[name].update(interleaved_ratio=ratio.fmt(digits=3),
+                             interleaved_ratio_median=ratio.median)
+    return None
 
 
 def _free() -> None:
@@ -98,6 +124,7 @@ def run(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     failures: list[dict[str, Any]] = []
     res: dict[str, Any] = {}
     top = 0  # the process's device peak so far
+    kept: dict[str, Any] = {}  # --interleave_rounds: the steps kept on the device
 
     def publish(pending: list[str]) -> None:
         base = next((r for r in rows if r["norm"] == "layernorm"), None)
@@ -121,13 +148,16 @@ def run(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
         in_use0, _ = device_memory()
         t = time.monotonic()
         try:
-            row, ts = measure(args, name, norm, aug, options, peak_flops)
+            row, ts, bench = measure(args, name, norm, aug, options, peak_flops)
         except Exception as e:  # noqa: BLE001 (an OOM or a bad flag costs this norm only)
             log(f"{name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             failures.append({"norm": name, "status": "failed", "log": "-",
                              "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
             _free()
             continue
+        if getattr(args, "interleave_rounds", 0):
+            kept[name] = bench
+        del bench
         _free()
         _, peak = device_memory()
         if peak is not None:
@@ -140,5 +170,17 @@ def run(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
         row["wall_s"] = round(time.monotonic() - t, 1)
         rows.append(row)
         times[name] = ts
+    if kept:
+        publish([])
+        try:
+            why = interleave(kept, args.interleave_rounds, rows,
+                             budget - (time.monotonic() - t0))
+        except Exception as e:  # noqa: BLE001 (an OOM here costs the interleaved column only)
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        if why:
+            log(f"interleaved: not measured: {why}")
+            res["interleaved_skipped"] = why
+        kept.clear()
+        _free()
     publish([])
     return res

@@ -74,13 +74,19 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--time_budget_s", type=float, default=None,
                    help="with --one_process: start no norm once this many seconds have passed "
                         "(the rest reported as skipped); the JSON is rewritten after every norm")
+    p.add_argument("--interleave_rounds", type=int, default=0,
+                   help="with --one_process: keep every norm's step on the device after its own "
+                        "timing, then time them round-robin for this many rounds (rotating order, "
+                        "one warm-up round): rows' interleaved_ratio, per round to LayerNorm's, "
+                        "free of the drift between norms timed one after another")
     p.add_argument("--augment", default="none",
                    help="comma list of on-device augmentation sets, each timed beside the others "
                         f"(row '<norm>+<set>'): {sorted(AUGMENT)}")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
-    if (args.ln_variants or args.time_budget_s) and not args.one_process:
-        raise SystemExit("--ln_variants and --time_budget_s need --one_process")
+    if (args.ln_variants or args.time_budget_s or args.interleave_rounds) and not args.one_process:
+        raise SystemExit("--ln_variants, --time_budget_s and --interleave_rounds need "
+                         "--one_process")
     xla_flags.parse_variants(args.ln_variants)
     bad = [a for a in args.augment.split(",") if a not in AUGMENT]
     if bad:
@@ -261,7 +267,11 @@ def report(res: dict[str, Any]) -> str:
         cols.append("device_peak_le_gib")
     if any("time_ratio" in r for r in res["rows"]):
         cols += ["time_ratio", "flop_ratio", "bound", "within"]
+    if any("interleaved_ratio" in r for r in res["rows"]):
+        cols.append("interleaved_ratio")
     out = [head, common.table(res["rows"], cols)]
+    if res.get("interleaved_skipped"):
+        out.append(f"interleaved rounds not measured: {res['interleaved_skipped']}")
     for f in res.get("failures", []):
         out.append(f"NOT MEASURED {f['norm']}: {f['status']}: {f['reason']} (log: {f['log']})")
     if res["device_peak_gib"] is not None:

@@ -257,6 +257,28 @@ def test_train_step_one_process_with_xla_flag_variants(tmp_path):
         train_step.main(TINY + ["--ln_variants=a=--xla_x=1"])
 
 
+def test_train_step_one_process_interleaved_rounds(tmp_path):
+    """--interleave_rounds: every norm's step kept, then timed round-robin; each row gets its
+    per-round ratio to LayerNorm's (LN's own exactly 1), and a budget too small for the rounds
+    says why instead."""
+    from benchmarks import train_step
+    args = TINY + ["--one_process", "--batch=4", "--steps=2", "--warmup=0", "--peak_tflops=1",
+                   "--norm=layernorm,dyt", "--interleave_rounds=3"]
+    res = train_step.main(args + [f"--json={tmp_path / 'i.json'}"])
+    rows = {r["norm"]: r for r in res["rows"]}
+    assert rows["layernorm"]["interleaved_ratio_median"] == 1.0
+    assert 0 < rows["dyt"]["interleaved_ratio_median"] < 100
+    median = rows["dyt"]["interleaved_ratio_median"]
+    assert rows["dyt"]["interleaved_ratio"].startswith(f"{median:.3f} [")
+    assert "interleaved_skipped" not in res
+    saved = json.loads((tmp_path / "i.json").read_text())
+    assert saved["rows"][1]["interleaved_ratio_median"] == rows["dyt"]["interleaved_ratio_median"]
+    res = train_step.main(args + ["--interleave_rounds=100000", "--time_budget_s=60"])
+    assert "interleaved_ratio" not in res["rows"][1] and "needed" in res["interleaved_skipped"]
+    with pytest.raises(SystemExit, match="need --one_process"):
+        train_step.main(TINY + ["--interleave_rounds=2"])
+
+
 def test_xla_flag_variants_parse():
     from benchmarks import xla_flags
     assert xla_flags.parse_variants("base=; lhs=--xla_a=true --xla_b=4") == [

@@ -184,6 +184,9 @@ def test_gpu_table_quick_tiny_runs_without_tensorflow(tmp_path):
                     ("Ti/4", "repbn"), ("Ti/4", "progressive"), ("Ti/4", "zscore_repbn")}
     ln = [r for r in res["summary"] if r["norm"] == "layernorm"]
     assert all(r["ratio_to_ln"] == 1.0 and r["step_s"] > 0 for r in ln)
+    # the train parts' second pass, every step round-robin (--interleave_rounds)
+    assert all(r["interleaved"] == 1.0 for r in ln)
+    assert all(r["interleaved"] > 0 for r in res["summary"])
     md = (out / "gpu_table.md").read_text()
     assert "| Ti/4 | zscore_repbn |" in md and "| train | dtn |" in md
     assert "| kind | ms/step | share |" in md and "- vs_torch: not run: --no_torch" in md
