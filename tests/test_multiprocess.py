@@ -111,7 +111,9 @@ def assert_state_close(a: dict, b: dict) -> None:
     Why not bitwise: one process sums the 4 devices' gradients in device order ((0+1)+2)+3; gloo's
     ring all-reduce sums each quarter of the vector starting at a different device (measured on
     jax 0.10.2: about 1/3 of float32 sums differ in the last bit). Over 24 Adam steps that grows to
-    4e-6 of a leaf's scale (value kernel, the largest seen). Excluded: the attention key bias, whose
+    4e-6 of a leaf's scale (value kernel, the largest seen); with jax 0.11.2 (Python 3.12) to
+    4.6e-5 (one of the 16 elements of the final norm's bias in tests/test_own_data.py), so the
+    bound is 1e-4 of the scale: a wrong shard or a step taken twice moves leaves by far more. Excluded: the attention key bias, whose
     gradient is 0 in exact arithmetic (softmax ignores a shift shared by all keys): both runs hold
     Adam-normalised rounding noise there, so only its smallness is checked."""
     la, ta = jax.tree_util.tree_flatten_with_path(a)
@@ -127,7 +129,7 @@ def assert_state_close(a: dict, b: dict) -> None:
             assert np.abs(x).max() < 1e-3 and np.abs(y).max() < 1e-3, name
         else:
             scale = float(np.abs(y).max())
-            np.testing.assert_allclose(x, y, rtol=0, atol=2e-5 * scale + 1e-30, err_msg=name)
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-4 * scale + 1e-30, err_msg=name)
 
 
 @pytest.mark.multiprocess
