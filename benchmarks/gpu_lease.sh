@@ -23,7 +23,8 @@ stamp() { echo "$1 rc=$2 at $(( $(date +%s) - T0 ))s" >> "$RUNS/times.txt"; }
 for stage in $STAGES; do
   case $stage in
     table)  # leave the later stages ~150 s
-      timeout $(( $(left) - 150 )) python3 -m benchmarks.gpu_table --quick --budget_s=${TABLE_S:-400} \
+      L=$(( $(left) - 150 )); [ $L -lt 60 ] && L=60
+      timeout $L python3 -m benchmarks.gpu_table --quick --budget_s=${TABLE_S:-400} \
         --compile_cache=runs/jax_cache --out=$RUNS/q ${TABLE_ARGS:-} > "$RUNS/gpu_table.log" 2>&1
       stamp table $?
       cp $RUNS/q/gpu_table.md $RUNS/q/gpu_table.json "$OUT"/ 2>/dev/null ;;
