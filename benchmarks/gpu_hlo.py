@@ -163,8 +163,8 @@ _ONE_TO_ONE = ("bitcast", "convert", "reshape", "copy")  # an element in, an ele
 
 def _sliced_parameters(lines: list[str]) -> dict[int, int]:
     """{parameter number: bytes read} for a fused computation's parameters that it reads only
-    through slices (through bitcasts, converts and reshapes on the way): a kernel that slices
-    each row's first element reads those elements, not the whole operand."""
+    through slices (through bitcasts, converts, reshapes and copies on the way): a kernel that
+    slices each row's first element reads those elements, not the whole operand."""
     defs, users = {}, {}
     for line in lines:
         m = _INSTR.match(line)

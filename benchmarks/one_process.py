@@ -155,7 +155,7 @@ def run(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
                              "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
             _free()
             continue
-        if getattr(args, "interleave_rounds", 0):
+        if args.interleave_rounds:
             kept[name] = bench
         del bench
         _free()
