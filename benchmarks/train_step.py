@@ -87,6 +87,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if (args.ln_variants or args.time_budget_s or args.interleave_rounds) and not args.one_process:
         raise SystemExit("--ln_variants, --time_budget_s and --interleave_rounds need "
                          "--one_process")
+    if args.interleave_rounds < 0:
+        raise SystemExit(f"--interleave_rounds={args.interleave_rounds}: must be >= 0 (0: off)")
     xla_flags.parse_variants(args.ln_variants)
     bad = [a for a in args.augment.split(",") if a not in AUGMENT]
     if bad:

@@ -277,6 +277,8 @@ def test_train_step_one_process_interleaved_rounds(tmp_path):
     assert "interleaved_ratio" not in res["rows"][1] and "needed" in res["interleaved_skipped"]
     with pytest.raises(SystemExit, match="need --one_process"):
         train_step.main(TINY + ["--interleave_rounds=2"])
+    with pytest.raises(SystemExit, match=r"--interleave_rounds=-1: must be >= 0"):
+        train_step.main(TINY + ["--one_process", "--interleave_rounds=-1"])
 
 
 def test_xla_flag_variants_parse():
