@@ -44,6 +44,8 @@ NORMS: dict[str, dict[str, Any]] = {
     "unified": {"norm": {"name": "unified"}},
     "dtn": {"norm": {"name": "dtn"}},
     "dtn_var": {"norm": {"name": "dtn_var"}},
+    # DTN in Pallas kernels (norms/dtn_pallas.py), half-precision moments also for float32 runs
+    "dtn_pallas": {"norm": {"name": "dtn", "kernel": "pallas", "moments_dtype": "bfloat16"}},
     "learnable_scaler": {"norm": {"name": "learnable_scaler"}},
     "rescale": {"norm": {"name": "rescale"}, "residual_scaling": "rescale", "final_norm": False},
     "identity": {"norm": {"name": "identity"}},

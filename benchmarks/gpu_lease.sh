@@ -22,8 +22,9 @@ stamp() { echo "$1 rc=$2 at $(( $(date +%s) - T0 ))s" >> "$RUNS/times.txt"; }
 } > "$RUNS/machine.txt" 2>&1
 for stage in $STAGES; do
   case $stage in
-    table)  # leave the later stages ~150 s
-      L=$(( $(left) - 150 )); [ $L -lt 60 ] && L=60
+    table)  # leave the later stages ~150 s, if there are any
+      RESERVE=150; [ "${STAGES##*table}" = "" ] && RESERVE=10
+      L=$(( $(left) - RESERVE )); [ $L -lt 60 ] && L=60
       timeout $L python3 -m benchmarks.gpu_table --quick --budget_s=${TABLE_S:-400} \
         --compile_cache=runs/jax_cache --out=$RUNS/q ${TABLE_ARGS:-} > "$RUNS/gpu_table.log" 2>&1
       stamp table $?

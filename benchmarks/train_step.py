@@ -31,7 +31,7 @@ from normvit_jax.models.spec import RECOMPUTE, STREAM_LAYOUTS  # noqa: E402
 
 SLACK = 0.05  # the target: time ratio <= FLOP ratio + SLACK
 XLA_AGREES = 0.25  # XLA's count is used for the FLOP ratio only within 25% of the analytic one
-DTN_NORMS = ("dtn", "dtn_var")
+DTN_NORMS = ("dtn", "dtn_var", "dtn_pallas")
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -111,31 +111,35 @@ def test_bfloat16_model_uses_the_gpu_attention_and_matches_float32():
     assert rel_err(flat(got_g), flat(want_g)) < 0.1
 
 
-def test_dtn_layer_in_bfloat16_against_float32():
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_dtn_layer_in_bfloat16_against_float32(kernel):
     """DTN, the norm with its own matrix products (token statistics), at S/16's activation shape:
     the bfloat16 layer on this backend against the float32 layer at full precision on the same
     (bfloat16-rounded) input, forward and input gradient, with channel means ~10x their spread
     (the cancellation its variance must survive). Bound: bfloat16's output rounding plus the
-    statistics' error, relative to the largest value."""
+    statistics' error, relative to the largest value. kernel='pallas': the forward as one Triton
+    kernel on a GPU (Pallas's interpreter on CPU), the same bounds."""
     from normvit_jax import norms
     b, t, c, heads = 2, 197, 384, 6
-    layer = norms.create({"name": "dtn"}, dim=c, num_heads=heads, grid=(14, 14),
+    layer = norms.create({"name": "dtn", "kernel": kernel}, dim=c, num_heads=heads, grid=(14, 14),
                          num_prefix_tokens=1, slot="block")
+    reference = norms.create({"name": "dtn"}, dim=c, num_heads=heads, grid=(14, 14),
+                             num_prefix_tokens=1, slot="block")
     r = np.random.default_rng(2)
     x = (r.normal(size=(b, t, c)) + 10.0 * r.normal(size=(1, 1, c))).astype(np.float32)
     g = r.normal(size=(b, t, c)).astype(np.float32)
-    variables = jax.jit(lambda k: layer.init(k, x, train=False))(jax.random.key(0))
+    variables = jax.jit(lambda k: reference.init(k, x, train=False))(jax.random.key(0))
 
-    def fwd_grad(xx):
+    def fwd_grad(module, xx):
         def loss(xx):
-            y = layer.apply(variables, xx, train=False)
+            y = module.apply(variables, xx, train=False)
             return jnp.sum(y.astype(jnp.float32) * g), y
         return jax.grad(loss, has_aux=True)(xx)
 
     xb = jnp.asarray(x, jnp.bfloat16)  # the reference takes the same (rounded) input
-    dx, y = jax.jit(fwd_grad)(xb)
-    with jax.default_matmul_precision("float32"):
-        dx_ref, y_ref = jax.jit(fwd_grad)(xb.astype(jnp.float32))
+    dx, y = jax.jit(lambda xx: fwd_grad(layer, xx))(xb)
+    with jax.default_matmul_precision("float32"):  # float32: XLA's path (kernel='pallas' is half)
+        dx_ref, y_ref = jax.jit(lambda xx: fwd_grad(reference, xx))(xb.astype(jnp.float32))
     assert y.dtype == jnp.bfloat16
     assert rel_err(y, y_ref) < 0.05
     assert rel_err(dx, dx_ref) < 0.1

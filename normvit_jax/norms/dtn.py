@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from normvit_jax.norms import dtn_half, dtn_moments
+from normvit_jax.norms import dtn_half, dtn_moments, dtn_pallas
 from normvit_jax.norms.dtn_moments import position_weights, relative_offsets  # noqa: F401
 from normvit_jax.norms._common import NormContext, resolve_groups
 
 POSITION_INITS = ("reference", "local")
 MOMENTS_DTYPES = (None, "float32", "bfloat16", "float16")
+KERNELS = ("xla", "pallas")
 
 
 def position_init(heads: int, local: bool, strength: float):
@@ -53,7 +54,10 @@ class DTN(nn.Module):
     the input's dtype; the IN moments' matmul operands, accumulated in float32: 'float32' is exact
     float32, 'bfloat16'/'float16' run on a GPU's or TPU's matrix units), recompute (None: when the
     moments are half precision; True: the backward recomputes the forward and keeps only the input;
-    half-precision moments without pooling always do: norms/dtn_half.py writes that case out).
+    half-precision moments without pooling always do: norms/dtn_half.py writes that case out),
+    kernel ('xla', or 'pallas': on that half-precision path without pooling, for head widths that
+    are powers of two >= 16, forward and backward in Pallas kernels, norms/dtn_pallas.py, Triton
+    on a GPU and Pallas's slow interpreter elsewhere; in every other case XLA's, the same function).
 
     Prefix (class) tokens get plain LN statistics; the reference instead keeps the class token out
     of its DTN blocks (``model.cls_token_at_block``).
@@ -72,6 +76,7 @@ class DTN(nn.Module):
     pool_size: int | None = 14
     moments_dtype: str | None = None
     recompute: bool | None = None
+    kernel: str = "xla"
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
@@ -95,6 +100,9 @@ class DTN(nn.Module):
             raise ValueError(f"norm {norm_name!r}: recompute={opts['recompute']!r} is not "
                              "accepted; accepted: None (on when the moments are half precision), "
                              "True or False")
+        if opts.get("kernel", "xla") not in KERNELS:
+            raise ValueError(f"norm {norm_name!r}: kernel={opts['kernel']!r} is not accepted; "
+                             f"accepted: {list(KERNELS)}")
         return cls(grid=tuple(ctx.grid), num_prefix_tokens=ctx.num_prefix_tokens, name=name, **opts)
 
     def _stat_side(self) -> int:
@@ -128,7 +136,12 @@ class DTN(nn.Module):
             recompute = moments_dtype != jnp.float32
         cfg = _Static(side, pre, h, self._stat_side(), self.epsilon, self.ln_unbiased,
                       self.mix_mean, moments_dtype)
-        if moments_dtype != jnp.float32 and cfg.stat_side == side:
+        half_path = moments_dtype != jnp.float32 and cfg.stat_side == side
+        if self.kernel == "pallas" and half_path and dtn_pallas.fits(c // h):
+            # the same function in Pallas kernels (norms/dtn_pallas.py); where they do not apply
+            # (float32 moments: evaluation, export, the CPU; pooling; other head widths) XLA's
+            return dtn_pallas.dtn(x, params, cfg)
+        if half_path:
             # the half-precision path on the matrix units, written out with its backward
             # (norms/dtn_half.py): the backward keeps the input and two (B, 1, C) shifts
             return dtn_half.dtn(x, params, cfg)
