@@ -6,7 +6,9 @@
 # Stages, in the order given: table (`gpu_table --quick`, budget TABLE_S=400), check (`pytest -m
 # gpu`, benchmarks/gpu_check.sh, at most 240 s), deploy (`benchmarks.deploy`'s StableHLO rows and the
 # timm anchors on the GPU, DEPLOY_NORMS=layernorm,repbn), profile (`benchmarks.profile` of the B/16
-# step of each of PROFILE_NORMS=dtn,layernorm, by op kind and model part, 120 s each at most).
+# step of each of PROFILE_NORMS=dtn,layernorm, by op kind and model part, 120 s each at most),
+# tiling (`norm_kernels`: one B/16 DTN layer, XLA's and the Pallas kernels' with their default
+# tiling and each of DTN_TILINGS, 150 s at most; its table is in the archive and the output tail).
 # Each stage gets what the deadline leaves.
 # The device returns at most 8 files of $OUT: the runs write under runs/lease and only their
 # tables, JSON and one archive of all logs are copied to $OUT (8 files at most).
@@ -44,6 +46,15 @@ for stage in $STAGES; do
         cp $RUNS/deploy_gpu.json "$OUT"/ 2>/dev/null
         sed -n '/deploy-table-gpu:begin/,/deploy-table-gpu:end/p' docs/benchmarks.md > "$OUT/deploy_gpu.md"
       fi ;;
+    tiling)
+      L=$(( $(left) - 5 )); [ $L -gt 150 ] && L=150
+      if [ $L -gt 40 ]; then
+        timeout $L python3 -m benchmarks.norm_kernels --model=B/16 --batch=256 \
+          --norm=layernorm,dtn,dtn_pallas --steps=10 --warmup=2 --json=$RUNS/tiling.json \
+          --dtn_tilings=${DTN_TILINGS:-64/64/8:16/16/8,32/32/4:32/32/8,32/64/8:16/16/8} \
+          > "$RUNS/tiling.log" 2>&1
+        stamp tiling $?
+      fi ;;
     profile)
       for norm in $(echo "${PROFILE_NORMS:-dtn,layernorm}" | tr , ' '); do
         L=$(( $(left) - 5 )); [ $L -gt 120 ] && L=120; [ $L -lt 30 ] && break
@@ -58,3 +69,4 @@ done
 cp "$RUNS/times.txt" "$OUT"/
 tar -czf "$OUT/lease_logs.tar.gz" --exclude=jax_cache --exclude=gpu_table_bundle.tar.gz "$RUNS" 2>/dev/null
 cat "$RUNS/times.txt"; tail -n 3 "$RUNS/gpu_table.log" 2>/dev/null
+tail -n 12 "$RUNS/tiling.log" 2>/dev/null

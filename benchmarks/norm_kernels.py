@@ -3,6 +3,8 @@
     python -m benchmarks.norm_kernels --model=S/16 --batch=64 --dtype=bfloat16
     python -m benchmarks.norm_kernels --norm=layernorm,batchnorm,repbn,progressive --batch=256
     python -m benchmarks.norm_kernels --norm=all --xla_preset=default   # main.py's XLA flags
+    python -m benchmarks.norm_kernels --model=B/16 --batch=256 --norm=layernorm,dtn,dtn_pallas \
+        --dtn_tilings=64/64/8:16/32/8,32/64/8:32/32/8   # DTN's Pallas kernels cut other ways
 
 The activation is (batch, tokens, width) of the model preset at its default image size (S/16 at
 224 px: 197 tokens x 384); every norm gets the same random input and output cotangent. One timed
@@ -40,11 +42,24 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
                    help="XLA flags (benchmarks/xla_flags.py); 'default' is what main.py runs with")
+    p.add_argument("--dtn_tilings", default="",
+                   help="comma list of DTN's pallas_tiling values ('F:B', docs/norms.md), each "
+                        "timed as a row 'dtn_pallas@F:B' beside the others")
     p.add_argument("--json", default=None, help="also write the results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from normvit_jax.norms import dtn_pallas
+    for tiling in filter(None, args.dtn_tilings.split(",")):
+        try:
+            dtn_pallas.parse_tiling(tiling)
+        except ValueError as e:
+            p.error(f"--dtn_tilings: {e}")
+    return args
 
 
 def _norm_cfg(name: str) -> Any:
+    if "@" in name:  # dtn_pallas@F:B, one of --dtn_tilings
+        base, tiling = name.split("@", 1)
+        return {**_norm_cfg(base), "pallas_tiling": tiling}
     changes = common.NORMS[name]
     if set(changes) - {"norm"}:
         raise SystemExit(f"--norm: {name!r} changes the model layout, not one layer; "
@@ -94,6 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = (args.batch, tokens, spec.hidden_size)
     names = common.norm_names(args.norm)
     names = [n for n in names if set(common.NORMS[n]) <= {"norm"}]  # one-layer norms only
+    names += [f"dtn_pallas@{t}" for t in filter(None, args.dtn_tilings.split(","))]
     runners = {n: make_runner(n, shape, spec.num_heads, common.DTYPES[args.dtype]) for n in names}
     rows = []
     for mode, i in (("train", 0), ("eval", 1)):

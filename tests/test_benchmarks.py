@@ -37,6 +37,21 @@ def test_train_step_all_norms_side_by_side():
     assert rows["dtn"]["flop_source"] in ("xla", "analytic")  # tiny: elementwise work dominates
 
 
+def test_norm_kernels_times_dtn_pallas_tilings():
+    """norm_kernels: DTN's Pallas kernels (Pallas's interpreter here) beside LayerNorm, and each
+    --dtn_tilings value as a row of its own; a bad tiling exits 2 in one line naming it."""
+    from benchmarks import norm_kernels
+    res = norm_kernels.main(["--model=Ti/8", "--norm=layernorm,dtn_pallas", "--batch=2",
+                             "--steps=1", "--warmup=0", "--dtn_tilings=16/16/4:16/16/4"])
+    rows = {(r["mode"], r["norm"]) for r in res["rows"]}
+    assert rows == {(m, n) for m in ("train", "eval")
+                    for n in ("layernorm", "dtn_pallas", "dtn_pallas@16/16/4:16/16/4")}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.norm_kernels", "--dtn_tilings=32/64/3"],
+                       cwd=REPO_ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "pallas_tiling='32/64/3'" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
 def test_train_step_single_norm_with_options():
     from benchmarks import train_step
     res = train_step.main(TINY + ["--norm=unified", "--batch=4", "--steps=1", "--warmup=0",

@@ -57,7 +57,10 @@ class DTN(nn.Module):
     half-precision moments without pooling always do: norms/dtn_half.py writes that case out),
     kernel ('xla', or 'pallas': on that half-precision path without pooling, for head widths that
     are powers of two >= 16, forward and backward in Pallas kernels, norms/dtn_pallas.py, Triton
-    on a GPU and Pallas's slow interpreter elsewhere; in every other case XLA's, the same function).
+    on a GPU and Pallas's slow interpreter elsewhere; in every other case XLA's, the same function),
+    pallas_tiling (None: the kernels' defaults; 'F:B', F the forward's and B the backward's
+    'channels/targets/warps', e.g. '32/64/8:16/32/8': how a program cuts its work, for tuning
+    on a GPU; powers of two).
 
     Prefix (class) tokens get plain LN statistics; the reference instead keeps the class token out
     of its DTN blocks (``model.cls_token_at_block``).
@@ -77,6 +80,7 @@ class DTN(nn.Module):
     moments_dtype: str | None = None
     recompute: bool | None = None
     kernel: str = "xla"
+    pallas_tiling: str | None = None
 
     @classmethod
     def from_config(cls, opts: Mapping[str, Any], ctx: NormContext, name: str | None = None):
@@ -100,6 +104,8 @@ class DTN(nn.Module):
             raise ValueError(f"norm {norm_name!r}: recompute={opts['recompute']!r} is not "
                              "accepted; accepted: None (on when the moments are half precision), "
                              "True or False")
+        if opts.get("pallas_tiling") is not None:
+            dtn_pallas.parse_tiling(opts["pallas_tiling"], norm_name)  # fail early
         if opts.get("kernel", "xla") not in KERNELS:
             raise ValueError(f"norm {norm_name!r}: kernel={opts['kernel']!r} is not accepted; "
                              f"accepted: {list(KERNELS)}")
@@ -135,7 +141,8 @@ class DTN(nn.Module):
         if recompute is None:  # half-precision training: memory matters more than a second forward
             recompute = moments_dtype != jnp.float32
         cfg = _Static(side, pre, h, self._stat_side(), self.epsilon, self.ln_unbiased,
-                      self.mix_mean, moments_dtype)
+                      self.mix_mean, moments_dtype,
+                      dtn_pallas.parse_tiling(self.pallas_tiling) if self.pallas_tiling else None)
         half_path = moments_dtype != jnp.float32 and cfg.stat_side == side
         if self.kernel == "pallas" and half_path and dtn_pallas.fits(c // h):
             # the same function in Pallas kernels (norms/dtn_pallas.py); where they do not apply
@@ -160,6 +167,7 @@ class _Static(NamedTuple):
     ln_unbiased: bool
     mix_mean: bool
     moments_dtype: Any
+    tiling: Any = None  # kernel='pallas': (forward, backward) dtn_pallas.Tiling, None: defaults
 
 
 def _dtn(x: jax.Array, params: Mapping[str, jax.Array], cfg: _Static) -> jax.Array:

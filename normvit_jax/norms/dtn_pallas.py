@@ -7,24 +7,30 @@ On a GPU, XLA runs DTN as chains of kernels around the moments' batched matmul, 
 per-element intermediates (the shifted tokens and their squares, the moments, their cotangents,
 float32 partial products) written out and read back between them: a B/16 slot moves ~4.7 GB a
 training step (``benchmarks.gpu_hlo``; LayerNorm ~1 GB), and the layer took 4.25x LayerNorm's
-time on an H200. Here one program per (sample, head) holds that head's tokens, all of them (padded
-to a power of two, as Triton's blocks must be), and keeps everything between reading x (and g)
-and writing its result in registers:
+time on an H200. Every DTN statistic but LayerNorm's is per channel, and each channel's IN
+moments need only its head's P: a program takes one sample and a block of one head's channels,
+all tokens (padded to a power of two, as Triton's blocks must be), and keeps everything between
+reading x (and g) and writing its result in registers:
 
-    RMS pre-scaling -> the patch tokens' shifts -> moments = P^T [ph, ph^2 - sq_shift]
-    (two tensor-core matmuls, float32 sums) -> the mixed statistics -> y
+    RMS scaling -> the patch tokens' shifts -> moments = P^T [ph, ph^2 - sq_shift] (tensor-core
+    matmuls, float32 sums) -> the mixed statistics -> y
 
-- forward: LayerNorm's statistics, which sum over every head of a token, come from a small XLA
-  reduction first (two floats a token); the kernel writes y and the two (B, 1, C) token shifts;
-- backward pass 1 (``_token_sums_kernel``): recomputes the forward, writes this head's part of
-  the per-token sums (d mu_LN, d var_LN: they need every head) and of the parameters' sums;
-- backward pass 2 (``_dx_kernel``): recomputes, takes the per-token sums, writes dx, and writes the
-  moments' operands with their cotangents in (head, token, batch, width) layout, from which XLA's
-  matmul over the batch gives dP (the only sum over samples: one GEMM per head with K = B x 2d).
+taking the target tokens in chunks (a loop), so that only a chunk of P^T and of the
+normalization's values are alive at once. What sums over a token's channels comes from XLA
+around the kernels, per token and cheap:
+- before the forward: the per-head RMS scaling and LayerNorm's statistics (one reduction of x);
+- the forward kernel writes y and the two (B, 1, C) token shifts;
+- the backward kernel recomputes the forward and writes the per-element parts of d xs (through
+  xs - mu, and through the moments: P times their cotangents, summed over target chunks), the
+  moments' operands with their cotangents in (head, token, batch, width) layout, and its block's
+  parts of the per-token sums (d mu_LN, d var_LN, the RMS backward's) and of the parameters';
+- after it, one XLA fusion gives dx from those per-token sums, and XLA's matmul over the batch
+  gives dP (the only sum over samples: one GEMM per head with K = B x 2d).
 
-The backward keeps x, the shifts and LayerNorm's (B, T) statistics. The equations are
-norms/dtn_half.py's (its docstring); the moments stay float32 in registers where the XLA path
-rounds them to bfloat16, so the kernels are as accurate or slightly more.
+``FORWARD`` and ``BACKWARD`` (or the option ``pallas_tiling``) say how many channels a program
+takes, how many targets a step, how many warps. The backward keeps x, the shifts and the
+per-token statistics. The equations are norms/dtn_half.py's (its docstring); the moments stay
+float32 in registers where the XLA path rounds them to bfloat16.
 
 Off a GPU the kernels run in Pallas's interpreter (slow: for tests, not for training).
 """
@@ -41,6 +47,39 @@ from normvit_jax.norms import dtn_moments
 _F32 = jnp.float32
 
 
+class Tiling(NamedTuple):
+    """How a kernel cuts its work: ``block`` channels of one head a program, ``chunk`` target
+    tokens a step of its loop, ``warps`` a program."""
+
+    block: int
+    chunk: int
+    warps: int
+
+
+# Chosen by what ptxas reports for an H100 (registers, spills; docs/benchmarks.md, "DTN in Pallas
+# kernels"), not yet by timings: a whole head (64 channels) and all targets at once used every
+# register and spilled 0.5-3 KB a thread; these spill nothing (forward 165 registers, backward
+# 248) at B/16 and S/16.
+FORWARD = Tiling(block=32, chunk=64, warps=8)
+BACKWARD = Tiling(block=16, chunk=32, warps=8)
+
+
+def parse_tiling(text: str, norm_name: str = "dtn") -> tuple[Tiling, Tiling]:
+    """'F:B' (the option ``pallas_tiling``), each 'channels/targets/warps' powers of two ->
+    (forward, backward); a ValueError naming the option otherwise."""
+    try:
+        parts = [Tiling(*(int(v) for v in part.split("/"))) for part in str(text).split(":")]
+        ok = len(parts) == 2 and all(v >= 1 and v & (v - 1) == 0 for p in parts for v in p)
+        ok = ok and all(p.block >= 16 and p.chunk >= 16 for p in parts)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"norm {norm_name!r}: pallas_tiling={text!r} is not accepted; accepted: "
+                         "None or 'F:B', each 'channels/targets/warps' powers of two, channels "
+                         "and targets >= 16, e.g. '32/64/8:16/32/8'")
+    return parts[0], parts[1]
+
+
 def fits(head_width: int) -> bool:
     """Whether the kernels take this head width: Triton's blocks and matmuls need a power of two,
     at least 16."""
@@ -51,39 +90,56 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
 
-def ln_statistics(x: jax.Array, heads: int, epsilon: float, unbiased: bool
-                  ) -> tuple[jax.Array, jax.Array]:
-    """LayerNorm's mean and (clamped, optionally unbiased) variance of the RMS-pre-scaled tokens,
-    (B, T) each, from the per-head sums of x and x^2 (as norms/dtn.py computes them)."""
+class HeadStats(NamedTuple):
+    """Per token: the RMS pre-scaling of each head and the means of the scaled tokens and their
+    squares over its channels, (B, T, H); LayerNorm's statistics over all channels, (B, T)."""
+
+    rs: jax.Array
+    m1: jax.Array
+    m2: jax.Array
+    mu_ln: jax.Array
+    var_ln: jax.Array  # clamped at 0, unbiased if the option says so
+
+
+def head_statistics(x: jax.Array, heads: int, epsilon: float, unbiased: bool) -> HeadStats:
+    """From the per-head sums of x and x^2, as norms/dtn.py computes them: one XLA reduction."""
     b, t, c = x.shape
     d = c // heads
     xh = x.astype(_F32).reshape(b, t, heads, d)
     s1, s2 = jnp.sum(xh, -1), jnp.sum(jnp.square(xh), -1)
     rs = jax.lax.rsqrt(s2 / d + epsilon)
-    mu = jnp.sum(rs * s1, -1) / c
-    var = jnp.maximum(jnp.sum(rs * rs * s2, -1) / c - jnp.square(mu), 0.0)
-    return mu, var * (c / (c - 1) if unbiased else 1.0)
+    m1, m2 = rs * s1 / d, rs * rs * s2 / d
+    mu = jnp.mean(m1, -1)
+    var = jnp.maximum(jnp.mean(m2, -1) - jnp.square(mu), 0.0)
+    return HeadStats(rs, m1, m2, mu, var * (c / (c - 1) if unbiased else 1.0))
 
 
 class _Inputs(NamedTuple):
-    """One program's refs: sample i's tokens of head j (tp, d) and what they are normalized by."""
+    """One program's refs: sample i's tokens in a block of one head's channels, what they are
+    normalized by."""
 
-    x: Any        # (tp, d) tokens, rows >= t out of bounds (masked)
+    x: Any        # (tp, k) tokens, rows >= t out of bounds (masked)
+    rs: Any       # (tp, 1) the head's RMS pre-scaling
     mu_ln: Any    # (tp, 1) LayerNorm statistics of the RMS-scaled tokens
     var_ln: Any
-    pt: Any       # (tp, tp) P^T of head j: target x source, zero for prefix and padding
-    chan: Any     # (4, d) the var gate's and the mean gate's sigmoids, scale, bias
+    pt: Any       # (tp, tp) P^T of the head: target x source, zero for prefix and padding
+    chan: Any     # (4, k) the var gate's and the mean gate's sigmoids, scale, bias
 
 
-def _recompute(ins: _Inputs, *, t: int, pre: int, epsilon: float, shifts=None) -> dict[str, Any]:
-    """DTN's forward for one (sample, head) in float32, what the forward and backward read."""
-    tp, d = ins.x.shape
-    rows = jax.lax.broadcasted_iota(jnp.int32, (tp, d), 0)
-    valid = rows < t
-    x = _load(ins.x, valid).astype(_F32)
-    rs = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / d + epsilon)
-    xs = x * rs
-    patch = valid & (rows >= pre)
+def _scaled(ins: _Inputs, lo: int, n: int, t: int) -> tuple[Any, Any]:
+    """Rows lo..lo+n of the RMS-scaled tokens (float32) and which of them are tokens."""
+    k = ins.x.shape[1]
+    valid = jax.lax.broadcasted_iota(jnp.int32, (n, k), 0) + lo < t
+    column = jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0) + lo < t
+    x = _load(ins.x.at[_ds(lo, n), :], valid).astype(_F32)
+    return x * _load(ins.rs.at[_ds(lo, n), :], column), valid
+
+
+def _tokens(ins: _Inputs, *, t: int, pre: int, shifts=None) -> dict[str, Any]:
+    """Every token of the block: the shifts and the moments' matmul operands (source rows)."""
+    tp = ins.x.shape[0]
+    xs, valid = _scaled(ins, 0, tp, t)
+    patch = valid & (jax.lax.broadcasted_iota(jnp.int32, xs.shape, 0) >= pre)
     if shifts is None:  # the patch tokens' mean and their squares' centring constant (dtn.py)
         n = t - pre
         masked = jnp.where(patch, xs, 0.0)
@@ -94,84 +150,125 @@ def _recompute(ins: _Inputs, *, t: int, pre: int, epsilon: float, shifts=None) -
         shift, sq_shift = shifts
     ph = jnp.where(patch, xs - shift, 0.0)
     sq = jnp.where(patch, ph * ph - sq_shift, 0.0)
-    pt = ins.pt[...]
-    ph, sq = ph.astype(pt.dtype), sq.astype(pt.dtype)  # the matmuls' operands, as XLA's path
-    mu_c = jnp.dot(pt, ph, preferred_element_type=_F32)
-    m2_c = jnp.dot(pt, sq, preferred_element_type=_F32)
-    var_in_raw = m2_c + sq_shift - mu_c * mu_c
+    half = ins.pt.dtype  # the matmuls' operands, as XLA's path
+    return dict(valid=valid, xs=xs, shift=shift, sq_shift=sq_shift, ph=ph.astype(half),
+                sq=sq.astype(half))
+
+
+def _rows(ins: _Inputs, tok: dict[str, Any], lo: int, n: int, *, t: int, pre: int,
+          epsilon: float) -> dict[str, Any]:
+    """DTN's forward for target rows lo..lo+n in float32: P^T's rows times every source token.
+    Taking the targets in chunks keeps a program's registers to one chunk of P and of the
+    normalization's values (the whole (256 x 256) P^T tile alone was 128 registers a thread)."""
+    xs, valid = _scaled(ins, lo, n, t)
+    patch = valid & (jax.lax.broadcasted_iota(jnp.int32, xs.shape, 0) + lo >= pre)
+    pt = ins.pt.at[_ds(lo, n), :][...]
+    mu_c = jnp.dot(pt, tok["ph"], preferred_element_type=_F32)
+    m2_c = jnp.dot(pt, tok["sq"], preferred_element_type=_F32)
+    var_in_raw = m2_c + tok["sq_shift"] - mu_c * mu_c
     var_in = jnp.maximum(var_in_raw, 0.0)
-    mu_in = mu_c + shift
-    column = jax.lax.broadcasted_iota(jnp.int32, (tp, 1), 0) < t
-    mu_ln, var_ln = _load(ins.mu_ln, column), _load(ins.var_ln, column)  # (tp, 1)
+    mu_in = mu_c + tok["shift"]
+    column = jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0) + lo < t
+    mu_ln = _load(ins.mu_ln.at[_ds(lo, n), :], column)
+    var_ln = _load(ins.var_ln.at[_ds(lo, n), :], column)
     lv = jnp.where(patch, ins.chan[0:1, :], 1.0)  # a prefix token: LayerNorm's statistics
     lm = jnp.where(patch, ins.chan[1:2, :], 1.0)
     r = jax.lax.rsqrt(lv * var_ln + (1.0 - lv) * var_in + epsilon)
     yhat = (xs - (lm * mu_ln + (1.0 - lm) * mu_in)) * r
-    return dict(valid=valid, patch=patch, rs=rs, xs=xs, shift=shift, sq_shift=sq_shift, ph=ph,
-                sq=sq, mu_c=mu_c, var_in_raw=var_in_raw, var_in=var_in, mu_in=mu_in,
-                mu_ln=mu_ln, var_ln=var_ln, lv=lv, lm=lm, r=r, yhat=yhat)
+    return dict(valid=valid, patch=patch, xs=xs, mu_c=mu_c, var_in_raw=var_in_raw,
+                var_in=var_in, mu_in=mu_in, mu_ln=mu_ln, var_ln=var_ln, lv=lv, lm=lm, r=r,
+                yhat=yhat)
 
 
-def _forward_kernel(x_ref, mu_ref, var_ref, pt_ref, chan_ref, y_ref, shift_ref, sq_shift_ref,
-                    **static):
-    f = _recompute(_Inputs(x_ref, mu_ref, var_ref, pt_ref, chan_ref), **static)
-    y = f["yhat"] * chan_ref[2:3, :] + chan_ref[3:4, :]
-    _store(y_ref, y.astype(y_ref.dtype), f["valid"])
-    shift_ref[...] = f["shift"]
-    sq_shift_ref[...] = f["sq_shift"]
+def pl_multiple(value: Any, n: int) -> Any:
+    """``value``, declared a multiple of n to the compiler (aligned loads and stores)."""
+    from jax.experimental import pallas as pl
+    return pl.multiple_of(value, n)
 
 
-def _cotangents(f: dict[str, Any], g_ref, chan_ref) -> tuple[Any, Any, Any]:
-    """g (float32), d xs through xs - mu (``direct``; d mu = -direct) and d var, as dtn_half.py."""
-    g = _load(g_ref, f["valid"]).astype(_F32)
-    dyhat = g * chan_ref[2:3, :]
-    return g, dyhat * f["r"], -0.5 * dyhat * f["yhat"] * f["r"] * f["r"]
+def _ds(lo: Any, n: int) -> Any:
+    from jax.experimental import pallas as pl
+    return pl.ds(lo, n)
 
 
-def _token_sums_kernel(x_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref, sq_shift_ref, g_ref,
-                       token_ref, chan_out_ref, **static):
-    """Backward pass 1: this head's part of the per-token sums over channels (d mu_LN, d var_LN)
-    and of the per-channel sums over tokens (d scale, d bias, the two gates')."""
-    f = _recompute(_Inputs(x_ref, mu_ref, var_ref, pt_ref, chan_ref), **static,
-                   shifts=(shift_ref[...], sq_shift_ref[...]))
-    g, direct, dvar = _cotangents(f, g_ref, chan_ref)
-    token_ref[:, 0:1] = jnp.sum(-f["lm"] * direct, axis=1, keepdims=True)
-    token_ref[:, 1:2] = jnp.sum(f["lv"] * dvar, axis=1, keepdims=True)
-    patch = f["patch"]
-    chan_out_ref[0:1, :] = jnp.sum(g * f["yhat"], axis=0, keepdims=True)
-    chan_out_ref[1:2, :] = jnp.sum(g, axis=0, keepdims=True)
-    chan_out_ref[2:3, :] = jnp.sum(jnp.where(patch, (f["var_ln"] - f["var_in"]) * dvar, 0.0),
-                                   axis=0, keepdims=True)
-    chan_out_ref[3:4, :] = jnp.sum(jnp.where(patch, (f["mu_ln"] - f["mu_in"]) * -direct, 0.0),
-                                   axis=0, keepdims=True)
+def _chunks(tp: int, t: int, chunk: int) -> tuple[int, int]:
+    """(rows, count) of the target chunks that hold tokens: a loop, not unrolled, so that the
+    compiler cannot interleave chunks and keep several alive (unrolled, the kernels spilled)."""
+    n = min(tp, chunk)
+    return n, -(-t // n)
 
 
-def _dx_kernel(x_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref, sq_shift_ref, g_ref, p_ref,
-               ln_ref, dx_ref, tok_mu_ref, tok_sq_ref, dm_mu_ref, dm_sq_ref, *, channels: int,
-               **static):
-    """Backward pass 2: d x, and the moments' matmul operands with their cotangents written for
-    dP (an XLA matmul over the batch)."""
-    f = _recompute(_Inputs(x_ref, mu_ref, var_ref, pt_ref, chan_ref), **static,
-                   shifts=(shift_ref[...], sq_shift_ref[...]))
-    _, direct, dvar = _cotangents(f, g_ref, chan_ref)
-    dvar_in = jnp.where(f["var_in_raw"] > 0, (1.0 - f["lv"]) * dvar, 0.0)
-    dm_mu = (-(1.0 - f["lm"]) * direct - 2.0 * f["mu_c"] * dvar_in).astype(f["ph"].dtype)
-    dm_sq = dvar_in.astype(f["ph"].dtype)
-    p = p_ref[...]  # source x target
-    d_ph = jnp.dot(p, dm_mu, preferred_element_type=_F32)
-    d_sq = jnp.dot(p, dm_sq, preferred_element_type=_F32)
-    c = channels
-    # LayerNorm's part: d mu_LN (less 2 mu_LN d E[xs^2]) and d E[xs^2], per token, summed over
-    # every head by the pass before
-    grad = (direct + ln_ref[:, 0:1] / c + 2.0 * f["xs"] * ln_ref[:, 1:2] / c
-            + d_ph + 2.0 * f["ph"].astype(_F32) * d_sq)
-    xs = f["xs"]
-    dx = f["rs"] * (grad - xs * jnp.mean(grad * xs, axis=1, keepdims=True))
-    valid = f["valid"]
-    _store(dx_ref, dx.astype(dx_ref.dtype), valid)
-    for ref, value in ((tok_mu_ref, f["ph"]), (tok_sq_ref, f["sq"]), (dm_mu_ref, dm_mu),
-                       (dm_sq_ref, dm_sq)):
-        _store(ref, value, valid)
+def _forward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, y_ref, shift_ref,
+                    sq_shift_ref, *, t: int, pre: int, epsilon: float, chunk: int):
+    ins = _Inputs(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref)
+    tok = _tokens(ins, t=t, pre=pre)
+    n, count = _chunks(x_ref.shape[0], t, chunk)
+
+    def step(i, carry):
+        lo = pl_multiple(i * n, n)
+        f = _rows(ins, tok, lo, n, t=t, pre=pre, epsilon=epsilon)
+        y = f["yhat"] * chan_ref[2:3, :] + chan_ref[3:4, :]
+        _store(y_ref.at[_ds(lo, n), :], y.astype(y_ref.dtype), f["valid"])
+        return carry
+
+    jax.lax.fori_loop(0, count, step, 0)
+    shift_ref[...] = tok["shift"]
+    sq_shift_ref[...] = tok["sq_shift"]
+
+
+def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref, sq_shift_ref,
+                     g_ref, p_ref, direct_ref, e_ref, tok_mu_ref, tok_sq_ref, dm_mu_ref,
+                     dm_sq_ref, token_ref, chan_out_ref, *, t: int, pre: int, epsilon: float,
+                     chunk: int):
+    """Everything of the backward that needs the moments: the per-element part of d xs (through
+    xs - mu, ``direct``, and through the IN moments, ``e``), the moments' matmul operands with
+    their cotangents (for dP), and this block's part of the sums over its channels per token and
+    over the tokens per channel. What is left (LayerNorm's and the RMS scaling's parts of dx)
+    needs only per-token sums over every head: one XLA fusion after it."""
+    ins = _Inputs(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref)
+    tok = _tokens(ins, t=t, pre=pre, shifts=(shift_ref[...], sq_shift_ref[...]))
+    tp, k = x_ref.shape
+    half = tok["ph"].dtype
+    n, count = _chunks(tp, t, chunk)
+
+    def step(i, carry):
+        e, sums = carry
+        lo = pl_multiple(i * n, n)
+        f = _rows(ins, tok, lo, n, t=t, pre=pre, epsilon=epsilon)
+        rows = lambda ref: ref.at[_ds(lo, n), :]  # noqa: E731
+        g = _load(rows(g_ref), f["valid"]).astype(_F32)
+        dyhat = g * chan_ref[2:3, :]
+        direct = dyhat * f["r"]  # d xs through xs - mu; d mu = -direct
+        dvar = -0.5 * dyhat * f["yhat"] * f["r"] * f["r"]
+        dvar_in = jnp.where(f["var_in_raw"] > 0, (1.0 - f["lv"]) * dvar, 0.0)
+        dm_mu = (-(1.0 - f["lm"]) * direct - 2.0 * f["mu_c"] * dvar_in).astype(half)
+        dm_sq = dvar_in.astype(half)
+        for ref, value in ((direct_ref, direct), (dm_mu_ref, dm_mu), (dm_sq_ref, dm_sq)):
+            _store(rows(ref), value.astype(ref.dtype), f["valid"])
+        token_ref[_ds(lo, n), 0:1] = jnp.sum(-f["lm"] * direct, axis=1, keepdims=True)
+        token_ref[_ds(lo, n), 1:2] = jnp.sum(f["lv"] * dvar, axis=1, keepdims=True)
+        token_ref[_ds(lo, n), 2:3] = jnp.sum(direct * f["xs"], axis=1, keepdims=True)
+        patch = f["patch"]
+        parts = (g * f["yhat"], g, jnp.where(patch, (f["var_ln"] - f["var_in"]) * dvar, 0.0),
+                 jnp.where(patch, (f["mu_ln"] - f["mu_in"]) * -direct, 0.0))
+        sums = tuple(acc + jnp.sum(v, axis=0, keepdims=True) for acc, v in zip(sums, parts))
+        p = p_ref.at[:, _ds(lo, n)][...]  # every source, these targets
+        # d xs through the moments, d ph + 2 ph d sq: the chunks' parts of both matmuls (over
+        # targets) in one sum, ph being the source rows' own (one accumulator fewer to hold)
+        e = e + jnp.dot(p, dm_mu, preferred_element_type=_F32) + 2.0 * tok["ph"].astype(
+            _F32) * jnp.dot(p, dm_sq, preferred_element_type=_F32)
+        return e, sums
+
+    e, sums = jax.lax.fori_loop(  # the sums over tokens: scale, bias, the two gates
+        0, count, step, (jnp.zeros((tp, k), _F32),
+                          tuple(jnp.zeros((1, k), _F32) for _ in range(4))))
+    xs, valid = _scaled(ins, 0, tp, t)  # read again: kept from the start, they spilled
+    _store(e_ref, e.astype(e_ref.dtype), valid)
+    _store(tok_mu_ref, tok["ph"], valid)
+    _store(tok_sq_ref, tok["sq"], valid)
+    token_ref[:, 3:4] = jnp.sum(e * xs, axis=1, keepdims=True)
+    for row, value in enumerate(sums):
+        chan_out_ref[row:row + 1, :] = value
 
 
 def _load(ref, mask):
@@ -185,20 +282,22 @@ def _store(ref, value, mask):
 
 
 class _Call(NamedTuple):
-    """What the three kernels share: shapes, the per-head matrices and per-channel rows."""
+    """What the kernels share: shapes, the per-head matrices and the per-channel rows."""
 
     b: int
     t: int
     c: int
     h: int
     d: int
-    tp: int
+    k: int           # channels a program takes
+    tp: int          # tokens padded to a power of two
+    tiling: Tiling
     p: jax.Array     # (h, tp, tp) P padded, source x target, the moments' dtype
     pt: jax.Array    # its transpose
     chan: jax.Array  # (4, c)
 
 
-def _prepare(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any) -> _Call:
+def _prepare(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any, tiling: Tiling) -> _Call:
     b, t, c = x.shape
     h, pre = cfg.heads, cfg.pre
     d = c // h
@@ -213,7 +312,7 @@ def _prepare(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any) -> _Call:
     mean_gate = sig(params["mean_gate"]) if cfg.mix_mean else jnp.ones((h,), _F32)
     chan = jnp.stack([jnp.repeat(sig(params["var_gate"]), d), jnp.repeat(mean_gate, d),
                       params["scale"].astype(_F32), params["bias"].astype(_F32)])
-    return _Call(b, t, c, h, d, tp, p, jnp.swapaxes(p, 1, 2), chan)
+    return _Call(b, t, c, h, d, min(d, tiling.block), tp, tiling, p, jnp.swapaxes(p, 1, 2), chan)
 
 
 def _pallas(kernel, call: _Call, cfg: Any, in_specs, out_specs, out_shape, name: str):
@@ -221,77 +320,89 @@ def _pallas(kernel, call: _Call, cfg: Any, in_specs, out_specs, out_shape, name:
     from jax.experimental.pallas import triton as pltriton
 
     on_gpu = jax.default_backend() == "gpu"
-    static = dict(t=call.t, pre=cfg.pre, epsilon=cfg.epsilon)
-    if kernel is _dx_kernel:
-        static["channels"] = call.c
     return pl.pallas_call(
-        functools.partial(kernel, **static), out_shape=out_shape, grid=(call.b, call.h),
-        in_specs=in_specs, out_specs=out_specs,
-        compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1) if on_gpu else None,
+        functools.partial(kernel, t=call.t, pre=cfg.pre, epsilon=cfg.epsilon,
+                          chunk=call.tiling.chunk),
+        out_shape=out_shape, grid=(call.b, call.c // call.k), in_specs=in_specs,
+        out_specs=out_specs,
+        compiler_params=(pltriton.CompilerParams(num_warps=call.tiling.warps, num_stages=1)
+                         if on_gpu else None),
         interpret=not on_gpu, name=name)
 
 
 def _specs(call: _Call, backward: bool) -> list[Any]:
-    """BlockSpecs of the inputs the kernels share: x, mu_LN, var_LN, P^T, the channel rows (and
-    in the backward the two shifts and g)."""
+    """BlockSpecs over the grid (sample i, channel block j): x, the head's RMS scaling, mu_LN,
+    var_LN, the head's P^T, the channel rows; in the backward also the two shifts, g and P."""
     from jax.experimental import pallas as pl
-    tp, d = call.tp, call.d
-    tokens = pl.BlockSpec((None, tp, d), lambda i, j: (i, 0, j))
+    tp, k = call.tp, call.k
+    per_head = call.d // k  # channel blocks a head has
+    tokens = pl.BlockSpec((None, tp, k), lambda i, j: (i, 0, j))
     column = pl.BlockSpec((None, tp, 1), lambda i, j: (i, 0, 0))
-    head = pl.BlockSpec((None, tp, tp), lambda i, j: (j, 0, 0))
-    specs = [tokens, column, column, head, pl.BlockSpec((4, d), lambda i, j: (0, j))]
+    head = pl.BlockSpec((None, tp, tp), lambda i, j: (j // per_head, 0, 0))
+    specs = [tokens, pl.BlockSpec((None, tp, 1), lambda i, j: (i, 0, j // per_head)), column,
+             column, head, pl.BlockSpec((4, k), lambda i, j: (0, j))]
     if backward:
-        shift = pl.BlockSpec((None, 1, d), lambda i, j: (i, 0, j))
-        specs += [shift, shift, tokens]
+        shift = pl.BlockSpec((None, 1, k), lambda i, j: (i, 0, j))
+        specs += [shift, shift, tokens, head]
     return specs
 
 
 def forward(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any
-            ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+            ) -> tuple[jax.Array, tuple[Any, ...]]:
     """(y, residuals) of x (B, T, C): y DTN's output in x's dtype; the residuals are the two
-    (B, 1, C) token shifts (as norms/dtn_half.py computes them) and LayerNorm's (B, T)
-    statistics. ``cfg`` is norms/dtn.py's ``_Static``."""
+    (B, 1, C) token shifts (as norms/dtn_half.py computes them) and the per-token statistics.
+    ``cfg`` is norms/dtn.py's ``_Static``."""
     from jax.experimental import pallas as pl
-    call = _prepare(x, params, cfg)
-    mu_ln, var_ln = ln_statistics(x, call.h, cfg.epsilon, cfg.ln_unbiased)
-    shift = pl.BlockSpec((None, 1, call.d), lambda i, j: (i, 0, j))
+    call = _prepare(x, params, cfg, cfg.tiling[0] if cfg.tiling else FORWARD)
+    st = head_statistics(x, call.h, cfg.epsilon, cfg.ln_unbiased)
+    shift = pl.BlockSpec((None, 1, call.k), lambda i, j: (i, 0, j))
     shift_shape = jax.ShapeDtypeStruct((call.b, 1, call.c), _F32)
-    y, s, sq = _pallas(_forward_kernel, call, cfg, _specs(call, False),
-                       (_specs(call, False)[0], shift, shift),
+    specs = _specs(call, False)
+    y, s, sq = _pallas(_forward_kernel, call, cfg, specs, (specs[0], shift, shift),
                        (jax.ShapeDtypeStruct(x.shape, x.dtype), shift_shape, shift_shape),
-                       "dtn_forward")(x, mu_ln[..., None], var_ln[..., None], call.pt, call.chan)
-    return y, (s, sq, mu_ln, var_ln)
+                       "dtn_forward")(x, st.rs, st.mu_ln[..., None], st.var_ln[..., None],
+                                      call.pt, call.chan)
+    return y, (s, sq, st)
 
 
 def backward(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any,
-             residuals: tuple[jax.Array, ...], g: jax.Array) -> tuple[jax.Array, dict]:
-    """(d x, d params) of DTN at x for the output cotangent g: two kernels and dP's matmul."""
+             residuals: tuple[Any, ...], g: jax.Array) -> tuple[jax.Array, dict]:
+    """(d x, d params) of DTN at x for the output cotangent g: one kernel, dx's XLA fusion and
+    dP's matmul."""
     from jax.experimental import pallas as pl
-    shift, sq_shift, mu_ln, var_ln = residuals
-    call = _prepare(x, params, cfg)
-    b, t, c, h, d, tp = call.b, call.t, call.c, call.h, call.d, call.tp
-    ins = (x, mu_ln[..., None], var_ln[..., None], call.pt, call.chan, shift, sq_shift, g)
-    specs = _specs(call, True)
-    token_sums, chan_sums = _pallas(
-        _token_sums_kernel, call, cfg, specs,
-        (pl.BlockSpec((None, None, tp, 2), lambda i, j: (i, j, 0, 0)),
-         pl.BlockSpec((None, None, 4, d), lambda i, j: (i, j, 0, 0))),
-        (jax.ShapeDtypeStruct((b, h, tp, 2), _F32), jax.ShapeDtypeStruct((b, h, 4, d), _F32)),
-        "dtn_backward_sums")(*ins)
-    dmu_ln, dvar_ln = jnp.moveaxis(jnp.sum(token_sums[:, :, :t], axis=1), -1, 0)  # (b, t) each
-    kappa = c / (c - 1) if cfg.ln_unbiased else 1.0
-    dm2_ln = jnp.where(var_ln > 0, dvar_ln * kappa, 0.0)  # d E[xs^2]; a clamped variance: none
-    ln = jnp.stack([dmu_ln - 2 * mu_ln * dm2_ln, dm2_ln], -1)  # (b, t, 2)
+    shift, sq_shift, st = residuals
+    call = _prepare(x, params, cfg, cfg.tiling[1] if cfg.tiling else BACKWARD)
+    b, t, c, h, d, k, tp = call.b, call.t, call.c, call.h, call.d, call.k, call.tp
+    blocks = c // k
     half = call.p.dtype
-    by_head = pl.BlockSpec((None, tp, None, d), lambda i, j: (j, 0, i, 0))
+    by_head = pl.BlockSpec((None, tp, None, k), lambda i, j: (j // (d // k), 0, i, j % (d // k)))
     head_shape = jax.ShapeDtypeStruct((h, t, b, d), half)
-    dx, tok_mu, tok_sq, dm_mu, dm_sq = _pallas(
-        _dx_kernel, call, cfg,
-        specs + [pl.BlockSpec((None, tp, tp), lambda i, j: (j, 0, 0)),
-                 pl.BlockSpec((None, tp, 2), lambda i, j: (i, 0, 0))],
-        (specs[0], by_head, by_head, by_head, by_head),
-        (jax.ShapeDtypeStruct(x.shape, x.dtype),) + (head_shape,) * 4,
-        "dtn_backward_dx")(*ins, call.p, ln)
+    direct, e, tok_mu, tok_sq, dm_mu, dm_sq, token_sums, chan_sums = _pallas(
+        _backward_kernel, call, cfg, _specs(call, True),
+        (_specs(call, False)[0], _specs(call, False)[0], by_head, by_head, by_head, by_head,
+         pl.BlockSpec((None, None, tp, 4), lambda i, j: (i, j, 0, 0)),
+         pl.BlockSpec((None, None, 4, k), lambda i, j: (i, j, 0, 0))),
+        (jax.ShapeDtypeStruct(x.shape, half),) * 2 + (head_shape,) * 4
+        + (jax.ShapeDtypeStruct((b, blocks, tp, 4), _F32),
+           jax.ShapeDtypeStruct((b, blocks, 4, k), _F32)),
+        "dtn_backward")(x, st.rs, st.mu_ln[..., None], st.var_ln[..., None], call.pt, call.chan,
+                        shift, sq_shift, g, call.p)
+
+    # LayerNorm's part and the RMS pre-scaling's, per token (dtn_half.py's equations):
+    # dxs = e + dmu_LN'/C + 2 xs dm2_LN/C, dx = rs (dxs - xs mean_head(dxs xs)) per head
+    sums = token_sums[:, :, :t]  # (b, blocks, t, 4)
+    dmu_ln, dvar_ln = jnp.sum(sums[..., 0], 1), jnp.sum(sums[..., 1], 1)  # (b, t)
+    e_xs = jnp.moveaxis(jnp.sum((sums[..., 2] + sums[..., 3]).reshape(b, h, d // k, t), 2), 1, -1)
+    kappa = c / (c - 1) if cfg.ln_unbiased else 1.0
+    dm2_ln = jnp.where(st.var_ln > 0, dvar_ln * kappa, 0.0) / c  # a clamped variance: none
+    dmu_ln = (dmu_ln - 2 * st.mu_ln * dm2_ln * c) / c
+    mean_dxs_xs = e_xs / d + dmu_ln[..., None] * st.m1 + 2 * dm2_ln[..., None] * st.m2
+    xs = x.astype(_F32).reshape(b, t, h, d) * st.rs[..., None]
+    e = direct.astype(_F32) + e.astype(_F32)  # d xs through xs - mu and through the moments
+    dxs = e.reshape(b, t, h, d) + dmu_ln[..., None, None] \
+        + 2 * xs * dm2_ln[..., None, None]
+    dx = (st.rs[..., None] * (dxs - xs * mean_dxs_xs[..., None])).reshape(b, t, c)
+
     # dP[h, s, t] = sum over (b, d) of the tokens at s times the moments' cotangents at t: one
     # matmul per head over the long (b, d) axis, float32 sums (the softmax's backward subtracts
     # dP's weighted mean, which half precision would not survive)
@@ -305,16 +416,16 @@ def backward(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any,
     _, p_vjp = jax.vjp(functools.partial(dtn_moments.position_weights, side=cfg.side),
                        params["pos_proj"])
     (dpos,) = p_vjp(dp[:, pre:, pre:])
-    sums = jnp.sum(chan_sums, axis=0)  # (h, 4, d)
-    per_channel = lambda k: sums[:, k].reshape(c)  # noqa: E731
+    per_channel = jnp.moveaxis(jnp.sum(chan_sums, axis=0), 1, 0).reshape(4, c)
     sig = jax.nn.sigmoid
-    dgate = lambda name, k: jnp.sum(  # noqa: E731
-        sums[:, k] * (sig(params[name]) * (1 - sig(params[name])))[:, None], -1)
-    grads = {"scale": per_channel(0), "bias": per_channel(1), "pos_proj": dpos,
+    dgate = lambda name, row: jnp.sum(  # noqa: E731
+        (per_channel[row] * jnp.repeat(sig(params[name]) * (1 - sig(params[name])), d)
+         ).reshape(h, d), -1)
+    grads = {"scale": per_channel[0], "bias": per_channel[1], "pos_proj": dpos,
              "var_gate": dgate("var_gate", 2)}
     if cfg.mix_mean:
         grads["mean_gate"] = dgate("mean_gate", 3)
-    return dx, grads
+    return dx.astype(x.dtype), grads
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
