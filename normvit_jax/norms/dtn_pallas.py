@@ -20,8 +20,9 @@ normalization's values are alive at once. What sums over a token's channels come
 around the kernels, per token and cheap:
 - before the forward: the per-head RMS scaling and LayerNorm's statistics (one reduction of x);
 - the forward kernel writes y and the two (B, 1, C) token shifts;
-- the backward kernel recomputes the forward and writes the per-element parts of d xs (through
-  xs - mu, and through the moments: P times their cotangents, summed over target chunks), the
+- the backward kernel recomputes the forward and writes the per-element part of d xs (through
+  xs - mu, a chunk at a time, then through the moments: P times their cotangents, summed over
+  the target chunks, added after a barrier), the
   moments' operands with their cotangents in (head, token, batch, width) layout, and its block's
   parts of the per-token sums (d mu_LN, d var_LN, the RMS backward's) and of the parameters';
 - after it, one XLA fusion gives dx from those per-token sums, and XLA's matmul over the batch
@@ -217,11 +218,11 @@ def _forward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, y_ref, shi
 
 
 def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref, sq_shift_ref,
-                     g_ref, p_ref, direct_ref, e_ref, tok_mu_ref, tok_sq_ref, dm_mu_ref,
+                     g_ref, p_ref, e_ref, tok_mu_ref, tok_sq_ref, dm_mu_ref,
                      dm_sq_ref, token_ref, chan_out_ref, *, t: int, pre: int, epsilon: float,
                      chunk: int):
-    """Everything of the backward that needs the moments: the per-element part of d xs (through
-    xs - mu, ``direct``, and through the IN moments, ``e``), the moments' matmul operands with
+    """Everything of the backward that needs the moments: the per-element part of d xs (``e``:
+    through xs - mu and through the IN moments), the moments' matmul operands with
     their cotangents (for dP), and this block's part of the sums over its channels per token and
     over the tokens per channel. What is left (LayerNorm's and the RMS scaling's parts of dx)
     needs only per-token sums over every head: one XLA fusion after it."""
@@ -243,7 +244,9 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
         dvar_in = jnp.where(f["var_in_raw"] > 0, (1.0 - f["lv"]) * dvar, 0.0)
         dm_mu = (-(1.0 - f["lm"]) * direct - 2.0 * f["mu_c"] * dvar_in).astype(half)
         dm_sq = dvar_in.astype(half)
-        for ref, value in ((direct_ref, direct), (dm_mu_ref, dm_mu), (dm_sq_ref, dm_sq)):
+        # e's part through xs - mu, a chunk of rows; its part through the moments is a sum over
+        # every chunk, added after the loop
+        for ref, value in ((e_ref, direct), (dm_mu_ref, dm_mu), (dm_sq_ref, dm_sq)):
             _store(rows(ref), value.astype(ref.dtype), f["valid"])
         token_ref[_ds(lo, n), 0:1] = jnp.sum(-f["lm"] * direct, axis=1, keepdims=True)
         token_ref[_ds(lo, n), 1:2] = jnp.sum(f["lv"] * dvar, axis=1, keepdims=True)
@@ -263,10 +266,12 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
         0, count, step, (jnp.zeros((tp, k), _F32),
                           tuple(jnp.zeros((1, k), _F32) for _ in range(4))))
     xs, valid = _scaled(ins, 0, tp, t)  # read again: kept from the start, they spilled
-    _store(e_ref, e.astype(e_ref.dtype), valid)
+    _barrier()  # every thread's stores of e's first part done and visible before it is read
+    direct = _load(e_ref, valid).astype(_F32)
+    _store(e_ref, (direct + e).astype(e_ref.dtype), valid)
     _store(tok_mu_ref, tok["ph"], valid)
     _store(tok_sq_ref, tok["sq"], valid)
-    token_ref[:, 3:4] = jnp.sum(e * xs, axis=1, keepdims=True)
+    token_ref[:, 3:4] = jnp.sum(e * xs, axis=1, keepdims=True)  # the moments' part's share
     for row, value in enumerate(sums):
         chan_out_ref[row:row + 1, :] = value
 
@@ -274,6 +279,13 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
 def _load(ref, mask):
     from jax.experimental.pallas import triton as pltriton
     return pltriton.load(ref, mask=mask, other=0.0)
+
+
+def _barrier() -> None:
+    """All threads of the program wait here: global stores before it are visible after it."""
+    if jax.default_backend() == "gpu":  # the interpreter runs a program's code in order
+        from jax.experimental.pallas import triton as pltriton
+        pltriton.debug_barrier()
 
 
 def _store(ref, value, mask):
@@ -377,12 +389,12 @@ def backward(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any,
     half = call.p.dtype
     by_head = pl.BlockSpec((None, tp, None, k), lambda i, j: (j // (d // k), 0, i, j % (d // k)))
     head_shape = jax.ShapeDtypeStruct((h, t, b, d), half)
-    direct, e, tok_mu, tok_sq, dm_mu, dm_sq, token_sums, chan_sums = _pallas(
+    e, tok_mu, tok_sq, dm_mu, dm_sq, token_sums, chan_sums = _pallas(
         _backward_kernel, call, cfg, _specs(call, True),
-        (_specs(call, False)[0], _specs(call, False)[0], by_head, by_head, by_head, by_head,
+        (_specs(call, False)[0], by_head, by_head, by_head, by_head,
          pl.BlockSpec((None, None, tp, 4), lambda i, j: (i, j, 0, 0)),
          pl.BlockSpec((None, None, 4, k), lambda i, j: (i, j, 0, 0))),
-        (jax.ShapeDtypeStruct(x.shape, half),) * 2 + (head_shape,) * 4
+        (jax.ShapeDtypeStruct(x.shape, half),) + (head_shape,) * 4
         + (jax.ShapeDtypeStruct((b, blocks, tp, 4), _F32),
            jax.ShapeDtypeStruct((b, blocks, 4, k), _F32)),
         "dtn_backward")(x, st.rs, st.mu_ln[..., None], st.var_ln[..., None], call.pt, call.chan,
@@ -398,8 +410,7 @@ def backward(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any,
     dmu_ln = (dmu_ln - 2 * st.mu_ln * dm2_ln * c) / c
     mean_dxs_xs = e_xs / d + dmu_ln[..., None] * st.m1 + 2 * dm2_ln[..., None] * st.m2
     xs = x.astype(_F32).reshape(b, t, h, d) * st.rs[..., None]
-    e = direct.astype(_F32) + e.astype(_F32)  # d xs through xs - mu and through the moments
-    dxs = e.reshape(b, t, h, d) + dmu_ln[..., None, None] \
+    dxs = e.astype(_F32).reshape(b, t, h, d) + dmu_ln[..., None, None] \
         + 2 * xs * dm2_ln[..., None, None]
     dx = (st.rs[..., None] * (dxs - xs * mean_dxs_xs[..., None])).reshape(b, t, c)
 
