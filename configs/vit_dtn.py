@@ -26,6 +26,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         "position_init": "reference",   # near-uniform P as after the released ViT's re-init; 'local': ConViT init
         "locality_strength": 1.0,       # multiplies the position map's kernel under 'local'
         "pool_size": 14,                # grids above 14 that are multiples of 14: pooled as the reference
+        "kernel": "xla",                # 'pallas': fused GPU kernels, bfloat16 runs (docs/norms.md)
+        "pallas_tiling": None,          # kernel='pallas': 'F:B' channels/targets/warps, None: defaults
     })
     c = default.apply_variants(c, arg, recipes.DEIT)
     # Counted from the end, so `--config.model.depth=N` keeps the layout: DTN in blocks 0..N-3

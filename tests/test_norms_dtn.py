@@ -223,6 +223,18 @@ def test_dtn_bad_precision_options():
             build("dtn", opts, dim=8, heads=2, grid=(3, 3))
 
 
+def _float32_case(rng, b: int, pre: int, side: int, c: int, h: int, mix_mean: bool):
+    """Tokens whose channel means are 3x their spread and DTN parameters away from their init,
+    float32: what the written-out paths are checked against autodiff on."""
+    x = jnp.asarray(rng.normal(size=(b, pre + side * side, c)) + 3 * rng.normal(size=c),
+                    jnp.float32)
+    params = {"scale": 1 + 0.3 * rng.normal(size=c), "bias": 0.3 * rng.normal(size=c),
+              "pos_proj": 0.5 * rng.normal(size=(3, h)), "var_gate": rng.normal(size=h)}
+    if mix_mean:
+        params["mean_gate"] = rng.normal(size=h)
+    return x, {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+
+
 @pytest.mark.usefixtures("float32_matmuls")  # on a GPU: float32 products, not TF32
 @pytest.mark.parametrize("pre,mix_mean", [(0, True), (1, True), (2, True), (1, False)])
 def test_dtn_half_path_is_the_autodiff_function(pre, mix_mean):
@@ -233,13 +245,7 @@ def test_dtn_half_path_is_the_autodiff_function(pre, mix_mean):
     from normvit_jax.norms import dtn as dtn_module, dtn_half
     rng = np.random.default_rng(pre)
     side, h, c, b = 4, 2, 16, 3
-    x = jnp.asarray(rng.normal(size=(b, pre + side * side, c)) + 3 * rng.normal(size=c),
-                    jnp.float32)
-    params = {"scale": 1 + 0.3 * rng.normal(size=c), "bias": 0.3 * rng.normal(size=c),
-              "pos_proj": 0.5 * rng.normal(size=(3, h)), "var_gate": rng.normal(size=h)}
-    if mix_mean:
-        params["mean_gate"] = rng.normal(size=h)
-    params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+    x, params = _float32_case(rng, b, pre, side, c, h, mix_mean)
     cfg = dtn_module._Static(side, pre, h, side, 1e-5, True, mix_mean, jnp.dtype(jnp.float32))
     g = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
     want_y, want_vjp = jax.vjp(lambda a, p: dtn_module._dtn(a, p, cfg), x, params)
@@ -288,20 +294,15 @@ def test_dtn_pallas_kernels_are_the_autodiff_function(pre, mix_mean, side, c, ti
     tokens padded to 32 (one chunk of targets, a program per head), and 81-83 padded to 128
     (the forward's two chunks of 64 targets, the backward's three of 32, its programs half a
     head each), and cut another way (``pallas_tiling``: the forward's programs half a head and
-    six chunks of 16, the backward's a whole head and two chunks of 64). There pos_proj's gradient within 1e-4 (measured 3.7e-5; autodiff 1.4e-5 and the
-    XLA path 1.8e-5 from float64 finite differences): dP agrees to 1.2e-6 with the XLA path's,
+    six chunks of 16, the backward's a whole head and two chunks of 64). There pos_proj's
+    gradient within 1e-4 (measured 3.7e-5; autodiff 1.4e-5 and the XLA path 1.8e-5 from float64
+    finite differences): dP agrees to 1.2e-6 with the XLA path's,
     and the softmax's backward, which subtracts dP's weighted mean over offsets up to 128,
     amplifies float32 rounding there whichever way dP is summed."""
     from normvit_jax.norms import dtn as dtn_module, dtn_half, dtn_pallas
     rng = np.random.default_rng(10 + pre)
     h, b = 2, 3
-    x = jnp.asarray(rng.normal(size=(b, pre + side * side, c)) + 3 * rng.normal(size=c),
-                    jnp.float32)
-    params = {"scale": 1 + 0.3 * rng.normal(size=c), "bias": 0.3 * rng.normal(size=c),
-              "pos_proj": 0.5 * rng.normal(size=(3, h)), "var_gate": rng.normal(size=h)}
-    if mix_mean:
-        params["mean_gate"] = rng.normal(size=h)
-    params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+    x, params = _float32_case(rng, b, pre, side, c, h, mix_mean)
     cfg = dtn_module._Static(side, pre, h, side, 1e-5, True, mix_mean, jnp.dtype(jnp.float32),
                              dtn_pallas.parse_tiling(tiling) if tiling else None)
     y, (shift, sq_shift, _) = jax.jit(lambda a, p: dtn_pallas.forward(a, p, cfg))(x, params)
