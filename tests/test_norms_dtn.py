@@ -10,6 +10,7 @@ import math
 import os
 import re
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -358,26 +359,29 @@ def test_dtn_pallas_kernel_in_bfloat16_against_float64_and_xla():
 
 def test_dtn_pallas_kernel_falls_back_to_xla_where_it_does_not_apply():
     """kernel='pallas' serves the half-precision path without pooling for head widths that are
-    powers of two >= 16; float32 tokens (evaluation, predict, export), a pooled grid and a head
-    width of 8 run XLA's path instead: no pallas_call in the program and the same values as
-    kernel='xla' (bit for bit). An unknown kernel name or a malformed pallas_tiling is a
-    ValueError naming the option."""
+    powers of two >= 16 on a GPU (and a CPU, interpreted); float32 tokens (evaluation, predict,
+    export), a pooled grid, a head width of 8 and a TPU run XLA's path instead: no pallas_call
+    in the program and (on the CPU) the same values as kernel='xla', bit for bit. An unknown
+    kernel name or a malformed pallas_tiling is a ValueError naming the option."""
     with pytest.raises(ValueError, match="kernel"):
         build("dtn", {"kernel": "cuda"}, dim=32, heads=2, grid=(4, 4))
     for tiling in ("32/64/8", "32/64/8:16/24/8", "8/64/8:16/32/8"):
         with pytest.raises(ValueError, match="pallas_tiling"):
             build("dtn", {"kernel": "pallas", "pallas_tiling": tiling}, dim=32, heads=2,
                   grid=(4, 4))
-    cases = [((2, 17, 32), 2, 4, jnp.float32, False), ((2, 1 + 28 * 28, 32), 2, 28, jnp.bfloat16,
-             False), ((2, 17, 32), 4, 4, jnp.bfloat16, False), ((2, 17, 32), 2, 4, jnp.bfloat16,
-             True)]
-    for shape, heads, side, dtype, kernel in cases:
+    cases = [((2, 17, 32), 2, 4, jnp.float32, "cpu", False),
+             ((2, 1 + 28 * 28, 32), 2, 28, jnp.bfloat16, "cpu", False),
+             ((2, 17, 32), 4, 4, jnp.bfloat16, "cpu", False),
+             ((2, 17, 32), 2, 4, jnp.bfloat16, "tpu", False),  # Triton kernels: not for a TPU
+             ((2, 17, 32), 2, 4, jnp.bfloat16, "cpu", True)]
+    for shape, heads, side, dtype, backend, kernel in cases:
         mk = lambda k: build("dtn", {"kernel": k}, dim=32, heads=heads,  # noqa: E731
                              grid=(side, side), prefix=1)
         x = jnp.asarray(random_x(shape, seed=1), dtype)
         params = jit_init(mk("xla"), x.astype(jnp.float32))
-        jaxpr = str(jax.make_jaxpr(mk("pallas").apply)(params, x))
-        assert ("pallas_call" in jaxpr) == kernel, (shape, heads, dtype)
-        if not kernel:
+        with mock.patch.object(jax, "default_backend", lambda: backend):
+            jaxpr = str(jax.make_jaxpr(mk("pallas").apply)(params, x))
+        assert ("pallas_call" in jaxpr) == kernel, (shape, heads, dtype, backend)
+        if not kernel and backend == "cpu":  # (the TPU case: traced only, its program above)
             np.testing.assert_array_equal(np.asarray(mk("pallas").apply(params, x), np.float32),
                                           np.asarray(mk("xla").apply(params, x), np.float32))

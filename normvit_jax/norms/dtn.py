@@ -57,7 +57,8 @@ class DTN(nn.Module):
     half-precision moments without pooling always do: norms/dtn_half.py writes that case out),
     kernel ('xla', or 'pallas': on that half-precision path without pooling, for head widths that
     are powers of two >= 16, forward and backward in Pallas kernels, norms/dtn_pallas.py, Triton
-    on a GPU and Pallas's slow interpreter elsewhere; in every other case XLA's, the same function),
+    on a GPU and Pallas's slow interpreter on a CPU; in every other case, a TPU included, XLA's,
+    the same function),
     pallas_tiling (None: the kernels' defaults; 'F:B', F the forward's and B the backward's
     'channels/targets/warps', e.g. '32/64/8:16/32/8': how a program cuts its work, for tuning
     on a GPU; powers of two).
@@ -144,9 +145,10 @@ class DTN(nn.Module):
                       self.mix_mean, moments_dtype,
                       dtn_pallas.parse_tiling(self.pallas_tiling) if self.pallas_tiling else None)
         half_path = moments_dtype != jnp.float32 and cfg.stat_side == side
-        if self.kernel == "pallas" and half_path and dtn_pallas.fits(c // h):
+        backend = jax.default_backend()
+        if self.kernel == "pallas" and half_path and dtn_pallas.fits(c // h, backend):
             # the same function in Pallas kernels (norms/dtn_pallas.py); where they do not apply
-            # (float32 moments: evaluation, export, the CPU; pooling; other head widths) XLA's
+            # (float32 moments: evaluation, export; pooling; other head widths; a TPU) XLA's
             return dtn_pallas.dtn(x, params, cfg)
         if half_path:
             # the half-precision path on the matrix units, written out with its backward

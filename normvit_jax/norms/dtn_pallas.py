@@ -33,7 +33,8 @@ takes, how many targets a step, how many warps. The backward keeps x, the shifts
 per-token statistics. The equations are norms/dtn_half.py's (its docstring); the moments stay
 float32 in registers where the XLA path rounds them to bfloat16.
 
-Off a GPU the kernels run in Pallas's interpreter (slow: for tests, not for training).
+On a CPU the kernels run in Pallas's interpreter (slow: for tests, not for training); on a TPU
+norms/dtn.py keeps XLA's path.
 """
 from __future__ import annotations
 
@@ -81,10 +82,11 @@ def parse_tiling(text: str, norm_name: str = "dtn") -> tuple[Tiling, Tiling]:
     return parts[0], parts[1]
 
 
-def fits(head_width: int) -> bool:
-    """Whether the kernels take this head width: Triton's blocks and matmuls need a power of two,
-    at least 16."""
-    return head_width >= 16 and head_width & (head_width - 1) == 0
+def fits(head_width: int, backend: str = "gpu") -> bool:
+    """Whether the kernels serve this head width on this backend: Triton's blocks and matmuls
+    need a power of two, at least 16; they are Triton kernels, for a GPU (a CPU runs them in
+    Pallas's interpreter, for tests; a TPU keeps XLA's path, which its compiler fuses itself)."""
+    return backend in ("gpu", "cpu") and head_width >= 16 and head_width & (head_width - 1) == 0
 
 
 def _next_pow2(n: int) -> int:
@@ -313,7 +315,7 @@ def _prepare(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any, tiling: Ti
     b, t, c = x.shape
     h, pre = cfg.heads, cfg.pre
     d = c // h
-    if not fits(d):
+    if not fits(d):  # the head width; the backend is the caller's (norms/dtn.py)
         raise ValueError(f"norm 'dtn': kernel='pallas' needs a head width that is a power of two "
                          f"of at least 16, got {d} (C={c}, heads={h}); accepted: kernel='xla'")
     tp = max(_next_pow2(t), 16)
