@@ -166,8 +166,7 @@ def _rows(ins: _Inputs, tok: dict[str, Any], lo: int, n: int, *, t: int, pre: in
     xs, valid = _scaled(ins, lo, n, t)
     patch = valid & (jax.lax.broadcasted_iota(jnp.int32, xs.shape, 0) + lo >= pre)
     pt = ins.pt.at[_ds(lo, n), :][...]
-    mu_c = jnp.dot(pt, tok["ph"], preferred_element_type=_F32)
-    m2_c = jnp.dot(pt, tok["sq"], preferred_element_type=_F32)
+    mu_c, m2_c = _dot(pt, tok["ph"]), _dot(pt, tok["sq"])
     var_in_raw = m2_c + tok["sq_shift"] - mu_c * mu_c
     var_in = jnp.maximum(var_in_raw, 0.0)
     mu_in = mu_c + tok["shift"]
@@ -260,8 +259,7 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
         p = p_ref.at[:, _ds(lo, n)][...]  # every source, these targets
         # d xs through the moments, d ph + 2 ph d sq: the chunks' parts of both matmuls (over
         # targets) in one sum, ph being the source rows' own (one accumulator fewer to hold)
-        e = e + jnp.dot(p, dm_mu, preferred_element_type=_F32) + 2.0 * tok["ph"].astype(
-            _F32) * jnp.dot(p, dm_sq, preferred_element_type=_F32)
+        e = e + _dot(p, dm_mu) + 2.0 * tok["ph"].astype(_F32) * _dot(p, dm_sq)
         return e, sums
 
     e, sums = jax.lax.fori_loop(  # the sums over tokens: scale, bias, the two gates
@@ -276,6 +274,13 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
     token_ref[:, 3:4] = jnp.sum(e * xs, axis=1, keepdims=True)  # the moments' part's share
     for row, value in enumerate(sums):
         chan_out_ref[row:row + 1, :] = value
+
+
+def _dot(a: Any, b: Any) -> Any:
+    """A matmul in a kernel, float32 sums: half operands on the tensor cores; float32 operands
+    (the tests' exact path) in full float32, where Triton's default would be TF32."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == _F32 else None
+    return jnp.dot(a, b, precision=precision, preferred_element_type=_F32)
 
 
 def _load(ref, mask):
