@@ -57,7 +57,7 @@ from benchmarks import gpu_render, xla_flags
 # with z-score; norm_kernels did not finish its five layers in 94 s. A variant adds one LN compile
 # per model. With --isolate_norms each norm is a part: NORM_WEIGHTS. All of it is ~650 s, over
 # the 480 s default: ``--parts`` splits the run in two (docs/benchmarks.md, "The quick run").
-# train_B16 +40 s for DTN's Pallas forward (dtn_pallas, 2026-11-28: not yet timed on a GPU).
+# train_B16 +40 s for DTN's Pallas kernels (dtn_pallas, 2026-11-28: not yet timed on a GPU).
 WEIGHTS = {"vs_torch": 180.0, "train_B16": 170.0, "train_S16": 210.0, "norm_kernels": 130.0,
            "profile": 40.0}
 VARIANT_WEIGHT = {"train_B16": 30.0, "train_S16": 20.0}

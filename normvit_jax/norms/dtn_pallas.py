@@ -61,7 +61,7 @@ class Tiling(NamedTuple):
 # Chosen by what ptxas reports for an H100 (registers, spills; docs/benchmarks.md, "DTN in Pallas
 # kernels"), not yet by timings: a whole head (64 channels) and all targets at once used every
 # register and spilled 0.5-3 KB a thread; these spill nothing (forward 165 registers, backward
-# 248) at B/16 and S/16.
+# 252) at B/16 and S/16.
 FORWARD = Tiling(block=32, chunk=64, warps=8)
 BACKWARD = Tiling(block=16, chunk=32, warps=8)
 
@@ -182,7 +182,7 @@ def _rows(ins: _Inputs, tok: dict[str, Any], lo: int, n: int, *, t: int, pre: in
                 yhat=yhat)
 
 
-def pl_multiple(value: Any, n: int) -> Any:
+def _aligned(value: Any, n: int) -> Any:
     """``value``, declared a multiple of n to the compiler (aligned loads and stores)."""
     from jax.experimental import pallas as pl
     return pl.multiple_of(value, n)
@@ -207,7 +207,7 @@ def _forward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, y_ref, shi
     n, count = _chunks(x_ref.shape[0], t, chunk)
 
     def step(i, carry):
-        lo = pl_multiple(i * n, n)
+        lo = _aligned(i * n, n)
         f = _rows(ins, tok, lo, n, t=t, pre=pre, epsilon=epsilon)
         y = f["yhat"] * chan_ref[2:3, :] + chan_ref[3:4, :]
         _store(y_ref.at[_ds(lo, n), :], y.astype(y_ref.dtype), f["valid"])
@@ -235,7 +235,7 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
 
     def step(i, carry):
         e, sums = carry
-        lo = pl_multiple(i * n, n)
+        lo = _aligned(i * n, n)
         f = _rows(ins, tok, lo, n, t=t, pre=pre, epsilon=epsilon)
         rows = lambda ref: ref.at[_ds(lo, n), :]  # noqa: E731
         g = _load(rows(g_ref), f["valid"]).astype(_F32)
@@ -396,9 +396,10 @@ def backward(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any,
     half = call.p.dtype
     by_head = pl.BlockSpec((None, tp, None, k), lambda i, j: (j // (d // k), 0, i, j % (d // k)))
     head_shape = jax.ShapeDtypeStruct((h, t, b, d), half)
+    specs = _specs(call, True)  # specs[0]: x's blocks, which e's are too
     e, tok_mu, tok_sq, dm_mu, dm_sq, token_sums, chan_sums = _pallas(
-        _backward_kernel, call, cfg, _specs(call, True),
-        (_specs(call, False)[0], by_head, by_head, by_head, by_head,
+        _backward_kernel, call, cfg, specs,
+        (specs[0], by_head, by_head, by_head, by_head,
          pl.BlockSpec((None, None, tp, 4), lambda i, j: (i, j, 0, 0)),
          pl.BlockSpec((None, None, 4, k), lambda i, j: (i, j, 0, 0))),
         (jax.ShapeDtypeStruct(x.shape, half),) + (head_shape,) * 4
