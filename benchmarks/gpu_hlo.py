@@ -19,8 +19,10 @@ would make JAX try the GPU at every start):
 
     pip install --target .gpu_hlo_site "jax-cuda12-plugin[with-cuda]==$(python -c 'import jax; print(jax.__version__)')"
 
-(about 5 GB; ``--site`` names another folder). The tool starts itself again with that folder on
-its path and JAX on the CPU; the compile runs on the CPU (an S/16 step ~1 minute on 2 cores).
+(about 5 GB; ``--site`` names another folder; the GPU host's jax 0.11 with CUDA 13 works the
+same with ``jax-cuda13-plugin[with-cuda]``, Pallas norms included). The tool starts itself again
+with that folder on its path and JAX on the CPU; the compile runs on the CPU (an S/16 step ~1
+minute on 2 cores).
 ``--depth`` compiles fewer blocks (per-block figures are the same; totals scale); ``--set``
 changes the config of every compiled step (``--set=model.attention_impl='separate'``), so that
 one formulation can be compared with another in a 40-second compile.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import contextlib
 import dataclasses
 import math
 import os
@@ -42,7 +45,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from normvit_jax import tool_flags
 
@@ -300,6 +303,27 @@ def _plugin_missing(site: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _pallas_sees(target: str) -> Iterator[None]:
+    """Pallas's Triton lowering (a Pallas norm, e.g. DTN's kernel='pallas') asks the local GPU
+    for its compute capability: jax 0.10 assumed 9.0 without one, jax 0.11 refuses. Under
+    jax 0.11 it is told the described card for the lowering (a private hook, restored after;
+    where it is absent nothing changes)."""
+    try:
+        from jax._src.pallas.triton import gpu_info
+        version = gpu_info.GpuVersion.H200 if target == "h200" else gpu_info.GpuVersion.H100
+        info = gpu_info.get_gpu_info_from_version(version)
+        real = gpu_info.get_gpu_info
+    except (ImportError, AttributeError):
+        yield
+        return
+    gpu_info.get_gpu_info = lambda: info
+    try:
+        yield
+    finally:
+        gpu_info.get_gpu_info = real
+
+
 def compile_census(args: argparse.Namespace, norm: str) -> dict[str, Any]:
     """In the child: the deviceless GPU compile of ``norm``'s train step and its census."""
     import jax
@@ -326,7 +350,8 @@ def compile_census(args: argparse.Namespace, norm: str) -> dict[str, Any]:
             for part in path:
                 node = node[part]
             node[last] = value
-        lowered, _ = common.lower_abstract_train_step(cfg, 1000)
+        with _pallas_sees(args.target):
+            lowered, _ = common.lower_abstract_train_step(cfg, 1000)
         with tempfile.TemporaryDirectory(prefix="gpu_hlo_") as dump:
             # XLA writes its buffers' live ranges only into a dump
             compiled = lowered.compile(compiler_options=dump_options(dump) if args.peak else None)

@@ -131,3 +131,36 @@ def test_an_operand_read_only_through_slices_counts_the_slices():
     sliced, mixed = gpu_hlo.census(_SLICING)
     assert (sliced.bytes_in, sliced.bytes_out) == (40 * 2, 40 * 4)
     assert (mixed.bytes_in, mixed.bytes_out) == (8 * 5 * 64 * 2 + 40 * 4, 8 * 5 * 64 * 2)
+
+
+def test_pallas_lowering_is_told_the_described_card_and_it_is_restored(monkeypatch):
+    """jax 0.11's Pallas Triton lowering asks ``gpu_info.get_gpu_info()`` for the local GPU and
+    refuses a CPU: during the compile it answers with the target card, afterwards the real
+    function is back; under jax 0.10 (no such module) nothing is touched."""
+    import types
+
+    import jax._src.pallas.triton as triton_package
+    name = "jax._src.pallas.triton.gpu_info"
+
+    def refuse():
+        raise ValueError("Unsupported GPU device kind: cpu")
+
+    versions = types.SimpleNamespace(H100="NVIDIA H100", H200="NVIDIA H200")
+    fake = types.SimpleNamespace(GpuVersion=versions, get_gpu_info=refuse,
+                                 get_gpu_info_from_version=lambda v: ("info", v))
+    monkeypatch.setitem(sys.modules, name, fake)
+    monkeypatch.setattr(triton_package, "gpu_info", fake, raising=False)
+    for target, card in (("h100", "NVIDIA H100"), ("h200", "NVIDIA H200")):
+        with gpu_hlo._pallas_sees(target):
+            assert fake.get_gpu_info() == ("info", card)
+        assert fake.get_gpu_info is refuse
+    try:
+        with gpu_hlo._pallas_sees("h100"):
+            raise RuntimeError("the compile failed")
+    except RuntimeError:
+        pass
+    assert fake.get_gpu_info is refuse  # restored on an error too
+    monkeypatch.setitem(sys.modules, name, None)  # jax 0.10: the import fails
+    monkeypatch.delattr(triton_package, "gpu_info", raising=False)
+    with gpu_hlo._pallas_sees("h100"):
+        pass
