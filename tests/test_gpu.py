@@ -117,8 +117,8 @@ def test_dtn_layer_in_bfloat16_against_float32(kernel):
     the bfloat16 layer on this backend against the float32 layer at full precision on the same
     (bfloat16-rounded) input, forward and input gradient, with channel means ~10x their spread
     (the cancellation its variance must survive). Bound: bfloat16's output rounding plus the
-    statistics' error, relative to the largest value. kernel='pallas': the forward as one Triton
-    kernel on a GPU (Pallas's interpreter on CPU), the same bounds."""
+    statistics' error, relative to the largest value. kernel='pallas': the forward and backward
+    as Triton kernels on a GPU (Pallas's interpreter on CPU), the same bounds."""
     from normvit_jax import norms
     b, t, c, heads = 2, 197, 384, 6
     layer = norms.create({"name": "dtn", "kernel": kernel}, dim=c, num_heads=heads, grid=(14, 14),

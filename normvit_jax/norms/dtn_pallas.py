@@ -361,9 +361,14 @@ def _specs(call: _Call, backward: bool) -> list[Any]:
     specs = [tokens, pl.BlockSpec((None, tp, 1), lambda i, j: (i, 0, j // per_head)), column,
              column, head, pl.BlockSpec((4, k), lambda i, j: (0, j))]
     if backward:
-        shift = pl.BlockSpec((None, 1, k), lambda i, j: (i, 0, j))
-        specs += [shift, shift, tokens, head]
+        specs += [_shift_spec(call), _shift_spec(call), tokens, head]
     return specs
+
+
+def _shift_spec(call: _Call) -> Any:
+    """The BlockSpec of a (B, 1, C) token shift: sample i's channel block j."""
+    from jax.experimental import pallas as pl
+    return pl.BlockSpec((None, 1, call.k), lambda i, j: (i, 0, j))
 
 
 def forward(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any
@@ -371,10 +376,9 @@ def forward(x: jax.Array, params: Mapping[str, jax.Array], cfg: Any
     """(y, residuals) of x (B, T, C): y DTN's output in x's dtype; the residuals are the two
     (B, 1, C) token shifts (as norms/dtn_half.py computes them) and the per-token statistics.
     ``cfg`` is norms/dtn.py's ``_Static``."""
-    from jax.experimental import pallas as pl
     call = _prepare(x, params, cfg, cfg.tiling[0] if cfg.tiling else FORWARD)
     st = head_statistics(x, call.h, cfg.epsilon, cfg.ln_unbiased)
-    shift = pl.BlockSpec((None, 1, call.k), lambda i, j: (i, 0, j))
+    shift = _shift_spec(call)
     shift_shape = jax.ShapeDtypeStruct((call.b, 1, call.c), _F32)
     specs = _specs(call, False)
     y, s, sq = _pallas(_forward_kernel, call, cfg, specs, (specs[0], shift, shift),
