@@ -51,7 +51,7 @@ for stage in $STAGES; do
       if [ $L -gt 40 ]; then
         timeout $L python3 -m benchmarks.norm_kernels --model=B/16 --batch=256 \
           --norm=layernorm,dtn,dtn_pallas --steps=10 --warmup=2 --json=$RUNS/tiling.json \
-          --dtn_tilings=${DTN_TILINGS:-64/64/8:16/16/8,32/32/4:32/32/8,32/64/8:16/16/8} \
+          --dtn_tilings=${DTN_TILINGS:-32/64/8:16/32/8,64/64/8:32/32/8,32/32/4:16/16/4} \
           > "$RUNS/tiling.log" 2>&1
         stamp tiling $?
       fi ;;

@@ -32,10 +32,11 @@ def test_dtn_pallas_kernels_are_the_autodiff_function(pre, mix_mean, side, c, ti
     norms/dtn_half.py keeps, and every gradient (the backward kernel, dx's fusion and
     dP's matmul) within 1e-5 of autodiff's (measured <= 3e-6), with 0, 1 or 2 prefix tokens,
     with and without the mean's mixing, on tokens whose channel means are 3x their spread: 25
-    tokens padded to 32 (one chunk of targets, a program per head), and 81-83 padded to 128
-    (the forward's two chunks of 64 targets, the backward's three of 32, its programs half a
-    head each), and cut another way (``pallas_tiling``: the forward's programs half a head and
-    six chunks of 16, the backward's a whole head and two chunks of 64). There pos_proj's
+    tokens in blocks of 32 (one part of sources, one chunk of targets, a program per head), and
+    81-83 in blocks of 128 (sources as 64 + 32 rows; the forward's targets a chunk of 64 and a
+    tail of 32, the backward's six chunks of 16, its programs half a head each), and cut
+    another way (``pallas_tiling``: the forward's programs half a head and six chunks of 16, the
+    backward's a whole head, a chunk of 64 and a tail of 32). There pos_proj's
     gradient within 1e-4 (measured 3.7e-5; autodiff 1.4e-5 and the XLA path 1.8e-5 from float64
     finite differences): dP agrees to 1.2e-6 with the XLA path's,
     and the softmax's backward, which subtracts dP's weighted mean over offsets up to 128,
@@ -67,12 +68,14 @@ def test_dtn_pallas_kernels_are_the_autodiff_function(pre, mix_mean, side, c, ti
 
 
 def test_dtn_pallas_kernel_in_bfloat16_against_float64_and_xla():
-    """kernel='pallas' on bfloat16 tokens (the model's GPU training input): forward within 1e-2
-    of the float64 reference (measured 2.9e-3, as kernel='xla') and within 1e-2 of kernel='xla'
-    (measured 3.0e-3: the two round differently, the kernels keeping their moments in float32);
-    gradients within 1e-2 (the per-element ones) and 3e-2 (the sums over tokens) of kernel='xla''s
-    and of the float32 model's, the bfloat16 path's own bounds above (measured against float32:
-    d x 3.9e-3, pos_proj 9.6e-3, the rest <= 1.8e-3; kernel='xla': 3.9e-3, 4.8e-3, 1.8e-3)."""
+    """kernel='pallas' on bfloat16 tokens (the model's GPU training input; 197 tokens: sources
+    as 128 + 64 + 16 rows, the forward's targets 3 x 64 + 16, the backward's 13 x 16): forward
+    within 1e-2 of the float64 reference (measured 2.9e-3, as kernel='xla') and within 1e-2 of
+    kernel='xla' (measured 3.0e-3: the two round differently, the kernels keeping their moments
+    in float32); gradients within 1e-2 (the per-element ones) and 3e-2 (the sums over tokens) of
+    kernel='xla''s and of the float32 model's, the bfloat16 path's own bounds above (measured
+    against float32: d x 5.5e-3, pos_proj 9.6e-3, the rest <= 1.8e-3; kernel='xla': 3.9e-3,
+    4.8e-3, 1.8e-3; against kernel='xla': d x 6.5e-3, pos_proj 7.5e-3)."""
     side, heads, c, pre = 14, 4, 64, 1
     x = _realistic_x((2, pre + side * side, c), 10.0, seed=3)
     mk = lambda kernel: build("dtn", {"position_init": "local", "locality_strength": 3.0,
@@ -95,6 +98,33 @@ def test_dtn_pallas_kernel_in_bfloat16_against_float64_and_xla():
         assert_rel(gx_p.astype(jnp.float32), want_x.astype(jnp.float32), 1e-2, f"d x vs {what}")
         for k in want:
             assert_rel(gp[k], want[k], 1e-2 if k in ("scale", "bias") else 3e-2, f"d {k} vs {what}")
+
+
+@pytest.mark.parametrize("t", [1, 16, 17, 25, 50, 64, 65, 82, 83, 197, 256, 257, 785])
+def test_dtn_pallas_matmul_rows_cover_the_tokens_in_power_of_two_parts(t):
+    """The kernels' matmuls run over the t tokens rounded up to 16 (not over the block padded to
+    a power of two): the source parts are consecutive, cover exactly round_up(t, 16) rows (197:
+    128 + 64 + 16), each a power of two >= 16 starting at a multiple of itself (an aligned
+    Triton block); the target chunks and their tail cover the same rows in chunks of ``rows``
+    (the tail's parts each smaller than a chunk), for every chunk size the tilings accept."""
+    from normvit_jax.norms import dtn_pallas
+    tp = max(dtn_pallas._next_pow2(t), 16)
+    m = -(-t // 16) * 16
+
+    def check(parts, lo, end):
+        for start, size in parts:
+            assert start == lo and size >= 16 and size & (size - 1) == 0 and start % size == 0
+            lo += size
+        assert lo == end
+
+    check(dtn_pallas._parts(0, t), 0, m)
+    assert dtn_pallas._parts(0, 197) == ((0, 128), (128, 64), (192, 16))
+    for chunk in (16, 32, 64, 128, 256):
+        rows, count, tail = dtn_pallas._target_steps(tp, t, chunk)
+        assert rows == min(tp, chunk) and all(size < rows for _, size in tail)
+        check(tail, count * rows, m if tail else count * rows)
+        assert count * rows >= t if not tail else count * rows < t
+        assert (count * rows if not tail else m) - t < max(rows, 16)
 
 
 def test_dtn_pallas_kernel_falls_back_to_xla_where_it_does_not_apply():

@@ -60,7 +60,7 @@ class DTN(nn.Module):
     on a GPU and Pallas's slow interpreter on a CPU; in every other case, a TPU included, XLA's,
     the same function),
     pallas_tiling (None: the kernels' defaults; 'F:B', F the forward's and B the backward's
-    'channels/targets/warps', e.g. '32/64/8:16/32/8': how a program cuts its work, for tuning
+    'channels/targets/warps', e.g. '32/64/8:16/16/8': how a program cuts its work, for tuning
     on a GPU; powers of two).
 
     Prefix (class) tokens get plain LN statistics; the reference instead keeps the class token out

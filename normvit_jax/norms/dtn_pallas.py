@@ -9,14 +9,17 @@ float32 partial products) written out and read back between them: a B/16 slot mo
 training step (``benchmarks.gpu_hlo``; LayerNorm ~1 GB), and the layer took 4.25x LayerNorm's
 time on an H200. Every DTN statistic but LayerNorm's is per channel, and each channel's IN
 moments need only its head's P: a program takes one sample and a block of one head's channels,
-all tokens (padded to a power of two, as Triton's blocks must be), and keeps everything between
-reading x (and g) and writing its result in registers:
+all tokens (its blocks padded to a power of two, as Triton's must be), and keeps everything
+between reading x (and g) and writing its result in registers:
 
     RMS scaling -> the patch tokens' shifts -> moments = P^T [ph, ph^2 - sq_shift] (tensor-core
     matmuls, float32 sums) -> the mixed statistics -> y
 
 taking the target tokens in chunks (a loop), so that only a chunk of P^T and of the
-normalization's values are alive at once. What sums over a token's channels comes from XLA
+normalization's values are alive at once. The matmuls run over the tokens rounded up to 16, in
+parts whose sizes are powers of two (``_parts``: 197 tokens as 128 + 64 + 16 sources, the targets
+as whole chunks and such a tail), not over the padded block: 208 x 208 multiply-adds a channel
+where 256 x 256 would be 1.51x that. What sums over a token's channels comes from XLA
 around the kernels, per token and cheap:
 - before the forward: the per-head RMS scaling and LayerNorm's statistics (one reduction of x);
 - the forward kernel writes y and the two (B, 1, C) token shifts;
@@ -60,10 +63,11 @@ class Tiling(NamedTuple):
 
 # Chosen by what ptxas reports for an H100 (registers, spills; docs/benchmarks.md, "DTN in Pallas
 # kernels"), not yet by timings: a whole head (64 channels) and all targets at once used every
-# register and spilled 0.5-3 KB a thread; these spill nothing (forward 165 registers, backward
-# 252) at B/16 and S/16.
+# register and spilled 0.5-3 KB a thread; these spill nothing (forward 210 registers, backward
+# 248) at B/16 and S/16, and take 197 targets as 3 x 64 + 16 and 13 x 16 rows (the backward's
+# chunks of 32 with a tail of 16 spilled 120 bytes).
 FORWARD = Tiling(block=32, chunk=64, warps=8)
-BACKWARD = Tiling(block=16, chunk=32, warps=8)
+BACKWARD = Tiling(block=16, chunk=16, warps=8)
 
 
 def parse_tiling(text: str, norm_name: str = "dtn") -> tuple[Tiling, Tiling]:
@@ -78,7 +82,7 @@ def parse_tiling(text: str, norm_name: str = "dtn") -> tuple[Tiling, Tiling]:
     if not ok:
         raise ValueError(f"norm {norm_name!r}: pallas_tiling={text!r} is not accepted; accepted: "
                          "None or 'F:B', each 'channels/targets/warps' powers of two, channels "
-                         "and targets >= 16, e.g. '32/64/8:16/32/8'")
+                         "and targets >= 16, e.g. '32/64/8:16/16/8'")
     return parts[0], parts[1]
 
 
@@ -138,24 +142,40 @@ def _scaled(ins: _Inputs, lo: int, n: int, t: int) -> tuple[Any, Any]:
     return x * _load(ins.rs.at[_ds(lo, n), :], column), valid
 
 
+def _parts(lo: int, end: int) -> tuple[tuple[int, int], ...]:
+    """Row ranges (lo, n) from lo to ``end`` rounded up to 16 (the least a tensor-core matmul
+    takes), their sizes powers of two (Triton's blocks are), largest first: each lo is then a
+    multiple of its n where lo is a multiple of the largest. 197 tokens are 128 + 64 + 16 = 208
+    rows of the moments' matmuls, where one block would be 256."""
+    parts, m = [], -(-(end - lo) // 16) * 16
+    for bit in reversed(range(m.bit_length())):
+        if m & (1 << bit):
+            parts.append((lo, 1 << bit))
+            lo += 1 << bit
+    return tuple(parts)
+
+
 def _tokens(ins: _Inputs, *, t: int, pre: int, shifts=None) -> dict[str, Any]:
-    """Every token of the block: the shifts and the moments' matmul operands (source rows)."""
-    tp = ins.x.shape[0]
-    xs, valid = _scaled(ins, 0, tp, t)
-    patch = valid & (jax.lax.broadcasted_iota(jnp.int32, xs.shape, 0) >= pre)
+    """Every source token of the block, in ``_parts``: the shifts and the moments' matmul
+    operands, a tuple of row parts each."""
+    parts = _parts(0, t)
+    scaled = []
+    for lo, n in parts:
+        xs, valid = _scaled(ins, lo, n, t)
+        scaled.append((xs, valid & (jax.lax.broadcasted_iota(jnp.int32, xs.shape, 0) + lo >= pre)))
     if shifts is None:  # the patch tokens' mean and their squares' centring constant (dtn.py)
-        n = t - pre
-        masked = jnp.where(patch, xs, 0.0)
-        shift = jnp.sum(masked, axis=0, keepdims=True) / n
-        sq_shift = jnp.maximum(jnp.sum(masked * masked, axis=0, keepdims=True) / n
-                               - shift * shift, 0.0)
+        count = t - pre
+        masked = [jnp.where(patch, xs, 0.0) for xs, patch in scaled]
+        shift = sum(jnp.sum(v, axis=0, keepdims=True) for v in masked) / count
+        sq_shift = jnp.maximum(sum(jnp.sum(v * v, axis=0, keepdims=True) for v in masked)
+                               / count - shift * shift, 0.0)
     else:
         shift, sq_shift = shifts
-    ph = jnp.where(patch, xs - shift, 0.0)
-    sq = jnp.where(patch, ph * ph - sq_shift, 0.0)
     half = ins.pt.dtype  # the matmuls' operands, as XLA's path
-    return dict(valid=valid, xs=xs, shift=shift, sq_shift=sq_shift, ph=ph.astype(half),
-                sq=sq.astype(half))
+    ph = [jnp.where(patch, xs - shift, 0.0) for xs, patch in scaled]
+    sq = [jnp.where(patch, v * v - sq_shift, 0.0) for v, (_, patch) in zip(ph, scaled)]
+    return dict(parts=parts, shift=shift, sq_shift=sq_shift,
+                ph=tuple(v.astype(half) for v in ph), sq=tuple(v.astype(half) for v in sq))
 
 
 def _rows(ins: _Inputs, tok: dict[str, Any], lo: int, n: int, *, t: int, pre: int,
@@ -165,8 +185,9 @@ def _rows(ins: _Inputs, tok: dict[str, Any], lo: int, n: int, *, t: int, pre: in
     normalization's values (the whole (256 x 256) P^T tile alone was 128 registers a thread)."""
     xs, valid = _scaled(ins, lo, n, t)
     patch = valid & (jax.lax.broadcasted_iota(jnp.int32, xs.shape, 0) + lo >= pre)
-    pt = ins.pt.at[_ds(lo, n), :][...]
-    mu_c, m2_c = _dot(pt, tok["ph"]), _dot(pt, tok["sq"])
+    pts = [ins.pt.at[_ds(lo, n), _ds(src, size)][...] for src, size in tok["parts"]]
+    mu_c = functools.reduce(jnp.add, [_dot(pt, ph) for pt, ph in zip(pts, tok["ph"])])
+    m2_c = functools.reduce(jnp.add, [_dot(pt, sq) for pt, sq in zip(pts, tok["sq"])])
     var_in_raw = m2_c + tok["sq_shift"] - mu_c * mu_c
     var_in = jnp.maximum(var_in_raw, 0.0)
     mu_in = mu_c + tok["shift"]
@@ -193,27 +214,36 @@ def _ds(lo: Any, n: int) -> Any:
     return pl.ds(lo, n)
 
 
-def _chunks(tp: int, t: int, chunk: int) -> tuple[int, int]:
-    """(rows, count) of the target chunks that hold tokens: a loop, not unrolled, so that the
-    compiler cannot interleave chunks and keep several alive (unrolled, the kernels spilled)."""
+def _target_steps(tp: int, t: int, chunk: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """(rows, count, tail) of the target chunks: ``count`` chunks of ``rows`` in a loop, not
+    unrolled, so that the compiler cannot interleave chunks and keep several alive (unrolled, the
+    kernels spilled), then the rest of the tokens in ``_parts``, each a step of its own: 197
+    tokens in chunks of 64 are 3 x 64 + 16 rows, not 4 x 64."""
     n = min(tp, chunk)
-    return n, -(-t // n)
+    count, tail = t // n, _parts(t // n * n, t) if t % n else ()
+    if tail == ((count * n, n),):
+        return n, count + 1, ()
+    return n, count, tail
 
 
 def _forward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, y_ref, shift_ref,
                     sq_shift_ref, *, t: int, pre: int, epsilon: float, chunk: int):
     ins = _Inputs(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref)
     tok = _tokens(ins, t=t, pre=pre)
-    n, count = _chunks(x_ref.shape[0], t, chunk)
+    n, count, tail = _target_steps(x_ref.shape[0], t, chunk)
 
-    def step(i, carry):
-        lo = _aligned(i * n, n)
+    def step(lo, n):
         f = _rows(ins, tok, lo, n, t=t, pre=pre, epsilon=epsilon)
         y = f["yhat"] * chan_ref[2:3, :] + chan_ref[3:4, :]
         _store(y_ref.at[_ds(lo, n), :], y.astype(y_ref.dtype), f["valid"])
+
+    def chunk_step(i, carry):
+        step(_aligned(i * n, n), n)
         return carry
 
-    jax.lax.fori_loop(0, count, step, 0)
+    jax.lax.fori_loop(0, count, chunk_step, 0)
+    for lo, size in tail:
+        step(lo, size)
     shift_ref[...] = tok["shift"]
     sq_shift_ref[...] = tok["sq_shift"]
 
@@ -230,12 +260,10 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
     ins = _Inputs(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref)
     tok = _tokens(ins, t=t, pre=pre, shifts=(shift_ref[...], sq_shift_ref[...]))
     tp, k = x_ref.shape
-    half = tok["ph"].dtype
-    n, count = _chunks(tp, t, chunk)
+    n, count, tail = _target_steps(tp, t, chunk)
 
-    def step(i, carry):
+    def step(lo, n, carry):
         e, sums = carry
-        lo = _aligned(i * n, n)
         f = _rows(ins, tok, lo, n, t=t, pre=pre, epsilon=epsilon)
         rows = lambda ref: ref.at[_ds(lo, n), :]  # noqa: E731
         g = _load(rows(g_ref), f["valid"]).astype(_F32)
@@ -243,6 +271,7 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
         direct = dyhat * f["r"]  # d xs through xs - mu; d mu = -direct
         dvar = -0.5 * dyhat * f["yhat"] * f["r"] * f["r"]
         dvar_in = jnp.where(f["var_in_raw"] > 0, (1.0 - f["lv"]) * dvar, 0.0)
+        half = tok["ph"][0].dtype
         dm_mu = (-(1.0 - f["lm"]) * direct - 2.0 * f["mu_c"] * dvar_in).astype(half)
         dm_sq = dvar_in.astype(half)
         # e's part through xs - mu, a chunk of rows; its part through the moments is a sum over
@@ -256,22 +285,31 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
         parts = (g * f["yhat"], g, jnp.where(patch, (f["var_ln"] - f["var_in"]) * dvar, 0.0),
                  jnp.where(patch, (f["mu_ln"] - f["mu_in"]) * -direct, 0.0))
         sums = tuple(acc + jnp.sum(v, axis=0, keepdims=True) for acc, v in zip(sums, parts))
-        p = p_ref.at[:, _ds(lo, n)][...]  # every source, these targets
-        # d xs through the moments, d ph + 2 ph d sq: the chunks' parts of both matmuls (over
-        # targets) in one sum, ph being the source rows' own (one accumulator fewer to hold)
-        e = e + _dot(p, dm_mu) + 2.0 * tok["ph"].astype(_F32) * _dot(p, dm_sq)
+        # d xs through the moments, d ph + 2 ph d sq, per source part: P's rows of the part,
+        # these targets; both matmuls (over targets) in one sum, ph being the source rows' own
+        # (one accumulator fewer to hold)
+        e = tuple(
+            acc + _dot(p, dm_mu) + 2.0 * ph.astype(_F32) * _dot(p, dm_sq)
+            for acc, ph, p in zip(e, tok["ph"], (p_ref.at[_ds(src, size), _ds(lo, n)][...]
+                                                 for src, size in tok["parts"])))
         return e, sums
 
-    e, sums = jax.lax.fori_loop(  # the sums over tokens: scale, bias, the two gates
-        0, count, step, (jnp.zeros((tp, k), _F32),
-                          tuple(jnp.zeros((1, k), _F32) for _ in range(4))))
-    xs, valid = _scaled(ins, 0, tp, t)  # read again: kept from the start, they spilled
+    carry = (tuple(jnp.zeros((size, k), _F32) for _, size in tok["parts"]),
+             tuple(jnp.zeros((1, k), _F32) for _ in range(4)))  # scale, bias, the two gates
+    carry = jax.lax.fori_loop(0, count, lambda i, c: step(_aligned(i * n, n), n, c), carry)
+    for lo, size in tail:
+        carry = step(lo, size, carry)
+    e, sums = carry
     _barrier()  # every thread's stores of e's first part done and visible before it is read
-    direct = _load(e_ref, valid).astype(_F32)
-    _store(e_ref, (direct + e).astype(e_ref.dtype), valid)
-    _store(tok_mu_ref, tok["ph"], valid)
-    _store(tok_sq_ref, tok["sq"], valid)
-    token_ref[:, 3:4] = jnp.sum(e * xs, axis=1, keepdims=True)  # the moments' part's share
+    for (src, size), e_part, ph, sq in zip(tok["parts"], e, tok["ph"], tok["sq"]):
+        xs, valid = _scaled(ins, src, size, t)  # read again: kept from the start, they spilled
+        rows = lambda ref: ref.at[_ds(src, size), :]  # noqa: E731
+        direct = _load(rows(e_ref), valid).astype(_F32)
+        _store(rows(e_ref), (direct + e_part).astype(e_ref.dtype), valid)
+        _store(rows(tok_mu_ref), ph, valid)
+        _store(rows(tok_sq_ref), sq, valid)
+        # the moments' part's share (rows past the parts are never read: dx's fusion takes t)
+        token_ref[_ds(src, size), 3:4] = jnp.sum(e_part * xs, axis=1, keepdims=True)
     for row, value in enumerate(sums):
         chan_out_ref[row:row + 1, :] = value
 
