@@ -11,7 +11,9 @@ The activation is (batch, tokens, width) of the model preset at its default imag
 call is the gradient with respect to the input and the parameters plus the updated statistics
 (what a norm slot costs in a train step, without the matmuls around it); ``eval`` times the
 forward in eval mode. Rounds are interleaved (benchmarks.common.interleaved); ratios are per
-round against LayerNorm. Use it to see a norm's own cost where a whole train step
+round against LayerNorm. A layer that fails to build or compile (say a new GPU kernel) gets rows
+'failed: <error>' and one stderr line; the others are timed (LayerNorm's failure stops it). Use
+it to see a norm's own cost where a whole train step
 (benchmarks.train_step) hides it, and to compare formulations of one norm.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from benchmarks import xla_flags
 xla_flags.apply()
 
 import argparse  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
@@ -110,17 +113,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = common.norm_names(args.norm)
     names = [n for n in names if set(common.NORMS[n]) <= {"norm"}]  # one-layer norms only
     names += [f"dtn_pallas@{t}" for t in filter(None, args.dtn_tilings.split(","))]
-    runners = {n: make_runner(n, shape, spec.num_heads, common.DTYPES[args.dtype]) for n in names}
+    runners, failed = {}, {}
+    for n in names:  # a layer that does not build or compile (a new GPU kernel) costs its rows only
+        try:
+            runners[n] = make_runner(n, shape, spec.num_heads, common.DTYPES[args.dtype])
+        except Exception as e:  # noqa: BLE001
+            if n == "layernorm":
+                raise
+            failed[n] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) \
+                else f"failed: {type(e).__name__}"
+            print(f"norm_kernels: {n}: {failed[n]}", file=sys.stderr, flush=True)
     rows = []
     for mode, i in (("train", 0), ("eval", 1)):
         times = common.interleaved({n: r[i] for n, r in runners.items()}, args.steps,
                                    args.warmup)
         ratios = common.paired_ratios(times, "layernorm")
         for n in names:
+            if n in failed:
+                rows.append({"mode": mode, "norm": n, "ms": failed[n], "ratio_to_ln": "-"})
+                continue
             s = common.summarize(times[n])
             rows.append({"mode": mode, "norm": n, "ms": s.fmt(1e3, 2),
                          "ratio_to_ln": ratios[n].fmt()})
-    return {"machine": common.machine(), "args": vars(args), "shape": shape, "rows": rows}
+    return {"machine": common.machine(), "args": vars(args), "shape": shape, "rows": rows,
+            "failed": failed}
 
 
 def report(res: dict[str, Any]) -> str:

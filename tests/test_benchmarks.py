@@ -52,6 +52,35 @@ def test_norm_kernels_times_dtn_pallas_tilings():
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+def test_norm_kernels_keeps_the_other_rows_when_a_layer_fails(monkeypatch, capsys):
+    """A layer that fails to build or compile (DTN's Triton kernels on a GPU they never ran on)
+    costs its own rows only: they say 'failed: <the error's first line>', one stderr line names
+    it, the other norms are timed; LayerNorm, the reference of every ratio, failing stops it."""
+    from benchmarks import norm_kernels
+    real = norm_kernels.make_runner
+
+    def make_runner(name, *args):
+        if name == "dtn_pallas":
+            raise RuntimeError("Triton compilation failed\nsecond line")
+        return real(name, *args)
+
+    monkeypatch.setattr(norm_kernels, "make_runner", make_runner)
+    res = norm_kernels.main(["--model=Ti/8", "--norm=layernorm,dtn_pallas,repbn", "--batch=2",
+                             "--steps=1", "--warmup=0"])
+    rows = {(r["mode"], r["norm"]): r for r in res["rows"]}
+    assert len(rows) == 6 and res["failed"] == {
+        "dtn_pallas": "failed: RuntimeError: Triton compilation failed"}
+    for mode in ("train", "eval"):
+        assert rows[(mode, "dtn_pallas")]["ms"] == res["failed"]["dtn_pallas"]
+        assert rows[(mode, "dtn_pallas")]["ratio_to_ln"] == "-"
+        assert rows[(mode, "repbn")]["ms"][0].isdigit() and rows[(mode, "repbn")]["ratio_to_ln"] != "-"
+    assert "norm_kernels: dtn_pallas: failed: RuntimeError" in capsys.readouterr().err
+    monkeypatch.setattr(norm_kernels, "make_runner", lambda *a: (_ for _ in ()).throw(OSError("x")))
+    with pytest.raises(OSError):
+        norm_kernels.main(["--model=Ti/8", "--norm=layernorm", "--batch=2", "--steps=1",
+                           "--warmup=0"])
+
+
 def test_train_step_single_norm_with_options():
     from benchmarks import train_step
     res = train_step.main(TINY + ["--norm=unified", "--batch=4", "--steps=1", "--warmup=0",
