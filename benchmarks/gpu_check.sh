@@ -18,7 +18,7 @@ python3 -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS=(--timeout=180)
 python3 -c "import xdist" 2>/dev/null && [ "${GPU_CHECK_WORKERS:-4}" -gt 1 ] && \
   PYTEST_ARGS+=(-n "${GPU_CHECK_WORKERS:-4}" --dist loadfile)
 { python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1
-  echo "$ pytest -m gpu $FILES ${PYTEST_ARGS[*]} $*"; } > "$OUT/gpu_check.log"
+  echo "$ pytest -m gpu $(echo $FILES) ${PYTEST_ARGS[*]} $*"; } > "$OUT/gpu_check.log"
 T0=$(date +%s)
 timeout "${GPU_CHECK_TIMEOUT_S:-240}" python3 -m pytest -m gpu -o addopts="" -ra -v \
   -p no:cacheprovider --durations=10 --junitxml="$OUT/gpu_check.xml" "${PYTEST_ARGS[@]}" \
