@@ -23,6 +23,9 @@ would make JAX try the GPU at every start):
 same with ``jax-cuda13-plugin[with-cuda]``, Pallas norms included). The tool starts itself again
 with that folder on its path and JAX on the CPU; the compile runs on the CPU (an S/16 step ~1
 minute on 2 cores).
+``--registers=REGEX`` adds, for the kernels so named (e.g. 'dtn_': DTN's Pallas kernels),
+the registers and spilled bytes a thread that ``ptxas -v`` reports for sm_90a (the CUDA 12
+plugin's compile writes PTX; 0.11's with CUDA 13 writes none).
 ``--depth`` compiles fewer blocks (per-block figures are the same; totals scale); ``--set``
 changes the config of every compiled step (``--set=model.attention_impl='separate'``), so that
 one formulation can be compared with another in a 40-second compile.
@@ -42,6 +45,7 @@ import dataclasses
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -275,6 +279,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--peak", type=int, default=0, metavar="N",
                    help="also list the N largest groups of buffers live at the step's memory peak "
                    "(XLA's buffer assignment, blocks folded together)")
+    p.add_argument("--registers", default=None, metavar="REGEX",
+                   help="also report registers and spills a thread (ptxas -v for sm_90a, the "
+                   "plugin's own ptxas) of each kernel whose name matches REGEX, e.g. 'dtn_' for "
+                   "DTN's Pallas kernels (needs a plugin whose compile writes PTX: CUDA 12's)")
     p.add_argument("--json", default=None, help="write the census here")
     p.add_argument("--md", default=None, help="write the markdown tables here")
     return p.parse_args(argv)
@@ -353,10 +361,13 @@ def compile_census(args: argparse.Namespace, norm: str) -> dict[str, Any]:
         with _pallas_sees(args.target):
             lowered, _ = common.lower_abstract_train_step(cfg, 1000)
         with tempfile.TemporaryDirectory(prefix="gpu_hlo_") as dump:
-            # XLA writes its buffers' live ranges only into a dump
-            compiled = lowered.compile(compiler_options=dump_options(dump) if args.peak else None)
+            # XLA writes its buffers' live ranges and the kernels' PTX only into a dump
+            dumped = bool(args.peak or args.registers)
+            compiled = lowered.compile(compiler_options=dump_options(dump) if dumped else None)
             text = compiled.as_text()
             peak = peak_groups(live_range_text(dump), text)[:args.peak] if args.peak else None
+            regs = (kernel_registers(dump, args.registers, ptxas_path(args.site))
+                    if args.registers else None)
     finally:
         jax.default_backend, sharding.make_mesh = real_backend, make_mesh
     if args.hlo_dir:
@@ -364,12 +375,63 @@ def compile_census(args: argparse.Namespace, norm: str) -> dict[str, Any]:
         with open(os.path.join(args.hlo_dir, f"{norm}.hlo.txt"), "w") as f:
             f.write(text)
     return {**summarize(census(text), target["bandwidth"]), "memory": common.memory_stats(compiled),
-            "peak": peak}
+            "peak": peak, "registers": regs}
 
 
 def dump_options(folder: str) -> dict[str, str]:
     """XLA debug options that write the optimized module's buffer assignment into ``folder``."""
     return {"xla_dump_to": folder, "xla_dump_hlo_pass_re": "NONE"}
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+def ptxas_usage(text: str) -> dict[str, dict[str, int]]:
+    """Per entry function of ``ptxas -v``'s report: registers a thread and spilled bytes."""
+    out: dict[str, dict[str, int]] = {}
+    entry = None
+    for line in text.splitlines():
+        if m := _PTXAS_ENTRY.search(line):
+            entry = m.group(1)
+            out[entry] = {"registers": 0, "spill_stores": 0, "spill_loads": 0}
+        elif entry and (m := _PTXAS_SPILL.search(line)):
+            out[entry].update(spill_stores=int(m.group(1)), spill_loads=int(m.group(2)))
+        elif entry and (m := _PTXAS_REGS.search(line)):
+            out[entry]["registers"] = int(m.group(1))
+    return out
+
+
+def ptxas_path(site: str) -> str:
+    """The CUDA plugin's own ptxas (its nvcc wheel), else one on PATH; exits naming both."""
+    here = os.path.join(site, "nvidia", "cuda_nvcc", "bin", "ptxas")
+    found = here if os.access(here, os.X_OK) else shutil.which("ptxas")
+    if not found:
+        raise SystemExit(f"gpu_hlo: --registers needs ptxas: none in {here} or on PATH")
+    return found
+
+
+def kernel_registers(dump: str, pattern: str, ptxas: str) -> list[dict[str, Any]]:
+    """Registers and spills of the dump's kernels whose entry name matches ``pattern``: each PTX
+    file holding one goes through ``ptxas -v`` for sm_90a (Hopper: the H100/H200 described)."""
+    name = re.compile(pattern)
+    rows = []
+    for file in sorted(f for f in os.listdir(dump) if f.endswith(".ptx")):
+        path = os.path.join(dump, file)
+        with open(path) as f:
+            entries = re.findall(r"\.entry\s+([\w$]+)", f.read())
+        if not any(name.search(e) for e in entries):
+            continue
+        report = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.devnull],
+                                capture_output=True, text=True)
+        for entry, usage in ptxas_usage(report.stdout + report.stderr).items():
+            if name.search(entry):
+                rows.append({"kernel": entry, **usage})
+    if not rows:
+        raise SystemExit(f"gpu_hlo: --registers={pattern!r}: no PTX kernel of that name in the "
+                         "dump (jax 0.11's deviceless compile writes no PTX: use CUDA 12's plugin)")
+    return sorted({r["kernel"]: r for r in rows}.values(), key=lambda r: r["kernel"])
 
 
 def live_range_text(dump: str) -> str:
@@ -447,6 +509,12 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
             d = results[n]["per_block_part"].get(p)
             cells.append("-" if d is None else f"{d['kernels']:.0f} / {d['mem_bound_mb']:.0f}")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    if any(results[n].get("registers") for n in norms):
+        lines += ["", "Registers and spilled bytes a thread (`ptxas -v`, sm_90a)", "",
+                  "| norm | kernel | registers | spill stores B | spill loads B |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {n} | {r['kernel']} | {r['registers']} | {r['spill_stores']} | "
+                  f"{r['spill_loads']} |" for n in norms for r in results[n].get("registers") or []]
     for n in norms:
         if results[n].get("peak"):
             lines += ["", f"{n}: the largest buffers live at the memory peak", "",

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from benchmarks import gpu_hlo
 from tests.conftest import REPO_ROOT
@@ -164,3 +165,48 @@ def test_pallas_lowering_is_told_the_described_card_and_it_is_restored(monkeypat
     monkeypatch.delattr(triton_package, "gpu_info", raising=False)
     with gpu_hlo._pallas_sees("h100"):
         pass
+
+
+_PTXAS_REPORT = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'dtn_forward' for 'sm_90a'
+ptxas info    : Function properties for dtn_forward
+    0 bytes stack frame, 120 bytes spill stores, 96 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers
+ptxas info    : Compiling entry function 'loop_add_fusion' for 'sm_90a'
+ptxas info    : Function properties for loop_add_fusion
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 18 registers
+"""
+
+
+def test_registers_and_spills_of_the_named_kernels_from_ptxas(tmp_path, monkeypatch):
+    """--registers: ptxas -v's report read per entry function; only PTX files holding a kernel
+    whose name matches are compiled, only matching entries reported; none matching, or no
+    ptxas, is a one-line exit naming what is missing."""
+    assert gpu_hlo.ptxas_usage(_PTXAS_REPORT) == {
+        "dtn_forward": {"registers": 255, "spill_stores": 120, "spill_loads": 96},
+        "loop_add_fusion": {"registers": 18, "spill_stores": 0, "spill_loads": 0}}
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "module.1.ptx").write_text(".visible .entry dtn_forward(\n.param .u64 a\n)\n"
+                                       ".visible .entry loop_add_fusion(\n)\n")
+    (dump / "module.2.ptx").write_text(".visible .entry loop_add_fusion(\n)\n")
+    (dump / "module.1.txt").write_text(".entry dtn_forward(")  # not PTX: not read
+    calls = tmp_path / "calls"
+    ptxas = tmp_path / "ptxas"
+    ptxas.write_text(f"#!/bin/sh\necho \"$3\" >> {calls}\ncat <<'R' >&2\n{_PTXAS_REPORT}R\n")
+    ptxas.chmod(0o755)
+    rows = gpu_hlo.kernel_registers(str(dump), "dtn_", str(ptxas))
+    assert rows == [{"kernel": "dtn_forward", "registers": 255, "spill_stores": 120,
+                     "spill_loads": 96}]
+    assert calls.read_text().split() == [str(dump / "module.1.ptx")]  # module.2 never compiled
+    with pytest.raises(SystemExit, match="no PTX kernel of that name"):
+        gpu_hlo.kernel_registers(str(dump), "rms_", str(ptxas))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(SystemExit, match="--registers needs ptxas: none in"):
+        gpu_hlo.ptxas_path(str(tmp_path / "site"))
+    (tmp_path / "site" / "nvidia" / "cuda_nvcc" / "bin").mkdir(parents=True)
+    plugin = tmp_path / "site" / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"
+    plugin.write_text("#!/bin/sh\n")
+    plugin.chmod(0o755)
+    assert gpu_hlo.ptxas_path(str(tmp_path / "site")) == str(plugin)
