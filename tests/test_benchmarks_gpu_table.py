@@ -71,7 +71,7 @@ def test_gpu_table_quick_dry_run_lists_the_parts_with_their_shares(capsys):
                           "--variants=base=;lhs=--xla_gpu_enable_latency_hiding_scheduler=true"])
     text = capsys.readouterr().out
     assert "benchmarks.train_step --model=B/16 --one_process --batch=256" in text
-    assert "--norm=layernorm,dtn,dtn_pallas --json=" in text
+    assert "--norm=layernorm,dtn_pallas,dtn --json=" in text
     assert "--norm=layernorm,repbn,progressive,zscore_repbn --json=" in text
     assert "--ln_variants=lhs=--xla_gpu_enable_latency_hiding_scheduler=true" in text
     assert "benchmarks.vs_torch --model=B/16,S/16 --batch=256 --dtype=bfloat16 --steps=10 --warmup=2" in text
@@ -111,8 +111,8 @@ def test_gpu_table_quick_parts_selects_and_rejects(capsys):
     assert "--norm=layernorm --stream_layout=free" in text
     gpu_table.main(["--quick", "--dry-run", "--isolate_norms", "--parts=train_B16"])
     assert [line.split(":")[0][2:] for line in capsys.readouterr().out.splitlines()
-            if line.startswith("# ")] == ["train_B16_layernorm", "train_B16_dtn",
-                                          "train_B16_dtn_pallas"]
+            if line.startswith("# ")] == ["train_B16_layernorm", "train_B16_dtn_pallas",
+                                          "train_B16_dtn"]
     r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_table", "--quick", "--dry-run",
                         "--parts=vs_torch,trian_S16"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "unknown part(s) ['trian_S16']" in r.stderr
@@ -124,7 +124,7 @@ def test_gpu_table_quick_isolate_norms_gives_each_norm_a_part(capsys):
     gpu_table.main(["--quick", "--dry-run", "--isolate_norms", "--variants=lhs=--xla_a=true"])
     parts = [line.split(":")[0][2:] for line in capsys.readouterr().out.splitlines()
              if line.startswith("# ")]
-    assert parts == ["vs_torch", "train_B16_layernorm", "train_B16_dtn", "train_B16_dtn_pallas",
+    assert parts == ["vs_torch", "train_B16_layernorm", "train_B16_dtn_pallas", "train_B16_dtn",
                      "train_B16_variants",
                      "train_S16_layernorm", "train_S16_repbn", "train_S16_progressive",
                      "train_S16_zscore_repbn", "train_S16_variants", "norm_kernels"]
