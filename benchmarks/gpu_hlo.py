@@ -285,7 +285,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    "DTN's Pallas kernels (needs a plugin whose compile writes PTX: CUDA 12's)")
     p.add_argument("--json", default=None, help="write the census here")
     p.add_argument("--md", default=None, help="write the markdown tables here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.registers is not None:
+        try:
+            re.compile(args.registers)
+        except re.error as e:
+            p.error(f"--registers={args.registers!r} is not a regular expression ({e}); "
+                    "accepted: e.g. 'dtn_'")
+    return args
 
 
 def overrides(items: Sequence[str]) -> list[tuple[str, Any]]:
@@ -408,7 +415,8 @@ def ptxas_path(site: str) -> str:
     here = os.path.join(site, "nvidia", "cuda_nvcc", "bin", "ptxas")
     found = here if os.access(here, os.X_OK) else shutil.which("ptxas")
     if not found:
-        raise SystemExit(f"gpu_hlo: --registers needs ptxas: none in {here} or on PATH")
+        print(f"gpu_hlo: --registers needs ptxas: none in {here} or on PATH", file=sys.stderr)
+        raise SystemExit(2)
     return found
 
 
@@ -538,6 +546,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             print(f"gpu_hlo: {problem}", file=sys.stderr)
             return 2
+        if args.registers:
+            ptxas_path(args.site)  # no ptxas: exits 2 before the compile
         env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [os.path.abspath(args.site), os.getcwd(),
                                                             os.environ.get("PYTHONPATH")])))

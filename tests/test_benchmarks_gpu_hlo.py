@@ -203,8 +203,13 @@ def test_registers_and_spills_of_the_named_kernels_from_ptxas(tmp_path, monkeypa
     with pytest.raises(SystemExit, match="no PTX kernel of that name"):
         gpu_hlo.kernel_registers(str(dump), "rms_", str(ptxas))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    with pytest.raises(SystemExit, match="--registers needs ptxas: none in"):
+    with pytest.raises(SystemExit) as stop:
         gpu_hlo.ptxas_path(str(tmp_path / "site"))
+    assert stop.value.code == 2
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_hlo", "--registers=dtn_(",
+                        f"--site={tmp_path}"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "--registers='dtn_(' is not a regular expression" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     (tmp_path / "site" / "nvidia" / "cuda_nvcc" / "bin").mkdir(parents=True)
     plugin = tmp_path / "site" / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"
     plugin.write_text("#!/bin/sh\n")
