@@ -260,6 +260,7 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
     ins = _Inputs(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref)
     tok = _tokens(ins, t=t, pre=pre, shifts=(shift_ref[...], sq_shift_ref[...]))
     tp, k = x_ref.shape
+    half = pt_ref.dtype  # the matmuls' operands
     n, count, tail = _target_steps(tp, t, chunk)
 
     def step(lo, n, carry):
@@ -271,7 +272,6 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
         direct = dyhat * f["r"]  # d xs through xs - mu; d mu = -direct
         dvar = -0.5 * dyhat * f["yhat"] * f["r"] * f["r"]
         dvar_in = jnp.where(f["var_in_raw"] > 0, (1.0 - f["lv"]) * dvar, 0.0)
-        half = tok["ph"][0].dtype
         dm_mu = (-(1.0 - f["lm"]) * direct - 2.0 * f["mu_c"] * dvar_in).astype(half)
         dm_sq = dvar_in.astype(half)
         # e's part through xs - mu, a chunk of rows; its part through the moments is a sum over
@@ -296,7 +296,8 @@ def _backward_kernel(x_ref, rs_ref, mu_ref, var_ref, pt_ref, chan_ref, shift_ref
 
     carry = (tuple(jnp.zeros((size, k), _F32) for _, size in tok["parts"]),
              tuple(jnp.zeros((1, k), _F32) for _ in range(4)))  # scale, bias, the two gates
-    carry = jax.lax.fori_loop(0, count, lambda i, c: step(_aligned(i * n, n), n, c), carry)
+    carry = jax.lax.fori_loop(0, count, lambda i, carry: step(_aligned(i * n, n), n, carry),
+                              carry)
     for lo, size in tail:
         carry = step(lo, size, carry)
     e, sums = carry
