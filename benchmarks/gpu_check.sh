@@ -11,8 +11,8 @@
 # time limit).
 set -u
 OUT=${OUT:-runs/gpu_check}; mkdir -p "$OUT"
-FILES="tests/test_gpu.py tests/test_padded_attention.py tests/test_norms_dtn.py tests/test_model.py
-       tests/test_train_step.py tests/test_scan.py"
+FILES="tests/test_gpu.py tests/test_padded_attention.py tests/test_norms_dtn.py
+       tests/test_norms_dtn_pallas.py tests/test_model.py tests/test_train_step.py tests/test_scan.py"
 PYTEST_ARGS=()
 python3 -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS=(--timeout=180)
 python3 -c "import xdist" 2>/dev/null && [ "${GPU_CHECK_WORKERS:-4}" -gt 1 ] && \

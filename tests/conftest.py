@@ -137,11 +137,13 @@ def compile_cache(tmp_path_factory):
 
 
 # `pytest -m gpu`: tests/test_gpu.py (marked there) and these, which check what a GPU computes
-# differently (cuDNN/TF32/bfloat16 paths, DTN's products, the padded attention, the train step's
-# donation and single compile). Node ids are matched as prefixes; about 2 minutes on one CPU.
+# differently (cuDNN/TF32/bfloat16 paths, DTN's products and its Triton kernels at 197 tokens, the
+# padded attention, the train step's donation and single compile). Node ids are matched as
+# prefixes; about 2 minutes on one CPU.
 GPU_SELECTION = (
     "tests/test_padded_attention.py::",
     "tests/test_norms_dtn.py::",
+    "tests/test_norms_dtn_pallas.py::test_dtn_pallas_kernel_in_bfloat16_against_float64_and_xla",
     "tests/test_model.py::test_attention_impls_compute_the_same_function",
     "tests/test_model.py::test_patch_embedding_equals_convolution",
     "tests/test_model.py::test_attention_capture_rows_sum_to_one_and_match_fused_path",

@@ -1,9 +1,10 @@
 """DTN in Pallas kernels (norms/dtn_pallas.py, the option kernel='pallas'), run in Pallas's
 interpreter on CPU: the same function and gradients as autodiff of norms/dtn.py's ``_dtn`` in
 float32, the bfloat16 layer against the float64 reference, the float32 model and XLA's path, and
-where the kernels give way to XLA's path. On a GPU the Triton kernels themselves are checked by
-tests/test_gpu.py (``pytest -m gpu``), not by this file: its interpreted cases would only add
-compiles to that selection's time."""
+where the kernels give way to XLA's path. On a GPU (``pytest -m gpu``) the bfloat16 case runs
+the Triton kernels themselves at 197 tokens (every source part and target tail of a ViT-B/16
+slot; tests/test_gpu.py checks them at S/16's width); the float32 cases stay CPU-only (a GPU
+serves float32 tokens with XLA's path)."""
 from __future__ import annotations
 
 import os
