@@ -86,3 +86,12 @@ def test_every_file_design_md_names_exists():
     assert len(names) > 60
     missing = [n for n in sorted(names) if not any(p == n or p.endswith("/" + n) for p in tree)]
     assert not missing, f"docs/design.md names files that do not exist: {missing}"
+
+
+def test_readme_names_every_method_config_and_default_variant():
+    """README names every configs/vit_<method>.py and every variant of configs/default.py."""
+    readme = _read("README.md")
+    configs = [os.path.basename(p) for p in glob.glob(os.path.join(REPO_ROOT, "configs", "vit_*.py"))]
+    assert len(configs) > 15
+    assert [c for c in sorted(configs) if f"`{c}`" not in readme] == []
+    assert [v for v in default.VARIANTS if f"`{v}`" not in readme] == []
