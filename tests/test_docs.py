@@ -57,7 +57,7 @@ def test_every_relative_link_and_anchor_resolves():
 
 def _keys(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
     out = []
-    for k in c.keys():
+    for k in c:
         key = f"{prefix}{k}"
         out.append(key)
         if isinstance(c[k], ml_collections.ConfigDict) and key not in ("model.norm",
@@ -69,7 +69,8 @@ def _keys(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
 def test_every_default_config_key_has_a_comment():
     src = _read("configs/default.py")
     body = src[src.index("def get_config"):src.index("\ndef ", src.index("def get_config") + 1)]
-    lines = {m.group(1): m.group(2) for m in re.finditer(r"^ +c\.([\w.]+) = (.*)$", body, re.M)}
+    lines = {m.group(1): m.group(2)
+             for m in re.finditer(r"^ +c\.([\w.]+) = (.*)$", body, re.MULTILINE)}
     keys = _keys(default.get_config())
     assert len(keys) > 100 and set(keys) <= set(lines), sorted(set(keys) - set(lines))
     sections = {k for k, v in lines.items() if v == "ml_collections.ConfigDict()"
@@ -91,7 +92,8 @@ def test_every_file_design_md_names_exists():
 def test_readme_names_every_method_config_and_default_variant():
     """README names every configs/vit_<method>.py and every variant of configs/default.py."""
     readme = _read("README.md")
-    configs = [os.path.basename(p) for p in glob.glob(os.path.join(REPO_ROOT, "configs", "vit_*.py"))]
+    configs = [os.path.basename(p)
+               for p in glob.glob(os.path.join(REPO_ROOT, "configs", "vit_*.py"))]
     assert len(configs) > 15
     assert [c for c in sorted(configs) if f"`{c}`" not in readme] == []
     assert [v for v in default.VARIANTS if f"`{v}`" not in readme] == []

@@ -163,7 +163,8 @@ def _flags(module: str) -> dict[str, object]:
     absl flags it defines (main.py, export)."""
     if module in ("main.py", "normvit_jax.export"):
         path = "main.py" if module == "main.py" else "normvit_jax/export.py"
-        src = open(os.path.join(REPO_ROOT, path)).read()
+        with open(os.path.join(REPO_ROOT, path)) as f:
+            src = f.read()
         return {f"--{n}": ast.literal_eval(d) for n, d in
                 re.findall(r'DEFINE_\w+\(\s*"(\w+)",\s*([^,]+),', src)}
     mod = importlib.import_module(module)
@@ -185,14 +186,15 @@ def _section(text: str, heading: str | None) -> str:
         return text
     start = text.index("\n" + heading) + 1
     level = heading.split(" ")[0]
-    end = re.search(rf"^#{{1,{len(level)}}} ", text[start + len(heading):], re.M)
+    end = re.search(rf"^#{{1,{len(level)}}} ", text[start + len(heading):], re.MULTILINE)
     return text[start:start + len(heading) + end.start()] if end else text[start:]
 
 
 @pytest.mark.parametrize("module", sorted(DOCUMENTED_IN))
 def test_every_flag_is_in_its_doc_section_with_its_default(module):
     path, heading = DOCUMENTED_IN[module]
-    section = _section(open(os.path.join(REPO_ROOT, path)).read(), heading)
+    with open(os.path.join(REPO_ROOT, path)) as f:
+        section = _section(f.read(), heading)
     flags = _flags(module)
     assert flags, module
     missing = [f for f in flags if not re.search(rf"{re.escape(f)}(?![\w-])", section)]
@@ -201,7 +203,7 @@ def test_every_flag_is_in_its_doc_section_with_its_default(module):
     for flag, shown in re.findall(r"\[(--[\w-]+)=([^\s\]|]+)", section):
         default = flags.get(flag)
         if flag in flags and default not in (None, False, "") and not shown.isupper():
-            assert shown == str(default), f"{module}: {path} shows {flag}={shown}, default {default}"
+            assert shown == str(default), f"{module}: {path}: {flag}={shown}, default {default}"
 
 
 def _doc_commands(text: str):
@@ -229,7 +231,9 @@ def test_every_flag_a_doc_command_passes_exists():
     known: dict[str, dict] = {}
     bad = []
     for path in DOCS:
-        for line, cmd in _doc_commands(open(os.path.join(REPO_ROOT, path)).read()):
+        with open(os.path.join(REPO_ROOT, path)) as f:
+            text = f.read()
+        for line, cmd in _doc_commands(text):
             cmd = re.sub(r"'[^']*'|\"[^\"]*\"", "''", cmd)  # values such as --variants='a=--x'
             for m in re.finditer(r"python (?:-m ((?:normvit_jax|benchmarks)\.[\w.]+)|(main\.py))",
                                  cmd):
