@@ -63,12 +63,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.name = "vit"            # vit | t2t_vit (Tokens-to-Token stem; its keys: configs/recipes.py t2t_vit)
     c.model.variant = typed("Ti/4", str)  # '<Ti|S|B|L|H>/<patch>'; explicit fields below win over it
-    c.model.hidden_size = placeholder(int)  # None: from variant
-    c.model.depth = placeholder(int)
-    c.model.num_heads = placeholder(int)
-    c.model.mlp_dim = placeholder(int)      # None: mlp_ratio * hidden
-    c.model.mlp_ratio = 4.0
-    c.model.patch_size = placeholder(int)
+    c.model.hidden_size = placeholder(int)  # width (None: from variant)
+    c.model.depth = placeholder(int)        # transformer blocks (None: from variant)
+    c.model.num_heads = placeholder(int)    # attention heads (None: from variant)
+    c.model.mlp_dim = placeholder(int)      # MLP hidden width (None: mlp_ratio * hidden)
+    c.model.mlp_ratio = 4.0                 # mlp_dim / hidden_size when mlp_dim is None
+    c.model.patch_size = placeholder(int)   # square patch side in pixels (None: from variant)
     c.model.classifier = "token"    # token (class token) | gap (global average pooling) |
     # gap_fc_norm (timm's global_pool='avg': pool the tokens, then the final norm on that vector)
     c.model.posemb = "learn"        # learn | sincos2d | sincos1d (fixed 1-D table, class token at 0) | none
@@ -80,8 +80,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.residual_scaling = "none"  # none | rescale (RescaleViT's residual scaling)
     c.model.final_norm = True       # the encoder's last norm ('encoder_norm'; 'fc_norm' with gap_fc_norm)
     c.model.representation_size = placeholder(int)  # pre_logits width
-    c.model.dropout_rate = 0.0
-    c.model.attention_dropout_rate = 0.0
+    c.model.dropout_rate = 0.0      # dropout: embeddings, MLP hidden layer, residual branches
+    c.model.attention_dropout_rate = 0.0  # dropout on the attention probabilities
     c.model.stochastic_depth = 0.0  # drop-path rate of the last block (linear from 0)
     c.model.gelu_approximate = True  # tanh GELU as Google's checkpoints; False: exact erf as timm
     c.model.qkv_bias = True         # False: query/key/value projections without bias (timm's qkv_bias=False)
@@ -130,7 +130,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.schedule = ml_collections.ConfigDict()
     c.schedule.name = "cosine"      # cosine | linear | constant | ls_custom (LearnableScaler's --sched custom,
                                     # per epoch: train/optimizer.py ls_custom), after warmup
-    c.schedule.warmup_steps = 500
+    c.schedule.warmup_steps = 500   # linear warmup from 0 to the peak learning rate (0: none)
     c.schedule.end_factor = 0.0     # final lr as a fraction of the peak (cosine, linear)
     c.schedule.epoch_factor = 0.8   # ls_custom: lr x this until epoch_threshold (--epoch-factor)
     c.schedule.epoch_threshold = 0.5  # ls_custom: fraction of the epochs (--epoch-threshold)

@@ -1,11 +1,16 @@
 """The ``python -m`` tools parse their flags with argparse through normvit_jax.tool_flags.Parser:
 --help of every tool lists its flags and exits 0; values, booleans, choices, required flags,
 positionals behave as documented; a bad flag is one line on stderr and exit 2; tools sharing flag
-names parse independently in one process."""
+names parse independently in one process. The docs: every flag of main.py and of each
+``python -m normvit_jax`` tool is in its doc section, with the default a ``[--flag=V]`` there
+shows; every flag of a command in README.md or docs/*.md exists in the module it runs."""
 from __future__ import annotations
 
+import ast
+import glob
 import importlib
 import os
+import re
 import subprocess
 import sys
 
@@ -130,3 +135,118 @@ def test_main_py_expands_a_home_workdir(tmp_path):
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"error: {tmp_path}/none holds no run to evaluate" in r.stderr, r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ the flags in the docs
+# Where each tool's flags are documented: (file, heading that opens the section; None: the file).
+DOCUMENTED_IN = {
+    "main.py": ("README.md", None),
+    "normvit_jax.predict": ("docs/data.md", "## Training, evaluation and prediction"),
+    "normvit_jax.data.prepare": ("docs/data.md", "## Flags"),
+    "normvit_jax.reparam": ("docs/norms.md", "## Folding into the next Dense at inference"),
+    "normvit_jax.recalibrate": ("docs/norms.md", "## Recalibrating running statistics"),
+    "normvit_jax.export": ("docs/deploy.md", "## `python -m normvit_jax.export`"),
+    "normvit_jax.serve": ("docs/deploy.md", "## `python -m normvit_jax.serve`"),
+    "normvit_jax.analysis.attention": ("docs/analysis.md", "## Commands"),
+    "normvit_jax.analysis.report": ("docs/analysis.md", "## Commands"),
+}
+DOCS = ["README.md"] + sorted(os.path.relpath(p, REPO_ROOT) for p in
+                              glob.glob(os.path.join(REPO_ROOT, "docs", "*.md")))
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _flags(module: str) -> dict[str, object]:
+    """``{'--flag': default}`` of a tool: its tool_flags.Parser as built by its parse/main, or the
+    absl flags it defines (main.py, export)."""
+    if module in ("main.py", "normvit_jax.export"):
+        path = "main.py" if module == "main.py" else "normvit_jax/export.py"
+        with open(os.path.join(REPO_ROOT, path)) as f:
+            src = f.read()
+        return {f"--{n}": ast.literal_eval(d) for n, d in
+                re.findall(r'DEFINE_\w+\(\s*"(\w+)",\s*([^,]+),', src)}
+    mod = importlib.import_module(module)
+
+    def capture(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    parse = getattr(mod, "parse", None) or mod.main
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tool_flags.Parser, "parse_args", capture)
+        with pytest.raises(_Parsed) as e:
+            parse([])
+    return {a.option_strings[0]: a.default for a in e.value.args[0]._actions
+            if a.option_strings and a.option_strings[0] != "-h"}
+
+
+def _section(text: str, heading: str | None) -> str:
+    if heading is None:
+        return text
+    start = text.index("\n" + heading) + 1
+    level = heading.split(" ")[0]
+    end = re.search(rf"^#{{1,{len(level)}}} ", text[start + len(heading):], re.MULTILINE)
+    return text[start:start + len(heading) + end.start()] if end else text[start:]
+
+
+@pytest.mark.parametrize("module", sorted(DOCUMENTED_IN))
+def test_every_flag_is_in_its_doc_section_with_its_default(module):
+    path, heading = DOCUMENTED_IN[module]
+    with open(os.path.join(REPO_ROOT, path)) as f:
+        section = _section(f.read(), heading)
+    flags = _flags(module)
+    assert flags, module
+    missing = [f for f in flags if not re.search(rf"{re.escape(f)}(?![\w-])", section)]
+    assert not missing, f"{module}: flags not in {path} {heading or ''}: {missing}"
+    # ``[--flag=V]`` shows the default (V in capitals is a placeholder: DIR, N)
+    for flag, shown in re.findall(r"\[(--[\w-]+)=([^\s\]|]+)", section):
+        default = flags.get(flag)
+        if flag in flags and default not in (None, False, "") and not shown.isupper():
+            assert shown == str(default), f"{module}: {path}: {flag}={shown}, default {default}"
+
+
+def _doc_commands(text: str):
+    """(line, command) of every ``python main.py`` / ``python -m ...`` in inline code and in code
+    blocks (continued by a trailing backslash or an indented ``[`` / ``--`` line)."""
+    lines, inline, fence = text.split("\n"), [], False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fence = not fence
+        code = fence or line.startswith("    ")
+        inline.append("" if code else line)
+        if code and "python" in line:
+            cmd, j = line, i + 1
+            while j < len(lines) and (cmd.endswith("\\") or re.match(r"\s+(\[|--)", lines[j])):
+                cmd, j = cmd.rstrip("\\") + " " + lines[j], j + 1
+            yield i + 1, cmd
+    prose = "\n".join(inline)
+    for m in re.finditer(r"`([^`]+)`", prose):
+        if "python" in m.group(1):
+            yield prose[:m.start()].count("\n") + 1, m.group(1)
+
+
+def test_every_flag_a_doc_command_passes_exists():
+    """What README.md and docs/*.md tell users to type: the module exists and takes each flag."""
+    known: dict[str, dict] = {}
+    bad = []
+    for path in DOCS:
+        with open(os.path.join(REPO_ROOT, path)) as f:
+            text = f.read()
+        for line, cmd in _doc_commands(text):
+            cmd = re.sub(r"'[^']*'|\"[^\"]*\"", "''", cmd)  # values such as --variants='a=--x'
+            for m in re.finditer(r"python (?:-m ((?:normvit_jax|benchmarks)\.[\w.]+)|(main\.py))",
+                                 cmd):
+                module = m.group(1) or "main.py"
+                rest = re.split(r"python |[;|&#]", cmd[m.end():])[0]
+                if module not in known:
+                    try:
+                        known[module] = _flags(module)
+                    except (ImportError, AttributeError) as e:
+                        bad.append(f"{path}:{line}: {module}: {e}")
+                        continue
+                for flag in re.findall(r"(?<![\w.=-])(--[\w-]+)(?![\w.])", rest):
+                    if flag not in known[module] and flag != "--help":
+                        bad.append(f"{path}:{line}: {module} has no {flag}")
+    assert len(known) >= 10, sorted(known)
+    assert not bad, "\n".join(bad)

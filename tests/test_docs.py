@@ -1,0 +1,99 @@
+"""The docs against the tree: every relative link and anchor of README.md and docs/*.md resolves,
+every key of configs/default.py has its comment (the README says so), and every .py file that
+docs/design.md names exists. Flags: tests/test_tool_flags.py; demo numbers: test_demo_numbers.py."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import ml_collections
+
+from configs import default
+from tests.conftest import REPO_ROOT
+
+DOCS = ["README.md"] + sorted(os.path.relpath(p, REPO_ROOT) for p in
+                              glob.glob(os.path.join(REPO_ROOT, "docs", "*.md")))
+
+
+def _read(path: str) -> str:
+    with open(os.path.join(REPO_ROOT, path)) as f:
+        return f.read()
+
+
+def _anchors(path: str) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation but '-' and '_' dropped, spaces as '-',
+    a repeated id suffixed -1, -2, ..."""
+    out, fence = set(), False
+    for line in _read(path).split("\n"):
+        fence ^= line.startswith("```")
+        m = None if fence else re.match(r"#{1,6} (.+?)\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            n = 0
+            while (slug if n == 0 else f"{slug}-{n}") in out:
+                n += 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_every_relative_link_and_anchor_resolves():
+    bad, checked = [], 0
+    for path in DOCS:
+        for m in re.finditer(r"\]\(([^)\s]+)\)", _read(path)):
+            target = m.group(1)
+            if re.match(r"[a-z]+:", target):
+                continue
+            checked += 1
+            file, _, anchor = target.partition("#")
+            resolved = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+            if not os.path.exists(os.path.join(REPO_ROOT, resolved)):
+                bad.append(f"{path}: {target}: no file {resolved}")
+            elif anchor and resolved.endswith(".md") and anchor not in _anchors(resolved):
+                bad.append(f"{path}: {target}: no heading #{anchor} in {resolved}")
+    assert checked > 20
+    assert not bad, "\n".join(bad)
+
+
+def _keys(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    out = []
+    for k in c:
+        key = f"{prefix}{k}"
+        out.append(key)
+        if isinstance(c[k], ml_collections.ConfigDict) and key not in ("model.norm",
+                                                                        "model.norm_overrides"):
+            out += _keys(c[k], key + ".")
+    return out
+
+
+def test_every_default_config_key_has_a_comment():
+    src = _read("configs/default.py")
+    body = src[src.index("def get_config"):src.index("\ndef ", src.index("def get_config") + 1)]
+    lines = {m.group(1): m.group(2)
+             for m in re.finditer(r"^ +c\.([\w.]+) = (.*)$", body, re.MULTILINE)}
+    keys = _keys(default.get_config())
+    assert len(keys) > 100 and set(keys) <= set(lines), sorted(set(keys) - set(lines))
+    sections = {k for k, v in lines.items() if v == "ml_collections.ConfigDict()"
+                and k not in ("model.norm_overrides",)}  # under a '# ---- ... ----' header
+    bare = [k for k in keys if k not in sections and "#" not in lines[k]]
+    assert not bare, f"configs/default.py keys without a comment: {bare}"
+
+
+def test_every_file_design_md_names_exists():
+    text = _read("docs/design.md")
+    tree = {os.path.relpath(p, REPO_ROOT) for p in glob.glob(os.path.join(REPO_ROOT, "**", "*.py"),
+                                                             recursive=True)}
+    names = set(re.findall(r"(?<![\w/.])([\w/]+\.py)\b", text))
+    assert len(names) > 60
+    missing = [n for n in sorted(names) if not any(p == n or p.endswith("/" + n) for p in tree)]
+    assert not missing, f"docs/design.md names files that do not exist: {missing}"
+
+
+def test_readme_names_every_method_config_and_default_variant():
+    """README names every configs/vit_<method>.py and every variant of configs/default.py."""
+    readme = _read("README.md")
+    configs = [os.path.basename(p)
+               for p in glob.glob(os.path.join(REPO_ROOT, "configs", "vit_*.py"))]
+    assert len(configs) > 15
+    assert [c for c in sorted(configs) if f"`{c}`" not in readme] == []
+    assert [v for v in default.VARIANTS if f"`{v}`" not in readme] == []
