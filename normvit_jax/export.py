@@ -156,6 +156,15 @@ def _stop(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser with the one-line error of every tool (absl prints 'FATAL Flags parsing
+    error' and exits 1 for a bad value or an unknown flag)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _stop(f"{e} (--help lists the flags)")
+
+
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         _stop(f"unexpected arguments: {list(argv[1:])} (--help lists the flags)")
@@ -179,4 +188,4 @@ if __name__ == "__main__":
     from normvit_jax import tool_flags
     define_flags()
     sys.argv = tool_flags.expand_home(sys.argv)  # --out=~/model.npz: ~ as after a space
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -130,3 +130,20 @@ def test_main_py_expands_a_home_workdir(tmp_path):
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"error: {tmp_path}/none holds no run to evaluate" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--format=tflite", "flag --format=tflite: value should be one of <npz|onnx|savedmodel|stablehlo>"),
+    ("--step=abc", "flag --step=abc: invalid literal for int()"),
+    ("--bogus=1", "Unknown command line flag 'bogus'"),
+])
+def test_export_refuses_a_bad_flag_in_one_line_exit_2(flag, message, tmp_path):
+    """export parses with absl (main.py shares its flags), whose own error is 'FATAL Flags parsing
+    error' and exit 1; the command answers as every tool: one line, exit 2, nothing written."""
+    r = subprocess.run([sys.executable, "-m", "normvit_jax.export", f"--workdir={tmp_path}/w",
+                        f"--out={tmp_path}/m.onnx", flag], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    lines = [ln for ln in r.stderr.splitlines() if "error" in ln.lower()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith("python -m normvit_jax.export: error: ") and message in lines[0]
+    assert "Traceback" not in r.stderr and os.listdir(tmp_path) == []
