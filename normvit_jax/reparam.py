@@ -293,14 +293,15 @@ def max_logit_difference(model: Any, variables: Mapping, folded: Any,
 
 def save(path: str, model: Any, variables: Mapping, num_classes: int) -> None:
     """Writes a folded model (its spec or ``config.model``) to the folder ``path``:
-    ``variables.msgpack`` (written to a temporary name, then renamed) and ``model.json``
+    ``variables.msgpack`` (written to a temporary name, then renamed over an earlier save's)
+    and ``model.json``
     ({'model': config, 'num_classes': n})."""
     model_cfg = models.spec_of(model).to_config()
     d = epath.Path(path)
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / "variables.msgpack.tmp"
     tmp.write_bytes(serialization.msgpack_serialize(jax.tree.map(np.asarray, dict(variables))))
-    tmp.rename(d / "variables.msgpack")
+    tmp.replace(d / "variables.msgpack")  # rename() refuses an existing file: a re-run's --out
     (d / "model.json").write_text(json.dumps(
         {"model": json.loads(ml_collections.ConfigDict(dict(model_cfg)).to_json_best_effort()),
          "num_classes": int(num_classes)}, indent=2))
