@@ -168,11 +168,12 @@ def parse_flags(argv: list[str]) -> list[str]:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         _stop(f"unexpected arguments: {list(argv[1:])} (--help lists the flags)")
-    from normvit_jax import cli, logs
+    from normvit_jax import cli, logs, tool_flags
     logs.quiet_library_logs()  # Orbax logs ~30 INFO lines per restore
     if not FLAGS.workdir or not FLAGS.out:
         _stop("--workdir and --out are required (--help lists the flags)")
     with cli.tool_errors("python -m normvit_jax.export"):  # docs/faults.md: the table's codes
+        tool_flags.check_output("out", FLAGS.out, folder=FLAGS.format == "savedmodel")
         if FLAGS.format != "npz":
             run_deploy(FLAGS.workdir, FLAGS.out, FLAGS.format, step=FLAGS.step, fold=FLAGS.fold,
                        batch=FLAGS.batch, folded=FLAGS.folded)

@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
 
 
 def _main(args: Any, prog: str) -> Any:
-    from normvit_jax import checkpoints, cli
+    from normvit_jax import checkpoints, cli, tool_flags
     config = checkpoints.load_config(args.workdir)
     if args.mode == "eval":
         with config.unlocked():
@@ -162,6 +162,8 @@ def _main(args: Any, prog: str) -> Any:
         print(f"{prog}: error: --images=FILES_OR_FOLDERS is required and --top_k must be >= 1",
               file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    if args.out:
+        tool_flags.check_output("out", args.out)  # before the work, not a traceback after it
     try:  # --images naming nothing, a --folded folder that reparam did not write
         files = list_images(args.images)
         rows, skipped = predict(args.workdir, files, top_k=args.top_k, step=args.step,

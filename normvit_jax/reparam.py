@@ -365,7 +365,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _main(args: Any) -> dict[str, Any]:
-    from normvit_jax import checkpoints
+    from normvit_jax import checkpoints, tool_flags
+    if args.out:
+        tool_flags.check_output("out", args.out, folder=True)  # before the work
     variables, config = checkpoints.load_variables(args.workdir, args.step)  # the shared restore
     num_classes = int(variables["params"]["head"]["bias"].shape[-1])
     size = int(config.data.image_size)

@@ -132,6 +132,36 @@ def test_post_training_tools_name_what_is_missing_and_refuse_extra_arguments(run
     assert not os.path.exists(f"{tmp_path}/m.npz") and not os.path.exists(f"{tmp_path}/o")
 
 
+def test_an_output_path_that_cannot_be_written_is_one_line_exit_2_before_the_work(run, tmp_path):
+    """A file where a folder is needed on the way to --out (--data_dir): one line naming the flag
+    and the folder, exit 2, before the tool reads the run (was a traceback after the work)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = f"{blocker}/sub"
+    cases = [
+        ("normvit_jax.predict", [f"--workdir={run}", f"--images={blocker}", f"--out={out}/p.csv"]),
+        ("normvit_jax.reparam", [f"--workdir={run}", f"--out={out}"]),
+        ("normvit_jax.export", [f"--workdir={run}", "--format=stablehlo", f"--out={out}/m"]),
+        ("normvit_jax.recalibrate", [f"--workdir={run}", f"--out={out}"]),
+        ("normvit_jax.analysis.attention", [f"--workdir={run}", f"--out={out}"]),
+        ("normvit_jax.analysis.report", [run, f"--out={out}"]),
+        ("normvit_jax.data.prepare", [f"--src={tmp_path}", "--name=x", f"--data_dir={out}"]),
+    ]
+    for module, args in cases:
+        r = _tool(module, *args)
+        assert r.returncode == 2, (module, r.stderr[-2000:])
+        line = _one_line(r, f"python -m {module}: error: " if module != "normvit_jax.data.prepare"
+                         else "error: ")
+        assert f"{out}" in line and f"cannot write in {blocker} (NotADirectoryError" in line, line
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    r = _tool("normvit_jax.export", f"--workdir={run}", "--format=onnx", f"--out={folder}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "a_folder"]  # nothing written
+    assert _one_line(r, "python -m normvit_jax.export: error: ").endswith(
+        f"--out={folder} exists and is not a file; pass the path of a file")
+
+
 # As root, permission bits bind only without CAP_DAC_OVERRIDE/CAP_FOWNER: the child drops them
 # from its bounding set, then execs main.py as an ordinary user would run it (as tests/test_faults).
 _AS_PLAIN_USER = (

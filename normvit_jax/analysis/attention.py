@@ -134,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from normvit_jax import cli
     with cli.tool_errors(ap.prog):  # docs/faults.md: one line and the table's exit code
+        tool_flags.check_output("out", args.out, folder=True)  # before the work
         ra = analyze_run(args.workdir, args.images, args.stat_images, args.step)
     depth, heads = ra.stats.distance.shape[0], ra.stats.distance.shape[2]
     try:

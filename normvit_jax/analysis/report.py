@@ -271,6 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="fraction of the reference's mean final top-1 each method must reach")
     args = ap.parse_args(argv)
     tags = [t for t in args.tags.split(",") if t.strip()]
+    try:  # before the work, not a traceback after it
+        tool_flags.check_output("out", args.out, folder=True)
+    except ValueError as e:
+        ap.error(str(e))
     try:
         paths = write_report(args.workdirs, args.out, args.no_attention, args.images,
                              args.stat_images, tags, args.reference, args.target)

@@ -335,6 +335,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     else "exists and is not a prepared dataset")
             raise PrepareError(f"{os.path.join(data_dir, args.name)} {what}; pass --overwrite "
                                f"to replace it, or choose another --name")
+        try:  # before the work, not a traceback at its end
+            tool_flags.check_output("data_dir", data_dir, folder=True)
+        except ValueError as e:
+            raise PrepareError(str(e)) from None
         t0 = time.perf_counter()
         fmt, parsed, held = parse_source(args.src, args.format, args.val_fraction, args.seed)
         extra = dict(format=fmt, source=os.path.abspath(args.src), held_out=held)
