@@ -158,9 +158,12 @@ def _main(args: Any, prog: str) -> Any:
         if code:
             sys.exit(code)
         return code
-    if not args.images or args.top_k < 1:
-        print(f"{prog}: error: --images=FILES_OR_FOLDERS is required and --top_k must be >= 1",
-              file=sys.stderr)
+    bad = ["--images=FILES_OR_FOLDERS is required"] if not args.images else []
+    # --batch=0 failed inside range(), a negative one predicted nothing and exited 0
+    bad += [f"--{k}={v}: must be >= 1" for k, v in (("top_k", args.top_k), ("batch", args.batch))
+            if v < 1]
+    if bad:
+        print(f"{prog}: error: {'; '.join(bad)}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     if args.out:
         tool_flags.check_output("out", args.out)  # before the work, not a traceback after it

@@ -143,6 +143,12 @@ def test_predict_bad_input_is_one_line_exit_2(dataset, tmp_path, capsys):
             predict.main(argv)
         assert e.value.code == 2
         assert capsys.readouterr().err.strip().startswith("python -m normvit_jax.predict: error: ")
+    for flag in ("--batch=0", "--batch=-3", "--top_k=0"):  # before the run is read
+        with pytest.raises(SystemExit) as e:
+            predict.main([f"--workdir={tmp_path}/w", f"--images={dataset}/src/val", flag])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip() == (
+            f"python -m normvit_jax.predict: error: {flag}: must be >= 1")
 
 
 def test_two_hosts_read_disjoint_rows_that_make_the_global_batch(dataset):
