@@ -143,6 +143,11 @@ def test_existing_names_and_bad_names_are_refused(prepared_folder, capsys):
     assert "catalog" in _fails(capsys, f"--src={root}/src", "--name=mnist", f"--data_dir={root}/dd")
     assert "--name='My-Set'" in _fails(capsys, f"--src={root}/src", "--name=My-Set",
                                        f"--data_dir={root}/dd")
+    for n in (0, -1):
+        assert _fails(capsys, f"--src={root}/src", "--name=pets_w", f"--data_dir={root}/dd",
+                      f"--workers={n}") == (f"error: --workers={n}; accepted: an integer >= 1 "
+                                            "(leave it out for one per core)")
+    assert not os.path.exists(f"{root}/dd/.pets_w.partial")
 
 
 def test_overwrite_replaces_only_once_the_new_one_is_complete(folder, tmp_path, capsys):

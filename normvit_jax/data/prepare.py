@@ -328,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         if not 0.0 <= args.val_fraction < 1.0:
             raise PrepareError(f"--val_fraction={args.val_fraction}; accepted: a number in [0, 1)")
+        if args.workers is not None and args.workers < 1:  # was a traceback from the thread pool
+            raise PrepareError(f"--workers={args.workers}; accepted: an integer >= 1 (leave it "
+                               "out for one per core)")
         check_name(args.name)
         data_dir = os.path.abspath(args.data_dir or prepared.default_data_dir())
         if os.path.exists(os.path.join(data_dir, args.name)) and not args.overwrite:
