@@ -29,6 +29,14 @@ def expand_home(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (argparse names the flag in its one-line error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not accepted; accepted: an integer >= 1")
+    return value
+
+
 def check_output(flag: str, path: str, folder: bool = False) -> None:
     """Before the work: ``--flag=path`` can be written as a file (or, ``folder``, a folder): it is
     of that kind if it exists, and a file can be made in the nearest folder that exists. Else a
