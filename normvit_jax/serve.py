@@ -109,6 +109,7 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse
     from starlette.routing import Route
     from normvit_jax.deploy.preprocess import InputError
@@ -125,6 +126,8 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
                 return JSONResponse(await run_in_threadpool(model.predict, data, k))
         except InputError as e:
             return error(e.status, e.message)
+        except ClientDisconnect:  # gone mid-body: nobody reads the answer; no traceback in the log
+            return error(400, "the client disconnected before sending the whole body")
 
     async def healthz(request: Any) -> JSONResponse:
         return JSONResponse({"status": "ok", "format": model.fmt, "artifact": model.path,

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 import urllib.error
 import urllib.request
 
@@ -181,6 +182,28 @@ def test_bad_input_is_a_one_line_4xx_and_the_service_keeps_serving(served, body,
     assert "\n" not in got["error"] and set(got) == {"error"}
     with urllib.request.urlopen(f"{url}/healthz", timeout=30) as r:
         assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+
+
+def test_a_client_that_leaves_mid_body_is_no_error_of_the_app():
+    """A client that disconnects before its body is complete: the app answers (to nobody) instead
+    of raising starlette's ClientDisconnect, which uvicorn logged as a traceback."""
+    import asyncio
+    from normvit_jax import serve
+    app = serve.make_app(types.SimpleNamespace(top_k=lambda raw: 1))
+    scope = {"type": "http", "method": "POST", "path": "/predict", "query_string": b"",
+             "headers": [(b"content-length", b"5")], "http_version": "1.1", "scheme": "http",
+             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 1), "root_path": ""}
+    messages = [{"type": "http.request", "body": b"ab", "more_body": True},
+                {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 400
 
 
 def test_wrong_method_and_path_are_json_4xx(served):
