@@ -215,6 +215,17 @@ def test_npz_uint8_and_float_arrays(tmp_path, capsys):
     assert all(np.array_equal(r["image"][..., 0], r["image"][..., 2]) for r in te)
 
 
+def test_a_source_of_one_class_is_refused_before_decoding(tmp_path, capsys):
+    src = _tree(tmp_path / "s", {"cat": 4})
+    assert _fails(capsys, f"--src={src}", "--name=one", f"--data_dir={tmp_path}/dd") == (
+        f"error: {src}: one class ('cat'); a classifier needs two or more: one folder per class "
+        "(or labels of two or more values)")
+    np.savez(tmp_path / "a.npz", images=np.zeros((4, 8, 8), np.uint8), labels=np.zeros(4, int))
+    assert "one class ('0')" in _fails(capsys, f"--src={tmp_path}/a.npz", "--name=one",
+                                       f"--data_dir={tmp_path}/dd")
+    assert not os.path.exists(tmp_path / "dd")
+
+
 def test_bad_arrays_exit_2_naming_the_file(tmp_path, capsys):
     np.savez(tmp_path / "obj.npz", images=np.array([{"a": 1}], dtype=object), labels=np.zeros(1))
     assert "obj.npz" in _fails(capsys, f"--src={tmp_path}/obj.npz", "--name=b1",

@@ -143,6 +143,9 @@ def parse_source(src: str, fmt: str | None, val_fraction: float, seed: int
     else:
         raise PrepareError(f"--format={fmt!r}; accepted: {', '.join(formats.FORMATS)}")
     formats.check_labels(parsed)
+    if len(parsed.classes) < 2:  # it would train, reporting 100% on predictions that say nothing
+        raise PrepareError(f"{src}: one class ({parsed.classes[0]!r}); a classifier needs two or "
+                           "more: one folder per class (or labels of two or more values)")
     parsed.splits = dict(sorted(parsed.splits.items(), key=lambda kv: kv[0] != "train"))
     held = None
     if single and val_fraction > 0:
