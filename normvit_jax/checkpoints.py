@@ -188,7 +188,7 @@ def _unreadable_json(step_path: epath.Path) -> str | None:
     root = str(step_path)
     if "://" in root or not os.path.isdir(root):
         return None
-    for folder, dirs, files in sorted(os.walk(root)):
+    for folder, dirs, files in os.walk(root):  # not sorted(os.walk()): that walks before pruning
         dirs[:] = sorted(d for d in dirs if d != "d")
         for name in sorted(files):
             if name.endswith((".ocdbt", ".txt")):
@@ -208,8 +208,10 @@ def mismatch(mngr: ocp.CheckpointManager, step: int, abstract_state: Any
     ('damaged', why) if its metadata cannot be read; ('mismatch', what differs) otherwise."""
     try:
         meta = mngr.item_metadata(step)["state"]
-        if meta is None:
-            raise ValueError("no metadata for the item 'state'")
+        if meta is None:  # Orbax's answer when state/_METADATA is gone: name the file
+            path = step_dir(mngr, step) / "state" / "_METADATA"
+            raise (ValueError("no metadata for the item 'state'") if path.exists() else
+                   FileNotFoundError(f"Metadata file {path} does not exist"))
         saved = _leaf_specs(getattr(meta, "item_metadata", meta))
     except Exception as e:  # noqa: BLE001
         return "damaged", f"its metadata cannot be read: {describe_damage(e, step_dir(mngr, step))}"
