@@ -72,7 +72,7 @@ def recalibrate_stats(model: Any, variables: dict, batches: Any, step: Any,
 
 
 def _fail(message: str) -> None:
-    print(f"python -m normvit_jax.recalibrate: {message}", file=sys.stderr)
+    print(f"python -m normvit_jax.recalibrate: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
