@@ -41,14 +41,28 @@ def list_images(spec: str) -> list[str]:
     return out
 
 
-def class_names(workdir: str, config: Any, num_classes: int) -> list[str]:
+def run_class_names(workdir: str, config: Any) -> list[str]:
+    """The run's class names: its classes.json, else the dataset's; [] if neither has them."""
     path = os.path.join(workdir, "classes.json")
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
-            names = list(json.load(f))
-    else:
-        names = list(_spec(config).class_names or [])
+            return list(json.load(f))
+    return list(_spec(config).class_names or [])
+
+
+def class_names(workdir: str, config: Any, num_classes: int) -> list[str]:
+    names = run_class_names(workdir, config)
     return names if len(names) == num_classes else [str(i) for i in range(num_classes)]
+
+
+def check_folded(folded: str, num_classes: int, workdir: str, config: Any) -> None:
+    """A --folded folder of another run: a model of another class count would be labelled with
+    numbers instead of the run's names, silently."""
+    names = run_class_names(workdir, config)
+    if names and len(names) != num_classes:
+        raise ValueError(f"--folded={folded} holds a model of {num_classes} classes, but the run "
+                         f"{workdir} has {len(names)}; fold this run: python -m "
+                         f"normvit_jax.reparam --workdir={workdir} --out=DIR")
 
 
 def _spec(config: Any) -> Any:
@@ -81,6 +95,7 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
     config = checkpoints.load_config(workdir)
     if folded:
         model_cfg, variables, n = reparam.load(folded)
+        check_folded(folded, n, workdir, config)
     else:
         variables, _ = checkpoints.load_variables(workdir, step)  # the shared restore path
         model_cfg, n = config.model, int(np.shape(variables["params"]["head"]["bias"])[-1])

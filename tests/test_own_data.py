@@ -143,6 +143,23 @@ def test_predict_bad_input_is_one_line_exit_2(dataset, tmp_path, capsys):
             predict.main(argv)
         assert e.value.code == 2
         assert capsys.readouterr().err.strip().startswith("python -m normvit_jax.predict: error: ")
+    # a folded model of another run, with 5 classes where this run has 3: refused, not numbered
+    from normvit_jax import reparam
+    from normvit_jax.deploy import bundle, errors
+    cfg = _config(dataset)
+    variables = models.create(cfg.model, 5).init(jax.random.key(0), np.zeros((1, 8, 8, 3)),
+                                                 train=False)
+    reparam.save(str(tmp_path / "f5"), cfg.model, variables, 5)
+    with pytest.raises(SystemExit) as e:
+        predict.main([f"--workdir={tmp_path}/w", f"--images={dataset}/src/val",
+                      f"--folded={tmp_path}/f5"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"python -m normvit_jax.predict: error: --folded={tmp_path}/f5 holds a model of 5 "
+        f"classes, but the run {tmp_path}/w has 3; fold this run: python -m normvit_jax.reparam "
+        f"--workdir={tmp_path}/w --out=DIR")
+    with pytest.raises(errors.DeployError, match="holds a model of 5 classes"):  # export's path
+        bundle.load(f"{tmp_path}/w", folded=f"{tmp_path}/f5", log=None)
     for flag in ("--batch=0", "--batch=-3", "--top_k=0"):  # before the run is read
         with pytest.raises(SystemExit) as e:
             predict.main([f"--workdir={tmp_path}/w", f"--images={dataset}/src/val", flag])
