@@ -14,6 +14,7 @@ import sys
 import types
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -240,6 +241,17 @@ def test_command_errors_are_one_line_exit_2(tmp_path, served):
     _, err = r.communicate(timeout=120)
     assert r.returncode == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("python -m normvit_jax.serve: error: ")
+    damaged = tmp_path / "damaged"  # the artifact's files, its .onnx cut short
+    damaged.mkdir()
+    for name in ("model.onnx.json", "classes.json"):
+        (damaged / name).write_bytes((Path(served[3]).parent / name).read_bytes())
+    (damaged / "model.onnx").write_bytes(Path(served[3]).read_bytes()[:1000])
+    r = _start(f"--artifact={damaged / 'model.onnx'}")
+    _, err = r.communicate(timeout=120)
+    assert r.returncode == 2 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(
+        f"python -m normvit_jax.serve: error: {damaged / 'model.onnx'} cannot be loaded by "
+        "onnxruntime (InvalidProtobuf: ")
     port = int(served[0].rsplit(":", 1)[1])  # taken by the running service
     r = _start(f"--artifact={served[3]}", f"--port={port}")
     _, err = r.communicate(timeout=120)
