@@ -226,6 +226,14 @@ def test_a_source_of_one_class_is_refused_before_decoding(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "dd")
 
 
+def test_a_damaged_archive_is_named_in_one_line(tmp_path, capsys):
+    (tmp_path / "cifar-10-binary.tar.gz").write_bytes(gzip.compress(b"x" * 4096)[:300])
+    msg = _fails(capsys, f"--src={tmp_path}/cifar-10-binary.tar.gz", "--name=c1",
+                 f"--data_dir={tmp_path}/dd")  # the last line of stderr: the whole message
+    assert msg.startswith(f"error: {tmp_path}/cifar-10-binary.tar.gz: not a readable tar archive ")
+    assert "method gz:" in msg and "method tar:" in msg
+
+
 def test_bad_arrays_exit_2_naming_the_file(tmp_path, capsys):
     np.savez(tmp_path / "obj.npz", images=np.array([{"a": 1}], dtype=object), labels=np.zeros(1))
     assert "obj.npz" in _fails(capsys, f"--src={tmp_path}/obj.npz", "--name=b1",
