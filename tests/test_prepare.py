@@ -226,7 +226,11 @@ def test_a_source_of_one_class_is_refused_before_decoding(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "dd")
 
 
-def test_a_damaged_archive_is_named_in_one_line(tmp_path, capsys):
+def test_a_damaged_archive_or_array_file_is_named_in_one_line(tmp_path, capsys):
+    (tmp_path / "text.npz").write_text("not arrays\n")  # was 'holds pickled Python objects'
+    assert _fails(capsys, f"--src={tmp_path}/text.npz", "--name=c0", f"--data_dir={tmp_path}/dd"
+                  ) == (f"error: {tmp_path}/text.npz: not an .npz (zip) or .npy file; write the "
+                        "arrays with numpy.savez or numpy.save")
     (tmp_path / "cifar-10-binary.tar.gz").write_bytes(gzip.compress(b"x" * 4096)[:300])
     msg = _fails(capsys, f"--src={tmp_path}/cifar-10-binary.tar.gz", "--name=c1",
                  f"--data_dir={tmp_path}/dd")  # the last line of stderr: the whole message
