@@ -245,6 +245,14 @@ def test_command_errors_are_one_line_exit_2(tmp_path, served):
     damaged.mkdir()
     for name in ("model.onnx.json", "classes.json"):
         (damaged / name).write_bytes((Path(served[3]).parent / name).read_bytes())
+    (damaged / "model.onnx.json").write_text('{"format": "onn')
+    r = _start(f"--artifact={damaged / 'model.onnx'}")
+    _, err = r.communicate(timeout=120)
+    assert r.returncode == 2 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(
+        f"python -m normvit_jax.serve: error: {damaged / 'model.onnx.json'} is not readable JSON")
+    (damaged / "model.onnx.json").write_bytes((Path(served[3]).parent / "model.onnx.json"
+                                               ).read_bytes())
     (damaged / "model.onnx").write_bytes(Path(served[3]).read_bytes()[:1000])
     r = _start(f"--artifact={damaged / 'model.onnx'}")
     _, err = r.communicate(timeout=120)

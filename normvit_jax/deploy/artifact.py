@@ -45,6 +45,15 @@ def sidecar_paths(path: str) -> tuple[str, str]:
     return os.path.join(os.path.dirname(path), "classes.json"), path + ".json"
 
 
+def _read_json(path: str) -> Any:
+    """A file beside the artifact; one line naming it if it was cut short or edited."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:
+        raise DeployError(f"{path} is not readable JSON ({e}); export the artifact again") from None
+
+
 def read_metadata(path: str) -> tuple[dict, list[str]]:
     """(metadata, class names) written beside the artifact at ``path``."""
     classes_path, meta_path = sidecar_paths(path)
@@ -52,10 +61,8 @@ def read_metadata(path: str) -> tuple[dict, list[str]]:
         if not os.path.isfile(p):
             raise DeployError(f"{p} not found: {path} is not an artifact written by python -m "
                               "normvit_jax.export --format=onnx|savedmodel|stablehlo")
-    with open(meta_path, encoding="utf-8") as f:
-        meta = json.load(f)
-    with open(classes_path, encoding="utf-8") as f:
-        names = [str(c) for c in json.load(f)]
+    meta = _read_json(meta_path)
+    names = [str(c) for c in _read_json(classes_path)]
     if len(names) != meta.get("num_classes", len(names)):
         raise DeployError(f"{classes_path} names {len(names)} classes, the artifact {path} has "
                           f"{meta['num_classes']}: it belongs to another artifact")
