@@ -240,11 +240,13 @@ def test_command_errors_are_one_line_exit_2(tmp_path, served):
     r = _start(f"--artifact={tmp_path / 'missing.onnx'}")
     _, err = r.communicate(timeout=120)
     assert r.returncode == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("python -m normvit_jax.serve: error: ")
+    assert err.strip().splitlines()[-1].startswith(
+        f"python -m normvit_jax.serve: error: {tmp_path / 'missing.onnx'} does not exist: pass ")
     damaged = tmp_path / "damaged"  # the artifact's files, its .onnx cut short
     damaged.mkdir()
     for name in ("model.onnx.json", "classes.json"):
         (damaged / name).write_bytes((Path(served[3]).parent / name).read_bytes())
+    (damaged / "model.onnx").write_bytes(Path(served[3]).read_bytes())
     (damaged / "model.onnx.json").write_text('{"format": "onn')
     r = _start(f"--artifact={damaged / 'model.onnx'}")
     _, err = r.communicate(timeout=120)

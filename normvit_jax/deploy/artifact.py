@@ -56,6 +56,9 @@ def _read_json(path: str) -> Any:
 
 def read_metadata(path: str) -> tuple[dict, list[str]]:
     """(metadata, class names) written beside the artifact at ``path``."""
+    if not os.path.exists(path):  # (not "its .json not found": the path itself is wrong)
+        raise DeployError(f"{path} does not exist: pass the file (onnx, stablehlo) or folder "
+                          "(savedmodel) that python -m normvit_jax.export --out=... wrote")
     classes_path, meta_path = sidecar_paths(path)
     for p in (meta_path, classes_path):
         if not os.path.isfile(p):
