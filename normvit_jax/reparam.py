@@ -354,8 +354,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = tool_flags.Parser("python -m normvit_jax.reparam", __doc__)
     p.add_argument("--workdir", required=True, help="run directory with checkpoints")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--batch", type=int, default=64, help="images for the check and the timing")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--batch", type=tool_flags.positive_int, default=64,
+                   help="images for the check and the timing")
+    p.add_argument("--reps", type=tool_flags.positive_int, default=5,
+                   help="timed repetitions (median)")
     p.add_argument("--out", default=None,
                    help="folder to save the folded model in (model.json + variables.msgpack; "
                         "read back with normvit_jax.reparam.load)")

@@ -132,6 +132,18 @@ def test_main_py_expands_a_home_workdir(tmp_path):
     assert f"error: {tmp_path}/none holds no run to evaluate" in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("flag", ["--batch=0", "--batch=-2", "--reps=0"])
+def test_reparam_counts_below_1_are_one_line_exit_2(flag, capsys):
+    """--batch=0 was a JAX traceback, --reps=0 'min() arg is an empty sequence' after the work."""
+    from normvit_jax import reparam
+    with pytest.raises(SystemExit) as e:
+        reparam.main(["--workdir=w", flag])
+    name, value = flag[2:].split("=")
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"python -m normvit_jax.reparam: error: argument --{name}: {value} is not accepted; "
+        "accepted: an integer >= 1 (--help lists the flags)\n")
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--format=tflite", "flag --format=tflite: value should be one of <npz|onnx|savedmodel|stablehlo>"),
     ("--step=abc", "flag --step=abc: invalid literal for int()"),
