@@ -28,7 +28,7 @@ from tests.conftest import REPO_ROOT
 MAX_BYTES, MAX_PIXELS = 200_000, 1_000_000
 
 
-def _tiny_artifact(out: str, names: list[str] | None = None) -> None:
+def _tiny_artifact(out: str, names: list[str] | None = None, fmt: str = "onnx") -> None:
     """A one-block demo ViT with random weights (drawn in numpy at the shapes ``init`` gives, so
     nothing is compiled) and a wide random head (so predictions vary)."""
     import jax
@@ -42,7 +42,7 @@ def _tiny_artifact(out: str, names: list[str] | None = None) -> None:
     v["params"]["head"]["kernel"] = rng.normal(0, 0.5, shapes["params"]["head"]["kernel"].shape
                                                ).astype(np.float32)
     names = names or [f"digit {i}" for i in range(10)]
-    artifact.export_artifact(bundle.from_variables(c, c.model, v, 10, names, log=None), "onnx",
+    artifact.export_artifact(bundle.from_variables(c, c.model, v, 10, names, log=None), fmt,
                              out, log=None)
 
 
@@ -290,6 +290,19 @@ def test_onnx_sessions_spin_by_default_and_can_sleep_between_calls(monkeypatch, 
     assert seen[0].intra_op_num_threads == seen[1].intra_op_num_threads == 2
     with pytest.raises(RuntimeError, match="allow_spinning"):  # not set: ONNX Runtime's default
         seen[1].get_session_config_entry("session.intra_op.allow_spinning")
+
+
+def test_a_savedmodel_never_replaces_a_folder_of_other_files(tmp_path):
+    """The SavedModel writer replaces its --out folder: a run's workdir or '.' given by mistake
+    was deleted. Such a folder is refused before anything is written; an empty one is used."""
+    from normvit_jax.deploy import DeployError
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text("{}")
+    with pytest.raises(DeployError, match=r"holds other files than a SavedModel written by this "
+                                          r"export, .* pass a new or empty folder"):
+        _tiny_artifact(str(tmp_path / "run"), fmt="savedmodel")
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoints", "config.json"]
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no .tmp, no staging folder left
 
 
 def test_artifacts_sharing_a_folder_keep_their_class_names(tmp_path):

@@ -72,6 +72,16 @@ def read_metadata(path: str) -> tuple[dict, list[str]]:
     return meta, names
 
 
+def _refuse_other_folder(fmt: str, out: str) -> None:
+    """A SavedModel replaces its folder: only an empty one or an earlier export is replaced, never
+    a folder of other files given by mistake (a run's workdir, '.'), which was deleted."""
+    if fmt != "savedmodel" or not os.path.isdir(out) or not os.listdir(out):
+        return
+    if not {"saved_model.pb", "deploy.json"} <= set(os.listdir(out)):
+        raise DeployError(f"--out={out} holds other files than a SavedModel written by this "
+                          "export, and the export replaces its folder: pass a new or empty folder")
+
+
 def _refuse_other_classes(fmt: str, out: str, names: list[str]) -> None:
     """ONNX and StableHLO files in one folder share its ``classes.json``: a model with other
     classes would relabel every other artifact there, so it is refused before anything is
@@ -132,6 +142,7 @@ def export_artifact(b: bundle_lib.Bundle, fmt: str, out: str, batch: int | None 
     write = _writer(fmt)
     meta = metadata(b, fmt, batch)
     _refuse_other_classes(fmt, out, list(b.class_names))
+    _refuse_other_folder(fmt, out)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     write(b, out, batch, meta)
