@@ -141,6 +141,12 @@ def test_existing_names_and_bad_names_are_refused(prepared_folder, capsys):
     assert "already prepared" in _fails(capsys, f"--src={root}/src", "--name=pets",
                                         f"--data_dir={root}/dd")
     assert "catalog" in _fails(capsys, f"--src={root}/src", "--name=mnist", f"--data_dir={root}/dd")
+    # a folder of the name that is no dataset (here the source itself) is never replaced
+    for extra in ([], ["--overwrite"]):
+        assert _fails(capsys, f"--src={root}/src", "--name=src", f"--data_dir={root}", *extra) == (
+            f"error: {root}/src exists and is not a prepared dataset; choose another --name or "
+            "--data_dir (--overwrite replaces only a dataset)")
+    assert sorted(os.listdir(f"{root}/src")) == ["README.txt", "train", "val"]
     assert "--name='My-Set'" in _fails(capsys, f"--src={root}/src", "--name=My-Set",
                                        f"--data_dir={root}/dd")
     for n in (0, -1):

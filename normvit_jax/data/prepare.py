@@ -336,11 +336,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                "out for one per core)")
         check_name(args.name)
         data_dir = os.path.abspath(args.data_dir or prepared.default_data_dir())
-        if os.path.exists(os.path.join(data_dir, args.name)) and not args.overwrite:
-            what = ("is already prepared" if prepared.is_prepared(args.name, data_dir)
-                    else "exists and is not a prepared dataset")
-            raise PrepareError(f"{os.path.join(data_dir, args.name)} {what}; pass --overwrite "
-                               f"to replace it, or choose another --name")
+        final = os.path.join(data_dir, args.name)
+        if os.path.exists(final) and not prepared.is_prepared(args.name, data_dir):
+            # never replaced, --overwrite or not: it may be the user's files (even --src)
+            raise PrepareError(f"{final} exists and is not a prepared dataset; choose another "
+                               "--name or --data_dir (--overwrite replaces only a dataset)")
+        if os.path.exists(final) and not args.overwrite:
+            raise PrepareError(f"{final} is already prepared; pass --overwrite to replace it, or "
+                               "choose another --name")
         try:  # before the work, not a traceback at its end
             tool_flags.check_output("data_dir", data_dir, folder=True)
         except ValueError as e:
