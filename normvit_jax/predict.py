@@ -195,6 +195,10 @@ def _main(args: Any, prog: str) -> Any:
         print(f"{row['path']}: " + ", ".join(f"{c} {p:.3f}" for c, p in row["top"]))
     for s in skipped:
         print(f"skipped (not a readable image): {s}", file=sys.stderr)
+    if not rows:  # every file skipped: exit 0 and an empty CSV would read as success
+        print(f"{prog}: error: none of the {len(skipped)} file(s) of --images is a readable image",
+              file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     if args.out:
         write_csv(rows, args.out, min(args.top_k, len(rows[0]["top"]) if rows else args.top_k))
         print(f"wrote {len(rows)} predictions to {args.out}")

@@ -108,6 +108,16 @@ def test_train_resume_eval_predict(dataset, tmp_path, capsys):
     assert all(r["top"][0][1] >= r["top"][1][1] >= r["top"][2][1] for r in rows)
     with open(out) as f:
         assert len(list(csv.reader(f))) == 10
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("no image")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # nothing readable: no empty CSV, no exit 0
+        predict.main([f"--workdir={tmp_path}/a", f"--images={tmp_path}/notes",
+                      f"--out={tmp_path}/none.csv"])
+    assert e.value.code == 2 and not (tmp_path / "none.csv").exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "python -m normvit_jax.predict: error: none of the 1 file(s) of --images is a readable "
+        "image")
     variables, config = checkpoints.load_variables(str(tmp_path / "a"))
     ds = data.resolve_data_spec(config)
     model = models.create(config.model, 3)
