@@ -24,6 +24,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from normvit_jax import run_config
+
 log = logging.getLogger(__name__)
 DAMAGED_DIR = "damaged_checkpoints"
 
@@ -368,4 +370,4 @@ def config_path(workdir: str) -> epath.Path:
 def load_config(workdir: str) -> ml_collections.ConfigDict:
     """The run's config (its config.json); RunNotFoundError naming what is missing."""
     require_run(workdir)
-    return ml_collections.ConfigDict(json.loads(config_path(workdir).read_text()))
+    return ml_collections.ConfigDict(run_config.read_saved(config_path(workdir)))

@@ -12,7 +12,7 @@ import pytest
 
 from normvit_jax import checkpoints, cli
 from normvit_jax.analysis import capture
-from tests.conftest import REPO_ROOT, compile_cache_env
+from tests.conftest import REPO_ROOT, compile_cache_env, tiny_demo_config
 from tests.deploy_runs import XLA_FAST
 
 # The children's environment: XLA's backend optimizations off (tests/deploy_runs.XLA_FAST) and one
@@ -51,7 +51,24 @@ def test_missing_workdir_config_and_checkpoint_are_named_with_the_command(tmp_pa
     assert capture.latest_step(str(tmp_path)) == 6
 
 
-# ------------------------------------------------------- the commands a user types (subprocess)
+def test_a_damaged_config_json_is_named_by_every_reader(tmp_path):
+    """Training, --mode=eval and the tools said only JSON's 'Unterminated string starting at: line
+    1 column 10 (char 9)', naming no file."""
+    from configs import run_config as run_config_file
+    from normvit_jax import run_config
+    path = tmp_path / "config.json"
+    path.write_text('{"seed": "0')
+    (tmp_path / "checkpoints" / "6").mkdir(parents=True)
+    message = (rf"^{path} is not readable JSON \(Unterminated string .*\); restore the file \(a "
+               r"config\.before-\*\.json beside it is an older copy\) or use another --workdir$")
+    for read in (lambda: checkpoints.load_config(str(tmp_path)),  # the tools, main.py's eval
+                 lambda: run_config_file.get_config(str(tmp_path)),  # --config=W
+                 lambda: run_config.check_config(tiny_demo_config(), str(tmp_path))):  # training
+        with pytest.raises(ValueError, match=message):
+            read()
+
+
+
 
 def _main(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "main.py", *args], cwd=REPO_ROOT, timeout=timeout,
