@@ -46,7 +46,11 @@ def run_class_names(workdir: str, config: Any) -> list[str]:
     path = os.path.join(workdir, "classes.json")
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
-            return list(json.load(f))
+            try:
+                return list(json.load(f))
+            except ValueError as e:  # JSON's message names no file
+                raise ValueError(f"{path} is not readable JSON ({e}); restore it, or delete it "
+                                 "to use the dataset's class names") from None
     return list(_spec(config).class_names or [])
 
 

@@ -68,6 +68,23 @@ def test_a_damaged_config_json_is_named_by_every_reader(tmp_path):
             read()
 
 
+def test_a_damaged_classes_json_or_prepare_json_is_named(tmp_path):
+    from normvit_jax import predict
+    from normvit_jax.data import prepared
+    (tmp_path / "classes.json").write_text('["cat", "do')
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/classes\.json is not readable JSON \(.*\); "
+                                         r"restore it, or delete it to use the dataset's class"):
+        predict.run_class_names(str(tmp_path), None)
+    info = tmp_path / "dd" / "mine" / prepared.VERSION / prepared.INFO_FILE
+    info.parent.mkdir(parents=True)
+    info.write_text('{"classes": [')
+    with pytest.raises(ValueError, match=rf"^{info} is not readable JSON \(.*\); prepare the "
+                                         r"dataset again: python -m normvit_jax\.data\.prepare "
+                                         rf"--src=YOUR_DATA --name=mine --data_dir={tmp_path}/dd "
+                                         r"--overwrite$"):
+        prepared.describe("mine", str(tmp_path / "dd"))
+
+
 
 
 def _main(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
