@@ -178,6 +178,20 @@ def test_predict_bad_input_is_one_line_exit_2(dataset, tmp_path, capsys):
             f"python -m normvit_jax.predict: error: {flag}: must be >= 1")
 
 
+def test_a_damaged_dataset_file_is_named_not_a_traceback(dataset, tmp_path):
+    """A shard cut short after prepare wrote it: array_record's RuntimeError was a traceback."""
+    import glob
+    import shutil
+    shutil.copytree(dataset / "dd", tmp_path / "dd")
+    shard, = glob.glob(f"{tmp_path}/dd/tiny_own/1.0.0/tiny_own-val.array_record*")
+    os.truncate(shard, 500)
+    cfg = _config(dataset, **{"data.data_dir": f"{tmp_path}/dd"})
+    with pytest.raises(ValueError, match=r"^tiny_own:val: its array_record files cannot be read "
+                                         r"\(.*\); one was damaged after it was written: prepare "
+                                         r"the dataset again"):
+        data.make_pipeline(cfg, "eval", data.resolve_data_spec(cfg))
+
+
 def test_two_hosts_read_disjoint_rows_that_make_the_global_batch(dataset):
     cfg = _config(dataset, **{"data.return_index": True})
     ds = data.resolve_data_spec(cfg)
