@@ -162,8 +162,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="the runtime's intra-op threads "
                    "(0: its default)")
     args = p.parse_args(argv)
-    if min(args.max_bytes, args.max_pixels, args.workers) < 1 or not 0 <= args.port < 65536:
-        _stop("--max_bytes, --max_pixels and --workers must be >= 1, --port in 0..65535")
+    bad = [f"--{k}={getattr(args, k)}" for k in ("max_bytes", "max_pixels", "workers")
+           if getattr(args, k) < 1]  # the flags at fault, not a list of every rule
+    bad += [f"--threads={args.threads}"] if args.threads < 0 else []
+    bad += [f"--port={args.port}"] if not 0 <= args.port < 65536 else []
+    if bad:
+        _stop(f"{', '.join(bad)} is not accepted; accepted: --max_bytes, --max_pixels and "
+              "--workers >= 1, --threads >= 0 (0: the runtime's default), --port in 0..65535")
     from normvit_jax.deploy import DeployError, errors
     try:
         errors.require("starlette", "python -m normvit_jax.serve")

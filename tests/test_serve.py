@@ -262,6 +262,10 @@ def test_command_errors_are_one_line_exit_2(tmp_path, served):
     assert err.strip().splitlines()[-1].startswith(
         f"python -m normvit_jax.serve: error: {damaged / 'model.onnx'} cannot be loaded by "
         "onnxruntime (InvalidProtobuf: ")
+    r = _start(f"--artifact={served[3]}", "--threads=-1", "--workers=0")
+    _, err = r.communicate(timeout=120)
+    assert r.returncode == 2 and err.strip().splitlines()[-1].startswith(
+        "python -m normvit_jax.serve: error: --workers=0, --threads=-1 is not accepted; "), err
     port = int(served[0].rsplit(":", 1)[1])  # taken by the running service
     r = _start(f"--artifact={served[3]}", f"--port={port}")
     _, err = r.communicate(timeout=120)
