@@ -173,10 +173,11 @@ def _main(args: Any, prog: str) -> Any:
                            ("data_dir", args.data_dir)):
                 if v is not None:
                     config.data[key] = v
-        code = cli.evaluate(config, args.workdir, step=args.step)
-        if code:
-            sys.exit(code)
-        return code
+        # not cli.evaluate, which logs main.py's 'Stopped: ...': the errors reach tool_errors
+        from normvit_jax import evaluation
+        print(json.dumps(evaluation.evaluate_checkpoint(config, args.workdir, args.step),
+                         sort_keys=True))
+        return cli.EXIT_OK
     bad = ["--images=FILES_OR_FOLDERS is required"] if not args.images else []
     # --batch=0 failed inside range(), a negative one predicted nothing and exited 0
     bad += [f"--{k}={v}: must be >= 1" for k, v in (("top_k", args.top_k), ("batch", args.batch))

@@ -142,6 +142,10 @@ def test_train_resume_eval_predict(dataset, tmp_path, capsys):
     assert predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--split=train"]) == 0
     ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ev["split"] == "train" and ev["metrics"]["num_examples"] == 24
+    with pytest.raises(SystemExit) as e:  # the tool's one line, not main.py's 'Stopped:' log line
+        predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--split=nosuch"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "python -m normvit_jax.predict: error: config.data.eval_split='nosuch' names 'nosuch'")
 
 
 def test_predict_bad_input_is_one_line_exit_2(dataset, tmp_path, capsys):
