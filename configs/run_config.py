@@ -11,7 +11,6 @@ options, T2T-ViT's) are added as saved.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -19,6 +18,7 @@ import ml_collections
 from etils import epath
 
 from configs import default
+from normvit_jax import run_config as saved_config
 
 
 def _overlay(base: ml_collections.ConfigDict, saved: dict[str, Any]) -> None:
@@ -48,5 +48,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         raise ValueError(f"{path} does not exist: give a workdir of a run (it holds config.json) "
                          "or a config file ending in .py")
     config = default.get_config()
-    _overlay(config, json.loads(path.read_text()))
+    _overlay(config, saved_config.read_saved(path))
     return config

@@ -24,6 +24,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from normvit_jax import run_config
+
 log = logging.getLogger(__name__)
 DAMAGED_DIR = "damaged_checkpoints"
 
@@ -188,7 +190,7 @@ def _unreadable_json(step_path: epath.Path) -> str | None:
     root = str(step_path)
     if "://" in root or not os.path.isdir(root):
         return None
-    for folder, dirs, files in sorted(os.walk(root)):
+    for folder, dirs, files in os.walk(root):  # not sorted(os.walk()): that walks before pruning
         dirs[:] = sorted(d for d in dirs if d != "d")
         for name in sorted(files):
             if name.endswith((".ocdbt", ".txt")):
@@ -208,8 +210,10 @@ def mismatch(mngr: ocp.CheckpointManager, step: int, abstract_state: Any
     ('damaged', why) if its metadata cannot be read; ('mismatch', what differs) otherwise."""
     try:
         meta = mngr.item_metadata(step)["state"]
-        if meta is None:
-            raise ValueError("no metadata for the item 'state'")
+        if meta is None:  # Orbax's answer when state/_METADATA is gone: name the file
+            path = step_dir(mngr, step) / "state" / "_METADATA"
+            raise (ValueError("no metadata for the item 'state'") if path.exists() else
+                   FileNotFoundError(f"Metadata file {path} does not exist"))
         saved = _leaf_specs(getattr(meta, "item_metadata", meta))
     except Exception as e:  # noqa: BLE001
         return "damaged", f"its metadata cannot be read: {describe_damage(e, step_dir(mngr, step))}"
@@ -366,4 +370,4 @@ def config_path(workdir: str) -> epath.Path:
 def load_config(workdir: str) -> ml_collections.ConfigDict:
     """The run's config (its config.json); RunNotFoundError naming what is missing."""
     require_run(workdir)
-    return ml_collections.ConfigDict(json.loads(config_path(workdir).read_text()))
+    return ml_collections.ConfigDict(run_config.read_saved(config_path(workdir)))

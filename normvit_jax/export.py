@@ -156,14 +156,24 @@ def _stop(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser with the one-line error of every tool (absl prints 'FATAL Flags parsing
+    error' and exits 1 for a bad value or an unknown flag)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _stop(f"{e} (--help lists the flags)")
+
+
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         _stop(f"unexpected arguments: {list(argv[1:])} (--help lists the flags)")
-    from normvit_jax import cli, logs
+    from normvit_jax import cli, logs, tool_flags
     logs.quiet_library_logs()  # Orbax logs ~30 INFO lines per restore
     if not FLAGS.workdir or not FLAGS.out:
         _stop("--workdir and --out are required (--help lists the flags)")
     with cli.tool_errors("python -m normvit_jax.export"):  # docs/faults.md: the table's codes
+        tool_flags.check_output("out", FLAGS.out, folder=FLAGS.format == "savedmodel")
         if FLAGS.format != "npz":
             run_deploy(FLAGS.workdir, FLAGS.out, FLAGS.format, step=FLAGS.step, fold=FLAGS.fold,
                        batch=FLAGS.batch, folded=FLAGS.folded)
@@ -179,4 +189,4 @@ if __name__ == "__main__":
     from normvit_jax import tool_flags
     define_flags()
     sys.argv = tool_flags.expand_home(sys.argv)  # --out=~/model.npz: ~ as after a space
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -21,7 +21,10 @@ import warnings
 _NOISY_INFO = ("/orbax/", "/jax/_src/", "/clu/platform/", "/tensorflow_datasets/",
                "/tensorflow/python/", "/jax2onnx/", "/onnx_ir/")
 _NOISY_WARNINGS = ("Metadata file does not exist",  # Orbax, reading checkpoints without it
-                   "CheckpointManagerOptions.read_only=True", "Given directory is read only")
+                   "CheckpointManagerOptions.read_only=True", "Given directory is read only",
+                   # a step without state/_METADATA, which checkpoints.py names in its own warning;
+                   # Orbax's advice (a CheckpointHandlerRegistry) is for code, not the user
+                   'Item "%s" was found in the checkpoint, but could not be restored')
 # Orbax modules whose ERROR records repeat a checkpoint failure that the caller reports
 _ECHOING_ERRORS = ("/orbax/checkpoint/_src/futures/future.py", "/orbax/checkpoint/checkpoint_manager.py",
                    "/orbax/checkpoint/_src/checkpointers/async_checkpointer.py",

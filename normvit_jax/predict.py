@@ -41,14 +41,32 @@ def list_images(spec: str) -> list[str]:
     return out
 
 
-def class_names(workdir: str, config: Any, num_classes: int) -> list[str]:
+def run_class_names(workdir: str, config: Any) -> list[str]:
+    """The run's class names: its classes.json, else the dataset's; [] if neither has them."""
     path = os.path.join(workdir, "classes.json")
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
-            names = list(json.load(f))
-    else:
-        names = list(_spec(config).class_names or [])
+            try:
+                return list(json.load(f))
+            except ValueError as e:  # JSON's message names no file
+                raise ValueError(f"{path} is not readable JSON ({e}); restore it, or delete it "
+                                 "to use the dataset's class names") from None
+    return list(_spec(config).class_names or [])
+
+
+def class_names(workdir: str, config: Any, num_classes: int) -> list[str]:
+    names = run_class_names(workdir, config)
     return names if len(names) == num_classes else [str(i) for i in range(num_classes)]
+
+
+def check_folded(folded: str, num_classes: int, workdir: str, config: Any) -> None:
+    """A --folded folder of another run: a model of another class count would be labelled with
+    numbers instead of the run's names, silently."""
+    names = run_class_names(workdir, config)
+    if names and len(names) != num_classes:
+        raise ValueError(f"--folded={folded} holds a model of {num_classes} classes, but the run "
+                         f"{workdir} has {len(names)}; fold this run: python -m "
+                         f"normvit_jax.reparam --workdir={workdir} --out=DIR")
 
 
 def _spec(config: Any) -> Any:
@@ -81,6 +99,7 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
     config = checkpoints.load_config(workdir)
     if folded:
         model_cfg, variables, n = reparam.load(folded)
+        check_folded(folded, n, workdir, config)
     else:
         variables, _ = checkpoints.load_variables(workdir, step)  # the shared restore path
         model_cfg, n = config.model, int(np.shape(variables["params"]["head"]["bias"])[-1])
@@ -146,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
 
 
 def _main(args: Any, prog: str) -> Any:
-    from normvit_jax import checkpoints, cli
+    from normvit_jax import checkpoints, cli, tool_flags
     config = checkpoints.load_config(args.workdir)
     if args.mode == "eval":
         with config.unlocked():
@@ -154,14 +173,20 @@ def _main(args: Any, prog: str) -> Any:
                            ("data_dir", args.data_dir)):
                 if v is not None:
                     config.data[key] = v
-        code = cli.evaluate(config, args.workdir, step=args.step)
-        if code:
-            sys.exit(code)
-        return code
-    if not args.images or args.top_k < 1:
-        print(f"{prog}: error: --images=FILES_OR_FOLDERS is required and --top_k must be >= 1",
-              file=sys.stderr)
+        # not cli.evaluate, which logs main.py's 'Stopped: ...': the errors reach tool_errors
+        from normvit_jax import evaluation
+        print(json.dumps(evaluation.evaluate_checkpoint(config, args.workdir, args.step),
+                         sort_keys=True))
+        return cli.EXIT_OK
+    bad = ["--images=FILES_OR_FOLDERS is required"] if not args.images else []
+    # --batch=0 failed inside range(), a negative one predicted nothing and exited 0
+    bad += [f"--{k}={v}: must be >= 1" for k, v in (("top_k", args.top_k), ("batch", args.batch))
+            if v < 1]
+    if bad:
+        print(f"{prog}: error: {'; '.join(bad)}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    if args.out:
+        tool_flags.check_output("out", args.out)  # before the work, not a traceback after it
     try:  # --images naming nothing, a --folded folder that reparam did not write
         files = list_images(args.images)
         rows, skipped = predict(args.workdir, files, top_k=args.top_k, step=args.step,
@@ -175,6 +200,10 @@ def _main(args: Any, prog: str) -> Any:
         print(f"{row['path']}: " + ", ".join(f"{c} {p:.3f}" for c, p in row["top"]))
     for s in skipped:
         print(f"skipped (not a readable image): {s}", file=sys.stderr)
+    if not rows:  # every file skipped: exit 0 and an empty CSV would read as success
+        print(f"{prog}: error: none of the {len(skipped)} file(s) of --images is a readable image",
+              file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     if args.out:
         write_csv(rows, args.out, min(args.top_k, len(rows[0]["top"]) if rows else args.top_k))
         print(f"wrote {len(rows)} predictions to {args.out}")

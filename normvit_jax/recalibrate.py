@@ -72,7 +72,7 @@ def recalibrate_stats(model: Any, variables: dict, batches: Any, step: Any,
 
 
 def _fail(message: str) -> None:
-    print(f"python -m normvit_jax.recalibrate: {message}", file=sys.stderr)
+    print(f"python -m normvit_jax.recalibrate: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -92,11 +92,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _main(args: Any) -> dict[str, Any]:
-    from normvit_jax import cli
+    from normvit_jax import cli, tool_flags
     if args.batches < 1:
         _fail(f"--batches={args.batches} is not accepted; accepted: a positive integer")
     if epath.Path(args.out).exists() and any(epath.Path(args.out).iterdir()):
         _fail(f"--out={args.out} exists and is not empty; accepted: a new or empty folder")
+    tool_flags.check_output("out", args.out, folder=True)  # before the work
     config = (cli.load_config_file(args.config) if args.config
               else checkpoints.load_config(args.workdir))
     mesh = sharding.make_mesh(config)

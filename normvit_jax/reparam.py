@@ -293,14 +293,15 @@ def max_logit_difference(model: Any, variables: Mapping, folded: Any,
 
 def save(path: str, model: Any, variables: Mapping, num_classes: int) -> None:
     """Writes a folded model (its spec or ``config.model``) to the folder ``path``:
-    ``variables.msgpack`` (written to a temporary name, then renamed) and ``model.json``
+    ``variables.msgpack`` (written to a temporary name, then renamed over an earlier save's)
+    and ``model.json``
     ({'model': config, 'num_classes': n})."""
     model_cfg = models.spec_of(model).to_config()
     d = epath.Path(path)
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / "variables.msgpack.tmp"
     tmp.write_bytes(serialization.msgpack_serialize(jax.tree.map(np.asarray, dict(variables))))
-    tmp.rename(d / "variables.msgpack")
+    tmp.replace(d / "variables.msgpack")  # rename() refuses an existing file: a re-run's --out
     (d / "model.json").write_text(json.dumps(
         {"model": json.loads(ml_collections.ConfigDict(dict(model_cfg)).to_json_best_effort()),
          "num_classes": int(num_classes)}, indent=2))
@@ -353,8 +354,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = tool_flags.Parser("python -m normvit_jax.reparam", __doc__)
     p.add_argument("--workdir", required=True, help="run directory with checkpoints")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--batch", type=int, default=64, help="images for the check and the timing")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--batch", type=tool_flags.positive_int, default=64,
+                   help="images for the check and the timing")
+    p.add_argument("--reps", type=tool_flags.positive_int, default=5,
+                   help="timed repetitions (median)")
     p.add_argument("--out", default=None,
                    help="folder to save the folded model in (model.json + variables.msgpack; "
                         "read back with normvit_jax.reparam.load)")
@@ -364,7 +367,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _main(args: Any) -> dict[str, Any]:
-    from normvit_jax import checkpoints
+    from normvit_jax import checkpoints, tool_flags
+    if args.out:
+        tool_flags.check_output("out", args.out, folder=True)  # before the work
     variables, config = checkpoints.load_variables(args.workdir, args.step)  # the shared restore
     num_classes = int(variables["params"]["head"]["bias"].shape[-1])
     size = int(config.data.image_size)

@@ -21,6 +21,18 @@ class ConfigChangedError(ValueError):
     """The workdir holds a run made with another config."""
 
 
+def read_saved(path: Any) -> dict:
+    """A run's config.json as a dict; a file damaged after the run wrote it (it is written
+    atomically) is a ValueError naming it, not JSON's bare 'Unterminated string ...'."""
+    text = epath.Path(path).read_text()
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path} is not readable JSON ({e}); restore the file (a "
+                         "config.before-*.json beside it is an older copy) or use another "
+                         "--workdir") from None
+
+
 def utc_stamp() -> str:
     """The time as the names of kept files have it (config.before-<time>.json, replaced/<time>)."""
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -68,7 +80,7 @@ def check_config(config: Any, workdir: str) -> None:
     path = epath.Path(workdir) / CONFIG_NAME
     if not path.exists():
         return
-    diff = config_diff(json.loads(path.read_text()), json.loads(config.to_json_best_effort()))
+    diff = config_diff(read_saved(path), json.loads(config.to_json_best_effort()))
     if diff and not has_checkpoint(workdir):
         # An earlier start failed before its first checkpoint (a wrong init_from, data not yet
         # prepared): nothing was trained with the old config, so the corrected command goes on;

@@ -109,6 +109,7 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse
     from starlette.routing import Route
     from normvit_jax.deploy.preprocess import InputError
@@ -125,6 +126,8 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
                 return JSONResponse(await run_in_threadpool(model.predict, data, k))
         except InputError as e:
             return error(e.status, e.message)
+        except ClientDisconnect:  # gone mid-body: nobody reads the answer; no traceback in the log
+            return error(400, "the client disconnected before sending the whole body")
 
     async def healthz(request: Any) -> JSONResponse:
         return JSONResponse({"status": "ok", "format": model.fmt, "artifact": model.path,
@@ -159,8 +162,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="the runtime's intra-op threads "
                    "(0: its default)")
     args = p.parse_args(argv)
-    if min(args.max_bytes, args.max_pixels, args.workers) < 1 or not 0 <= args.port < 65536:
-        _stop("--max_bytes, --max_pixels and --workers must be >= 1, --port in 0..65535")
+    bad = [f"--{k}={getattr(args, k)}" for k in ("max_bytes", "max_pixels", "workers")
+           if getattr(args, k) < 1]  # the flags at fault, not a list of every rule
+    bad += [f"--threads={args.threads}"] if args.threads < 0 else []
+    bad += [f"--port={args.port}"] if not 0 <= args.port < 65536 else []
+    if bad:
+        _stop(f"{', '.join(bad)} is not accepted; accepted: --max_bytes, --max_pixels and "
+              "--workers >= 1, --threads >= 0 (0: the runtime's default), --port in 0..65535")
     from normvit_jax.deploy import DeployError, errors
     try:
         errors.require("starlette", "python -m normvit_jax.serve")

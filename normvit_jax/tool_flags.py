@@ -12,6 +12,7 @@ import argparse
 import os
 import re
 import sys
+import tempfile
 from typing import NoReturn, Sequence
 
 _HOME_VALUE = re.compile(r"^(--[^=]+=)(~[^/]*(?:/.*)?)$")
@@ -26,6 +27,35 @@ def expand_home(argv: Sequence[str]) -> list[str]:
         m = _HOME_VALUE.match(a)
         out.append(m.group(1) + os.path.expanduser(m.group(2)) if m else a)
     return out
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (argparse names the flag in its one-line error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not accepted; accepted: an integer >= 1")
+    return value
+
+
+def check_output(flag: str, path: str, folder: bool = False) -> None:
+    """Before the work: ``--flag=path`` can be written as a file (or, ``folder``, a folder): it is
+    of that kind if it exists, and a file can be made in the nearest folder that exists. Else a
+    ValueError naming the flag (one line, exit 2 by cli.tool_errors), not a traceback after the
+    work. gs:// paths are left to the write (checking them needs credentials)."""
+    if "://" in path:
+        return
+    path = os.path.abspath(path)
+    kind = "a folder" if folder else "a file"
+    if os.path.exists(path) and os.path.isdir(path) != folder:
+        raise ValueError(f"--{flag}={path} exists and is not {kind}; pass the path of {kind}")
+    parent = path if os.path.isdir(path) else os.path.dirname(path)
+    while not os.path.exists(parent):  # where the missing folders will be made
+        parent = os.path.dirname(parent)
+    try:
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        raise ValueError(f"--{flag}={path}: cannot write in {parent} ({type(e).__name__}: "
+                         f"{e.strerror or e}); pass a writable path") from None
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

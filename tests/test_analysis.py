@@ -212,6 +212,29 @@ def test_attention_cli_writes_a_png_per_head_and_block_and_the_csvs(trained, tmp
     assert attention.default_blocks(12) == [0, 3, 6, 9]
 
 
+def test_attention_and_report_name_a_bad_count_or_index_flag_in_one_line(trained, tmp_path, capsys):
+    """--images=0 failed as 'zero-size array to reduction operation max' (report: skipped the
+    analysis with that reason, exit 0), --heads=x as 'invalid literal for int()'."""
+    base = [f"--workdir={trained[0]}", f"--out={tmp_path / 'att'}", "--images=2", "--stat_images=2"]
+    for tool, argv, flag in ((attention, base + ["--images=0"], "--images: 0"),
+                             (attention, base + ["--stat_images=-1"], "--stat_images: -1"),
+                             (report, [trained[0], f"--out={tmp_path / 'rep'}", "--images=0"],
+                              "--images: 0")):
+        with pytest.raises(SystemExit) as e:
+            tool.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err
+        assert f"error: argument {flag} is not accepted; accepted: an integer >= 1" in err, err
+    for argv, line in ((["--heads=x"], "--heads=x: accepted 'auto', 'all' or a comma list in 0..1 "
+                                       "(the model has 2 heads)"),
+                       (["--blocks=5"], "--blocks=5: accepted 'auto', 'all' or a comma list in "
+                                        "0..1 (the model has 2 blocks)")):
+        assert attention.main(base + argv) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"python -m normvit_jax.analysis.attention: error: {line}")
+    assert not os.path.exists(tmp_path / "rep")
+
+
 def test_report_table_equals_the_summaries(trained, tmp_path):
     workdir, out = trained
     fake = str(tmp_path / "resumed")  # the trained checkpoint with hand-written summaries

@@ -47,6 +47,11 @@ def test_library_chatter_and_failure_echoes_are_dropped_and_the_rest_kept():
                 "_SignalingThread.run() raised an exception: %s"),
         _record(f"{SITE}/orbax/checkpoint/_src/metadata/checkpoint.py", std_logging.ERROR,
                 "Failed to read Metadata file: %s"),
+        # a step whose state/_METADATA is gone (checkpoints.py's warning names it)
+        _record(f"{SITE}/orbax/checkpoint/_src/handlers/composite_checkpoint_handler.py",
+                std_logging.WARNING, 'Item "%s" was found in the checkpoint, but could not be '
+                "restored. Please provide a `CheckpointHandlerRegistry`, or call `restore` with "
+                "an appropriate `CheckpointArgs` subclass."),
         _record("/usr/lib/python3/asyncio/base_events.py", std_logging.ERROR,
                 "Task exception was never retrieved", name="asyncio",
                 exc_info=_orbax_exc_info()),

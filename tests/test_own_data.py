@@ -108,6 +108,16 @@ def test_train_resume_eval_predict(dataset, tmp_path, capsys):
     assert all(r["top"][0][1] >= r["top"][1][1] >= r["top"][2][1] for r in rows)
     with open(out) as f:
         assert len(list(csv.reader(f))) == 10
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("no image")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # nothing readable: no empty CSV, no exit 0
+        predict.main([f"--workdir={tmp_path}/a", f"--images={tmp_path}/notes",
+                      f"--out={tmp_path}/none.csv"])
+    assert e.value.code == 2 and not (tmp_path / "none.csv").exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "python -m normvit_jax.predict: error: none of the 1 file(s) of --images is a readable "
+        "image")
     variables, config = checkpoints.load_variables(str(tmp_path / "a"))
     ds = data.resolve_data_spec(config)
     model = models.create(config.model, 3)
@@ -132,6 +142,10 @@ def test_train_resume_eval_predict(dataset, tmp_path, capsys):
     assert predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--split=train"]) == 0
     ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ev["split"] == "train" and ev["metrics"]["num_examples"] == 24
+    with pytest.raises(SystemExit) as e:  # the tool's one line, not main.py's 'Stopped:' log line
+        predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--split=nosuch"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "python -m normvit_jax.predict: error: config.data.eval_split='nosuch' names 'nosuch'")
 
 
 def test_predict_bad_input_is_one_line_exit_2(dataset, tmp_path, capsys):
@@ -143,6 +157,43 @@ def test_predict_bad_input_is_one_line_exit_2(dataset, tmp_path, capsys):
             predict.main(argv)
         assert e.value.code == 2
         assert capsys.readouterr().err.strip().startswith("python -m normvit_jax.predict: error: ")
+    # a folded model of another run, with 5 classes where this run has 3: refused, not numbered
+    from normvit_jax import reparam
+    from normvit_jax.deploy import bundle, errors
+    cfg = _config(dataset)
+    variables = models.create(cfg.model, 5).init(jax.random.key(0), np.zeros((1, 8, 8, 3)),
+                                                 train=False)
+    reparam.save(str(tmp_path / "f5"), cfg.model, variables, 5)
+    with pytest.raises(SystemExit) as e:
+        predict.main([f"--workdir={tmp_path}/w", f"--images={dataset}/src/val",
+                      f"--folded={tmp_path}/f5"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"python -m normvit_jax.predict: error: --folded={tmp_path}/f5 holds a model of 5 "
+        f"classes, but the run {tmp_path}/w has 3; fold this run: python -m normvit_jax.reparam "
+        f"--workdir={tmp_path}/w --out=DIR")
+    with pytest.raises(errors.DeployError, match="holds a model of 5 classes"):  # export's path
+        bundle.load(f"{tmp_path}/w", folded=f"{tmp_path}/f5", log=None)
+    for flag in ("--batch=0", "--batch=-3", "--top_k=0"):  # before the run is read
+        with pytest.raises(SystemExit) as e:
+            predict.main([f"--workdir={tmp_path}/w", f"--images={dataset}/src/val", flag])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip() == (
+            f"python -m normvit_jax.predict: error: {flag}: must be >= 1")
+
+
+def test_a_damaged_dataset_file_is_named_not_a_traceback(dataset, tmp_path):
+    """A shard cut short after prepare wrote it: array_record's RuntimeError was a traceback."""
+    import glob
+    import shutil
+    shutil.copytree(dataset / "dd", tmp_path / "dd")
+    shard, = glob.glob(f"{tmp_path}/dd/tiny_own/1.0.0/tiny_own-val.array_record*")
+    os.truncate(shard, 500)
+    cfg = _config(dataset, **{"data.data_dir": f"{tmp_path}/dd"})
+    with pytest.raises(ValueError, match=r"^tiny_own:val: its array_record files cannot be read "
+                                         r"\(.*\); one was damaged after it was written: prepare "
+                                         r"the dataset again"):
+        data.make_pipeline(cfg, "eval", data.resolve_data_spec(cfg))
 
 
 def test_two_hosts_read_disjoint_rows_that_make_the_global_batch(dataset):

@@ -12,7 +12,7 @@ import pytest
 
 from normvit_jax import checkpoints, cli
 from normvit_jax.analysis import capture
-from tests.conftest import REPO_ROOT, compile_cache_env
+from tests.conftest import REPO_ROOT, compile_cache_env, tiny_demo_config
 from tests.deploy_runs import XLA_FAST
 
 # The children's environment: XLA's backend optimizations off (tests/deploy_runs.XLA_FAST) and one
@@ -51,7 +51,41 @@ def test_missing_workdir_config_and_checkpoint_are_named_with_the_command(tmp_pa
     assert capture.latest_step(str(tmp_path)) == 6
 
 
-# ------------------------------------------------------- the commands a user types (subprocess)
+def test_a_damaged_config_json_is_named_by_every_reader(tmp_path):
+    """Training, --mode=eval and the tools said only JSON's 'Unterminated string starting at: line
+    1 column 10 (char 9)', naming no file."""
+    from configs import run_config as run_config_file
+    from normvit_jax import run_config
+    path = tmp_path / "config.json"
+    path.write_text('{"seed": "0')
+    (tmp_path / "checkpoints" / "6").mkdir(parents=True)
+    message = (rf"^{path} is not readable JSON \(Unterminated string .*\); restore the file \(a "
+               r"config\.before-\*\.json beside it is an older copy\) or use another --workdir$")
+    for read in (lambda: checkpoints.load_config(str(tmp_path)),  # the tools, main.py's eval
+                 lambda: run_config_file.get_config(str(tmp_path)),  # --config=W
+                 lambda: run_config.check_config(tiny_demo_config(), str(tmp_path))):  # training
+        with pytest.raises(ValueError, match=message):
+            read()
+
+
+def test_a_damaged_classes_json_or_prepare_json_is_named(tmp_path):
+    from normvit_jax import predict
+    from normvit_jax.data import prepared
+    (tmp_path / "classes.json").write_text('["cat", "do')
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/classes\.json is not readable JSON \(.*\); "
+                                         r"restore it, or delete it to use the dataset's class"):
+        predict.run_class_names(str(tmp_path), None)
+    info = tmp_path / "dd" / "mine" / prepared.VERSION / prepared.INFO_FILE
+    info.parent.mkdir(parents=True)
+    info.write_text('{"classes": [')
+    with pytest.raises(ValueError, match=rf"^{info} is not readable JSON \(.*\); prepare the "
+                                         r"dataset again: python -m normvit_jax\.data\.prepare "
+                                         rf"--src=YOUR_DATA --name=mine --data_dir={tmp_path}/dd "
+                                         r"--overwrite$"):
+        prepared.describe("mine", str(tmp_path / "dd"))
+
+
+
 
 def _main(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "main.py", *args], cwd=REPO_ROOT, timeout=timeout,
@@ -130,6 +164,36 @@ def test_post_training_tools_name_what_is_missing_and_refuse_extra_arguments(run
         line = _one_line(r, f"python -m {module}: error: ")
         assert named in line, (line, named)
     assert not os.path.exists(f"{tmp_path}/m.npz") and not os.path.exists(f"{tmp_path}/o")
+
+
+def test_an_output_path_that_cannot_be_written_is_one_line_exit_2_before_the_work(run, tmp_path):
+    """A file where a folder is needed on the way to --out (--data_dir): one line naming the flag
+    and the folder, exit 2, before the tool reads the run (was a traceback after the work)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = f"{blocker}/sub"
+    cases = [
+        ("normvit_jax.predict", [f"--workdir={run}", f"--images={blocker}", f"--out={out}/p.csv"]),
+        ("normvit_jax.reparam", [f"--workdir={run}", f"--out={out}"]),
+        ("normvit_jax.export", [f"--workdir={run}", "--format=stablehlo", f"--out={out}/m"]),
+        ("normvit_jax.recalibrate", [f"--workdir={run}", f"--out={out}"]),
+        ("normvit_jax.analysis.attention", [f"--workdir={run}", f"--out={out}"]),
+        ("normvit_jax.analysis.report", [run, f"--out={out}"]),
+        ("normvit_jax.data.prepare", [f"--src={tmp_path}", "--name=x", f"--data_dir={out}"]),
+    ]
+    for module, args in cases:
+        r = _tool(module, *args)
+        assert r.returncode == 2, (module, r.stderr[-2000:])
+        line = _one_line(r, f"python -m {module}: error: " if module != "normvit_jax.data.prepare"
+                         else "error: ")
+        assert f"{out}" in line and f"cannot write in {blocker} (NotADirectoryError" in line, line
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    r = _tool("normvit_jax.export", f"--workdir={run}", "--format=onnx", f"--out={folder}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "a_folder"]  # nothing written
+    assert _one_line(r, "python -m normvit_jax.export: error: ").endswith(
+        f"--out={folder} exists and is not a file; pass the path of a file")
 
 
 # As root, permission bits bind only without CAP_DAC_OVERRIDE/CAP_FOWNER: the child drops them

@@ -141,8 +141,19 @@ def test_existing_names_and_bad_names_are_refused(prepared_folder, capsys):
     assert "already prepared" in _fails(capsys, f"--src={root}/src", "--name=pets",
                                         f"--data_dir={root}/dd")
     assert "catalog" in _fails(capsys, f"--src={root}/src", "--name=mnist", f"--data_dir={root}/dd")
+    # a folder of the name that is no dataset (here the source itself) is never replaced
+    for extra in ([], ["--overwrite"]):
+        assert _fails(capsys, f"--src={root}/src", "--name=src", f"--data_dir={root}", *extra) == (
+            f"error: {root}/src exists and is not a prepared dataset; choose another --name or "
+            "--data_dir (--overwrite replaces only a dataset)")
+    assert sorted(os.listdir(f"{root}/src")) == ["README.txt", "train", "val"]
     assert "--name='My-Set'" in _fails(capsys, f"--src={root}/src", "--name=My-Set",
                                        f"--data_dir={root}/dd")
+    for n in (0, -1):
+        assert _fails(capsys, f"--src={root}/src", "--name=pets_w", f"--data_dir={root}/dd",
+                      f"--workers={n}") == (f"error: --workers={n}; accepted: an integer >= 1 "
+                                            "(leave it out for one per core)")
+    assert not os.path.exists(f"{root}/dd/.pets_w.partial")
 
 
 def test_overwrite_replaces_only_once_the_new_one_is_complete(folder, tmp_path, capsys):
@@ -208,6 +219,29 @@ def test_npz_uint8_and_float_arrays(tmp_path, capsys):
     want_t = np.rint(xt.astype(np.float64) * 255).astype(np.uint8)
     assert sorted(r["image"][..., 0].tobytes() for r in te) == sorted(w.tobytes() for w in want_t)
     assert all(np.array_equal(r["image"][..., 0], r["image"][..., 2]) for r in te)
+
+
+def test_a_source_of_one_class_is_refused_before_decoding(tmp_path, capsys):
+    src = _tree(tmp_path / "s", {"cat": 4})
+    assert _fails(capsys, f"--src={src}", "--name=one", f"--data_dir={tmp_path}/dd") == (
+        f"error: {src}: one class ('cat'); a classifier needs two or more: one folder per class "
+        "(or labels of two or more values)")
+    np.savez(tmp_path / "a.npz", images=np.zeros((4, 8, 8), np.uint8), labels=np.zeros(4, int))
+    assert "one class ('0')" in _fails(capsys, f"--src={tmp_path}/a.npz", "--name=one",
+                                       f"--data_dir={tmp_path}/dd")
+    assert not os.path.exists(tmp_path / "dd")
+
+
+def test_a_damaged_archive_or_array_file_is_named_in_one_line(tmp_path, capsys):
+    (tmp_path / "text.npz").write_text("not arrays\n")  # was 'holds pickled Python objects'
+    assert _fails(capsys, f"--src={tmp_path}/text.npz", "--name=c0", f"--data_dir={tmp_path}/dd"
+                  ) == (f"error: {tmp_path}/text.npz: not an .npz (zip) or .npy file; write the "
+                        "arrays with numpy.savez or numpy.save")
+    (tmp_path / "cifar-10-binary.tar.gz").write_bytes(gzip.compress(b"x" * 4096)[:300])
+    msg = _fails(capsys, f"--src={tmp_path}/cifar-10-binary.tar.gz", "--name=c1",
+                 f"--data_dir={tmp_path}/dd")  # the last line of stderr: the whole message
+    assert msg.startswith(f"error: {tmp_path}/cifar-10-binary.tar.gz: not a readable tar archive ")
+    assert "method gz:" in msg and "method tar:" in msg
 
 
 def test_bad_arrays_exit_2_naming_the_file(tmp_path, capsys):

@@ -72,3 +72,4 @@ def test_a_run_without_statistics_exits_2_with_one_line(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "keeps no running statistics" in err[0] and "'layernorm'" in err[0]
+    assert err[0].startswith("python -m normvit_jax.recalibrate: error: ")  # docs/faults.md

@@ -156,6 +156,19 @@ def test_command_folds_a_trained_run(tmp_path, capsys):
         reparam.load(str(tmp_path / "nothing"))
 
 
+def test_save_into_a_folder_saved_before_replaces_it(tmp_path):
+    """Re-running ``reparam --out=DIR`` with the same DIR (its docstring's
+    ``--out=runs/demo_un/folded``) replaces the folded model; the rename refused an existing file."""
+    cfg = tiny_model_cfg("batchnorm")
+    reparam.save(str(tmp_path), cfg, random_variables(cfg, seed=1), NUM_CLASSES)
+    second = random_variables(cfg, seed=2)
+    reparam.save(str(tmp_path), cfg, second, NUM_CLASSES)
+    _, loaded, _ = reparam.load(str(tmp_path))
+    for a, b in zip(jax.tree.leaves(second), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json", "variables.msgpack"]
+
+
 @pytest.mark.parametrize("patch_norm", ["none", "post"])
 def test_input_affine_folds_into_the_patch_embedding(patch_norm):
     """Folded into the patch embedding, the pixels' per-channel affine gives the same logits on

@@ -11,8 +11,10 @@ import json
 import os
 import subprocess
 import sys
+import types
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +28,7 @@ from tests.conftest import REPO_ROOT
 MAX_BYTES, MAX_PIXELS = 200_000, 1_000_000
 
 
-def _tiny_artifact(out: str, names: list[str] | None = None) -> None:
+def _tiny_artifact(out: str, names: list[str] | None = None, fmt: str = "onnx") -> None:
     """A one-block demo ViT with random weights (drawn in numpy at the shapes ``init`` gives, so
     nothing is compiled) and a wide random head (so predictions vary)."""
     import jax
@@ -40,7 +42,7 @@ def _tiny_artifact(out: str, names: list[str] | None = None) -> None:
     v["params"]["head"]["kernel"] = rng.normal(0, 0.5, shapes["params"]["head"]["kernel"].shape
                                                ).astype(np.float32)
     names = names or [f"digit {i}" for i in range(10)]
-    artifact.export_artifact(bundle.from_variables(c, c.model, v, 10, names, log=None), "onnx",
+    artifact.export_artifact(bundle.from_variables(c, c.model, v, 10, names, log=None), fmt,
                              out, log=None)
 
 
@@ -183,6 +185,28 @@ def test_bad_input_is_a_one_line_4xx_and_the_service_keeps_serving(served, body,
         assert r.status == 200 and json.loads(r.read())["status"] == "ok"
 
 
+def test_a_client_that_leaves_mid_body_is_no_error_of_the_app():
+    """A client that disconnects before its body is complete: the app answers (to nobody) instead
+    of raising starlette's ClientDisconnect, which uvicorn logged as a traceback."""
+    import asyncio
+    from normvit_jax import serve
+    app = serve.make_app(types.SimpleNamespace(top_k=lambda raw: 1))
+    scope = {"type": "http", "method": "POST", "path": "/predict", "query_string": b"",
+             "headers": [(b"content-length", b"5")], "http_version": "1.1", "scheme": "http",
+             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 1), "root_path": ""}
+    messages = [{"type": "http.request", "body": b"ab", "more_body": True},
+                {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 400
+
+
 def test_wrong_method_and_path_are_json_4xx(served):
     url = served[0]
     for req, code in ((urllib.request.Request(f"{url}/predict"), 405),
@@ -216,7 +240,32 @@ def test_command_errors_are_one_line_exit_2(tmp_path, served):
     r = _start(f"--artifact={tmp_path / 'missing.onnx'}")
     _, err = r.communicate(timeout=120)
     assert r.returncode == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("python -m normvit_jax.serve: error: ")
+    assert err.strip().splitlines()[-1].startswith(
+        f"python -m normvit_jax.serve: error: {tmp_path / 'missing.onnx'} does not exist: pass ")
+    damaged = tmp_path / "damaged"  # the artifact's files, its .onnx cut short
+    damaged.mkdir()
+    for name in ("model.onnx.json", "classes.json"):
+        (damaged / name).write_bytes((Path(served[3]).parent / name).read_bytes())
+    (damaged / "model.onnx").write_bytes(Path(served[3]).read_bytes())
+    (damaged / "model.onnx.json").write_text('{"format": "onn')
+    r = _start(f"--artifact={damaged / 'model.onnx'}")
+    _, err = r.communicate(timeout=120)
+    assert r.returncode == 2 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(
+        f"python -m normvit_jax.serve: error: {damaged / 'model.onnx.json'} is not readable JSON")
+    (damaged / "model.onnx.json").write_bytes((Path(served[3]).parent / "model.onnx.json"
+                                               ).read_bytes())
+    (damaged / "model.onnx").write_bytes(Path(served[3]).read_bytes()[:1000])
+    r = _start(f"--artifact={damaged / 'model.onnx'}")
+    _, err = r.communicate(timeout=120)
+    assert r.returncode == 2 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(
+        f"python -m normvit_jax.serve: error: {damaged / 'model.onnx'} cannot be loaded by "
+        "onnxruntime (InvalidProtobuf: ")
+    r = _start(f"--artifact={served[3]}", "--threads=-1", "--workers=0")
+    _, err = r.communicate(timeout=120)
+    assert r.returncode == 2 and err.strip().splitlines()[-1].startswith(
+        "python -m normvit_jax.serve: error: --workers=0, --threads=-1 is not accepted; "), err
     port = int(served[0].rsplit(":", 1)[1])  # taken by the running service
     r = _start(f"--artifact={served[3]}", f"--port={port}")
     _, err = r.communicate(timeout=120)
@@ -245,6 +294,19 @@ def test_onnx_sessions_spin_by_default_and_can_sleep_between_calls(monkeypatch, 
     assert seen[0].intra_op_num_threads == seen[1].intra_op_num_threads == 2
     with pytest.raises(RuntimeError, match="allow_spinning"):  # not set: ONNX Runtime's default
         seen[1].get_session_config_entry("session.intra_op.allow_spinning")
+
+
+def test_a_savedmodel_never_replaces_a_folder_of_other_files(tmp_path):
+    """The SavedModel writer replaces its --out folder: a run's workdir or '.' given by mistake
+    was deleted. Such a folder is refused before anything is written; an empty one is used."""
+    from normvit_jax.deploy import DeployError
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text("{}")
+    with pytest.raises(DeployError, match=r"holds other files than a SavedModel written by this "
+                                          r"export, .* pass a new or empty folder"):
+        _tiny_artifact(str(tmp_path / "run"), fmt="savedmodel")
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoints", "config.json"]
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no .tmp, no staging folder left
 
 
 def test_artifacts_sharing_a_folder_keep_their_class_names(tmp_path):

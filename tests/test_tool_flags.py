@@ -250,3 +250,32 @@ def test_every_flag_a_doc_command_passes_exists():
                         bad.append(f"{path}:{line}: {module} has no {flag}")
     assert len(known) >= 10, sorted(known)
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("flag", ["--batch=0", "--batch=-2", "--reps=0"])
+def test_reparam_counts_below_1_are_one_line_exit_2(flag, capsys):
+    """--batch=0 was a JAX traceback, --reps=0 'min() arg is an empty sequence' after the work."""
+    from normvit_jax import reparam
+    with pytest.raises(SystemExit) as e:
+        reparam.main(["--workdir=w", flag])
+    name, value = flag[2:].split("=")
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"python -m normvit_jax.reparam: error: argument --{name}: {value} is not accepted; "
+        "accepted: an integer >= 1 (--help lists the flags)\n")
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--format=tflite", "flag --format=tflite: value should be one of <npz|onnx|savedmodel|stablehlo>"),
+    ("--step=abc", "flag --step=abc: invalid literal for int()"),
+    ("--bogus=1", "Unknown command line flag 'bogus'"),
+])
+def test_export_refuses_a_bad_flag_in_one_line_exit_2(flag, message, tmp_path):
+    """export parses with absl (main.py shares its flags), whose own error is 'FATAL Flags parsing
+    error' and exit 1; the command answers as every tool: one line, exit 2, nothing written."""
+    r = subprocess.run([sys.executable, "-m", "normvit_jax.export", f"--workdir={tmp_path}/w",
+                        f"--out={tmp_path}/m.onnx", flag], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    lines = [ln for ln in r.stderr.splitlines() if "error" in ln.lower()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith("python -m normvit_jax.export: error: ") and message in lines[0]
+    assert "Traceback" not in r.stderr and os.listdir(tmp_path) == []

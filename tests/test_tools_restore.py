@@ -117,6 +117,19 @@ def test_a_truncated_metadata_file_is_named_and_skipped(run, tmp_path):
         checkpoints.restore_numpy(wd, 6)  # the step asked for: no fallback, exit 4
 
 
+def test_a_deleted_metadata_file_is_named_in_one_warning(run, tmp_path):
+    """Training and --mode=eval named a healthy OCDBT data file (state/d/<hash>, which is not
+    JSON) as the file that failed, beside Orbax's warning about a CheckpointHandlerRegistry."""
+    wd = _copy(run, tmp_path / "wd")
+    path = os.path.join(wd, "checkpoints", "6", "state", "_METADATA")
+    os.remove(path)
+    r = _run("eval", wd, tmp_path / "out")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    hits = [line for line in r.stderr.splitlines() if re.search(DAMAGED, line)]
+    assert len(hits) == 1 and f"Metadata file {path} does not exist" in hits[0], r.stderr[-3000:]
+    assert "/d/" not in hits[0] and "CheckpointHandlerRegistry" not in r.stderr
+
+
 @pytest.mark.parametrize("tool", ["predict", "reparam", "export", "attention", "recalibrate",
                                   "eval"])
 def test_no_checkpoint_exits_2_in_one_line_from_every_tool(run, tmp_path, tool):

@@ -37,10 +37,12 @@ def parse_indices(spec: str, n: int, default: Sequence[int]) -> list[int]:
         return list(default)
     if spec == "all":
         return list(range(n))
-    out = [int(s) for s in spec.split(",") if s.strip()]
-    bad = [i for i in out if not 0 <= i < n]
-    if bad or not out:
-        raise ValueError(f"indices {spec!r}: accepted 'auto', 'all' or a comma list in 0..{n - 1}")
+    try:
+        out = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:  # not a number: the same message as a number out of range
+        out = []
+    if not out or any(not 0 <= i < n for i in out):
+        raise ValueError(f"accepted 'auto', 'all' or a comma list in 0..{n - 1}")
     return out
 
 
@@ -125,8 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = tool_flags.Parser("python -m normvit_jax.analysis.attention", __doc__)
     ap.add_argument("--workdir", required=True, help="a run's workdir (config.json, checkpoints/)")
     ap.add_argument("--out", required=True, help="folder for the PNG and CSV files")
-    ap.add_argument("--images", type=int, default=8, help="eval images shown in the maps")
-    ap.add_argument("--stat_images", type=int, default=64,
+    ap.add_argument("--images", type=tool_flags.positive_int, default=8,
+                    help="eval images shown in the maps")
+    ap.add_argument("--stat_images", type=tool_flags.positive_int, default=64,
                     help="eval images averaged for distances and token statistics")
     ap.add_argument("--heads", default="0", help="'0,1', 'all' (maps and matrices)")
     ap.add_argument("--blocks", default="auto", help="'auto' (0/3/6/9 of 12), 'all' or '0,3'")
@@ -134,13 +137,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from normvit_jax import cli
     with cli.tool_errors(ap.prog):  # docs/faults.md: one line and the table's exit code
+        tool_flags.check_output("out", args.out, folder=True)  # before the work
         ra = analyze_run(args.workdir, args.images, args.stat_images, args.step)
     depth, heads = ra.stats.distance.shape[0], ra.stats.distance.shape[2]
     try:
         hs = parse_indices(args.heads, heads, [0])
+    except ValueError as e:
+        print(f"{ap.prog}: error: --heads={args.heads}: {e} (the model has {heads} heads)",
+              file=sys.stderr)
+        return 2
+    try:
         bs = parse_indices(args.blocks, depth, default_blocks(depth))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{ap.prog}: error: --blocks={args.blocks}: {e} (the model has {depth} blocks)",
+              file=sys.stderr)
         return 2
     paths = write_maps(ra, args.out, hs, bs)
     paths += write_summaries([ra], args.out, f"{colors.label(ra.run.method)} "

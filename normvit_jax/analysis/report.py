@@ -259,8 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder for report.md, report.json and the PNGs")
     ap.add_argument("--no_attention", action="store_true",
                     help="skip attention distances, token statistics and gates (needs no eval data)")
-    ap.add_argument("--images", type=int, default=8, help="eval images per run for the analysis")
-    ap.add_argument("--stat_images", type=int, default=64,
+    ap.add_argument("--images", type=tool_flags.positive_int, default=8,
+                    help="eval images per run for the analysis")
+    ap.add_argument("--stat_images", type=tool_flags.positive_int, default=64,
                     help="eval images averaged for distances and token statistics")
     ap.add_argument("--tags", default="", help="comma list of other scalar tags to plot vs steps")
     ap.add_argument("--reference", default=None,
@@ -271,6 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="fraction of the reference's mean final top-1 each method must reach")
     args = ap.parse_args(argv)
     tags = [t for t in args.tags.split(",") if t.strip()]
+    try:  # before the work, not a traceback after it
+        tool_flags.check_output("out", args.out, folder=True)
+    except ValueError as e:
+        ap.error(str(e))
     try:
         paths = write_report(args.workdirs, args.out, args.no_attention, args.images,
                              args.stat_images, tags, args.reference, args.target)

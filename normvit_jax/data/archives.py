@@ -60,7 +60,9 @@ def _members(src: str) -> dict[str, tuple[str, Callable[[], bytes]]]:
         try:
             tf = tarfile.open(src)
         except (tarfile.TarError, OSError) as e:
-            raise PrepareError(f"{src}: not a readable tar archive ({e})") from None
+            # one line: tarfile lists the reason of each compression it tried on lines of their own
+            raise PrepareError(f"{src}: not a readable tar archive ({' '.join(str(e).split())})") \
+                from None
         for m in tf.getmembers():
             if m.isfile():
                 out[os.path.basename(m.name)] = (

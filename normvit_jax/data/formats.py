@@ -158,10 +158,19 @@ def read_folder(src: str) -> tuple[Parsed, bool]:
 
 
 # ---------------------------------------------------------------- .npz / .npy arrays
+def _is_npy_or_npz(path: str) -> bool:
+    """A .npy header or a zip (.npz): numpy takes any other file for a pickle."""
+    with open(path, "rb") as f:
+        return f.read(6).startswith((b"\x93NUMPY", b"PK\x03\x04"))
+
+
 def _np_load(path: str):
     try:
         return np.load(path, allow_pickle=False)
     except ValueError as e:
+        if "allow_pickle" in str(e) and not _is_npy_or_npz(path):
+            raise PrepareError(f"{path}: not an .npz (zip) or .npy file; write the arrays with "
+                               "numpy.savez or numpy.save") from None
         if "allow_pickle" in str(e):
             raise PrepareError(f"{path}: holds pickled Python objects, which are never loaded "
                                f"(allow_pickle=False); save plain numeric arrays") from None

@@ -44,7 +44,7 @@ def _open_source(data_dir: str | None, name: str, tfds_split: str, limit: int | 
             recs = real_labels.RealRecords(recs)
         else:
             examples = tfds_source.serialized_examples(recs)
-        src = JpegSource(recs, len(recs), workers, examples)
+        src = JpegSource(recs, len(recs), workers, examples, where=f"{name}:{tfds_split}")
     if limit is not None:  # use the first `limit` examples of the split
         if limit > len(src):
             raise ValueError(f"config.data.num_*_examples={limit} exceeds the {len(src)} "

@@ -143,6 +143,9 @@ def parse_source(src: str, fmt: str | None, val_fraction: float, seed: int
     else:
         raise PrepareError(f"--format={fmt!r}; accepted: {', '.join(formats.FORMATS)}")
     formats.check_labels(parsed)
+    if len(parsed.classes) < 2:  # it would train, reporting 100% on predictions that say nothing
+        raise PrepareError(f"{src}: one class ({parsed.classes[0]!r}); a classifier needs two or "
+                           "more: one folder per class (or labels of two or more values)")
     parsed.splits = dict(sorted(parsed.splits.items(), key=lambda kv: kv[0] != "train"))
     held = None
     if single and val_fraction > 0:
@@ -328,13 +331,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         if not 0.0 <= args.val_fraction < 1.0:
             raise PrepareError(f"--val_fraction={args.val_fraction}; accepted: a number in [0, 1)")
+        if args.workers is not None and args.workers < 1:  # was a traceback from the thread pool
+            raise PrepareError(f"--workers={args.workers}; accepted: an integer >= 1 (leave it "
+                               "out for one per core)")
         check_name(args.name)
         data_dir = os.path.abspath(args.data_dir or prepared.default_data_dir())
-        if os.path.exists(os.path.join(data_dir, args.name)) and not args.overwrite:
-            what = ("is already prepared" if prepared.is_prepared(args.name, data_dir)
-                    else "exists and is not a prepared dataset")
-            raise PrepareError(f"{os.path.join(data_dir, args.name)} {what}; pass --overwrite "
-                               f"to replace it, or choose another --name")
+        final = os.path.join(data_dir, args.name)
+        if os.path.exists(final) and not prepared.is_prepared(args.name, data_dir):
+            # never replaced, --overwrite or not: it may be the user's files (even --src)
+            raise PrepareError(f"{final} exists and is not a prepared dataset; choose another "
+                               "--name or --data_dir (--overwrite replaces only a dataset)")
+        if os.path.exists(final) and not args.overwrite:
+            raise PrepareError(f"{final} is already prepared; pass --overwrite to replace it, or "
+                               "choose another --name")
+        try:  # before the work, not a traceback at its end
+            tool_flags.check_output("data_dir", data_dir, folder=True)
+        except ValueError as e:
+            raise PrepareError(str(e)) from None
         t0 = time.perf_counter()
         fmt, parsed, held = parse_source(args.src, args.format, args.val_fraction, args.seed)
         extra = dict(format=fmt, source=os.path.abspath(args.src), held_out=held)

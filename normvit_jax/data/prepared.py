@@ -49,7 +49,12 @@ def describe(name: str, data_dir: str | None) -> dict[str, Any]:
             f"dataset {name!r} is not prepared in {data_dir or default_data_dir()} (no {path}); "
             f"prepare it with `python -m normvit_jax.data.prepare --src=YOUR_DATA --name={name} "
             f"--data_dir={data_dir or default_data_dir()}`")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:  # damaged after prepare wrote it: JSON's message names no file
+        raise ValueError(f"{path} is not readable JSON ({e}); prepare the dataset again: python -m "
+                         f"normvit_jax.data.prepare --src=YOUR_DATA --name={name} "
+                         f"--data_dir={data_dir or default_data_dir()} --overwrite") from None
 
 
 def _base_splits(split: str) -> list[str]:

@@ -71,8 +71,9 @@ class JpegSource:
     batches_in_flight = 4
     pixel_dtype = np.uint8
 
-    def __init__(self, records: Any, num_examples: int, workers: int, examples: Any = None):
-        self.records, self.examples, self.n = records, examples, num_examples
+    def __init__(self, records: Any, num_examples: int, workers: int, examples: Any = None,
+                 where: str = "the split"):
+        self.records, self.examples, self.n, self.where = records, examples, num_examples, where
         self._decode = tf_images.BatchDecoder(workers)
 
     def __len__(self) -> int:
@@ -83,7 +84,14 @@ class JpegSource:
         """uint8 images (the steps apply ``affine``, see ``stats.model_input``) and labels."""
         try:
             if self.examples is not None:  # one batched read: the GIL is released for all of it
-                recs = self.examples.__getitems__([int(i) for i in idx])
+                try:
+                    recs = self.examples.__getitems__([int(i) for i in idx])
+                except RuntimeError as e:  # array_record's error for a file cut short or damaged
+                    raise ValueError(
+                        f"{self.where}: its array_record files cannot be read ({e}); one was "
+                        "damaged after it was written: prepare the dataset again (python -m "
+                        "normvit_jax.data.prepare ... --overwrite) or build it again with tfds"
+                    ) from None
                 return self._decode(recs, u, geo, examples=True)
             recs = [self.records[int(i)] for i in idx]
             x, _ = self._decode([r["image"] for r in recs], u, geo)

@@ -45,21 +45,41 @@ def sidecar_paths(path: str) -> tuple[str, str]:
     return os.path.join(os.path.dirname(path), "classes.json"), path + ".json"
 
 
+def _read_json(path: str) -> Any:
+    """A file beside the artifact; one line naming it if it was cut short or edited."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:
+        raise DeployError(f"{path} is not readable JSON ({e}); export the artifact again") from None
+
+
 def read_metadata(path: str) -> tuple[dict, list[str]]:
     """(metadata, class names) written beside the artifact at ``path``."""
+    if not os.path.exists(path):  # (not "its .json not found": the path itself is wrong)
+        raise DeployError(f"{path} does not exist: pass the file (onnx, stablehlo) or folder "
+                          "(savedmodel) that python -m normvit_jax.export --out=... wrote")
     classes_path, meta_path = sidecar_paths(path)
     for p in (meta_path, classes_path):
         if not os.path.isfile(p):
             raise DeployError(f"{p} not found: {path} is not an artifact written by python -m "
                               "normvit_jax.export --format=onnx|savedmodel|stablehlo")
-    with open(meta_path, encoding="utf-8") as f:
-        meta = json.load(f)
-    with open(classes_path, encoding="utf-8") as f:
-        names = [str(c) for c in json.load(f)]
+    meta = _read_json(meta_path)
+    names = [str(c) for c in _read_json(classes_path)]
     if len(names) != meta.get("num_classes", len(names)):
         raise DeployError(f"{classes_path} names {len(names)} classes, the artifact {path} has "
                           f"{meta['num_classes']}: it belongs to another artifact")
     return meta, names
+
+
+def _refuse_other_folder(fmt: str, out: str) -> None:
+    """A SavedModel replaces its folder: only an empty one or an earlier export is replaced, never
+    a folder of other files given by mistake (a run's workdir, '.'), which was deleted."""
+    if fmt != "savedmodel" or not os.path.isdir(out) or not os.listdir(out):
+        return
+    if not {"saved_model.pb", "deploy.json"} <= set(os.listdir(out)):
+        raise DeployError(f"--out={out} holds other files than a SavedModel written by this "
+                          "export, and the export replaces its folder: pass a new or empty folder")
 
 
 def _refuse_other_classes(fmt: str, out: str, names: list[str]) -> None:
@@ -122,6 +142,7 @@ def export_artifact(b: bundle_lib.Bundle, fmt: str, out: str, batch: int | None 
     write = _writer(fmt)
     meta = metadata(b, fmt, batch)
     _refuse_other_classes(fmt, out, list(b.class_names))
+    _refuse_other_folder(fmt, out)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     write(b, out, batch, meta)

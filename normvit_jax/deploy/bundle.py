@@ -62,6 +62,10 @@ def load(workdir: str, *, step: int | None = None, folded: str | None = None,
             model_cfg, variables, n = reparam.load(folded)
         except FileNotFoundError as e:  # not a reparam --out folder: the command is wrong (exit 2)
             raise DeployError(str(e)) from None
+        try:
+            predict.check_folded(folded, n, workdir, config)
+        except ValueError as e:
+            raise DeployError(str(e)) from None
         model = models.spec_of(model_cfg, n)
         source.update(folded_dir=str(folded))
     else:

@@ -74,7 +74,14 @@ def open_artifact(path: str, fmt: str, batch: int | None = None, threads: int = 
                "stablehlo": _stablehlo}
     if fmt not in loaders:
         raise DeployError(f"{path}: format {fmt!r} is not one of {sorted(loaders)}")
-    run = loaders[fmt](path, threads)
+    try:
+        run = loaders[fmt](path, threads)
+    except DeployError:
+        raise
+    except Exception as e:  # noqa: BLE001  (each runtime has its own errors for a damaged file)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DeployError(f"{path} cannot be loaded by {RUNTIMES[fmt]} ({type(e).__name__}: "
+                          f"{first}); export it again") from None
     if batch is None:
         return run
 
