@@ -298,10 +298,11 @@ def _absolute_blocks(cfg: dict[str, Any]) -> None:
     ``blocks_<depth-K>_<depth>``."""
     depth = int(cfg["depth"])
     at = cfg["cls_token_at_block"]
+    # at >= depth: the token would join after the last block and the head would read a constant
+    if not -depth < at < depth:
+        raise ValueError(f"model.cls_token_at_block={at} with depth={depth} is not accepted; "
+                         f"accepted: 0, 1..{depth - 1}, or -1..-{depth - 1} (counted from the end)")
     if at < 0:
-        if depth + at < 1:
-            raise ValueError(f"model.cls_token_at_block={at} with depth={depth} is not accepted; "
-                             f"accepted: 0, 1..depth, or -1..-{depth - 1} (counted from the end)")
         cfg["cls_token_at_block"] = depth + at
     overrides = cfg["norm_overrides"]
     if overrides and any(str(k).startswith("last_") for k in overrides):
