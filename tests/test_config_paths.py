@@ -58,6 +58,9 @@ def test_apply_sets_new_and_existing_keys_with_their_types_and_none():
         config_paths.apply(c, [("model.depth.x", "1")])
     with pytest.raises(ValueError, match=r"--config.model.norm.mix_mean=maybe: 'maybe' is not a bool"):
         config_paths.apply(c, [("model.norm.mix_mean", "maybe")])
+    gn = _config("vit_gn", "demo")  # groups: an int placeholder, None; main.py dropped a TypeError
+    with pytest.raises(ValueError, match=r"--config.model.norm.groups=abc: .*type <class 'int'>"):
+        config_paths.apply(gn, [("model.norm.groups", "abc")])
 
 
 def _params(config) -> dict:
