@@ -96,6 +96,16 @@ def test_heads_that_do_not_divide_the_width_are_named_with_the_divisors():
                                     "mlp_dim": 64})
 
 
+def test_an_mlp_ratio_that_leaves_no_mlp_is_refused():
+    sizes = {"hidden_size": 64, "depth": 1, "num_heads": 4, "patch_size": 2, "mlp_dim": None}
+    with pytest.raises(ValueError, match=r"model.mlp_ratio=0.001 gives an MLP of width 0 at "
+                                         r"model.hidden_size=64; accepted: a ratio >= 1/64"):
+        model_spec.complete_sizes({**sizes, "mlp_ratio": 0.001})  # was a ZeroDivisionError
+    cfg = {**sizes, "mlp_ratio": 1 / 64}
+    model_spec.complete_sizes(cfg)
+    assert cfg["mlp_dim"] == 1
+
+
 @pytest.mark.parametrize("norm,key,value", [
     ("layernorm", "epsilon", -1.0), ("batchnorm", "momentum", 2.0), ("repbn", "momentum", -1.0),
     ("unified", "momentum", 1.5), ("powernorm", "alpha_fwd", -1.0),

@@ -282,6 +282,10 @@ def complete_sizes(cfg: dict[str, Any]) -> None:
             raise ValueError(f"model.{k} is not set and no model.variant gives it")
     if cfg["mlp_dim"] is None:
         cfg["mlp_dim"] = int(cfg["hidden_size"] * cfg["mlp_ratio"])
+        if cfg["mlp_dim"] < 1:  # an MLP of width 0: a ZeroDivisionError in its initializer
+            raise ValueError(f"model.mlp_ratio={cfg['mlp_ratio']!r} gives an MLP of width 0 at "
+                             f"model.hidden_size={cfg['hidden_size']}; accepted: a ratio >= "
+                             f"1/{cfg['hidden_size']}, or set model.mlp_dim")
     width = cfg["hidden_size"]
     if width % cfg["num_heads"]:
         raise ValueError(f"model.num_heads={cfg['num_heads']} does not divide model.hidden_size="
