@@ -63,6 +63,17 @@ def test_apply_sets_new_and_existing_keys_with_their_types_and_none():
         config_paths.apply(gn, [("model.norm.groups", "abc")])
 
 
+def test_a_value_for_a_group_of_keys_names_its_keys(tmp_path):
+    """--config.model.norm=rmsnorm (for .name=rmsnorm): ml_collections' 'Failed to parse as a
+    ConfigDict: malformed node' said nothing of what to set."""
+    argv = ["main.py", "--config=configs/vit_ln.py:demo", "--config.model.norm=rmsnorm"]
+    error = ValueError("flag --config.model.norm=rmsnorm: Failed to parse 'rmsnorm' as a "
+                       "ConfigDict")
+    assert cli.describe_flag_error(argv, error) == (
+        "--config.model.norm=rmsnorm: config.model.norm is a group of keys, not a value; set one "
+        "of them, e.g. --config.model.norm.name=...; accepted: ['epsilon', 'name']")
+
+
 def _params(config) -> dict:
     spec = models.spec_of(config.model, num_classes=10)
     size = int(config.data.image_size)
