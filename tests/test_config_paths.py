@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -61,6 +62,23 @@ def test_apply_sets_new_and_existing_keys_with_their_types_and_none():
     gn = _config("vit_gn", "demo")  # groups: an int placeholder, None; main.py dropped a TypeError
     with pytest.raises(ValueError, match=r"--config.model.norm.groups=abc: .*type <class 'int'>"):
         config_paths.apply(gn, [("model.norm.groups", "abc")])
+
+
+def test_an_override_without_a_norm_name_is_named():
+    """An option alone creates an override without 'name' (a KeyError traceback before)."""
+    for path, text, shown in (("model.norm_overrides.final.epsilon", "1e-3", "{'epsilon': 0.001}"),
+                              ("model.norm_overrides.block_1", "3", "3")):
+        c = _config("vit_ln", "demo")
+        config_paths.apply(c, [(path, text)])
+        key = path[len("model."):].removesuffix(".epsilon")
+        with pytest.raises(ValueError, match=re.escape(
+                f"model.{key}={shown} names no norm; accepted: a norm name or a mapping with "
+                f"'name', e.g. --config.model.{key}.name=layernorm")):
+            models.spec_of(c.model, num_classes=10)
+    c = _config("vit_ln", "demo")  # with a name the same option is an override
+    config_paths.apply(c, [("model.norm_overrides.final.name", "layernorm"),
+                           ("model.norm_overrides.final.epsilon", "1e-3")])
+    assert models.spec_of(c.model, num_classes=10).slot_norms[-1]["epsilon"] == 1e-3
 
 
 def test_a_value_for_a_group_of_keys_names_its_keys(tmp_path):

@@ -64,6 +64,21 @@ def _freeze(x: Any) -> Any:
     raise TypeError(f"norm config must be a name or a mapping with 'name', got {x!r}")
 
 
+def _named_norm(key: str, value: Any) -> FrozenDict:
+    """``_freeze(value)`` of ``model.<key>``; a ValueError naming it unless it names a norm (an
+    override created by one option, ``--config.model.norm_overrides.final.epsilon=1e-3``, has no
+    name: it was a KeyError traceback)."""
+    try:
+        frozen = _freeze(value)
+    except TypeError:
+        frozen = FrozenDict()
+    if "name" not in frozen:
+        shown = value.to_dict() if hasattr(value, "to_dict") else value
+        raise ValueError(f"model.{key}={shown!r} names no norm; accepted: a norm name or a "
+                         f"mapping with 'name', e.g. --config.model.{key}.name=layernorm")
+    return frozen
+
+
 def _freeze_value(v: Any) -> Any:
     if isinstance(v, Mapping) or hasattr(v, "to_dict"):
         return _freeze(v)
@@ -149,9 +164,9 @@ class ViTSpec:
         _absolute_blocks(cfg)
         fields = {f.name for f in dataclasses.fields(cls) if f.init}
         kw = {k: v for k, v in cfg.items() if k in fields and v is not None}
-        kw["norm"] = _freeze(cfg["norm"])
-        kw["norm_overrides"] = tuple(sorted(
-            (str(k), _freeze(v)) for k, v in cfg["norm_overrides"].items()))
+        kw["norm"] = _named_norm("norm", cfg["norm"])
+        kw["norm_overrides"] = tuple(sorted((str(k), _named_norm(f"norm_overrides.{k}", v))
+                                            for k, v in cfg["norm_overrides"].items()))
         kw.update(num_classes=num_classes, dtype=dtype, remat=remat)
         return cls(**kw)
 
