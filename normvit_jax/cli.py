@@ -146,4 +146,10 @@ def describe_flag_error(argv: list[str], error: BaseException) -> str:
                     return (f"Unknown config key --{key} (value {value!r}): "
                             f"{'.'.join(walked)} has no key {part!r}; accepted: {accepted}")
                 node, walked = node[part], walked + [part]
+            if isinstance(node, ml_collections.ConfigDict) and f"--{key}=" in str(error):
+                # --config.model.norm=rmsnorm: a plain value where a group of keys is
+                return (f"--{key}={value}: {'.'.join(walked)} is a group of keys, not a value; "
+                        f"set one of them, e.g. --{key}."
+                        f"{'name' if 'name' in node else sorted(node.keys())[0]}=...; "
+                        f"accepted: {sorted(node.keys())}")
     return f"Bad command line: {type(error).__name__}: {error}"

@@ -92,5 +92,5 @@ def apply(config: ml_collections.ConfigDict, overrides: Sequence[tuple[str, str]
                                      f"{sorted(current.keys())}")
                 try:
                     node[part] = _parse(text, current)
-                except ValueError as e:
+                except (ValueError, TypeError) as e:  # TypeError: a typed None (placeholder)
                     raise ValueError(f"--config.{path}={text}: {e}") from None

@@ -117,6 +117,16 @@ RANGES: dict[str, Range] = {
 
 UNBOUNDED = ("seed", "mesh.data", "model.cls_token_at_block")
 
+# Numeric options of a norm (model.norm, model.norm_overrides.<key>), by name, whichever norm has
+# them; norms.registry.create checks them. Out of range, they trained to NaN or to a NaN eval.
+NORM_OPTIONS: dict[str, Range] = {
+    "epsilon": Range(0),
+    "group_epsilon": Range(0),
+    "momentum": PROBABILITY,   # running = momentum * running + (1 - momentum) * batch
+    "alpha_fwd": PROBABILITY,  # PowerNorm's running quadratic mean, as momentum
+    "alpha_bkw": PROBABILITY,  # PowerNorm's backward running mean, as momentum
+}
+
 
 def _get(config: Any, key: str) -> tuple[bool, Any]:
     node = config
@@ -146,3 +156,12 @@ def check_extra_losses(config: Any) -> None:
         raise ValueError(f"config.attn_extra_loss={attn!r} needs config.feature_decay > 0 (the "
                          "reference adds the attention loss inside the feature decay); accepted: "
                          "attn_extra_loss=0 or feature_decay > 0")
+
+
+def check_norm_options(norm_name: str, opts: Any) -> None:
+    """Raises ValueError naming the first option of norm ``norm_name`` outside its range."""
+    for key, allowed in NORM_OPTIONS.items():
+        value = opts.get(key)
+        if value is not None and not allowed.contains(value):
+            raise ValueError(f"norm {norm_name!r}: {key}={value!r} is out of range; accepted: "
+                             f"{allowed.describe()}")

@@ -74,6 +74,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     abstract, state_sharding = setup.abstract_train_state(model, tx, pipeline.image_shape, mesh,
                                                           sharding.fsdp_min_size(config))
     if not checkpoints.checkpoint_dir(workdir).exists():
+        checkpoints.require_run(workdir)  # no run at all: not "continue it with its config.json"
         raise checkpoints.no_checkpoint(workdir)
     mngr = checkpoints.open_read_only(workdir)  # the run may still be training
     try:

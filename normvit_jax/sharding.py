@@ -30,13 +30,17 @@ def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1) -> tuple[int, in
     for key, v in (("data", data), ("fsdp", fsdp)):
         if v != -1 and v < 1:
             raise ValueError(f"config.mesh.{key}={v} is not accepted; accepted: -1 (the rest) or >= 1")
+    given = (data, fsdp)  # for the message: -1 is what the user set, not a resolved 0
     if data == -1:
         data = num_devices // fsdp if num_devices % fsdp == 0 else 0
     elif fsdp == -1:
         fsdp = num_devices // data if num_devices % data == 0 else 0
     if data * fsdp != num_devices or data < 1 or fsdp < 1:
+        divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
         raise ValueError(f"config.mesh.data x config.mesh.fsdp must equal the number of devices "
-                         f"({num_devices}); got data={data}, fsdp={fsdp}")
+                         f"({num_devices}); got data={given[0]}, fsdp={given[1]}; accepted: "
+                         f"divisors of {num_devices} {divisors} whose product is {num_devices} "
+                         "(-1 for one of them: the rest)")
     return data, fsdp
 
 

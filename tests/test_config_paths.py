@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -58,6 +59,37 @@ def test_apply_sets_new_and_existing_keys_with_their_types_and_none():
         config_paths.apply(c, [("model.depth.x", "1")])
     with pytest.raises(ValueError, match=r"--config.model.norm.mix_mean=maybe: 'maybe' is not a bool"):
         config_paths.apply(c, [("model.norm.mix_mean", "maybe")])
+    gn = _config("vit_gn", "demo")  # groups: an int placeholder, None; main.py dropped a TypeError
+    with pytest.raises(ValueError, match=r"--config.model.norm.groups=abc: .*type <class 'int'>"):
+        config_paths.apply(gn, [("model.norm.groups", "abc")])
+
+
+def test_an_override_without_a_norm_name_is_named():
+    """An option alone creates an override without 'name' (a KeyError traceback before)."""
+    for path, text, shown in (("model.norm_overrides.final.epsilon", "1e-3", "{'epsilon': 0.001}"),
+                              ("model.norm_overrides.block_1", "3", "3")):
+        c = _config("vit_ln", "demo")
+        config_paths.apply(c, [(path, text)])
+        key = path[len("model."):].removesuffix(".epsilon")
+        with pytest.raises(ValueError, match=re.escape(
+                f"model.{key}={shown} names no norm; accepted: a norm name or a mapping with "
+                f"'name', e.g. --config.model.{key}.name=layernorm")):
+            models.spec_of(c.model, num_classes=10)
+    c = _config("vit_ln", "demo")  # with a name the same option is an override
+    config_paths.apply(c, [("model.norm_overrides.final.name", "layernorm"),
+                           ("model.norm_overrides.final.epsilon", "1e-3")])
+    assert models.spec_of(c.model, num_classes=10).slot_norms[-1]["epsilon"] == 1e-3
+
+
+def test_a_value_for_a_group_of_keys_names_its_keys(tmp_path):
+    """--config.model.norm=rmsnorm (for .name=rmsnorm): ml_collections' 'Failed to parse as a
+    ConfigDict: malformed node' said nothing of what to set."""
+    argv = ["main.py", "--config=configs/vit_ln.py:demo", "--config.model.norm=rmsnorm"]
+    error = ValueError("flag --config.model.norm=rmsnorm: Failed to parse 'rmsnorm' as a "
+                       "ConfigDict")
+    assert cli.describe_flag_error(argv, error) == (
+        "--config.model.norm=rmsnorm: config.model.norm is a group of keys, not a value; set one "
+        "of them, e.g. --config.model.norm.name=...; accepted: ['epsilon', 'name']")
 
 
 def _params(config) -> dict:

@@ -12,7 +12,7 @@ import ml_collections
 import pytest
 
 from configs import default
-from normvit_jax import cli, config_ranges, preflight
+from normvit_jax import cli, config_ranges, norms, preflight
 from normvit_jax.config_ranges import RANGES, UNBOUNDED
 from normvit_jax.models import spec as model_spec
 from tests.conftest import REPO_ROOT, tiny_demo_config
@@ -94,6 +94,29 @@ def test_heads_that_do_not_divide_the_width_are_named_with_the_divisors():
                                          r"accepted: a divisor of 32: \[1, 2, 4, 8, 16, 32\]"):
         model_spec.complete_sizes({"hidden_size": 32, "depth": 1, "num_heads": 5, "patch_size": 2,
                                     "mlp_dim": 64})
+
+
+def test_an_mlp_ratio_that_leaves_no_mlp_is_refused():
+    sizes = {"hidden_size": 64, "depth": 1, "num_heads": 4, "patch_size": 2, "mlp_dim": None}
+    with pytest.raises(ValueError, match=r"model.mlp_ratio=0.001 gives an MLP of width 0 at "
+                                         r"model.hidden_size=64; accepted: a ratio >= 1/64"):
+        model_spec.complete_sizes({**sizes, "mlp_ratio": 0.001})  # was a ZeroDivisionError
+    cfg = {**sizes, "mlp_ratio": 1 / 64}
+    model_spec.complete_sizes(cfg)
+    assert cfg["mlp_dim"] == 1
+
+
+@pytest.mark.parametrize("norm,key,value", [
+    ("layernorm", "epsilon", -1.0), ("batchnorm", "momentum", 2.0), ("repbn", "momentum", -1.0),
+    ("unified", "momentum", 1.5), ("powernorm", "alpha_fwd", -1.0),
+    ("powernorm", "group_epsilon", -1e-5)])
+def test_norm_options_out_of_range_are_refused(norm, key, value):
+    """They built a model that trained to NaN (exit 3 blaming the learning rate) or, for a
+    running-statistics momentum, finished with exit 0 and a NaN eval."""
+    with pytest.raises(ValueError, match=re.escape(f"norm {norm!r}: {key}={value!r} is out of "
+                                                   "range; accepted: a number")):
+        norms.create({"name": norm, key: value}, dim=8, num_heads=2)
+    norms.create({"name": norm, key: 0.0}, dim=8, num_heads=2)  # the bound is accepted
 
 
 @pytest.mark.parametrize("override,key,shown", [

@@ -93,6 +93,10 @@ def test_validate_checks_batch_and_never_touches_disk(tmp_path):
         pipe(cfg(), "test")
     with pytest.raises(ValueError, match="not divisible"):
         pipe(cfg(), "train", 0, 3)  # 64 rows over 3 processes
+    big = cfg(num_train_examples=10)  # the key, its value and the bound, as every config check
+    with pytest.raises(ValueError, match=r"^config.batch_size=64 is larger than the train split "
+                                         r"\(digits:train, 10 examples\).*accepted: at most 10$"):
+        pipe(big, "train")
 
 
 def test_resolve_data_spec_is_the_config_resolved_once(tmp_path):

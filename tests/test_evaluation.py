@@ -63,6 +63,15 @@ def test_eval_mode_gives_the_training_eval_and_the_ema(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]  # nothing written
 
 
+def test_eval_mode_with_a_config_file_on_a_workdir_without_a_run(tmp_path):
+    """--mode=eval --config=FILE where no run was ever started: said so, instead of "the run has
+    not saved a checkpoint yet; continue it (its config is <workdir>/config.json)"."""
+    cfg = tiny_demo_config(total_steps=2)
+    for workdir, said in ((tmp_path / "none", "does not exist"), (tmp_path, "no config.json")):
+        with pytest.raises(checkpoints.RunNotFoundError, match=said):
+            evaluation.evaluate_checkpoint(cfg, str(workdir))
+
+
 def test_eval_name_is_checked_against_the_training_set():
     c = tiny_demo_config()
     c.data.eval_name = "imagenet_v2"  # an ImageNet test set for a digits model

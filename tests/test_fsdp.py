@@ -50,6 +50,9 @@ def test_mesh_shape_and_config_defaults():
     for data, fsdp in ((-1, 3), (3, 2), (-1, -1), (0, 1)):
         with pytest.raises(ValueError, match="config.mesh"):
             sharding.mesh_shape(8, data, fsdp)
+    with pytest.raises(ValueError, match=r"got data=-1, fsdp=3; accepted: divisors of 8 \[1, 2, "
+                                         r"4, 8\]"):  # it said data=0, a value nobody set
+        sharding.mesh_shape(8, -1, 3)
     mesh = sharding.make_mesh(c)
     assert mesh.axis_names == ("data", "fsdp") and mesh.shape["fsdp"] == 1
 

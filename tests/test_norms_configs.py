@@ -79,5 +79,8 @@ def test_dtn_layout():
     m = c.model.to_dict()
     with pytest.raises(ValueError, match="cls_token_at_block=-2 with depth=2"):
         models.spec_of({**m, "depth": 2, "cls_token_at_block": -2})
+    for at in (4, 10):  # after the last block: a head on a constant token, chance accuracy
+        with pytest.raises(ValueError, match=f"cls_token_at_block={at} with depth=4"):
+            models.spec_of({**m, "depth": 4, "cls_token_at_block": at})
     with pytest.raises(ValueError, match="last_0"):
         models.spec_of({**m, "norm_overrides": {"last_0": {"name": "layernorm"}}})

@@ -88,7 +88,9 @@ class Pipeline:
         n, b = self.num_examples, self.global_batch_size
         self.steps_per_epoch = n // b if split == "train" else math.ceil(n / b)
         if self.steps_per_epoch < 1:
-            raise ValueError(f"train split of {n} examples is smaller than batch_size {b}")
+            raise ValueError(f"config.batch_size={b} is larger than the train split "
+                             f"({spec.name}:{d.train_split}, {n} examples): not one step per "
+                             f"epoch; accepted: at most {n}")
         self.image_shape = spec.image_shape
         size = spec.image_shape[0]
         # random_resized_crop replaces pad-and-crop (the crop already shifts and scales)

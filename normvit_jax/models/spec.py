@@ -64,6 +64,21 @@ def _freeze(x: Any) -> Any:
     raise TypeError(f"norm config must be a name or a mapping with 'name', got {x!r}")
 
 
+def _named_norm(key: str, value: Any) -> FrozenDict:
+    """``_freeze(value)`` of ``model.<key>``; a ValueError naming it unless it names a norm (an
+    override created by one option, ``--config.model.norm_overrides.final.epsilon=1e-3``, has no
+    name: it was a KeyError traceback)."""
+    try:
+        frozen = _freeze(value)
+    except TypeError:
+        frozen = FrozenDict()
+    if "name" not in frozen:
+        shown = value.to_dict() if hasattr(value, "to_dict") else value
+        raise ValueError(f"model.{key}={shown!r} names no norm; accepted: a norm name or a "
+                         f"mapping with 'name', e.g. --config.model.{key}.name=layernorm")
+    return frozen
+
+
 def _freeze_value(v: Any) -> Any:
     if isinstance(v, Mapping) or hasattr(v, "to_dict"):
         return _freeze(v)
@@ -149,9 +164,9 @@ class ViTSpec:
         _absolute_blocks(cfg)
         fields = {f.name for f in dataclasses.fields(cls) if f.init}
         kw = {k: v for k, v in cfg.items() if k in fields and v is not None}
-        kw["norm"] = _freeze(cfg["norm"])
-        kw["norm_overrides"] = tuple(sorted(
-            (str(k), _freeze(v)) for k, v in cfg["norm_overrides"].items()))
+        kw["norm"] = _named_norm("norm", cfg["norm"])
+        kw["norm_overrides"] = tuple(sorted((str(k), _named_norm(f"norm_overrides.{k}", v))
+                                            for k, v in cfg["norm_overrides"].items()))
         kw.update(num_classes=num_classes, dtype=dtype, remat=remat)
         return cls(**kw)
 
@@ -282,6 +297,10 @@ def complete_sizes(cfg: dict[str, Any]) -> None:
             raise ValueError(f"model.{k} is not set and no model.variant gives it")
     if cfg["mlp_dim"] is None:
         cfg["mlp_dim"] = int(cfg["hidden_size"] * cfg["mlp_ratio"])
+        if cfg["mlp_dim"] < 1:  # an MLP of width 0: a ZeroDivisionError in its initializer
+            raise ValueError(f"model.mlp_ratio={cfg['mlp_ratio']!r} gives an MLP of width 0 at "
+                             f"model.hidden_size={cfg['hidden_size']}; accepted: a ratio >= "
+                             f"1/{cfg['hidden_size']}, or set model.mlp_dim")
     width = cfg["hidden_size"]
     if width % cfg["num_heads"]:
         raise ValueError(f"model.num_heads={cfg['num_heads']} does not divide model.hidden_size="
@@ -298,10 +317,11 @@ def _absolute_blocks(cfg: dict[str, Any]) -> None:
     ``blocks_<depth-K>_<depth>``."""
     depth = int(cfg["depth"])
     at = cfg["cls_token_at_block"]
+    # at >= depth: the token would join after the last block and the head would read a constant
+    if not -depth < at < depth:
+        raise ValueError(f"model.cls_token_at_block={at} with depth={depth} is not accepted; "
+                         f"accepted: 0, 1..{depth - 1}, or -1..-{depth - 1} (counted from the end)")
     if at < 0:
-        if depth + at < 1:
-            raise ValueError(f"model.cls_token_at_block={at} with depth={depth} is not accepted; "
-                             f"accepted: 0, 1..depth, or -1..-{depth - 1} (counted from the end)")
         cfg["cls_token_at_block"] = depth + at
     overrides = cfg["norm_overrides"]
     if overrides and any(str(k).startswith("last_") for k in overrides):
