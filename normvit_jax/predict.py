@@ -110,7 +110,7 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
     apply = jax.jit(lambda v, x: jax.nn.softmax(
         model.apply(v, stats.model_input(x, affine), train=False), -1))
     recs, kept, skipped = [], [], []
-    for path in files:
+    for path in _progress(files, "reading", len(files)):
         try:
             with open(path, "rb") as f:
                 data, _ = images.load_file(f.read())
@@ -121,8 +121,10 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
         kept.append(path)
     src = JpegSource(recs, len(recs), workers=min(8, os.cpu_count() or 1))
     rows, k = [], min(top_k, n)
+    bar = _progress(None, "predicting", len(recs))
     for lo in range(0, len(recs), batch):
         idx = np.arange(lo, min(lo + batch, len(recs)))
+        bar.update(len(idx))
         x, _ = src.read(idx, None, geo, affine)
         pad = batch - len(idx)  # one compiled shape for every batch
         x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
@@ -130,7 +132,18 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
         for i, p in zip(idx, probs):
             top = np.argsort(-p, kind="stable")[:k]
             rows.append({"path": kept[i], "top": [(names[j], float(p[j])) for j in top]})
+    bar.close()
     return rows, skipped
+
+
+PROGRESS_MIN_IMAGES = 256  # fewer finish in seconds: no bar
+
+
+def _progress(items: Any, what: str, total: int) -> Any:
+    """A progress bar on stderr (cleared when done) for work of at least PROGRESS_MIN_IMAGES."""
+    from tqdm import tqdm
+    return tqdm(items, desc=what, total=total, unit="img", file=sys.stderr, dynamic_ncols=True,
+                leave=False, disable=total < PROGRESS_MIN_IMAGES)
 
 
 def write_csv(rows: list[dict], path: str, top_k: int) -> None:

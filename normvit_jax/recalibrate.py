@@ -49,9 +49,12 @@ def statistics_view(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
 
 
 def recalibrate_stats(model: Any, variables: dict, batches: Any, step: Any,
-                      affine: Any = None, num_batches: int = 200) -> tuple[dict, int]:
+                      affine: Any = None, num_batches: int = 200,
+                      progress: bool = False) -> tuple[dict, int]:
     """(new batch_stats, batches used): train-mode forwards of ``model`` over full batches of
-    ``batches`` (dicts with 'image', 'mask'), each updating the running statistics."""
+    ``batches`` (dicts with 'image', 'mask'), each updating the running statistics; with
+    ``progress``, a bar on stderr (cleared when done)."""
+    from tqdm import tqdm
     kw = steps_lib.step_kwargs(model, step)
 
     @jax.jit
@@ -61,13 +64,16 @@ def recalibrate_stats(model: Any, variables: dict, batches: Any, step: Any,
         return mutated["batch_stats"]
 
     bs, used = variables["batch_stats"], 0
-    for batch in batches:
-        if used >= num_batches:
-            break
-        if not bool(batch["mask"].all()):  # a padded last batch would bias the statistics
-            continue
-        bs = forward(bs, data_stats.model_input(batch["image"], affine))
-        used += 1
+    with tqdm(total=num_batches, desc="recalibrating", unit="batch", file=sys.stderr,
+              dynamic_ncols=True, leave=False, disable=not progress) as bar:
+        for batch in batches:
+            if used >= num_batches:
+                break
+            if not bool(batch["mask"].all()):  # a padded last batch would bias the statistics
+                continue
+            bs = forward(bs, data_stats.model_input(batch["image"], affine))
+            used += 1
+            bar.update(1)
     return bs, used
 
 
@@ -129,7 +135,7 @@ def _main(args: Any) -> dict[str, Any]:
                                     setup.resolve_config(stats_cfg, mesh.devices.size).data)
     stats_model = models.create(stats_cfg.model, ds.num_classes)
     new_bs, used = recalibrate_stats(stats_model, state.variables(), stats_pipe.eval_batches(),
-                                     state.step, affine, args.batches)
+                                     state.step, affine, args.batches, progress=True)
     stats_pipe.close()
     if used == 0:
         _fail(f"no full batch of {config.batch_size} in the train split: lower --config batch_size")

@@ -81,7 +81,7 @@ def test_unprepared_name_and_missing_split_are_clear(dataset):
         data.resolve_data_spec(_config(dataset, **{"data.eval_split": "validation"}))
 
 
-def test_train_resume_eval_predict(dataset, tmp_path, capsys):
+def test_train_resume_eval_predict(dataset, tmp_path, capsys, monkeypatch):
     cfg = _config(dataset)
     straight = loop.train_and_evaluate(cfg, str(tmp_path / "a"))
     assert straight["step"] == 4 and straight["eval"]["num_examples"] == 9
@@ -101,9 +101,15 @@ def test_train_resume_eval_predict(dataset, tmp_path, capsys):
 
     # predict on the val files == the model on the eval pipeline's val batches (same decoder)
     out = tmp_path / "preds.csv"
+    monkeypatch.setattr(predict, "PROGRESS_MIN_IMAGES", 9)  # the bars of a long prediction
     rows, skipped = predict.main([f"--workdir={tmp_path}/a", f"--images={dataset}/src/val",
                                   "--top_k=3", f"--out={out}"])
     assert len(rows) == 9 and not skipped
+    err = capsys.readouterr().err
+    assert "reading" in err and "predicting" in err and "/9 [" in err, err[-2000:]
+    monkeypatch.setattr(predict, "PROGRESS_MIN_IMAGES", 10)  # one image fewer: no bar
+    predict.main([f"--workdir={tmp_path}/a", f"--images={dataset}/src/val", f"--out={out}"])
+    assert "predicting" not in capsys.readouterr().err
     assert all({c for c, _ in r["top"]} == set(CLASSES) for r in rows)
     assert all(r["top"][0][1] >= r["top"][1][1] >= r["top"][2][1] for r in rows)
     with open(out) as f:

@@ -25,7 +25,9 @@ def test_recalibrates_the_statistics_and_writes_a_checkpoint(tmp_path, capsys):
     loop.train_and_evaluate(cfg, str(tmp_path / "run"))
     res = recalibrate.main([f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'out'}",
                             "--batches=3"])
-    assert "before: top-1" in capsys.readouterr().out and res["batches"] == 3
+    captured = capsys.readouterr()
+    assert "before: top-1" in captured.out and res["batches"] == 3
+    assert "recalibrating" in captured.err and "/3 [" in captured.err, captured.err[-2000:]  # bar
     old, _ = checkpoints.load_variables(str(tmp_path / "run"))
     new, _ = checkpoints.load_variables(str(tmp_path / "out"))
     jax.tree.map(np.testing.assert_array_equal, old["params"], new["params"])
