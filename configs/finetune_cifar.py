@@ -58,7 +58,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             norm = p
         else:
             raise ValueError(
-                f"unknown finetune_cifar variant {p!r}; accepted: {sorted(MODELS)}, 224, 384, cifar10, "
+                f"unknown fine-tuning variant {p!r} (configs/finetune.py and finetune_cifar.py; "
+                f"neither has a demo); accepted: {sorted(MODELS)}, 224, 384, cifar10, "
                 f"cifar100, i21k, augreg, accum<N>, or a norm name {_norm_names()}")
     if weights == "augreg" and variant not in AUGREG:
         raise ValueError(f"no AugReg i21k checkpoint for {variant}; accepted with augreg: {sorted(AUGREG)}")

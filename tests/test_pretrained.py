@@ -592,7 +592,7 @@ def test_finetune_cifar_config_variants():
     assert finetune_cifar.get_config("b32,identity").model.norm.name == "identity"
     with pytest.raises(ValueError, match="no AugReg"):
         finetune_cifar.get_config("l32,augreg")
-    with pytest.raises(ValueError, match="unknown finetune_cifar variant 'x'"):
+    with pytest.raises(ValueError, match="unknown fine-tuning variant 'x'"):
         finetune_cifar.get_config("x")
 
 
