@@ -31,7 +31,8 @@ def get_config() -> ml_collections.ConfigDict:
                                     # dataset without 'test': its own eval split, e.g. 'val')
     c.data.eval_name = placeholder(str)  # tfds dataset to evaluate on (None: data.name); ImageNet
                                     # models also: imagenet_v2 (split 'test'), imagenet2012_real
-                                    # ('validation': adds ReaL top-1); normalized with data.name's stats
+                                    # ('validation': adds ReaL top-1); a prepared dataset's run: another
+                                    # prepared set of its classes; normalized with data.name's stats
     c.data.image_size = 32          # model input resolution (square); images are resized to it
     c.data.normalize = "minus_one_one"  # minus_one_one | zero_one | zscore (per-channel dataset stats) | minmax
     c.data.crop_padding = 4         # train: random crop after zero-padding by this many pixels of image_size (0: off)

@@ -170,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> Any:
                    help="predict: label --images; eval: metrics on --split of a prepared dataset")
     p.add_argument("--split", default=None, help="--mode=eval: split (default: the run's "
                    "data.eval_split)")
-    p.add_argument("--name", default=None, help="--mode=eval: dataset (default: the run's)")
+    p.add_argument("--name", default=None, help="--mode=eval: dataset (default: the run's; for a run "
+                   "on a prepared dataset, another prepared one of its classes)")
     p.add_argument("--data_dir", default=None, help="--mode=eval: its tfds data dir")
     args = p.parse_args(argv)
     with cli.tool_errors(p.prog):  # docs/faults.md: one line and the table's exit code

@@ -96,8 +96,8 @@ def test_train_resume_eval_predict(dataset, tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "a" / "classes.json").read_text()) == CLASSES
 
     assert cli.evaluate(cfg, str(tmp_path / "a")) == 0
-    ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert ev["split"] == "val" and ev["metrics"]["num_examples"] == 9
+    ev_val = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert ev_val["split"] == "val" and ev_val["metrics"]["num_examples"] == 9
 
     # predict on the val files == the model on the eval pipeline's val batches (same decoder)
     out = tmp_path / "preds.csv"
@@ -148,6 +148,33 @@ def test_train_resume_eval_predict(dataset, tmp_path, capsys, monkeypatch):
     assert predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--split=train"]) == 0
     ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ev["split"] == "train" and ev["metrics"]["num_examples"] == 24
+    # another prepared set of the same classes (here the val images again, as a train-only set):
+    # evaluated with the run's normalization, the same metrics as the run's own val split
+    prepare.main([f"--src={dataset}/src/val", "--name=tiny_again", f"--data_dir={dataset}/dd",
+                  "--val_fraction=0"])
+    capsys.readouterr()
+    assert predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--name=tiny_again",
+                         "--split=train"]) == 0
+    other = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (other["dataset"], other["split"]) == ("tiny_again", "train")
+    assert other["metrics"]["num_examples"] == 9
+    for key, want in ev_val["metrics"].items():
+        assert other["metrics"][key] == pytest.approx(want, rel=1e-5, abs=1e-6), key
+    two = dataset / "two"  # other classes: refused, naming both sets' classes
+    for name in CLASSES[:2]:
+        os.makedirs(two / name)
+        for f in os.listdir(dataset / "src" / "val" / name):
+            os.link(dataset / "src" / "val" / name / f, two / name / f)
+    prepare.main([f"--src={two}", "--name=tiny_two", f"--data_dir={dataset}/dd",
+                  "--val_fraction=0"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--name=tiny_two",
+                      "--split=train"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        "python -m normvit_jax.predict: error: config.data.eval_name='tiny_two' has the classes "
+        "['ant', 'bee'], the run's 'tiny_own' ['ant', 'bee', 'cat']; accepted: a prepared dataset "
+        "of the same classes (prepare it from folders of the same names)")
     with pytest.raises(SystemExit) as e:  # the tool's one line, not main.py's 'Stopped:' log line
         predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--split=nosuch"])
     assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith(

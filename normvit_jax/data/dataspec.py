@@ -109,9 +109,15 @@ def resolve_data_spec(config: Any, num_devices: int = 1) -> DataSpec:
     name = _get(d, "name")
     size = int(d.image_size)
     if name not in NUM_CLASSES:  # validate: a dataset prepared by data.prepare
-        p = prepared.resolve(name, _get(d, "data_dir"), d.train_split, d.eval_split)
+        eval_name = _get(d, "eval_name") or name
+        p = prepared.resolve(name, _get(d, "data_dir"), d.train_split,
+                             d.eval_split if eval_name == name else "train")
+        if eval_name != name:  # another prepared set of the same classes, evaluated only
+            p["eval_split"] = _other_eval_set(eval_name, _get(d, "data_dir"), d.eval_split,
+                                              p["class_names"], name)
         return DataSpec(
-            name=name, eval_name=name, train_split=p["train_split"], eval_split=p["eval_split"],
+            name=name, eval_name=eval_name, train_split=p["train_split"],
+            eval_split=p["eval_split"],
             num_classes=p["num_classes"], class_names=p["class_names"],
             image_shape=(size, size, 3), normalize=d.normalize, mean=p["mean"], std=p["std"],
             min=p["min"], max=p["max"], num_train_examples=_get(d, "num_train_examples"),
@@ -127,6 +133,23 @@ def resolve_data_spec(config: Any, num_devices: int = 1) -> DataSpec:
         num_eval_examples=(_get(d, "num_eval_examples")
                            or SPLIT_SIZES.get((eval_name, d.eval_split))),
         data_dir=_get(d, "data_dir"))
+
+
+def _other_eval_set(eval_name: str, data_dir: str | None, eval_split: str,
+                    class_names: tuple[str, ...], name: str) -> str:
+    """The split of ``eval_name`` to evaluate on, a prepared dataset with the training set's
+    classes in the same order (labels are indices); the training set's statistics normalize it,
+    as the model was trained. ValueError naming both sets otherwise."""
+    try:
+        e = prepared.resolve(eval_name, data_dir, None, eval_split)
+    except prepared.DatasetNotFoundError as err:
+        raise ValueError(f"config.data.eval_name={eval_name!r}: {err}") from None
+    if e["class_names"] != tuple(class_names):
+        raise ValueError(f"config.data.eval_name={eval_name!r} has the classes "
+                         f"{list(e['class_names'])}, the run's {name!r} {list(class_names)}; "
+                         "accepted: a prepared dataset of the same classes (prepare it from "
+                         "folders of the same names)")
+    return e["eval_split"]
 
 
 def _get(c: Any, key: str, default: Any = None) -> Any:
@@ -198,10 +221,12 @@ def validate(config: Any, num_devices: int = 1) -> None:
         v = _get(d, key, "x")
         if not isinstance(v, str) or not v:
             _fail(f"data.{key}", v, "a non-empty tfds split string such as 'train' or 'test[:50%]'")
-    en = _get(d, "eval_name")
-    if en is not None and en != _get(d, "name") and EVAL_ONLY_TFDS.get(en) != _get(d, "name"):
-        _fail("data.eval_name", en, f"None, {_get(d, 'name')!r}, or for imagenet2012: "
-              f"{sorted(EVAL_ONLY_TFDS)}")
+    en, name = _get(d, "eval_name"), _get(d, "name")
+    own = name not in NUM_CLASSES and en is not None and en not in NUM_CLASSES  # both prepared
+    if en is not None and en != name and EVAL_ONLY_TFDS.get(en) != name and not own:
+        _fail("data.eval_name", en, f"None, {name!r}, for imagenet2012: "
+              f"{sorted(EVAL_ONLY_TFDS)}, or for a prepared dataset another prepared dataset of "
+              "its classes")
     dd = _get(d, "data_dir")
     if dd is not None and not isinstance(dd, str):
         _fail("data.data_dir", dd, "None or a path string")

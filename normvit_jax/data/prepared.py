@@ -62,12 +62,13 @@ def _base_splits(split: str) -> list[str]:
     return [re.sub(r"\[.*\]$", "", p.strip()) for p in split.split("+")]
 
 
-def resolve(name: str, data_dir: str | None, train_split: str, eval_split: str
+def resolve(name: str, data_dir: str | None, train_split: str | None, eval_split: str
             ) -> dict[str, Any]:
     """What a run needs of a prepared dataset (reads prepare.json only): 'num_classes',
     'class_names', 'mean'/'std'/'min'/'max' (tuples), 'train_split', 'eval_split'. The configured
-    eval split 'test' (the default) means the dataset's own eval split when it has no 'test'.
-    Raises DatasetNotFoundError (not prepared) or ValueError (a split it does not have)."""
+    eval split 'test' (the default) means the dataset's own eval split when it has no 'test';
+    ``train_split`` None: an evaluation set, not checked. Raises DatasetNotFoundError (not
+    prepared) or ValueError (a split it does not have)."""
     try:
         info = describe(name, data_dir)
     except FileNotFoundError as e:
@@ -81,7 +82,9 @@ def resolve(name: str, data_dir: str | None, train_split: str, eval_split: str
                              f"config.data.eval_split (e.g. 'train[-10%:]' with "
                              f"config.data.train_split='train[:-10%]')")
         eval_split = info["eval_split"]
-    for key, split in (("train_split", train_split), ("eval_split", eval_split)):
+    for key, split in (("train_split", train_split or "train"), ("eval_split", eval_split)):
+        if key == "train_split" and train_split is None:
+            continue
         missing = [b for b in _base_splits(split) if b not in have]
         if missing:
             raise ValueError(f"config.data.{key}={split!r} names {missing[0]!r}, which dataset "
