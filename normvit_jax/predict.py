@@ -43,14 +43,11 @@ def list_images(spec: str) -> list[str]:
 
 def run_class_names(workdir: str, config: Any) -> list[str]:
     """The run's class names: its classes.json, else the dataset's; [] if neither has them."""
+    from normvit_jax import run_config
     path = os.path.join(workdir, "classes.json")
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            try:
-                return list(json.load(f))
-            except ValueError as e:  # JSON's message names no file
-                raise ValueError(f"{path} is not readable JSON ({e}); restore it, or delete it "
-                                 "to use the dataset's class names") from None
+        return list(run_config.read_json(path, "restore it, or delete it to use the dataset's "
+                                               "class names"))
     return list(_spec(config).class_names or [])
 
 
@@ -124,7 +121,6 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
     bar = _progress(None, "predicting", len(recs))
     for lo in range(0, len(recs), batch):
         idx = np.arange(lo, min(lo + batch, len(recs)))
-        bar.update(len(idx))
         x, _ = src.read(idx, None, geo, affine)
         pad = batch - len(idx)  # one compiled shape for every batch
         x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
@@ -132,6 +128,7 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
         for i, p in zip(idx, probs):
             top = np.argsort(-p, kind="stable")[:k]
             rows.append({"path": kept[i], "top": [(names[j], float(p[j])) for j in top]})
+        bar.update(len(idx))
     bar.close()
     return rows, skipped
 

@@ -21,16 +21,21 @@ class ConfigChangedError(ValueError):
     """The workdir holds a run made with another config."""
 
 
-def read_saved(path: Any) -> dict:
-    """A run's config.json as a dict; a file damaged after the run wrote it (it is written
-    atomically) is a ValueError naming it, not JSON's bare 'Unterminated string ...'."""
+def read_json(path: Any, advice: str, error: type[Exception] = ValueError) -> Any:
+    """A JSON file this project wrote (config.json, classes.json, prepare.json, an artifact's
+    metadata); one damaged after it was written is an ``error`` naming it and saying what to do
+    (``advice``), not JSON's bare 'Unterminated string ...'."""
     text = epath.Path(path).read_text()
     try:
         return json.loads(text)
     except ValueError as e:
-        raise ValueError(f"{path} is not readable JSON ({e}); restore the file (a "
-                         "config.before-*.json beside it is an older copy) or use another "
-                         "--workdir") from None
+        raise error(f"{path} is not readable JSON ({e}); {advice}") from None
+
+
+def read_saved(path: Any) -> dict:
+    """A run's config.json as a dict (written atomically: a damaged one was changed after)."""
+    return read_json(path, "restore the file (a config.before-*.json beside it is an older "
+                           "copy) or use another --workdir")
 
 
 def utc_stamp() -> str:

@@ -111,7 +111,7 @@ def resolve_data_spec(config: Any, num_devices: int = 1) -> DataSpec:
     if name not in NUM_CLASSES:  # validate: a dataset prepared by data.prepare
         eval_name = _get(d, "eval_name") or name
         p = prepared.resolve(name, _get(d, "data_dir"), d.train_split,
-                             d.eval_split if eval_name == name else "train")
+                             d.eval_split if eval_name == name else None)
         if eval_name != name:  # another prepared set of the same classes, evaluated only
             p["eval_split"] = _other_eval_set(eval_name, _get(d, "data_dir"), d.eval_split,
                                               p["class_names"], name)

@@ -8,14 +8,13 @@ renamed into place, so its presence marks a complete dataset.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any
 
 from etils import epath
 
-from normvit_jax import logs
+from normvit_jax import logs, run_config
 from normvit_jax.data.errors import DatasetNotFoundError
 
 VERSION = "1.0.0"
@@ -49,12 +48,9 @@ def describe(name: str, data_dir: str | None) -> dict[str, Any]:
             f"dataset {name!r} is not prepared in {data_dir or default_data_dir()} (no {path}); "
             f"prepare it with `python -m normvit_jax.data.prepare --src=YOUR_DATA --name={name} "
             f"--data_dir={data_dir or default_data_dir()}`")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:  # damaged after prepare wrote it: JSON's message names no file
-        raise ValueError(f"{path} is not readable JSON ({e}); prepare the dataset again: python -m "
-                         f"normvit_jax.data.prepare --src=YOUR_DATA --name={name} "
-                         f"--data_dir={data_dir or default_data_dir()} --overwrite") from None
+    return run_config.read_json(path, f"prepare the dataset again: python -m normvit_jax.data."
+                                      f"prepare --src=YOUR_DATA --name={name} --data_dir="
+                                      f"{data_dir or default_data_dir()} --overwrite")
 
 
 def _base_splits(split: str) -> list[str]:
@@ -62,13 +58,13 @@ def _base_splits(split: str) -> list[str]:
     return [re.sub(r"\[.*\]$", "", p.strip()) for p in split.split("+")]
 
 
-def resolve(name: str, data_dir: str | None, train_split: str | None, eval_split: str
+def resolve(name: str, data_dir: str | None, train_split: str | None, eval_split: str | None
             ) -> dict[str, Any]:
     """What a run needs of a prepared dataset (reads prepare.json only): 'num_classes',
     'class_names', 'mean'/'std'/'min'/'max' (tuples), 'train_split', 'eval_split'. The configured
-    eval split 'test' (the default) means the dataset's own eval split when it has no 'test';
-    ``train_split`` None: an evaluation set, not checked. Raises DatasetNotFoundError (not
-    prepared) or ValueError (a split it does not have)."""
+    eval split 'test' (the default) means the dataset's own eval split when it has no 'test'; a
+    split given as None is not used, and not checked (an evaluation-only set has no train split).
+    Raises DatasetNotFoundError (not prepared) or ValueError (a split it does not have)."""
     try:
         info = describe(name, data_dir)
     except FileNotFoundError as e:
@@ -82,8 +78,8 @@ def resolve(name: str, data_dir: str | None, train_split: str | None, eval_split
                              f"config.data.eval_split (e.g. 'train[-10%:]' with "
                              f"config.data.train_split='train[:-10%]')")
         eval_split = info["eval_split"]
-    for key, split in (("train_split", train_split or "train"), ("eval_split", eval_split)):
-        if key == "train_split" and train_split is None:
+    for key, split in (("train_split", train_split), ("eval_split", eval_split)):
+        if split is None:
             continue
         missing = [b for b in _base_splits(split) if b not in have]
         if missing:

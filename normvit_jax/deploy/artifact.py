@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any, Callable
 
+from normvit_jax import run_config
 from normvit_jax.deploy import bundle as bundle_lib
 from normvit_jax.deploy.errors import DeployError
 
@@ -45,15 +46,6 @@ def sidecar_paths(path: str) -> tuple[str, str]:
     return os.path.join(os.path.dirname(path), "classes.json"), path + ".json"
 
 
-def _read_json(path: str) -> Any:
-    """A file beside the artifact; one line naming it if it was cut short or edited."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except ValueError as e:
-        raise DeployError(f"{path} is not readable JSON ({e}); export the artifact again") from None
-
-
 def read_metadata(path: str) -> tuple[dict, list[str]]:
     """(metadata, class names) written beside the artifact at ``path``."""
     if not os.path.exists(path):  # (not "its .json not found": the path itself is wrong)
@@ -64,8 +56,9 @@ def read_metadata(path: str) -> tuple[dict, list[str]]:
         if not os.path.isfile(p):
             raise DeployError(f"{p} not found: {path} is not an artifact written by python -m "
                               "normvit_jax.export --format=onnx|savedmodel|stablehlo")
-    meta = _read_json(meta_path)
-    names = [str(c) for c in _read_json(classes_path)]
+    meta = run_config.read_json(meta_path, "export the artifact again", DeployError)
+    names = [str(c) for c in run_config.read_json(classes_path, "export the artifact again",
+                                                  DeployError)]
     if len(names) != meta.get("num_classes", len(names)):
         raise DeployError(f"{classes_path} names {len(names)} classes, the artifact {path} has "
                           f"{meta['num_classes']}: it belongs to another artifact")

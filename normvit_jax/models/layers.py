@@ -155,8 +155,8 @@ class _Projection(nn.Module):
 def sdpa(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """``jax.nn.dot_product_attention`` on (B, T, H, Dh). When compiling for GPU in a half dtype:
     cuDNN's fused (flash) attention, with the tokens padded to a multiple of 16 and masked by
-    their true length (JAX's cuDNN path refuses a ViT's 197 tokens; ``padded_attention``), else XLA's (JAX's
-    own default everywhere) if cuDNN refuses the shapes or is absent."""
+    their true length (JAX's cuDNN path refuses a ViT's 197 tokens; ``padded_attention``), else
+    XLA's (JAX's own default everywhere) if cuDNN refuses the shapes or is absent."""
     impl = padded_attention.choose_implementation(q.dtype)
     if impl is not None:
         try:

@@ -3,11 +3,12 @@
 JAX's cuDNN flash attention (``jax.nn.dot_product_attention(..., implementation='cudnn')``)
 refuses odd sequence lengths in training, a ViT's 197 tokens among them ("Unsupported sequence
 length Q 197, KV 197": JAX's own check, which counts its placeholder for "no bias" as a bias; jax
-0.10 and 0.11), so the model fell back to XLA's attention on GPU. Padding the tokens to a multiple of 16 (197 -> 208) and passing
-the true length as ``query_seq_lengths``/``key_value_seq_lengths`` lets cuDNN run: the padded keys
-are masked out of every softmax and the padded query rows come back as zeros, which are sliced
-off. Measured on an H100 at ViT-B/16 shapes (B=256, H=12, Dh=64, bfloat16): 1.25 ms per layer
-forward+backward against 3.34 ms for XLA's attention at 197 tokens (docs/benchmarks.md).
+0.10 and 0.11), so the model fell back to XLA's attention on GPU. Padding the tokens to a multiple
+of 16 (197 -> 208) and passing the true length as ``query_seq_lengths``/``key_value_seq_lengths``
+lets cuDNN run: the padded keys are masked out of every softmax and the padded query rows come
+back as zeros, which are sliced off. Measured on an H100 at ViT-B/16 shapes (B=256, H=12, Dh=64,
+bfloat16): 1.25 ms per layer forward+backward against 3.34 ms for XLA's attention at 197 tokens
+(docs/benchmarks.md).
 
 On GPU the model calls this with ``implementation='cudnn'`` (see ``choose_implementation``); on
 CPU the same function with ``implementation='xla'`` or ``None`` computes the same values (tested in
