@@ -25,9 +25,8 @@ def read_json(path: Any, advice: str, error: type[Exception] = ValueError) -> An
     """A JSON file this project wrote (config.json, classes.json, prepare.json, an artifact's
     metadata); one damaged after it was written is an ``error`` naming it and saying what to do
     (``advice``), not JSON's bare 'Unterminated string ...'."""
-    text = epath.Path(path).read_text()
-    try:
-        return json.loads(text)
+    try:  # reading too: bytes that are not UTF-8 (UnicodeDecodeError) are damage as well
+        return json.loads(epath.Path(path).read_text())
     except ValueError as e:
         raise error(f"{path} is not readable JSON ({e}); {advice}") from None
 

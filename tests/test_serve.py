@@ -332,3 +332,19 @@ def test_artifacts_sharing_a_folder_keep_their_class_names(tmp_path):
     with pytest.raises(DeployError, match=r"classes.json names 3 classes, the artifact .*a.onnx "
                        r"has 10: it belongs to another artifact"):
         artifact.read_metadata(str(tmp_path / "a.onnx"))
+
+
+def test_an_artifacts_side_files_of_another_shape_are_named(tmp_path):
+    """serve reads an artifact's classes.json and metadata: valid JSON of another shape (a number,
+    a list) was a TypeError/AttributeError traceback; now a DeployError naming the file."""
+    from normvit_jax.deploy import DeployError
+    path = str(tmp_path / "a.onnx")
+    _tiny_artifact(path)
+    (tmp_path / "classes.json").write_text("5")
+    with pytest.raises(DeployError, match=rf"^{tmp_path}/classes.json is not a list of class "
+                                          r"names \(JSON int\); export the artifact again$"):
+        artifact.read_metadata(path)
+    (tmp_path / "classes.json").write_text(json.dumps([f"digit {i}" for i in range(10)]))
+    (tmp_path / "a.onnx.json").write_text("[]")
+    with pytest.raises(DeployError, match=rf"^{path}.json is not an artifact's metadata"):
+        artifact.read_metadata(path)

@@ -200,3 +200,34 @@ def test_the_deploy_bundle_reads_through_the_same_path(run, tmp_path):
     np.testing.assert_array_equal(b.variables["params"]["head"]["kernel"], step3["head"]["kernel"])
     with pytest.raises(checkpoints.CheckpointMismatchError, match="step 6"):
         bundle.load(wd, step=6, log=None)
+
+
+def _export(wd: str, out) -> subprocess.CompletedProcess:
+    fmt = "stablehlo" if str(out).endswith(".stablehlo") else "onnx"
+    return subprocess.run([sys.executable, "-m", "normvit_jax.export", f"--workdir={wd}",
+                           f"--format={fmt}", f"--out={out}"], cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not a list", "not utf-8"])
+def test_export_names_a_damaged_classes_json_shared_with_other_artifacts(run, tmp_path, damage):
+    """ONNX/StableHLO files of one folder share its classes.json; a damaged one was refused as
+    "the class names of a.onnx, not this model's" (a model with other classes, which there was
+    not), and JSON that is not a list was a traceback. Now: one line naming the file as damaged
+    and what to do, exit 2, nothing written."""
+    folder = tmp_path / "artifacts"
+    r = _export(run, folder / "a.onnx")
+    assert r.returncode == 0, r.stderr[-3000:]
+    classes = folder / "classes.json"
+    classes.write_bytes({"truncated": b'["0", "1', "not a list": b"5",
+                         "not utf-8": b"\xff\xfe[]"}[damage])
+    for out in (folder / "b.onnx", folder / "b.stablehlo"):
+        r = _export(run, out)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == cli.EXIT_CONFIG and len(lines) == 1, r.stderr[-3000:]
+        assert lines[0].startswith(f"python -m normvit_jax.export: error: {classes} is not ")
+        assert "it names the classes of a.onnx in this folder: restore it, or export to another "\
+               "folder" in lines[0] and "not this model's" not in lines[0]
+        assert not out.exists() and not (folder / (out.name + ".json")).exists()
+    assert sorted(os.listdir(folder)) == ["a.onnx", "a.onnx.json", "classes.json"]

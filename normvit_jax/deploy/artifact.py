@@ -57,12 +57,24 @@ def read_metadata(path: str) -> tuple[dict, list[str]]:
             raise DeployError(f"{p} not found: {path} is not an artifact written by python -m "
                               "normvit_jax.export --format=onnx|savedmodel|stablehlo")
     meta = run_config.read_json(meta_path, "export the artifact again", DeployError)
-    names = [str(c) for c in run_config.read_json(classes_path, "export the artifact again",
-                                                  DeployError)]
+    if not isinstance(meta, dict):  # valid JSON of another shape: not a traceback in serve
+        raise DeployError(f"{meta_path} is not an artifact's metadata (a JSON object); export "
+                          "the artifact again")
+    names = read_class_names(classes_path, "export the artifact again")
     if len(names) != meta.get("num_classes", len(names)):
         raise DeployError(f"{classes_path} names {len(names)} classes, the artifact {path} has "
                           f"{meta['num_classes']}: it belongs to another artifact")
     return meta, names
+
+
+def read_class_names(path: str, advice: str) -> list[str]:
+    """The class names in a ``classes.json``; a damaged one, or JSON that is not a list, is a
+    DeployError naming the file and saying what to do (``advice``)."""
+    names = run_config.read_json(path, advice, DeployError)
+    if not isinstance(names, list):
+        raise DeployError(f"{path} is not a list of class names (JSON {type(names).__name__}); "
+                          f"{advice}")
+    return [str(c) for c in names]
 
 
 def _refuse_other_folder(fmt: str, out: str) -> None:
@@ -92,16 +104,14 @@ def _refuse_other_classes(fmt: str, out: str, names: list[str]) -> None:
                     and os.path.isfile(os.path.join(folder, n[:-5])))
     if not others:
         return
-    try:
-        with open(classes_path, encoding="utf-8") as f:
-            there = [str(c) for c in json.load(f)]
-    except (OSError, ValueError):
-        there = None
+    whose = others[0] + (f" and {len(others) - 1} more" if len(others) > 1 else "")
+    # damaged: named as such (it was refused as "other class names", which sent people looking
+    # for a model they never exported); not rewritten, as it may hold their names yet
+    there = read_class_names(classes_path, f"it names the classes of {whose} in this folder: "
+                                           "restore it, or export to another folder")
     if there != names:
-        raise DeployError(f"{classes_path} holds the class names of {others[0]}"
-                          + (f" and {len(others) - 1} more" if len(others) > 1 else "")
-                          + f", not this model's ({len(names)} classes): export it to another "
-                          "folder")
+        raise DeployError(f"{classes_path} holds the class names of {whose}, not this model's "
+                          f"({len(names)} classes): export it to another folder")
 
 
 def _write_json(path: str, value: Any) -> None:
