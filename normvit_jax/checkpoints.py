@@ -271,16 +271,30 @@ def _restore_meta(mngr: ocp.CheckpointManager, step: int) -> dict | None:
 
 
 def quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
-    """Moves a damaged step folder to ``workdir/damaged_checkpoints/<step>`` (kept for a look)."""
+    """Moves a damaged step folder to ``workdir/damaged_checkpoints/<step>`` (kept for a look),
+    with ``--mode=eval``'s results of that step: training re-runs the step and saves it again,
+    and an ``eval_*_<step>.json`` left behind would read as the new checkpoint's metrics.
+    Returns where it went (and which results went with it), for the warning line."""
     src = step_dir(mngr, step)
-    dest_root = epath.Path(mngr.directory).parent / DAMAGED_DIR
+    workdir = epath.Path(mngr.directory).parent
+    dest_root = workdir / DAMAGED_DIR
     dest_root.mkdir(parents=True, exist_ok=True)
     dest = dest_root / str(step)
     n = 1
     while dest.exists():
         dest, n = dest_root / f"{step}.{n}", n + 1
     src.rename(dest)
-    return str(dest)
+    results = eval_results(workdir, step)
+    for p in results:
+        p.rename(dest / p.name)
+    return str(dest) + (f" with its eval results {', '.join(p.name for p in results)}"
+                        if results else "")
+
+
+def eval_results(workdir: Any, step: int) -> list[epath.Path]:
+    """``--mode=eval``'s result files of ``step`` in ``workdir`` (evaluation.result_path:
+    ``eval_<dataset>_<split>_<step>.json``)."""
+    return sorted(epath.Path(workdir).glob(f"eval_*_{step}.json"))  # not step 16's: '_6.json'
 
 
 def complete_steps(workdir: str) -> list[int]:

@@ -6,7 +6,8 @@ training set's; 'imagenet_v2' split 'test'; 'imagenet2012_real' split 'validatio
 masked means over the real rows), plus ReaL top-1 for 'imagenet2012_real' (Beyer et al. 2020, "Are
 we done with ImageNet?": a prediction is right if it is in the image's set of ReaL labels; images
 whose set is empty are left out). The EMA weights are evaluated too when the run keeps them.
-The metrics go to ``<workdir>/eval_<dataset>_<split>_<step>.json``.
+The metrics go to ``<workdir>/eval_<dataset>_<split>_<step>.json`` (written atomically; training
+moves them with a damaged checkpoint of that step, ``--fresh`` with the rest of the run).
 """
 from __future__ import annotations
 
@@ -101,7 +102,11 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                            for k, v in sorted(metrics.items())))
     if jax.process_index() == 0:  # after the metrics are shown: a read-only workdir loses nothing
         try:
-            path.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+            # atomic: an eval killed while writing leaves the previous result (or none), never
+            # a half file beside the checkpoint it claims to describe
+            tmp = path.parent / (path.name + ".tmp")
+            tmp.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+            tmp.replace(path)
         except OSError as e:
             logging.warning("Could not write %s (%s); the metrics are printed here only.", path,
                             checkpoints.describe_error(e, 200))

@@ -63,6 +63,34 @@ def test_eval_mode_gives_the_training_eval_and_the_ema(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]  # nothing written
 
 
+def test_eval_results_of_a_damaged_checkpoint_move_aside_with_it(tmp_path):
+    """docs/faults.md, "Damaged checkpoints": training moves a damaged step aside and saves that
+    step again; --mode=eval's eval_*_<step>.json of the old weights stayed beside the new
+    checkpoint, read as its metrics. It moves with the damaged step (step 3's stays); the next
+    eval of the step writes the new weights' metrics."""
+    from normvit_jax.train import loop
+    from tests.test_tools_restore import _truncate_data
+    cfg = tiny_demo_config(total_steps=6, checkpoint_every=3, eval_every=6, log_every=3,
+                           **{"model.depth": 1})
+    wd = str(tmp_path)
+    loop.train_and_evaluate(cfg, wd)
+    old6 = evaluation.evaluate_checkpoint(cfg, wd)
+    evaluation.evaluate_checkpoint(cfg, wd, 3)
+    _truncate_data(str(tmp_path / "checkpoints" / "6"))
+    # a re-run whose step 6 differs from the damaged one (on a GPU a re-run need not be bitwise)
+    cfg.optimizer.learning_rate, cfg.allow_config_change = 0.5, True
+    assert loop.train_and_evaluate(cfg, wd)["step"] == 6
+    assert checkpoints.complete_steps(wd) == [3, 6]
+    assert sorted(p.name for p in tmp_path.glob("eval_*")) == ["eval_digits_test_3.json"]
+    kept = json.loads((tmp_path / "damaged_checkpoints" / "6" / "eval_digits_test_6.json"
+                       ).read_text())
+    assert kept["metrics"] == old6["metrics"]
+    new6 = evaluation.evaluate_checkpoint(cfg, wd)
+    assert new6["metrics"]["loss"] != pytest.approx(old6["metrics"]["loss"], rel=1e-3)
+    saved = json.loads((tmp_path / "eval_digits_test_6.json").read_text())
+    assert saved["metrics"] == new6["metrics"] and not list(tmp_path.glob("*.tmp"))
+
+
 def test_eval_mode_with_a_config_file_on_a_workdir_without_a_run(tmp_path):
     """--mode=eval --config=FILE where no run was ever started: said so, instead of "the run has
     not saved a checkpoint yet; continue it (its config is <workdir>/config.json)"."""
