@@ -7,8 +7,12 @@
 --images: files and folders, comma-separated (folders are read recursively, hidden files skipped).
 Each image follows prepare's RGB rule (docs/data.md) and the run's eval preprocessing (central crop
 data.eval_crop_fraction, resize to data.image_size, data.normalize) through the same decoder as
-evaluation. Class names: <workdir>/classes.json (written by training), else the dataset's, else
-the label numbers. Unreadable files are listed and skipped. --mode=eval evaluates the checkpoint on
+evaluation. Each image is decoded once (a JPEG or PNG that needs no change by TensorFlow alone,
+its header read by PIL; any other by PIL, then its lossless PNG as prepare stores it), and the
+files are read, decoded and predicted one --batch at a time, so a folder of any size fits in memory.
+Class names: <workdir>/classes.json (written by training), else the dataset's, else
+the label numbers. Unreadable files are listed and skipped (also one that PIL reads and
+TensorFlow does not, which stopped the whole prediction). --mode=eval evaluates the checkpoint on
 a split of the run's dataset (or --name/--data_dir) like ``main.py --mode=eval``.
 """
 from __future__ import annotations
@@ -90,8 +94,7 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
     'path (reason)' for files that are not decodable images."""
     import jax
     from normvit_jax import checkpoints, models, reparam
-    from normvit_jax.data import images, stats
-    from normvit_jax.data.sources import JpegSource
+    from normvit_jax.data import stats, tf_images
 
     config = checkpoints.load_config(workdir)
     if folded:
@@ -106,31 +109,70 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
     geo = eval_geometry(config.data)
     apply = jax.jit(lambda v, x: jax.nn.softmax(
         model.apply(v, stats.model_input(x, affine), train=False), -1))
-    recs, kept, skipped = [], [], []
-    for path in _progress(files, "reading", len(files)):
-        try:
-            with open(path, "rb") as f:
-                data, _ = images.load_file(f.read())
-        except (images.BadImageError, OSError) as e:
-            skipped.append(f"{path} ({e})")
-            continue
-        recs.append({"image": data, "label": 0})
-        kept.append(path)
-    src = JpegSource(recs, len(recs), workers=min(8, os.cpu_count() or 1))
-    rows, k = [], min(top_k, n)
-    bar = _progress(None, "predicting", len(recs))
-    for lo in range(0, len(recs), batch):
-        idx = np.arange(lo, min(lo + batch, len(recs)))
-        x, _ = src.read(idx, None, geo, affine)
-        pad = batch - len(idx)  # one compiled shape for every batch
-        x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
-        probs = np.asarray(apply(variables, x))[: len(idx)]
-        for i, p in zip(idx, probs):
-            top = np.argsort(-p, kind="stable")[:k]
-            rows.append({"path": kept[i], "top": [(names[j], float(p[j])) for j in top]})
-        bar.update(len(idx))
+    decoder = tf_images.BatchDecoder(min(8, os.cpu_count() or 1))
+    rows, skipped, k = [], [], min(top_k, n)
+    bar = _progress(None, "predicting", len(files))
+    # one batch of files at a time: read, decoded, predicted, then dropped (a folder of any size
+    # holds one batch in memory)
+    for lo in range(0, len(files), batch):
+        chunk = files[lo:lo + batch]
+        kept, x, bad = _decode(chunk, geo, decoder)
+        skipped += bad
+        if kept:
+            pad = batch - len(kept)  # one compiled shape for every batch
+            x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
+            probs = np.asarray(apply(variables, x))[: len(kept)]
+            for path, p in zip(kept, probs):
+                top = np.argsort(-p, kind="stable")[:k]
+                rows.append({"path": path, "top": [(names[j], float(p[j])) for j in top]})
+        bar.update(len(chunk))
     bar.close()
     return rows, skipped
+
+
+def _encoded(path: str) -> bytes:
+    """The bytes evaluation would decode for ``path`` (prepare's rule): a JPEG or PNG that needs no
+    change as it is, read from its header only (TensorFlow decodes it, once); any other image
+    decoded by PIL and stored as the PNG of its RGB pixels. Raises BadImageError or OSError."""
+    from normvit_jax.data import images
+    with open(path, "rb") as f:
+        data = f.read()
+    return data if images.stored_as_is(data) else images.load_file(data)[0]
+
+
+def _decode(paths: Sequence[str], geo: Any, decoder: Any
+            ) -> tuple[list[str], np.ndarray, list[str]]:
+    """(paths decoded, their uint8 eval images, 'path (reason)' of the files skipped, in order)."""
+    from normvit_jax.data import images, tf_images
+    why: dict[int, str] = {}
+    encoded: dict[int, bytes] = {}
+    for i, path in enumerate(paths):
+        try:
+            encoded[i] = _encoded(path)
+        except (images.BadImageError, OSError) as e:
+            why[i] = str(e)
+    while True:
+        order = sorted(encoded)
+        try:
+            x, _ = decoder([encoded[i] for i in order], None, geo)
+            break
+        except tf_images.BadImageError as e:  # a kept file TensorFlow cannot decode: skip it
+            i = order[e.position]
+            why[i] = _undecodable(encoded.pop(i))
+    return ([paths[i] for i in order], x,
+            [f"{paths[i]} ({why[i]})" for i in sorted(why)])
+
+
+def _undecodable(data: bytes) -> str:
+    """Why TensorFlow could not decode a file whose header was read: PIL's reason when PIL fails
+    too (a truncated JPEG), else what differs (a PNG cut just before its end, which PIL reads)."""
+    from normvit_jax.data import images
+    try:
+        images.load_file(data)
+    except images.BadImageError as e:
+        return str(e)
+    return ("TensorFlow's decoder, which evaluation uses, cannot decode it (PIL can: the file "
+            "may be cut short)")
 
 
 PROGRESS_MIN_IMAGES = 256  # fewer finish in seconds: no bar

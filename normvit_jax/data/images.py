@@ -20,6 +20,7 @@ its RGB pixels (lossless).
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +48,28 @@ def to_rgb(im) -> np.ndarray:
     return np.asarray(im, np.uint8)
 
 
+def _kept(im, fmt: str | None, orientation: Any) -> bool:
+    """Whether an opened image is stored (and decoded by TF) as its original bytes."""
+    return (fmt in KEEP_FORMATS and im.mode in _KEEP_MODES and orientation in (None, 1)
+            and "transparency" not in im.info)
+
+
+def stored_as_is(data: bytes) -> bool:
+    """Whether ``load_file`` would keep ``data`` as it is, from the file's header only (nothing is
+    decoded: predict lets TensorFlow's decoder, evaluation's, decode such a file once).
+    Raises BadImageError for an empty file or one PIL does not recognise."""
+    Image, _ = _pil()
+    if not data:
+        raise BadImageError("empty file (0 bytes)")
+    try:
+        im = Image.open(io.BytesIO(data))
+        return _kept(im, im.format, im.getexif().get(0x0112, 1))
+    except Image.UnidentifiedImageError:
+        raise BadImageError("not an image format PIL recognises") from None
+    except Exception as e:  # noqa: BLE001  (PIL raises many types for bad headers)
+        raise BadImageError(f"{type(e).__name__}: {e}") from None
+
+
 def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
     """Encoded file bytes -> (bytes to store, uint8 (H, W, 3) pixels). Raises BadImageError."""
     Image, ImageOps = _pil()
@@ -60,8 +83,7 @@ def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
         im.load()  # decodes fully: a truncated file fails here
         if orientation not in (None, 1):
             im = ImageOps.exif_transpose(im)
-        keep = (fmt in KEEP_FORMATS and im.mode in _KEEP_MODES and orientation in (None, 1)
-                and "transparency" not in im.info)
+        keep = _kept(im, fmt, orientation)
         rgb = to_rgb(im)
     except BadImageError:
         raise

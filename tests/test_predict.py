@@ -1,0 +1,115 @@
+"""``python -m normvit_jax.predict`` on a folder of real image files: each image decoded once
+(TensorFlow's decoder, evaluation's, for a JPEG or PNG stored as is; PIL, then TensorFlow on the
+PNG of its pixels, only for the images prepare re-encodes), one batch of files in memory at a time,
+and the predictions those of the model on the eval pipeline's pixels of each file (prepare's RGB
+rule, then the eval geometry), unreadable files listed and skipped in file order."""
+from __future__ import annotations
+
+import csv
+import io
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from normvit_jax import predict
+from normvit_jax.data import images, tf_images
+from normvit_jax.train import loop
+from tests.conftest import tiny_demo_config
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> str:
+    wd = str(tmp_path_factory.mktemp("predict") / "run")
+    loop.train_and_evaluate(tiny_demo_config(total_steps=3, checkpoint_every=3, eval_every=3,
+                                             **{"model.depth": 1}), wd)
+    return wd
+
+
+def _save(path, pixels: np.ndarray, fmt: str, **kw) -> None:
+    Image.fromarray(pixels).save(path, fmt, **kw)
+
+
+def _folder(root) -> list[str]:
+    """RGB and gray JPEG/PNG files (stored as is), a palette PNG and a rotated JPEG (re-encoded
+    by prepare's rule), a truncated JPEG, a text file and a PNG without its end (unreadable), sorted as predict lists."""
+    rng = np.random.default_rng(0)
+    root.mkdir()
+    for k in range(9):  # sizes around the 8x8 eval size: crops and resizes both ways
+        h, w = 6 + 3 * k, 20 - k
+        _save(root / f"rgb_{k}.jpg", rng.integers(0, 256, (h, w, 3), np.uint8), "JPEG")
+        _save(root / f"rgb_{k}.png", rng.integers(0, 256, (h, w, 3), np.uint8), "PNG")
+    _save(root / "gray.png", rng.integers(0, 256, (11, 9), np.uint8), "PNG")
+    _save(root / "gray.jpg", rng.integers(0, 256, (13, 17), np.uint8), "JPEG")
+    Image.fromarray(rng.integers(0, 256, (10, 12, 3), np.uint8)).convert("P").save(
+        root / "palette.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated: prepare turns the pixels, so it is re-encoded
+    _save(root / "rotated.jpg", rng.integers(0, 256, (9, 14, 3), np.uint8), "JPEG", exif=exif)
+    whole = (root / "rgb_3.jpg").read_bytes()
+    (root / "truncated.jpg").write_bytes(whole[:len(whole) // 2])
+    (root / "notes.jpg").write_text("not an image")
+    whole = (root / "rgb_4.png").read_bytes()  # PIL reads it, TensorFlow does not: the whole
+    (root / "cut_end.png").write_bytes(whole[:-12])  # predict stopped ("example k of the split")
+    return predict.list_images(str(root))
+
+
+def _reference(run: str, files: list[str]) -> tuple[dict, dict, list[str]]:
+    """The model on each readable file's eval pixels, written out: prepare's rule on the file
+    (images.load_file: the stored bytes), the eval geometry through TensorFlow, the softmax."""
+    import jax
+    from normvit_jax import checkpoints, models
+    from normvit_jax.data import stats
+    variables, config = checkpoints.load_variables(run)
+    model = models.create(config.model, 10)
+    geo, affine = predict.eval_geometry(config.data), predict._spec(config).affine
+    pixels, out, bad = {}, {}, []
+    for path in files:
+        try:
+            stored, _ = images.load_file(open(path, "rb").read())
+            x, _ = tf_images.BatchDecoder(1)([stored], None, geo)
+        except (images.BadImageError, tf_images.BadImageError):
+            bad.append(path)
+            continue
+        pixels[path] = x[0]
+        out[path] = np.asarray(jax.nn.softmax(model.apply(
+            variables, stats.model_input(x, affine), train=False), -1))[0]
+    return pixels, out, bad
+
+
+def test_predict_decodes_each_image_once_a_batch_at_a_time(run, tmp_path, monkeypatch, capsys):
+    files = _folder(tmp_path / "images")
+    pixels, ref, bad = _reference(run, files)
+    from normvit_jax import checkpoints
+    geo = predict.eval_geometry(checkpoints.load_config(run).data)
+    kept, x, _ = predict._decode(files, geo, tf_images.BatchDecoder(2))  # the same pixels
+    assert kept == list(pixels) and (x == np.stack(list(pixels.values()))).all()
+    assert sorted(os.path.basename(p) for p in bad) == ["cut_end.png", "notes.jpg",
+                                                          "truncated.jpg"]
+    pil, tf_calls = [], []
+    load_file, call = images.load_file, tf_images.BatchDecoder.__call__
+    monkeypatch.setattr(images, "load_file", lambda data: pil.append(data) or load_file(data))
+    monkeypatch.setattr(tf_images.BatchDecoder, "__call__",
+                        lambda self, enc, *a, **k: tf_calls.append(len(enc)) or call(self, enc, *a,
+                                                                                     **k))
+    out = tmp_path / "preds.csv"
+    rows, skipped = predict.main([f"--workdir={run}", f"--images={tmp_path / 'images'}",
+                                  "--top_k=10", "--batch=4", f"--out={out}"])
+    # decoded once: PIL decodes the two files prepare re-encodes, and the PNG TensorFlow could
+    # not decode (for the reason), nothing else (headers only); TensorFlow every readable file
+    # once, 4 per batch, + the retry of the batch that held the cut PNG without it
+    assert len(pil) == 3 and len(rows) == len(files) - 3 == 22
+    assert max(tf_calls) <= 4 and len(rows) < sum(tf_calls) <= len(rows) + 3, tf_calls
+    assert [r["path"] for r in rows] == [p for p in files if p in ref]
+    for r in rows:  # all 10 classes, named '0'..'9' (digits); the model ran on batches of 4
+        got = dict(r["top"])  # there, of 1 here: the last bit may differ
+        np.testing.assert_allclose([got[str(c)] for c in range(10)], ref[r["path"]], rtol=1e-6)
+    assert [s.split(" (")[0] for s in skipped] == bad
+    assert "TensorFlow's decoder, which evaluation uses, cannot decode it" in skipped[0]
+    assert "not an image format PIL recognises" in skipped[1] and "Truncated" in skipped[2]
+    with open(out) as f:
+        lines = list(csv.reader(f))
+    assert len(lines) == 23 and lines[1][0] == rows[0]["path"]
+    assert lines[1][2] == f"{rows[0]['top'][0][1]:.6f}"
+
