@@ -131,7 +131,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.schedule = ml_collections.ConfigDict()
     c.schedule.name = "cosine"      # cosine | linear | constant | ls_custom (LearnableScaler's --sched custom,
                                     # per epoch: train/optimizer.py ls_custom), after warmup
-    c.schedule.warmup_steps = 500   # linear warmup from 0 to the peak learning rate (0: none)
+    c.schedule.warmup_steps = 500   # linear warmup from 0 to the peak learning rate (0: none);
+                                    # at most the run's steps - 1 (a longer one is shortened to
+                                    # that, with a warning line at start)
     c.schedule.end_factor = 0.0     # final lr as a fraction of the peak (cosine, linear)
     c.schedule.epoch_factor = 0.8   # ls_custom: lr x this until epoch_threshold (--epoch-factor)
     c.schedule.epoch_threshold = 0.5  # ls_custom: fraction of the epochs (--epoch-threshold)

@@ -128,3 +128,27 @@ def test_ls_custom_schedule_is_the_reference_per_epoch(epochs, factor, threshold
     np.testing.assert_allclose(np.asarray(lr(steps)), want, rtol=2e-5, atol=1e-9)
     # a step function of the epoch, continuous where the pieces meet (the reference's design)
     assert float(lr(spe * (epochs // 2) + 3)) == float(lr(spe * (epochs // 2)))
+
+
+def test_a_warmup_longer_than_the_run_is_shortened_with_one_warning(tmp_path, caplog):
+    """schedule.warmup_steps=10000 in a 6-step run warmed up over 5 steps without a word; now
+    one warning line at start names both values and what is used (and a fitting one says
+    nothing). The logged learning rate is the shortened schedule's: the peak at step 5."""
+    from normvit_jax import summaries
+    from normvit_jax.train import loop
+    cfg = tiny_demo_config(total_steps=6, log_every=1, checkpoint_every=6, eval_every=6,
+                           **{"model.depth": 1, "schedule.warmup_steps": 10000})
+    with caplog.at_level("WARNING"):
+        loop.train_and_evaluate(cfg, str(tmp_path / "long"))
+    lines = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+    assert lines == ["config.schedule.warmup_steps=10000 is not shorter than the run's 6 steps: "
+                     "the learning rate warms up over 5 steps instead (the peak at step 5, then "
+                     "1 step(s) of cosine decay); set warmup_steps below total_steps to choose"]
+    peak, sched = cfg.optimizer.learning_rate, optimizer.schedule(cfg, 6)
+    np.testing.assert_allclose([float(sched(s)) for s in range(6)],
+                               [peak * s / 5 for s in range(6)], rtol=1e-6)  # peak at step 5
+    logged = [p[1] for p in summaries.read_scalars(str(tmp_path / "long"))["train/learning_rate"]]
+    assert max(logged) == pytest.approx(peak, rel=1e-6)  # the run used that schedule
+    caplog.clear()
+    assert optimizer.warmup_note(tiny_demo_config(total_steps=6), 6) is None  # warmup 2: as written
+    assert optimizer.warmup_note(tiny_demo_config(**{"schedule.warmup_steps": 6}), 6) is not None

@@ -73,6 +73,9 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
     n_steps = total_steps(config, train_data.steps_per_epoch)
     model = setup.create_model(config, ds.num_classes, run_spec.model)
     tx, lr_schedule = optim.create(config, n_steps)
+    note = optim.warmup_note(config, n_steps)
+    if note:  # the schedule differs from the config's: said once, at start
+        logging.warning(note)
     state, state_sharding = setup.create_train_state(model, tx, train_data.image_shape, mesh,
                                                      jax.random.key(config.seed),
                                                      sharding.fsdp_min_size(config))

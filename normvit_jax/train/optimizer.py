@@ -39,10 +39,28 @@ def validate(config: Any) -> None:
         ema.track(config.ema_decay)
 
 
+def warmup_steps(config: Any, total_steps: int) -> int:
+    """The warmup the schedule uses: ``schedule.warmup_steps``, at most ``total_steps - 1`` (the
+    decay gets at least one step, and a warmup longer than the run never reaches the peak)."""
+    return min(int(config.schedule.warmup_steps), max(total_steps - 1, 0))
+
+
+def warmup_note(config: Any, total_steps: int) -> str | None:
+    """One line when ``warmup_steps`` shortens the configured warmup (training logs it at start:
+    the schedule is then not the one written in the config); None otherwise."""
+    asked, used = int(config.schedule.warmup_steps), warmup_steps(config, total_steps)
+    if used == asked:
+        return None
+    return (f"config.schedule.warmup_steps={asked} is not shorter than the run's {total_steps} "
+            f"steps: the learning rate warms up over {used} steps instead (the peak at step "
+            f"{used}, then {total_steps - used} step(s) of {config.schedule.name} decay); set "
+            f"warmup_steps below total_steps to choose")
+
+
 def schedule(config: Any, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to the peak, then cosine/linear decay to ``end_factor * peak``."""
     peak = config.optimizer.learning_rate
-    warmup = min(int(config.schedule.warmup_steps), max(total_steps - 1, 0))
+    warmup = warmup_steps(config, total_steps)
     end = peak * config.schedule.end_factor
     decay_steps = max(total_steps - warmup, 1)
     name = config.schedule.name
