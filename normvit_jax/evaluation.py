@@ -22,7 +22,7 @@ from absl import logging
 from etils import epath
 
 from normvit_jax import checkpoints, data, sharding
-from normvit_jax.train import setup
+from normvit_jax.train import evaluator, setup
 from normvit_jax.train import optimizer as optim
 
 
@@ -100,6 +100,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     logging.info("eval of step %d on %s:%s: %s", step, result["dataset"], ds.eval_split,
                  ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in sorted(metrics.items())))
+    note = evaluator.nonfinite_warning(metrics, step, workdir, state.batch_stats)
+    if note:  # still written and exit 0: the file says what the checkpoint gives
+        logging.warning(note)
     if jax.process_index() == 0:  # after the metrics are shown: a read-only workdir loses nothing
         try:
             # atomic: an eval killed while writing leaves the previous result (or none), never

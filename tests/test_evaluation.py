@@ -170,3 +170,33 @@ def test_eval_step_sums_real_counts_from_its_own_forward():
     no_real = [{k: x for k, x in bt.items() if k != "real"} for bt in batches]
     out = setup.jit_eval_step(mdl, rep, mesh, None, evaluation.real_sums)(state, no_real[0])
     assert out[1] == {}
+
+
+def test_a_nonfinite_eval_is_one_warning_naming_the_step_and_recalibrate(tmp_path, caplog,
+                                                                          monkeypatch):
+    """A diverged running statistic (RepBN's batch norm, made NaN here as divergence leaves it)
+    with finite weights: training's eval and --mode=eval wrote NaN metrics and ended in exit 0
+    without a word. Now one warning each, naming the step, the metrics and recalibrate; the run
+    still ends normally (its weights are fine) and the result is still written."""
+    import math
+
+    import jax
+    from normvit_jax.train import loop, setup
+    cfg = tiny_demo_config(total_steps=3, checkpoint_every=3, eval_every=3, **{"model.depth": 1})
+    cfg.model.norm = {"name": "repbn"}
+    evaluate = setup.evaluate
+    monkeypatch.setattr(setup, "evaluate", lambda step, state, *a: evaluate(
+        step, state.replace(batch_stats=jax.tree.map(lambda x: x * np.nan, state.batch_stats)),
+        *a))
+    wd = str(tmp_path)
+    with caplog.at_level("WARNING"):
+        trained = loop.train_and_evaluate(cfg, wd)
+        result = evaluation.evaluate_checkpoint(cfg, wd)
+    assert math.isnan(trained["eval"]["loss"]) and math.isnan(result["metrics"]["loss"])
+    lines = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert line.startswith("eval at step 3: loss nan (not finite); the running statistics "
+                               f"may have diverged: python -m normvit_jax.recalibrate "
+                               f"--workdir={wd} --out=DIR re-estimates them; see docs/faults.md")
+    assert (tmp_path / "eval_digits_test_3.json").exists()

@@ -107,7 +107,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
     # one compiled step per phase of the step-scheduled norms (train/phases.py)
     train_step = phases.PhasedTrainStep(jitted_step, model)
     evaluator = Evaluator(config, ds, model, state_sharding, mesh, eval_data, writer,
-                          analysis_writer)
+                          analysis_writer, workdir=workdir)
     return Run(config, workdir, mesh, train_data, eval_data, model, n_steps, start.state,
                train_step, saver, writer, evaluator, start.step, start.window,
                start.skipped_total)
