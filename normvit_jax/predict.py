@@ -50,8 +50,12 @@ def run_class_names(workdir: str, config: Any) -> list[str]:
     from normvit_jax import run_config
     path = os.path.join(workdir, "classes.json")
     if os.path.isfile(path):
-        return list(run_config.read_json(path, "restore it, or delete it to use the dataset's "
-                                               "class names"))
+        advice = "restore it, or delete it to use the dataset's class names"
+        names = run_config.read_json(path, advice)
+        if not isinstance(names, list):  # a number was a TypeError, an object its keys
+            raise ValueError(f"{path} is not a list of class names (JSON "
+                             f"{type(names).__name__}); {advice}")
+        return [str(c) for c in names]
     return list(_spec(config).class_names or [])
 
 

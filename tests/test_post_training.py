@@ -75,6 +75,10 @@ def test_a_damaged_classes_json_or_prepare_json_is_named(tmp_path):
     with pytest.raises(ValueError, match=rf"^{tmp_path}/classes\.json is not readable JSON \(.*\); "
                                          r"restore it, or delete it to use the dataset's class"):
         predict.run_class_names(str(tmp_path), None)
+    for other in ("5", '{"cat": 0}'):  # valid JSON, not a list: a TypeError, or the keys used
+        (tmp_path / "classes.json").write_text(other)
+        with pytest.raises(ValueError, match=r"classes\.json is not a list of class names"):
+            predict.run_class_names(str(tmp_path), None)
     info = tmp_path / "dd" / "mine" / prepared.VERSION / prepared.INFO_FILE
     info.parent.mkdir(parents=True)
     info.write_text('{"classes": [')
