@@ -23,12 +23,18 @@ class ConfigChangedError(ValueError):
 
 def read_json(path: Any, advice: str, error: type[Exception] = ValueError) -> Any:
     """A JSON file this project wrote (config.json, classes.json, prepare.json, an artifact's
-    metadata); one damaged after it was written is an ``error`` naming it and saying what to do
-    (``advice``), not JSON's bare 'Unterminated string ...'."""
+    metadata); one damaged after it was written, or that cannot be read (permissions, a folder),
+    is an ``error`` naming it and saying what to do (``advice``), not JSON's bare 'Unterminated
+    string ...' or an OSError's traceback. A missing file stays FileNotFoundError."""
     try:  # reading too: bytes that are not UTF-8 (UnicodeDecodeError) are damage as well
         return json.loads(epath.Path(path).read_text())
     except ValueError as e:
         raise error(f"{path} is not readable JSON ({e}); {advice}") from None
+    except FileNotFoundError:  # callers that allow a missing file check for it themselves
+        raise
+    except OSError as e:  # permissions, a folder of that name: the same one line, not a traceback
+        raise error(f"{path} cannot be read ({type(e).__name__}: {e.strerror or e}); make it "
+                    f"readable, or {advice}") from None
 
 
 def read_saved(path: Any) -> dict:

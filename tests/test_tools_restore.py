@@ -231,3 +231,22 @@ def test_export_names_a_damaged_classes_json_shared_with_other_artifacts(run, tm
                "folder" in lines[0] and "not this model's" not in lines[0]
         assert not out.exists() and not (folder / (out.name + ".json")).exists()
     assert sorted(os.listdir(folder)) == ["a.onnx", "a.onnx.json", "classes.json"]
+
+
+
+def test_a_json_file_that_cannot_be_read_is_named_with_what_to_do(tmp_path):
+    """run_config.read_json, the reader of every JSON file the project writes: one that cannot be
+    read (permissions for a user who is not root; a folder of that name here, which root cannot
+    bypass) was a bare OSError, a traceback with exit 1 from every tool; now the caller's error
+    (exit 2 through cli.tool_errors) naming it; a missing file stays FileNotFoundError."""
+    from normvit_jax import run_config
+    from normvit_jax.deploy.errors import DeployError
+    folder = tmp_path / "classes.json"
+    folder.mkdir()
+    with pytest.raises(DeployError) as e:
+        run_config.read_json(folder, "export the artifact again", DeployError)
+    assert str(e.value) == (f"{folder} cannot be read (IsADirectoryError: Is a directory); make "
+                            f"it readable, or export the artifact again")
+    assert cli.exit_code(e.value) == cli.EXIT_CONFIG
+    with pytest.raises(FileNotFoundError):
+        run_config.read_json(tmp_path / "absent.json", "unused")
