@@ -21,7 +21,7 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from normvit_jax import checkpoints, data, sharding
+from normvit_jax import checkpoints, data, run_data, sharding
 from normvit_jax.train import evaluator, setup
 from normvit_jax.train import optimizer as optim
 
@@ -68,7 +68,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     checkpoints.RunNotFoundError when there is no checkpoint (of that step)."""
     mesh = sharding.make_mesh(config)  # the run's mesh: an FSDP state is restored sharded
     run_spec = setup.resolve_config(config, mesh.devices.size)
-    ds = run_spec.data
+    # the statistics the run trained with (a dataset prepared again since: one warning)
+    ds = run_data.inference_spec(workdir, run_spec.data)
     pipeline = data.make_pipeline(config, "eval", ds)
     model = setup.create_model(config, ds.num_classes, run_spec.model)
     tx, _ = optim.create(config, max(int(config.total_steps or 0), 1))  # only its state's tree

@@ -6,13 +6,14 @@
 
 --images: files and folders, comma-separated (folders are read recursively, hidden files skipped).
 Each image follows prepare's RGB rule (docs/data.md) and the run's eval preprocessing (central crop
-data.eval_crop_fraction, resize to data.image_size, data.normalize) through the same decoder as
-evaluation. Each image is decoded once (a JPEG or PNG that needs no change by TensorFlow alone,
-its header read by PIL; any other by PIL, then its lossless PNG as prepare stores it), and the
-files are read, decoded and predicted one --batch at a time, so a folder of any size fits in memory.
-Class names: <workdir>/classes.json (written by training), else the dataset's, else
-the label numbers. Unreadable files are listed and skipped (also one that PIL reads and
-TensorFlow does not, which stopped the whole prediction). --mode=eval evaluates the checkpoint on
+data.eval_crop_fraction, resize to data.image_size, data.normalize with the statistics the run
+trained with: <workdir>/data.json, else the dataset's) through the same decoder as evaluation.
+Each image is decoded once (a JPEG or PNG that needs no change by TensorFlow alone, its header read
+by PIL; any other by PIL, then its lossless PNG as prepare stores it), and the files are read,
+decoded and predicted one --batch at a time, so a folder of any size fits in memory. Class names:
+<workdir>/classes.json (written by training), else the dataset's, else the label numbers.
+Unreadable files are listed and skipped (also one that PIL reads and TensorFlow does not, which
+stopped the whole prediction). --mode=eval evaluates the checkpoint on
 a split of the run's dataset (or --name/--data_dir) like ``main.py --mode=eval``.
 """
 from __future__ import annotations
@@ -97,7 +98,7 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
     """(rows, skipped): per readable file ``{'path', 'top': [(class, prob), ...]}``; skipped:
     'path (reason)' for files that are not decodable images."""
     import jax
-    from normvit_jax import checkpoints, models, reparam
+    from normvit_jax import checkpoints, models, reparam, run_data
     from normvit_jax.data import stats, tf_images
 
     config = checkpoints.load_config(workdir)
@@ -109,7 +110,7 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
         model_cfg, n = config.model, int(np.shape(variables["params"]["head"]["bias"])[-1])
     model = models.create(model_cfg, n)
     names = class_names(workdir, config, n)
-    affine = _spec(config).affine
+    affine = run_data.affine(workdir, config)  # as trained: no dataset needed (run_data.py)
     geo = eval_geometry(config.data)
     apply = jax.jit(lambda v, x: jax.nn.softmax(
         model.apply(v, stats.model_input(x, affine), train=False), -1))

@@ -13,11 +13,12 @@ after N batches the checkpoint's statistics weigh momentum**N (0.9**200 ~ 7e-10)
 a norm updates in its backward pass (PowerNorm's ema_gz, UN's gz window) are left as they are.
 Partial (padded) batches are skipped.
 
-Writes a new workdir ``--out`` (config.json + one checkpoint at the same step, the whole train
-state with only ``batch_stats`` changed, readable by ``main.py --mode=eval`` and
-``python -m normvit_jax.reparam``) and ``recalibrate.json`` there, and prints the eval metrics of
-the config's eval split before and after. ``--config``: a config file for the run (default: the
-run's config.json). Exit 2 with one line for a run without running statistics or a bad flag.
+Writes a new workdir ``--out`` (config.json, the run's data.json and classes.json, and one
+checkpoint at the same step: the whole train state with only ``batch_stats`` changed, readable by
+``main.py --mode=eval``, predict, export and ``python -m normvit_jax.reparam``) and
+``recalibrate.json`` there, and prints the eval metrics of the config's eval split before and
+after. ``--config``: a config file for the run (default: the run's config.json). Exit 2 with one
+line for a run without running statistics or a bad flag.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import jax
 import ml_collections
 from etils import epath
 
-from normvit_jax import checkpoints, data, models, sharding
+from normvit_jax import checkpoints, data, models, predict, run_config, run_data, sharding
 from normvit_jax.data import stats as data_stats
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import setup
@@ -108,7 +109,8 @@ def _main(args: Any) -> dict[str, Any]:
               else checkpoints.load_config(args.workdir))
     mesh = sharding.make_mesh(config)
     run_spec = setup.resolve_config(config, mesh.devices.size)  # as evaluation.evaluate_checkpoint
-    ds = run_spec.data
+    record = run_data.read(args.workdir)  # the statistics the run trained with, if recorded
+    ds = run_data.inference_spec(args.workdir, run_spec.data)
     model = setup.create_model(config, ds.num_classes, run_spec.model)
     eval_pipe = data.make_pipeline(config, "eval", ds)
     tx, _ = optim.create(config, max(int(config.total_steps or 0), 1))
@@ -131,8 +133,8 @@ def _main(args: Any) -> dict[str, Any]:
     eval_step = setup.jit_eval_step(model, state_sharding, mesh, affine)
     before = setup.evaluate(eval_step, state, eval_pipe, mesh)
     stats_cfg = statistics_view(config)
-    stats_pipe = data.make_pipeline(stats_cfg, "eval",
-                                    setup.resolve_config(stats_cfg, mesh.devices.size).data)
+    stats_ds = run_data.apply(setup.resolve_config(stats_cfg, mesh.devices.size).data, record)
+    stats_pipe = data.make_pipeline(stats_cfg, "eval", stats_ds)
     stats_model = models.create(stats_cfg.model, ds.num_classes)
     new_bs, used = recalibrate_stats(stats_model, state.variables(), stats_pipe.eval_batches(),
                                      state.step, affine, args.batches, progress=True)
@@ -145,6 +147,11 @@ def _main(args: Any) -> dict[str, Any]:
     out = epath.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoints.config_path(args.out).write_text(config.to_json_best_effort(indent=2))
+    # the new workdir normalizes as the run trained, with its class names, without the dataset
+    run_config.write_json_atomic(args.out, run_data.RECORD_NAME, record or run_data.of_spec(ds))
+    names = predict.run_class_names(args.workdir, config)
+    if names:
+        run_config.write_json_atomic(args.out, "classes.json", names)
     saver = checkpoints.make_manager(args.out, async_save=False)
     checkpoints.save(saver, int(step), new_state)
     saver.wait_until_finished()

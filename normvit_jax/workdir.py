@@ -16,7 +16,7 @@ from typing import Any
 from absl import logging
 from etils import epath
 
-from normvit_jax import run_config
+from normvit_jax import run_config, run_data
 from normvit_jax.run_config import CONFIG_NAME, REPLACED_DIR, utc_stamp
 
 LOCK_NAME = ".lock"
@@ -165,14 +165,14 @@ class WorkdirLock:
 
 
 def move_run_aside(workdir: str) -> str | None:
-    """For ``--fresh``: moves checkpoints, config, class names, event files and ``--mode=eval``
-    results of the run in ``workdir`` to ``workdir/replaced/<UTC time>/`` (nothing is deleted).
-    Returns that folder, or None if the workdir held no run."""
+    """For ``--fresh``: moves checkpoints, config, class names, input statistics, event files and
+    ``--mode=eval`` results of the run in ``workdir`` to ``workdir/replaced/<UTC time>/``
+    (nothing is deleted). Returns that folder, or None if the workdir held no run."""
     root = epath.Path(workdir)
     names = [p.name for p in root.iterdir()] if root.exists() else []
     moving = [n for n in names if n in ("checkpoints", CONFIG_NAME, "damaged_checkpoints",
-                                        "classes.json")
-              or n.startswith(("events.out.tfevents", "config.before-"))
+                                        "classes.json", run_data.RECORD_NAME)
+              or n.startswith(("events.out.tfevents", "config.before-", "data.before-"))
               or (n.startswith("eval_") and n.endswith(".json"))]  # --mode=eval's results
     if not moving:
         return None
@@ -185,11 +185,13 @@ def move_run_aside(workdir: str) -> str | None:
     return str(dest)
 
 
-def prepare(config: Any, workdir: str, *, fresh: bool = False, process_index: int = 0
-            ) -> WorkdirLock:
-    """Every check that needs no JAX, in order: writable, lock, --fresh, config. Returns the held
-    lock (release it, or use it as a with-block). Only process 0 locks and moves files; the
-    loop writes config.json later (``write_config``)."""
+def prepare(config: Any, workdir: str, *, fresh: bool = False, process_index: int = 0,
+            data_record: dict | None = None) -> WorkdirLock:
+    """Every check that needs no JAX, in order: writable, lock, --fresh, config, data (the
+    ``run_data`` record of the dataset as it is now, ``data_record``: a dataset prepared again
+    since the run trained is refused). Returns the held lock (release it, or use it as a
+    with-block). Only process 0 locks and moves files; the loop writes config.json and data.json
+    later (``write_config``, ``run_data.write``)."""
     workdir = absolute(workdir)
     check_writable(workdir)
     lock = WorkdirLock(workdir)
@@ -200,6 +202,9 @@ def prepare(config: Any, workdir: str, *, fresh: bool = False, process_index: in
             move_run_aside(workdir)
         if not (fresh and process_index != 0):  # they would read the config before it moves
             run_config.check_config(config, workdir)
+            if data_record is not None:
+                run_data.check_resume(workdir, data_record,
+                                      bool(config.get("allow_config_change")))
     except BaseException:
         lock.release()
         raise

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from normvit_jax import checkpoints, data, models
+from normvit_jax import checkpoints, data, models, run_data
 from normvit_jax.models import scan_convert
 from normvit_jax.analysis import colors, distance
 from normvit_jax.data import stats as data_stats
@@ -74,7 +74,7 @@ def load_run(workdir: str, step: int | None = None) -> Run:
     # the shared restore path: a damaged newest checkpoint is named and the previous one used
     restored, config = checkpoints.restore_numpy(workdir, step)
     variables, step = checkpoints.variables_of(restored.state), restored.step
-    ds = data.resolve_data_spec(config)
+    ds = run_data.inference_spec(workdir, data.resolve_data_spec(config))  # as trained
     return Run(str(workdir), config, ds, build_model(config, ds), variables, step,
                colors.method_of(config))
 

@@ -73,16 +73,18 @@ def load(workdir: str, *, step: int | None = None, folded: str | None = None,
         n = int(np.shape(variables["params"]["head"]["bias"])[-1])
         model = models.spec_of(config.model, n)
     return from_variables(config, model, variables, n, predict.class_names(workdir, config, n),
-                          fold=fold, source=source, log=log)
+                          fold=fold, source=source, log=log, workdir=workdir)
 
 
 def from_variables(config: Any, model: Any, variables: Any, num_classes: int,
                    class_names: list[str] | None = None, *, fold: bool = False,
-                   source: dict | None = None, log: Callable[[str], Any] | None = print) -> Bundle:
+                   source: dict | None = None, log: Callable[[str], Any] | None = print,
+                   workdir: str | None = None) -> Bundle:
     """A bundle of given weights: ``config`` the run's (its ``data`` settings), ``model`` its
-    spec or ``config.model``."""
+    spec or ``config.model``; ``workdir``: the run's, whose recorded input statistics
+    (``run_data``) are used (without it, or for an older run, the dataset's)."""
     import jax
-    from normvit_jax import models, predict, reparam
+    from normvit_jax import models, reparam, run_data
     from normvit_jax.models import scan_convert
     n = int(num_classes)
     model = models.spec_of(model, n)
@@ -107,8 +109,7 @@ def from_variables(config: Any, model: Any, variables: Any, num_classes: int,
     if getattr(model, "stream_layout", "free") != "free":
         model = dataclasses.replace(model, stream_layout="free")
     source["norms"] = sorted({str(c.get("name")) for c in getattr(model, "slot_norms", [])})
-    spec = predict._spec(config)
-    affine = tuple(np.asarray(a, np.float32) for a in spec.affine)
+    affine = tuple(np.asarray(a, np.float32) for a in run_data.affine(workdir, config))
     in_weights = None
     if fold:  # the pixels' affine too: no normalizing ops on the whole image in the graph
         in_weights = reparam.fold_input_affine(model, variables, affine[0] / np.float32(255.0),

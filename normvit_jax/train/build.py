@@ -2,8 +2,9 @@
 
 ``build_run`` opens the pipelines, builds the model, optimizer and state (initialised into its
 sharding, then restored from the newest checkpoint or loaded from ``config.init_from``), writes
-the run's config.json, opens the summary writers and jits the train step and the evaluator. It
-takes no guard itself: ``loop.train_and_evaluate`` holds the workdir lock and the SIGTERM flag.
+the run's config.json, classes.json and data.json (``run_data``), opens the summary writers and
+jits the train step and the evaluator. It takes no guard itself: ``loop.train_and_evaluate``
+holds the workdir lock and the SIGTERM flag.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from normvit_jax import checkpoints, data, run_config, sharding, summaries
+from normvit_jax import checkpoints, data, run_config, run_data, sharding, summaries
 from normvit_jax.train import ema, guards
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import phases, progress, setup, tensorboard
@@ -115,9 +116,9 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
 
 def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_data,
            metrics_like) -> _Start:
-    """Restores the newest checkpoint (then config.json is the run's), else starts at step 0
-    (from ``config.init_from`` if set). ``metrics_like(state)``: the train step's metrics tree,
-    to rebuild the saved train-metrics window with the run's own metrics class."""
+    """Restores the newest checkpoint (then config.json and data.json are the run's), else
+    starts at step 0 (from ``config.init_from`` if set). ``metrics_like(state)``: the train step's
+    metrics tree, to rebuild the saved train-metrics window with the run's own metrics class."""
     mngr = saver.mngr
     try:
         restored = checkpoints.restore_latest(mngr, state)
@@ -129,6 +130,9 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
         run_config.write_config(config, workdir)
         if run_spec.data.class_names:  # label order -> names, for evaluation, predict and people
             run_config.write_json_atomic(workdir, "classes.json", list(run_spec.data.class_names))
+        # the input statistics the model learns with: predict/export need no dataset, and a
+        # dataset prepared again later cannot change them (run_data.py)
+        run_data.write(workdir, run_data.of_spec(run_spec.data))
     if restored is not None:
         step = restored.step
         window, skipped_total = guards.MetricsWindow.from_meta(

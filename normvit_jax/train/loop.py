@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from normvit_jax import preemption, sharding
+from normvit_jax import preemption, run_data, sharding
 from normvit_jax import workdir as workdir_lib
 from normvit_jax.train import setup
 from normvit_jax.train.policy import NonFiniteError, PreemptedError, StepPolicy
@@ -30,14 +30,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     the configured total), for time-sliced jobs; a re-run continues. ``fresh``: start at step 0
     even if the workdir holds a run (moved to ``workdir/replaced/``). Returns the final step, the
     last eval metrics and the state. Raises ValueError (bad config), WorkdirBusyError,
-    WorkdirError, ConfigChangedError, CheckpointMismatchError, DatasetNotFoundError,
-    NonFiniteError or PreemptedError (cli.EXIT_CODES maps them to exit codes).
+    WorkdirError, ConfigChangedError, run_data.DataChangedError (a dataset prepared again since
+    the run trained), CheckpointMismatchError, DatasetNotFoundError, NonFiniteError or
+    PreemptedError (cli.EXIT_CODES maps them to exit codes).
     """
     with preemption.SigtermFlag() as sigterm:
         mesh = sharding.make_mesh(config)
         run_spec = setup.resolve_config(config, mesh.devices.size)
         workdir = workdir_lib.absolute(workdir)
-        with workdir_lib.prepare(config, workdir, fresh=fresh, process_index=jax.process_index()):
+        with workdir_lib.prepare(config, workdir, fresh=fresh, process_index=jax.process_index(),
+                                 data_record=run_data.of_spec(run_spec.data)):
             sharding.sync_hosts("normvit_workdir_ready")  # process 0 has moved/written what it must
             from normvit_jax.train import build, trainer  # pylint: disable=import-outside-toplevel
             run = build.build_run(config, workdir, run_spec, mesh)
