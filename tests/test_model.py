@@ -220,3 +220,54 @@ def test_param_init_schemes_follow_their_references(impl):
     q = np.asarray(gb["MultiHeadDotProductAttention_1"]["query"]["kernel"])
     assert abs(q.std() - np.sqrt(2 / (384 + 384))) < 0.002  # xavier on (D, D)
     assert not np.asarray(g["head"]["kernel"]).any() and not np.asarray(g["cls"]).any()
+
+
+def _ln64(x, scale, bias, eps=1e-6):
+    x = np.asarray(x, np.float64)
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(x.var(-1, keepdims=True) + eps) * scale + bias
+
+
+@pytest.mark.usefixtures("float32_matmuls")  # float32 numerics: no TF32 on GPU
+@pytest.mark.parametrize("patch_norm", ["pre", "post", "dual", "post_posemb"])
+def test_dual_patchnorm_placements_against_float64(patch_norm):
+    """Dual PatchNorm (Kumar et al. 2023): LayerNorm over each patch's P*P*3 pixels in (row,
+    column, channel) order before the patch Dense ('pre', 'dual'), LayerNorm over D after it
+    ('post', 'dual') or after the position embedding ('post_posemb', class token included).
+    Float64 reference of the stem on pixels with per-channel offsets, the LayerNorms' scale and
+    bias random (a swapped order, a missing norm or the wrong axis moves the outputs by O(1))."""
+    p, d = 4, 16
+    model = models.create({"variant": "Ti/4", "depth": 1, "hidden_size": d, "num_heads": 2,
+                           "patch_norm": patch_norm}, num_classes=4)
+    rng = np.random.default_rng(0)
+    images = (rng.normal(size=(2, 8, 8, 3)) * 0.3 + [0.5, -2.0, 4.0]).astype(np.float32)
+    variables = jax.tree.map(np.asarray, model.init(jax.random.key(0), images))
+    params = variables["params"]
+    post = params["Transformer"] if patch_norm == "post_posemb" else params
+    norms = {"pre": params["embedding"].get("patch_norm_pre"), "post": post.get("patch_norm_post")}
+    for n in norms.values():
+        if n is not None:
+            n["scale"] = (1 + 0.5 * rng.normal(size=n["scale"].shape)).astype(np.float32)
+            n["bias"] = (0.3 * rng.normal(size=n["bias"].shape)).astype(np.float32)
+    assert (norms["pre"] is not None) == (patch_norm in ("pre", "dual"))
+    assert (norms["post"] is not None) == (patch_norm != "pre")
+    _, state = model.apply(variables, images, capture_intermediates=True, mutable=["intermediates"])
+    got = state["intermediates"]
+
+    x = images.astype(np.float64).reshape(2, 2, p, 2, p, 3).transpose(0, 1, 3, 2, 4, 5)
+    x = x.reshape(2, 4, p * p * 3)
+    if norms["pre"] is not None:
+        x = _ln64(x, norms["pre"]["scale"], norms["pre"]["bias"])
+    e = params["embedding"]
+    x = x @ e["kernel"].astype(np.float64).reshape(p * p * 3, d) + e["bias"]
+    np.testing.assert_allclose(got["embedding"]["__call__"][0], x, rtol=1e-5, atol=1e-5)
+    if patch_norm in ("post", "dual"):
+        want = _ln64(x, norms["post"]["scale"], norms["post"]["bias"])
+        np.testing.assert_allclose(got["patch_norm_post"]["__call__"][0], want, rtol=1e-5,
+                                   atol=1e-5)
+    if patch_norm == "post_posemb":  # [cls, patches] + the learned table, then the norm
+        tokens = np.concatenate([np.broadcast_to(params["cls"], (2, 1, d)), x], 1)
+        tokens = tokens + params["Transformer"]["posembed_input"]["pos_embedding"]
+        want = _ln64(tokens, norms["post"]["scale"], norms["post"]["bias"])
+        np.testing.assert_allclose(got["Transformer"]["patch_norm_post"]["__call__"][0], want,
+                                   rtol=1e-5, atol=1e-5)
