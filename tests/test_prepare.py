@@ -458,3 +458,29 @@ def test_local_prepare_makes_no_network_call_and_checks_arguments_before_tensorf
                        timeout=120, cwd=REPO_ROOT)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-2:] == [
         f"error: --src={tmp_path}/none: no such file or folder", "False"], r.stderr[-2000:]
+
+
+def test_the_suggested_command_trains_on_fewer_images_than_the_batch(tmp_path, capsys):
+    """A photo folder of a few dozen images (a new user's first try): the configs' batch of 128 is
+    larger than the train split, so the printed command set that batch and stopped at once (not
+    one step per epoch); it now sets a batch that fits, and the train pipeline opens."""
+    from configs import vit_ln
+    from normvit_jax import data
+    src = _tree(tmp_path / "s", {"cat": 10, "dog": 10})
+    _run(f"--src={src}", "--name=few", f"--data_dir={tmp_path}/dd")
+    command = next(line for line in capsys.readouterr().out.splitlines()
+                   if line.startswith("train: python main.py"))
+    assert "--config=configs/vit_ln.py:small32" in command and "--config.batch_size=16" in command
+    config = vit_ln.get_config("small32")  # the command's overrides, parsed as main.py parses them
+    for flag in command.split()[4:]:
+        if flag.startswith("--config."):
+            key, value = flag[len("--config."):].split("=", 1)
+            parent = config
+            *path, leaf = key.split(".")
+            for k in path:
+                parent = parent[k]
+            parent[leaf] = int(value) if isinstance(parent[leaf], int) else value
+    spec = data.resolve_data_spec(config)
+    pipe = data.make_pipeline(config, "train", spec)  # raised: batch_size=128 > 18 examples
+    assert pipe.steps_per_epoch == 1
+    pipe.close()

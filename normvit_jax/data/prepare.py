@@ -292,9 +292,22 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float) -> s
     lines.append(f"  eval split: {info['eval_split']}" if info["eval_split"] else
                  "  eval split: none (--val_fraction=0): the command below evaluates on 'train', "
                  "which measures fit, not accuracy on new images")
+    # Fewer train images than the config's batch: not one step per epoch, so the run would stop;
+    # the command then sets the batch that fits.
+    batch_flag = _batch_flag(info["splits"].get("train", {}).get("examples", 0))
     lines.append(f"train: python main.py --config={suggested_config(info)} --config.data.name={name} "
-                 f"--config.data.data_dir={data_dir}{eval_flag} --workdir=runs/{name}")
+                 f"--config.data.data_dir={data_dir}{eval_flag}{batch_flag} --workdir=runs/{name}")
     return "\n".join(lines)
+
+
+def _batch_flag(train_examples: int) -> str:
+    """`` --config.batch_size=B`` (the largest power of two <= the train examples) when the
+    suggested configs' batch (configs/default.py's, also ``:small32``'s) is larger than the train
+    split, else ''."""
+    from configs import default  # pylint: disable=import-outside-toplevel
+    if train_examples < 1 or train_examples >= default.get_config().batch_size:
+        return ""
+    return f" --config.batch_size={1 << (train_examples.bit_length() - 1)}"
 
 
 SMALL_IMAGE_SIDE = 64  # train images no larger than this: the small-image preset
