@@ -40,7 +40,9 @@ def check(config: Any, workdir: str) -> None:
         if path and str(path).startswith("gs://"):
             check_gcs_credentials(str(path), what=what)
     if init_from and not workdir_lib.is_remote(init_from):
-        check_npz(init_from, key="config.init_from")
+        check_npz(init_from, key="config.init_from", missing_hint=(
+            "; download the checkpoint first, e.g. `gsutil cp gs://vit_models/imagenet21k/"
+            "ViT-B_16.npz .` (the files and their layouts: docs/pretrained.md)"))
 
 
 def check_loaded(config: Any) -> None:
@@ -107,11 +109,12 @@ def npz_problem(head: bytes) -> str | None:
             "HTML error page, or another format?)")
 
 
-def check_npz(path: str, key: str = "path") -> None:
-    """A local file that exists, is readable and starts like an .npz (zip) archive."""
+def check_npz(path: str, key: str = "path", missing_hint: str = "") -> None:
+    """A local file that exists, is readable and starts like an .npz (zip) archive;
+    ``missing_hint`` ends the message of a file that does not exist (what to do)."""
     p = epath.Path(path)
     if not p.exists():
-        raise ValueError(f"{key}={path!r} does not exist")
+        raise ValueError(f"{key}={path!r} does not exist{missing_hint}")
     if p.is_dir():
         raise ValueError(f"{key}={path!r} is a directory, not an .npz file")
     try:

@@ -179,6 +179,9 @@ def test_init_from_that_is_not_an_npz_is_named(tmp_path):
     missing = main_py("--config=configs/vit_ln.py:demo", f"--config.init_from={tmp_path}/nope.npz",
                       f"--workdir={tmp_path}/wd")
     assert missing.returncode == cli.EXIT_CONFIG and "does not exist" in missing.stderr
+    # ... and says where the README's `--config.init_from=ViT-B_16.npz` comes from
+    assert "gsutil cp gs://vit_models/imagenet21k/ViT-B_16.npz" in missing.stderr
+    assert "docs/pretrained.md" in missing.stderr
     assert not (tmp_path / "wd").exists()
 
 
