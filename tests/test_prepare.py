@@ -440,6 +440,17 @@ def test_without_an_eval_split_the_suggested_command_evaluates_on_train(tmp_path
     pipe.close()
 
 
+def test_a_source_with_only_a_train_split_is_not_said_to_be_val_fraction_0(tmp_path, capsys):
+    """DIR/train/<class> alone (no val/test folder): nothing is held out whatever --val_fraction
+    says, and the summary blamed '--val_fraction=0', a flag the user had not passed."""
+    src = _tree(tmp_path / "s" / "train", {"cat": 4, "dog": 4})
+    _run(f"--src={os.path.dirname(src)}", "--name=trainonly", f"--data_dir={tmp_path}/dd")
+    out = capsys.readouterr().out
+    assert "--val_fraction=0" not in out, out
+    assert ("eval split: none (the source has only a train split; add a val/ or test/ folder of "
+            "the same classes): the command below evaluates on 'train'") in out, out
+
+
 def test_local_prepare_makes_no_network_call_and_checks_arguments_before_tensorflow(tmp_path):
     """Issue 35, item 6: tfds's community catalog is a file on GCS, and listing it made every
     prepare ask TensorFlow for Google credentials and the GCE metadata server."""

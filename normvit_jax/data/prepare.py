@@ -261,7 +261,10 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
     return info
 
 
-def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float) -> str:
+def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
+            val_fraction: float = 0.0) -> str:
+    """The lines prepare prints; ``val_fraction``: the flag's value (why there is no eval split:
+    a single tree with 0, or a source with only a train split, which nothing is held out of)."""
     classes = info["classes"]
     lines = [f"prepared {name!r} in {prepared.version_dir(name, data_dir)}: {len(classes)} "
              f"classes, format {info['format']}, {seconds:.1f} s"]
@@ -289,8 +292,10 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float) -> s
     lines.append(f"  train per-channel mean {st['mean']}, std {st['std']} (data.normalize=zscore)")
     # No held-out split (--val_fraction=0): the command evaluates on train, so that it runs.
     eval_flag = "" if info["eval_split"] else " --config.data.eval_split=train"
+    why = ("--val_fraction=0" if not val_fraction else
+           "the source has only a train split; add a val/ or test/ folder of the same classes")
     lines.append(f"  eval split: {info['eval_split']}" if info["eval_split"] else
-                 "  eval split: none (--val_fraction=0): the command below evaluates on 'train', "
+                 f"  eval split: none ({why}): the command below evaluates on 'train', "
                  "which measures fit, not accuracy on new images")
     # Fewer train images than the config's batch: not one step per epoch, so the run would stop;
     # the command then sets the batch that fits.
@@ -373,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"\ninterrupted: {args.name!r} is not prepared (the partial files are removed by the "
               f"next run of the same command)", file=sys.stderr)
         sys.exit(130)
-    print(summary(info, args.name, data_dir, time.perf_counter() - t0))
+    print(summary(info, args.name, data_dir, time.perf_counter() - t0, args.val_fraction))
     return info
 
 
