@@ -162,6 +162,10 @@ def test_gs_weights_without_credentials_fail_fast_with_exit_5(tmp_path):
     assert r.returncode == cli.EXIT_WORKDIR, r.stderr[-3000:]
     assert re.search(r"config.init_from gs://vit_models/imagenet21k/ViT-B_16.npz: no Google Cloud "
                      r"credentials found .*gcloud auth application-default login", r.stderr)
+    # the bucket is public: the line also says how to do without credentials
+    assert ("Or download the public file, `wget https://storage.googleapis.com/vit_models/"
+            "imagenet21k/ViT-B_16.npz`, and pass its local path: "
+            "--config.init_from=ViT-B_16.npz.") in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "wd").exists()
 
@@ -180,7 +184,7 @@ def test_init_from_that_is_not_an_npz_is_named(tmp_path):
                       f"--workdir={tmp_path}/wd")
     assert missing.returncode == cli.EXIT_CONFIG and "does not exist" in missing.stderr
     # ... and says where the README's `--config.init_from=ViT-B_16.npz` comes from
-    assert "gsutil cp gs://vit_models/imagenet21k/ViT-B_16.npz" in missing.stderr
+    assert "wget https://storage.googleapis.com/vit_models/imagenet21k/ViT-B_16.npz" in missing.stderr
     assert "docs/pretrained.md" in missing.stderr
     assert not (tmp_path / "wd").exists()
 
