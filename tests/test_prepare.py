@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -492,6 +493,12 @@ def test_the_suggested_command_trains_on_fewer_images_than_the_batch(tmp_path, c
                 parent = parent[k]
             parent[leaf] = int(value) if isinstance(parent[leaf], int) else value
     spec = data.resolve_data_spec(config)
-    pipe = data.make_pipeline(config, "train", spec)  # raised: batch_size=128 > 18 examples
-    assert pipe.steps_per_epoch == 1
-    pipe.close()
+    said = []
+    with mock.patch("absl.logging.info", lambda msg, *a: said.append(msg % a)):
+        pipe = data.make_pipeline(config, "train", spec)  # raised: batch_size=128 > 18 examples
+        assert pipe.steps_per_epoch == 1
+        pipe.close()
+        data.make_pipeline(config, "eval", spec).close()
+    # the log says what happens to each split's decoded images (eval batches are not augmented)
+    assert [m.split("; ")[1].split(" (")[0] for m in said if m.startswith("Decoded the")] == [
+        "its batches are augmented from there", "its batches are read from there"], said
