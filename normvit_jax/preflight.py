@@ -40,7 +40,10 @@ def check(config: Any, workdir: str) -> None:
         if path and str(path).startswith("gs://"):
             check_gcs_credentials(str(path), what=what)
     if init_from and not workdir_lib.is_remote(init_from):
-        check_npz(init_from, key="config.init_from")
+        check_npz(init_from, key="config.init_from", missing_hint=(
+            "; download the checkpoint first, e.g. `wget https://storage.googleapis.com/"
+            "vit_models/imagenet21k/ViT-B_16.npz` (public; the files and their layouts: "
+            "docs/pretrained.md)"))
 
 
 def check_loaded(config: Any) -> None:
@@ -107,11 +110,12 @@ def npz_problem(head: bytes) -> str | None:
             "HTML error page, or another format?)")
 
 
-def check_npz(path: str, key: str = "path") -> None:
-    """A local file that exists, is readable and starts like an .npz (zip) archive."""
+def check_npz(path: str, key: str = "path", missing_hint: str = "") -> None:
+    """A local file that exists, is readable and starts like an .npz (zip) archive;
+    ``missing_hint`` ends the message of a file that does not exist (what to do)."""
     p = epath.Path(path)
     if not p.exists():
-        raise ValueError(f"{key}={path!r} does not exist")
+        raise ValueError(f"{key}={path!r} does not exist{missing_hint}")
     if p.is_dir():
         raise ValueError(f"{key}={path!r} is a directory, not an .npz file")
     try:
@@ -133,10 +137,18 @@ def check_gcs_credentials(path: str, what: str = "the workdir") -> None:
         return
     problem = credentials_problem()
     if problem:
+        public = ""
+        if path.startswith(PUBLIC_WEIGHTS):  # Google's public bucket: no credentials over https
+            public = (f" Or download the public file, `wget https://storage.googleapis.com/"
+                      f"{path[len('gs://'):]}`, and pass its local path: "
+                      f"--{what}={os.path.basename(path)}.")
         raise workdir_lib.WorkdirError(
             f"{what} {path}: no Google Cloud credentials found ({problem}). Run `gcloud auth "
             "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS to a service-account "
-            "key, or run on a Cloud VM.")
+            f"key, or run on a Cloud VM.{public}")
+
+
+PUBLIC_WEIGHTS = "gs://vit_models/"  # configs/finetune_cifar.py's checkpoints: readable by anyone
 
 
 def credentials_problem() -> str | None:

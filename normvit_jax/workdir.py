@@ -138,7 +138,7 @@ class WorkdirLock:
                 raise WorkdirError(f"cannot lock {path}: {e}") from e
             f.seek(0)
             previous = f.read().strip()
-            if previous:
+            if previous:  # a run that did not release it (killed, crashed, power lost)
                 logging.info("Taking over %s from %s, which has ended.", path, previous)
             f.seek(0)
             f.truncate()
@@ -158,6 +158,11 @@ class WorkdirLock:
             entry[1] -= 1
             if entry[1] == 0:
                 del _held[self.workdir]
+                try:  # a run that ended here leaves no owner: the next start takes over nothing
+                    entry[0].seek(0)
+                    entry[0].truncate()
+                except OSError:
+                    pass
                 entry[0].close()  # closing the file drops the flock
 
 

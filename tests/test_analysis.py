@@ -235,6 +235,22 @@ def test_attention_and_report_name_a_bad_count_or_index_flag_in_one_line(trained
     assert not os.path.exists(tmp_path / "rep")
 
 
+def test_report_names_a_tag_no_run_logged_before_writing(trained, tmp_path, capsys):
+    """A misspelt --tags drew an empty panel in tags.png, exit 0, and nothing said so."""
+    out = tmp_path / "rep"
+    code = report.main([trained[0], f"--out={out}", "--no_attention",
+                        "--tags=tokens/encoder_norm/in/max_ab"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == (
+        "error: --tags: 'tokens/encoder_norm/in/max_ab' is logged by none of the runs; the "
+        "closest: tokens/encoder_norm/in/max_abs, tokens/encoder_norm/out/max_abs, "
+        "tokens/encoder_norm/in/chan_var"), err
+    assert not os.path.exists(out / "report.md")
+    assert report.main([trained[0], f"--out={out}", "--no_attention",
+                        "--tags=tokens/encoder_norm/in/max_abs"]) == 0
+    assert os.path.exists(out / "tags.png")
+
+
 def test_report_table_equals_the_summaries(trained, tmp_path):
     workdir, out = trained
     fake = str(tmp_path / "resumed")  # the trained checkpoint with hand-written summaries

@@ -1,6 +1,7 @@
 """The docs against the tree: every relative link and anchor of README.md and docs/*.md resolves,
-every key of configs/default.py has its comment (the README says so), and every .py file that
-docs/design.md names exists. Flags: tests/test_tool_flags.py; demo numbers: test_demo_numbers.py."""
+every key of configs/default.py has its comment (the README says so), every .py file that
+docs/design.md names exists, and every config a doc shows loads with the keys it overrides.
+Flags: tests/test_tool_flags.py; demo numbers: test_demo_numbers.py."""
 from __future__ import annotations
 
 import glob
@@ -97,3 +98,59 @@ def test_readme_names_every_method_config_and_default_variant():
     assert len(configs) > 15
     assert [c for c in sorted(configs) if f"`{c}`" not in readme] == []
     assert [v for v in default.VARIANTS if f"`{v}`" not in readme] == []
+
+
+def test_every_config_a_doc_shows_loads_and_has_the_keys_it_overrides():
+    """Every ``--config=configs/FILE.py[:variants]`` in README.md and docs/*.md (commands, tables,
+    prose) loads, and every ``--config.KEY=`` on a ``python main.py`` command with such a config
+    is a key of it (a misspelt or removed key or variant in a doc stops the user's first run;
+    model.norm.* and model.norm_overrides.* take new keys)."""
+    from normvit_jax import cli
+    from tests.test_tool_flags import _doc_commands
+    loaded: dict[str, object] = {}
+    bad = []
+
+    def load(spec: str):
+        if spec not in loaded:
+            try:
+                loaded[spec] = cli.load_config_file(os.path.join(REPO_ROOT, spec))
+            except Exception as e:  # noqa: BLE001  (reported below with the doc line)
+                loaded[spec] = e
+        return loaded[spec]
+
+    spec_re = r"--config=(configs/\w+\.py(?::[\w,]+)?)(?=[\s`'|)]|$)"
+    for path in DOCS:
+        text = _read(path)
+        for m in re.finditer(spec_re, text):
+            c = load(m.group(1))
+            if isinstance(c, Exception):
+                line = text[:m.start()].count("\n") + 1
+                bad.append(f"{path}:{line}: --config={m.group(1)}: {type(c).__name__}: {c}")
+        for line, cmd in _doc_commands(text):
+            for run in re.finditer(r"python main\.py([^;|&#]*)", cmd):
+                spec = re.search(spec_re, run.group(1))
+                c = load(spec.group(1)) if spec else None
+                if c is None or isinstance(c, Exception):
+                    continue
+                for key in re.findall(r"--config\.([\w.]+)=", run.group(1)):
+                    if key.startswith(("model.norm.", "model.norm_overrides.")):
+                        continue
+                    node = c
+                    for k in key.split("."):
+                        node = node[k] if hasattr(node, "keys") and k in node.keys() else None
+                        if node is None:
+                            break
+                    if node is None and not _leaf_is_none(c, key):
+                        bad.append(f"{path}:{line}: --config={spec.group(1)} has no key {key}")
+    assert len(loaded) >= 20, sorted(loaded)
+    assert not bad, "\n".join(bad)
+
+
+def _leaf_is_none(c: ml_collections.ConfigDict, key: str) -> bool:
+    """A key that exists with the value None (init_from, data.data_dir, ...)."""
+    *path, leaf = key.split(".")
+    for k in path:
+        if not (hasattr(c, "keys") and k in c.keys()):
+            return False
+        c = c[k]
+    return hasattr(c, "keys") and leaf in c.keys()

@@ -107,6 +107,27 @@ def test_eval_name_is_checked_against_the_training_set():
         data.validate(c)
 
 
+def test_an_imagenet_test_set_for_a_run_on_a_prepared_dataset_is_refused_as_such(tmp_path):
+    """README's `--mode=eval --config.data.eval_name=imagenet_v2` on a run of one's own photos:
+    the ImageNet test sets are named as such, not "neither a built-in dataset (digits, cifar10,
+    cifar100, imagenet2012) nor prepared ... prepare it with --name=imagenet_v2" (which prepare
+    refuses: a name of tfds's catalog)."""
+    from PIL import Image
+
+    from normvit_jax.data import prepare
+    for cls in ("cat", "dog"):
+        (tmp_path / "src" / cls).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (8, 8), (80 * i, 0, 0)).save(tmp_path / "src" / cls / f"{i}.png")
+    prepare.main([f"--src={tmp_path}/src", "--name=my_photos", f"--data_dir={tmp_path}/dd",
+                  "--val_fraction=0"])
+    c = tiny_demo_config()
+    c.data.name, c.data.data_dir, c.data.eval_name = "my_photos", str(tmp_path / "dd"), "imagenet_v2"
+    with pytest.raises(ValueError, match=r"data.eval_name='imagenet_v2'.*accepted: None, "
+                                         r"'my_photos', for imagenet2012: \['imagenet2012_real'"):
+        data.validate(c)
+
+
 @pytest.mark.parametrize("name,split", [("imagenet_v2", "test"), ("imagenet2012_real", "validation")])
 def test_eval_only_imagenet_sets_under_mock_data(tmp_path, name, split):
     tfds = pytest.importorskip("tensorflow_datasets")

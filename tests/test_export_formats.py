@@ -319,6 +319,22 @@ def test_onnx_attention_is_matmuls_not_einsum(artifacts):
             assert ops["Expand"] == 0, (key, ops)
 
 
+def test_fold_says_the_input_normalization_was_folded():
+    """export --fold of a LayerNorm run printed only "folded 0 norm slot(s) into the next Dense",
+    though the pixels' affine went into the patch embedding: --fold looked like it did nothing."""
+    from normvit_jax import models
+    from normvit_jax.deploy import bundle
+    from tests.conftest import tiny_demo_config
+    c = tiny_demo_config()
+    v = models.create(models.spec_of(c.model, 10)).init(
+        jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32), train=False)
+    said = []
+    bundle.from_variables(c, c.model, v, 10, fold=True, log=said.append)
+    assert said[0].startswith("folded 0 norm slot(s) into the next Dense"), said
+    assert said[1] == ("folded the input normalization (x / 255 * scale + shift) into the patch "
+                       "embedding"), said
+
+
 def test_a_scanned_model_exports_with_its_blocks_unrolled(tmp_path):
     """model.scan=True (blocks stacked under one nn.scan, which jax2onnx cannot trace): the bundle
     unrolls the blocks, and the ONNX artifact, run in ONNX Runtime, gives the probabilities of

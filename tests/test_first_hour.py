@@ -162,6 +162,10 @@ def test_gs_weights_without_credentials_fail_fast_with_exit_5(tmp_path):
     assert r.returncode == cli.EXIT_WORKDIR, r.stderr[-3000:]
     assert re.search(r"config.init_from gs://vit_models/imagenet21k/ViT-B_16.npz: no Google Cloud "
                      r"credentials found .*gcloud auth application-default login", r.stderr)
+    # the bucket is public: the line also says how to do without credentials
+    assert ("Or download the public file, `wget https://storage.googleapis.com/vit_models/"
+            "imagenet21k/ViT-B_16.npz`, and pass its local path: "
+            "--config.init_from=ViT-B_16.npz.") in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "wd").exists()
 
@@ -179,6 +183,9 @@ def test_init_from_that_is_not_an_npz_is_named(tmp_path):
     missing = main_py("--config=configs/vit_ln.py:demo", f"--config.init_from={tmp_path}/nope.npz",
                       f"--workdir={tmp_path}/wd")
     assert missing.returncode == cli.EXIT_CONFIG and "does not exist" in missing.stderr
+    # ... and says where the README's `--config.init_from=ViT-B_16.npz` comes from
+    assert "wget https://storage.googleapis.com/vit_models/imagenet21k/ViT-B_16.npz" in missing.stderr
+    assert "docs/pretrained.md" in missing.stderr
     assert not (tmp_path / "wd").exists()
 
 

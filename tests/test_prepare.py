@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -440,6 +441,17 @@ def test_without_an_eval_split_the_suggested_command_evaluates_on_train(tmp_path
     pipe.close()
 
 
+def test_a_source_with_only_a_train_split_is_not_said_to_be_val_fraction_0(tmp_path, capsys):
+    """DIR/train/<class> alone (no val/test folder): nothing is held out whatever --val_fraction
+    says, and the summary blamed '--val_fraction=0', a flag the user had not passed."""
+    src = _tree(tmp_path / "s" / "train", {"cat": 4, "dog": 4})
+    _run(f"--src={os.path.dirname(src)}", "--name=trainonly", f"--data_dir={tmp_path}/dd")
+    out = capsys.readouterr().out
+    assert "--val_fraction=0" not in out, out
+    assert ("eval split: none (the source has only a train split; add a val/ or test/ folder of "
+            "the same classes): the command below evaluates on 'train'") in out, out
+
+
 def test_local_prepare_makes_no_network_call_and_checks_arguments_before_tensorflow(tmp_path):
     """Issue 35, item 6: tfds's community catalog is a file on GCS, and listing it made every
     prepare ask TensorFlow for Google credentials and the GCE metadata server."""
@@ -458,3 +470,35 @@ def test_local_prepare_makes_no_network_call_and_checks_arguments_before_tensorf
                        timeout=120, cwd=REPO_ROOT)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-2:] == [
         f"error: --src={tmp_path}/none: no such file or folder", "False"], r.stderr[-2000:]
+
+
+def test_the_suggested_command_trains_on_fewer_images_than_the_batch(tmp_path, capsys):
+    """A photo folder of a few dozen images (a new user's first try): the configs' batch of 128 is
+    larger than the train split, so the printed command set that batch and stopped at once (not
+    one step per epoch); it now sets a batch that fits, and the train pipeline opens."""
+    from configs import vit_ln
+    from normvit_jax import data
+    src = _tree(tmp_path / "s", {"cat": 10, "dog": 10})
+    _run(f"--src={src}", "--name=few", f"--data_dir={tmp_path}/dd")
+    command = next(line for line in capsys.readouterr().out.splitlines()
+                   if line.startswith("train: python main.py"))
+    assert "--config=configs/vit_ln.py:small32" in command and "--config.batch_size=16" in command
+    config = vit_ln.get_config("small32")  # the command's overrides, parsed as main.py parses them
+    for flag in command.split()[4:]:
+        if flag.startswith("--config."):
+            key, value = flag[len("--config."):].split("=", 1)
+            parent = config
+            *path, leaf = key.split(".")
+            for k in path:
+                parent = parent[k]
+            parent[leaf] = int(value) if isinstance(parent[leaf], int) else value
+    spec = data.resolve_data_spec(config)
+    said = []
+    with mock.patch("absl.logging.info", lambda msg, *a: said.append(msg % a)):
+        pipe = data.make_pipeline(config, "train", spec)  # raised: batch_size=128 > 18 examples
+        assert pipe.steps_per_epoch == 1
+        pipe.close()
+        data.make_pipeline(config, "eval", spec).close()
+    # the log says what happens to each split's decoded images (eval batches are not augmented)
+    assert [m.split("; ")[1].split(" (")[0] for m in said if m.startswith("Decoded the")] == [
+        "its batches are augmented from there", "its batches are read from there"], said

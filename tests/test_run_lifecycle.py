@@ -72,3 +72,24 @@ def test_gcs_credentials_checked_offline(tmp_path, monkeypatch):
     (tmp_path / "gcloud").mkdir()
     (tmp_path / "gcloud" / "application_default_credentials.json").write_text("{}")
     assert preflight.credentials_problem() is None
+
+
+def test_a_released_lock_leaves_no_owner_and_a_killed_one_is_named(tmp_path):
+    """Every re-run of a run that ended normally (the README's resume, --mode=eval after
+    training) logged "Taking over WORKDIR/.lock from pid P ..., which has ended", as after a
+    crash; the owner is now cleared on release, so the line means a run that was killed."""
+    from unittest import mock
+
+    lock = workdir.WorkdirLock(str(tmp_path))
+    said = []
+    with mock.patch("absl.logging.info", lambda msg, *a: said.append(msg % a)):
+        lock.acquire()
+        lock.release()
+        assert (tmp_path / ".lock").read_text() == ""
+        lock.acquire()  # after a run that released it: nothing to take over
+        lock.release()
+        (tmp_path / ".lock").write_text("pid 1234567 on host h (since 20260101T000000Z)\n")
+        lock.acquire()  # after a run that was killed holding it: named
+        lock.release()
+    assert said == [f"Taking over {tmp_path}/.lock from pid 1234567 on host h (since "
+                    "20260101T000000Z), which has ended."], said

@@ -74,3 +74,7 @@ def test_a_run_prints_its_expected_time_before_the_first_step(tmp_path, caplog, 
         caplog.clear()
         loop.train_and_evaluate(c, str(tmp_path / "w"))  # resumed: 3 left, too few to measure
     assert "Expected run time" not in caplog.text and "step 6/6" in caplog.text
+    # ... and says what the wait before its first progress line is (a silent compile before)
+    assert "Compiling the train step; the first progress line follows it (3 steps to go, " \
+           "every 2 logged)." in caplog.text
+    assert caplog.text.index("Compiling the train step") < caplog.text.index("step 6/6")

@@ -162,6 +162,7 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
     for w, why in skipped:
         _skip(w, why)
     conv = _convergence(rows, summaries, reference, target)  # raises before anything is written
+    _check_tags(tags, [summaries[w].scalars for w in workdirs])
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, "report.md"), os.path.join(out, "report.json")]
     section = _convergence_section(conv, rows, out, paths)
@@ -192,6 +193,23 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         if runs:
             paths += attention.write_summaries(runs, out, "All runs")
     return paths
+
+
+class TagsError(ValueError):
+    """A --tags tag that none of the runs logged (its panel would be empty)."""
+
+
+def _check_tags(tags: Sequence[str], scalars: Sequence[dict]) -> None:
+    """Raises TagsError, before anything is written, for a tag no run logged, naming the closest
+    logged tags (a misspelt tag drew an empty panel in tags.png, and nothing said so)."""
+    import difflib  # pylint: disable=import-outside-toplevel
+    logged = sorted({t for sc in scalars for t in sc})
+    for t in tags:
+        if t not in logged:
+            close = difflib.get_close_matches(t, logged, n=3, cutoff=0.5)
+            hint = (f"the closest: {', '.join(close)}" if close else
+                    f"they log e.g. {', '.join(logged[:3])}")
+            raise TagsError(f"--tags: {t!r} is logged by none of the runs; {hint}")
 
 
 def _convergence_section(conv: convergence.Convergence | str, rows: list[dict], out: str,
@@ -280,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = write_report(args.workdirs, args.out, args.no_attention, args.images,
                              args.stat_images, tags, args.reference, args.target)
     except ValueError as e:
-        if not (isinstance(e, convergence.ConvergenceError)
+        if not (isinstance(e, (convergence.ConvergenceError, TagsError))
                 or str(e).startswith("no run could be read")):
             raise
         print(f"error: {e}", file=sys.stderr)

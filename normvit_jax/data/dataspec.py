@@ -222,7 +222,8 @@ def validate(config: Any, num_devices: int = 1) -> None:
         if not isinstance(v, str) or not v:
             _fail(f"data.{key}", v, "a non-empty tfds split string such as 'train' or 'test[:50%]'")
     en, name = _get(d, "eval_name"), _get(d, "name")
-    own = name not in NUM_CLASSES and en is not None and en not in NUM_CLASSES  # both prepared
+    own = (name not in NUM_CLASSES and en is not None and en not in NUM_CLASSES  # both prepared
+           and en not in EVAL_ONLY_TFDS)
     if en is not None and en != name and EVAL_ONLY_TFDS.get(en) != name and not own:
         _fail("data.eval_name", en, f"None, {name!r}, for imagenet2012: "
               f"{sorted(EVAL_ONLY_TFDS)}, or for a prepared dataset another prepared dataset of "

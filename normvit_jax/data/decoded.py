@@ -87,6 +87,7 @@ def maybe_decode_once(source: Any, geo: Geometry, train: bool, budget_mib: float
         images[idx], labels[idx] = source.read(idx, None, stage, (None, None))
     if log is not None:
         log("Decoded the %d images of %s once into memory (%.0f MiB, %.1f s); its batches are "
-            "augmented from there (config.data.in_memory_mb=%g).", n, what,
-            decoded_mib(n, geo.size), time.perf_counter() - t, budget_mib)
+            "%s from there (config.data.in_memory_mb=%g).", n, what,
+            decoded_mib(n, geo.size), time.perf_counter() - t,
+            "augmented" if train else "read", budget_mib)
     return DecodedSource(source, stage, images, labels)

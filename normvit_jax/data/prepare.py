@@ -261,7 +261,10 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
     return info
 
 
-def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float) -> str:
+def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
+            val_fraction: float = 0.0) -> str:
+    """The lines prepare prints; ``val_fraction``: the flag's value (why there is no eval split:
+    a single tree with 0, or a source with only a train split, which nothing is held out of)."""
     classes = info["classes"]
     lines = [f"prepared {name!r} in {prepared.version_dir(name, data_dir)}: {len(classes)} "
              f"classes, format {info['format']}, {seconds:.1f} s"]
@@ -289,12 +292,27 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float) -> s
     lines.append(f"  train per-channel mean {st['mean']}, std {st['std']} (data.normalize=zscore)")
     # No held-out split (--val_fraction=0): the command evaluates on train, so that it runs.
     eval_flag = "" if info["eval_split"] else " --config.data.eval_split=train"
+    why = ("--val_fraction=0" if not val_fraction else
+           "the source has only a train split; add a val/ or test/ folder of the same classes")
     lines.append(f"  eval split: {info['eval_split']}" if info["eval_split"] else
-                 "  eval split: none (--val_fraction=0): the command below evaluates on 'train', "
+                 f"  eval split: none ({why}): the command below evaluates on 'train', "
                  "which measures fit, not accuracy on new images")
+    # Fewer train images than the config's batch: not one step per epoch, so the run would stop;
+    # the command then sets the batch that fits.
+    batch_flag = _batch_flag(info["splits"].get("train", {}).get("examples", 0))
     lines.append(f"train: python main.py --config={suggested_config(info)} --config.data.name={name} "
-                 f"--config.data.data_dir={data_dir}{eval_flag} --workdir=runs/{name}")
+                 f"--config.data.data_dir={data_dir}{eval_flag}{batch_flag} --workdir=runs/{name}")
     return "\n".join(lines)
+
+
+def _batch_flag(train_examples: int) -> str:
+    """`` --config.batch_size=B`` (the largest power of two <= the train examples) when the
+    suggested configs' batch (configs/default.py's, also ``:small32``'s) is larger than the train
+    split, else ''."""
+    from configs import default  # pylint: disable=import-outside-toplevel
+    if train_examples < 1 or train_examples >= default.get_config().batch_size:
+        return ""
+    return f" --config.batch_size={1 << (train_examples.bit_length() - 1)}"
 
 
 SMALL_IMAGE_SIDE = 64  # train images no larger than this: the small-image preset
@@ -360,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"\ninterrupted: {args.name!r} is not prepared (the partial files are removed by the "
               f"next run of the same command)", file=sys.stderr)
         sys.exit(130)
-    print(summary(info, args.name, data_dir, time.perf_counter() - t0))
+    print(summary(info, args.name, data_dir, time.perf_counter() - t0, args.val_fraction))
     return info
 
 

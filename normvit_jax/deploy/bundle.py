@@ -117,6 +117,10 @@ def from_variables(config: Any, model: Any, variables: Any, num_classes: int,
         if in_weights is not None:
             variables = jax.tree.map(np.asarray, in_weights)
             source["input_affine"] = "folded into the patch embedding"
+        if log is not None:  # the norms' report says nothing of it ("folded 0 norm slot(s)")
+            log("folded the input normalization (x / 255 * scale + shift) into the patch "
+                "embedding" if in_weights is not None else "kept the input normalization in "
+                "the graph (a T2T-ViT stem or a norm on the raw patches: nothing to fold it into)")
     names = list(class_names or [str(i) for i in range(n)])
     return Bundle(model=model, variables=variables, num_classes=n, class_names=names,
                   affine=affine, image_size=int(config.data.image_size),

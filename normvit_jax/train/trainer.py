@@ -91,6 +91,9 @@ def _announce_run_time(run: Run, step: int, batches: Any) -> Any:
     Not on accelerators: there the copy could take memory the run needs (the ETA of the progress
     line is the estimate)."""
     if run.n_steps - step < progress.MEASURE_MIN_STEPS or jax.default_backend() != "cpu":
+        # nothing is timed first: say what the silence until the first progress line is
+        logging.info("Compiling the train step; the first progress line follows it (%d steps "
+                     "to go, every %d logged).", run.n_steps - step, int(run.config.log_every))
         return None
     batch = sharding.to_global(next(batches), run.mesh)
     step_s, first_s = progress.measure_step_s(run.train_step.at(step), run.state, batch)
