@@ -4,6 +4,7 @@ with distinct exit codes; ``tool_errors`` gives the ``python -m`` tools the same
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Iterator
 
@@ -69,8 +70,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) ->
     """Trains (``train_and_evaluate``, which holds the workdir lock and the SIGTERM flag);
     returns the exit code (the table above)."""
     from normvit_jax import logs, preflight, sharding
+    from normvit_jax import workdir as workdir_lib
 
     logs.quiet_library_logs()
+    new_workdir = not (workdir_lib.is_remote(workdir) or os.path.lexists(workdir))
     try:
         preflight.check(config, workdir)  # before anything is written: a failed start leaves nothing
         # First: with several processes JAX installs its own SIGTERM notifier here.
@@ -80,6 +83,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) ->
     except Exception as e:  # noqa: BLE001  (known errors become exit codes)
         if exit_code(e) is None:
             raise
+        if new_workdir and _single_process():  # stopped before writing anything: no empty run
+            workdir_lib.remove_if_unused(workdir)
         return _stop(e)
     ev = result["eval"]
     if ev:
@@ -104,6 +109,15 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None =
         return _stop(e)
     print(json.dumps(result, sort_keys=True))
     return EXIT_OK
+
+
+def _single_process() -> bool:
+    """One process (another may still be using a shared workdir otherwise)."""
+    import jax
+    try:
+        return jax.process_count() == 1
+    except Exception:  # noqa: BLE001  (no backend could start: nothing ran)
+        return True
 
 
 def _stop(error: Exception) -> int:

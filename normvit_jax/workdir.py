@@ -166,6 +166,26 @@ class WorkdirLock:
                 entry[0].close()  # closing the file drops the flock
 
 
+def remove_if_unused(workdir: str) -> bool:
+    """A workdir that a failed start created and left holding only its released (empty) lock is
+    removed, so that the corrected command starts as on a new folder and ``ls runs/`` shows no
+    run that never was. Anything else in it, a lock with an owner, a remote path: kept (False)."""
+    if is_remote(workdir) or not os.path.isdir(workdir):
+        return False
+    lock = os.path.join(workdir, LOCK_NAME)
+    if set(os.listdir(workdir)) - {LOCK_NAME}:
+        return False
+    try:
+        if os.path.exists(lock):
+            if os.path.getsize(lock):
+                return False
+            os.remove(lock)
+        os.rmdir(workdir)
+    except OSError:
+        return False
+    return True
+
+
 # ----------------------------------------------------------------------------------- fresh
 
 

@@ -2,6 +2,7 @@
 codes, and the offline Google Cloud credential check."""
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from normvit_jax import checkpoints, cli, distributed, preflight, run_config, workdir
 from normvit_jax.data import DatasetNotFoundError
 from normvit_jax.train import policy
+from tests.conftest import tiny_demo_config
 
 
 def test_step_policy_ladder():
@@ -93,3 +95,18 @@ def test_a_released_lock_leaves_no_owner_and_a_killed_one_is_named(tmp_path):
         lock.release()
     assert said == [f"Taking over {tmp_path}/.lock from pid 1234567 on host h (since "
                     "20260101T000000Z), which has ended."], said
+
+
+def test_a_start_that_fails_before_writing_anything_leaves_no_workdir(tmp_path):
+    """A batch larger than the train split is found when the split is opened, after the workdir
+    was made and locked: the failed start left an empty run folder (only .lock), against 'a
+    failed start leaves nothing to clean up'. A new folder is removed; one the user made stays."""
+    cfg = tiny_demo_config(batch_size=4096)
+    new = tmp_path / "runs" / "new"
+    assert cli.run(cfg, str(new)) == cli.EXIT_CONFIG
+    assert not new.exists() and (tmp_path / "runs").is_dir()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert cli.run(cfg, str(mine)) == cli.EXIT_CONFIG
+    assert mine.is_dir() and os.listdir(mine) == [".lock"]
+    assert (mine / ".lock").read_text() == ""  # released: no owner left in it
