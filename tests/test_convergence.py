@@ -85,6 +85,8 @@ def test_report_convergence_table_equals_the_hand_computation(fake_runs, tmp_pat
     assert ln_row in captured.out and dyt_row in captured.out  # printed too
     main_table = demo_table.comparison_table(md)  # what docs/analysis.md copies: runs only
     assert len(main_table) == 2 + 5 and main_table[0].startswith("| method | run | model |")
+    # the comparison itself is printed too (only the convergence table and the paths were)
+    assert captured.out.startswith("Comparison of runs:\n" + "\n".join(main_table) + "\n")
     assert os.path.getsize(os.path.join(out, "convergence.png")) > 10_000
     rows = {r["run"]: r["convergence"] for r in json.load(open(os.path.join(out, "report.json")))}
     assert {k: rows[k]["steps_to_target"] for k in CURVES} == {

@@ -164,6 +164,7 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
     conv = _convergence(rows, summaries, reference, target)  # raises before anything is written
     _check_tags(tags, [summaries[w].scalars for w in workdirs])
     os.makedirs(out, exist_ok=True)
+    print(f"Comparison of runs:\n{markdown_table(rows)}")
     paths = [os.path.join(out, "report.md"), os.path.join(out, "report.json")]
     section = _convergence_section(conv, rows, out, paths)
     with open(paths[0], "w") as f:
@@ -185,7 +186,7 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         paths.append(figures.save(fig, os.path.join(out, "tags.png")))
     if not no_attention:
         runs = []
-        for w in workdirs:
+        for w in _progress(workdirs, "attention analysis"):
             try:
                 runs.append(attention.analyze_run(w, images, stat_images))
             except Exception as e:  # noqa: BLE001  (one run's eval data or model must not end all)
@@ -248,6 +249,15 @@ def _convergence(rows: Sequence[dict], summaries: dict, reference: str | None,
     return conv
 
 
+def _progress(workdirs: Sequence[str], what: str) -> Any:
+    """A bar on stderr over the runs, only on a terminal (tqdm's disable=None): reading the
+    runs and their attention analysis take tens of seconds, which passed without a word; a
+    pipe or a test's capture gets the lines alone."""
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    return tqdm(workdirs, desc=what, unit="run", file=sys.stderr, dynamic_ncols=True,
+                leave=False, disable=None)
+
+
 def _skip(workdir: str, why: str) -> None:
     print(f"report: skipping {workdir}: {why}", file=sys.stderr)
 
@@ -257,7 +267,7 @@ def _read_runs(workdirs: Sequence[str]) -> tuple[list[dict], dict, list[tuple[st
     unreadable summaries) is left out with the reason (printed by write_report) instead of
     ending the whole report."""
     rows, summaries, skipped = [], {}, []
-    for w in workdirs:
+    for w in _progress(workdirs, "reading runs"):
         try:
             checkpoints.require_run(w)  # names what is missing and the command that makes it
             summaries[str(w)] = events.read_run(w)
