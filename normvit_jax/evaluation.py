@@ -59,6 +59,16 @@ def result_path(workdir: str, data_spec: data.DataSpec, step: int) -> epath.Path
     return epath.Path(workdir) / f"eval_{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}_{step}.json"
 
 
+def _require_checkpoint(workdir: str, step: int | None) -> None:
+    """RunNotFoundError (exit 2) for a workdir with no run or no checkpoint (of ``step``)."""
+    if not checkpoints.checkpoint_dir(workdir).exists():
+        checkpoints.require_run(workdir)  # no run at all: not "continue it with its config.json"
+        raise checkpoints.no_checkpoint(workdir)
+    steps = checkpoints.complete_steps(workdir)
+    if step is not None and step not in steps:
+        raise checkpoints.no_checkpoint(workdir, step, steps)
+
+
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                         step: int | None = None) -> dict[str, Any]:
     """Evaluates checkpoint ``step`` (None: the newest) of ``workdir`` on the config's
@@ -70,14 +80,12 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     run_spec = setup.resolve_config(config, mesh.devices.size)
     # the statistics the run trained with (a dataset prepared again since: one warning)
     ds = run_data.inference_spec(workdir, run_spec.data)
+    _require_checkpoint(workdir, step)  # before the eval split is opened (it may be decoded)
     pipeline = data.make_pipeline(config, "eval", ds)
     model = setup.create_model(config, ds.num_classes, run_spec.model)
     tx, _ = optim.create(config, max(int(config.total_steps or 0), 1))  # only its state's tree
     abstract, state_sharding = setup.abstract_train_state(model, tx, pipeline.image_shape, mesh,
                                                           sharding.fsdp_min_size(config))
-    if not checkpoints.checkpoint_dir(workdir).exists():
-        checkpoints.require_run(workdir)  # no run at all: not "continue it with its config.json"
-        raise checkpoints.no_checkpoint(workdir)
     mngr = checkpoints.open_read_only(workdir)  # the run may still be training
     try:
         if step is not None and step not in mngr.all_steps():

@@ -57,6 +57,17 @@ def test_eval_mode_gives_the_training_eval_and_the_ema(tmp_path):
     assert saved["metrics"]["top1"] == trained["top1"]
     with pytest.raises(FileNotFoundError, match="step 7"):
         evaluation.evaluate_checkpoint(cfg, str(tmp_path), 7)
+    # a step that is not there is named before the eval split is opened (decoded, for a
+    # prepared dataset or the digits: seconds to minutes before the one line)
+    opened = []
+    real_make = data.make_pipeline
+    data.make_pipeline = lambda *a, **k: opened.append(a) or real_make(*a, **k)
+    try:
+        with pytest.raises(FileNotFoundError, match="step 7"):
+            evaluation.evaluate_checkpoint(cfg, str(tmp_path), 7)
+    finally:
+        data.make_pipeline = real_make
+    assert opened == []
     wider = tiny_demo_config(total_steps=2, ema_decay=0.9, **{"model.hidden_size": 48})
     with pytest.raises(checkpoints.CheckpointMismatchError):
         evaluation.evaluate_checkpoint(wider, str(tmp_path))
