@@ -108,22 +108,32 @@ for ((i = 0; i < nproc_; i++)); do
 done
 
 rc=0 deadline=""
+ended() {  # process with pid $1 ended with status $2
+  echo "local.sh: process ${index_of[$1]} exited with $2" >&2
+  unset "index_of[$1]"
+  if [ "$2" != 0 ] && [ "$rc" = 0 ]; then
+    rc=$2
+    if [ "${#index_of[@]}" -gt 0 ]; then deadline=$((SECONDS + grace)); fi
+  fi
+}
 while [ "${#index_of[@]}" -gt 0 ]; do
   if [ -n "$deadline" ] && [ "$SECONDS" -ge "$deadline" ]; then
     echo "local.sh: processes ${index_of[*]} still running ${grace} s after a failure: SIGKILL" >&2
     forward KILL
     deadline=""
   fi
+  # bash drops a job killed by a signal from its job table once it has said so ("Killed"), and
+  # `wait -n` then fails at once ("no such job") for it, over and over: several processes
+  # SIGKILLed together. A plain `wait PID` still has its status.
+  for p in "${!index_of[@]}"; do
+    if ! kill -0 "$p" 2>/dev/null; then status=0; wait "$p" 2>/dev/null || status=$?; ended "$p" "$status"; fi
+  done
+  if [ "${#index_of[@]}" = 0 ]; then break; fi
   status=0 done_pid="" tick=""
   if [ -n "$deadline" ]; then sleep 1 & tick=$!; fi  # wakes the wait to check the deadline
-  wait -n -p done_pid "${!index_of[@]}" $tick || status=$?
+  wait -n -p done_pid "${!index_of[@]}" $tick 2>/dev/null || status=$?
   if [ -n "$tick" ]; then kill "$tick" 2>/dev/null || true; fi
-  if [ -z "${done_pid:-}" ] || [ "$done_pid" = "$tick" ]; then continue; fi  # a signal or the tick
-  echo "local.sh: process ${index_of[$done_pid]} exited with $status" >&2
-  unset "index_of[$done_pid]"
-  if [ "$status" != 0 ] && [ "$rc" = 0 ]; then
-    rc=$status
-    if [ "${#index_of[@]}" -gt 0 ]; then deadline=$((SECONDS + grace)); fi
-  fi
+  if [ -z "${done_pid:-}" ] || [ "$done_pid" = "$tick" ]; then continue; fi  # a signal, the tick or a dropped job
+  ended "$done_pid" "$status"
 done
 exit "$rc"

@@ -233,13 +233,15 @@ def test_sweep_continues_after_a_failure_and_writes_the_report(stubs):
 
 FAKE_PROCESS = r"""#!/usr/bin/env bash
 # Stand-in for `python main.py ...` under launch/local.sh: records its JAX_* environment and
-# arguments, then acts as $FAKE_<JAX_PROCESS_ID> says: 'exit N', or 'wait' (until SIGTERM: exit 42).
+# arguments, then acts as $FAKE_<JAX_PROCESS_ID> says: 'exit N', 'wait' (until SIGTERM: exit 42)
+# or 'stubborn' (SIGTERM ignored).
 printf '%s\0' "$JAX_COORDINATOR_ADDRESS" "$JAX_NUM_PROCESSES" "$JAX_PROCESS_ID" \
   "${JAX_PLATFORMS:-}" "${XLA_FLAGS:-}" "${CUDA_VISIBLE_DEVICES:-}" "$@" > "$STUB_CALLS/p$JAX_PROCESS_ID"
 what_var="FAKE_$JAX_PROCESS_ID"
 case "${!what_var}" in
   exit*) exit "${!what_var#exit }" ;;
   wait) trap 'kill $!; exit 42' TERM; sleep 30 & wait ;;
+  stubborn) trap '' TERM; sleep 30 ;;
 esac
 """
 
@@ -319,3 +321,27 @@ def test_local_script_forwards_sigterm(fake_python):
     _, err = p.communicate(timeout=30)
     assert p.returncode == 42, err
     assert err.count("exited with 42") == 2 and "SIGKILL" not in err
+
+
+def test_local_script_sigkills_several_after_a_failure(fake_python, tmp_path):
+    """Several processes SIGKILLed together after the grace: bash drops a job killed by a signal
+    from its table once it has printed 'Killed', and `wait -n` failed with 'no such job' at once,
+    over and over (the script never ended, flooding its stderr; with 4 killed, every time here)."""
+    env, _ = fake_python
+    err_file = tmp_path / "local.err"
+    with open(err_file, "w") as err:
+        p = subprocess.Popen(
+            ["bash", os.path.join(REPO_ROOT, "launch", "local.sh"), "--processes=5", "--port=1234",
+             "--grace=1", CONFIG, "wd"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
+            env={**env, **{f"FAKE_{i}": "stubborn" for i in range(4)}, "FAKE_4": "exit 3"},
+            start_new_session=True)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            p.wait()
+    with open(err_file) as f:
+        text = f.read(20000)
+    assert p.returncode == 3, text
+    assert "no such job" not in text
+    assert all(f"process {i} exited with 137" in text for i in range(4)), text
