@@ -23,9 +23,10 @@
 # Environment: PYTHON (default python); ENTRY, the script every process runs (default main.py;
 # the tests run tests/fault_main.py, main.py with test instruments).
 # Each process gets JAX_COORDINATOR_ADDRESS=127.0.0.1:P, JAX_NUM_PROCESSES=N, JAX_PROCESS_ID=i
-# (what normvit_jax/distributed.py reads). SIGTERM/SIGINT to this script go to every process
-# (each finishes the same step, checkpoints and exits 42). The exit code is the first non-zero
-# one of a process (42: preempted with a checkpoint; re-run the same command to continue), else 0.
+# (what normvit_jax/distributed.py reads). SIGTERM or Ctrl-C (SIGINT) to this script: SIGTERM to
+# every process (each finishes the same step, checkpoints and exits 42); a second Ctrl-C: SIGKILL.
+# The exit code is the first non-zero one of a process (42: preempted with a checkpoint; re-run the
+# same command to continue), else 0.
 set -euo pipefail
 
 usage() {  # the comment block at the top
@@ -92,8 +93,22 @@ fi
 
 declare -A index_of=()  # pid -> process index, for the processes still running
 forward() { for p in "${!index_of[@]}"; do kill "-$1" "$p" 2>/dev/null || true; done; }
+# Ctrl-C becomes SIGTERM: the processes start with SIGINT ignored (background jobs of a script),
+# and with several processes only SIGTERM reaches JAX's preemption notifier (the same step on every
+# process, a checkpoint, exit 42). A second Ctrl-C does not wait for the step and the save.
+interrupts=0
+on_int() {
+  interrupts=$((interrupts + 1))
+  if [ "$interrupts" = 1 ]; then
+    echo "local.sh: Ctrl-C: SIGTERM to every process (each finishes its step, checkpoints and exits 42; Ctrl-C again stops them at once)" >&2
+    forward TERM
+  else
+    echo "local.sh: Ctrl-C again: SIGKILL to every process (nothing saved since the last checkpoint)" >&2
+    forward KILL
+  fi
+}
 trap 'forward TERM' TERM
-trap 'forward INT' INT
+trap on_int INT
 for ((i = 0; i < nproc_; i++)); do
   mapfile -d '' e < <(env_of "$i")
   if [ -n "$log_dir" ]; then
@@ -101,7 +116,7 @@ for ((i = 0; i < nproc_; i++)); do
       > "$log_dir/process_$i.log" 2>&1 &
   else  # $! is python's pid, not sed's: signals and exit codes are the process's own
     env "${e[@]}" "$PYTHON" "$ENTRY" "--config=$CONFIG" "--workdir=$WORKDIR" "$@" \
-      > >(sed -u "s/^/[p$i] /") 2>&1 &
+      > >(trap '' INT; exec sed -u "s/^/[p$i] /") 2>&1 &  # a terminal's Ctrl-C reaches sed too
   fi
   index_of[$!]=$i
   echo "local.sh: process $i of $nproc_: pid $!" >&2

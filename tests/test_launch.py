@@ -3,6 +3,7 @@ and what the launch scripts run (their --dry-run, with stand-in gcloud/srun/sbat
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -233,15 +234,15 @@ def test_sweep_continues_after_a_failure_and_writes_the_report(stubs):
 
 FAKE_PROCESS = r"""#!/usr/bin/env bash
 # Stand-in for `python main.py ...` under launch/local.sh: records its JAX_* environment and
-# arguments, then acts as $FAKE_<JAX_PROCESS_ID> says: 'exit N', 'wait' (until SIGTERM: exit 42)
-# or 'stubborn' (SIGTERM ignored).
+# arguments, then acts as $FAKE_<JAX_PROCESS_ID> says: 'exit N', 'wait' (until SIGTERM: a line,
+# exit 42; SIGINT ignored, as a script's background jobs start) or 'stubborn' (SIGTERM ignored too).
 printf '%s\0' "$JAX_COORDINATOR_ADDRESS" "$JAX_NUM_PROCESSES" "$JAX_PROCESS_ID" \
   "${JAX_PLATFORMS:-}" "${XLA_FLAGS:-}" "${CUDA_VISIBLE_DEVICES:-}" "$@" > "$STUB_CALLS/p$JAX_PROCESS_ID"
 what_var="FAKE_$JAX_PROCESS_ID"
 case "${!what_var}" in
   exit*) exit "${!what_var#exit }" ;;
-  wait) trap 'kill $!; exit 42' TERM; sleep 30 & wait ;;
-  stubborn) trap '' TERM; sleep 30 ;;
+  wait) trap 'kill $!; echo "checkpointed on SIGTERM"; exit 42' TERM; sleep 30 & wait ;;
+  stubborn) trap '' TERM; exec sleep 30 ;;
 esac
 """
 
@@ -338,10 +339,61 @@ def test_local_script_sigkills_several_after_a_failure(fake_python, tmp_path):
         try:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
+            os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     with open(err_file) as f:
         text = f.read(20000)
     assert p.returncode == 3, text
     assert "no such job" not in text
     assert all(f"process {i} exited with 137" in text for i in range(4)), text
+
+
+def _start_local(env, fake):
+    """local.sh in its own session (as at a terminal: Ctrl-C signals the whole process group),
+    once both fake processes have started."""
+    p = subprocess.Popen(["bash", os.path.join(REPO_ROOT, "launch", "local.sh"), "--port=1234",
+                          CONFIG, "wd"], cwd=REPO_ROOT, env={**env, "FAKE_0": fake, "FAKE_1": fake},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 30
+    while not all(os.path.exists(os.path.join(env["STUB_CALLS"], f"p{i}")) for i in range(2)):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)  # the fake's trap is set right after it records its call
+    return p
+
+
+def _finish(p, timeout=15):
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"local.sh still running {timeout} s after Ctrl-C:\n{err}")
+
+
+def test_local_script_ctrl_c_stops_every_process_with_a_checkpoint(fake_python):
+    """Ctrl-C at a terminal (SIGINT to local.sh's process group) became SIGINT to processes that
+    ignore it (started in the background by a script; with several processes main.py installs no
+    handler of its own), so nothing stopped, and the [p<i>] prefixing sed died: the run went on
+    with its output lost. Now every process gets SIGTERM (checkpoint, exit 42) and its lines
+    still come through."""
+    env, _ = fake_python
+    p = _start_local(env, "wait")
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = _finish(p)
+    assert p.returncode == 42, err
+    assert err.count("exited with 42") == 2 and "SIGKILL" not in err
+    assert "[p0] checkpointed on SIGTERM" in out and "[p1] checkpointed on SIGTERM" in out
+
+
+def test_local_script_second_ctrl_c_kills(fake_python):
+    """A second Ctrl-C does not wait for the step and the checkpoint (as main.py alone)."""
+    env, _ = fake_python
+    p = _start_local(env, "stubborn")
+    os.killpg(p.pid, signal.SIGINT)
+    time.sleep(1)
+    assert p.poll() is None  # SIGTERM ignored: still running
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = _finish(p)
+    assert p.returncode == 137 and "Ctrl-C again: SIGKILL" in err, err
