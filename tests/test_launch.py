@@ -211,6 +211,33 @@ def test_tpu_script_runs_training_detached_on_every_worker(stubs, tmp_path):
     assert ["git", "checkout", "-q", "abc123"] in seen()
 
 
+
+def test_tpu_script_workdir_with_a_space(stubs, tmp_path):
+    """The default log is named after the workdir; a space in it split the worker's unquoted
+    `> $HOME/normvit_my run.log` (bash: the log went to 'normvit_my', the exit code to no .rc
+    file)."""
+    env, seen = stubs
+    env = {**env, "TPU": "t", "ZONE": "z", "REPO": "https://example.org/n.git", "REF": "abc123"}
+    r = script("tpu_pod.sh", CONFIG, "gs://bucket/my run", "--config.data.train_split=train[:90%]",
+               env=env)
+    assert r.returncode == 0, r.stderr
+    assert """--command 'tail -f "$HOME/normvit_my run.log"'""" in r.stdout
+    (gcloud,) = seen()
+    home = tmp_path / "home"
+    (home / "normvit_jax").mkdir(parents=True)
+    t0 = time.time()
+    w = subprocess.run(["bash", "-c", gcloud[10]], cwd=home, capture_output=True, text=True,
+                       env={**env, "HOME": str(home), "STUB_RC_python": "42"}, timeout=60)
+    assert w.returncode == 0 and f"log {home}/normvit_my run.log" in w.stdout, w.stderr
+    rc_file = home / "normvit_my run.log.rc"
+    while not rc_file.exists() and time.time() - t0 < 30:
+        time.sleep(0.1)
+    assert rc_file.read_text().strip() == "42"
+    assert (home / "normvit_my run.log").exists() and not (home / "normvit_my").exists()
+    assert [c for c in seen() if c[0] == "python"] == [
+        ["python", "main.py", f"--config={CONFIG}", "--workdir=gs://bucket/my run",
+         "--config.data.train_split=train[:90%]"]]
+
 def test_sweep_continues_after_a_failure_and_writes_the_report(stubs):
     env, seen = stubs
     env = {**env, "PYTHON": "python"}  # the stand-in
