@@ -69,7 +69,8 @@ if [ -z "$port" ]; then
 fi
 
 env_of() {  # the environment of process $1, as NAME=VALUE words
-  local i=$1 e=(JAX_COORDINATOR_ADDRESS="127.0.0.1:$port" JAX_NUM_PROCESSES="$nproc_" JAX_PROCESS_ID="$i")
+  local i=$1  # its own `local`: in `local i=$1 e=(...$i)` the $i is the caller's (shellcheck SC2318)
+  local e=(JAX_COORDINATOR_ADDRESS="127.0.0.1:$port" JAX_NUM_PROCESSES="$nproc_" JAX_PROCESS_ID="$i")
   if [ -n "$cpu_devices" ]; then
     e+=(JAX_PLATFORMS=cpu XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$cpu_devices")
   fi
@@ -97,6 +98,7 @@ forward() { for p in "${!index_of[@]}"; do kill "-$1" "$p" 2>/dev/null || true; 
 # and with several processes only SIGTERM reaches JAX's preemption notifier (the same step on every
 # process, a checkpoint, exit 42). A second Ctrl-C does not wait for the step and the save.
 interrupts=0
+# shellcheck disable=SC2329  # on_int is called by the trap below
 on_int() {
   interrupts=$((interrupts + 1))
   if [ "$interrupts" = 1 ]; then
