@@ -23,9 +23,10 @@
 # Environment: PYTHON (default python); ENTRY, the script every process runs (default main.py;
 # the tests run tests/fault_main.py, main.py with test instruments).
 # Each process gets JAX_COORDINATOR_ADDRESS=127.0.0.1:P, JAX_NUM_PROCESSES=N, JAX_PROCESS_ID=i
-# (what normvit_jax/distributed.py reads). SIGTERM/SIGINT to this script go to every process
-# (each finishes the same step, checkpoints and exits 42). The exit code is the first non-zero
-# one of a process (42: preempted with a checkpoint; re-run the same command to continue), else 0.
+# (what normvit_jax/distributed.py reads). SIGTERM or Ctrl-C (SIGINT) to this script: SIGTERM to
+# every process (each finishes the same step, checkpoints and exits 42); a second Ctrl-C: SIGKILL.
+# The exit code is the first non-zero one of a process (42: preempted with a checkpoint; re-run the
+# same command to continue), else 0.
 set -euo pipefail
 
 usage() {  # the comment block at the top
@@ -68,7 +69,8 @@ if [ -z "$port" ]; then
 fi
 
 env_of() {  # the environment of process $1, as NAME=VALUE words
-  local i=$1 e=(JAX_COORDINATOR_ADDRESS="127.0.0.1:$port" JAX_NUM_PROCESSES="$nproc_" JAX_PROCESS_ID="$i")
+  local i=$1  # its own `local`: in `local i=$1 e=(...$i)` the $i is the caller's (shellcheck SC2318)
+  local e=(JAX_COORDINATOR_ADDRESS="127.0.0.1:$port" JAX_NUM_PROCESSES="$nproc_" JAX_PROCESS_ID="$i")
   if [ -n "$cpu_devices" ]; then
     e+=(JAX_PLATFORMS=cpu XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$cpu_devices")
   fi
@@ -92,8 +94,23 @@ fi
 
 declare -A index_of=()  # pid -> process index, for the processes still running
 forward() { for p in "${!index_of[@]}"; do kill "-$1" "$p" 2>/dev/null || true; done; }
+# Ctrl-C becomes SIGTERM: the processes start with SIGINT ignored (background jobs of a script),
+# and with several processes only SIGTERM reaches JAX's preemption notifier (the same step on every
+# process, a checkpoint, exit 42). A second Ctrl-C does not wait for the step and the save.
+interrupts=0
+# shellcheck disable=SC2329  # on_int is called by the trap below
+on_int() {
+  interrupts=$((interrupts + 1))
+  if [ "$interrupts" = 1 ]; then
+    echo "local.sh: Ctrl-C: SIGTERM to every process (each finishes its step, checkpoints and exits 42; Ctrl-C again stops them at once)" >&2
+    forward TERM
+  else
+    echo "local.sh: Ctrl-C again: SIGKILL to every process (nothing saved since the last checkpoint)" >&2
+    forward KILL
+  fi
+}
 trap 'forward TERM' TERM
-trap 'forward INT' INT
+trap on_int INT
 for ((i = 0; i < nproc_; i++)); do
   mapfile -d '' e < <(env_of "$i")
   if [ -n "$log_dir" ]; then
@@ -101,29 +118,39 @@ for ((i = 0; i < nproc_; i++)); do
       > "$log_dir/process_$i.log" 2>&1 &
   else  # $! is python's pid, not sed's: signals and exit codes are the process's own
     env "${e[@]}" "$PYTHON" "$ENTRY" "--config=$CONFIG" "--workdir=$WORKDIR" "$@" \
-      > >(sed -u "s/^/[p$i] /") 2>&1 &
+      > >(trap '' INT; exec sed -u "s/^/[p$i] /") 2>&1 &  # a terminal's Ctrl-C reaches sed too
   fi
   index_of[$!]=$i
   echo "local.sh: process $i of $nproc_: pid $!" >&2
 done
 
 rc=0 deadline=""
+ended() {  # process with pid $1 ended with status $2
+  echo "local.sh: process ${index_of[$1]} exited with $2" >&2
+  unset "index_of[$1]"
+  if [ "$2" != 0 ] && [ "$rc" = 0 ]; then
+    rc=$2
+    if [ "${#index_of[@]}" -gt 0 ]; then deadline=$((SECONDS + grace)); fi
+  fi
+}
 while [ "${#index_of[@]}" -gt 0 ]; do
   if [ -n "$deadline" ] && [ "$SECONDS" -ge "$deadline" ]; then
     echo "local.sh: processes ${index_of[*]} still running ${grace} s after a failure: SIGKILL" >&2
     forward KILL
     deadline=""
   fi
+  # bash drops a job killed by a signal from its job table once it has said so ("Killed"), and
+  # `wait -n` then fails at once ("no such job") for it, over and over: several processes
+  # SIGKILLed together. A plain `wait PID` still has its status.
+  for p in "${!index_of[@]}"; do
+    if ! kill -0 "$p" 2>/dev/null; then status=0; wait "$p" 2>/dev/null || status=$?; ended "$p" "$status"; fi
+  done
+  if [ "${#index_of[@]}" = 0 ]; then break; fi
   status=0 done_pid="" tick=""
   if [ -n "$deadline" ]; then sleep 1 & tick=$!; fi  # wakes the wait to check the deadline
-  wait -n -p done_pid "${!index_of[@]}" $tick || status=$?
+  wait -n -p done_pid "${!index_of[@]}" $tick 2>/dev/null || status=$?
   if [ -n "$tick" ]; then kill "$tick" 2>/dev/null || true; fi
-  if [ -z "${done_pid:-}" ] || [ "$done_pid" = "$tick" ]; then continue; fi  # a signal or the tick
-  echo "local.sh: process ${index_of[$done_pid]} exited with $status" >&2
-  unset "index_of[$done_pid]"
-  if [ "$status" != 0 ] && [ "$rc" = 0 ]; then
-    rc=$status
-    if [ "${#index_of[@]}" -gt 0 ]; then deadline=$((SECONDS + grace)); fi
-  fi
+  if [ -z "${done_pid:-}" ] || [ "$done_pid" = "$tick" ]; then continue; fi  # a signal, the tick or a dropped job
+  ended "$done_pid" "$status"
 done
 exit "$rc"

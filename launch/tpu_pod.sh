@@ -46,14 +46,18 @@ case "$REPO" in  # a path or file:// URL names this machine's disk, which the wo
 esac
 run_name=$(basename "$WORKDIR")
 LOG=${LOG:-"\$HOME/normvit_${run_name}.log"}   # expanded on the worker
+# LOG goes into the worker's script in double quotes (its $HOME expands there, a space does not
+# split it); the training command gets it as $0
+log_dq=$(printf '%s' "$LOG" | sed 's/[\\"`]/\\&/g')
 train=$(printf '%q ' python main.py "--config=$CONFIG" "--workdir=$WORKDIR" "$@")
-inner=$(printf '%q' "$train; echo \$? > $LOG.rc")   # the exit code, once the run ends
+inner=$(printf '%q' "$train; echo \$? > \"\$0.rc\"")   # the exit code, once the run ends
 remote="set -e
+log=\"$log_dq\"
 [ -d normvit_jax ] || git clone -q $(printf '%q' "$REPO") normvit_jax
 cd normvit_jax && git fetch -q origin && git checkout -q $(printf '%q' "${REF:-origin/HEAD}")
 pip install -q -e . 'jax[tpu]'
-setsid nohup bash -c $inner > $LOG 2>&1 < /dev/null &
-echo \"started on \$(hostname): log $LOG\""
+setsid nohup bash -c $inner \"\$log\" > \"\$log\" 2>&1 < /dev/null &
+echo \"started on \$(hostname): log \$log\""
 cmd=(gcloud compute tpus tpu-vm ssh "$TPU" --zone "$ZONE" --worker=all --command "$remote")
 if [ "$dry_run" = 1 ]; then
   printf '%q ' "${cmd[@]}"; echo
@@ -62,4 +66,4 @@ if [ "$dry_run" = 1 ]; then
 fi
 "${cmd[@]}"
 echo "Training runs in the background on every worker; follow it with:"
-echo "  gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --worker=0 --command 'tail -f $LOG'"
+echo "  gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --worker=0 --command 'tail -f \"$log_dq\"'"

@@ -3,6 +3,7 @@ and what the launch scripts run (their --dry-run, with stand-in gcloud/srun/sbat
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -210,6 +211,33 @@ def test_tpu_script_runs_training_detached_on_every_worker(stubs, tmp_path):
     assert ["git", "checkout", "-q", "abc123"] in seen()
 
 
+
+def test_tpu_script_workdir_with_a_space(stubs, tmp_path):
+    """The default log is named after the workdir; a space in it split the worker's unquoted
+    `> $HOME/normvit_my run.log` (bash: the log went to 'normvit_my', the exit code to no .rc
+    file)."""
+    env, seen = stubs
+    env = {**env, "TPU": "t", "ZONE": "z", "REPO": "https://example.org/n.git", "REF": "abc123"}
+    r = script("tpu_pod.sh", CONFIG, "gs://bucket/my run", "--config.data.train_split=train[:90%]",
+               env=env)
+    assert r.returncode == 0, r.stderr
+    assert """--command 'tail -f "$HOME/normvit_my run.log"'""" in r.stdout
+    (gcloud,) = seen()
+    home = tmp_path / "home"
+    (home / "normvit_jax").mkdir(parents=True)
+    t0 = time.time()
+    w = subprocess.run(["bash", "-c", gcloud[10]], cwd=home, capture_output=True, text=True,
+                       env={**env, "HOME": str(home), "STUB_RC_python": "42"}, timeout=60)
+    assert w.returncode == 0 and f"log {home}/normvit_my run.log" in w.stdout, w.stderr
+    rc_file = home / "normvit_my run.log.rc"
+    while not rc_file.exists() and time.time() - t0 < 30:
+        time.sleep(0.1)
+    assert rc_file.read_text().strip() == "42"
+    assert (home / "normvit_my run.log").exists() and not (home / "normvit_my").exists()
+    assert [c for c in seen() if c[0] == "python"] == [
+        ["python", "main.py", f"--config={CONFIG}", "--workdir=gs://bucket/my run",
+         "--config.data.train_split=train[:90%]"]]
+
 def test_sweep_continues_after_a_failure_and_writes_the_report(stubs):
     env, seen = stubs
     env = {**env, "PYTHON": "python"}  # the stand-in
@@ -233,13 +261,15 @@ def test_sweep_continues_after_a_failure_and_writes_the_report(stubs):
 
 FAKE_PROCESS = r"""#!/usr/bin/env bash
 # Stand-in for `python main.py ...` under launch/local.sh: records its JAX_* environment and
-# arguments, then acts as $FAKE_<JAX_PROCESS_ID> says: 'exit N', or 'wait' (until SIGTERM: exit 42).
+# arguments, then acts as $FAKE_<JAX_PROCESS_ID> says: 'exit N', 'wait' (until SIGTERM: a line,
+# exit 42; SIGINT ignored, as a script's background jobs start) or 'stubborn' (SIGTERM ignored too).
 printf '%s\0' "$JAX_COORDINATOR_ADDRESS" "$JAX_NUM_PROCESSES" "$JAX_PROCESS_ID" \
   "${JAX_PLATFORMS:-}" "${XLA_FLAGS:-}" "${CUDA_VISIBLE_DEVICES:-}" "$@" > "$STUB_CALLS/p$JAX_PROCESS_ID"
 what_var="FAKE_$JAX_PROCESS_ID"
 case "${!what_var}" in
   exit*) exit "${!what_var#exit }" ;;
-  wait) trap 'kill $!; exit 42' TERM; sleep 30 & wait ;;
+  wait) trap 'kill $!; echo "checkpointed on SIGTERM"; exit 42' TERM; sleep 30 & wait ;;
+  stubborn) trap '' TERM; exec sleep 30 ;;
 esac
 """
 
@@ -319,3 +349,78 @@ def test_local_script_forwards_sigterm(fake_python):
     _, err = p.communicate(timeout=30)
     assert p.returncode == 42, err
     assert err.count("exited with 42") == 2 and "SIGKILL" not in err
+
+
+def test_local_script_sigkills_several_after_a_failure(fake_python, tmp_path):
+    """Several processes SIGKILLed together after the grace: bash drops a job killed by a signal
+    from its table once it has printed 'Killed', and `wait -n` failed with 'no such job' at once,
+    over and over (the script never ended, flooding its stderr; with 4 killed, every time here)."""
+    env, _ = fake_python
+    err_file = tmp_path / "local.err"
+    with open(err_file, "w") as err:
+        p = subprocess.Popen(
+            ["bash", os.path.join(REPO_ROOT, "launch", "local.sh"), "--processes=5", "--port=1234",
+             "--grace=1", CONFIG, "wd"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
+            env={**env, **{f"FAKE_{i}": "stubborn" for i in range(4)}, "FAKE_4": "exit 3"},
+            start_new_session=True)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    with open(err_file) as f:
+        text = f.read(20000)
+    assert p.returncode == 3, text
+    assert "no such job" not in text
+    assert all(f"process {i} exited with 137" in text for i in range(4)), text
+
+
+def _start_local(env, fake):
+    """local.sh in its own session (as at a terminal: Ctrl-C signals the whole process group),
+    once both fake processes have started."""
+    p = subprocess.Popen(["bash", os.path.join(REPO_ROOT, "launch", "local.sh"), "--port=1234",
+                          CONFIG, "wd"], cwd=REPO_ROOT, env={**env, "FAKE_0": fake, "FAKE_1": fake},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 30
+    while not all(os.path.exists(os.path.join(env["STUB_CALLS"], f"p{i}")) for i in range(2)):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)  # the fake's trap is set right after it records its call
+    return p
+
+
+def _finish(p, timeout=15):
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"local.sh still running {timeout} s after Ctrl-C:\n{err}")
+
+
+def test_local_script_ctrl_c_stops_every_process_with_a_checkpoint(fake_python):
+    """Ctrl-C at a terminal (SIGINT to local.sh's process group) became SIGINT to processes that
+    ignore it (started in the background by a script; with several processes main.py installs no
+    handler of its own), so nothing stopped, and the [p<i>] prefixing sed died: the run went on
+    with its output lost. Now every process gets SIGTERM (checkpoint, exit 42) and its lines
+    still come through."""
+    env, _ = fake_python
+    p = _start_local(env, "wait")
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = _finish(p)
+    assert p.returncode == 42, err
+    assert err.count("exited with 42") == 2 and "SIGKILL" not in err
+    assert "[p0] checkpointed on SIGTERM" in out and "[p1] checkpointed on SIGTERM" in out
+
+
+def test_local_script_second_ctrl_c_kills(fake_python):
+    """A second Ctrl-C does not wait for the step and the checkpoint (as main.py alone)."""
+    env, _ = fake_python
+    p = _start_local(env, "stubborn")
+    os.killpg(p.pid, signal.SIGINT)
+    time.sleep(1)
+    assert p.poll() is None  # SIGTERM ignored: still running
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = _finish(p)
+    assert p.returncode == 137 and "Ctrl-C again: SIGKILL" in err, err
