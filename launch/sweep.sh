@@ -7,8 +7,8 @@
 #   VARIANT=demo bash launch/sweep.sh ln bn dtn un learnable_scaler
 #   bash launch/sweep.sh ln bn -- --config.total_steps=100
 #
-# METHOD: the <m> of configs/vit_<m>.py (default: all twelve). VARIANT: the config variant
-# (default demo). --dry-run prints the commands and runs nothing.
+# METHOD: the <m> of configs/vit_<m>.py (default: every configs/vit_*.py, ln first, 17 today).
+# VARIANT: the config variant (default demo). --dry-run prints the commands and runs nothing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -34,7 +34,12 @@ while [ $# -gt 0 ]; do
   shift
 done
 if [ ${#methods[@]} -eq 0 ]; then
-  methods=(ln bn gn in rms scalenorm powernorm un dtn dpn learnable_scaler rescale)
+  # every method config, LayerNorm first (the report's convergence reference)
+  methods=(ln)
+  for f in configs/vit_*.py; do
+    m=${f#configs/vit_}; m=${m%.py}
+    [ "$m" = ln ] || methods+=("$m")
+  done
 fi
 
 run() {  # prints the command under --dry-run, else runs it

@@ -257,6 +257,14 @@ def test_sweep_continues_after_a_failure_and_writes_the_report(stubs):
                          "runs/demo_dtn", "--out=report/demo"]
     bad = script("sweep.sh", "--hlep", env=env)
     assert bad.returncode == 2 and seen()[4:] == []
+    # no METHOD: every method config, LayerNorm first (it said "all twelve" and ran twelve of
+    # seventeen: DyT, Derf, RepBN, the progressive and the dynamic feature norms were left out)
+    every = script("sweep.sh", "--dry-run", env=env).stdout.splitlines()
+    names = sorted(f[len("vit_"):-len(".py")] for f in os.listdir(os.path.join(REPO_ROOT, "configs"))
+                   if f.startswith("vit_") and f.endswith(".py"))
+    assert [line.split("--workdir=runs/demo_")[1].split()[0] for line in every[:-1]] == \
+        ["ln"] + [n for n in names if n != "ln"]
+    assert every[-1].startswith("python -m normvit_jax.analysis.report runs/demo_ln runs/demo_bn ")
 
 
 FAKE_PROCESS = r"""#!/usr/bin/env bash
