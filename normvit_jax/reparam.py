@@ -110,19 +110,20 @@ def _slot_fold(norm_cfg: Any, slot_params: Mapping, slot_stats: Mapping, dim: in
 
 
 def _why_kept(norm_cfg: Any) -> str:
+    """Why a slot stays: the norm class's ``NOT_FOLDED`` text, or what it lacks."""
     name = norms.name_of(norm_cfg)
-    if name == "powernorm":
-        return "powernorm: its group scaling divides each token by its own RMS at inference"
-    if name == "progressive":
-        return ("progressive: evaluates the mixture with N1 (eval_mode='mixture') or its N2 does "
-                "not fold")
-    return f"{name}: statistics of each token at inference, not a fixed affine"
+    cls = norms.resolve(name)
+    if getattr(cls, "NOT_FOLDED", None):
+        return f"{name}: {cls.NOT_FOLDED}"
+    if hasattr(cls, "inference_affine"):
+        return f"{name}: {cls.__name__}.folds says this configuration is not a fixed affine"
+    return (f"{name}: {cls.__name__} has no inference_affine(params, stats) (its eval output is "
+            "not declared a fixed per-channel affine)")
 
 
 def _why_split(norm_cfg: Any) -> str:
     name = norms.name_of(norm_cfg)
-    what = {"dyt": "tanh(alpha * x)", "derf": "erf(alpha * x + s)"}.get(
-        name, "the per-token statistics")
+    what = getattr(norms.resolve(name), "SPLIT_KEEPS", None) or "the rest of the norm"
     return f"{name}: scale/bias folded, {what} stays"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,6 +114,52 @@ def test_only_the_foldable_slots_fold_in_a_mixed_model():
     assert "powernorm" in kept["Transformer/encoder_norm"]
     assert dict(folded_spec.norm_overrides)["block_0"] == {"name": "identity"}
     assert [n["name"] for n in folded_spec.slot_norms] == ["identity", "dtn", "powernorm"]
+
+
+class RunningStatsNoAffine(nn.Module):
+    """Test-only user norm: running statistics in batch_stats, no inference_affine."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        ms = self.variable("batch_stats", "ms", jnp.ones, (x.shape[-1],), jnp.float32)
+        return x * jax.lax.rsqrt(ms.value + 1e-5)
+
+
+class SaysWhyNotFolded(RunningStatsNoAffine):
+    NOT_FOLDED = "its own reason"
+
+
+class SplitsWithoutSaying(RunningStatsNoAffine):
+    def split_affine(self, params, stats):
+        ones = jnp.ones((stats["ms"].shape[-1],), jnp.float32)
+        return ones, 0 * ones, {}, {}
+
+
+def test_the_kept_reason_comes_from_the_norm_class_not_its_name(monkeypatch):
+    """A norm added to the registry gets a true reason: what its class says (NOT_FOLDED,
+    SPLIT_KEEPS), else that it has no inference_affine (reparam named powernorm and progressive
+    and said 'statistics of each token' of every other norm, running statistics or not)."""
+    from normvit_jax.norms import registry
+    for name, cls in (("user_running", "RunningStatsNoAffine"), ("user_says", "SaysWhyNotFolded"),
+                      ("user_split", "SplitsWithoutSaying")):
+        monkeypatch.setitem(registry._ENTRIES, name, f"{__name__}:{cls}")
+    kept = {}
+    for name in ("user_running", "user_says", "user_split", "powernorm", "layernorm", "dyt"):
+        cfg = tiny_model_cfg(name)
+        kept[name] = dict(reparam.fold(cfg, random_variables(cfg))[2].kept)["Transformer/encoder_norm"]
+    assert kept["user_running"] == ("user_running: RunningStatsNoAffine has no inference_affine"
+                                    "(params, stats) (its eval output is not declared a fixed "
+                                    "per-channel affine)")
+    assert kept["user_says"] == "user_says: its own reason"
+    assert kept["user_split"] == "user_split: scale/bias folded, the rest of the norm stays"
+    # the shipped norms' reasons, now class attributes, read as before
+    assert kept["powernorm"] == ("powernorm: its group scaling divides each token by its own RMS "
+                                 "at inference")
+    assert kept["layernorm"] == "layernorm: statistics of each token at inference, not a fixed affine"
+    assert kept["dyt"] == "dyt: scale/bias folded, tanh(alpha * x) stays"
+    prog = {"name": "progressive", "eval_mode": "mixture"}
+    assert reparam._why_kept(prog) == ("progressive: evaluates the mixture with N1 "
+                                       "(eval_mode='mixture') or its N2 does not fold")
 
 
 def test_layernorm_model_is_left_as_it_is():

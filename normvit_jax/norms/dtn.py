@@ -68,6 +68,7 @@ class DTN(nn.Module):
     """
 
     CONTEXT_FIELDS = ("grid", "num_prefix_tokens")  # from the NormContext, not options
+    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
 
     heads: int
     grid: tuple[int, int]

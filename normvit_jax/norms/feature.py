@@ -25,6 +25,7 @@ from normvit_jax.norms.layernorm import standardise
 
 class _FeatureNorm(nn.Module):
     TOKEN_DDOF = None  # a per-token standardiser's ddof (ZScore: 1)
+    SPLIT_KEEPS = "the per-token statistics"  # what stays in the slot after reparam folds the affine
 
     epsilon: float = 1e-6
     affine: bool = True

@@ -25,6 +25,8 @@ class GroupNorm(nn.Module):
     groups defaults to the model's number of heads (the DTN repository's GN baseline).
     """
 
+    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
+
     groups: int
     epsilon: float = 1e-5
     use_scale: bool = True
@@ -53,6 +55,8 @@ class InstanceNorm(nn.Module):
     ``unbiased=True`` divides the variance by T-1 as the DTN repository's IN baseline does
     (torch/Flax InstanceNorm: biased, the default here).
     """
+
+    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
 
     epsilon: float = 1e-5
     unbiased: bool = False

@@ -20,6 +20,7 @@ class LayerNorm(nn.Module):
     as fused LayerNorm kernels do; autodiff of the formula keeps float32 copies of the activation.
     """
 
+    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
     TOKEN_DDOF = 0  # a per-token standardiser: the progressive norm's one-pass hand-over takes it
 
     epsilon: float = 1e-6

@@ -96,6 +96,8 @@ def _erf(x: jax.Array, p: tuple[jax.Array, ...]) -> jax.Array:
 class DyT(_PointwiseNorm):
     """Dynamic Tanh: gamma * tanh(alpha * x) + beta, alpha init 0.5 (the paper's ViT value)."""
 
+    SPLIT_KEEPS = "tanh(alpha * x)"  # what stays in the slot after reparam folds gamma/beta
+
     def pointwise(self) -> tuple[Callable, tuple[jax.Array, ...]]:
         alpha = self.param("alpha", nn.initializers.constant(self.alpha_init), (), jnp.float32)
         return _tanh, (alpha,)
@@ -103,6 +105,8 @@ class DyT(_PointwiseNorm):
 
 class Derf(_PointwiseNorm):
     """Dynamic erf: gamma * erf(alpha * x + s) + beta, alpha init 0.5, shift s init 0."""
+
+    SPLIT_KEEPS = "erf(alpha * x + s)"  # what stays in the slot after reparam folds gamma/beta
 
     shift_init: float = 0.0
 

@@ -52,6 +52,9 @@ class PowerNorm(nn.Module):
     copy) by the freshly updated running_phi once t >= warmup.
     """
 
+    # reparam's reason for keeping the slot
+    NOT_FOLDED = "its group scaling divides each token by its own RMS at inference"
+
     groups: int = 1
     warmup: int = 10000
     alpha_fwd: float = 0.9

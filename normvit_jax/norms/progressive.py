@@ -66,6 +66,8 @@ class Progressive(nn.Module):
 
     CONTEXT_FIELDS = ("ctx",)
     TAKES_STEP = True  # models pass the global train step: norm(x, train=..., step=...)
+    # reparam's reason for keeping the slot (folds(opts) False)
+    NOT_FOLDED = "evaluates the mixture with N1 (eval_mode='mixture') or its N2 does not fold"
 
     ctx: NormContext = NormContext(dim=1)
     n1: Any = _DEFAULT_N1

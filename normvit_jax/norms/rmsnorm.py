@@ -13,6 +13,8 @@ from normvit_jax.norms._common import channel_affine
 class RMSNorm(nn.Module):
     """y = scale * x / sqrt(mean_C(x^2) + eps); no centring, no bias unless asked."""
 
+    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
+
     epsilon: float = 1e-6
     use_scale: bool = True
     use_bias: bool = False
@@ -31,6 +33,8 @@ class ScaleNorm(nn.Module):
     the DTN repository's per-channel g (same init). Named 'g', not 'scale': LayerNorm's gamma
     (init 1) has another meaning and must not load into it.
     """
+
+    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
 
     epsilon: float = 1e-5
     per_channel: bool = False
