@@ -116,6 +116,33 @@ def test_only_the_foldable_slots_fold_in_a_mixed_model():
     assert [n["name"] for n in folded_spec.slot_norms] == ["identity", "dtn", "powernorm"]
 
 
+def _folding_norms() -> list[str]:
+    from normvit_jax import norms
+    return [n for n in norms.known_names()
+            if reparam.foldable({"name": n}) or reparam.splittable({"name": n})]
+
+
+@pytest.mark.parametrize("norm", _folding_norms())
+@pytest.mark.usefixtures("float32_matmuls")
+def test_every_registered_norm_that_folds_keeps_its_logits(norm):
+    """Every registry name whose class has inference_affine or split_affine, with its default
+    options: a norm added to the registry is held to its fold without editing a test (the
+    parametrized tests above and in test_reparam_dynamic.py name the shipped ones)."""
+    extra = {"rescale": {"residual_scaling": "rescale"}}.get(norm, {})
+    cfg = tiny_model_cfg(norm, **extra)
+    variables = random_variables(cfg)
+    # Running statistics positive whatever their name (a variance named otherwise would be
+    # negative and give NaN logits on both sides, which assert_allclose calls equal).
+    variables["batch_stats"] = jax.tree.map(lambda v: jnp.abs(v) + 0.3,
+                                            variables.get("batch_stats", {}))
+    want = eval_logits(cfg, variables, IMAGES)
+    assert np.isfinite(want).all()
+    folded_spec, folded, report = reparam.fold(cfg, variables)
+    np.testing.assert_allclose(eval_logits(folded_spec, folded, IMAGES), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
+    assert "Transformer/encoderblock_0/LayerNorm_0" in report.folded
+
+
 class RunningStatsNoAffine(nn.Module):
     """Test-only user norm: running statistics in batch_stats, no inference_affine."""
 
