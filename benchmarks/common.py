@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks import xla_flags
 from configs import default
-from normvit_jax import data, models, sharding
+from normvit_jax import data, models, norms, sharding
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import setup
 from normvit_jax.train.state import TrainState
@@ -60,6 +60,10 @@ NORMS: dict[str, dict[str, Any]] = {
     "dyt": {"norm": {"name": "dyt"}},
     "derf": {"norm": {"name": "derf"}},
 }
+# A norm added to the registry is benchmarked with its default options without an entry above
+# (--norm=NAME, and 'all'); an entry above is only for options or a model layout.
+REGISTRY_ONLY = [n for n in norms.known_names() if n not in NORMS]
+NORMS.update({n: {"norm": {"name": n}} for n in REGISTRY_ONLY})
 DTYPES = setup.DTYPES
 
 

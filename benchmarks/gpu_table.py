@@ -36,7 +36,7 @@ from normvit_jax import tool_flags
 from normvit_jax.data import pipeline as pipeline_lib
 
 BEGIN, END = "<!-- gpu-table:begin -->", "<!-- gpu-table:end -->"
-N_NORMS = 22  # len(benchmarks.common.NORMS), not imported here (it imports jax): the timeout budget
+N_NORMS = 22  # len(benchmarks.common.NORMS) less REGISTRY_ONLY, not imported here (it imports jax): the timeout budget
 KERNEL_NORMS = "layernorm,batchnorm,repbn,progressive,zscore_repbn,zscore,dyt,derf"  # benchmarks.norm_kernels
 # The XLA GPU flags worth a try (docs/benchmarks.md); pass any of them with --xla_flags.
 GPU_FLAGS_TO_TRY = ("--xla_gpu_enable_latency_hiding_scheduler=true",

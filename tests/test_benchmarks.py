@@ -21,6 +21,26 @@ from tests.deploy_runs import XLA_FAST
 TINY = ["--model=Ti/4", "--depth=1", "--image_size=8"]
 
 
+def test_a_norm_added_to_the_registry_is_a_benchmark_norm(monkeypatch):
+    """benchmarks.common.NORMS was a hand list: a new norm was refused by --norm (and left out
+    of 'all') until an entry was added there; now every registry name is in it."""
+    import importlib
+
+    from benchmarks import common
+    from normvit_jax.norms import registry
+    monkeypatch.setitem(registry._ENTRIES, "user_norm", "normvit_jax.norms.rmsnorm:RMSNorm")
+    try:
+        importlib.reload(common)
+        assert common.norm_names("user_norm") == ["user_norm"]  # was SystemExit: unknown
+        assert "user_norm" in common.REGISTRY_ONLY
+        assert "user_norm" in common.norm_names("all")
+        assert common.bench_config("Ti/4", "user_norm").model.norm.name == "user_norm"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(common)
+    assert "user_norm" not in common.NORMS
+
+
 def test_train_step_all_norms_side_by_side():
     from benchmarks import train_step
     res = train_step.main(TINY + ["--norm=layernorm,dtn,powernorm", "--batch=4", "--steps=1",
