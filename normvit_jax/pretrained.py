@@ -233,9 +233,13 @@ class _ParamLoader:
             if k in done:
                 continue
             slot = slot_of(k)
+            fits = k in self.src and self.src[k].shape == self.shape(k)
             if slot is None:
                 if k.split("/")[-1] in MODEL_ONLY:
-                    self.init(k, "no counterpart in Google checkpoints")
+                    if fits:  # a file this repository exported (normvit_jax.export)
+                        self.put(k, self.src[k], "loaded", k, "same name in checkpoint")
+                    else:
+                        self.init(k, "no counterpart in Google checkpoints")
                 elif k in self.src and self.src[k].shape != self.shape(k) and flat_heads(
                         k, self.src[k], self.shape(k)):
                     self.put(k, self.src[k].reshape(self.shape(k)), "loaded", k,
@@ -245,9 +249,11 @@ class _ParamLoader:
                 continue
             s, rest = slot
             norm = self.spec.slot_norm_name(s)
-            if rest in ("scale", "bias") and k in self.src and self.src[k].shape == self.shape(k):
+            if rest in ("scale", "bias") and fits:
                 self.put(k, self.src[k], "loaded", k,
                          "" if norm == "layernorm" else f"LN {rest} -> {norm} {rest}")
+            elif fits:  # not in Google's files: an export of a model with this norm
+                self.put(k, self.src[k], "loaded", k, f"{norm} {rest}: same name in checkpoint")
             elif norm == "layernorm" and s.split("/")[-1] in CKPT_NORM_SLOTS:
                 self.same(k)  # a LayerNorm slot Google's files have: strict
             elif k in self.src:
