@@ -86,7 +86,7 @@ def export_npz(params: Any, out_path: str, model: Any,
     else:
         with tmp.open("wb") as f:
             np.savez(f, **flat)
-    tmp.rename(out)
+    tmp.replace(out)  # an existing file is replaced (as the deploy formats do); rename() refused it
     if log is not None:
         n = sum(v.size for v in flat.values())
         notes = _compat_notes(spec)

@@ -569,6 +569,20 @@ def test_export_cli_with_real_run_checkpoint(tmp_path):
     assert got.keys() == flat(params).keys()
     for k, v in flat(params).items():
         assert np.array_equal(got[k], v), k
+    # the same command again (a newer checkpoint, the same --out) replaces the file: it stopped
+    # with a FileExistsError traceback and left model.npz.tmp beside it
+    params2 = random_params(cfg, 5, 14)
+    checkpoints.save(mngr := checkpoints.make_manager(str(workdir), async_save=False), 9,
+                     {"params": params2, "step": np.int32(9)})
+    mngr.wait_until_finished()
+    mngr.close()
+    proc = subprocess.run([sys.executable, "-m", "normvit_jax.export", f"--workdir={workdir}",
+                           f"--out={out}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.npz", "run"]
+    got = pretrained.load_npz(str(out))
+    for k, v in flat(params2).items():
+        assert np.array_equal(got[k], v), k
 
 
 def test_finetune_cifar_config_variants():
