@@ -474,14 +474,34 @@ def test_malformed_files_fail_clearly(tmp_path):
     with pytest.raises(E, match="does not exist"):
         pretrained.load_npz(str(tmp_path / "nope.npz"))
 
-    deep = model_cfg(depth=3)  # wrong depth: names the blocks and both summaries
-    with pytest.raises(E, match=r"(?s)checkpoint: depth=2.*model: +depth=3.*differs from the checkpoint "
-                                r"in depth \(checkpoint 2, model 3\).*"
-                                r"missing in checkpoint: Transformer/encoderblock_2/"):
+    deep = model_cfg(depth=3)  # wrong depth: the first line says what differs, then both summaries
+    with pytest.raises(E, match=r"(?s)^cannot load init_from \S+good.npz: the model config differs from "
+                                r"the checkpoint in depth \(checkpoint 2, model 3\); missing in "
+                                r"checkpoint: Transformer/encoderblock_2/[^\n]*\(and 14 more, below\)\n"
+                                r".*checkpoint: depth=2.*model: +depth=3"):
         load(template(deep, 5), path, deep, 5)
     wide = model_cfg(hidden_size=12)  # wrong width
     with pytest.raises(E, match=r"embedding/kernel checkpoint \(4, 4, 3, 8\) vs model \(4, 4, 3, 12\)"):
         load(template(wide, 5), path, wide, 5)
+    # every mismatch once: a mis-shaped array was also listed as 'unexpected in checkpoint', and the
+    # posemb and cls twice as mis-shaped
+    with pytest.raises(E) as err:
+        load(template(wide, 5), path, wide, 5)
+    msg = str(err.value)
+    assert msg.splitlines()[0].startswith(f"cannot load init_from {path}: the model config differs "
+                                          "from the checkpoint in width (checkpoint 8, model 12); ")
+    assert "unexpected" not in msg and msg.count("shape mismatch: cls ") == 2  # first line + list
+    assert msg.count("shape mismatch: embedding/kernel ") == 1
+    renamed = {("Transformer/encoderblock_0/MlpBlock_3/Dense_0/kern" if k.endswith("0/kernel") and
+                "encoderblock_0/MlpBlock" in k else k): v for k, v in good.items()}
+    with pytest.raises(E) as err:  # a missing array: no 'mlp (checkpoint ?, model 16)'
+        load(params, write(tmp_path / "renamed.npz", renamed), cfg, 5)
+    assert "?" not in str(err.value).splitlines()[0] and "differs" not in str(err.value)
+    timm_like = write(tmp_path / "timm.npz", {"patch_embed.proj.weight": np.zeros((8, 3, 4, 4), np.float32),
+                                              "blocks.0.norm1.weight": np.ones(8, np.float32)})
+    with pytest.raises(E, match=rf"^cannot load init_from {re.escape(timm_like)}: no 'embedding/kernel'.*"
+                                r"timm / PyTorch state dict"):
+        load(params, timm_like, cfg, 5)
     gap_ckpt = write(tmp_path / "gap.npz", vit_jax_file(logical(10, token=False)))
     with pytest.raises(E, match="classifier='gap'"):
         load(params, gap_ckpt, cfg, 5)
