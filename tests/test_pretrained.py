@@ -8,6 +8,7 @@ which vit_jax/big_vision use). Tolerances: float32 model vs float64 reference, r
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
 import types
@@ -741,3 +742,32 @@ def test_export_of_every_method_loads_back_bit_exactly(tmp_path, name):
     for k in a:
         assert np.array_equal(a[k], b[k]), (k, rows.get(k))
     assert {r.action for r in rows.values()} == {"loaded"}, table
+
+
+def test_init_from_that_does_not_load_leaves_no_run(tmp_path):
+    """README: 'a failed start leaves nothing to clean up'. A truncated init_from passes the
+    preflight zip check and fails when it is read, an architecture mismatch when it is mapped:
+    both left config.json, classes.json, data.json and checkpoints/ in a new workdir (a run that
+    never was; in a folder the user made, a config.json the next command was compared with). The
+    file is now read before anything is written, and cli.run removes the workdir it created."""
+    from normvit_jax import cli
+    from tests.conftest import tiny_demo_config
+
+    cfg = tiny_demo_config()  # digits, 8 px, patch 2, width 32, depth 2
+    donor = random_params(model_cfg(hidden_size=32, depth=2, num_heads=2, mlp_dim=64, patch_size=2),
+                          10, 21)
+    good = str(tmp_path / "donor.npz")
+    export.export_npz(donor, good, model_cfg(hidden_size=32, depth=2, num_heads=2, mlp_dim=64,
+                                             patch_size=2), log=None)
+    data = open(good, "rb").read()
+    (tmp_path / "trunc.npz").write_bytes(data[: len(data) // 2])
+    for bad, change in ((str(tmp_path / "trunc.npz"), {}), (good, {"model.hidden_size": 48})):
+        c = tiny_demo_config(init_from=bad, **change)
+        new = tmp_path / "runs" / "new"
+        assert cli.run(c, str(new)) == cli.EXIT_CONFIG
+        assert not new.exists(), sorted(os.listdir(new))
+        mine = tmp_path / "mine"
+        mine.mkdir(exist_ok=True)
+        assert cli.run(c, str(mine)) == cli.EXIT_CONFIG
+        assert sorted(os.listdir(mine)) == [".lock", "checkpoints"]  # a folder the user made stays
+        assert os.listdir(mine / "checkpoints") == []

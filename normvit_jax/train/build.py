@@ -125,6 +125,11 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
     except BaseException:
         mngr.close()
         raise
+    if restored is None and config.init_from:
+        # before anything is written: a file that does not load leaves no run behind (cli.run
+        # removes a workdir it created); a resumed run never reads it again
+        state = init_from_pretrained(config, run_spec.model, run_spec.data.num_classes, state, tx,
+                                     state_sharding)
     had_config = checkpoints.config_path(workdir).exists()
     if jax.process_index() == 0:  # the checkpoint fits (or there is none): the config is the run's
         run_config.write_config(config, workdir)
@@ -146,9 +151,6 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
     if had_config and jax.process_index() == 0:
         logging.warning("No checkpoint in %s: starting at step 0 (an earlier attempt of this "
                         "run ended before its first checkpoint).", mngr.directory)
-    if config.init_from:
-        state = init_from_pretrained(config, run_spec.model, run_spec.data.num_classes, state, tx,
-                                     state_sharding)
     return _Start(state, 0, guards.MetricsWindow(0), 0)
 
 
