@@ -771,3 +771,30 @@ def test_init_from_that_does_not_load_leaves_no_run(tmp_path):
         assert cli.run(c, str(mine)) == cli.EXIT_CONFIG
         assert sorted(os.listdir(mine)) == [".lock", "checkpoints"]  # a folder the user made stays
         assert os.listdir(mine / "checkpoints") == []
+
+
+def test_resumed_run_keeps_its_weights_and_says_init_from_is_not_read(tmp_path, caplog):
+    """A run started from init_from and resumed with init_from pointing at other weights
+    (allow_config_change) continues from its own checkpoint, bit for bit, without reading the
+    file, and says so (the log listed the changed init_from and nothing told that it was unused)."""
+    from normvit_jax import checkpoints as ckpts, cli
+    from tests.conftest import tiny_demo_config
+
+    arch = model_cfg(hidden_size=32, depth=2, num_heads=2, mlp_dim=64, patch_size=2)
+    paths = []
+    for seed in (31, 32):
+        paths.append(str(tmp_path / f"w{seed}.npz"))
+        export.export_npz(random_params(arch, 10, seed), paths[-1], arch, log=None)
+    wd = str(tmp_path / "wd")
+    assert cli.run(tiny_demo_config(init_from=paths[0], total_steps=3), wd) == cli.EXIT_OK
+    before = flat(ckpts.load_variables(wd, step=3)[0]["params"])
+    with caplog.at_level("INFO"):
+        assert cli.run(tiny_demo_config(init_from=paths[1], total_steps=3, allow_config_change=True),
+                       wd) == cli.EXIT_OK
+    said = [r.getMessage() for r in caplog.records]
+    assert not any(m.startswith("init_from ") for m in said)  # no load report: the file is not read
+    assert f"config.init_from={paths[1]} is not read again: it initialises step 0 only " \
+           "(--fresh starts over from it)." in said, said
+    after = flat(ckpts.load_variables(wd, step=3)[0]["params"])
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)

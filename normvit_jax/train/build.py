@@ -146,6 +146,9 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
         logging.info("Resumed from the checkpoint at step %d in %s; the data continues at step %d "
                      "(epoch %d, example %d of %d).", step, mngr.directory, step + 1,
                      pos // n + 1, pos % n, n)
+        if config.init_from:  # a changed init_from (allow_config_change) would otherwise go unread silently
+            logging.info("config.init_from=%s is not read again: it initialises step 0 only "
+                         "(--fresh starts over from it).", config.init_from)
         saver.last_good = step
         return _Start(restored.state, step, window, skipped_total)
     if had_config and jax.process_index() == 0:
