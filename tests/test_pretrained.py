@@ -788,7 +788,7 @@ def test_resumed_run_keeps_its_weights_and_says_init_from_is_not_read(tmp_path, 
     wd = str(tmp_path / "wd")
     assert cli.run(tiny_demo_config(init_from=paths[0], total_steps=3), wd) == cli.EXIT_OK
     before = flat(ckpts.load_variables(wd, step=3)[0]["params"])
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO"), caplog.at_level("INFO", logger="absl"):  # absl's own level too
         assert cli.run(tiny_demo_config(init_from=paths[1], total_steps=3, allow_config_change=True),
                        wd) == cli.EXIT_OK
     said = [r.getMessage() for r in caplog.records]
