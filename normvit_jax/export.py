@@ -28,7 +28,7 @@ from flax.core import frozen_dict
 
 from normvit_jax import models
 from normvit_jax.models import scan_convert
-from normvit_jax.models.google_layout import CheckpointError, check_family
+from normvit_jax.models.google_layout import POSEMB, CheckpointError, check_family
 from normvit_jax.models.spec import ViTSpec
 
 FLAGS = flags.FLAGS
@@ -65,6 +65,12 @@ def export_npz(params: Any, out_path: str, model: Any,
     if "embedding/kernel" not in flat or "head/kernel" not in flat:
         raise CheckpointError(f"not a ViT parameter tree (no embedding/kernel or head/kernel): "
                               f"{sorted(flat)[:8]}")
+    pe = flat.get(POSEMB)
+    if "cls" in flat and pe is not None and spec.cls_token_at_block:
+        # The layout's rule: a class slot at index 0 iff the file has 'cls'. A model whose class
+        # token joins without posemb (a late class token) gets a zero slot: loading folds it into
+        # 'cls' exactly, and the patch grid is read as a grid.
+        flat[POSEMB] = np.concatenate([np.zeros_like(pe[:, :1]), pe], 1)
     for k, v in flat.items():
         if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype.itemsize < 4:
             flat[k] = v.astype(np.float32)  # bfloat16/float16 widen exactly
@@ -80,7 +86,7 @@ def export_npz(params: Any, out_path: str, model: Any,
     else:
         with tmp.open("wb") as f:
             np.savez(f, **flat)
-    tmp.rename(out)
+    tmp.replace(out)  # an existing file is replaced (as the deploy formats do); rename() refused it
     if log is not None:
         n = sum(v.size for v in flat.values())
         notes = _compat_notes(spec)

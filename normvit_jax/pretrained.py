@@ -131,6 +131,7 @@ class _ParamLoader:
             self.errors.append(f"missing in checkpoint: {k} (model {self.shape(k)})")
         elif self.src[k].shape != self.shape(k):
             self.errors.append(f"shape mismatch: {k} checkpoint {self.src[k].shape} vs model {self.shape(k)}")
+            self.used.add(k)  # reported here: not also 'unexpected in checkpoint'
         else:
             self.put(k, self.src[k], "loaded", k, note)
 
@@ -191,6 +192,7 @@ class _ParamLoader:
                                    "checkpoint trained without one needs model.posemb='sincos2d' or 'none'")
             elif pe.ndim != 3 or pe.shape[2] != ts[2]:
                 self.errors.append(f"shape mismatch: {POSEMB} checkpoint {pe.shape} vs model {ts}")
+                self.used.add(POSEMB)  # reported here: not also 'unexpected in checkpoint'
             else:
                 try:
                     gt = grid_of(ts[1] - int(has_slot), grid_t, f"model {POSEMB} {ts}")
@@ -198,6 +200,7 @@ class _ParamLoader:
                                   f"checkpoint {layout.posemb_key} {pe.shape}")
                 except CheckpointError as e:
                     self.errors.append(str(e))
+                    self.used.add(POSEMB)
                 else:
                     grid = pe[0, int(layout.class_slot):].reshape(gs[0], gs[1], -1)
                     notes = []
@@ -229,13 +232,18 @@ class _ParamLoader:
     def body(self) -> None:
         """Same layer -> same tensor; inside norm slots, by parameter name (scale/bias = LN's)."""
         done = {r.param for r in self.rows if r.action != "dropped"}
+        done |= {POSEMB, "cls"} | {k for k in self.tgt if k.startswith(("head/", "pre_logits/"))}
         for k in self.tgt:
             if k in done:
                 continue
             slot = slot_of(k)
+            fits = k in self.src and self.src[k].shape == self.shape(k)
             if slot is None:
                 if k.split("/")[-1] in MODEL_ONLY:
-                    self.init(k, "no counterpart in Google checkpoints")
+                    if fits:  # a file this repository exported (normvit_jax.export)
+                        self.put(k, self.src[k], "loaded", k, "same name in checkpoint")
+                    else:
+                        self.init(k, "no counterpart in Google checkpoints")
                 elif k in self.src and self.src[k].shape != self.shape(k) and flat_heads(
                         k, self.src[k], self.shape(k)):
                     self.put(k, self.src[k].reshape(self.shape(k)), "loaded", k,
@@ -245,9 +253,11 @@ class _ParamLoader:
                 continue
             s, rest = slot
             norm = self.spec.slot_norm_name(s)
-            if rest in ("scale", "bias") and k in self.src and self.src[k].shape == self.shape(k):
+            if rest in ("scale", "bias") and fits:
                 self.put(k, self.src[k], "loaded", k,
                          "" if norm == "layernorm" else f"LN {rest} -> {norm} {rest}")
+            elif fits:  # not in Google's files: an export of a model with this norm
+                self.put(k, self.src[k], "loaded", k, f"{norm} {rest}: same name in checkpoint")
             elif norm == "layernorm" and s.split("/")[-1] in CKPT_NORM_SLOTS:
                 self.same(k)  # a LayerNorm slot Google's files have: strict
             elif k in self.src:
@@ -301,7 +311,10 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
     tree = scan_convert.unstack_blocks(tree["params"] if wrapped else tree)  # matched per block
     tgt = traverse_util.flatten_dict(tree, sep="/")
     raw, n_bf16 = _read_npz(path)
-    src, layout = canonicalize(raw)
+    try:
+        src, layout = canonicalize(raw)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot load init_from {path}: {e}{_other_format(raw)}") from None
 
     m = _ParamLoader(tgt, src, layout, spec)
     m.head(num_classes, keep_pre_logits)
@@ -314,12 +327,18 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
               + (f"; ignored {len(layout.ignored)} non-parameter keys" if layout.ignored else "")
               + f"\n  checkpoint: {summary(src)}\n  model:      {summary(tgt)}")
     if m.errors:
+        # The first line says it all (what differs, the first arrays); the full list follows.
         a, b = dims(src), dims(tgt)
-        diff = [f"{k} (checkpoint {a[k]}, model {b[k]})" for k in a if a[k] != b[k]]
-        errors = ([f"the model config differs from the checkpoint in {', '.join(diff)}"] if diff else [])
-        errors += m.errors
-        shown = errors[:40] + ([f"... and {len(errors) - 40} more"] if len(errors) > 40 else [])
-        raise CheckpointError(f"cannot load {header}\n  " + "\n  ".join(shown))
+        diff = [f"{k} (checkpoint {a[k]}, model {b[k]})" for k in a
+                if a[k] != b[k] and "?" not in (a[k], b[k])]
+        first = ([f"the model config differs from the checkpoint in {', '.join(diff)}"] if diff else [])
+        first += m.errors[:2]
+        more = len(m.errors) - 2
+        line = (f"cannot load init_from {path}: " + "; ".join(first)
+                + (f" (and {more} more, below)" if more > 0 else ""))
+        shown = m.errors[:40] + ([f"... and {len(m.errors) - 40} more"] if len(m.errors) > 40 else [])
+        detail = header.split("\n", 1)[1]
+        raise CheckpointError(line + "\n" + detail + ("\n  " + "\n  ".join(shown) if more > 0 else ""))
     if not spec.gelu_approximate:
         header += ("\n  note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
                    "form (logits differ by ~5e-4)")
@@ -332,6 +351,16 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
         out = scan_convert.to_layout(out, spec)
     out = {"params": out} if wrapped else out
     return (frozen_dict.freeze(out) if frozen else out), rows
+
+
+def _other_format(raw: dict[str, np.ndarray]) -> str:
+    """A hint naming the format of a file that is not one of Google's ViT layouts."""
+    keys = list(raw)
+    if any(k.startswith(("patch_embed.", "blocks.", "cls_token", "pos_embed")) for k in keys):
+        return ("; its keys are a timm / PyTorch state dict ('patch_embed.proj.weight', "
+                "'blocks.0.norm1.weight'): only Google's vit_jax, AugReg and big_vision layouts "
+                "are read (docs/pretrained.md)")
+    return ""
 
 
 def format_report(rows: Sequence[Row], header: str = "") -> str:

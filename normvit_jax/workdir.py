@@ -167,18 +167,24 @@ class WorkdirLock:
 
 
 def remove_if_unused(workdir: str) -> bool:
-    """A workdir that a failed start created and left holding only its released (empty) lock is
-    removed, so that the corrected command starts as on a new folder and ``ls runs/`` shows no
-    run that never was. Anything else in it, a lock with an owner, a remote path: kept (False)."""
+    """A workdir that a failed start created and left holding only its released (empty) lock and
+    perhaps the checkpoint manager's empty folder (an init_from file that did not load) is removed,
+    so that the corrected command starts as on a new folder and ``ls runs/`` shows no run that
+    never was. Anything else in it, a lock with an owner, a remote path: kept (False)."""
     if is_remote(workdir) or not os.path.isdir(workdir):
         return False
     lock = os.path.join(workdir, LOCK_NAME)
-    if set(os.listdir(workdir)) - {LOCK_NAME}:
+    ckpt = os.path.join(workdir, "checkpoints")  # the checkpoint manager's folder, still empty
+    if set(os.listdir(workdir)) - {LOCK_NAME, "checkpoints"}:
         return False
     try:
+        if os.path.exists(ckpt) and (not os.path.isdir(ckpt) or os.listdir(ckpt)):
+            return False
+        if os.path.exists(lock) and os.path.getsize(lock):
+            return False
+        if os.path.exists(ckpt):
+            os.rmdir(ckpt)
         if os.path.exists(lock):
-            if os.path.getsize(lock):
-                return False
             os.remove(lock)
         os.rmdir(workdir)
     except OSError:

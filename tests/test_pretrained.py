@@ -8,6 +8,7 @@ which vit_jax/big_vision use). Tolerances: float32 model vs float64 reference, r
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
 import types
@@ -474,14 +475,34 @@ def test_malformed_files_fail_clearly(tmp_path):
     with pytest.raises(E, match="does not exist"):
         pretrained.load_npz(str(tmp_path / "nope.npz"))
 
-    deep = model_cfg(depth=3)  # wrong depth: names the blocks and both summaries
-    with pytest.raises(E, match=r"(?s)checkpoint: depth=2.*model: +depth=3.*differs from the checkpoint "
-                                r"in depth \(checkpoint 2, model 3\).*"
-                                r"missing in checkpoint: Transformer/encoderblock_2/"):
+    deep = model_cfg(depth=3)  # wrong depth: the first line says what differs, then both summaries
+    with pytest.raises(E, match=r"(?s)^cannot load init_from \S+good.npz: the model config differs from "
+                                r"the checkpoint in depth \(checkpoint 2, model 3\); missing in "
+                                r"checkpoint: Transformer/encoderblock_2/[^\n]*\(and 14 more, below\)\n"
+                                r".*checkpoint: depth=2.*model: +depth=3"):
         load(template(deep, 5), path, deep, 5)
     wide = model_cfg(hidden_size=12)  # wrong width
     with pytest.raises(E, match=r"embedding/kernel checkpoint \(4, 4, 3, 8\) vs model \(4, 4, 3, 12\)"):
         load(template(wide, 5), path, wide, 5)
+    # every mismatch once: a mis-shaped array was also listed as 'unexpected in checkpoint', and the
+    # posemb and cls twice as mis-shaped
+    with pytest.raises(E) as err:
+        load(template(wide, 5), path, wide, 5)
+    msg = str(err.value)
+    assert msg.splitlines()[0].startswith(f"cannot load init_from {path}: the model config differs "
+                                          "from the checkpoint in width (checkpoint 8, model 12); ")
+    assert "unexpected" not in msg and msg.count("shape mismatch: cls ") == 2  # first line + list
+    assert msg.count("shape mismatch: embedding/kernel ") == 1
+    renamed = {("Transformer/encoderblock_0/MlpBlock_3/Dense_0/kern" if k.endswith("0/kernel") and
+                "encoderblock_0/MlpBlock" in k else k): v for k, v in good.items()}
+    with pytest.raises(E) as err:  # a missing array: no 'mlp (checkpoint ?, model 16)'
+        load(params, write(tmp_path / "renamed.npz", renamed), cfg, 5)
+    assert "?" not in str(err.value).splitlines()[0] and "differs" not in str(err.value)
+    timm_like = write(tmp_path / "timm.npz", {"patch_embed.proj.weight": np.zeros((8, 3, 4, 4), np.float32),
+                                              "blocks.0.norm1.weight": np.ones(8, np.float32)})
+    with pytest.raises(E, match=rf"^cannot load init_from {re.escape(timm_like)}: no 'embedding/kernel'.*"
+                                r"timm / PyTorch state dict"):
+        load(params, timm_like, cfg, 5)
     gap_ckpt = write(tmp_path / "gap.npz", vit_jax_file(logical(10, token=False)))
     with pytest.raises(E, match="classifier='gap'"):
         load(params, gap_ckpt, cfg, 5)
@@ -568,6 +589,20 @@ def test_export_cli_with_real_run_checkpoint(tmp_path):
     got = pretrained.load_npz(str(out))
     assert got.keys() == flat(params).keys()
     for k, v in flat(params).items():
+        assert np.array_equal(got[k], v), k
+    # the same command again (a newer checkpoint, the same --out) replaces the file: it stopped
+    # with a FileExistsError traceback and left model.npz.tmp beside it
+    params2 = random_params(cfg, 5, 14)
+    checkpoints.save(mngr := checkpoints.make_manager(str(workdir), async_save=False), 9,
+                     {"params": params2, "step": np.int32(9)})
+    mngr.wait_until_finished()
+    mngr.close()
+    proc = subprocess.run([sys.executable, "-m", "normvit_jax.export", f"--workdir={workdir}",
+                           f"--out={out}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.npz", "run"]
+    got = pretrained.load_npz(str(out))
+    for k, v in flat(params2).items():
         assert np.array_equal(got[k], v), k
 
 
@@ -674,3 +709,92 @@ def test_loop_init_from_loads_the_npz_into_the_train_state(tmp_path):
         np.testing.assert_array_equal(flat_new[k], flat_donor[k], err_msg=k)
         assert not np.array_equal(flat_new[k], flat_init[k]) or flat_init[k].std() == 0, k
     assert all(x.sharding == s for x, s in zip(jax.tree.leaves(new), jax.tree.leaves(shardings)))
+
+
+# ------------------------------------------------------- export -> init_from of every method config
+
+def _method_configs() -> list[str]:
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1] / "configs"
+    return sorted(p.stem for p in root.glob("vit_*.py"))
+
+
+@pytest.mark.parametrize("name", _method_configs())
+def test_export_of_every_method_loads_back_bit_exactly(tmp_path, name):
+    """docs/pretrained.md: an export 'loads back with config.init_from bit-exactly', whatever the
+    norm: the norms' own parameters (DyT/Derf alpha, ScaleNorm g, DTN gates, RepBN eta, ...),
+    RescaleViT's rescale_s and a late class token's posemb included. They stayed at init (noted
+    'shape () != checkpoint ()') or the load stopped ('unexpected in checkpoint: ...rescale_s',
+    DTN's posemb 'not a square grid')."""
+    import importlib
+    config = importlib.import_module(f"configs.{name}").get_config("demo")
+    config.model.update(hidden_size=8, depth=4, num_heads=2, mlp_dim=16)
+    m = models.create(config.model, 5)
+    shapes = jax.eval_shape(m.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, 8, 8, 3), jnp.float32))
+    r = np.random.default_rng(3)
+    params = jax.tree.map(lambda s: r.normal(size=s.shape).astype(s.dtype), shapes["params"])
+    path = str(tmp_path / f"{name}.npz")
+    export.export_npz(params, path, config.model, log=None)
+    tmpl = jax.tree.map(lambda s: np.full(s.shape, SENTINEL, s.dtype), shapes["params"])
+    new, rows, table = load(tmpl, path, config.model, 5, image_size=8)
+    a, b = flat(params), flat(new)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), (k, rows.get(k))
+    assert {r.action for r in rows.values()} == {"loaded"}, table
+
+
+def test_init_from_that_does_not_load_leaves_no_run(tmp_path):
+    """README: 'a failed start leaves nothing to clean up'. A truncated init_from passes the
+    preflight zip check and fails when it is read, an architecture mismatch when it is mapped:
+    both left config.json, classes.json, data.json and checkpoints/ in a new workdir (a run that
+    never was; in a folder the user made, a config.json the next command was compared with). The
+    file is now read before anything is written, and cli.run removes the workdir it created."""
+    from normvit_jax import cli
+    from tests.conftest import tiny_demo_config
+
+    cfg = tiny_demo_config()  # digits, 8 px, patch 2, width 32, depth 2
+    donor = random_params(model_cfg(hidden_size=32, depth=2, num_heads=2, mlp_dim=64, patch_size=2),
+                          10, 21)
+    good = str(tmp_path / "donor.npz")
+    export.export_npz(donor, good, model_cfg(hidden_size=32, depth=2, num_heads=2, mlp_dim=64,
+                                             patch_size=2), log=None)
+    data = open(good, "rb").read()
+    (tmp_path / "trunc.npz").write_bytes(data[: len(data) // 2])
+    for bad, change in ((str(tmp_path / "trunc.npz"), {}), (good, {"model.hidden_size": 48})):
+        c = tiny_demo_config(init_from=bad, **change)
+        new = tmp_path / "runs" / "new"
+        assert cli.run(c, str(new)) == cli.EXIT_CONFIG
+        assert not new.exists(), sorted(os.listdir(new))
+        mine = tmp_path / "mine"
+        mine.mkdir(exist_ok=True)
+        assert cli.run(c, str(mine)) == cli.EXIT_CONFIG
+        assert sorted(os.listdir(mine)) == [".lock", "checkpoints"]  # a folder the user made stays
+        assert os.listdir(mine / "checkpoints") == []
+
+
+def test_resumed_run_keeps_its_weights_and_says_init_from_is_not_read(tmp_path, caplog):
+    """A run started from init_from and resumed with init_from pointing at other weights
+    (allow_config_change) continues from its own checkpoint, bit for bit, without reading the
+    file, and says so (the log listed the changed init_from and nothing told that it was unused)."""
+    from normvit_jax import checkpoints as ckpts, cli
+    from tests.conftest import tiny_demo_config
+
+    arch = model_cfg(hidden_size=32, depth=2, num_heads=2, mlp_dim=64, patch_size=2)
+    paths = []
+    for seed in (31, 32):
+        paths.append(str(tmp_path / f"w{seed}.npz"))
+        export.export_npz(random_params(arch, 10, seed), paths[-1], arch, log=None)
+    wd = str(tmp_path / "wd")
+    assert cli.run(tiny_demo_config(init_from=paths[0], total_steps=3), wd) == cli.EXIT_OK
+    before = flat(ckpts.load_variables(wd, step=3)[0]["params"])
+    with caplog.at_level("INFO"), caplog.at_level("INFO", logger="absl"):  # absl's own level too
+        assert cli.run(tiny_demo_config(init_from=paths[1], total_steps=3, allow_config_change=True),
+                       wd) == cli.EXIT_OK
+    said = [r.getMessage() for r in caplog.records]
+    assert not any(m.startswith("init_from ") for m in said)  # no load report: the file is not read
+    assert f"config.init_from={paths[1]} is not read again: it initialises step 0 only " \
+           "(--fresh starts over from it)." in said, said
+    after = flat(ckpts.load_variables(wd, step=3)[0]["params"])
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)

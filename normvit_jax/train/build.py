@@ -125,6 +125,11 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
     except BaseException:
         mngr.close()
         raise
+    if restored is None and config.init_from:
+        # before anything is written: a file that does not load leaves no run behind (cli.run
+        # removes a workdir it created); a resumed run never reads it again
+        state = init_from_pretrained(config, run_spec.model, run_spec.data.num_classes, state, tx,
+                                     state_sharding)
     had_config = checkpoints.config_path(workdir).exists()
     if jax.process_index() == 0:  # the checkpoint fits (or there is none): the config is the run's
         run_config.write_config(config, workdir)
@@ -141,14 +146,14 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
         logging.info("Resumed from the checkpoint at step %d in %s; the data continues at step %d "
                      "(epoch %d, example %d of %d).", step, mngr.directory, step + 1,
                      pos // n + 1, pos % n, n)
+        if config.init_from:  # a changed init_from (allow_config_change) would otherwise go unread silently
+            logging.info("config.init_from=%s is not read again: it initialises step 0 only "
+                         "(--fresh starts over from it).", config.init_from)
         saver.last_good = step
         return _Start(restored.state, step, window, skipped_total)
     if had_config and jax.process_index() == 0:
         logging.warning("No checkpoint in %s: starting at step 0 (an earlier attempt of this "
                         "run ended before its first checkpoint).", mngr.directory)
-    if config.init_from:
-        state = init_from_pretrained(config, run_spec.model, run_spec.data.num_classes, state, tx,
-                                     state_sharding)
     return _Start(state, 0, guards.MetricsWindow(0), 0)
 
 
