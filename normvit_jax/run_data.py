@@ -34,13 +34,13 @@ class DataChangedError(ValueError):
     """Training would resume on a dataset prepared again since the run trained (exit 2)."""
 
 
-def _prepared_part(name: str, data_dir: str | None) -> dict | None:
-    """What recognises a prepared dataset's version (its prepare.json): examples per split and
-    class names; None for a built-in dataset."""
+def _prepared_part(name: str, data_dir: str | None, info: dict | None = None) -> dict | None:
+    """What recognises a prepared dataset's version (its prepare.json, or ``info`` read from it):
+    examples per split and class names; None for a built-in dataset."""
     from normvit_jax.data import dataspec, prepared
     if name in dataspec.NUM_CLASSES:
         return None
-    info = prepared.describe(name, data_dir)
+    info = info or prepared.describe(name, data_dir)
     return {"splits": {s: int(v["examples"]) for s, v in sorted(info["splits"].items())},
             "classes": list(info["classes"])}
 
@@ -143,8 +143,9 @@ def _warn_if_reprepared(workdir: str, saved: dict, name: str, data_dir: str | No
     if saved.get("prepared") is None or saved.get("dataset") != name \
             or not prepared.is_prepared(name, data_dir):
         return
-    current = dict(saved, prepared=_prepared_part(name, data_dir))
-    st = prepared.describe(name, data_dir)["stats"]
+    info = prepared.describe(name, data_dir)  # prepare.json, read once
+    current = dict(saved, prepared=_prepared_part(name, data_dir, info))
+    st = info["stats"]
     current.update({k: [float(v) for v in st[k]] for k in STATS})
     diff = changes(saved, current)
     if diff:
