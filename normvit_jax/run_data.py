@@ -143,7 +143,12 @@ def _warn_if_reprepared(workdir: str, saved: dict, name: str, data_dir: str | No
     if saved.get("prepared") is None or saved.get("dataset") != name \
             or not prepared.is_prepared(name, data_dir):
         return
-    info = prepared.describe(name, data_dir)  # prepare.json, read once
+    try:
+        info = prepared.describe(name, data_dir)  # prepare.json, read once
+    except ValueError as e:  # damaged since: the run's own statistics do not need it
+        logging.warning("%s; %s uses the statistics it trained with, from %s.",
+                        str(e).split("; ")[0], workdir, path_of(workdir))
+        return
     current = dict(saved, prepared=_prepared_part(name, data_dir, info))
     st = info["stats"]
     current.update({k: [float(v) for v in st[k]] for k in STATS})

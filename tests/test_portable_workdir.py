@@ -13,6 +13,7 @@ import types
 import jax
 import numpy as np
 import pytest
+from etils import epath
 from PIL import Image
 
 from normvit_jax import cli, evaluation, export, predict, run_data
@@ -130,6 +131,22 @@ def test_a_damaged_record_is_named_in_one_line(trained, tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith(f"python -m normvit_jax.predict: error: {path} is not readable "
                                 "JSON (") and "restore it from a copy of the run" in lines[-1]
+
+
+def test_a_damaged_prepare_json_does_not_stop_a_workdir_that_has_its_record(trained, caplog):
+    """The run's own statistics are in data.json: the dataset's prepare.json (damaged since) is
+    only read to warn about a dataset prepared again, so it is named in a warning, not an error."""
+    before = _probs(trained.run, trained.root)
+    info = epath.Path(prepared.version_dir("tiny_portable", f"{trained.root}/dd")) / prepared.INFO_FILE
+    good = info.read_text()
+    info.write_text(good[: len(good) // 2])
+    try:
+        with caplog.at_level(logging.WARNING, logger="absl"):
+            _same(_probs(trained.run, trained.root), before)
+    finally:
+        info.write_text(good)
+    warned = [r.getMessage() for r in caplog.records if str(info) in r.getMessage()]
+    assert len(warned) == 1 and "\n" not in warned[0] and "data.json" in warned[0], warned
 
 
 def test_a_reprepared_dataset_keeps_the_run_statistics_and_refuses_a_resume(trained, tmp_path,
