@@ -147,18 +147,21 @@ class _ParamLoader:
         pl_s = sorted(k for k in src if k.startswith("pre_logits/"))
         if keep_pre_logits and not pl_t:
             r = src["pre_logits/kernel"].shape[-1] if "pre_logits/kernel" in src else "?"
-            raise CheckpointError(f"keep_pre_logits=True but the model has no pre_logits: set "
-                                  f"model.representation_size={r}")
+            raise CheckpointError(f"init_keep_pre_logits=True but the model has no pre_logits: "
+                                  f"set model.representation_size={r}, or "
+                                  "init_keep_pre_logits=False")
         if keep_pre_logits and not pl_s:
-            raise CheckpointError("keep_pre_logits=True but the checkpoint has no pre_logits")
+            raise CheckpointError("init_keep_pre_logits=True but the checkpoint has no pre_logits: "
+                                  "set init_keep_pre_logits=False")
         load_pl = bool(pl_t and pl_s) and keep_pre_logits is not False
         for k in pl_t:
             if load_pl:
                 self.same(k)
             else:
-                self.init(k, "keep_pre_logits=False" if pl_s else "checkpoint has no pre_logits")
+                self.init(k, "init_keep_pre_logits=False" if pl_s else "checkpoint has no pre_logits")
         for k in pl_s if not load_pl else []:
-            self.drop(k, "pre_logits not kept (model.representation_size unset or keep_pre_logits=False)")
+            self.drop(k, "pre_logits not kept (model.representation_size unset or "
+                         "init_keep_pre_logits=False)")
         same_features = bool(pl_s) == load_pl
         keys = ("head/kernel", "head/bias")
         if same_features and all(k in src and src[k].shape == self.shape(k) for k in keys):
