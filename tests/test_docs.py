@@ -1,6 +1,7 @@
 """The docs against the tree: every relative link and anchor of README.md and docs/*.md resolves,
 every key of configs/default.py has its comment (the README says so), every .py file that
-docs/design.md names exists, and every config a doc shows loads with the keys it overrides.
+docs/design.md names exists, every ``module.name`` the docs name exists (and a call shown with
+its arguments binds), and every config a doc shows loads with the keys it overrides.
 Flags: tests/test_tool_flags.py; demo numbers: test_demo_numbers.py."""
 from __future__ import annotations
 
@@ -207,3 +208,78 @@ def test_the_adding_a_norm_example_of_norms_md_trains_evaluates_and_folds(monkey
     assert len(report.folded) == 5 and not report.kept
     got = np.asarray(models.create(spec, 10).apply(folded, images, train=False))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def _module_refs(text: str):
+    """(line, 'mod.attr', args or None) for every ``mod.attr`` / ``mod.attr(args)`` whose ``mod`` is
+    the last name of a normvit_jax module or its dotted path (``checkpoints.first_restorable``,
+    ``models.layers.matmul_attention``, ``normvit_jax.summaries.read_scalars(workdir)``); args
+    only for a call without nested parentheses or '...'."""
+    pattern = (r"(?<![\w./\-])((?:[a-z_]\w*\.)*[a-z_]\w*)\.([A-Za-z_]\w*)\b(?![.\-/:][\w<])"
+               r"(?:\(([^()]*)\))?")
+    for m in re.finditer(pattern, text):
+        args = m.group(3)
+        yield (text[:m.start()].count("\n") + 1, m.group(1), m.group(2),
+               None if args is None or "..." in args else args)
+
+
+def test_every_function_the_docs_name_by_module_exists_and_takes_the_arguments_shown():
+    """Every ``mod.name`` of README.md and docs/*.md whose ``mod`` is a normvit_jax module (by its
+    last name: ``cli.EXIT_CODES``, ``eval_hook.fixed_images``) is an attribute or submodule of it,
+    and a call shown with its arguments (``setup.resolve_config(config, num_devices)``) binds to
+    its signature: a renamed function or a changed signature leaves no stale name in the docs.
+    ``data.X`` / ``optimizer.X`` / ... may instead be a key of that section of configs/default.py;
+    ``state.step`` is the train state's field."""
+    import importlib
+    import importlib.util
+    import inspect
+    import pkgutil
+
+    import normvit_jax
+    modules: dict[str, list[str]] = {"normvit_jax": ["normvit_jax"]}  # last name -> modules
+    for info in pkgutil.walk_packages(normvit_jax.__path__, "normvit_jax."):
+        modules.setdefault(info.name.rsplit(".", 1)[1], []).append(info.name)
+    config = default.get_config()
+    skip_suffix = ("py", "md", "json", "npz", "npy", "png", "csv", "txt", "onnx", "stablehlo", "sh")
+    bad, checked, calls = [], 0, 0
+    for path in DOCS:
+        for line, mod, name, args in _module_refs(_read(path)):
+            key = mod.rsplit(".", 1)[-1]
+            if "." in mod:  # a dotted path: only normvit_jax's (not jax.export.deserialize)
+                mod = mod if mod.startswith("normvit_jax.") else f"normvit_jax.{mod}"
+                if mod not in modules.get(key, []):
+                    continue
+            if key not in modules or name in skip_suffix or key == "state":
+                continue
+            obj, found = None, False
+            for mod_name in modules[key] if mod == key else [mod]:
+                module = importlib.import_module(mod_name)
+                if hasattr(module, name):
+                    obj, found = getattr(module, name), True
+                    break
+                if hasattr(module, "__path__") and importlib.util.find_spec(f"{mod_name}.{name}"):
+                    found = True  # a subpackage's module (analysis.attention)
+                    break
+            if not found and key in config and hasattr(config[key], "keys") and name in config[key]:
+                continue  # a config key (data.image_size)
+            checked += 1
+            if not found:
+                bad.append(f"{path}:{line}: {mod}.{name}: no such name in {modules.get(key, mod)}")
+                continue
+            if args is None or not callable(obj):
+                continue
+            parts = [a.strip() for a in args.split(",") if a.strip()]
+            keywords = [a.split("=")[0].strip() for a in parts if re.match(r"\w+\s*=", a)]
+            positional = len(parts) - len(keywords)
+            try:
+                signature = inspect.signature(obj)
+            except (TypeError, ValueError):
+                continue
+            calls += 1
+            try:
+                signature.bind(*range(positional), **dict.fromkeys(keywords))
+            except TypeError as e:
+                bad.append(f"{path}:{line}: {mod}.{name}({args.strip()}): {e} (the code has "
+                           f"{name}{signature})")
+    assert checked > 50 and calls > 10, (checked, calls)
+    assert not bad, "\n".join(bad)
