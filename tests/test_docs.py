@@ -301,3 +301,31 @@ def test_design_md_names_every_module_of_the_package():
         if not re.search(rf"(?<!\w){re.escape(stem)}(\.py)?\b", section):
             unnamed.append(rel)
     assert not unnamed, f"docs/design.md's module map does not name: {unnamed}"
+
+
+def test_imports_go_the_one_way_design_md_says():
+    """docs/design.md: "Imports go one way: norms <- models <- train; data and sharding stand
+    beside models (models never imports data)". Every import in norms/, models/, data/ and
+    sharding.py (module level or inside a function) is checked with ast."""
+    import ast
+    forbidden = {"norms": ("models", "train", "data", "analysis", "sharding"),
+                 "models": ("train", "data", "analysis", "sharding"),
+                 "data": ("models", "train", "norms", "analysis"),
+                 "sharding.py": ("models", "train", "norms", "data", "analysis")}
+    bad = []
+    for where, banned in forbidden.items():
+        root = os.path.join(REPO_ROOT, "normvit_jax", where)
+        files = [root] if where.endswith(".py") else glob.glob(os.path.join(root, "*.py"))
+        for path in files:
+            for node in ast.walk(ast.parse(_read(path))):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    parts = name.split(".")
+                    if parts[0] == "normvit_jax" and len(parts) > 1 and parts[1] in banned:
+                        bad.append(f"{os.path.relpath(path, REPO_ROOT)}:{node.lineno}: {name}")
+    assert not bad, f"imports against docs/design.md's direction: {bad}"
