@@ -329,3 +329,47 @@ def test_imports_go_the_one_way_design_md_says():
                     if parts[0] == "normvit_jax" and len(parts) > 1 and parts[1] in banned:
                         bad.append(f"{os.path.relpath(path, REPO_ROOT)}:{node.lineno}: {name}")
     assert not bad, f"imports against docs/design.md's direction: {bad}"
+
+
+def test_norms_md_options_are_the_norms_options_with_their_defaults():
+    """In each docs/norms.md section of registered norms (``## layernorm``, ``## dtn, dtn_var``),
+    every option its "Options:" list names (outside parentheses) is a dataclass field of one of
+    those norms, and a default written first in its parentheses (``epsilon`` (1e-6), ``schedule``
+    ('linear')) is the field's default."""
+    import ast
+    import dataclasses
+
+    from normvit_jax.norms import registry
+    bad, checked = [], 0
+    for section in _read("docs/norms.md").split("\n## ")[1:]:
+        head = section.split("\n")[0]
+        names = [n for n in re.findall(r"\w+", head.split(":")[0]) if n in registry._ENTRIES]
+        if not names:
+            continue
+        fields = {}
+        for n in names:
+            for f in dataclasses.fields(registry.resolve(n)):
+                fields.setdefault(f.name, f)
+        for m in re.finditer(r"Options?:", section):
+            rest = section[m.end():]
+            end = re.search(r"\.\s+[A-Z]|\n\n", rest)
+            body, depth, top = rest[:end.start() if end else len(rest)], 0, []
+            for i, ch in enumerate(body):  # the option names: backticks outside parentheses
+                depth += (ch == "(") - (ch == ")")
+                top.append(depth == 0 or ch == "(")
+            for om in re.finditer(r"`(\w+)`", body):
+                if not top[om.start()]:
+                    continue
+                option, checked = om.group(1), checked + 1
+                if option not in fields:
+                    bad.append(f"## {head}: `{option}` is not an option of {names}")
+                    continue
+                lit = re.match(r"\s*\(\s*([-+]?\d[\w.+-]*|True|False|None|'[^']*')\s*[),;:]",
+                               body[om.end():])
+                default = fields[option].default
+                if lit and default is not dataclasses.MISSING and \
+                        ast.literal_eval(lit.group(1)) != default:
+                    bad.append(f"## {head}: `{option}` ({lit.group(1)}) but the code's default "
+                               f"is {default!r}")
+    assert checked > 50, checked
+    assert not bad, "\n".join(bad)
