@@ -1,6 +1,7 @@
 """The docs against the tree: every relative link and anchor of README.md and docs/*.md resolves,
 every key of configs/default.py has its comment (the README says so), every .py file that
-docs/design.md names exists, and every config a doc shows loads with the keys it overrides.
+docs/design.md names exists, every ``module.name`` the docs name exists (and a call shown with
+its arguments binds), and every config a doc shows loads with the keys it overrides.
 Flags: tests/test_tool_flags.py; demo numbers: test_demo_numbers.py."""
 from __future__ import annotations
 
@@ -207,3 +208,168 @@ def test_the_adding_a_norm_example_of_norms_md_trains_evaluates_and_folds(monkey
     assert len(report.folded) == 5 and not report.kept
     got = np.asarray(models.create(spec, 10).apply(folded, images, train=False))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def _module_refs(text: str):
+    """(line, 'mod.attr', args or None) for every ``mod.attr`` / ``mod.attr(args)`` whose ``mod`` is
+    the last name of a normvit_jax module or its dotted path (``checkpoints.first_restorable``,
+    ``models.layers.matmul_attention``, ``normvit_jax.summaries.read_scalars(workdir)``); args
+    only for a call without nested parentheses or '...'."""
+    pattern = (r"(?<![\w./\-])((?:[a-z_]\w*\.)*[a-z_]\w*)\.([A-Za-z_]\w*)\b(?![.\-/:][\w<])"
+               r"(?:\(([^()]*)\))?")
+    for m in re.finditer(pattern, text):
+        args = m.group(3)
+        yield (text[:m.start()].count("\n") + 1, m.group(1), m.group(2),
+               None if args is None or "..." in args else args)
+
+
+def test_every_function_the_docs_name_by_module_exists_and_takes_the_arguments_shown():
+    """Every ``mod.name`` of README.md and docs/*.md whose ``mod`` is a normvit_jax module (by its
+    last name: ``cli.EXIT_CODES``, ``eval_hook.fixed_images``) is an attribute or submodule of it,
+    and a call shown with its arguments (``setup.resolve_config(config, num_devices)``) binds to
+    its signature: a renamed function or a changed signature leaves no stale name in the docs.
+    ``data.X`` / ``optimizer.X`` / ... may instead be a key of that section of configs/default.py;
+    ``state.step`` is the train state's field."""
+    import importlib
+    import importlib.util
+    import inspect
+    import pkgutil
+
+    import normvit_jax
+    modules: dict[str, list[str]] = {"normvit_jax": ["normvit_jax"]}  # last name -> modules
+    for info in pkgutil.walk_packages(normvit_jax.__path__, "normvit_jax."):
+        modules.setdefault(info.name.rsplit(".", 1)[1], []).append(info.name)
+    config = default.get_config()
+    skip_suffix = ("py", "md", "json", "npz", "npy", "png", "csv", "txt", "onnx", "stablehlo", "sh")
+    bad, checked, calls = [], 0, 0
+    for path in DOCS:
+        for line, mod, name, args in _module_refs(_read(path)):
+            key = mod.rsplit(".", 1)[-1]
+            if "." in mod:  # a dotted path: only normvit_jax's (not jax.export.deserialize)
+                mod = mod if mod.startswith("normvit_jax.") else f"normvit_jax.{mod}"
+                if mod not in modules.get(key, []):
+                    continue
+            if key not in modules or name in skip_suffix or key == "state":
+                continue
+            obj, found = None, False
+            for mod_name in modules[key] if mod == key else [mod]:
+                module = importlib.import_module(mod_name)
+                if hasattr(module, name):
+                    obj, found = getattr(module, name), True
+                    break
+                if hasattr(module, "__path__") and importlib.util.find_spec(f"{mod_name}.{name}"):
+                    found = True  # a subpackage's module (analysis.attention)
+                    break
+            if not found and key in config and hasattr(config[key], "keys") and name in config[key]:
+                continue  # a config key (data.image_size)
+            checked += 1
+            if not found:
+                bad.append(f"{path}:{line}: {mod}.{name}: no such name in {modules.get(key, mod)}")
+                continue
+            if args is None or not callable(obj):
+                continue
+            parts = [a.strip() for a in args.split(",") if a.strip()]
+            keywords = [a.split("=")[0].strip() for a in parts if re.match(r"\w+\s*=", a)]
+            positional = len(parts) - len(keywords)
+            try:
+                signature = inspect.signature(obj)
+            except (TypeError, ValueError):
+                continue
+            calls += 1
+            try:
+                signature.bind(*range(positional), **dict.fromkeys(keywords))
+            except TypeError as e:
+                bad.append(f"{path}:{line}: {mod}.{name}({args.strip()}): {e} (the code has "
+                           f"{name}{signature})")
+    assert checked > 50 and calls > 10, (checked, calls)
+    assert not bad, "\n".join(bad)
+
+
+def test_design_md_names_every_module_of_the_package():
+    """docs/design.md's module map names every module of normvit_jax/ (by file name, or by name
+    in a '(+ a, b)' list), so a new module is placed in it; norms/ and analysis/ are described as
+    families ("one file per normalizer family") and are not listed file by file."""
+    text = _read("docs/design.md")
+    section = text.split("## Modules and their one purpose\n")[1].split("\n## ")[0]
+    package = os.path.join(REPO_ROOT, "normvit_jax")
+    unnamed = []
+    for p in sorted(glob.glob(os.path.join(package, "**", "*.py"), recursive=True)):
+        rel = os.path.relpath(p, package)
+        folder, stem = os.path.dirname(rel), os.path.basename(rel)[:-3]
+        if folder in ("norms", "analysis") or stem == "__init__":
+            continue
+        if not re.search(rf"(?<!\w){re.escape(stem)}(\.py)?\b", section):
+            unnamed.append(rel)
+    assert not unnamed, f"docs/design.md's module map does not name: {unnamed}"
+
+
+def test_imports_go_the_one_way_design_md_says():
+    """docs/design.md: "Imports go one way: norms <- models <- train; data and sharding stand
+    beside models (models never imports data)". Every import in norms/, models/, data/ and
+    sharding.py (module level or inside a function) is checked with ast."""
+    import ast
+    forbidden = {"norms": ("models", "train", "data", "analysis", "sharding"),
+                 "models": ("train", "data", "analysis", "sharding"),
+                 "data": ("models", "train", "norms", "analysis"),
+                 "sharding.py": ("models", "train", "norms", "data", "analysis")}
+    bad = []
+    for where, banned in forbidden.items():
+        root = os.path.join(REPO_ROOT, "normvit_jax", where)
+        files = [root] if where.endswith(".py") else glob.glob(os.path.join(root, "*.py"))
+        for path in files:
+            for node in ast.walk(ast.parse(_read(path))):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    parts = name.split(".")
+                    if parts[0] == "normvit_jax" and len(parts) > 1 and parts[1] in banned:
+                        bad.append(f"{os.path.relpath(path, REPO_ROOT)}:{node.lineno}: {name}")
+    assert not bad, f"imports against docs/design.md's direction: {bad}"
+
+
+def test_norms_md_options_are_the_norms_options_with_their_defaults():
+    """In each docs/norms.md section of registered norms (``## layernorm``, ``## dtn, dtn_var``),
+    every option its "Options:" list names (outside parentheses) is a dataclass field of one of
+    those norms, and a default written first in its parentheses (``epsilon`` (1e-6), ``schedule``
+    ('linear')) is the field's default."""
+    import ast
+    import dataclasses
+
+    from normvit_jax.norms import registry
+    bad, checked = [], 0
+    for section in _read("docs/norms.md").split("\n## ")[1:]:
+        head = section.split("\n")[0]
+        names = [n for n in re.findall(r"\w+", head.split(":")[0]) if n in registry._ENTRIES]
+        if not names:
+            continue
+        fields = {}
+        for n in names:
+            for f in dataclasses.fields(registry.resolve(n)):
+                fields.setdefault(f.name, f)
+        for m in re.finditer(r"Options?:", section):
+            rest = section[m.end():]
+            end = re.search(r"\.\s+[A-Z]|\n\n", rest)
+            body, depth, top = rest[:end.start() if end else len(rest)], 0, []
+            for i, ch in enumerate(body):  # the option names: backticks outside parentheses
+                depth += (ch == "(") - (ch == ")")
+                top.append(depth == 0 or ch == "(")
+            for om in re.finditer(r"`(\w+)`", body):
+                if not top[om.start()]:
+                    continue
+                option, checked = om.group(1), checked + 1
+                if option not in fields:
+                    bad.append(f"## {head}: `{option}` is not an option of {names}")
+                    continue
+                lit = re.match(r"\s*\(\s*([-+]?\d[\w.+-]*|True|False|None|'[^']*')\s*[),;:]",
+                               body[om.end():])
+                default = fields[option].default
+                if lit and default is not dataclasses.MISSING and \
+                        ast.literal_eval(lit.group(1)) != default:
+                    bad.append(f"## {head}: `{option}` ({lit.group(1)}) but the code's default "
+                               f"is {default!r}")
+    assert checked > 50, checked
+    assert not bad, "\n".join(bad)

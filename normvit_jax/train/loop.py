@@ -5,7 +5,8 @@ It owns the run's guards: the SIGTERM flag (a SIGTERM or Ctrl-C from then on end
 checkpoint and PreemptedError, exit 42) and the workdir lock (one live run per workdir), taken once for the
 whole run. Inside them: ``build.build_run`` (pipelines, model, state, writers, evaluator) and
 ``trainer.train`` (the steps and the ``policy.StepPolicy`` actions). Light imports only at the
-top: TensorFlow (CLU's writers) takes seconds to import, and is imported under the flag.
+top: TensorFlow (which tf.data/tfds datasets need; the summary writer does not) takes seconds to
+import, and is imported under the flag.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What a run builds before its first step, shared by the train loop and the benchmarks: config
 checks, the model, the train state (real or abstract) and the jitted steps over the mesh.
 
-No TensorFlow here (the loop's CLU writers import it, seconds of import time): benchmarks and
+No TensorFlow here (tf.data/tfds datasets import it, seconds of import time): benchmarks and
 tools import this module alone. tests/test_train.py checks that.
 """
 from __future__ import annotations
