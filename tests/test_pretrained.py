@@ -746,7 +746,7 @@ def test_export_of_every_method_loads_back_bit_exactly(tmp_path, name):
 
 
 def test_init_from_that_does_not_load_leaves_no_run(tmp_path):
-    """README: 'a failed start leaves nothing to clean up'. A truncated init_from passes the
+    """docs/faults.md: 'a failed start leaves nothing to clean up'. A truncated init_from passes the
     preflight zip check and fails when it is read, an architecture mismatch when it is mapped:
     both left config.json, classes.json, data.json and checkpoints/ in a new workdir (a run that
     never was; in a folder the user made, a config.json the next command was compared with). The

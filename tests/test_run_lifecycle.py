@@ -99,8 +99,9 @@ def test_a_released_lock_leaves_no_owner_and_a_killed_one_is_named(tmp_path):
 
 def test_a_start_that_fails_before_writing_anything_leaves_no_workdir(tmp_path):
     """A batch larger than the train split is found when the split is opened, after the workdir
-    was made and locked: the failed start left an empty run folder (only .lock), against 'a
-    failed start leaves nothing to clean up'. A new folder is removed; one the user made stays."""
+    was made and locked: the failed start left an empty run folder (only .lock), against
+    docs/faults.md's 'a failed start leaves nothing to clean up'. A new folder is removed; one the
+    user made stays."""
     cfg = tiny_demo_config(batch_size=4096)
     new = tmp_path / "runs" / "new"
     assert cli.run(cfg, str(new)) == cli.EXIT_CONFIG
