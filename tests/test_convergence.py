@@ -102,6 +102,24 @@ def test_report_convergence_table_equals_the_hand_computation(fake_runs, tmp_pat
     assert "| DyT | 2 | 68.75% | 62.50-75.00% | - (40, -) |" in md
 
 
+def test_report_without_a_reference_writes_no_convergence_table_or_figure(fake_runs, tmp_path,
+                                                                          capsys):
+    """No LN run and no --reference, or no finished run of the reference: report.md says why
+    under Convergence, report.json's rows have convergence null, and no convergence.png is
+    written (there would be no target line to draw); the rest of the report is written, exit 0."""
+    dyt = [str(fake_runs / n) for n in ("dyt_s0", "dyt_s1")]
+    still = [str(fake_runs / "ln_s2"), str(fake_runs / "dyt_s0")]  # LN evaluated to step 20 only
+    for runs, why in ((dyt, "no layernorm runs and no --reference; methods present: dyt"),
+                      (still, "no finished run of the reference 'layernorm' (LN)")):
+        out = str(tmp_path / str(len(why)))
+        assert report.main([*runs, f"--out={out}", "--no_attention"]) == 0
+        assert f"report: no convergence table: {why}" in capsys.readouterr().err
+        assert sorted(os.listdir(out)) == ["curves_steps.png", "curves_wall.png", "report.json",
+                                           "report.md"]
+        assert f"## Convergence\n\nNot computed: {why}.\n" in open(f"{out}/report.md").read()
+        assert [r["convergence"] for r in json.load(open(f"{out}/report.json"))] == [None, None]
+
+
 def test_report_bad_reference_or_target_is_one_line(fake_runs, tmp_path, capsys):
     runs = [str(fake_runs / n) for n in ("ln_s0", "dyt_s0")]
     assert report.main([*runs, f"--out={tmp_path}/r", "--no_attention", "--reference=repbn"]) == 2

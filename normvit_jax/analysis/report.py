@@ -9,19 +9,21 @@ gates of every run on shared axes.
 Reads each workdir's TensorBoard summaries, config.json and newest checkpoint, so it works on runs
 made on other machines (a run whose prepared dataset is gone here takes its class count from the
 checkpoint). Writes report.md, report.json (the table's raw numbers), curves_steps.png,
-curves_wall.png, convergence.png and (unless --no_attention, which also skips reading eval data)
-the files of ``attention.write_summaries``. --tags plots any other logged scalars (e.g. the
-eval-time token statistics 'tokens/encoderblock_0/LayerNorm_0/in/max_abs') against steps.
+curves_wall.png, convergence.png (only with a convergence table) and (unless --no_attention, which
+also skips reading eval data) the files of ``attention.write_summaries``. --tags plots any other
+logged scalars (e.g. the eval-time token statistics 'tokens/encoderblock_0/LayerNorm_0/in/max_abs')
+against steps.
 
 Convergence (analysis/convergence.py): the runs of one method (``colors.method_of``: the norm, or
-'progressive:N1->N2') are its seeds. Per method: the mean eval/top1 curve and its min-max over
-the runs, the final top-1 (mean, min-max), and the first evaluated step at which each run reaches
---target x the --reference method's mean final top-1 (mean over the runs; '-' when one never
-does). --reference defaults to layernorm when such runs are present (else no convergence table);
-a reference no run has exits 2 naming the methods present. Runs still training (last evaluation
-before the others') are left out of it, with the reason printed. The table goes to stdout and
-report.md; each row of report.json gets ``convergence``: the reference, target, threshold_top1 and
-its steps_to_target (null: never), or why it was left out.
+'progressive:N1->N2') are its seeds. Per method: the mean eval/top1 curve and its min-max over the
+runs, the final top-1 (mean, min-max), and the first evaluated step at which each run reaches
+--target x the --reference method's mean final top-1 (mean over the runs; '-' when one never does).
+--reference defaults to layernorm when such runs are present (else, as without a finished run of the
+reference, no convergence table or figure: report.md says why, report.json's ``convergence`` is
+null); a reference no run has exits 2 naming the methods present. Runs still training (last
+evaluation before the others') are left out of it, with the reason printed. The table goes to stdout
+and report.md; each row of report.json gets ``convergence``: the reference, target, threshold_top1
+and its steps_to_target (null: never), or why it was left out.
 """
 from __future__ import annotations
 
