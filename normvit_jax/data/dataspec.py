@@ -1,8 +1,10 @@
 """What the run's data is, resolved once: ``resolve_data_spec(config) -> DataSpec``.
 
-``config.data.name`` is read here and nowhere else; everything downstream (pipelines, the steps'
-input mapping, RandAugment's fill, the model's number of classes, evaluation, analysis) takes the
-``DataSpec``. ``validate`` and ``resolve_data_spec`` never touch the network or a tfds dataset's
+``config.data.name`` is resolved here and nowhere else; everything downstream (pipelines, the
+steps' input mapping, RandAugment's fill, the model's number of classes, evaluation, analysis)
+takes the ``DataSpec``. Only where the dataset may be gone is the saved name read without it:
+``run_data.affine`` (a dataset prepared again since the run) and ``analysis.report.data_spec_of``
+(a run whose dataset is not readable here: the name labels it). ``validate`` and ``resolve_data_spec`` never touch the network or a tfds dataset's
 records, so a bad config fails before any dataset is opened or anything is compiled.
 
 Built-in datasets' classes and statistics are tables here; a dataset prepared by the user
