@@ -362,8 +362,16 @@ def provenance() -> str:
             "module docstring says why).")
 
 
+PROG = "python -m benchmarks.deploy"
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    p = tool_flags.Parser("python -m benchmarks.deploy", __doc__)
+    with common.tool_errors(PROG):  # bad input: one line, exit 2
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> list[dict]:
+    p = tool_flags.Parser(PROG, __doc__)
     p.add_argument("--models", default="S/16,demo")
     p.add_argument("--norms", default=",".join(NORMS))
     p.add_argument("--runtimes", default="onnx,savedmodel,stablehlo")

@@ -21,6 +21,17 @@ from tests.deploy_runs import XLA_FAST
 TINY = ["--model=Ti/4", "--depth=1", "--image_size=8"]
 
 
+def refused(main, argv: list[str], capsys) -> str:
+    """The CLI contract (docs/faults.md): ``main(argv)`` stops with one stderr line naming the
+    problem and exit 2, no traceback; returns that line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, (e.value, err)
+    return err
+
+
 def test_a_norm_added_to_the_registry_is_a_benchmark_norm(monkeypatch):
     """benchmarks.common.NORMS was a hand list: a new norm was refused by --norm (and left out
     of 'all') until an entry was added there; now every registry name is in it."""
@@ -109,15 +120,14 @@ def test_train_step_single_norm_with_options():
     assert "time_ratio" not in res["rows"][0]
 
 
-def test_train_step_times_the_on_device_augmentation():
+def test_train_step_times_the_on_device_augmentation(capsys):
     from benchmarks import train_step
     res = train_step.main(TINY + ["--augment=none,deit", "--batch=4", "--steps=1", "--warmup=0",
                                   "--peak_tflops=1"])
     rows = {r["norm"]: r for r in res["rows"]}
     assert set(rows) == {"layernorm", "layernorm+deit"}
     assert rows["layernorm+deit"]["time_ratio_median"] > 0 and rows["layernorm+deit"]["within"] == "-"
-    with pytest.raises(SystemExit, match="--augment: unknown"):
-        train_step.main(TINY + ["--augment=autoaugment"])
+    assert "--augment: unknown" in refused(train_step.main, TINY + ["--augment=autoaugment"], capsys)
 
 
 def test_train_step_isolated_norms_each_in_a_process(tmp_path, monkeypatch):
@@ -304,7 +314,7 @@ def test_xla_presets_are_cpu_only(monkeypatch):
     assert xla_flags.apply("tuned", [])["flags"] == xla_flags.PRESETS["tuned"]
 
 
-def test_train_step_one_process_with_xla_flag_variants(tmp_path):
+def test_train_step_one_process_with_xla_flag_variants(tmp_path, capsys):
     from benchmarks import train_step
     j = tmp_path / "one.json"
     res = train_step.main(TINY + ["--one_process", "--batch=4", "--steps=1", "--warmup=0",
@@ -317,11 +327,11 @@ def test_train_step_one_process_with_xla_flag_variants(tmp_path):
     (bad,) = res["failures"]
     assert bad["norm"] == "layernorm@bad" and "xla_bogus" in bad["reason"]
     assert json.loads(j.read_text())["pending"] == []
-    with pytest.raises(SystemExit, match="need --one_process"):
-        train_step.main(TINY + ["--ln_variants=a=--xla_x=1"])
+    assert "need --one_process" in refused(train_step.main, TINY + ["--ln_variants=a=--xla_x=1"],
+                                           capsys)
 
 
-def test_train_step_one_process_interleaved_rounds(tmp_path):
+def test_train_step_one_process_interleaved_rounds(tmp_path, capsys):
     """--interleave_rounds: every norm's step kept, then timed round-robin; each row gets its
     per-round ratio to LayerNorm's (LN's own exactly 1), and a budget too small for the rounds
     says why instead."""
@@ -339,10 +349,9 @@ def test_train_step_one_process_interleaved_rounds(tmp_path):
     assert saved["rows"][1]["interleaved_ratio_median"] == rows["dyt"]["interleaved_ratio_median"]
     res = train_step.main(args + ["--interleave_rounds=100000", "--time_budget_s=60"])
     assert "interleaved_ratio" not in res["rows"][1] and "needed" in res["interleaved_skipped"]
-    with pytest.raises(SystemExit, match="need --one_process"):
-        train_step.main(TINY + ["--interleave_rounds=2"])
-    with pytest.raises(SystemExit, match=r"--interleave_rounds=-1: must be >= 0"):
-        train_step.main(TINY + ["--one_process", "--interleave_rounds=-1"])
+    assert "need --one_process" in refused(train_step.main, TINY + ["--interleave_rounds=2"], capsys)
+    assert "--interleave_rounds=-1: must be >= 0" in refused(
+        train_step.main, TINY + ["--one_process", "--interleave_rounds=-1"], capsys)
 
 
 def test_xla_flag_variants_parse():
@@ -403,3 +412,19 @@ def test_deploy_benchmark_runs_where_only_jax_is(tmp_path):
     text = md.read_text()
     assert "| RepBN | JAX jit CPU |" in text and "onnxruntime" not in text
     assert "<!-- deploy-table:begin -->" in text and "deploy-table-gpu" not in text
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("train_step", ["--norm=bogus"], "--norm: unknown ['bogus']"),  # was exit 1
+    ("train_step", ["--model=Ti", "--depth=1"], "--model='Ti' is not a known preset"),  # IndexError
+    ("inference", ["--model=X/4", "--norm=layernorm"], "'X/4' is not a known preset"),  # traceback
+    ("norm_kernels", ["--norm=bogus"], "--norm: unknown ['bogus']"),
+    ("fold_ops", ["--model=X/16"], "'X/16' is not a known preset"),
+    ("deploy", ["--models=X/3", "--norms=layernorm", "--runtimes=stablehlo"], "'X/3'"),
+])
+def test_a_bad_model_or_norm_is_one_line_and_exit_2(module, argv, message, capsys):
+    """Each was a traceback (a ValueError, IndexError) or a bare message with exit 1, the code of
+    a bug; the project's tools answer bad input with '<prog>: error: ...' and exit 2."""
+    main = importlib.import_module(f"benchmarks.{module}").main
+    err = refused(main, argv, capsys)
+    assert err.startswith(f"python -m benchmarks.{module}: error: ") and message in err, err
