@@ -376,13 +376,16 @@ def _main(argv: Sequence[str] | None) -> list[dict]:
     p.add_argument("--norms", default=",".join(NORMS))
     p.add_argument("--runtimes", default="onnx,savedmodel,stablehlo")
     p.add_argument("--batches", default="1,32")
-    p.add_argument("--reps", type=int, default=10, help="timed calls at small batches")
-    p.add_argument("--reps_large", type=int, default=3, help="timed calls at batch >= 16")
-    p.add_argument("--threads", type=int, default=2, help="intra-op threads of every runtime")
+    p.add_argument("--reps", type=tool_flags.positive_int, default=10,
+                   help="timed calls at small batches")
+    p.add_argument("--reps_large", type=tool_flags.positive_int, default=3,
+                   help="timed calls at batch >= 16")
+    p.add_argument("--threads", type=tool_flags.positive_int, default=2,
+                   help="intra-op threads of every runtime")
     p.add_argument("--anchors", default="yes", choices=["yes", "onnx", "no"],
                    help="timm's ViT-S/16 in PyTorch (eager, compile) and ONNX Runtime; onnx: "
                    "only timm in ONNX Runtime against the folded RepBN ViT-S/16")
-    p.add_argument("--anchor_reps", type=int, default=None,
+    p.add_argument("--anchor_reps", type=tool_flags.positive_int, default=None,
                    help="interleaved rounds of the anchors (default: --reps)")
     p.add_argument("--md", default=None, help="markdown file whose deploy-table block to replace")
     p.add_argument("--json", default=None)

@@ -55,12 +55,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--datasets", default="digits,cifar10,imagenet2012",
                    help=f"comma list of {list(DATASETS)}")
     p.add_argument("--data_dir", default=None, help="prepared tfds data (default: tfds's)")
-    p.add_argument("--batch", type=int, default=None, help="default: the dataset config's")
-    p.add_argument("--batches", type=int, default=20, help="timed pipeline batches")
-    p.add_argument("--step_batch", type=int, default=None,
+    p.add_argument("--batch", type=tool_flags.positive_int, default=None,
+                   help="default: the dataset config's")
+    p.add_argument("--batches", type=tool_flags.positive_int, default=20,
+                   help="timed pipeline batches")
+    p.add_argument("--step_batch", type=tool_flags.positive_int, default=None,
                    help="batch for the step-rate measurement (default: --batch, at most "
                         f"{CPU_STEP_BATCH} on CPU)")
-    p.add_argument("--steps", type=int, default=3, help="timed train steps")
+    p.add_argument("--steps", type=tool_flags.positive_int, default=3, help="timed train steps")
     p.add_argument("--model", default=None, help="override the dataset config's model preset")
     p.add_argument("--image_size", type=int, default=None)
     p.add_argument("--depth", type=int, default=None)

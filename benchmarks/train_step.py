@@ -39,10 +39,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="Ti/4", help="preset '<Ti|S|B|L|H>/<patch>'")
     p.add_argument("--norm", default="layernorm",
                    help=f"'all' or a comma list of {list(common.NORMS)}")
-    p.add_argument("--batch", type=int, default=128, help="global batch")
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128, help="global batch")
     p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
-    p.add_argument("--steps", type=int, default=10, help="timed steps (rounds) per norm")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps (rounds) first")
+    p.add_argument("--steps", type=tool_flags.positive_int, default=10,
+                   help="timed steps (rounds) per norm")
+    p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2,
+                   help="untimed steps (rounds) first")
     p.add_argument("--image_size", type=int, default=None, help="default: 32 for patch<=8, else 224")
     p.add_argument("--depth", type=int, default=None, help="override the preset's depth")
     p.add_argument("--num_classes", type=int, default=10)

@@ -72,10 +72,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.vs_torch", __doc__)
     p.add_argument("--model", default="Ti/4",
                    help="a preset, or a comma list measured one after another in this process")
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--steps", type=int, default=7, help="timed pairs")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=tool_flags.positive_int, default=7, help="timed pairs")
+    p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2)
     p.add_argument("--image_size", type=int, default=None)
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--num_classes", type=int, default=10)

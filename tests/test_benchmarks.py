@@ -428,3 +428,20 @@ def test_a_bad_model_or_norm_is_one_line_and_exit_2(module, argv, message, capsy
     main = importlib.import_module(f"benchmarks.{module}").main
     err = refused(main, argv, capsys)
     assert err.startswith(f"python -m benchmarks.{module}: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("module, flag", [
+    ("train_step", "--steps=0"),      # was exit 0 with a table of NaN
+    ("train_step", "--warmup=-1"),    # was one timed round fewer than --steps, silently
+    ("inference", "--batch=0"),       # was a ZeroDivisionError
+    ("norm_kernels", "--steps=0"),
+    ("vs_torch", "--steps=0"),
+    ("deploy", "--reps=0"),
+    ("input_pipeline", "--batches=0"),
+    ("compile_time", "--repeats=0"),
+])
+def test_counts_out_of_range_are_one_line_and_exit_2(module, flag, capsys):
+    main = importlib.import_module(f"benchmarks.{module}").main
+    name, value = flag[2:].split("=")
+    err = refused(main, [flag], capsys)
+    assert f"argument --{name}: {value} is not accepted; accepted: an integer >= " in err, err
