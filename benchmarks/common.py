@@ -82,7 +82,7 @@ def default_image_size(model: str) -> int:
     """32 (CIFAR) for patch sizes up to 8, else 224 (ImageNet)."""
     size, _, patch = model.partition("/")
     if not patch.isdigit() or int(patch) < 1:  # 'Ti' was an IndexError before the preset's check
-        raise ValueError(f"--model={model!r} is not a known preset; accepted: '<size>/<patch>' "
+        raise ValueError(f"model {model!r} is not a known preset; accepted: '<size>/<patch>' "
                          f"with size in {sorted(models.spec.VARIANTS)} and an integer patch, "
                          "e.g. 'S/16'")
     return 32 if int(patch) <= 8 else 224
@@ -355,6 +355,8 @@ def run_entry(parse: Callable, run: Callable, report: Callable,
     bad input is one line and exit 2 (``tool_errors``)."""
     with tool_errors(_prog(parse)):
         args = parse(argv)
+        if args.json:  # before the work, not a traceback after it
+            tool_flags.check_output("json", args.json)
         res = run(args)
         print_machine(res["machine"])
         print(report(res), flush=True)

@@ -36,6 +36,7 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
+import argparse  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -329,6 +330,37 @@ def table(rows: list[dict], header: str) -> str:
     return "\n".join(out)
 
 
+def check_args(p: tool_flags.Parser, args: Any) -> None:
+    """The list flags as lists, each value known, the outputs writable and the --include files
+    read: before the exports and timings, a bad value is one line and exit 2 (was a KeyError or
+    ValueError traceback, or one after the whole run)."""
+    args.runtimes = [r.strip() for r in args.runtimes.split(",") if r.strip()]
+    bad = [r for r in args.runtimes if r not in RUNTIMES]
+    if bad or not args.runtimes:
+        p.error(f"--runtimes: unknown {bad}; accepted: a comma list of {list(RUNTIMES)}")
+    bad = [n for n in args.norms.split(",") if n not in common.NORMS]
+    if bad:
+        p.error(f"--norms: unknown {bad}; accepted: a comma list of {list(common.NORMS)}")
+    try:
+        args.batches = [tool_flags.positive_int(b) for b in args.batches.split(",")]
+    except (ValueError, argparse.ArgumentTypeError):
+        p.error(f"--batches={args.batches}: accepted: a comma list of integers >= 1")
+    for m in args.models.split(","):
+        if m != "demo":
+            common.default_image_size(m)  # ValueError (exit 2) for a name that is no preset
+    for flag in ("json", "md"):
+        if getattr(args, flag):
+            tool_flags.check_output(flag, getattr(args, flag))
+    args.earlier_rows = []
+    for path in filter(None, args.include.split(",")):
+        try:
+            with open(path) as f:
+                args.earlier_rows += json.load(f)
+        except (OSError, ValueError) as e:
+            p.error(f"--include={path}: cannot be read as an earlier --json ({type(e).__name__}: "
+                    f"{e})")
+
+
 def write_md(path: str, text: str) -> None:
     doc = ""
     if os.path.exists(path):
@@ -340,8 +372,10 @@ def write_md(path: str, text: str) -> None:
         doc = doc[:doc.index(begin)] + block + doc[doc.index(end) + len(end):]
     else:
         doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w", encoding="utf-8") as f:
+    tmp = f"{path}.tmp{os.getpid()}"  # atomic: a Ctrl-C mid-write must not truncate the doc
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(doc)
+    os.replace(tmp, path)
 
 
 def provenance() -> str:
@@ -394,8 +428,7 @@ def _main(argv: Sequence[str] | None) -> list[dict]:
                    "(a long measurement in parts)")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     args = p.parse_args(argv)
-    args.runtimes = [r.strip() for r in args.runtimes.split(",")]
-    args.batches = [int(b) for b in args.batches.split(",")]
+    check_args(p, args)
     rows: list[dict] = []
     args.torch_timm = (None, "--anchors=no")
     if args.anchors != "no" and "S/16" in args.models.split(","):
@@ -406,19 +439,11 @@ def _main(argv: Sequence[str] | None) -> list[dict]:
         for model in args.models.split(","):
             for norm in args.norms.split(","):
                 rows += bench_norm(model, norm, args, tmp)
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(rows, f, indent=1)
+                common.write_json(args.json, rows)  # atomic: Ctrl-C keeps the last whole file
         if args.anchors != "no" and "S/16" in args.models.split(","):
             rows += timm_anchors(args, tmp)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    earlier = []
-    for path in filter(None, args.include.split(",")):
-        with open(path) as f:
-            earlier += json.load(f)
-    text = table(earlier + rows, provenance())
+    common.write_json(args.json, rows)
+    text = table(args.earlier_rows + rows, provenance())
     print(text)
     if args.md:
         write_md(args.md, text)

@@ -416,7 +416,7 @@ def test_deploy_benchmark_runs_where_only_jax_is(tmp_path):
 
 @pytest.mark.parametrize("module, argv, message", [
     ("train_step", ["--norm=bogus"], "--norm: unknown ['bogus']"),  # was exit 1
-    ("train_step", ["--model=Ti", "--depth=1"], "--model='Ti' is not a known preset"),  # IndexError
+    ("train_step", ["--model=Ti", "--depth=1"], "model 'Ti' is not a known preset"),  # IndexError
     ("inference", ["--model=X/4", "--norm=layernorm"], "'X/4' is not a known preset"),  # traceback
     ("norm_kernels", ["--norm=bogus"], "--norm: unknown ['bogus']"),
     ("fold_ops", ["--model=X/16"], "'X/16' is not a known preset"),
@@ -445,3 +445,44 @@ def test_counts_out_of_range_are_one_line_and_exit_2(module, flag, capsys):
     name, value = flag[2:].split("=")
     err = refused(main, [flag], capsys)
     assert f"argument --{name}: {value} is not accepted; accepted: an integer >= " in err, err
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("train_step", ["--json=/proc/no/r.json"], "--json=/proc/no/r.json: cannot write in /proc"),
+    ("deploy", ["--json=/proc/no/r.json"], "--json=/proc/no/r.json: cannot write in /proc"),
+    ("deploy", ["--md=/proc/no/b.md"], "--md=/proc/no/b.md: cannot write in /proc"),
+    ("deploy", ["--include=/nonexistent/rows.json"], "--include=/nonexistent/rows.json: cannot"),
+    ("deploy", ["--norms=bogus"], "--norms: unknown ['bogus']"),        # was a KeyError
+    ("deploy", ["--runtimes=tflite"], "--runtimes: unknown ['tflite']"),  # was a KeyError
+    ("deploy", ["--batches=1,x"], "--batches=1,x: accepted: a comma list of integers >= 1"),
+    ("deploy", ["--models=S16"], "model 'S16' is not a known preset"),
+])
+def test_outputs_and_list_flags_are_checked_before_the_work(module, argv, message, capsys):
+    """An unwritable --json was a traceback after the whole measurement; deploy's unknown names
+    were tracebacks after the first exports."""
+    err = refused(importlib.import_module(f"benchmarks.{module}").main,
+                  argv + ["--model=Ti/4" if module == "train_step" else "--anchors=no"], capsys)
+    assert message in err, err
+
+
+def test_deploy_writes_its_markdown_atomically(tmp_path, monkeypatch):
+    """--md rewrites a doc (docs/benchmarks.md): a write cut short must leave the old file."""
+    from benchmarks import deploy
+    md = tmp_path / "b.md"
+    md.write_text(f"intro\n{deploy.BEGIN}\nold\n{deploy.END}\ntail\n")
+    real_open = open
+
+    def failing_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        if "w" in mode:
+            f.write("half")
+            raise KeyboardInterrupt  # Ctrl-C mid-write
+        return f
+    monkeypatch.setattr("builtins.open", failing_open)
+    with pytest.raises(KeyboardInterrupt):
+        deploy.write_md(str(md), "new")
+    monkeypatch.undo()
+    assert md.read_text() == f"intro\n{deploy.BEGIN}\nold\n{deploy.END}\ntail\n"
+    deploy.write_md(str(md), "new")
+    assert md.read_text() == f"intro\n{deploy.BEGIN}\nnew\n{deploy.END}\ntail\n"
+    assert os.listdir(tmp_path) == ["b.md"]
