@@ -243,8 +243,11 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     the Python reader and TF's decode threads all share those N cores)."""
     import json
     import subprocess
-    counts = [int(v) for v in args.cores.split(",") if v.strip()]
     cpus = pipeline_lib.usable_cores()
+    try:
+        counts = [int(v) for v in args.cores.split(",") if v.strip()]
+    except ValueError:  # was a traceback
+        counts = []
     if not counts or min(counts) < 1 or max(counts) > len(cpus):
         raise SystemExit(f"--cores={args.cores}: each count must be in [1, {len(cpus)}]")
     rows = []

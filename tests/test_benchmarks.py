@@ -486,3 +486,16 @@ def test_deploy_writes_its_markdown_atomically(tmp_path, monkeypatch):
     deploy.write_md(str(md), "new")
     assert md.read_text() == f"intro\n{deploy.BEGIN}\nnew\n{deploy.END}\ntail\n"
     assert os.listdir(tmp_path) == ["b.md"]
+
+
+@pytest.mark.parametrize("module, flag, message", [
+    ("memory", "--norm=bogus", "--norm: unknown 'bogus'"),                  # was a KeyError
+    ("memory", "--probe_batches=4", "--probe_batches=4: accepted: two"),   # was an unpack error
+    ("memory", "--probe_batches=4,4", "--probe_batches=4,4: accepted: two"),  # ZeroDivisionError
+    ("memory", "--memory_gb=abc", "--memory_gb=abc: accepted: a comma list of GiB > 0"),
+    ("input_pipeline", "--cores=a,b", "--cores=a,b: each count must be in [1, "),  # ValueError
+])
+def test_memory_and_input_pipeline_list_flags_are_one_line_and_exit_2(module, flag, message,
+                                                                       capsys):
+    err = refused(importlib.import_module(f"benchmarks.{module}").main, [flag], capsys)
+    assert message in err, err
