@@ -253,9 +253,15 @@ def run_model(args: argparse.Namespace, model: str, torch: Any, timm: Any, plan:
                               model_overrides=overrides)
     size = int(cfg.data.image_size)
     jb = common.compile_train("jax", cfg, num_classes=args.num_classes)
+    # progress on stderr (compiles and torch.compile take minutes at B/16), as train_step's
+    print(f"{model}: compiled jax in {jb.compile_s:.1f} s", file=sys.stderr, flush=True)
     n_jax = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jb.state.params))
     peaks: dict[str, int] = {}
+    t = time.perf_counter()
     tsteps, n_torch = torch_steps(torch, timm, models.spec_of(cfg.model), args, size, plan, peaks)
+    print(f"{model}: timm {', '.join(plan.variants)} on {plan.device} ready in "
+          f"{time.perf_counter() - t:.1f} s; timing {args.warmup} + {args.steps} rounds",
+          file=sys.stderr, flush=True)
     if n_jax != n_torch:
         print(f"warning: parameter counts differ: jax {n_jax:,} vs timm {n_torch:,}", file=sys.stderr)
     times = common.interleaved({"jax": jb.step, **tsteps}, args.steps, args.warmup)

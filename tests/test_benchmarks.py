@@ -220,6 +220,9 @@ def _vs_torch_subprocess(args: list[str], tmp_path) -> dict:
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "XLA_FLAGS": XLA_FAST})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # progress while it compiles and builds timm (it printed nothing until the end)
+    for m in [a.split("=")[1] for a in args if a.startswith("--model=")][0].split(","):
+        assert f"{m}: compiled jax in " in proc.stderr and f"{m}: timm eager on " in proc.stderr
     return json.loads(j.read_text())
 
 
