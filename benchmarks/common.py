@@ -88,6 +88,12 @@ def default_image_size(model: str) -> int:
     return 32 if int(patch) <= 8 else 224
 
 
+def depth_label(args: Mapping[str, Any]) -> str:
+    """' depth=N' for a report's header where --depth overrode the preset's: without it a
+    one-block run's table reads as the whole model's."""
+    return f" depth={args['depth']}" if args.get("depth") else ""
+
+
 def bench_config(model: str = "Ti/4", norm: str = "layernorm", *, image_size: int | None = None,
                  batch: int = 128, dtype: str = "float32", remat: bool = False, scan: bool = False,
                  grad_accum: int = 1, num_classes: int = 10, depth: int | None = None,

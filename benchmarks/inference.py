@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     a = res["args"]
-    head = (f"inference (train=False): model={a['model']} batch={a['batch']} dtype={a['dtype']}; "
+    head = (f"inference (train=False): model={a['model']}{common.depth_label(a)} "
+            f"image={a['image_size'] or 'default'} batch={a['batch']} dtype={a['dtype']}; "
             f"{a['steps']} timed rounds; batch time median [p25, p75] s")
     cols = ["norm", "compile_s", "batch_s", "images_per_s", "gflops_per_batch", "time_ratio",
             "flop_ratio"]

@@ -107,7 +107,8 @@ def report(res: dict[str, Any]) -> str:
     cols = ["model", "remat", "params_M", "fixed_GiB", "per_sample_MiB"] + [
         f"max_batch@{g:g}GiB" for g in res["budgets"]]
     head = (f"largest per-device batch (train step, norm={a['norm']}, dtype={a['dtype']}, "
-            f"image={a['image_size'] or 'default'}, scan={a['scan']}; XLA buffer assignment on "
+            f"image={a['image_size'] or 'default'}{',' * bool(a['depth'])}{common.depth_label(a)}, "
+            f"scan={a['scan']}; XLA buffer assignment on "
             f"{res['machine']['backend']})")
     return head + "\n" + common.table(res["rows"], cols)
 

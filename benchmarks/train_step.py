@@ -256,7 +256,8 @@ def report(res: dict[str, Any]) -> str:
     how = ("one norm after another in one process, ratio of medians" if a.get("one_process") else
            "one process per norm, ratio of medians" if a.get("isolate") and len(res["rows"]) > 1
            else "round-robin in one process")
-    head = (f"train step: model={a['model']} image={a['image_size'] or 'default'} batch={a['batch']} "
+    head = (f"train step: model={a['model']}{common.depth_label(a)} "
+            f"image={a['image_size'] or 'default'} batch={a['batch']} "
             f"dtype={a['dtype']} remat={a['remat']} recompute={a.get('recompute') or 'none'} "
             f"stream_layout={a.get('stream_layout') or 'auto'} "
             f"scan={a['scan']} grad_accum={a['grad_accum']}; "

@@ -290,7 +290,9 @@ def report(res: dict[str, Any]) -> str:
         return "\n\n".join([report(r) for r in res["models"]] + skipped)
     a = res["args"]
     p = res.get("plan", {})
-    head = (f"vs timm: model={a['model']} batch={a['batch']} dtype={a['dtype']} gelu={a['gelu']}; "
+    head = (f"vs timm: model={a['model']}{common.depth_label(a)} "
+            f"image={a['image_size'] or 'default'} batch={a['batch']} dtype={a['dtype']} "
+            f"gelu={a['gelu']}; "
             f"timm on {p.get('device', 'cpu')} ({', '.join(p.get('variants', ['eager']))}, autocast "
             f"{p.get('autocast')}, fused AdamW {p.get('fused_adamw', False)}); {a['steps']} timed "
             f"rounds after {a['warmup']}; step time median [p25, p75] s")

@@ -118,6 +118,8 @@ def test_train_step_single_norm_with_options():
                                   "--scan", "--remat", "--grad_accum=2"])
     assert res["peak_source"] == "probe" and res["peak_flops"] > 0
     assert "time_ratio" not in res["rows"][0]
+    # the header names the overridden depth: else the table reads as the whole Ti/4's
+    assert train_step.report(res).startswith("train step: model=Ti/4 depth=1 image=8 ")
 
 
 def test_train_step_times_the_on_device_augmentation(capsys):
@@ -166,6 +168,7 @@ def test_inference():
     assert all(r["images_per_s"] > 0 for r in res["rows"])
     # Folding removes the norms' FLOPs (XLA's count of the compiled eval).
     assert 0 < rows["batchnorm+folded"]["flops_per_batch"] < rows["batchnorm"]["flops_per_batch"]
+    assert inference.report(res).startswith("inference (train=False): model=Ti/4 depth=1 image=8 ")
 
 
 def test_input_pipeline_digits():
@@ -197,6 +200,7 @@ def test_memory_fit():
     # Activations, not just the input image (8*8*3 float32): XLA:CPU's own peak counted only that.
     assert rows[False]["per_sample_MiB"] * 2 ** 20 > 4 * 8 * 8 * 3 * 4
     assert rows[True]["per_sample_MiB"] <= rows[False]["per_sample_MiB"] * 1.05
+    assert "image=8, depth=1, scan=False;" in memory.report(res)
 
 
 def test_compile_time():
@@ -223,7 +227,7 @@ def _vs_torch_subprocess(args: list[str], tmp_path) -> dict:
     # progress while it compiles and builds timm (it printed nothing until the end)
     for m in [a.split("=")[1] for a in args if a.startswith("--model=")][0].split(","):
         assert f"{m}: compiled jax in " in proc.stderr and f"{m}: timm eager on " in proc.stderr
-    return json.loads(j.read_text())
+    return {**json.loads(j.read_text()), "stdout": proc.stdout}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None
@@ -233,6 +237,7 @@ def test_vs_torch(tmp_path):
     res = _vs_torch_subprocess(TINY + ["--batch=4", "--steps=1", "--warmup=1"], tmp_path)
     params = {r["impl"]: r["params"] for r in res["rows"]}
     assert params["jax"] == params["timm"]  # the same model on both sides
+    assert "vs timm: model=Ti/4 depth=1 image=8 batch=4 " in res["stdout"]
     assert res["speed_vs_timm"]["median"] > 0
 
 
