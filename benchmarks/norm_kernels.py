@@ -51,6 +51,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         "timed as a row 'dtn_pallas@F:B' beside the others")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
+    if args.norm != "all":  # 'all' leaves them out; a named one had no row and no word
+        layout = [n for n in common.norm_names(args.norm) if set(common.NORMS[n]) - {"norm"}]
+        if layout:
+            p.error(f"--norm: {layout} change the model layout, not one layer; time them with "
+                    "benchmarks.train_step")
     from normvit_jax.norms import dtn_pallas
     for tiling in filter(None, args.dtn_tilings.split(",")):
         try:

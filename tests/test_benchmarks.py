@@ -507,3 +507,11 @@ def test_memory_and_input_pipeline_list_flags_are_one_line_and_exit_2(module, fl
                                                                        capsys):
     err = refused(importlib.import_module(f"benchmarks.{module}").main, [flag], capsys)
     assert message in err, err
+
+
+def test_norm_kernels_refuses_a_layout_norm_it_cannot_time(capsys):
+    """--norm=layernorm,dpn timed LayerNorm alone and said nothing of dpn (a patch-norm layout,
+    not one layer); 'all' still leaves such norms out."""
+    from benchmarks import norm_kernels
+    err = refused(norm_kernels.main, ["--norm=layernorm,dpn,rescale"], capsys)
+    assert "--norm: ['dpn', 'rescale'] change the model layout, not one layer" in err, err
