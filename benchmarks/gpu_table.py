@@ -107,11 +107,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         "train_S16, norm_kernels, profile; a train part's name also selects its "
                         "per-norm parts under --isolate_norms), to split the run over two calls")
     args = p.parse_args(argv)
+    if not args.quick:  # the full run would ignore them without a word
+        given = [f"--{a.dest}" for a in q._group_actions
+                 if a.dest != "quick" and getattr(args, a.dest) != a.default]
+        if given:
+            p.error(f"{', '.join(given)}: appl{'y' if len(given) > 1 else 'ies'} to --quick only")
     from benchmarks import xla_flags
     xla_flags.parse_variants(args.variants)
     if args.parts:
-        if not args.quick:
-            p.error("--parts applies to --quick only")
         from benchmarks import gpu_quick
         known = gpu_quick.part_names(args)
         bad = [n for n in args.parts.split(",")

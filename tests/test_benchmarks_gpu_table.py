@@ -291,3 +291,16 @@ def test_gpu_table_rewrites_the_doc_atomically(tmp_path, monkeypatch):
         gpu_table.write_between_markers(str(doc), "new")
     monkeypatch.undo()
     assert doc.read_text() == before
+
+
+@pytest.mark.parametrize("flag", ["--variants=lhs=--xla_gpu_x=true", "--budget_s=300", "--profile",
+                                  "--isolate_norms", "--recompute=gelu", "--compile_cache=c",
+                                  "--stream_layout=free", "--parts=train_B16"])
+def test_gpu_table_quick_only_flags_are_refused_without_quick(flag, capsys):
+    """The full run ignored them without a word (only --parts was refused)."""
+    from benchmarks import gpu_table
+    with pytest.raises(SystemExit) as e:
+        gpu_table.main(["--dry-run", flag])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert f"{flag.split('=')[0]}: applies to --quick only" in err, err
