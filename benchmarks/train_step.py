@@ -32,6 +32,7 @@ from normvit_jax.models.spec import RECOMPUTE, STREAM_LAYOUTS  # noqa: E402
 SLACK = 0.05  # the target: time ratio <= FLOP ratio + SLACK
 XLA_AGREES = 0.25  # XLA's count is used for the FLOP ratio only within 25% of the analytic one
 DTN_NORMS = ("dtn", "dtn_var", "dtn_pallas")
+NORM_TIMEOUT_S = 300.0  # --norm_timeout's default
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -61,7 +62,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     p.add_argument("--isolate", action="store_true",
                    help="each norm in its own process (benchmarks.isolate); ratios of medians")
-    p.add_argument("--norm_timeout", type=float, default=300.0,
+    p.add_argument("--norm_timeout", type=float, default=NORM_TIMEOUT_S,
                    help="with --isolate: seconds per norm before it is stopped and reported")
     p.add_argument("--isolate_dir", default=None,
                    help="with --isolate: per-norm logs and JSON (default: next to --json, or ./runs)")
@@ -89,6 +90,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if (args.ln_variants or args.time_budget_s or args.interleave_rounds) and not args.one_process:
         raise SystemExit("--ln_variants, --time_budget_s and --interleave_rounds need "
                          "--one_process")
+    if (args.isolate_dir or args.norm_timeout != NORM_TIMEOUT_S) and not args.isolate:
+        raise SystemExit("--norm_timeout and --isolate_dir need --isolate")  # else ignored
+    if args.isolate and args.one_process:  # --one_process ran and --isolate was dropped
+        raise SystemExit("--isolate and --one_process: choose one")
     if args.interleave_rounds < 0:
         raise SystemExit(f"--interleave_rounds={args.interleave_rounds}: must be >= 0 (0: off)")
     xla_flags.parse_variants(args.ln_variants)

@@ -515,3 +515,15 @@ def test_norm_kernels_refuses_a_layout_norm_it_cannot_time(capsys):
     from benchmarks import norm_kernels
     err = refused(norm_kernels.main, ["--norm=layernorm,dpn,rescale"], capsys)
     assert "--norm: ['dpn', 'rescale'] change the model layout, not one layer" in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--norm_timeout=60"], "--norm_timeout and --isolate_dir need --isolate"),
+    (["--isolate_dir=d"], "--norm_timeout and --isolate_dir need --isolate"),
+    (["--isolate", "--one_process"], "--isolate and --one_process: choose one"),
+])
+def test_train_step_refuses_flags_it_would_ignore(argv, message, capsys):
+    """Each ran without a word about the flag: --norm_timeout and --isolate_dir act only with
+    --isolate, and --one_process took over from --isolate."""
+    from benchmarks import train_step
+    assert message in refused(train_step.main, TINY + argv, capsys)
