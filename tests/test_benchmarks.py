@@ -527,3 +527,13 @@ def test_train_step_refuses_flags_it_would_ignore(argv, message, capsys):
     --isolate, and --one_process took over from --isolate."""
     from benchmarks import train_step
     assert message in refused(train_step.main, TINY + argv, capsys)
+
+
+def test_an_unknown_xla_preset_is_the_parsers_one_line_error():
+    """xla_flags.apply() runs at import, before the parser: an unknown --xla_preset there was a
+    bare message and exit 1, the code of a bug."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--xla_preset=bogus"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode == 2 and r.stderr.startswith(
+        "python -m benchmarks.memory: error: argument --xla_preset: invalid choice: 'bogus'"), r.stderr
