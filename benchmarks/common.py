@@ -78,6 +78,14 @@ def norm_names(arg: str) -> list[str]:
     return names
 
 
+def check_norm(name: str, flag: str = "norm") -> str:
+    """``name`` if it is one benchmark norm, else a ValueError naming ``--flag`` (exit 2 by
+    tool_errors; it was a KeyError where the config is built)."""
+    if name not in NORMS:
+        raise ValueError(f"--{flag}: unknown {name!r}; accepted: one of {list(NORMS)}")
+    return name
+
+
 def default_image_size(model: str) -> int:
     """32 (CIFAR) for patch sizes up to 8, else 224 (ImageNet)."""
     size, _, patch = model.partition("/")

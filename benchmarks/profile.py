@@ -54,7 +54,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trace_dir", default=None,
                    help="keep the trace here (default: a temporary folder, removed)")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    common.check_norm(args.norm)  # one norm; was a KeyError (also for a comma list)
+    parts = [name for name, _ in PARTS] + ["other", "each"]
+    if args.part is not None and args.part not in parts:  # else an empty list of top ops
+        p.error(f"--part: unknown {args.part!r}; accepted: one of {parts}")
+    return args
 
 
 def classify(hlo_text: str) -> dict[str, tuple[str, str]]:

@@ -94,6 +94,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SystemExit("--norm_timeout and --isolate_dir need --isolate")  # else ignored
     if args.isolate and args.one_process:  # --one_process ran and --isolate was dropped
         raise SystemExit("--isolate and --one_process: choose one")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:  # -1: a negative MFU column
+        raise SystemExit(f"--peak_tflops={args.peak_tflops}: must be > 0 (omit it to probe)")
     if args.interleave_rounds < 0:
         raise SystemExit(f"--interleave_rounds={args.interleave_rounds}: must be >= 0 (0: off)")
     xla_flags.parse_variants(args.ln_variants)

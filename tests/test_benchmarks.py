@@ -537,3 +537,16 @@ def test_an_unknown_xla_preset_is_the_parsers_one_line_error():
                        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert r.returncode == 2 and r.stderr.startswith(
         "python -m benchmarks.memory: error: argument --xla_preset: invalid choice: 'bogus'"), r.stderr
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("compile_time", ["--layouts=unroled"], "--layouts: unknown ['unroled']"),  # ran as unrolled
+    ("compile_time", ["--depths=12,x"], "--depths=12,x: accepted: a comma list of integers >= 1"),
+    ("compile_time", ["--norm=bogus"], "--norm: unknown 'bogus'"),
+    ("profile", ["--norm=layernorm,dtn"], "--norm: unknown 'layernorm,dtn'"),  # was a KeyError
+    ("profile", ["--part=attn"], "--part: unknown 'attn'"),  # was an empty list of top ops
+    ("train_step", ["--peak_tflops=-1"], "--peak_tflops=-1.0: must be > 0"),  # a negative MFU
+])
+def test_values_that_ran_wrong_or_crashed_are_refused(module, argv, message, capsys):
+    err = refused(importlib.import_module(f"benchmarks.{module}").main, argv, capsys)
+    assert message in err, err
