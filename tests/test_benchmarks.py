@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -550,3 +551,18 @@ def test_an_unknown_xla_preset_is_the_parsers_one_line_error():
 def test_values_that_ran_wrong_or_crashed_are_refused(module, argv, message, capsys):
     err = refused(importlib.import_module(f"benchmarks.{module}").main, argv, capsys)
     assert message in err, err
+
+
+def test_the_docs_name_every_entry_point_without_json():
+    """docs/benchmarks.md said every entry point takes --json=FILE; fold_ops, gpu_table and
+    norm_ablation do not. Each entry point of its table either has --json or is named in the
+    opening paragraph as writing elsewhere."""
+    from tests.test_tool_flags import _flags
+    with open(os.path.join(REPO_ROOT, "docs", "benchmarks.md")) as f:
+        text = f.read()
+    opening = text.split("\n\n")[1]
+    names = re.findall(r"^\| `(\w+)` \|", text.split("## XLA flags on CPU")[0], re.M)
+    assert len(names) >= 14, names
+    for name in names:
+        if "--json" not in _flags(f"benchmarks.{name}"):
+            assert f"`{name}`" in opening, (name, opening)
