@@ -566,3 +566,15 @@ def test_the_docs_name_every_entry_point_without_json():
     for name in names:
         if "--json" not in _flags(f"benchmarks.{name}"):
             assert f"`{name}`" in opening, (name, opening)
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("fsdp", ["--norm=bogus"], "--norm: unknown 'bogus'"),  # a KeyError
+    ("prepared_in_memory", ["--images=0"], "argument --images: 0 is not accepted"),  # silent exit 2
+    ("prepared_in_memory", ["--skip=20"], "--skip=20: must be below --block=20"),  # nothing counted
+    ("prepare_rate", ["--images=0"], "argument --images: 0 is not accepted"),  # a PrepareError
+    ("norm_ablation", ["--seeds=a", "--summary_only"], "--seeds=a: accepted: a comma list"),
+])
+def test_the_other_entry_points_refuse_bad_values_in_one_line(module, argv, message, capsys):
+    err = refused(importlib.import_module(f"benchmarks.{module}").main, argv, capsys)
+    assert message in err, err
