@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, files  # noqa: E402
 from normvit_jax import models, tool_flags  # noqa: E402
 from normvit_jax.deploy import artifact, bundle, errors, runtimes  # noqa: E402
 
@@ -372,10 +372,7 @@ def write_md(path: str, text: str) -> None:
         doc = doc[:doc.index(begin)] + block + doc[doc.index(end) + len(end):]
     else:
         doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    tmp = f"{path}.tmp{os.getpid()}"  # atomic: a Ctrl-C mid-write must not truncate the doc
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(doc)
-    os.replace(tmp, path)
+    files.write_text_atomic(path, doc)  # a Ctrl-C mid-write must not truncate the doc
 
 
 def provenance() -> str:

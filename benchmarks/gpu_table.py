@@ -30,7 +30,7 @@ import sys
 import tempfile
 from typing import Any, Sequence
 
-from benchmarks import isolate
+from benchmarks import files, isolate
 from benchmarks.gpu_render import _f  # one number format for both tables
 from normvit_jax import cli, tool_flags
 from normvit_jax.data import pipeline as pipeline_lib
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         failures.append("vs_torch: not run (" + ("--no_torch" if args.no_torch else
                                                  "torch/timm not installed") + ")")
     md = render(results, failures, args)
-    write_atomically(os.path.join(args.out, "gpu_table.md"), md + "\n")
+    files.write_text_atomic(os.path.join(args.out, "gpu_table.md"), md + "\n")
     if args.doc:
         write_between_markers(args.doc, md)
     print(md)
@@ -350,19 +350,11 @@ def check_markers(path: str) -> str:
     return doc
 
 
-def write_atomically(path: str, text: str) -> None:
-    """A temporary file renamed over ``path``: a Ctrl-C mid-write leaves the old file whole."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_between_markers(path: str, text: str) -> None:
     """Replaces what lies between BEGIN and END in ``path`` (both markers must be there)."""
     head, rest = check_markers(path).split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    write_atomically(path, f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    files.write_text_atomic(path, f"{head}{BEGIN}\n{text}\n{END}{tail}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -578,3 +578,30 @@ def test_the_docs_name_every_entry_point_without_json():
 def test_the_other_entry_points_refuse_bad_values_in_one_line(module, argv, message, capsys):
     err = refused(importlib.import_module(f"benchmarks.{module}").main, argv, capsys)
     assert message in err, err
+
+
+def _ctrl_c_mid_write(monkeypatch) -> None:
+    """Every file opened for writing gets a few bytes, then Ctrl-C."""
+    real_open = open
+
+    def failing_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        if "w" in mode:
+            f.write("half")
+            raise KeyboardInterrupt
+        return f
+    monkeypatch.setattr("builtins.open", failing_open)
+
+
+def test_demo_table_rewrites_its_results_atomically(tmp_path, monkeypatch):
+    """demo_table rewrites README.md, docs/analysis.md and the results JSON after a ~50-minute
+    run; each was written in place, so a Ctrl-C then truncated it."""
+    from benchmarks import demo_table
+    path = tmp_path / "results.json"
+    before = json.dumps({"written_by": "python -m benchmarks.demo_table", "methods": {}})
+    path.write_text(before)
+    _ctrl_c_mid_write(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        demo_table.update_results(str(path), {}, {}, "2026-11-28")
+    monkeypatch.undo()
+    assert path.read_text() == before and os.listdir(tmp_path) == ["results.json"]
