@@ -197,7 +197,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     a = res["args"]
-    head = (f"profile: model={a['model']} norm={a['norm']} batch={a['batch']} dtype={a['dtype']}; "
+    head = (f"profile: model={a['model']}{common.depth_label(a)} norm={a['norm']} "
+            f"batch={a['batch']} dtype={a['dtype']}; "
             f"wall {res['wall_s']:.3f} s/step, op time {res['op_time_s']:.3f} s/step (device ops, "
             "or CPU time of all threads)")
     if res.get("unmatched_s"):

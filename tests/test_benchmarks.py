@@ -611,3 +611,12 @@ def test_demo_table_rewrites_its_results_atomically(tmp_path, monkeypatch):
         demo_table.update_results(str(path), {}, {}, "2026-11-28")
     monkeypatch.undo()
     assert path.read_text() == before and os.listdir(tmp_path) == ["results.json"]
+
+
+def test_profile_sums_a_step_by_kind_and_part():
+    from benchmarks import profile
+    res = profile.main(TINY + ["--batch=2", "--steps=1", "--part=norm", "--top=3"])
+    assert {r["part"] for r in res["by_part"]} >= {"norm", "mlp", "attention"}
+    assert res["top"] and all(r["part"] == "norm" for r in res["top"])
+    # the header names the overridden depth, as train_step's does
+    assert profile.report(res).startswith("profile: model=Ti/4 depth=1 norm=layernorm batch=2 ")
