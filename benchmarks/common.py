@@ -7,6 +7,7 @@ ratios, because a shared machine's speed drifts between and within runs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -15,7 +16,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ import numpy as np
 
 from benchmarks import xla_flags
 from configs import default
-from normvit_jax import data, models, norms, sharding
+from normvit_jax import cli, data, models, norms, sharding, tool_flags
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import setup
 from normvit_jax.train.state import TrainState
@@ -77,10 +78,28 @@ def norm_names(arg: str) -> list[str]:
     return names
 
 
+def check_norm(name: str, flag: str = "norm") -> str:
+    """``name`` if it is one benchmark norm, else a ValueError naming ``--flag`` (exit 2 by
+    tool_errors; it was a KeyError where the config is built)."""
+    if name not in NORMS:
+        raise ValueError(f"--{flag}: unknown {name!r}; accepted: one of {list(NORMS)}")
+    return name
+
+
 def default_image_size(model: str) -> int:
     """32 (CIFAR) for patch sizes up to 8, else 224 (ImageNet)."""
-    patch = int(model.split("/")[1])
-    return 32 if patch <= 8 else 224
+    size, _, patch = model.partition("/")
+    if not patch.isdigit() or int(patch) < 1:  # 'Ti' was an IndexError before the preset's check
+        raise ValueError(f"model {model!r} is not a known preset; accepted: '<size>/<patch>' "
+                         f"with size in {sorted(models.spec.VARIANTS)} and an integer patch, "
+                         "e.g. 'S/16'")
+    return 32 if int(patch) <= 8 else 224
+
+
+def depth_label(args: Mapping[str, Any]) -> str:
+    """' depth=N' for a report's header where --depth overrode the preset's: without it a
+    one-block run's table reads as the whole model's."""
+    return f" depth={args['depth']}" if args.get("depth") else ""
 
 
 def bench_config(model: str = "Ti/4", norm: str = "layernorm", *, image_size: int | None = None,
@@ -322,14 +341,40 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+@contextlib.contextmanager
+def tool_errors(prog: str) -> Iterator[None]:
+    """The project's CLI contract for an entry point (docs/faults.md): a bad flag value or config
+    (a ValueError, or a ``SystemExit('message')`` of a check here) is one line
+    ``<prog>: error: <message>`` and exit 2, Ctrl-C one line and 130; a bug keeps its traceback.
+    (A ``SystemExit`` with a text exits 1, the code of a bug, without this.)"""
+    with cli.tool_errors(prog):
+        try:
+            yield
+        except SystemExit as e:
+            if not isinstance(e.code, str):
+                raise
+            print(f"{prog}: error: {e.code}", file=sys.stderr, flush=True)
+            sys.exit(cli.EXIT_CONFIG)
+
+
+def _prog(fn: Callable) -> str:
+    """``python -m benchmarks.<name>`` of the module defining ``fn`` (also when run as __main__)."""
+    spec = getattr(sys.modules.get(fn.__module__), "__spec__", None)
+    return f"python -m {spec.name if spec else fn.__module__}"
+
+
 def run_entry(parse: Callable, run: Callable, report: Callable,
               argv: Sequence[str] | None) -> dict[str, Any]:
-    """An entry point's ``main``: parse, run, print the machine and the report, write the JSON."""
-    args = parse(argv)
-    res = run(args)
-    print_machine(res["machine"])
-    print(report(res), flush=True)
-    write_json(args.json, res)
+    """An entry point's ``main``: parse, run, print the machine and the report, write the JSON;
+    bad input is one line and exit 2 (``tool_errors``)."""
+    with tool_errors(_prog(parse)):
+        args = parse(argv)
+        if args.json:  # before the work, not a traceback after it
+            tool_flags.check_output("json", args.json)
+        res = run(args)
+        print_machine(res["machine"])
+        print(report(res), flush=True)
+        write_json(args.json, res)
     return res
 
 

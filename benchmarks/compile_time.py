@@ -23,19 +23,32 @@ from benchmarks import common  # noqa: E402
 from normvit_jax import tool_flags  # noqa: E402
 
 
+LAYOUTS = ("unrolled", "scan")
+
+
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.compile_time", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--norm", default="layernorm")
     p.add_argument("--depths", default="12,36")
     p.add_argument("--layouts", default="unrolled,scan")
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128)
     p.add_argument("--image_size", type=int, default=None)
     p.add_argument("--remat", action="store_true")
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=tool_flags.positive_int, default=1)
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    common.check_norm(args.norm)
+    try:
+        args.depths = [tool_flags.positive_int(d) for d in args.depths.split(",")]
+    except (ValueError, argparse.ArgumentTypeError):
+        p.error(f"--depths={args.depths}: accepted: a comma list of integers >= 1")
+    args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    bad = [x for x in args.layouts if x not in LAYOUTS]
+    if bad or not args.layouts:  # any other name was compiled as 'unrolled' under its own name
+        p.error(f"--layouts: unknown {bad}; accepted: a comma list of {list(LAYOUTS)}")
+    return args
 
 
 def compile_once(args: argparse.Namespace, depth: int, scan: bool) -> tuple[float, float]:
@@ -50,8 +63,7 @@ def compile_once(args: argparse.Namespace, depth: int, scan: bool) -> tuple[floa
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    depths = [int(d) for d in args.depths.split(",")]
-    layouts = [x.strip() for x in args.layouts.split(",")]
+    depths, layouts = args.depths, args.layouts
     runs: dict[tuple[str, int], list[tuple[float, float]]] = {(l, d): [] for l in layouts for d in depths}
     for r in range(args.repeats):
         keys = list(runs)

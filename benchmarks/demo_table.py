@@ -39,6 +39,7 @@ import sys
 import time
 from typing import Sequence
 
+from benchmarks import files
 from normvit_jax import tool_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,9 +161,7 @@ def update_results(path: str, runs: dict[str, dict], env: dict, date: str) -> di
                                    "other_machines": kept_machines(results["methods"].get(key), env)}
     results["methods"] = {k: results["methods"][k] for k, _, _ in METHODS
                           if k in results["methods"]}
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1, sort_keys=False)
-        f.write("\n")
+    files.write_text_atomic(path, json.dumps(results, indent=1, sort_keys=False) + "\n")
     return results
 
 
@@ -206,8 +205,8 @@ def rebuild_report(root: str, report_dir: str = REPORT, doc: str = ANALYSIS_DOC)
         text = f.read()
     head, rest = text.split(REPORT_BEGIN)
     _, tail = rest.split(REPORT_END)
-    with open(doc, "w") as f:
-        f.write(f"{head}{REPORT_BEGIN}\n" + "\n".join(table) + f"\n{REPORT_END}{tail}")
+    files.write_text_atomic(doc, f"{head}{REPORT_BEGIN}\n" + "\n".join(table)
+                            + f"\n{REPORT_END}{tail}")
 
 
 def all_top1(result: dict) -> list[float]:
@@ -314,8 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if OUTPUT_METHOD in runs and OUTPUT_BEGIN in text:
         with open(workdir_of(args.root, OUTPUT_METHOD, 0) + ".log") as fh:
             text = rewrite_output(text, fh.read(), runs[OUTPUT_METHOD]["command"])
-    with open(args.readme, "w") as fh:
-        fh.write(text)
+    files.write_text_atomic(args.readme, text)  # README.md: never left half-written
     print(f"{args.readme}: {len(new_rows)} row(s) rewritten on {today}; {args.results} updated"
           + (f"; failed: {failed}" if failed else ""))
     if not failed and not args.extra and all(os.path.isdir(os.path.join(args.root, k))

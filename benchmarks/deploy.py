@@ -36,6 +36,7 @@ from benchmarks import xla_flags
 
 xla_flags.apply()
 
+import argparse  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -50,7 +51,7 @@ from typing import Any, Callable, Sequence  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, files  # noqa: E402
 from normvit_jax import models, tool_flags  # noqa: E402
 from normvit_jax.deploy import artifact, bundle, errors, runtimes  # noqa: E402
 
@@ -329,6 +330,37 @@ def table(rows: list[dict], header: str) -> str:
     return "\n".join(out)
 
 
+def check_args(p: tool_flags.Parser, args: Any) -> None:
+    """The list flags as lists, each value known, the outputs writable and the --include files
+    read: before the exports and timings, a bad value is one line and exit 2 (was a KeyError or
+    ValueError traceback, or one after the whole run)."""
+    args.runtimes = [r.strip() for r in args.runtimes.split(",") if r.strip()]
+    bad = [r for r in args.runtimes if r not in RUNTIMES]
+    if bad or not args.runtimes:
+        p.error(f"--runtimes: unknown {bad}; accepted: a comma list of {list(RUNTIMES)}")
+    bad = [n for n in args.norms.split(",") if n not in common.NORMS]
+    if bad:
+        p.error(f"--norms: unknown {bad}; accepted: a comma list of {list(common.NORMS)}")
+    try:
+        args.batches = [tool_flags.positive_int(b) for b in args.batches.split(",")]
+    except (ValueError, argparse.ArgumentTypeError):
+        p.error(f"--batches={args.batches}: accepted: a comma list of integers >= 1")
+    for m in args.models.split(","):
+        if m != "demo":
+            common.default_image_size(m)  # ValueError (exit 2) for a name that is no preset
+    for flag in ("json", "md"):
+        if getattr(args, flag):
+            tool_flags.check_output(flag, getattr(args, flag))
+    args.earlier_rows = []
+    for path in filter(None, args.include.split(",")):
+        try:
+            with open(path) as f:
+                args.earlier_rows += json.load(f)
+        except (OSError, ValueError) as e:
+            p.error(f"--include={path}: cannot be read as an earlier --json ({type(e).__name__}: "
+                    f"{e})")
+
+
 def write_md(path: str, text: str) -> None:
     doc = ""
     if os.path.exists(path):
@@ -340,8 +372,7 @@ def write_md(path: str, text: str) -> None:
         doc = doc[:doc.index(begin)] + block + doc[doc.index(end) + len(end):]
     else:
         doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(doc)
+    files.write_text_atomic(path, doc)  # a Ctrl-C mid-write must not truncate the doc
 
 
 def provenance() -> str:
@@ -362,19 +393,30 @@ def provenance() -> str:
             "module docstring says why).")
 
 
+PROG = "python -m benchmarks.deploy"
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    p = tool_flags.Parser("python -m benchmarks.deploy", __doc__)
+    with common.tool_errors(PROG):  # bad input: one line, exit 2
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> list[dict]:
+    p = tool_flags.Parser(PROG, __doc__)
     p.add_argument("--models", default="S/16,demo")
     p.add_argument("--norms", default=",".join(NORMS))
     p.add_argument("--runtimes", default="onnx,savedmodel,stablehlo")
     p.add_argument("--batches", default="1,32")
-    p.add_argument("--reps", type=int, default=10, help="timed calls at small batches")
-    p.add_argument("--reps_large", type=int, default=3, help="timed calls at batch >= 16")
-    p.add_argument("--threads", type=int, default=2, help="intra-op threads of every runtime")
+    p.add_argument("--reps", type=tool_flags.positive_int, default=10,
+                   help="timed calls at small batches")
+    p.add_argument("--reps_large", type=tool_flags.positive_int, default=3,
+                   help="timed calls at batch >= 16")
+    p.add_argument("--threads", type=tool_flags.positive_int, default=2,
+                   help="intra-op threads of every runtime")
     p.add_argument("--anchors", default="yes", choices=["yes", "onnx", "no"],
                    help="timm's ViT-S/16 in PyTorch (eager, compile) and ONNX Runtime; onnx: "
                    "only timm in ONNX Runtime against the folded RepBN ViT-S/16")
-    p.add_argument("--anchor_reps", type=int, default=None,
+    p.add_argument("--anchor_reps", type=tool_flags.positive_int, default=None,
                    help="interleaved rounds of the anchors (default: --reps)")
     p.add_argument("--md", default=None, help="markdown file whose deploy-table block to replace")
     p.add_argument("--json", default=None)
@@ -383,8 +425,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                    "(a long measurement in parts)")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     args = p.parse_args(argv)
-    args.runtimes = [r.strip() for r in args.runtimes.split(",")]
-    args.batches = [int(b) for b in args.batches.split(",")]
+    check_args(p, args)
     rows: list[dict] = []
     args.torch_timm = (None, "--anchors=no")
     if args.anchors != "no" and "S/16" in args.models.split(","):
@@ -395,19 +436,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         for model in args.models.split(","):
             for norm in args.norms.split(","):
                 rows += bench_norm(model, norm, args, tmp)
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(rows, f, indent=1)
+                common.write_json(args.json, rows)  # atomic: Ctrl-C keeps the last whole file
         if args.anchors != "no" and "S/16" in args.models.split(","):
             rows += timm_anchors(args, tmp)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    earlier = []
-    for path in filter(None, args.include.split(",")):
-        with open(path) as f:
-            earlier += json.load(f)
-    text = table(earlier + rows, provenance())
+    common.write_json(args.json, rows)
+    text = table(args.earlier_rows + rows, provenance())
     print(text)
     if args.md:
         write_md(args.md, text)

@@ -11,13 +11,12 @@ norm op left. Counts do not depend on the machine; no timing is done.
 from __future__ import annotations
 
 import collections
-import sys
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from normvit_jax import models, reparam, tool_flags
+from normvit_jax import cli, models, reparam, tool_flags
 
 WATCHED = ("rsqrt", "sqrt", "div", "reduce_sum", "reduce_max", "reduce_min", "tanh", "erf")
 
@@ -67,8 +66,16 @@ def _row(c: collections.Counter) -> dict:
     return {**{k: c.get(k, 0) for k in WATCHED}, "all": sum(c.values())}
 
 
+PROG = "python -m benchmarks.fold_ops"
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    p = tool_flags.Parser("python -m benchmarks.fold_ops", __doc__)
+    with cli.tool_errors(PROG):  # a bad --model: one line, exit 2
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> list[dict]:
+    p = tool_flags.Parser(PROG, __doc__)
     p.add_argument("--model", default="Ti/16", help="ViT size, e.g. Ti/16")
     p.add_argument("--depth", type=int, default=2, help="blocks (counts scale with it)")
     p.add_argument("--norms", default="layernorm,batchnorm,repbn,progressive,zscore_repbn,zscore,"
@@ -78,8 +85,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     names = [n for n in args.norms.split(",") if n]
     bad = [n for n in names if n not in common.NORMS]
     if bad:
-        print(f"--norms: unknown {bad}; accepted: {list(common.NORMS)}", file=sys.stderr)
-        sys.exit(2)
+        p.error(f"--norms: unknown {bad}; accepted: {list(common.NORMS)}")
     res = rows(args.model, args.depth, names)
     print(f"jaxpr equations of the eval forward, ViT-{args.model}, depth {args.depth}, batch 1\n")
     print("| norm | folded | " + " | ".join(WATCHED) + " | all |")

@@ -44,7 +44,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed rounds")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    common.check_norm(args.norm)  # was a KeyError traceback
+    return args
 
 
 def _config(model: str, args: argparse.Namespace, batch: int, fsdp: int, num_classes: int) -> Any:

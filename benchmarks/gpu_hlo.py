@@ -51,6 +51,7 @@ import sys
 import tempfile
 from typing import Any, Iterable, Iterator, Sequence
 
+from benchmarks import files
 from normvit_jax import tool_flags
 
 TARGETS = {  # XLA's GpuDeviceInfo of the two cards this project is measured on (public specs)
@@ -564,8 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = markdown(results, args)
     print(md)
     if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
+        files.write_text_atomic(args.md, md)
     if args.json:
         common.write_json(args.json, {"args": vars(args), "results": results})
     return 0

@@ -257,8 +257,10 @@ def publish(state: dict[str, Any], args: argparse.Namespace, t0: float) -> str:
     state["elapsed_s"] = round(time.monotonic() - t0, 1)
     state["summary"] = gpu_render.summary_rows(state["parts"])
     md = gpu_render.markdown(state, args)
-    with open(os.path.join(args.out, "gpu_table.md"), "w") as f:
+    tmp = os.path.join(args.out, "gpu_table.md.tmp")  # written aside too, as the JSON
+    with open(tmp, "w") as f:
         f.write(md + "\n")
+    os.replace(tmp, os.path.join(args.out, "gpu_table.md"))
     tmp = os.path.join(args.out, "gpu_table.json.tmp")
     with open(tmp, "w") as f:
         json.dump(state, f, indent=1, default=str)

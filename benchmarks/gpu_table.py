@@ -30,9 +30,9 @@ import sys
 import tempfile
 from typing import Any, Sequence
 
-from benchmarks import isolate
+from benchmarks import files, isolate
 from benchmarks.gpu_render import _f  # one number format for both tables
-from normvit_jax import tool_flags
+from normvit_jax import cli, tool_flags
 from normvit_jax.data import pipeline as pipeline_lib
 
 BEGIN, END = "<!-- gpu-table:begin -->", "<!-- gpu-table:end -->"
@@ -48,11 +48,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/gpu", help="logs, JSON results and gpu_table.md")
     p.add_argument("--models", default="B/16,S/16")
     p.add_argument("--norm", default="all", help="train_step --norm")
-    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batch", type=tool_flags.positive_int, default=256)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=tool_flags.positive_int, default=None,
                    help="timed steps per run (default: 20; --quick: 10; --tiny: 1)")
-    p.add_argument("--warmup", type=int, default=None,
+    p.add_argument("--warmup", type=tool_flags.non_negative_int, default=None,
                    help="untimed steps first (default: 3; --quick: 2; --tiny: 0)")
     p.add_argument("--num_classes", type=int, default=1000)
     p.add_argument("--norm_timeout", type=float, default=300.0, help="seconds per norm")
@@ -107,11 +107,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         "train_S16, norm_kernels, profile; a train part's name also selects its "
                         "per-norm parts under --isolate_norms), to split the run over two calls")
     args = p.parse_args(argv)
+    if not args.quick:  # the full run would ignore them without a word
+        given = [f"--{a.dest}" for a in q._group_actions
+                 if a.dest != "quick" and getattr(args, a.dest) != a.default]
+        if given:
+            p.error(f"{', '.join(given)}: appl{'y' if len(given) > 1 else 'ies'} to --quick only")
     from benchmarks import xla_flags
     xla_flags.parse_variants(args.variants)
     if args.parts:
-        if not args.quick:
-            p.error("--parts applies to --quick only")
         from benchmarks import gpu_quick
         known = gpu_quick.part_names(args)
         bad = [n for n in args.parts.split(",")
@@ -132,6 +135,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.num_classes = 10
     elif args.doc is None and not args.quick:
         args.doc = os.path.join("docs", "benchmarks.md")
+    if not args.dry_run:  # before the runs (minutes to an hour), not a traceback after them
+        try:
+            tool_flags.check_output("out", args.out, folder=True)
+            if args.doc:
+                tool_flags.check_output("doc", args.doc)
+                check_markers(args.doc)
+        except ValueError as e:
+            p.error(str(e))
     return args
 
 
@@ -228,8 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         failures.append("vs_torch: not run (" + ("--no_torch" if args.no_torch else
                                                  "torch/timm not installed") + ")")
     md = render(results, failures, args)
-    with open(os.path.join(args.out, "gpu_table.md"), "w") as f:
-        f.write(md + "\n")
+    files.write_text_atomic(os.path.join(args.out, "gpu_table.md"), md + "\n")
     if args.doc:
         write_between_markers(args.doc, md)
     print(md)
@@ -327,21 +337,30 @@ def render(results: dict[str, Any], failures: list[str], args: argparse.Namespac
     return "\n".join(lines)
 
 
+def check_markers(path: str) -> str:
+    """``path``'s text, which must hold BEGIN ... END in this order (ValueError otherwise)."""
+    try:
+        with open(path) as f:
+            doc = f.read()
+    except OSError as e:
+        raise ValueError(f"--doc={path}: cannot be read ({type(e).__name__}: {e.strerror or e})"
+                         ) from None
+    if BEGIN not in doc or END not in doc or doc.index(BEGIN) > doc.index(END):
+        raise ValueError(f"--doc={path}: needs the markers {BEGIN} ... {END} (in this order)")
+    return doc
+
+
 def write_between_markers(path: str, text: str) -> None:
     """Replaces what lies between BEGIN and END in ``path`` (both markers must be there)."""
-    with open(path) as f:
-        doc = f.read()
-    if BEGIN not in doc or END not in doc or doc.index(BEGIN) > doc.index(END):
-        raise SystemExit(f"{path}: needs the markers {BEGIN} ... {END} (in this order)")
-    head, rest = doc.split(BEGIN, 1)
+    head, rest = check_markers(path).split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    with open(path, "w") as f:
-        f.write(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    files.write_text_atomic(path, f"{head}{BEGIN}\n{text}\n{END}{tail}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse(argv)
-    return run(args)
+    with cli.tool_errors("python -m benchmarks.gpu_table"):  # Ctrl-C: one line and 130
+        args = parse(argv)
+        return run(args)
 
 
 if __name__ == "__main__":

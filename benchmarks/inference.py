@@ -29,10 +29,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.inference", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--norm", default="all", help=f"'all' or a comma list of {list(common.NORMS)}")
-    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batch", type=tool_flags.positive_int, default=256)
     p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
-    p.add_argument("--steps", type=int, default=10, help="timed rounds")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=tool_flags.positive_int, default=10, help="timed rounds")
+    p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2)
     p.add_argument("--image_size", type=int, default=None)
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--num_classes", type=int, default=10)
@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     a = res["args"]
-    head = (f"inference (train=False): model={a['model']} batch={a['batch']} dtype={a['dtype']}; "
+    head = (f"inference (train=False): model={a['model']}{common.depth_label(a)} "
+            f"image={a['image_size'] or 'default'} batch={a['batch']} dtype={a['dtype']}; "
             f"{a['steps']} timed rounds; batch time median [p25, p75] s")
     cols = ["norm", "compile_s", "batch_s", "images_per_s", "gflops_per_batch", "time_ratio",
             "flop_ratio"]

@@ -32,10 +32,10 @@ from normvit_jax import models  # noqa: E402
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.matmul", __doc__)
     p.add_argument("--model", default="Ti/4")
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128)
     p.add_argument("--image_size", type=int, default=None)
     p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--repeats", type=tool_flags.positive_int, default=9)
     p.add_argument("--no_torch", action="store_true", help="XLA only")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     p.add_argument("--json", default=None)

@@ -42,7 +42,23 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--num_classes", type=int, default=1000)
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # checked here, not as a KeyError / ValueError / ZeroDivisionError traceback mid-run
+    if args.norm not in common.NORMS:
+        p.error(f"--norm: unknown {args.norm!r}; accepted: one of {list(common.NORMS)}")
+    try:
+        budgets = [float(x) for x in args.memory_gb.split(",") if x.strip()]
+    except ValueError:
+        budgets = []
+    if not budgets or min(budgets) <= 0:
+        p.error(f"--memory_gb={args.memory_gb}: accepted: a comma list of GiB > 0")
+    try:
+        probes = [tool_flags.positive_int(x) for x in args.probe_batches.split(",")]
+    except (ValueError, argparse.ArgumentTypeError):
+        probes = []
+    if len(probes) != 2 or probes[0] == probes[1]:
+        p.error(f"--probe_batches={args.probe_batches}: accepted: two different integers >= 1")
+    return args
 
 
 def step_bytes(model_name: str, args: argparse.Namespace, per_device_batch: int,
@@ -91,7 +107,8 @@ def report(res: dict[str, Any]) -> str:
     cols = ["model", "remat", "params_M", "fixed_GiB", "per_sample_MiB"] + [
         f"max_batch@{g:g}GiB" for g in res["budgets"]]
     head = (f"largest per-device batch (train step, norm={a['norm']}, dtype={a['dtype']}, "
-            f"image={a['image_size'] or 'default'}, scan={a['scan']}; XLA buffer assignment on "
+            f"image={a['image_size'] or 'default'}{',' * bool(a['depth'])}{common.depth_label(a)}, "
+            f"scan={a['scan']}; XLA buffer assignment on "
             f"{res['machine']['backend']})")
     return head + "\n" + common.table(res["rows"], cols)
 

@@ -64,7 +64,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="space-separated --config.KEY=VALUE flags added to every run, e.g. another "
                         "dataset: '--config.data.name=fmnist --config.data.data_dir=DIR'")
     args = p.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:  # was a traceback
+        p.error(f"--seeds={args.seeds}: accepted: a comma list of integers")
     only = {k for k in args.only.split(",") if k}
     unknown = only - {k for k, _ in METHODS}
     if unknown:

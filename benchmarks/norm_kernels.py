@@ -39,10 +39,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="S/16", help="preset giving tokens and width")
     p.add_argument("--norm", default="layernorm,batchnorm,repbn,progressive,zscore_repbn,dyt",
                    help=f"'all' or a comma list of {list(common.NORMS)}")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=tool_flags.positive_int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=list(common.DTYPES))
-    p.add_argument("--steps", type=int, default=10, help="timed rounds")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument("--steps", type=tool_flags.positive_int, default=10, help="timed rounds")
+    p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2,
+                   help="untimed rounds first")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
                    help="XLA flags (benchmarks/xla_flags.py); 'default' is what main.py runs with")
     p.add_argument("--dtn_tilings", default="",
@@ -50,6 +51,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         "timed as a row 'dtn_pallas@F:B' beside the others")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
+    if args.norm != "all":  # 'all' leaves them out; a named one had no row and no word
+        layout = [n for n in common.norm_names(args.norm) if set(common.NORMS[n]) - {"norm"}]
+        if layout:
+            p.error(f"--norm: {layout} change the model layout, not one layer; time them with "
+                    "benchmarks.train_step")
     from normvit_jax.norms import dtn_pallas
     for tiling in filter(None, args.dtn_tilings.split(",")):
         try:

@@ -76,13 +76,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from normvit_jax import logs, tool_flags
     logs.quiet_library_logs()
     p = tool_flags.Parser("python -m benchmarks.prepare_rate", __doc__)
-    p.add_argument("--images", type=int, default=1000, help="synthetic JPEGs to prepare")
-    p.add_argument("--workers", type=int, default=None, help="decode threads (default: cores)")
+    p.add_argument("--images", type=tool_flags.positive_int, default=1000,
+                   help="synthetic JPEGs to prepare")
+    p.add_argument("--workers", type=tool_flags.positive_int, default=None,
+                   help="decode threads (default: cores)")
     p.add_argument("--idx", default=None, help="also time this folder of IDX files")
     p.add_argument("--train_input", action="store_true", help="also time the train pipeline on "
                    "the prepared folder against the ImageNet path, at 224 px")
-    p.add_argument("--batches", type=int, default=10, help="--train_input: timed batches")
-    p.add_argument("--repeats", type=int, default=3, help="--train_input: alternations")
+    p.add_argument("--batches", type=tool_flags.positive_int, default=10,
+                   help="--train_input: timed batches")
+    p.add_argument("--repeats", type=tool_flags.positive_int, default=3,
+                   help="--train_input: alternations")
     args = p.parse_args(argv)
     import tensorflow_datasets  # noqa: F401  (imported once, outside the timing)
     import tensorflow  # noqa: F401

@@ -51,13 +51,19 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the method config (the issue's measurement: vit_dtn.py:demo at 32 px)")
     p.add_argument("--name", default=None, help="a prepared dataset (default: synthetic PNGs)")
     p.add_argument("--data_dir", default=None)
-    p.add_argument("--images", type=int, default=3805, help="synthetic train images")
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--block", type=int, default=20, help="steps of one pipeline per round")
-    p.add_argument("--skip", type=int, default=6, help="first steps of a block not counted")
+    p.add_argument("--images", type=tool_flags.positive_int, default=3805,
+                   help="synthetic train images")
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128)
+    p.add_argument("--rounds", type=tool_flags.positive_int, default=5)
+    p.add_argument("--block", type=tool_flags.positive_int, default=20,
+                   help="steps of one pipeline per round")
+    p.add_argument("--skip", type=tool_flags.non_negative_int, default=6,
+                   help="first steps of a block not counted")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.skip >= args.block:  # no step of a block would be counted
+        p.error(f"--skip={args.skip}: must be below --block={args.block}")
+    return args
 
 
 def synthetic_folder(root: str, n: int) -> None:

@@ -40,10 +40,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.profile", __doc__)
     p.add_argument("--model", default="Ti/4")
     p.add_argument("--norm", default="layernorm", help=f"one of {list(common.NORMS)}")
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128)
     p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
     p.add_argument("--num_classes", type=int, default=10)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=tool_flags.positive_int, default=3)
     p.add_argument("--image_size", type=int, default=None)
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
@@ -54,7 +54,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trace_dir", default=None,
                    help="keep the trace here (default: a temporary folder, removed)")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    common.check_norm(args.norm)  # one norm; was a KeyError (also for a comma list)
+    parts = [name for name, _ in PARTS] + ["other", "each"]
+    if args.part is not None and args.part not in parts:  # else an empty list of top ops
+        p.error(f"--part: unknown {args.part!r}; accepted: one of {parts}")
+    return args
 
 
 def classify(hlo_text: str) -> dict[str, tuple[str, str]]:
@@ -192,7 +197,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     a = res["args"]
-    head = (f"profile: model={a['model']} norm={a['norm']} batch={a['batch']} dtype={a['dtype']}; "
+    head = (f"profile: model={a['model']}{common.depth_label(a)} norm={a['norm']} "
+            f"batch={a['batch']} dtype={a['dtype']}; "
             f"wall {res['wall_s']:.3f} s/step, op time {res['op_time_s']:.3f} s/step (device ops, "
             "or CPU time of all threads)")
     if res.get("unmatched_s"):

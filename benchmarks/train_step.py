@@ -32,6 +32,7 @@ from normvit_jax.models.spec import RECOMPUTE, STREAM_LAYOUTS  # noqa: E402
 SLACK = 0.05  # the target: time ratio <= FLOP ratio + SLACK
 XLA_AGREES = 0.25  # XLA's count is used for the FLOP ratio only within 25% of the analytic one
 DTN_NORMS = ("dtn", "dtn_var", "dtn_pallas")
+NORM_TIMEOUT_S = 300.0  # --norm_timeout's default
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -39,10 +40,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="Ti/4", help="preset '<Ti|S|B|L|H>/<patch>'")
     p.add_argument("--norm", default="layernorm",
                    help=f"'all' or a comma list of {list(common.NORMS)}")
-    p.add_argument("--batch", type=int, default=128, help="global batch")
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128, help="global batch")
     p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
-    p.add_argument("--steps", type=int, default=10, help="timed steps (rounds) per norm")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps (rounds) first")
+    p.add_argument("--steps", type=tool_flags.positive_int, default=10,
+                   help="timed steps (rounds) per norm")
+    p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2,
+                   help="untimed steps (rounds) first")
     p.add_argument("--image_size", type=int, default=None, help="default: 32 for patch<=8, else 224")
     p.add_argument("--depth", type=int, default=None, help="override the preset's depth")
     p.add_argument("--num_classes", type=int, default=10)
@@ -59,7 +62,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
     p.add_argument("--isolate", action="store_true",
                    help="each norm in its own process (benchmarks.isolate); ratios of medians")
-    p.add_argument("--norm_timeout", type=float, default=300.0,
+    p.add_argument("--norm_timeout", type=float, default=NORM_TIMEOUT_S,
                    help="with --isolate: seconds per norm before it is stopped and reported")
     p.add_argument("--isolate_dir", default=None,
                    help="with --isolate: per-norm logs and JSON (default: next to --json, or ./runs)")
@@ -87,6 +90,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if (args.ln_variants or args.time_budget_s or args.interleave_rounds) and not args.one_process:
         raise SystemExit("--ln_variants, --time_budget_s and --interleave_rounds need "
                          "--one_process")
+    if (args.isolate_dir or args.norm_timeout != NORM_TIMEOUT_S) and not args.isolate:
+        raise SystemExit("--norm_timeout and --isolate_dir need --isolate")  # else ignored
+    if args.isolate and args.one_process:  # --one_process ran and --isolate was dropped
+        raise SystemExit("--isolate and --one_process: choose one")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:  # -1: a negative MFU column
+        raise SystemExit(f"--peak_tflops={args.peak_tflops}: must be > 0 (omit it to probe)")
     if args.interleave_rounds < 0:
         raise SystemExit(f"--interleave_rounds={args.interleave_rounds}: must be >= 0 (0: off)")
     xla_flags.parse_variants(args.ln_variants)
@@ -254,7 +263,8 @@ def report(res: dict[str, Any]) -> str:
     how = ("one norm after another in one process, ratio of medians" if a.get("one_process") else
            "one process per norm, ratio of medians" if a.get("isolate") and len(res["rows"]) > 1
            else "round-robin in one process")
-    head = (f"train step: model={a['model']} image={a['image_size'] or 'default'} batch={a['batch']} "
+    head = (f"train step: model={a['model']}{common.depth_label(a)} "
+            f"image={a['image_size'] or 'default'} batch={a['batch']} "
             f"dtype={a['dtype']} remat={a['remat']} recompute={a.get('recompute') or 'none'} "
             f"stream_layout={a.get('stream_layout') or 'auto'} "
             f"scan={a['scan']} grad_accum={a['grad_accum']}; "

@@ -72,10 +72,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.vs_torch", __doc__)
     p.add_argument("--model", default="Ti/4",
                    help="a preset, or a comma list measured one after another in this process")
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--steps", type=int, default=7, help="timed pairs")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=tool_flags.positive_int, default=7, help="timed pairs")
+    p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2)
     p.add_argument("--image_size", type=int, default=None)
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--num_classes", type=int, default=10)
@@ -253,9 +253,15 @@ def run_model(args: argparse.Namespace, model: str, torch: Any, timm: Any, plan:
                               model_overrides=overrides)
     size = int(cfg.data.image_size)
     jb = common.compile_train("jax", cfg, num_classes=args.num_classes)
+    # progress on stderr (compiles and torch.compile take minutes at B/16), as train_step's
+    print(f"{model}: compiled jax in {jb.compile_s:.1f} s", file=sys.stderr, flush=True)
     n_jax = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jb.state.params))
     peaks: dict[str, int] = {}
+    t = time.perf_counter()
     tsteps, n_torch = torch_steps(torch, timm, models.spec_of(cfg.model), args, size, plan, peaks)
+    print(f"{model}: timm {', '.join(plan.variants)} on {plan.device} ready in "
+          f"{time.perf_counter() - t:.1f} s; timing {args.warmup} + {args.steps} rounds",
+          file=sys.stderr, flush=True)
     if n_jax != n_torch:
         print(f"warning: parameter counts differ: jax {n_jax:,} vs timm {n_torch:,}", file=sys.stderr)
     times = common.interleaved({"jax": jb.step, **tsteps}, args.steps, args.warmup)
@@ -284,7 +290,9 @@ def report(res: dict[str, Any]) -> str:
         return "\n\n".join([report(r) for r in res["models"]] + skipped)
     a = res["args"]
     p = res.get("plan", {})
-    head = (f"vs timm: model={a['model']} batch={a['batch']} dtype={a['dtype']} gelu={a['gelu']}; "
+    head = (f"vs timm: model={a['model']}{common.depth_label(a)} "
+            f"image={a['image_size'] or 'default'} batch={a['batch']} dtype={a['dtype']} "
+            f"gelu={a['gelu']}; "
             f"timm on {p.get('device', 'cpu')} ({', '.join(p.get('variants', ['eager']))}, autocast "
             f"{p.get('autocast')}, fused AdamW {p.get('fused_adamw', False)}); {a['steps']} timed "
             f"rounds after {a['warmup']}; step time median [p25, p75] s")

@@ -73,8 +73,12 @@ def backend_started() -> bool:
 
 def apply(preset: str | None = None, argv: Sequence[str] | None = None) -> dict[str, object]:
     """Adds the preset's flags to ``XLA_FLAGS`` (flags the user set there win). Returns a record
-    of what was done, printed by the entry points."""
-    preset = preset or preset_from_argv(argv)
+    of what was done, printed by the entry points. An unknown preset on the command line is left
+    to the entry point's parser (its one-line error and exit 2; this ran at import, exit 1)."""
+    if preset is None:
+        preset = preset_from_argv(argv)
+        if preset not in PRESETS:
+            preset = DEFAULT_PRESET
     if preset not in PRESETS:
         raise SystemExit(f"--xla_preset={preset!r} is not known; accepted: {sorted(PRESETS)}")
     flags = {} if accelerator_expected() else PRESETS[preset]

@@ -37,6 +37,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 0 (a count of warm-up rounds, where 0 means none)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not accepted; accepted: an integer >= 0")
+    return value
+
+
 def check_output(flag: str, path: str, folder: bool = False) -> None:
     """Before the work: ``--flag=path`` can be written as a file (or, ``folder``, a folder): it is
     of that kind if it exists, and a file can be made in the nearest folder that exists. Else a

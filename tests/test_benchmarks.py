@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,17 @@ from tests.conftest import REPO_ROOT
 from tests.deploy_runs import XLA_FAST
 
 TINY = ["--model=Ti/4", "--depth=1", "--image_size=8"]
+
+
+def refused(main, argv: list[str], capsys) -> str:
+    """The CLI contract (docs/faults.md): ``main(argv)`` stops with one stderr line naming the
+    problem and exit 2, no traceback; returns that line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, (e.value, err)
+    return err
 
 
 def test_a_norm_added_to_the_registry_is_a_benchmark_norm(monkeypatch):
@@ -107,17 +119,18 @@ def test_train_step_single_norm_with_options():
                                   "--scan", "--remat", "--grad_accum=2"])
     assert res["peak_source"] == "probe" and res["peak_flops"] > 0
     assert "time_ratio" not in res["rows"][0]
+    # the header names the overridden depth: else the table reads as the whole Ti/4's
+    assert train_step.report(res).startswith("train step: model=Ti/4 depth=1 image=8 ")
 
 
-def test_train_step_times_the_on_device_augmentation():
+def test_train_step_times_the_on_device_augmentation(capsys):
     from benchmarks import train_step
     res = train_step.main(TINY + ["--augment=none,deit", "--batch=4", "--steps=1", "--warmup=0",
                                   "--peak_tflops=1"])
     rows = {r["norm"]: r for r in res["rows"]}
     assert set(rows) == {"layernorm", "layernorm+deit"}
     assert rows["layernorm+deit"]["time_ratio_median"] > 0 and rows["layernorm+deit"]["within"] == "-"
-    with pytest.raises(SystemExit, match="--augment: unknown"):
-        train_step.main(TINY + ["--augment=autoaugment"])
+    assert "--augment: unknown" in refused(train_step.main, TINY + ["--augment=autoaugment"], capsys)
 
 
 def test_train_step_isolated_norms_each_in_a_process(tmp_path, monkeypatch):
@@ -156,6 +169,7 @@ def test_inference():
     assert all(r["images_per_s"] > 0 for r in res["rows"])
     # Folding removes the norms' FLOPs (XLA's count of the compiled eval).
     assert 0 < rows["batchnorm+folded"]["flops_per_batch"] < rows["batchnorm"]["flops_per_batch"]
+    assert inference.report(res).startswith("inference (train=False): model=Ti/4 depth=1 image=8 ")
 
 
 def test_input_pipeline_digits():
@@ -167,15 +181,21 @@ def test_input_pipeline_digits():
     assert 0 <= row["wait_fraction"] <= 1
 
 
-def test_input_pipeline_core_scaling():
-    """--cores: the ImageNet pipeline alone in a child pinned to N cores (synthetic JPEGs)."""
+def test_input_pipeline_core_scaling(capsys):
+    """--cores: the ImageNet pipeline alone in a child pinned to N cores (synthetic JPEGs). A
+    count above the host's cores is left out and named (the README's --cores=1,2,4,8,16 was
+    refused whole on any host with fewer than 16 cores); none left is refused."""
     from benchmarks import input_pipeline
-    res = input_pipeline.main(["--cores=1", "--batches=1", "--batch=8",
+    res = input_pipeline.main(["--cores=1,4096", "--batches=1", "--batch=8",
                                "--synthetic_examples=16"])
     (row,) = res["rows"]
     assert (row["cores"], row["workers"], row["source"]) == (1, 1, "synthetic JPEG")
     assert row["images_s"] > 0 and row["images_s_per_core"] == row["images_s"]
     assert row["efficiency"] == 1.0
+    assert "--cores: [4096] left out: this process may use " in capsys.readouterr().err
+    assert "\nnot measured: [4096] cores" in input_pipeline.report(res)
+    assert "--cores=4096: each count must be in [1, " in refused(input_pipeline.main,
+                                                                 ["--cores=4096"], capsys)
 
 
 def test_memory_fit():
@@ -187,6 +207,7 @@ def test_memory_fit():
     # Activations, not just the input image (8*8*3 float32): XLA:CPU's own peak counted only that.
     assert rows[False]["per_sample_MiB"] * 2 ** 20 > 4 * 8 * 8 * 3 * 4
     assert rows[True]["per_sample_MiB"] <= rows[False]["per_sample_MiB"] * 1.05
+    assert "image=8, depth=1, scan=False;" in memory.report(res)
 
 
 def test_compile_time():
@@ -210,7 +231,10 @@ def _vs_torch_subprocess(args: list[str], tmp_path) -> dict:
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "XLA_FLAGS": XLA_FAST})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(j.read_text())
+    # progress while it compiles and builds timm (it printed nothing until the end)
+    for m in [a.split("=")[1] for a in args if a.startswith("--model=")][0].split(","):
+        assert f"{m}: compiled jax in " in proc.stderr and f"{m}: timm eager on " in proc.stderr
+    return {**json.loads(j.read_text()), "stdout": proc.stdout}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None
@@ -220,6 +244,7 @@ def test_vs_torch(tmp_path):
     res = _vs_torch_subprocess(TINY + ["--batch=4", "--steps=1", "--warmup=1"], tmp_path)
     params = {r["impl"]: r["params"] for r in res["rows"]}
     assert params["jax"] == params["timm"]  # the same model on both sides
+    assert "vs timm: model=Ti/4 depth=1 image=8 batch=4 " in res["stdout"]
     assert res["speed_vs_timm"]["median"] > 0
 
 
@@ -304,7 +329,7 @@ def test_xla_presets_are_cpu_only(monkeypatch):
     assert xla_flags.apply("tuned", [])["flags"] == xla_flags.PRESETS["tuned"]
 
 
-def test_train_step_one_process_with_xla_flag_variants(tmp_path):
+def test_train_step_one_process_with_xla_flag_variants(tmp_path, capsys):
     from benchmarks import train_step
     j = tmp_path / "one.json"
     res = train_step.main(TINY + ["--one_process", "--batch=4", "--steps=1", "--warmup=0",
@@ -317,11 +342,11 @@ def test_train_step_one_process_with_xla_flag_variants(tmp_path):
     (bad,) = res["failures"]
     assert bad["norm"] == "layernorm@bad" and "xla_bogus" in bad["reason"]
     assert json.loads(j.read_text())["pending"] == []
-    with pytest.raises(SystemExit, match="need --one_process"):
-        train_step.main(TINY + ["--ln_variants=a=--xla_x=1"])
+    assert "need --one_process" in refused(train_step.main, TINY + ["--ln_variants=a=--xla_x=1"],
+                                           capsys)
 
 
-def test_train_step_one_process_interleaved_rounds(tmp_path):
+def test_train_step_one_process_interleaved_rounds(tmp_path, capsys):
     """--interleave_rounds: every norm's step kept, then timed round-robin; each row gets its
     per-round ratio to LayerNorm's (LN's own exactly 1), and a budget too small for the rounds
     says why instead."""
@@ -339,10 +364,9 @@ def test_train_step_one_process_interleaved_rounds(tmp_path):
     assert saved["rows"][1]["interleaved_ratio_median"] == rows["dyt"]["interleaved_ratio_median"]
     res = train_step.main(args + ["--interleave_rounds=100000", "--time_budget_s=60"])
     assert "interleaved_ratio" not in res["rows"][1] and "needed" in res["interleaved_skipped"]
-    with pytest.raises(SystemExit, match="need --one_process"):
-        train_step.main(TINY + ["--interleave_rounds=2"])
-    with pytest.raises(SystemExit, match=r"--interleave_rounds=-1: must be >= 0"):
-        train_step.main(TINY + ["--one_process", "--interleave_rounds=-1"])
+    assert "need --one_process" in refused(train_step.main, TINY + ["--interleave_rounds=2"], capsys)
+    assert "--interleave_rounds=-1: must be >= 0" in refused(
+        train_step.main, TINY + ["--one_process", "--interleave_rounds=-1"], capsys)
 
 
 def test_xla_flag_variants_parse():
@@ -403,3 +427,196 @@ def test_deploy_benchmark_runs_where_only_jax_is(tmp_path):
     text = md.read_text()
     assert "| RepBN | JAX jit CPU |" in text and "onnxruntime" not in text
     assert "<!-- deploy-table:begin -->" in text and "deploy-table-gpu" not in text
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("train_step", ["--norm=bogus"], "--norm: unknown ['bogus']"),  # was exit 1
+    ("train_step", ["--model=Ti", "--depth=1"], "model 'Ti' is not a known preset"),  # IndexError
+    ("inference", ["--model=X/4", "--norm=layernorm"], "'X/4' is not a known preset"),  # traceback
+    ("norm_kernels", ["--norm=bogus"], "--norm: unknown ['bogus']"),
+    ("fold_ops", ["--model=X/16"], "'X/16' is not a known preset"),
+    ("deploy", ["--models=X/3", "--norms=layernorm", "--runtimes=stablehlo"], "'X/3'"),
+])
+def test_a_bad_model_or_norm_is_one_line_and_exit_2(module, argv, message, capsys):
+    """Each was a traceback (a ValueError, IndexError) or a bare message with exit 1, the code of
+    a bug; the project's tools answer bad input with '<prog>: error: ...' and exit 2."""
+    main = importlib.import_module(f"benchmarks.{module}").main
+    err = refused(main, argv, capsys)
+    assert err.startswith(f"python -m benchmarks.{module}: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("module, flag", [
+    ("train_step", "--steps=0"),      # was exit 0 with a table of NaN
+    ("train_step", "--warmup=-1"),    # was one timed round fewer than --steps, silently
+    ("inference", "--batch=0"),       # was a ZeroDivisionError
+    ("norm_kernels", "--steps=0"),
+    ("vs_torch", "--steps=0"),
+    ("deploy", "--reps=0"),
+    ("input_pipeline", "--batches=0"),
+    ("compile_time", "--repeats=0"),
+])
+def test_counts_out_of_range_are_one_line_and_exit_2(module, flag, capsys):
+    main = importlib.import_module(f"benchmarks.{module}").main
+    name, value = flag[2:].split("=")
+    err = refused(main, [flag], capsys)
+    assert f"argument --{name}: {value} is not accepted; accepted: an integer >= " in err, err
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("train_step", ["--json=/proc/no/r.json"], "--json=/proc/no/r.json: cannot write in /proc"),
+    ("deploy", ["--json=/proc/no/r.json"], "--json=/proc/no/r.json: cannot write in /proc"),
+    ("deploy", ["--md=/proc/no/b.md"], "--md=/proc/no/b.md: cannot write in /proc"),
+    ("deploy", ["--include=/nonexistent/rows.json"], "--include=/nonexistent/rows.json: cannot"),
+    ("deploy", ["--norms=bogus"], "--norms: unknown ['bogus']"),        # was a KeyError
+    ("deploy", ["--runtimes=tflite"], "--runtimes: unknown ['tflite']"),  # was a KeyError
+    ("deploy", ["--batches=1,x"], "--batches=1,x: accepted: a comma list of integers >= 1"),
+    ("deploy", ["--models=S16"], "model 'S16' is not a known preset"),
+])
+def test_outputs_and_list_flags_are_checked_before_the_work(module, argv, message, capsys):
+    """An unwritable --json was a traceback after the whole measurement; deploy's unknown names
+    were tracebacks after the first exports."""
+    err = refused(importlib.import_module(f"benchmarks.{module}").main,
+                  argv + ["--model=Ti/4" if module == "train_step" else "--anchors=no"], capsys)
+    assert message in err, err
+
+
+def test_deploy_writes_its_markdown_atomically(tmp_path, monkeypatch):
+    """--md rewrites a doc (docs/benchmarks.md): a write cut short must leave the old file."""
+    from benchmarks import deploy
+    md = tmp_path / "b.md"
+    md.write_text(f"intro\n{deploy.BEGIN}\nold\n{deploy.END}\ntail\n")
+    real_open = open
+
+    def failing_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        if "w" in mode:
+            f.write("half")
+            raise KeyboardInterrupt  # Ctrl-C mid-write
+        return f
+    monkeypatch.setattr("builtins.open", failing_open)
+    with pytest.raises(KeyboardInterrupt):
+        deploy.write_md(str(md), "new")
+    monkeypatch.undo()
+    assert md.read_text() == f"intro\n{deploy.BEGIN}\nold\n{deploy.END}\ntail\n"
+    deploy.write_md(str(md), "new")
+    assert md.read_text() == f"intro\n{deploy.BEGIN}\nnew\n{deploy.END}\ntail\n"
+    assert os.listdir(tmp_path) == ["b.md"]
+
+
+@pytest.mark.parametrize("module, flag, message", [
+    ("memory", "--norm=bogus", "--norm: unknown 'bogus'"),                  # was a KeyError
+    ("memory", "--probe_batches=4", "--probe_batches=4: accepted: two"),   # was an unpack error
+    ("memory", "--probe_batches=4,4", "--probe_batches=4,4: accepted: two"),  # ZeroDivisionError
+    ("memory", "--memory_gb=abc", "--memory_gb=abc: accepted: a comma list of GiB > 0"),
+    ("input_pipeline", "--cores=a,b", "--cores=a,b: each count must be in [1, "),  # ValueError
+])
+def test_memory_and_input_pipeline_list_flags_are_one_line_and_exit_2(module, flag, message,
+                                                                       capsys):
+    err = refused(importlib.import_module(f"benchmarks.{module}").main, [flag], capsys)
+    assert message in err, err
+
+
+def test_norm_kernels_refuses_a_layout_norm_it_cannot_time(capsys):
+    """--norm=layernorm,dpn timed LayerNorm alone and said nothing of dpn (a patch-norm layout,
+    not one layer); 'all' still leaves such norms out."""
+    from benchmarks import norm_kernels
+    err = refused(norm_kernels.main, ["--norm=layernorm,dpn,rescale"], capsys)
+    assert "--norm: ['dpn', 'rescale'] change the model layout, not one layer" in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--norm_timeout=60"], "--norm_timeout and --isolate_dir need --isolate"),
+    (["--isolate_dir=d"], "--norm_timeout and --isolate_dir need --isolate"),
+    (["--isolate", "--one_process"], "--isolate and --one_process: choose one"),
+])
+def test_train_step_refuses_flags_it_would_ignore(argv, message, capsys):
+    """Each ran without a word about the flag: --norm_timeout and --isolate_dir act only with
+    --isolate, and --one_process took over from --isolate."""
+    from benchmarks import train_step
+    assert message in refused(train_step.main, TINY + argv, capsys)
+
+
+def test_an_unknown_xla_preset_is_the_parsers_one_line_error():
+    """xla_flags.apply() runs at import, before the parser: an unknown --xla_preset there was a
+    bare message and exit 1, the code of a bug."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--xla_preset=bogus"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode == 2 and r.stderr.startswith(
+        "python -m benchmarks.memory: error: argument --xla_preset: invalid choice: 'bogus'"), r.stderr
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("compile_time", ["--layouts=unroled"], "--layouts: unknown ['unroled']"),  # ran as unrolled
+    ("compile_time", ["--depths=12,x"], "--depths=12,x: accepted: a comma list of integers >= 1"),
+    ("compile_time", ["--norm=bogus"], "--norm: unknown 'bogus'"),
+    ("profile", ["--norm=layernorm,dtn"], "--norm: unknown 'layernorm,dtn'"),  # was a KeyError
+    ("profile", ["--part=attn"], "--part: unknown 'attn'"),  # was an empty list of top ops
+    ("train_step", ["--peak_tflops=-1"], "--peak_tflops=-1.0: must be > 0"),  # a negative MFU
+])
+def test_values_that_ran_wrong_or_crashed_are_refused(module, argv, message, capsys):
+    err = refused(importlib.import_module(f"benchmarks.{module}").main, argv, capsys)
+    assert message in err, err
+
+
+def test_the_docs_name_every_entry_point_without_json():
+    """docs/benchmarks.md said every entry point takes --json=FILE; fold_ops, gpu_table and
+    norm_ablation do not. Each entry point of its table either has --json or is named in the
+    opening paragraph as writing elsewhere."""
+    from tests.test_tool_flags import _flags
+    with open(os.path.join(REPO_ROOT, "docs", "benchmarks.md")) as f:
+        text = f.read()
+    opening = text.split("\n\n")[1]
+    names = re.findall(r"^\| `(\w+)` \|", text.split("## XLA flags on CPU")[0], re.M)
+    assert len(names) >= 14, names
+    for name in names:
+        if "--json" not in _flags(f"benchmarks.{name}"):
+            assert f"`{name}`" in opening, (name, opening)
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("fsdp", ["--norm=bogus"], "--norm: unknown 'bogus'"),  # a KeyError
+    ("prepared_in_memory", ["--images=0"], "argument --images: 0 is not accepted"),  # silent exit 2
+    ("prepared_in_memory", ["--skip=20"], "--skip=20: must be below --block=20"),  # nothing counted
+    ("prepare_rate", ["--images=0"], "argument --images: 0 is not accepted"),  # a PrepareError
+    ("norm_ablation", ["--seeds=a", "--summary_only"], "--seeds=a: accepted: a comma list"),
+])
+def test_the_other_entry_points_refuse_bad_values_in_one_line(module, argv, message, capsys):
+    err = refused(importlib.import_module(f"benchmarks.{module}").main, argv, capsys)
+    assert message in err, err
+
+
+def _ctrl_c_mid_write(monkeypatch) -> None:
+    """Every file opened for writing gets a few bytes, then Ctrl-C."""
+    real_open = open
+
+    def failing_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        if "w" in mode:
+            f.write("half")
+            raise KeyboardInterrupt
+        return f
+    monkeypatch.setattr("builtins.open", failing_open)
+
+
+def test_demo_table_rewrites_its_results_atomically(tmp_path, monkeypatch):
+    """demo_table rewrites README.md, docs/analysis.md and the results JSON after a ~50-minute
+    run; each was written in place, so a Ctrl-C then truncated it."""
+    from benchmarks import demo_table
+    path = tmp_path / "results.json"
+    before = json.dumps({"written_by": "python -m benchmarks.demo_table", "methods": {}})
+    path.write_text(before)
+    _ctrl_c_mid_write(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        demo_table.update_results(str(path), {}, {}, "2026-11-28")
+    monkeypatch.undo()
+    assert path.read_text() == before and os.listdir(tmp_path) == ["results.json"]
+
+
+def test_profile_sums_a_step_by_kind_and_part():
+    from benchmarks import profile
+    res = profile.main(TINY + ["--batch=2", "--steps=1", "--part=norm", "--top=3"])
+    assert {r["part"] for r in res["by_part"]} >= {"norm", "mlp", "attention"}
+    assert res["top"] and all(r["part"] == "norm" for r in res["top"])
+    # the header names the overridden depth, as train_step's does
+    assert profile.report(res).startswith("profile: model=Ti/4 depth=1 norm=layernorm batch=2 ")

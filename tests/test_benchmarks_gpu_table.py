@@ -248,3 +248,59 @@ def test_benchmarks_import_without_tensorflow():
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out=/proc/gpu"], "--out=/proc/gpu: cannot write in /proc"),
+    (["--doc={tmp}/none.md"], "--doc={tmp}/none.md: cannot be read (FileNotFoundError"),
+    (["--doc={tmp}/plain.md"], "--doc={tmp}/plain.md: needs the markers"),
+    (["--quick", "--doc={tmp}/plain.md"], "--doc={tmp}/plain.md: needs the markers"),
+    (["--steps=0"], "argument --steps: 0 is not accepted"),
+])
+def test_gpu_table_checks_out_and_doc_before_the_runs(argv, message, tmp_path, capsys):
+    """An unwritable --out was a traceback once the first part was due, a --doc without the
+    markers a bare message with exit 1 after the whole run (20-40 minutes on a GPU)."""
+    from benchmarks import gpu_table
+    (tmp_path / "plain.md").write_text("no markers\n")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        gpu_table.main(argv + ([] if any(a.startswith("--out") for a in argv)
+                               else [f"--out={tmp_path}/out"]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert message.format(tmp=tmp_path) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_table_rewrites_the_doc_atomically(tmp_path, monkeypatch):
+    """--doc is docs/benchmarks.md: a Ctrl-C while it is written must leave it whole."""
+    from benchmarks import gpu_table
+    doc = tmp_path / "doc.md"
+    before = f"# x\n{gpu_table.BEGIN}\nold\n{gpu_table.END}\nafter\n"
+    doc.write_text(before)
+    real_open = open
+
+    def failing_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        if "w" in mode:
+            f.write("half")
+            raise KeyboardInterrupt
+        return f
+    monkeypatch.setattr("builtins.open", failing_open)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_table.write_between_markers(str(doc), "new")
+    monkeypatch.undo()
+    assert doc.read_text() == before
+
+
+@pytest.mark.parametrize("flag", ["--variants=lhs=--xla_gpu_x=true", "--budget_s=300", "--profile",
+                                  "--isolate_norms", "--recompute=gelu", "--compile_cache=c",
+                                  "--stream_layout=free", "--parts=train_B16"])
+def test_gpu_table_quick_only_flags_are_refused_without_quick(flag, capsys):
+    """The full run ignored them without a word (only --parts was refused)."""
+    from benchmarks import gpu_table
+    with pytest.raises(SystemExit) as e:
+        gpu_table.main(["--dry-run", flag])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert f"{flag.split('=')[0]}: applies to --quick only" in err, err
