@@ -13,6 +13,9 @@
 # The device returns at most 8 files of $OUT: the runs write under runs/lease and only their
 # tables, JSON and one archive of all logs are copied to $OUT (8 files at most).
 set -u
+# Known errors (a ValueError is exit 2, one line) show their traceback too: a lease's logs are all
+# there is to tell a bug from bad input (docs/faults.md).
+export NORMVIT_TRACEBACK=1
 T0=$(date +%s); DEADLINE_S=${DEADLINE_S:-575}; STAGES=${STAGES:-"table check deploy"}
 OUT=${OUT:-runs/lease_out}; RUNS=runs/lease; mkdir -p "$OUT" "$RUNS"
 left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }

@@ -40,6 +40,18 @@ EXIT_CODES: tuple[tuple[str, str, int], ...] = (
 )
 
 
+TRACEBACK_ENV = "NORMVIT_TRACEBACK"  # set (to anything but '' or 0): known errors show theirs too
+
+
+def _show_traceback(error: BaseException) -> None:
+    """With $NORMVIT_TRACEBACK set, the traceback of a known error before its one line: a
+    ValueError from a bug (not from a check) is otherwise indistinguishable from bad input, and
+    a GPU lease's log is all there is to debug it with."""
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        import traceback
+        traceback.print_exception(error, file=sys.stderr)
+
+
 def exit_code(error: BaseException) -> int | None:
     """The exit code of ``error`` by ``EXIT_CODES``; None if it is not a known error."""
     for module, name, code in EXIT_CODES:
@@ -62,6 +74,7 @@ def tool_errors(prog: str) -> Iterator[None]:
         code = exit_code(e)
         if code is None:
             raise
+        _show_traceback(e)
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(code)
 
@@ -123,6 +136,7 @@ def _single_process() -> bool:
 def _stop(error: Exception) -> int:
     """Logs a known error in one line; returns its exit code."""
     code = exit_code(error)
+    _show_traceback(error)
     if code == EXIT_PREEMPTED:
         logging.warning("%s", error)
     else:

@@ -50,6 +50,29 @@ def test_one_table_maps_errors_to_exit_codes(error, code):
     assert cli.exit_code(error) == code
 
 
+def _bad_input():
+    raise ValueError("--batch=0: must be >= 1")
+
+
+@pytest.mark.parametrize("env", ["", "0", "1"])
+def test_normvit_traceback_adds_the_traceback_of_a_known_error(env, monkeypatch, capsys):
+    """A tool's known error is one line; with $NORMVIT_TRACEBACK set (a GPU lease's scripts set
+    it) its traceback comes before that line, with the same exit code."""
+    monkeypatch.setenv(cli.TRACEBACK_ENV, env)
+    with pytest.raises(SystemExit) as e, cli.tool_errors("python -m normvit_jax.tool"):
+        _bad_input()
+    assert e.value.code == cli.EXIT_CONFIG
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "python -m normvit_jax.tool: error: --batch=0: must be >= 1"
+    shown = "Traceback (most recent call last):" in err and any("_bad_input" in x for x in err)
+    assert shown == (env == "1") and (len(err) == 1) == (env != "1"), err
+    try:  # main.py's path: the same rule
+        _bad_input()
+    except ValueError as raised:
+        assert cli._stop(raised) == cli.EXIT_CONFIG
+    assert ("Traceback" in capsys.readouterr().err) == (env == "1")
+
+
 def test_gcs_credentials_checked_offline(tmp_path, monkeypatch):
     """Without google-auth installed the check looks where google.auth.default() would: a key
     file, gcloud's application default credentials, a Cloud VM's DMI name; none -> WorkdirError
