@@ -536,7 +536,8 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     from benchmarks import common
-    norms = common.norm_names(args.norm)
+    with common.tool_errors("python -m benchmarks.gpu_hlo"):  # a SystemExit('text'): exit 2
+        norms = common.norm_names(args.norm)
     if os.environ.get(_CHILD) != "1":
         try:
             overrides(args.set)  # a bad --set exits 2 before anything starts

@@ -73,6 +73,14 @@ def test_config_overrides_and_a_bad_one_in_one_line(tmp_path):
     assert len(lines) == 1 and "--set='model.depth'" in lines[0], r.stderr
 
 
+def test_an_unknown_norm_is_one_line_and_exit_2(capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # it exited 1, the code of a bug
+        gpu_hlo.main(["--norm=layernorm,bogus", "--depth=1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "unknown ['bogus']" in err, err
+
+
 def test_buffers_at_the_memory_peak_grouped_by_what_made_them(tmp_path):
     """--peak: XLA's live-range report of the real train step (XLA:CPU writes the same report as
     XLA:GPU), grouped: the parameters and optimizer state are the state's arrays, the
