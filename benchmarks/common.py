@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from benchmarks import xla_flags
+from benchmarks import files, xla_flags
 from configs import default
 from normvit_jax import cli, data, models, norms, sharding, tool_flags
 from normvit_jax.train import optimizer as optim
@@ -383,11 +383,9 @@ def write_json(path: str | None, payload: Any) -> None:
     stops this process mid-run, finds the previous complete file or the new one."""
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=1, default=lambda o: dataclasses.asdict(o)
-                      if dataclasses.is_dataclass(o) else str(o))
-        os.replace(tmp, path)
+        files.write_text_atomic(path, json.dumps(
+            payload, indent=1,
+            default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)))
 
 
 def gib(n: float | None) -> float | None:

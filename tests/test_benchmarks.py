@@ -620,3 +620,20 @@ def test_profile_sums_a_step_by_kind_and_part():
     assert res["top"] and all(r["part"] == "norm" for r in res["top"])
     # the header names the overridden depth, as train_step's does
     assert profile.report(res).startswith("profile: model=Ti/4 depth=1 norm=layernorm batch=2 ")
+
+
+def test_write_json_is_whole_or_absent_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    from benchmarks import common
+    path = tmp_path / "r.json"
+    common.write_json(str(path), {"a": 1})
+    real_replace = os.replace
+
+    def interrupted(src, dst):  # a Ctrl-C between writing and renaming
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        common.write_json(str(path), {"a": 2})
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
