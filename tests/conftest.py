@@ -81,6 +81,19 @@ import pytest  # noqa: E402
 from configs import vit_ln  # noqa: E402
 
 
+def ctrl_c_mid_write(monkeypatch) -> None:
+    """Every file opened for writing gets a few bytes, then Ctrl-C (tests of atomic writes)."""
+    real_open = open
+
+    def failing_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        if "w" in mode:
+            f.write("half")
+            raise KeyboardInterrupt
+        return f
+    monkeypatch.setattr("builtins.open", failing_open)
+
+
 def tiny_demo_config(**overrides):
     """The digits demo shrunk to a 2-block, 32-wide ViT; a few steps take seconds."""
     c = vit_ln.get_config("demo")

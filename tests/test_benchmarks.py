@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, ctrl_c_mid_write
 from tests.deploy_runs import XLA_FAST
 
 TINY = ["--model=Ti/4", "--depth=1", "--image_size=8"]
@@ -586,19 +586,6 @@ def test_the_other_entry_points_refuse_bad_values_in_one_line(module, argv, mess
     assert message in err, err
 
 
-def _ctrl_c_mid_write(monkeypatch) -> None:
-    """Every file opened for writing gets a few bytes, then Ctrl-C."""
-    real_open = open
-
-    def failing_open(path, mode="r", *a, **k):
-        f = real_open(path, mode, *a, **k)
-        if "w" in mode:
-            f.write("half")
-            raise KeyboardInterrupt
-        return f
-    monkeypatch.setattr("builtins.open", failing_open)
-
-
 def test_demo_table_rewrites_its_results_atomically(tmp_path, monkeypatch):
     """demo_table rewrites README.md, docs/analysis.md and the results JSON after a ~50-minute
     run; each was written in place, so a Ctrl-C then truncated it."""
@@ -606,7 +593,7 @@ def test_demo_table_rewrites_its_results_atomically(tmp_path, monkeypatch):
     path = tmp_path / "results.json"
     before = json.dumps({"written_by": "python -m benchmarks.demo_table", "methods": {}})
     path.write_text(before)
-    _ctrl_c_mid_write(monkeypatch)
+    ctrl_c_mid_write(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         demo_table.update_results(str(path), {}, {}, "2026-11-28")
     monkeypatch.undo()

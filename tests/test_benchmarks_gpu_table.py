@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, ctrl_c_mid_write
 from tests.deploy_runs import XLA_FAST
 
 def test_gpu_table_dry_run_lists_the_commands(capsys):
@@ -278,15 +278,7 @@ def test_gpu_table_rewrites_the_doc_atomically(tmp_path, monkeypatch):
     doc = tmp_path / "doc.md"
     before = f"# x\n{gpu_table.BEGIN}\nold\n{gpu_table.END}\nafter\n"
     doc.write_text(before)
-    real_open = open
-
-    def failing_open(path, mode="r", *a, **k):
-        f = real_open(path, mode, *a, **k)
-        if "w" in mode:
-            f.write("half")
-            raise KeyboardInterrupt
-        return f
-    monkeypatch.setattr("builtins.open", failing_open)
+    ctrl_c_mid_write(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         gpu_table.write_between_markers(str(doc), "new")
     monkeypatch.undo()
