@@ -59,7 +59,7 @@ def plan(args: argparse.Namespace, names: list[str]) -> list[tuple[str, str, str
     """(row name, norm, augmentation set, per-compile XLA options) in the order they run."""
     items = [(n if aug == "none" else f"{n}+{aug}", n, aug, {})
              for n in names for aug in args.augment.split(",")]
-    for v, flags in xla_flags.parse_variants(args.ln_variants):
+    for v, flags in xla_flags.parse_variants(args.ln_variants, "ln_variants"):
         if flags:
             items.append((f"layernorm@{v}", "layernorm", "none", xla_flags.flag_options(flags)))
     return items

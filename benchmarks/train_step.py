@@ -98,7 +98,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SystemExit(f"--peak_tflops={args.peak_tflops}: must be > 0 (omit it to probe)")
     if args.interleave_rounds < 0:
         raise SystemExit(f"--interleave_rounds={args.interleave_rounds}: must be >= 0 (0: off)")
-    xla_flags.parse_variants(args.ln_variants)
+    xla_flags.parse_variants(args.ln_variants, "ln_variants")
     bad = [a for a in args.augment.split(",") if a not in AUGMENT]
     if bad:
         raise SystemExit(f"--augment: unknown {bad}; accepted: {sorted(AUGMENT)}")

@@ -128,18 +128,18 @@ def flag_options(flags: str) -> dict[str, object]:
     return out
 
 
-def parse_variants(spec: str) -> list[tuple[str, str]]:
+def parse_variants(spec: str, flag: str = "variants") -> list[tuple[str, str]]:
     """``'base=;lhs=--xla_gpu_enable_latency_hiding_scheduler=true'`` -> [(name, flags)], in order;
-    an empty flag string is the run as it is (no variant)."""
+    an empty flag string is the run as it is (no variant). ``flag``: the option's name in errors."""
     out = []
     for item in (s.strip() for s in spec.split(";")):
         if not item:
             continue
         name, sep, flags = item.partition("=")
         if not sep or not name.strip().isidentifier():
-            raise SystemExit(f"--variants: {item!r} is not NAME=FLAGS (NAME a word)")
+            raise SystemExit(f"--{flag}: {item!r} is not NAME=FLAGS (NAME a word)")
         flag_options(flags)  # fail early on a malformed flag
         out.append((name.strip(), flags.strip()))
     if len({n for n, _ in out}) != len(out):
-        raise SystemExit(f"--variants: names repeat in {spec!r}")
+        raise SystemExit(f"--{flag}: names repeat in {spec!r}")
     return out

@@ -344,6 +344,8 @@ def test_train_step_one_process_with_xla_flag_variants(tmp_path, capsys):
     assert json.loads(j.read_text())["pending"] == []
     assert "need --one_process" in refused(train_step.main, TINY + ["--ln_variants=a=--xla_x=1"],
                                            capsys)
+    err = refused(train_step.main, TINY + ["--one_process", "--ln_variants=a b"], capsys)
+    assert err.startswith("python -m benchmarks.train_step: error: --ln_variants: 'a b' is not "), err
 
 
 def test_train_step_one_process_interleaved_rounds(tmp_path, capsys):
