@@ -272,9 +272,11 @@ def render(results: dict[str, Any], failures: list[str], args: argparse.Namespac
             continue
         model = res["args"]["model"]
         for r in res["rows"]:
-            mem = r.get("device_peak_gib") if r.get("device_peak_gib") is not None else r.get("xla_peak_gib")
+            # the device's own peak; where it reports none (CPU), XLA's estimate, marked as such
+            mem = (_f(r["device_peak_gib"]) if r.get("device_peak_gib") is not None
+                   else f"{_f(r.get('xla_peak_gib'))} (XLA est.)")
             lines.append(" | ".join(["", model, r["norm"], r["step_s"], _f(r["images_per_s"], 4),
-                                     _f(r["model_gflops"] / 1e3, 4), _f(r["mfu"]), _f(mem),
+                                     _f(r["model_gflops"] / 1e3, 4), _f(r["mfu"]), mem,
                                      r.get("time_ratio", "-"), _f(r.get("flop_ratio")),
                                      r.get("within", "-"), _f(r["compile_s"])]).strip() + " |")
         for fl in res.get("failures", []):

@@ -42,6 +42,8 @@ def test_gpu_table_tiny_writes_the_table_between_markers(tmp_path):
     text = doc.read_text()
     assert "old" not in text and text.endswith(f"{gpu_table.END}\nafter\n")
     assert "| Ti/4 | layernorm |" in text and "| Ti/4 | rmsnorm |" in text
+    ln_row = next(x for x in text.splitlines() if x.startswith("| Ti/4 | layernorm |"))
+    assert ln_row.split(" | ")[6].endswith(" (XLA est.)"), ln_row  # CPU: no device peak
     assert "vs_torch: not run (--no_torch)" in text and "jax 0." in text
     assert "Host input pipeline" in text and "| 1 |" in text  # 1 core, headroom vs the LN step
     assert "| layernorm+deit |" in text and "| layernorm+randaugment |" in text
