@@ -373,3 +373,23 @@ def test_norms_md_options_are_the_norms_options_with_their_defaults():
                                f"is {default!r}")
     assert checked > 50, checked
     assert not bad, "\n".join(bad)
+
+
+def test_every_public_function_of_the_package_has_type_hints():
+    """The project's standard (type hints on public functions), kept mechanically: every
+    module-level function of normvit_jax not starting with '_' annotates its return and every
+    argument but self/cls."""
+    import ast
+    import glob
+    missing = []
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "normvit_jax", "**", "*.py"),
+                                 recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                args = [a for a in node.args.args + node.args.kwonlyargs
+                        if a.arg not in ("self", "cls")]
+                if node.returns is None or any(a.annotation is None for a in args):
+                    missing.append(f"{os.path.relpath(path, REPO_ROOT)}:{node.lineno} {node.name}")
+    assert not missing, missing

@@ -8,6 +8,8 @@ the number of prefix tokens. Per image and head: the mean over query patches.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,7 +31,7 @@ def uniform_distance(grid: tuple[int, int], patch_size: int) -> float:
     return float(distance_matrix(grid, patch_size).mean())
 
 
-def mean_attention_distance(attention, grid: tuple[int, int], patch_size: int):
+def mean_attention_distance(attention: Any, grid: tuple[int, int], patch_size: int) -> Any:
     """(B, H) mean distance in pixels of attention weights (B, H, T, T), T = prefix + N patches.
 
     Works on numpy and jax arrays (jnp ops, float32).

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 import textwrap
+from typing import Any
 
 import numpy as np
 from matplotlib import ticker
@@ -88,7 +89,7 @@ def log_y(ax: Axes) -> None:
     ax.yaxis.set_minor_formatter(ticker.NullFormatter())
 
 
-def legend(fig: Figure, axes, order: list[str] | None = None, fontsize: int = 8) -> None:
+def legend(fig: Figure, axes: Any, order: list[str] | None = None, fontsize: int = 8) -> None:
     """One legend for the figure, right of the axes: each label once, in ``order`` (the runs'
     order) where given, then in order of appearance."""
     seen: dict[str, object] = {}

@@ -37,7 +37,7 @@ def _pil():
     return Image, ImageOps
 
 
-def to_rgb(im) -> np.ndarray:
+def to_rgb(im: Any) -> np.ndarray:
     """A PIL image (already oriented, first frame) -> uint8 (H, W, 3) by the rule above."""
     if im.mode.startswith("I;16") or im.mode == "I":
         a = np.asarray(im, np.float64)

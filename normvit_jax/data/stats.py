@@ -8,6 +8,7 @@ usual torchvision constants. Digits statistics are computed once from the fixed 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ def affine_of(s: dict[str, np.ndarray], normalize: str) -> tuple[np.ndarray, np.
     return 1 / span, -s["min"] / span
 
 
-def model_input(images, affine: tuple[np.ndarray, np.ndarray] | None):
+def model_input(images: Any, affine: tuple[np.ndarray, np.ndarray] | None) -> Any:
     """Batch images -> model input. uint8 pixels (what JPEG sources ship: a quarter of float32's
     host work and host-to-device bytes) become ``x / 255 * scale + shift`` in float32, on whatever
     array type they are (jax inside a step, numpy outside); float images already are model input.

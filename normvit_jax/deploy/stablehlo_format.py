@@ -12,7 +12,7 @@ from normvit_jax.deploy import bundle as bundle_lib
 from normvit_jax.deploy.errors import UnsupportedOpError
 
 
-def input_spec(b: bundle_lib.Bundle, batch: int | None):
+def input_spec(b: bundle_lib.Bundle, batch: int | None) -> Any:
     import jax
     n = jax.export.symbolic_shape("N")[0] if batch is None else batch
     return jax.ShapeDtypeStruct((n, b.image_size, b.image_size, 3), np.uint8)

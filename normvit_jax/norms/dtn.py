@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -25,7 +25,7 @@ MOMENTS_DTYPES = (None, "float32", "bfloat16", "float16")
 KERNELS = ("xla", "pallas")
 
 
-def position_init(heads: int, local: bool, strength: float):
+def position_init(heads: int, local: bool, strength: float) -> Callable:
     """Kernel (3, H) of the offset -> logit map. 'local': ConViT's init for the first k^2 heads
     (k = floor(sqrt(H))), [2(h2-c), 2(h1-c), -1] for head h1 + k*h2, c = (k-1)/2, the whole
     matrix times ``strength``; other heads and 'reference' (the released ViT re-initialises every

@@ -19,7 +19,8 @@ BACKWARDS = ("reference", "dtn")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def power_core(x, gamma, beta, ema_gz, inv_fwd, inv_bwd, alpha_bkw: float):
+def power_core(x: jax.Array, gamma: jax.Array, beta: jax.Array, ema_gz: jax.Array,
+               inv_fwd: jax.Array, inv_bwd: jax.Array, alpha_bkw: float) -> jax.Array:
     """y = gamma * x * inv_fwd + beta on grouped tokens x (G, B/G, T, C); inv_* broadcast
     (G|1, 1, 1, C)."""
     return gamma * (x * inv_fwd) + beta

@@ -18,8 +18,9 @@ from normvit_jax.norms._common import (NormContext, as_groups, check_group_size,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def un_core(x, gamma, beta, ema_gz, buffer_gz, inv, r, t, skip, window_bp: int, warmup: int,
-            momentum: float):
+def un_core(x: jax.Array, gamma: jax.Array, beta: jax.Array, ema_gz: jax.Array,
+            buffer_gz: jax.Array, inv: jax.Array, r: jax.Array, t: jax.Array, skip: jax.Array,
+            window_bp: int, warmup: int, momentum: float) -> jax.Array:
     """y = gamma * x * inv + beta on grouped tokens x (G, B/G, T, C). r only shapes the backward."""
     return gamma * (x * inv) + beta
 

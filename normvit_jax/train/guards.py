@@ -139,7 +139,7 @@ def all_finite(state: TrainState) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-def check_finite(config, window: MetricsWindow, state, step: int, saver: CheckpointSaver
+def check_finite(config: Any, window: MetricsWindow, state: Any, step: int, saver: CheckpointSaver
                   ) -> tuple[dict[str, float], int, str | None]:
     """The window's values, its number of skipped steps, and what is wrong if the run must stop:
     a NaN/Inf loss or grad norm, or with skip_nonfinite_steps=N, N skipped steps in a row."""
