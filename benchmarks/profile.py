@@ -186,13 +186,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         taken[part] += 1
         rows_top.append({"op": n, "kind": kinds[n][0], "part": part,
-                         "ms_per_step": round(v * 1e3, 1), "shape": shapes.get(n, "")})
+                         "ms_per_step": ms(v), "shape": shapes.get(n, "")})
     return {"machine": common.machine(), "args": vars(args), "wall_s": common.summarize(wall).median,
             "op_time_s": total, "unmatched_s": None if unmatched is None else unmatched / args.steps,
             "matched_share": None if unmatched is None else
             round(total / max(total + unmatched / args.steps, 1e-12), 4),
             "by_kind": rows_kind, "by_part": rows_part, "top": rows_top,
             "flops": bench.flops}
+
+
+def ms(seconds: float) -> float:
+    """Milliseconds to 3 significant digits: a GPU step's ops are mostly 0.01-0.1 ms, which one
+    decimal rounded to 0.0 or 0.1."""
+    return float(f"{seconds * 1e3:.3g}")
 
 
 def report(res: dict[str, Any]) -> str:

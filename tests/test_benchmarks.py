@@ -609,6 +609,8 @@ def test_profile_sums_a_step_by_kind_and_part():
     assert res["top"] and all(r["part"] == "norm" for r in res["top"])
     # the header names the overridden depth, as train_step's does
     assert profile.report(res).startswith("profile: model=Ti/4 depth=1 norm=layernorm batch=2 ")
+    assert all(r["ms_per_step"] > 0 for r in res["top"])  # tiny ops were rounded to 0.0
+    assert [profile.ms(s) for s in (0.0000437, 0.0123456, 1.5)] == [0.0437, 12.3, 1500.0]
 
 
 def test_write_json_is_whole_or_absent_and_leaves_no_temporary_file(tmp_path, monkeypatch):
