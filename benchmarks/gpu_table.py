@@ -113,7 +113,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         if given:
             p.error(f"{', '.join(given)}: appl{'y' if len(given) > 1 else 'ies'} to --quick only")
     from benchmarks import xla_flags
-    xla_flags.parse_variants(args.variants)
+    try:
+        xla_flags.parse_variants(args.variants)
+    except SystemExit as e:  # its bare message exited 1 without the tool's name
+        msg = str(e.code)
+        p.error(msg if msg.startswith("--variants") else f"--variants: {msg}")
     if args.parts:
         from benchmarks import gpu_quick
         known = gpu_quick.part_names(args)

@@ -298,3 +298,19 @@ def test_gpu_table_quick_only_flags_are_refused_without_quick(flag, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1, err
     assert f"{flag.split('=')[0]}: applies to --quick only" in err, err
+
+
+@pytest.mark.parametrize("variants, message", [
+    ("bad", "--variants: 'bad' is not NAME=FLAGS"),
+    ("a=--xla_x", "XLA flag '--xla_x': expected --name=value"),
+    ("a=--xla_x=1;a=--xla_y=2", "--variants: names repeat"),
+])
+def test_gpu_table_bad_variants_is_one_line_and_exit_2(variants, message, capsys):
+    """docs/benchmarks.md: bad input is one line `python -m benchmarks.<name>: error: ...` and exit
+    2; a malformed --variants was xla_flags' bare SystemExit (exit 1, no tool name)."""
+    from benchmarks import gpu_table
+    with pytest.raises(SystemExit) as e:
+        gpu_table.main(["--quick", "--dry-run", f"--variants={variants}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("python -m benchmarks.gpu_table: error: ") and message in err, err
