@@ -125,9 +125,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                if n and not gpu_quick.select([(k,) for k in known], n)]
         if bad:
             p.error(f"--parts: unknown part(s) {bad}; accepted: {sorted(set(known))}")
-    args.temp_cache = args.compile_cache is None and args.quick and not args.dry_run
-    if args.compile_cache is None:
-        args.compile_cache = tempfile.mkdtemp(prefix="gpu_table_jax_cache_") if args.temp_cache else ""
     args.steps = args.steps if args.steps is not None else 1 if args.tiny else 10 if args.quick else 20
     args.warmup = args.warmup if args.warmup is not None else 0 if args.tiny else 2 if args.quick else 3
     if args.pipeline_cores is None:
@@ -147,6 +144,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                 check_markers(args.doc)
         except ValueError as e:
             p.error(str(e))
+    # after every check: a refused command leaves no temporary folder behind
+    args.temp_cache = args.compile_cache is None and args.quick and not args.dry_run
+    if args.compile_cache is None:
+        args.compile_cache = tempfile.mkdtemp(prefix="gpu_table_jax_cache_") if args.temp_cache else ""
     return args
 
 

@@ -314,3 +314,18 @@ def test_gpu_table_bad_variants_is_one_line_and_exit_2(variants, message, capsys
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith("python -m benchmarks.gpu_table: error: ") and message in err, err
+
+
+def test_gpu_table_refused_quick_run_leaves_no_temporary_cache(tmp_path, monkeypatch, capsys):
+    """--quick without --compile_cache makes a temporary cache folder, removed at the end of the
+    run; a command refused at parse (an --out that cannot be written) must not leave it behind."""
+    import tempfile
+
+    from benchmarks import gpu_table
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    with pytest.raises(SystemExit) as e:
+        gpu_table.main(["--quick", "--out=/proc/gpu"])
+    assert e.value.code == 2, capsys.readouterr().err
+    assert list(tmp.iterdir()) == []
