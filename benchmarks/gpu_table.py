@@ -279,7 +279,8 @@ def render(results: dict[str, Any], failures: list[str], args: argparse.Namespac
         for r in res["rows"]:
             # the device's own peak; where it reports none (CPU), XLA's estimate, marked as such
             mem = (_f(r["device_peak_gib"]) if r.get("device_peak_gib") is not None
-                   else f"{_f(r.get('xla_peak_gib'))} (XLA est.)")
+                   else f"{_f(r['xla_peak_gib'])} (XLA est.)" if r.get("xla_peak_gib") is not None
+                   else "-")  # neither figure (XLA's memory analysis failed): no estimate to mark
             lines.append(" | ".join(["", model, r["norm"], r["step_s"], _f(r["images_per_s"], 4),
                                      _f(r["model_gflops"] / 1e3, 4), _f(r["mfu"]), mem,
                                      r.get("time_ratio", "-"), _f(r.get("flop_ratio")),

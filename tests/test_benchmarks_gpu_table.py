@@ -329,3 +329,21 @@ def test_gpu_table_refused_quick_run_leaves_no_temporary_cache(tmp_path, monkeyp
         gpu_table.main(["--quick", "--out=/proc/gpu"])
     assert e.value.code == 2, capsys.readouterr().err
     assert list(tmp.iterdir()) == []
+
+
+def test_gpu_table_peak_column_marks_only_an_estimate_it_has():
+    """The full run's peak GiB: the device's peak, else XLA's estimate marked '(XLA est.)', else
+    '-' (a row with neither read '- (XLA est.)', an estimate that is not there)."""
+    import argparse
+
+    from benchmarks import gpu_table
+    row = {"norm": "layernorm", "step_s": "0.1", "images_per_s": 10.0, "model_gflops": 1.0,
+           "mfu": 0.5, "compile_s": 1.0}
+    rows = [dict(row, device_peak_gib=2.0), dict(row, norm="rmsnorm", xla_peak_gib=3.0),
+            dict(row, norm="dyt")]
+    args = argparse.Namespace(batch=4, dtype="float32", num_classes=10, steps=1, warmup=0,
+                              out="runs/gpu", xla_flags="")
+    md = gpu_table.render({"train_Ti4": {"args": {"model": "Ti/4"}, "rows": rows}}, [], args)
+    peaks = {x.split(" | ")[1]: x.split(" | ")[6] for x in md.splitlines()
+             if x.startswith("| Ti/4 |")}
+    assert peaks == {"layernorm": "2", "rmsnorm": "3 (XLA est.)", "dyt": "-"}, md
