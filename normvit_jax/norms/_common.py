@@ -12,6 +12,10 @@ import jax
 import jax.numpy as jnp
 
 
+# reparam's reason for keeping a slot whose norm standardises each token by its own statistics
+PER_TOKEN_STATS = "statistics of each token at inference, not a fixed affine"
+
+
 @dataclasses.dataclass(frozen=True)
 class NormContext:
     """What a norm may need to know about where it sits.

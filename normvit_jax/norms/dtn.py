@@ -18,7 +18,7 @@ import numpy as np
 
 from normvit_jax.norms import dtn_half, dtn_moments, dtn_pallas
 from normvit_jax.norms.dtn_moments import position_weights, relative_offsets  # noqa: F401
-from normvit_jax.norms._common import NormContext, resolve_groups
+from normvit_jax.norms._common import PER_TOKEN_STATS, NormContext, resolve_groups
 
 POSITION_INITS = ("reference", "local")
 MOMENTS_DTYPES = (None, "float32", "bfloat16", "float16")
@@ -68,7 +68,7 @@ class DTN(nn.Module):
     """
 
     CONTEXT_FIELDS = ("grid", "num_prefix_tokens")  # from the NormContext, not options
-    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
+    NOT_FOLDED = PER_TOKEN_STATS  # reparam's reason
 
     heads: int
     grid: tuple[int, int]

@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import NormContext, resolve_groups
+from normvit_jax.norms._common import PER_TOKEN_STATS, NormContext, resolve_groups
 
 
 def _affine(module: nn.Module, y: jax.Array, use_scale: bool, use_bias: bool) -> jax.Array:
@@ -25,7 +25,7 @@ class GroupNorm(nn.Module):
     groups defaults to the model's number of heads (the DTN repository's GN baseline).
     """
 
-    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
+    NOT_FOLDED = PER_TOKEN_STATS  # reparam's reason
 
     groups: int
     epsilon: float = 1e-5
@@ -56,7 +56,7 @@ class InstanceNorm(nn.Module):
     (torch/Flax InstanceNorm: biased, the default here).
     """
 
-    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
+    NOT_FOLDED = PER_TOKEN_STATS  # reparam's reason
 
     epsilon: float = 1e-5
     unbiased: bool = False

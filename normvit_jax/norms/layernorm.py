@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import channel_params, variadic_sums
+from normvit_jax.norms._common import PER_TOKEN_STATS, channel_params, variadic_sums
 
 
 class LayerNorm(nn.Module):
@@ -20,7 +20,7 @@ class LayerNorm(nn.Module):
     as fused LayerNorm kernels do; autodiff of the formula keeps float32 copies of the activation.
     """
 
-    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
+    NOT_FOLDED = PER_TOKEN_STATS  # reparam's reason
     TOKEN_DDOF = 0  # a per-token standardiser: the progressive norm's one-pass hand-over takes it
 
     epsilon: float = 1e-6

@@ -7,13 +7,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from normvit_jax.norms._common import channel_affine
+from normvit_jax.norms._common import PER_TOKEN_STATS, channel_affine
 
 
 class RMSNorm(nn.Module):
     """y = scale * x / sqrt(mean_C(x^2) + eps); no centring, no bias unless asked."""
 
-    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
+    NOT_FOLDED = PER_TOKEN_STATS  # reparam's reason
 
     epsilon: float = 1e-6
     use_scale: bool = True
@@ -34,7 +34,7 @@ class ScaleNorm(nn.Module):
     (init 1) has another meaning and must not load into it.
     """
 
-    NOT_FOLDED = "statistics of each token at inference, not a fixed affine"  # reparam's reason
+    NOT_FOLDED = PER_TOKEN_STATS  # reparam's reason
 
     epsilon: float = 1e-5
     per_channel: bool = False
