@@ -36,7 +36,9 @@ from normvit_jax import cli, tool_flags
 from normvit_jax.data import pipeline as pipeline_lib
 
 BEGIN, END = "<!-- gpu-table:begin -->", "<!-- gpu-table:end -->"
-N_NORMS = 22  # len(benchmarks.common.NORMS) less REGISTRY_ONLY, not imported here (it imports jax): the timeout budget
+# The timeout budget's norm count: len(benchmarks.common.NORMS) less REGISTRY_ONLY (not imported
+# here: it imports jax)
+N_NORMS = 22
 KERNEL_NORMS = "layernorm,batchnorm,repbn,progressive,zscore_repbn,zscore,dyt,derf"  # benchmarks.norm_kernels
 # The XLA GPU flags worth a try (docs/benchmarks.md); pass any of them with --xla_flags.
 GPU_FLAGS_TO_TRY = ("--xla_gpu_enable_latency_hiding_scheduler=true",
