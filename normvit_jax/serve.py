@@ -162,6 +162,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="the runtime's intra-op threads "
                    "(0: its default)")
     args = p.parse_args(argv)
+    from normvit_jax import cli
+    # Ctrl-C while loading or serving (uvicorn shuts down, then re-raises it): one line and 130,
+    # not a KeyboardInterrupt traceback (docs/faults.md)
+    with cli.tool_errors(p.prog):
+        _serve(args)
+
+
+def _serve(args: Any) -> None:
     bad = [f"--{k}={getattr(args, k)}" for k in ("max_bytes", "max_pixels", "workers")
            if getattr(args, k) < 1]  # the flags at fault, not a list of every rule
     bad += [f"--threads={args.threads}"] if args.threads < 0 else []

@@ -348,3 +348,24 @@ def test_an_artifacts_side_files_of_another_shape_are_named(tmp_path):
     (tmp_path / "a.onnx.json").write_text("[]")
     with pytest.raises(DeployError, match=rf"^{path}.json is not an artifact's metadata"):
         artifact.read_metadata(path)
+
+
+def test_ctrl_c_stops_the_service_with_one_line_and_130(served):
+    """Ctrl-C while serving: uvicorn shuts down, then re-raises SIGINT, which was a
+    KeyboardInterrupt traceback and a death by signal; now one line and exit 130 (docs/faults.md).
+    SIGTERM (docker stop, systemd) ends it quietly by the signal, as uvicorn does."""
+    import signal
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)):
+        # a child of a non-interactive shell may inherit SIGINT ignored: restore the default
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "normvit_jax.serve", f"--artifact={served[3]}", "--port=0"],
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        assert proc.stdout.readline(), proc.stderr.read()[-2000:]  # serving
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == code and "Traceback" not in err, (sig, proc.returncode, err)
+        if sig == signal.SIGINT:
+            assert err.strip().splitlines()[-1] == \
+                "python -m normvit_jax.serve: interrupted (Ctrl-C); stopped"
