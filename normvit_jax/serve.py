@@ -33,8 +33,12 @@ class Model:
         self.path, self.fmt = path, self.meta["format"]
         self.max_pixels = max_pixels
         self.run = runtimes.open_artifact(path, self.fmt, self.meta["input"]["shape"][0], threads)
-        size = int(self.meta["preprocess"]["image_size"])
-        self.run(np.zeros((1, size, size, 3), np.uint8))  # compiles / warms up before serving
+        from normvit_jax.data import images
+        from normvit_jax.deploy import preprocess
+        # compiles / warms up the decoder and the model before serving
+        x = preprocess.to_input(images.encode_png(np.zeros((2, 2, 3), np.uint8)),
+                                self.meta["preprocess"], max_pixels)
+        self.run(x[None])
 
     def top_k(self, raw: str | None) -> int:
         from normvit_jax.deploy.preprocess import InputError
@@ -52,7 +56,7 @@ class Model:
 
     def predict(self, data: bytes, k: int) -> dict:
         from normvit_jax.deploy import preprocess
-        x = preprocess.to_input(preprocess.decode(data, self.max_pixels), self.meta["preprocess"])
+        x = preprocess.to_input(data, self.meta["preprocess"], self.max_pixels)
         probs, _ = self.run(x[None])
         p = np.asarray(probs[0], np.float64)
         order = np.argsort(-p, kind="stable")[:k]

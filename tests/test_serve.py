@@ -21,7 +21,6 @@ import pytest
 from PIL import Image
 
 from configs import vit_ln
-from normvit_jax.data import images as image_rule
 from normvit_jax.deploy import artifact, bundle, preprocess
 from tests.conftest import REPO_ROOT
 
@@ -123,28 +122,83 @@ def test_predictions_are_the_runtimes_on_the_pixels(served):
     _check(got, _expected(session, x, 5))
 
 
+def _photo(h: int, w: int, seed: int) -> np.ndarray:
+    """Smooth colours plus grain (a JPEG of noise alone hides chroma effects in the noise)."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), np.uint8)
+    img = np.asarray(Image.fromarray(small).resize((w, h), Image.BILINEAR), np.float32)
+    return np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8)
+
+
+def _predicts_pixels(path: Path, config) -> np.ndarray:
+    """What ``python -m normvit_jax.predict`` feeds the model for the file (its own code)."""
+    from normvit_jax import predict
+    from normvit_jax.data import tf_images
+    kept, x, skipped = predict._decode([str(path)], predict.eval_geometry(config.data),
+                                       tf_images.BatchDecoder(1))
+    assert kept == [str(path)] and not skipped
+    return x[0]
+
+
 @pytest.mark.parametrize("shape, fmt, mode", [
-    ((480, 640, 3), "JPEG", None), ((17, 33), "PNG", "L"), ((300, 5, 4), "PNG", "RGBA"),
-    ((1, 1, 3), "PNG", None), ((40, 30), "GIF", "L"), ((20, 24), "PNG", "I;16")])
-def test_any_size_and_mode_is_cropped_and_resized_as_in_evaluation(served, shape, fmt, mode):
+    ((480, 640, 3), "JPEG", None), ((40, 48, 3), "JPEG", None), ((17, 33), "PNG", "L"),
+    ((300, 5, 4), "PNG", "RGBA"), ((1, 1, 3), "PNG", None), ((40, 30), "GIF", "L"),
+    ((20, 24), "PNG", "I;16"), ((3, 10000, 3), "PNG", None), ((36, 52, 3), "WEBP", None)])
+def test_any_size_and_mode_gets_predicts_pixels(served, tmp_path, shape, fmt, mode):
+    """The service's answer is the artifact on exactly the pixels predict (and evaluation) makes
+    of the same file. Serving decoded with PIL and resized in numpy: a 4:2:0 JPEG whose central
+    crop ends inside it (40x48) differed in a column by up to 20 levels (TensorFlow decodes only
+    the window), and resized pixels by one level of rounding here and there."""
     url, session, meta = served[:3]
-    rng = np.random.default_rng(2)
-    a = rng.integers(0, 65536 if mode == "I;16" else 256, shape).astype(
-        np.uint16 if mode == "I;16" else np.uint8)
+    if mode in ("L", "RGBA", "I;16"):
+        a = np.random.default_rng(2).integers(0, 65536 if mode == "I;16" else 256, shape).astype(
+            np.uint16 if mode == "I;16" else np.uint8)
+    else:
+        a = _photo(shape[0], shape[1], 2)
     data = _encode(a, fmt, mode)
+    (tmp_path / "image").write_bytes(data)
+    x = _predicts_pixels(tmp_path / "image", vit_ln.get_config("demo"))  # the artifact's config
+    np.testing.assert_array_equal(preprocess.to_input(data, meta["preprocess"], MAX_PIXELS), x)
     status, got = _post(url, data, "?top_k=10")
     assert status == 200, got
-    x = preprocess.to_input(image_rule.load_file(data)[1], meta["preprocess"])
     _check(got, _expected(session, x, 10))
+
+
+def test_a_jpegs_eval_pixels_are_predicts_at_every_crop(tmp_path):
+    """Photo-sized JPEGs under a cropping geometry (ImageNet's 0.875 central crop to 224, bicubic;
+    big_vision's resize_small): pixel for pixel what predict makes of the file."""
+    from configs import vit_ln as cfg_module
+    for k, (h, w, fraction, small, interpolation) in enumerate([
+            (375, 500, 0.875, 0, "bicubic"), (333, 517, 0.875, 0, "bilinear"),
+            (300, 257, 1.0, 256, "bilinear")]):
+        c = cfg_module.get_config("demo")
+        c.data.update(image_size=224, eval_crop_fraction=fraction, eval_resize_small=small,
+                      interpolation=interpolation)
+        data = _encode(_photo(h, w, k), "JPEG")
+        (tmp_path / f"{k}.jpg").write_bytes(data)
+        got = preprocess.to_input(data, bundle.eval_preprocess(c.data), 10**7)
+        np.testing.assert_array_equal(got, _predicts_pixels(tmp_path / f"{k}.jpg", c))
+
+
+def test_the_metadata_geometry_is_predicts():
+    """preprocess.geometry of what the export writes (bundle.eval_preprocess) is predict's own
+    eval geometry of the run's config, for each setting the geometry has."""
+    from normvit_jax import predict
+    for update in ({}, {"eval_crop_fraction": 0.875, "interpolation": "bicubic"},
+                   {"interpolation": "random", "antialias": False}, {"eval_resize_small": 40}):
+        c = vit_ln.get_config("demo")
+        c.data.update(image_size=32, **update)
+        assert preprocess.geometry(bundle.eval_preprocess(c.data)) == \
+            predict.eval_geometry(c.data), update
 
 
 def test_the_eval_resize_is_pils_antialiased_resize():
     """The geometry against PIL itself (the reference the eval pipeline follows): central square
     crop, antialiased bilinear resize; within one level of rounding."""
     rgb = np.random.default_rng(3).integers(0, 256, (48, 64, 3), np.uint8)
-    got = preprocess.to_input(rgb, {"image_size": 8, "eval_crop_fraction": 1.0,
-                                    "eval_resize_small": 0, "interpolation": "bilinear",
-                                    "antialias": True})  # what bundle.eval_preprocess writes
+    got = preprocess.to_input(_encode(rgb), {"image_size": 8, "eval_crop_fraction": 1.0,
+                                             "eval_resize_small": 0, "interpolation": "bilinear",
+                                             "antialias": True}, MAX_PIXELS)
     want = np.asarray(Image.fromarray(rgb[:, 8:56]).resize((8, 8), Image.BILINEAR))
     assert np.abs(got.astype(int) - want).max() <= 1
 
@@ -356,12 +410,14 @@ def test_ctrl_c_stops_the_service_with_one_line_and_130(served):
     SIGTERM (docker stop, systemd) ends it quietly by the signal, as uvicorn does."""
     import signal
     for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)):
-        # a child of a non-interactive shell may inherit SIGINT ignored: restore the default
+        # a child of a background job inherits SIGINT ignored: Python's handler, as in a terminal
         proc = subprocess.Popen(
-            [sys.executable, "-m", "normvit_jax.serve", f"--artifact={served[3]}", "--port=0"],
+            [sys.executable, "-c", "import runpy, signal, sys; "
+             "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'serve'; "
+             "runpy.run_module('normvit_jax.serve', run_name='__main__')",
+             f"--artifact={served[3]}", "--port=0"],
             cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT}, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            stderr=subprocess.PIPE, text=True)
         assert proc.stdout.readline(), proc.stderr.read()[-2000:]  # serving
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
