@@ -203,6 +203,22 @@ def test_the_eval_resize_is_pils_antialiased_resize():
     assert np.abs(got.astype(int) - want).max() <= 1
 
 
+def test_a_thin_strip_under_resize_small_is_refused_before_it_is_resized():
+    """eval_resize_small scales the short side: a 3 x 10000 strip (30 kpx, under --max_pixels)
+    became 256 x 853,333 before its central crop (numpy asked for a 64 GB weight matrix, the
+    service died); now a 413 naming the resized size, nothing decoded."""
+    pre = {"image_size": 224, "eval_crop_fraction": 1.0, "eval_resize_small": 256,
+           "interpolation": "bilinear", "antialias": True}
+    strip = _encode(np.zeros((3, 10000, 3), np.uint8))
+    with pytest.raises(preprocess.InputError, match=r"image of 10000x3 is resized to 853333x256 = "
+                       r"218,453,248 pixels \(eval_resize_small=256\), over the limit of "
+                       r"1,000,000 pixels \(--max_pixels\)") as e:
+        preprocess.to_input(strip, pre, MAX_PIXELS)
+    assert e.value.status == 413
+    assert preprocess.to_input(_encode(np.zeros((300, 400, 3), np.uint8)), pre,
+                               MAX_PIXELS).shape == (224, 224, 3)  # a photo's shape still passes
+
+
 def _bomb() -> bytes:
     """A decompression bomb at the test's scale: a 2000 x 2000 black PNG, a few kB that decode
     to 4 Mpx (over the service's --max_pixels of 1 Mpx here)."""

@@ -27,9 +27,11 @@ class InputError(Exception):
         self.status, self.message = status, message
 
 
-def check_pixels(data: bytes, max_pixels: int) -> None:
+def check_pixels(data: bytes, max_pixels: int, pre: dict | None = None) -> None:
     """Reads only the header: a file whose image is over ``max_pixels`` (a decompression bomb:
-    a small file that decodes to a huge image) is refused before it is decoded."""
+    a small file that decodes to a huge image) is refused before it is decoded; with
+    ``eval_resize_small`` in ``pre``, so is one whose resized image would be (a 3 x 10000 strip
+    resized to a short side of 256 is 256 x 853,333)."""
     from PIL import Image
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -43,6 +45,14 @@ def check_pixels(data: bytes, max_pixels: int) -> None:
     if w * h > max_pixels:
         raise InputError(413, f"image of {w}x{h} = {w * h:,} pixels is over the limit of "
                               f"{max_pixels:,} pixels (--max_pixels)")
+    small = int((pre or {}).get("eval_resize_small") or 0)
+    if small:  # the sides as tf_images._resize_small_crop rounds them (float32)
+        factor = np.float32(small) / np.float32(min(h, w))
+        nh, nw = int(np.round(np.float32(h) * factor)), int(np.round(np.float32(w) * factor))
+        if nh * nw > max_pixels:
+            raise InputError(413, f"image of {w}x{h} is resized to {nw}x{nh} = {nw * nh:,} "
+                                  f"pixels (eval_resize_small={small}), over the limit of "
+                                  f"{max_pixels:,} pixels (--max_pixels)")
 
 
 def geometry(pre: dict) -> Any:
@@ -69,7 +79,7 @@ def to_input(data: bytes, pre: dict, max_pixels: int) -> np.ndarray:
     if not data:
         raise InputError(400, "empty body: send one image file (raw body or multipart field "
                               "'file')")
-    check_pixels(data, max_pixels)
+    check_pixels(data, max_pixels, pre)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
