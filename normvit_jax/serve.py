@@ -181,6 +181,14 @@ def _serve(args: Any) -> None:
     if bad:
         _stop(f"{', '.join(bad)} is not accepted; accepted: --max_bytes, --max_pixels and "
               "--workers >= 1, --threads >= 0 (0: the runtime's default), --port in 0..65535")
+    address = args.host.strip("[]")  # an IPv6 address as URLs write it: [::1]
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # bound before the model loads (a port in use is said at once), opened after
+        sock.bind((address, args.port))
+    except OSError as e:
+        _stop(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     from normvit_jax.deploy import DeployError, errors
     try:
         errors.require("starlette", "python -m normvit_jax.serve")
@@ -189,16 +197,13 @@ def _serve(args: Any) -> None:
         model = Model(args.artifact, args.threads, args.max_pixels)
     except DeployError as e:
         _stop(str(e))
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-        sock.listen(2048)  # from here on clients queue until uvicorn accepts: none is refused
-    except OSError as e:
+    try:  # from here on clients queue until uvicorn accepts: none is refused
+        sock.listen(2048)
+    except OSError as e:  # another process bound it meanwhile and listens first
         _stop(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     import uvicorn
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host  # http://[::1]:8000, not http://::1:8000
     print(json.dumps({"serving": args.artifact, "format": model.fmt, "url":
                       f"http://{host}:{port}"}), flush=True)
     config = uvicorn.Config(make_app(model, args.max_bytes, args.workers), log_level="warning",

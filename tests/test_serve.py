@@ -441,3 +441,36 @@ def test_ctrl_c_stops_the_service_with_one_line_and_130(served):
         if sig == signal.SIGINT:
             assert err.strip().splitlines()[-1] == \
                 "python -m normvit_jax.serve: interrupted (Ctrl-C); stopped"
+
+
+def test_an_ipv6_host_prints_a_url_that_works(served):
+    """--host=::1 printed http://::1:PORT (not a URL: clients and the line's readers failed);
+    now http://[::1]:PORT, and --host=[::1], as URLs write it, is accepted."""
+    import socket
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    for host in ("::1", "[::1]"):
+        proc = _start(f"--artifact={served[3]}", "--port=0", f"--host={host}")
+        try:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-2000:]
+            url = json.loads(line)["url"]
+            assert url.startswith("http://[::1]:"), url
+            with urllib.request.urlopen(f"{url}/healthz", timeout=30) as r:
+                assert r.status == 200
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def test_a_port_in_use_is_said_before_the_model_loads(served, tmp_path):
+    """The port is bound first: a taken one is the error at once, not after loading a model
+    (TensorFlow for a SavedModel: 10 s and more)."""
+    port = int(served[0].rsplit(":", 1)[1])
+    r = _start(f"--artifact={tmp_path / 'not_loaded.onnx'}", f"--port={port}")
+    _, err = r.communicate(timeout=120)
+    assert r.returncode == 2 and err.strip().splitlines()[-1] == (
+        f"python -m normvit_jax.serve: error: cannot listen on 127.0.0.1:{port}: Address already "
+        "in use"), err[-2000:]
