@@ -474,3 +474,18 @@ def test_a_port_in_use_is_said_before_the_model_loads(served, tmp_path):
     assert r.returncode == 2 and err.strip().splitlines()[-1] == (
         f"python -m normvit_jax.serve: error: cannot listen on 127.0.0.1:{port}: Address already "
         "in use"), err[-2000:]
+
+
+def test_the_docs_digit_png_is_the_digit_the_demo_learnt(tmp_path):
+    """docs/deploy.md's command that makes digit.png, run as written: scikit-learn's values
+    0..16 scaled to 0..255 (the demo trains on value / 16). It multiplied by 16, so the
+    brightest strokes (16 * 16 = 256) wrapped to black in uint8."""
+    import re
+    from sklearn.datasets import load_digits
+    doc = (Path(REPO_ROOT) / "docs" / "deploy.md").read_text(encoding="utf-8")
+    command = re.search(r'`python -c "([^"]*digit\.png[^"]*)"`', doc).group(1)
+    subprocess.run([sys.executable, "-c", command], cwd=tmp_path, check=True, timeout=120)
+    png = np.asarray(Image.open(tmp_path / "digit.png"), np.float64)
+    digit = load_digits().images[7]
+    assert png.shape == (8, 8) and digit.max() == 16  # the case that wrapped
+    np.testing.assert_allclose(png / 255, digit / 16, rtol=0, atol=0.5 / 255)
