@@ -35,9 +35,10 @@ class Model:
         self.run = runtimes.open_artifact(path, self.fmt, self.meta["input"]["shape"][0], threads)
         from normvit_jax.data import images
         from normvit_jax.deploy import preprocess
-        # compiles / warms up the decoder and the model before serving
+        # compiles / warms up the decoder and the model before serving (--max_pixels is for
+        # the requests: a tiny one must not refuse the warm-up's image)
         x = preprocess.to_input(images.encode_png(np.zeros((2, 2, 3), np.uint8)),
-                                self.meta["preprocess"], max_pixels)
+                                self.meta["preprocess"], 2**62)
         self.run(x[None])
 
     def top_k(self, raw: str | None) -> int:

@@ -332,6 +332,10 @@ def test_command_errors_are_one_line_exit_2(tmp_path, served):
     assert err.strip().splitlines()[-1].startswith(
         f"python -m normvit_jax.serve: error: {damaged / 'model.onnx'} cannot be loaded by "
         "onnxruntime (InvalidProtobuf: ")
+    r = _start(f"--artifact={served[3]}", "--port=0", "--max_pixels=3")  # a tiny limit is valid
+    assert json.loads(r.stdout.readline())["format"] == "onnx", r.stderr.read()[-2000:]
+    r.terminate()
+    r.wait(timeout=30)
     r = _start(f"--artifact={served[3]}", "--threads=-1", "--workers=0")
     _, err = r.communicate(timeout=120)
     assert r.returncode == 2 and err.strip().splitlines()[-1].startswith(
