@@ -12,6 +12,7 @@ The runtime is the artifact's own: ONNX Runtime, TensorFlow or JAX (Starlette on
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import sys
@@ -22,6 +23,10 @@ import numpy as np
 DEFAULT_MAX_BYTES = 20 * 2**20      # a 20 MiB upload: any camera's JPEG
 DEFAULT_MAX_PIXELS = 50_000_000     # 50 megapixels decoded (~150 MB of RGB)
 DEFAULT_TOP_K = 5
+# On SIGTERM or Ctrl-C the requests in flight get this long to finish; then their connections are
+# dropped. Without a bound, one client that stopped sending its body kept the service alive
+# forever (docker stop, systemd and Kubernetes then kill it).
+SHUTDOWN_GRACE_S = 5
 
 
 class Model:
@@ -133,6 +138,9 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
             return error(e.status, e.message)
         except ClientDisconnect:  # gone mid-body: nobody reads the answer; no traceback in the log
             return error(400, "the client disconnected before sending the whole body")
+        except asyncio.CancelledError:  # the shutdown's grace ran out (SHUTDOWN_GRACE_S): the
+            # answer ends the task, instead of uvicorn logging the cancellation's traceback
+            return error(503, "the service stopped before the request was complete")
 
     async def healthz(request: Any) -> JSONResponse:
         return JSONResponse({"status": "ok", "format": model.fmt, "artifact": model.path,
@@ -208,7 +216,7 @@ def _serve(args: Any) -> None:
     print(json.dumps({"serving": args.artifact, "format": model.fmt, "url":
                       f"http://{host}:{port}"}), flush=True)
     config = uvicorn.Config(make_app(model, args.max_bytes, args.workers), log_level="warning",
-                            backlog=2048)
+                            backlog=2048, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -427,8 +427,12 @@ def test_an_artifacts_side_files_of_another_shape_are_named(tmp_path):
 def test_ctrl_c_stops_the_service_with_one_line_and_130(served):
     """Ctrl-C while serving: uvicorn shuts down, then re-raises SIGINT, which was a
     KeyboardInterrupt traceback and a death by signal; now one line and exit 130 (docs/faults.md).
-    SIGTERM (docker stop, systemd) ends it quietly by the signal, as uvicorn does."""
+    SIGTERM (docker stop, systemd) ends it quietly by the signal, as uvicorn does. Either one
+    with a client that stopped mid-body: the shutdown waited for it forever; now the requests in
+    flight get serve.SHUTDOWN_GRACE_S, and the cancelled one is no traceback in the log."""
     import signal
+    import socket
+    from normvit_jax import serve
     for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)):
         # a child of a background job inherits SIGINT ignored: Python's handler, as in a terminal
         proc = subprocess.Popen(
@@ -438,9 +442,22 @@ def test_ctrl_c_stops_the_service_with_one_line_and_130(served):
              f"--artifact={served[3]}", "--port=0"],
             cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT}, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
-        assert proc.stdout.readline(), proc.stderr.read()[-2000:]  # serving
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-2000:]  # serving
+        port = int(json.loads(line)["url"].rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as stalled:
+            stalled.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                            + b"x" * 10)
+            with urllib.request.urlopen(f"{served[0].rsplit(':', 1)[0]}:{port}/healthz",
+                                        timeout=30) as r:  # the stalled body is being read
+                assert r.status == 200
+            proc.send_signal(sig)
+            try:  # a hang is what is tested, not a time: the grace plus start-up slack
+                _, err = proc.communicate(timeout=serve.SHUTDOWN_GRACE_S + 60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                pytest.fail(f"{sig!r}: the service did not stop with a stalled client")
         assert proc.returncode == code and "Traceback" not in err, (sig, proc.returncode, err)
         if sig == signal.SIGINT:
             assert err.strip().splitlines()[-1] == \
