@@ -127,6 +127,11 @@ def run_deploy(workdir: str, out: str, fmt: str, *, step: int | None = None, fol
     from normvit_jax.deploy import bundle
     if batch is not None and batch < 1:
         raise deploy.DeployError(f"--batch={batch}: must be >= 1 (leave it out for any batch)")
+    if folded and step is not None:  # the folder is one model: --step was silently not used
+        raise deploy.DeployError(
+            f"--step={step} picks a checkpoint, but --folded={folded} exports the model that "
+            f"folder holds; fold that step first: python -m normvit_jax.reparam "
+            f"--workdir={workdir} --step={step} --out=DIR, then --folded=DIR without --step")
     b = bundle.load(workdir, step=step, folded=folded, fold=fold)
     return deploy.export_artifact(b, fmt, out, batch)
 

@@ -12,6 +12,7 @@ The runtime is the artifact's own: ONNX Runtime, TensorFlow or JAX (Starlette on
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import sys
@@ -22,6 +23,10 @@ import numpy as np
 DEFAULT_MAX_BYTES = 20 * 2**20      # a 20 MiB upload: any camera's JPEG
 DEFAULT_MAX_PIXELS = 50_000_000     # 50 megapixels decoded (~150 MB of RGB)
 DEFAULT_TOP_K = 5
+# On SIGTERM or Ctrl-C the requests in flight get this long to finish; then their connections are
+# dropped. Without a bound, one client that stopped sending its body kept the service alive
+# forever (docker stop, systemd and Kubernetes then kill it).
+SHUTDOWN_GRACE_S = 5
 
 
 class Model:
@@ -33,8 +38,13 @@ class Model:
         self.path, self.fmt = path, self.meta["format"]
         self.max_pixels = max_pixels
         self.run = runtimes.open_artifact(path, self.fmt, self.meta["input"]["shape"][0], threads)
-        size = int(self.meta["preprocess"]["image_size"])
-        self.run(np.zeros((1, size, size, 3), np.uint8))  # compiles / warms up before serving
+        from normvit_jax.data import images
+        from normvit_jax.deploy import preprocess
+        # compiles / warms up the decoder and the model before serving (--max_pixels is for
+        # the requests: a tiny one must not refuse the warm-up's image)
+        x = preprocess.to_input(images.encode_png(np.zeros((2, 2, 3), np.uint8)),
+                                self.meta["preprocess"], 2**62)
+        self.run(x[None])
 
     def top_k(self, raw: str | None) -> int:
         from normvit_jax.deploy.preprocess import InputError
@@ -52,7 +62,7 @@ class Model:
 
     def predict(self, data: bytes, k: int) -> dict:
         from normvit_jax.deploy import preprocess
-        x = preprocess.to_input(preprocess.decode(data, self.max_pixels), self.meta["preprocess"])
+        x = preprocess.to_input(data, self.meta["preprocess"], self.max_pixels)
         probs, _ = self.run(x[None])
         p = np.asarray(probs[0], np.float64)
         order = np.argsort(-p, kind="stable")[:k]
@@ -128,6 +138,9 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
             return error(e.status, e.message)
         except ClientDisconnect:  # gone mid-body: nobody reads the answer; no traceback in the log
             return error(400, "the client disconnected before sending the whole body")
+        except asyncio.CancelledError:  # the shutdown's grace ran out (SHUTDOWN_GRACE_S): the
+            # answer ends the task, instead of uvicorn logging the cancellation's traceback
+            return error(503, "the service stopped before the request was complete")
 
     async def healthz(request: Any) -> JSONResponse:
         return JSONResponse({"status": "ok", "format": model.fmt, "artifact": model.path,
@@ -162,6 +175,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="the runtime's intra-op threads "
                    "(0: its default)")
     args = p.parse_args(argv)
+    from normvit_jax import cli
+    # Ctrl-C while loading or serving (uvicorn shuts down, then re-raises it): one line and 130,
+    # not a KeyboardInterrupt traceback (docs/faults.md)
+    with cli.tool_errors(p.prog):
+        _serve(args)
+
+
+def _serve(args: Any) -> None:
     bad = [f"--{k}={getattr(args, k)}" for k in ("max_bytes", "max_pixels", "workers")
            if getattr(args, k) < 1]  # the flags at fault, not a list of every rule
     bad += [f"--threads={args.threads}"] if args.threads < 0 else []
@@ -169,6 +190,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if bad:
         _stop(f"{', '.join(bad)} is not accepted; accepted: --max_bytes, --max_pixels and "
               "--workers >= 1, --threads >= 0 (0: the runtime's default), --port in 0..65535")
+    address = args.host.strip("[]")  # an IPv6 address as URLs write it: [::1]
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # bound before the model loads (a port in use is said at once), opened after
+        sock.bind((address, args.port))
+    except OSError as e:
+        _stop(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     from normvit_jax.deploy import DeployError, errors
     try:
         errors.require("starlette", "python -m normvit_jax.serve")
@@ -177,20 +206,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = Model(args.artifact, args.threads, args.max_pixels)
     except DeployError as e:
         _stop(str(e))
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-        sock.listen(2048)  # from here on clients queue until uvicorn accepts: none is refused
-    except OSError as e:
+    try:  # from here on clients queue until uvicorn accepts: none is refused
+        sock.listen(2048)
+    except OSError as e:  # another process bound it meanwhile and listens first
         _stop(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     import uvicorn
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host  # http://[::1]:8000, not http://::1:8000
     print(json.dumps({"serving": args.artifact, "format": model.fmt, "url":
                       f"http://{host}:{port}"}), flush=True)
     config = uvicorn.Config(make_app(model, args.max_bytes, args.workers), log_level="warning",
-                            backlog=2048)
+                            backlog=2048, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -200,6 +200,21 @@ def test_export_command_refuses_bad_input_in_one_line(runs, tmp_path, capsys, ar
     assert not os.path.exists(tmp_path / "x")
 
 
+def test_step_with_folded_is_refused_not_ignored(tmp_path, capsys):
+    """--folded exports the folder reparam wrote, whatever --step says: the step was silently
+    not used (a user got another step's model than asked). Refused before anything is read."""
+    code, _, err = _export_main([f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'm.onnx'}",
+                                 "--format=onnx", f"--folded={tmp_path / 'folded'}", "--step=4"],
+                                capsys)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"python -m normvit_jax.export: error: --step=4 picks a checkpoint, but "
+        f"--folded={tmp_path / 'folded'} exports the model that folder holds; fold that step "
+        f"first: python -m normvit_jax.reparam --workdir={tmp_path / 'run'} --step=4 --out=DIR, "
+        f"then --folded=DIR without --step")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
 def test_the_export_command_exits_2_in_one_line(runs, tmp_path):
     """The command as a user runs it (the tests above call its main in this process)."""
     r = subprocess.run([sys.executable, "-m", "normvit_jax.export", f"--workdir={runs['un']}",

@@ -21,7 +21,6 @@ import pytest
 from PIL import Image
 
 from configs import vit_ln
-from normvit_jax.data import images as image_rule
 from normvit_jax.deploy import artifact, bundle, preprocess
 from tests.conftest import REPO_ROOT
 
@@ -123,30 +122,101 @@ def test_predictions_are_the_runtimes_on_the_pixels(served):
     _check(got, _expected(session, x, 5))
 
 
+def _photo(h: int, w: int, seed: int) -> np.ndarray:
+    """Smooth colours plus grain (a JPEG of noise alone hides chroma effects in the noise)."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), np.uint8)
+    img = np.asarray(Image.fromarray(small).resize((w, h), Image.BILINEAR), np.float32)
+    return np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8)
+
+
+def _predicts_pixels(path: Path, config) -> np.ndarray:
+    """What ``python -m normvit_jax.predict`` feeds the model for the file (its own code)."""
+    from normvit_jax import predict
+    from normvit_jax.data import tf_images
+    kept, x, skipped = predict._decode([str(path)], predict.eval_geometry(config.data),
+                                       tf_images.BatchDecoder(1))
+    assert kept == [str(path)] and not skipped
+    return x[0]
+
+
 @pytest.mark.parametrize("shape, fmt, mode", [
-    ((480, 640, 3), "JPEG", None), ((17, 33), "PNG", "L"), ((300, 5, 4), "PNG", "RGBA"),
-    ((1, 1, 3), "PNG", None), ((40, 30), "GIF", "L"), ((20, 24), "PNG", "I;16")])
-def test_any_size_and_mode_is_cropped_and_resized_as_in_evaluation(served, shape, fmt, mode):
+    ((480, 640, 3), "JPEG", None), ((40, 48, 3), "JPEG", None), ((17, 33), "PNG", "L"),
+    ((300, 5, 4), "PNG", "RGBA"), ((1, 1, 3), "PNG", None), ((40, 30), "GIF", "L"),
+    ((20, 24), "PNG", "I;16"), ((3, 10000, 3), "PNG", None), ((36, 52, 3), "WEBP", None)])
+def test_any_size_and_mode_gets_predicts_pixels(served, tmp_path, shape, fmt, mode):
+    """The service's answer is the artifact on exactly the pixels predict (and evaluation) makes
+    of the same file. Serving decoded with PIL and resized in numpy: a 4:2:0 JPEG whose central
+    crop ends inside it (40x48) differed in a column by up to 20 levels (TensorFlow decodes only
+    the window), and resized pixels by one level of rounding here and there."""
     url, session, meta = served[:3]
-    rng = np.random.default_rng(2)
-    a = rng.integers(0, 65536 if mode == "I;16" else 256, shape).astype(
-        np.uint16 if mode == "I;16" else np.uint8)
+    if mode in ("L", "RGBA", "I;16"):
+        a = np.random.default_rng(2).integers(0, 65536 if mode == "I;16" else 256, shape).astype(
+            np.uint16 if mode == "I;16" else np.uint8)
+    else:
+        a = _photo(shape[0], shape[1], 2)
     data = _encode(a, fmt, mode)
+    (tmp_path / "image").write_bytes(data)
+    x = _predicts_pixels(tmp_path / "image", vit_ln.get_config("demo"))  # the artifact's config
+    np.testing.assert_array_equal(preprocess.to_input(data, meta["preprocess"], MAX_PIXELS), x)
     status, got = _post(url, data, "?top_k=10")
     assert status == 200, got
-    x = preprocess.to_input(image_rule.load_file(data)[1], meta["preprocess"])
     _check(got, _expected(session, x, 10))
+
+
+def test_a_jpegs_eval_pixels_are_predicts_at_every_crop(tmp_path):
+    """Photo-sized JPEGs under a cropping geometry (ImageNet's 0.875 central crop to 224, bicubic;
+    big_vision's resize_small): pixel for pixel what predict makes of the file."""
+    from configs import vit_ln as cfg_module
+    for k, (h, w, fraction, small, interpolation) in enumerate([
+            (375, 500, 0.875, 0, "bicubic"), (333, 517, 0.875, 0, "bilinear"),
+            (300, 257, 1.0, 256, "bilinear")]):
+        c = cfg_module.get_config("demo")
+        c.data.update(image_size=224, eval_crop_fraction=fraction, eval_resize_small=small,
+                      interpolation=interpolation)
+        data = _encode(_photo(h, w, k), "JPEG")
+        (tmp_path / f"{k}.jpg").write_bytes(data)
+        got = preprocess.to_input(data, bundle.eval_preprocess(c.data), 10**7)
+        np.testing.assert_array_equal(got, _predicts_pixels(tmp_path / f"{k}.jpg", c))
+
+
+def test_the_metadata_geometry_is_predicts():
+    """preprocess.geometry of what the export writes (bundle.eval_preprocess) is predict's own
+    eval geometry of the run's config, for each setting the geometry has."""
+    from normvit_jax import predict
+    for update in ({}, {"eval_crop_fraction": 0.875, "interpolation": "bicubic"},
+                   {"interpolation": "random", "antialias": False}, {"eval_resize_small": 40}):
+        c = vit_ln.get_config("demo")
+        c.data.update(image_size=32, **update)
+        assert preprocess.geometry(bundle.eval_preprocess(c.data)) == \
+            predict.eval_geometry(c.data), update
 
 
 def test_the_eval_resize_is_pils_antialiased_resize():
     """The geometry against PIL itself (the reference the eval pipeline follows): central square
     crop, antialiased bilinear resize; within one level of rounding."""
     rgb = np.random.default_rng(3).integers(0, 256, (48, 64, 3), np.uint8)
-    got = preprocess.to_input(rgb, {"image_size": 8, "eval_crop_fraction": 1.0,
-                                    "eval_resize_small": 0, "interpolation": "bilinear",
-                                    "antialias": True})  # what bundle.eval_preprocess writes
+    got = preprocess.to_input(_encode(rgb), {"image_size": 8, "eval_crop_fraction": 1.0,
+                                             "eval_resize_small": 0, "interpolation": "bilinear",
+                                             "antialias": True}, MAX_PIXELS)
     want = np.asarray(Image.fromarray(rgb[:, 8:56]).resize((8, 8), Image.BILINEAR))
     assert np.abs(got.astype(int) - want).max() <= 1
+
+
+def test_a_thin_strip_under_resize_small_is_refused_before_it_is_resized():
+    """eval_resize_small scales the short side: a 3 x 10000 strip (30 kpx, under --max_pixels)
+    became 256 x 853,333 before its central crop (numpy asked for a 64 GB weight matrix, the
+    service died); now a 413 naming the resized size, nothing decoded."""
+    pre = {"image_size": 224, "eval_crop_fraction": 1.0, "eval_resize_small": 256,
+           "interpolation": "bilinear", "antialias": True}
+    strip = _encode(np.zeros((3, 10000, 3), np.uint8))
+    with pytest.raises(preprocess.InputError, match=r"image of 10000x3 is resized to 853333x256 = "
+                       r"218,453,248 pixels \(eval_resize_small=256\), over the limit of "
+                       r"1,000,000 pixels \(--max_pixels\)") as e:
+        preprocess.to_input(strip, pre, MAX_PIXELS)
+    assert e.value.status == 413
+    assert preprocess.to_input(_encode(np.zeros((300, 400, 3), np.uint8)), pre,
+                               MAX_PIXELS).shape == (224, 224, 3)  # a photo's shape still passes
 
 
 def _bomb() -> bytes:
@@ -262,6 +332,10 @@ def test_command_errors_are_one_line_exit_2(tmp_path, served):
     assert err.strip().splitlines()[-1].startswith(
         f"python -m normvit_jax.serve: error: {damaged / 'model.onnx'} cannot be loaded by "
         "onnxruntime (InvalidProtobuf: ")
+    r = _start(f"--artifact={served[3]}", "--port=0", "--max_pixels=3")  # a tiny limit is valid
+    assert json.loads(r.stdout.readline())["format"] == "onnx", r.stderr.read()[-2000:]
+    r.terminate()
+    r.wait(timeout=30)
     r = _start(f"--artifact={served[3]}", "--threads=-1", "--workers=0")
     _, err = r.communicate(timeout=120)
     assert r.returncode == 2 and err.strip().splitlines()[-1].startswith(
@@ -348,3 +422,91 @@ def test_an_artifacts_side_files_of_another_shape_are_named(tmp_path):
     (tmp_path / "a.onnx.json").write_text("[]")
     with pytest.raises(DeployError, match=rf"^{path}.json is not an artifact's metadata"):
         artifact.read_metadata(path)
+
+
+def test_ctrl_c_stops_the_service_with_one_line_and_130(served):
+    """Ctrl-C while serving: uvicorn shuts down, then re-raises SIGINT, which was a
+    KeyboardInterrupt traceback and a death by signal; now one line and exit 130 (docs/faults.md).
+    SIGTERM (docker stop, systemd) ends it quietly by the signal, as uvicorn does. Either one
+    with a client that stopped mid-body: the shutdown waited for it forever; now the requests in
+    flight get serve.SHUTDOWN_GRACE_S, and the cancelled one is no traceback in the log."""
+    import signal
+    import socket
+    from normvit_jax import serve
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)):
+        # a child of a background job inherits SIGINT ignored: Python's handler, as in a terminal
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import runpy, signal, sys; "
+             "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'serve'; "
+             "runpy.run_module('normvit_jax.serve', run_name='__main__')",
+             f"--artifact={served[3]}", "--port=0"],
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-2000:]  # serving
+        port = int(json.loads(line)["url"].rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as stalled:
+            stalled.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                            + b"x" * 10)
+            with urllib.request.urlopen(f"{served[0].rsplit(':', 1)[0]}:{port}/healthz",
+                                        timeout=30) as r:  # the stalled body is being read
+                assert r.status == 200
+            proc.send_signal(sig)
+            try:  # a hang is what is tested, not a time: the grace plus start-up slack
+                _, err = proc.communicate(timeout=serve.SHUTDOWN_GRACE_S + 60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                pytest.fail(f"{sig!r}: the service did not stop with a stalled client")
+        assert proc.returncode == code and "Traceback" not in err, (sig, proc.returncode, err)
+        if sig == signal.SIGINT:
+            assert err.strip().splitlines()[-1] == \
+                "python -m normvit_jax.serve: interrupted (Ctrl-C); stopped"
+
+
+def test_an_ipv6_host_prints_a_url_that_works(served):
+    """--host=::1 printed http://::1:PORT (not a URL: clients and the line's readers failed);
+    now http://[::1]:PORT, and --host=[::1], as URLs write it, is accepted."""
+    import socket
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    for host in ("::1", "[::1]"):
+        proc = _start(f"--artifact={served[3]}", "--port=0", f"--host={host}")
+        try:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-2000:]
+            url = json.loads(line)["url"]
+            assert url.startswith("http://[::1]:"), url
+            with urllib.request.urlopen(f"{url}/healthz", timeout=30) as r:
+                assert r.status == 200
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def test_a_port_in_use_is_said_before_the_model_loads(served, tmp_path):
+    """The port is bound first: a taken one is the error at once, not after loading a model
+    (TensorFlow for a SavedModel: 10 s and more)."""
+    port = int(served[0].rsplit(":", 1)[1])
+    r = _start(f"--artifact={tmp_path / 'not_loaded.onnx'}", f"--port={port}")
+    _, err = r.communicate(timeout=120)
+    assert r.returncode == 2 and err.strip().splitlines()[-1] == (
+        f"python -m normvit_jax.serve: error: cannot listen on 127.0.0.1:{port}: Address already "
+        "in use"), err[-2000:]
+
+
+def test_the_docs_digit_png_is_the_digit_the_demo_learnt(tmp_path):
+    """docs/deploy.md's command that makes digit.png, run as written: scikit-learn's values
+    0..16 scaled to 0..255 (the demo trains on value / 16). It multiplied by 16, so the
+    brightest strokes (16 * 16 = 256) wrapped to black in uint8."""
+    import re
+    from sklearn.datasets import load_digits
+    doc = (Path(REPO_ROOT) / "docs" / "deploy.md").read_text(encoding="utf-8")
+    command = re.search(r'`python -c "([^"]*digit\.png[^"]*)"`', doc).group(1)
+    subprocess.run([sys.executable, "-c", command], cwd=tmp_path, check=True, timeout=120)
+    png = np.asarray(Image.open(tmp_path / "digit.png"), np.float64)
+    digit = load_digits().images[7]
+    assert png.shape == (8, 8) and digit.max() == 16  # the case that wrapped
+    np.testing.assert_allclose(png / 255, digit / 16, rtol=0, atol=0.5 / 255)
