@@ -208,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> Any:
     p.add_argument("--out", default=None, help="CSV file to write (path, class_1, prob_1, ...)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     p.add_argument("--folded", default=None, help="folder written by `python -m "
-                   "normvit_jax.reparam --out=...`: predict with the folded weights")
+                   "normvit_jax.reparam --out=...`: predict with the folded weights (not with "
+                   "--step or --mode=eval)")
     p.add_argument("--batch", type=int, default=64, help="images per forward pass")
     p.add_argument("--mode", default="predict", choices=["predict", "eval"],
                    help="predict: label --images; eval: metrics on --split of a prepared dataset")
@@ -225,7 +226,19 @@ def main(argv: Sequence[str] | None = None) -> Any:
 def _main(args: Any, prog: str) -> Any:
     from normvit_jax import checkpoints, cli, tool_flags
     config = checkpoints.load_config(args.workdir)
+    if args.folded and args.step is not None:  # the folder is one model: --step went unused
+        print(f"{prog}: error: --step={args.step} picks a checkpoint, but --folded={args.folded} "
+              f"holds one folded model; fold that step first (python -m normvit_jax.reparam "
+              f"--workdir={args.workdir} --step={args.step} --out=DIR), then --folded=DIR "
+              f"without --step", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     if args.mode == "eval":
+        if args.folded:  # evaluate_checkpoint reads checkpoints: --folded went unused
+            print(f"{prog}: error: --mode=eval evaluates the run's checkpoints, not --folded="
+                  f"{args.folded}; reparam checked that the folded model's logits equal its step's: "
+                  f"evaluate that step (--step=N) without --folded",
+                  file=sys.stderr)
+            sys.exit(EXIT_BAD_INPUT)
         with config.unlocked():
             for key, v in (("eval_name", args.name), ("eval_split", args.split),
                            ("data_dir", args.data_dir)):

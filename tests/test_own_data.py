@@ -205,6 +205,17 @@ def test_predict_bad_input_is_one_line_exit_2(dataset, tmp_path, capsys):
         f"python -m normvit_jax.predict: error: --folded={tmp_path}/f5 holds a model of 5 "
         f"classes, but the run {tmp_path}/w has 3; fold this run: python -m normvit_jax.reparam "
         f"--workdir={tmp_path}/w --out=DIR")
+    # --folded is one model: a --step beside it, or --mode=eval (which reads checkpoints), went
+    # unused without a word
+    for extra, says in ((["--step=3"], "--step=3 picks a checkpoint, but --folded="),
+                        (["--mode=eval"], "--mode=eval evaluates the run's checkpoints, not ")):
+        with pytest.raises(SystemExit) as e:
+            predict.main([f"--workdir={tmp_path}/w", f"--images={dataset}/src/val",
+                          f"--folded={tmp_path}/f5", *extra])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        assert err.startswith(f"python -m normvit_jax.predict: error: {says}"), err
     with pytest.raises(errors.DeployError, match="holds a model of 5 classes"):  # export's path
         bundle.load(f"{tmp_path}/w", folded=f"{tmp_path}/f5", log=None)
     for flag in ("--batch=0", "--batch=-3", "--top_k=0"):  # before the run is read
