@@ -3,12 +3,14 @@
 Saves are asynchronous. Orbax writes each step into a temporary folder and renames it only when
 complete (on gs://, where a rename is a copy, into its final folder with a ``commit_success.txt``
 written last), so a half-written checkpoint is never listed as a step (``complete_steps`` follows
-Orbax's rule); the training's manager deletes such leftovers when it is created. Every reader restores through ``first_restorable``, newest step
-first: a checkpoint whose files are damaged is skipped with one warning line naming its step and
-the file (training also moves it to ``workdir/damaged_checkpoints/``) and an older one is used; a
-checkpoint whose tree or shapes differ from the model is a config mismatch and stops. Training,
-evaluation and recalibrate restore into the model's train state (``restore_latest``); predict,
-reparam, export and the analysis tools into the saved tree as numpy arrays (``restore_numpy``).
+Orbax's rule); the training's manager deletes such leftovers when it is created.
+
+Every reader restores through ``first_restorable``, newest step first: a checkpoint whose files are
+damaged is skipped with one warning line naming its step and the file (training also moves it to
+``workdir/damaged_checkpoints/``) and an older one is used; a checkpoint whose tree or shapes
+differ from the model is a config mismatch and stops. Training, evaluation and recalibrate restore
+into the model's train state (``restore_latest``); predict, reparam, export and the analysis tools
+into the saved tree as numpy arrays (``restore_numpy``).
 """
 from __future__ import annotations
 
