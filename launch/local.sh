@@ -26,7 +26,7 @@
 # (what normvit_jax/distributed.py reads). SIGTERM or Ctrl-C (SIGINT) to this script: SIGTERM to
 # every process (each finishes the same step, checkpoints and exits 42); a second Ctrl-C: SIGKILL.
 # The exit code is the first non-zero one of a process (42: preempted with a checkpoint; re-run the
-# same command to continue), else 0.
+# same command, less --fresh, to continue), else 0.
 set -euo pipefail
 
 usage() {  # the comment block at the top

@@ -14,8 +14,9 @@
 # LOG: the log file on each worker (default $HOME/normvit_<workdir name>.log; the exit code goes to LOG.rc).
 # Follow worker 0:  gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --worker=0 --command 'tail -f LOG'
 # Data: a tfds data dir on GCS prepared beforehand (array_record for ImageNet).
-# Spot/preemptible slices: re-run this script after a preemption; the run continues from its
-# newest checkpoint in WORKDIR (exit code 42 in LOG.rc means a checkpoint was written on SIGTERM).
+# Spot/preemptible slices: re-run this script after a preemption (without --fresh, which would
+# start over); the run continues from its newest checkpoint in WORKDIR (exit code 42 in LOG.rc
+# means a checkpoint was written on SIGTERM).
 set -euo pipefail
 
 usage() {  # the comment block at the top

@@ -1,13 +1,16 @@
 """Orbax checkpoints of the train state under ``workdir/checkpoints``.
 
 Saves are asynchronous. Orbax writes each step into a temporary folder and renames it only when
-complete, so a half-written checkpoint is never listed as a step; the manager deletes such
-leftovers when it is created. Every reader restores through ``first_restorable``, newest step
-first: a checkpoint whose files are damaged is skipped with one warning line naming its step and
-the file (training also moves it to ``workdir/damaged_checkpoints/``) and an older one is used; a
-checkpoint whose tree or shapes differ from the model is a config mismatch and stops. Training,
-evaluation and recalibrate restore into the model's train state (``restore_latest``); predict,
-reparam, export and the analysis tools into the saved tree as numpy arrays (``restore_numpy``).
+complete (on gs://, where a rename is a copy, into its final folder with a ``commit_success.txt``
+written last), so a half-written checkpoint is never listed as a step (``complete_steps`` follows
+Orbax's rule); the training's manager deletes such leftovers when it is created.
+
+Every reader restores through ``first_restorable``, newest step first: a checkpoint whose files are
+damaged is skipped with one warning line naming its step and the file (training also moves it to
+``workdir/damaged_checkpoints/``) and an older one is used; a checkpoint whose tree or shapes
+differ from the model is a config mismatch and stops. Training, evaluation and recalibrate restore
+into the model's train state (``restore_latest``); predict, reparam, export and the analysis tools
+into the saved tree as numpy arrays (``restore_numpy``).
 """
 from __future__ import annotations
 
@@ -298,9 +301,15 @@ def eval_results(workdir: Any, step: int) -> list[epath.Path]:
 
 
 def complete_steps(workdir: str) -> list[int]:
-    """Steps whose checkpoint was committed (renamed from its temporary folder)."""
+    """Steps whose checkpoint Orbax committed, by Orbax's own rule: a local one was renamed from
+    its temporary folder; one on gs:// is written in place, under its final name, and committed
+    by its ``commit_success.txt`` (a step folder without it is still being written, or was left
+    by a killed run, and the training's manager does not list it either)."""
     d = checkpoint_dir(workdir)
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+    if not d.exists():
+        return []
+    return sorted(int(p.name) for p in d.iterdir()
+                  if p.name.isdigit() and ocp.step.is_checkpoint_finalized(p))
 
 
 def describe_error(e: BaseException, n: int = 500) -> str:

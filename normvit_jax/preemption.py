@@ -33,6 +33,7 @@ _previous: dict[int, object] = {}
 _received = False
 _starting = False      # between the handler's installation and the end of the first train step
 _wakeup: tuple[int, int, int] | None = None  # (read fd, write fd, the previous wakeup fd)
+_rerun = "rerun the same command"  # how to continue: workdir.rerun_advice (without --fresh)
 
 
 def multi_process() -> bool:
@@ -78,7 +79,7 @@ def _handle(signum, frame) -> None:
         _stop_starting(signum)
     if _received:  # the second one: the user does not want to wait for the step and the save
         sys.stderr.write(f"{_name(signum)} again: stopped at once, nothing saved since the last "
-                         "checkpoint; rerun the same command to resume from it.\n")
+                         f"checkpoint; {_rerun} to resume from it.\n")
         sys.stderr.flush()
         os._exit(128 + signum)
     _received = True
@@ -88,14 +89,19 @@ def _handle(signum, frame) -> None:
 
 class SigtermFlag:
     """Context manager: installs the handler for SIGTERM and SIGINT (main thread, one process
-    only) and restores the previous ones on exit of the outermost use."""
+    only) and restores the previous ones on exit of the outermost use. ``rerun``: how to
+    continue from the checkpoint a signal leaves (``workdir.rerun_advice``), for the lines
+    that say it."""
+
+    def __init__(self, rerun: str = "rerun the same command") -> None:
+        self.rerun = rerun
 
     def __enter__(self) -> "SigtermFlag":
-        global _count, _received, _starting, _wakeup
+        global _count, _received, _starting, _wakeup, _rerun
         with _lock:
             if _count == 0 and threading.current_thread() is threading.main_thread() \
                     and not multi_process():
-                _received, _starting = False, True
+                _received, _starting, _rerun = False, True, self.rerun
                 for s in SIGNALS:
                     _previous[s] = signal.signal(s, _handle)
                 r, w = os.pipe()

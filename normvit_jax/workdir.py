@@ -166,6 +166,12 @@ class WorkdirLock:
                 entry[0].close()  # closing the file drops the flock
 
 
+def rerun_advice(fresh: bool) -> str:
+    """How to continue a run from its newest checkpoint: the command that started it, less
+    ``--fresh`` (run again, that would move the checkpoint aside and start over at step 0)."""
+    return "rerun the same command without --fresh" if fresh else "rerun the same command"
+
+
 def remove_if_unused(workdir: str) -> bool:
     """A workdir that a failed start created and left holding only its released (empty) lock and
     perhaps the checkpoint manager's empty folder (an init_from file that did not load) is removed,

@@ -502,3 +502,28 @@ def test_read_scalars_keeps_what_the_last_segment_wrote(tmp_path):
     got = summaries.read_scalars(str(tmp_path))
     assert list(got) == ["loss"]
     assert [(s, v) for s, v, _ in got["loss"]] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+
+
+def test_a_gs_checkpoint_without_its_commit_file_is_not_a_step(tmp_path, monkeypatch, caplog):
+    """On gs:// Orbax writes a checkpoint under its final name (a rename there is a copy) and
+    commits it with commit_success.txt written last: a save in flight, or one a SIGKILL cut short,
+    is a step folder without that file. Orbax's manager skips it; the tools listed it as a step
+    and warned that it was damaged (predict beside a run on gs:// did so at every save).
+    Emulated locally by giving the folder Orbax's gs:// rule."""
+    from orbax.checkpoint._src.path import gcs_utils
+
+    wd = tmp_path / "run"
+    mngr = checkpoints.make_manager(str(wd), async_save=False)
+    for step in (1, 2):
+        checkpoints.save(mngr, step, {"w": np.arange(4, dtype=np.float32) + 10 * step})
+    mngr.close()
+    (wd / "config.json").write_text("{}")
+    os.remove(wd / "checkpoints" / "2" / "commit_success.txt")  # step 2's commit never came
+    monkeypatch.setattr(gcs_utils, "is_gcs_path", lambda path: True)
+
+    assert checkpoints.complete_steps(str(wd)) == [1]
+    with caplog.at_level("WARNING"):
+        restored, _ = checkpoints.restore_numpy(str(wd))
+    assert restored.step == 1 and not restored.damaged
+    np.testing.assert_array_equal(restored.state["w"], np.arange(4, dtype=np.float32) + 10)
+    assert not [r for r in caplog.records if "damaged" in r.getMessage()]

@@ -123,6 +123,25 @@ def test_ctrl_c_saves_one_line_exit_42_and_resumes_bit_identical(env, reference,
     assert_same_state(reference, wd)
 
 
+def test_ctrl_c_of_a_fresh_run_says_to_rerun_without_fresh(env, reference, tmp_path):
+    """A run started with --fresh (over an old run) and stopped by Ctrl-C: its line said 'rerun the
+    same command', which with --fresh moved the new checkpoint aside and started over at step 0
+    (a requeued job never got further). It says to rerun without --fresh, which resumes."""
+    wd = copy(reference, tmp_path / "run")
+    run = Run(env, wd, "--fresh")
+    run.wait_for(rf"step 4/{STEPS}:")
+    run.p.send_signal(signal.SIGINT)
+    rc, out = run.finish()
+    assert rc == cli.EXIT_PREEMPTED, out[-4000:]
+    line = one_line(out, r"interrupted at step \d+; saved in \S+; rerun the same command without "
+                         r"--fresh to resume$")
+    step = int(re.search(r"interrupted at step (\d+)", line).group(1))
+    rc, out = Run(env, wd).finish()  # as told
+    assert rc == cli.EXIT_OK and f"Resumed from the checkpoint at step {step} " in out, out[-4000:]
+    assert len(os.listdir(os.path.join(wd, "replaced"))) == 1  # the old run only; nothing moved now
+    assert_same_state(reference, wd)
+
+
 def test_ctrl_c_or_sigterm_while_starting_up_stops_at_once_in_one_line(env, tmp_path):
     """Issue 35, item 4: before the first step there is nothing to save. The signal comes when the
     model is built (the log's 'Model:' line), just before the restore and the train step's

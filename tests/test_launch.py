@@ -170,6 +170,22 @@ def test_slurm_script_gpus_and_arguments(stubs):
                       ["scontrol", "requeue", "1234"]]
 
 
+def test_slurm_requeued_job_continues_instead_of_starting_over(stubs):
+    """Submitted with --fresh, the job is requeued with the same arguments after each preemption
+    (exit 42): each restart moved the checkpoints aside and began at step 0 again. A requeued
+    job (SLURM_RESTART_COUNT > 0) drops --fresh; the first start keeps it."""
+    env, seen = stubs
+    job = {**env, "SLURM_JOB_ID": "77", "SLURM_SUBMIT_DIR": REPO_ROOT}
+    for restarts, want in (("0", ["--fresh"]), ("2", [])):
+        before = len(seen())
+        r = script("slurm_gpu.sbatch", CONFIG, "/shared/run", "--fresh", "--config.seed=1",
+                   env={**job, "SLURM_RESTART_COUNT": restarts})
+        assert r.returncode == 0, r.stderr
+        (srun,) = seen()[before:]
+        assert srun == ["srun", "--kill-on-bad-exit=1", "python", "main.py", f"--config={CONFIG}",
+                        "--workdir=/shared/run", *want, "--config.seed=1"]
+
+
 def test_slurm_script_needs_config_and_workdir(stubs):
     env, seen = stubs
     r = script("slurm_gpu.sbatch", env=env)

@@ -65,9 +65,10 @@ def total_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
 
 
 def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.RunSpec,
-              mesh: Mesh) -> Run:
+              mesh: Mesh, rerun: str = "rerun the same command") -> Run:
     """The run in ``workdir`` (restored if it holds a checkpoint). A signal while it is built
-    stops the process at once (preemption.py: nothing new to save)."""
+    stops the process at once (preemption.py: nothing new to save). ``rerun``: how to continue
+    after a failed checkpoint write (``workdir.rerun_advice``)."""
     ds = run_spec.data
     train_data = data.make_pipeline(config, "train", ds)
     eval_data = data.make_pipeline(config, "eval", ds)
@@ -87,7 +88,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
                  train_data.steps_per_epoch)
 
     saver = guards.CheckpointSaver(checkpoints.make_manager(workdir, keep=config.keep_checkpoints),
-                                   workdir)
+                                   workdir, rerun=rerun)
     step_fn = setup.make_train_step(config, model, tx, lr_schedule, ds)
     metrics_like = functools.partial(setup.train_metrics_shapes, step_fn,
                                      batch_size=config.batch_size,

@@ -85,8 +85,9 @@ class CheckpointSaver:
     """Async Orbax saves whose failures (disk full, permissions, a lost bucket) become a
     WorkdirError naming the step that failed and the newest complete checkpoint, which is kept."""
 
-    def __init__(self, mngr, workdir: str):
+    def __init__(self, mngr, workdir: str, rerun: str = "rerun the same command"):
         self.mngr, self.workdir = mngr, workdir
+        self.rerun = rerun  # how to continue from the kept checkpoint (workdir.rerun_advice)
         self.pending: int | None = None   # step of the save in flight
         self.last_good: int | None = None  # newest step known to be committed (or in flight, checked)
 
@@ -117,7 +118,7 @@ class CheckpointSaver:
         raise workdir_lib.WorkdirError(
             f"writing the checkpoint of step {step} to {self.mngr.directory} failed "
             f"({checkpoints.describe_error(e)}); the newest complete checkpoint ({newest}) is kept. Free "
-            "disk space or fix the workdir, then re-run the same command to continue from it."
+            f"disk space or fix the workdir, then {self.rerun} to continue from it."
         ) from e
 
     def close(self, quiet: bool = False) -> None:

@@ -35,7 +35,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     the run trained), CheckpointMismatchError, DatasetNotFoundError, NonFiniteError or
     PreemptedError (cli.EXIT_CODES maps them to exit codes).
     """
-    with preemption.SigtermFlag() as sigterm:
+    rerun = workdir_lib.rerun_advice(fresh)  # said by every line that tells how to continue
+    with preemption.SigtermFlag(rerun) as sigterm:
         mesh = sharding.make_mesh(config)
         run_spec = setup.resolve_config(config, mesh.devices.size)
         workdir = workdir_lib.absolute(workdir)
@@ -43,5 +44,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                  data_record=run_data.of_spec(run_spec.data)):
             sharding.sync_hosts("normvit_workdir_ready")  # process 0 has moved/written what it must
             from normvit_jax.train import build, trainer  # pylint: disable=import-outside-toplevel
-            run = build.build_run(config, workdir, run_spec, mesh)
+            run = build.build_run(config, workdir, run_spec, mesh, rerun=rerun)
             return trainer.train(run, StepPolicy.from_config(config, run.n_steps, stop_at), sigterm)

@@ -74,7 +74,7 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
                 if act.preempt:
                     run.saver.wait()
                     raise PreemptedError(f"interrupted at step {step}; saved in "
-                                         f"{run.saver.mngr.directory}; rerun the same command to "
+                                         f"{run.saver.mngr.directory}; {sigterm.rerun} to "
                                          "resume")
         except BaseException:
             batches.close()
