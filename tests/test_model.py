@@ -313,3 +313,27 @@ def test_rescale_residuals_are_rescalevits():
         nxt = (slot_input(i + 1, "LayerNorm_0") if i + 1 < depth
                else np.asarray(got["__call__"][0], np.float64))
         np.testing.assert_allclose(nxt, out, rtol=1e-4, atol=1e-4, err_msg=f"block {i}")
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_late_class_token_joins_at_its_block_as_the_parameter(at):
+    """cls_token_at_block=k (DTN's layout): blocks before k see the patch tokens alone, block k
+    sees [cls, patches] with the class token as its parameter (no position embedding), and the
+    head reads it. A token joining one block late (or never, for k = depth - 1) passed the
+    parameter-shape test above."""
+    depth = 3
+    model = models.create({"variant": "Ti/4", "depth": depth, "hidden_size": 16, "num_heads": 2,
+                           "norm": {"name": "identity"}, "final_norm": False,
+                           "cls_token_at_block": at}, num_classes=4)
+    images = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    variables = jax.tree.map(np.asarray, model.init(jax.random.key(1), images))
+    cls = np.random.default_rng(3).normal(size=16).astype(np.float32)  # Google's init is zeros
+    variables["params"]["cls"] = cls.reshape(1, 1, 16)
+    _, state = model.apply(variables, images, capture_intermediates=True,
+                           mutable=["intermediates"])
+    got = state["intermediates"]["Transformer"]
+    for i in range(depth):
+        tokens = np.asarray(got[f"encoderblock_{i}"]["LayerNorm_0"]["__call__"][0])
+        assert tokens.shape[1] == (4 if i < at else 5), (i, tokens.shape)
+        if i == at:
+            np.testing.assert_array_equal(tokens[:, 0], np.broadcast_to(cls, (2, 16)))
