@@ -271,3 +271,69 @@ def test_dual_patchnorm_placements_against_float64(patch_norm):
         want = _ln64(tokens, norms["post"]["scale"], norms["post"]["bias"])
         np.testing.assert_allclose(got["Transformer"]["patch_norm_post"]["__call__"][0], want,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_rescale_residuals_are_rescalevits():
+    """RescaleViT's residuals (docs/norms.md): x1 = x + Attn(y1); out = sqrt(i/(i+1)) * x1 +
+    (s/sqrt(L)) * MLP(y2), i the 1-based block index, s learnable. The block's inputs are read
+    back from its Rescale slots (eval: y = x + b - mu0, b and mu0 set here), the branches from
+    the captured attention and MLP outputs; the other tests compare layouts of the same
+    formula, so a wrong coefficient passed them."""
+    depth, d = 3, 16
+    model = models.create({"variant": "Ti/4", "depth": depth, "hidden_size": d, "num_heads": 2,
+                           "norm": {"name": "rescale"}, "residual_scaling": "rescale",
+                           "final_norm": False}, num_classes=4)
+    images = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    variables = jax.tree.map(np.asarray, model.init(jax.random.key(1), images))
+    rng = np.random.default_rng(2)
+    for i in range(depth):
+        block = variables["params"]["Transformer"][f"encoderblock_{i}"]
+        block["rescale_s"] = np.float32(rng.uniform(0.5, 2.0))
+        for slot in ("LayerNorm_0", "LayerNorm_2"):
+            block[slot]["bias"] = rng.normal(size=d).astype(np.float32)
+            variables["batch_stats"]["Transformer"][f"encoderblock_{i}"][slot]["mu0"] = \
+                rng.normal(size=d).astype(np.float32)
+    _, state = model.apply(variables, images, capture_intermediates=True,
+                           mutable=["intermediates"])
+    got = state["intermediates"]["Transformer"]
+
+    def slot_input(i, slot):  # the Rescale slot's input from its eval output
+        y = np.asarray(got[f"encoderblock_{i}"][slot]["__call__"][0], np.float64)
+        p = variables["params"]["Transformer"][f"encoderblock_{i}"][slot]
+        s = variables["batch_stats"]["Transformer"][f"encoderblock_{i}"][slot]
+        return y - p["bias"] + s["mu0"]
+
+    for i in range(depth):
+        g = got[f"encoderblock_{i}"]
+        x1 = slot_input(i, "LayerNorm_0") + g["MultiHeadDotProductAttention_1"]["__call__"][0]
+        np.testing.assert_allclose(slot_input(i, "LayerNorm_2"), x1, rtol=1e-4, atol=1e-4)
+        s = float(variables["params"]["Transformer"][f"encoderblock_{i}"]["rescale_s"])
+        out = (np.sqrt((i + 1) / (i + 2)) * x1
+               + s / np.sqrt(depth) * np.asarray(g["MlpBlock_3"]["__call__"][0], np.float64))
+        nxt = (slot_input(i + 1, "LayerNorm_0") if i + 1 < depth
+               else np.asarray(got["__call__"][0], np.float64))
+        np.testing.assert_allclose(nxt, out, rtol=1e-4, atol=1e-4, err_msg=f"block {i}")
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_late_class_token_joins_at_its_block_as_the_parameter(at):
+    """cls_token_at_block=k (DTN's layout): blocks before k see the patch tokens alone, block k
+    sees [cls, patches] with the class token as its parameter (no position embedding), and the
+    head reads it. A token joining one block late (or never, for k = depth - 1) passed the
+    parameter-shape test above."""
+    depth = 3
+    model = models.create({"variant": "Ti/4", "depth": depth, "hidden_size": 16, "num_heads": 2,
+                           "norm": {"name": "identity"}, "final_norm": False,
+                           "cls_token_at_block": at}, num_classes=4)
+    images = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    variables = jax.tree.map(np.asarray, model.init(jax.random.key(1), images))
+    cls = np.random.default_rng(3).normal(size=16).astype(np.float32)  # Google's init is zeros
+    variables["params"]["cls"] = cls.reshape(1, 1, 16)
+    _, state = model.apply(variables, images, capture_intermediates=True,
+                           mutable=["intermediates"])
+    got = state["intermediates"]["Transformer"]
+    for i in range(depth):
+        tokens = np.asarray(got[f"encoderblock_{i}"]["LayerNorm_0"]["__call__"][0])
+        assert tokens.shape[1] == (4 if i < at else 5), (i, tokens.shape)
+        if i == at:
+            np.testing.assert_array_equal(tokens[:, 0], np.broadcast_to(cls, (2, 16)))

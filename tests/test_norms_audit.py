@@ -27,7 +27,9 @@ import pytest
 from normvit_jax.norms.gradient_rule import train_grads
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # shared helpers, package or not
-from test_norms_common import assert_rel, build, fast_jit, jit_init
+from test_norms_common import (assert_rel, build, fast_jit, jit_init, np_params, random_x,
+                               randomize, ref_batchnorm_train, ref_groupnorm, ref_instancenorm,
+                               ref_layernorm, ref_rms)
 
 TOL = 1e-5
 
@@ -324,3 +326,79 @@ def test_layer_defaults_are_the_references():
     r = build("rescale", dim=8)
     assert (r.threshold, r.warm_bias_scale) == (8, 1e-2)
     assert build("learnable_scaler", dim=8).scale_init == "reference"
+
+
+# ---------------------------------------------------------------- options reach the computation
+# Every test above uses the default epsilon/momentum/threshold (or sets an option and then reads
+# the layer's field): a layer that ignored a non-default value (a hard-coded 0.9 or 1e-5) passed.
+
+EPS_CASES = {"layernorm": ref_layernorm, "rmsnorm": ref_rms, "instancenorm": ref_instancenorm,
+             "groupnorm": lambda x, p, eps: ref_groupnorm(x, p, 2, eps),
+             "batchnorm": ref_batchnorm_train}
+
+
+@pytest.mark.parametrize("name", sorted(EPS_CASES))
+def test_a_non_default_epsilon_is_used(name):
+    x = random_x((2, 5, 8), seed=50)
+    module = build(name, {"epsilon": 0.3}, dim=8, heads=2)
+    v = jit_init(module, x, True)
+    params = randomize(v["params"])
+    y = module.apply({**v, "params": params}, jnp.asarray(x), train=True, mutable=["batch_stats"])[0]
+    assert_rel(y, EPS_CASES[name](x.astype(np.float64), np_params(params), eps=0.3), TOL,
+               f"{name} epsilon=0.3")
+
+
+@pytest.mark.parametrize("name,key", [("batchnorm", "mean"), ("repbn", "mean"),
+                                      ("unified", "running_var")])
+def test_a_non_default_momentum_is_used(name, key):
+    """One train step from the initial state: running <- m * init + (1 - m) * batch statistic."""
+    c = 6
+    x = realistic_x((4, 3, c), seed=51)
+    module = build(name, {"momentum": 0.5}, dim=c)
+    v = jit_init(module, x, True)
+    _, upd = module.apply(v, jnp.asarray(x, jnp.float32), train=True, mutable=["batch_stats"])
+    stats = upd["batch_stats"]["bn"] if name == "repbn" else upd["batch_stats"]
+    flat = x.reshape(-1, c)
+    want = 0.5 * flat.mean(0) if key == "mean" else 0.5 + 0.5 * np.mean(flat ** 2, 0)
+    assert_rel(stats[key], want, TOL, f"{name} momentum=0.5 {key}")
+
+
+def test_unified_non_default_epsilon_in_training():
+    """UN's first step normalises by sqrt(mean(x^2) + eps) with the configured eps."""
+    c = 4
+    x = random_x((2, 5, c), seed=52)
+    module = build("unified", {"epsilon": 0.5}, dim=c)
+    v = jit_init(module, x, True)
+    params = randomize(v["params"])
+    y = module.apply({**v, "params": params}, jnp.asarray(x), train=True, mutable=["batch_stats"])[0]
+    p = np_params(params)
+    x64 = x.astype(np.float64)
+    want = p["scale"] * x64 / np.sqrt(np.mean(x64.reshape(-1, c) ** 2, 0) + 0.5) + p["bias"]
+    assert_rel(y, want, TOL, "unified epsilon=0.5")
+
+
+def test_powernorm_group_epsilon_is_used():
+    """The group scaling's own epsilon (PowerNorm's step 1), at eval from the initial state."""
+    c = 6
+    x = random_x((2, 5, c), seed=53)
+    module = build("powernorm", {"group_epsilon": 2.0, "groups": "heads"}, dim=c, heads=2)
+    v = jit_init(module, x, True)
+    params = randomize(v["params"])
+    y = module.apply({**v, "params": params}, jnp.asarray(x))
+    p = np_params(params)
+    u = gs(x.astype(np.float64), 2, eps=2.0)[0]
+    assert_rel(y, p["scale"] * u / np.sqrt(1.0 + 1e-5) + p["bias"], TOL, "group_epsilon=2")
+
+
+def test_rescale_threshold_is_used():
+    """mu0 averages the first ``threshold`` batches (3 here, not the default 8), then freezes."""
+    module = build("rescale", {"threshold": 3}, dim=4)
+    xs = [random_x((2, 3, 4), seed=60 + s, offset=1.0 + s) for s in range(5)]
+    v = jit_init(module, xs[0], True)
+    stats = v["batch_stats"]
+    for x in xs:
+        _, upd = module.apply({**v, "batch_stats": stats}, jnp.asarray(x), train=True,
+                              mutable=["batch_stats"])
+        stats = upd["batch_stats"]
+    assert int(stats["count"]) == 3
+    assert_rel(stats["mu0"], np.mean([x.reshape(-1, 4).mean(0) for x in xs[:3]], 0), TOL, "mu0")

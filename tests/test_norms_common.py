@@ -413,3 +413,94 @@ def test_layernorm_half_precision_keeps_only_its_input():
     ga, gp = (jax.jit(jax.grad(loss(m), argnums=(0, 1)))(params, x) for m in (auto, plain))
     for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gp)):
         assert_rel(np.asarray(a, np.float32), np.asarray(b, np.float32), 1e-2, "gradient")
+
+
+# ---------------------------------------------------------------- epsilon on small statistics
+# With unit-variance inputs an epsilon of 1e-6..1e-5 changes the output by ~1e-6, below TOL: a
+# norm that dropped it or added it outside the square root passed every test above. Here the
+# statistic it is added to is about epsilon itself (tokens ~ sqrt(eps)), where the reference's
+# placement decides the output (a factor up to sqrt(2) and more).
+SMALL_CASES = {  # name: (options, reference(x, params), epsilon)
+    "layernorm": ({}, ref_layernorm, 1e-6),
+    "layernorm_saved_input": ({"saved_input": True}, ref_layernorm, 1e-6),
+    "rmsnorm": ({}, ref_rms, 1e-6),
+    "groupnorm": ({}, lambda x, p: ref_groupnorm(x, p, 2), 1e-5),
+    "instancenorm": ({}, ref_instancenorm, 1e-5),
+    "batchnorm_train": ({}, ref_batchnorm_train, 1e-5),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SMALL_CASES))
+def test_epsilon_inside_the_sqrt_where_it_matters(case):
+    opts, ref, eps = SMALL_CASES[case]
+    name = case.rsplit("_", 1)[0] if case.endswith(("_input", "_train")) else case
+    name = "layernorm" if name == "layernorm_saved" else name
+    x = random_x((2, 5, 8), seed=31) * np.float32(np.sqrt(eps))  # variances ~ eps
+    check_forward_and_grads(build(name, opts, dim=8, heads=2), ref, x,
+                            train=case.endswith("_train"))
+
+
+def test_written_out_standardise_with_ddof_one_in_float32():
+    """layernorm.standardise's backward with ddof=1 (the z-score's, used in half precision only by
+    the model) against finite differences of the unbiased formula, in float32 where 1/C vs
+    1/(C - 1) is far above the tolerance."""
+    from normvit_jax.norms.layernorm import standardise
+    x = random_x((2, 3, 6), seed=12)
+    rng = np.random.default_rng(13)
+    scale, bias = rng.normal(1.0, 0.3, 6), rng.normal(0.0, 0.3, 6)
+    w = rng.normal(size=x.shape)
+
+    def ref(xx):
+        z = (xx - xx.mean(-1, keepdims=True)) / np.sqrt(xx.var(-1, ddof=1, keepdims=True) + 1e-6)
+        return float(np.sum(w * (z * scale + bias)))
+
+    gx = jax.grad(lambda xx: jnp.sum(jnp.asarray(w, jnp.float32) * standardise(
+        xx, jnp.asarray(scale, jnp.float32), jnp.asarray(bias, jnp.float32), 1e-6, 1)))(
+        jnp.asarray(x))
+    assert_rel(gx, fd_grad(ref, x), what="d/dx, ddof=1")
+
+
+@pytest.mark.parametrize("name", ["batchnorm", "unified"])
+def test_eval_and_fold_epsilon_with_small_running_variances(name):
+    """Eval output and the folded affine (inference_affine) use sqrt(running_var + eps), with
+    running variances near eps (a channel that barely varies), against the formula."""
+    c = 6
+    module = build(name, dim=c)
+    x = random_x((2, 4, c), seed=14)
+    v = jit_init(module, x, True)
+    params = randomize(v["params"])
+    rng = np.random.default_rng(15)
+    var = rng.uniform(0.2, 3.0, c) * 1e-5
+    if name == "batchnorm":
+        stats = {"mean": jnp.asarray(rng.normal(size=c), jnp.float32),
+                 "var": jnp.asarray(var, jnp.float32)}
+    else:
+        stats = {**v["batch_stats"], "running_var": jnp.asarray(var, jnp.float32)}
+    p = np_params(params)
+    mean = np.asarray(stats["mean"], np.float64) if name == "batchnorm" else 0.0
+    want = (x - mean) / np.sqrt(var + 1e-5) * p["scale"] + p["bias"]
+    y = module.apply({"params": params, "batch_stats": stats}, jnp.asarray(x), train=False)
+    assert_rel(y, want, what="eval")
+    a, c0 = module.inference_affine(params, stats)
+    assert_rel(np.asarray(a) * x + np.asarray(c0), want, what="inference_affine")
+
+
+def test_rescale_eval_during_its_warm_up_neither_updates_nor_scales_the_bias():
+    """Eval between the first ``threshold`` training calls: x + b - mu0 with the stored mu0 and
+    the full bias, and no state change (the reference would update mu0 here: docs/norms.md)."""
+    module = build("rescale", dim=4)
+    xs = [random_x((2, 3, 4), seed=40 + s, offset=1.0 + s) for s in range(3)]
+    v = jit_init(module, xs[0], True)
+    params = {"bias": jnp.asarray([0.5, -1.0, 2.0, 0.1], jnp.float32)}
+    stats = v["batch_stats"]
+    for x in xs[:2]:
+        _, upd = module.apply({"params": params, "batch_stats": stats}, jnp.asarray(x), train=True,
+                              mutable=["batch_stats"])
+        stats = upd["batch_stats"]
+    assert int(stats["count"]) == 2
+    mu0 = np.mean([x.reshape(-1, 4).mean(0) for x in xs[:2]], 0)
+    y, upd = module.apply({"params": params, "batch_stats": stats}, jnp.asarray(xs[2]),
+                          train=False, mutable=["batch_stats"])
+    assert_rel(y, xs[2] + np.asarray(params["bias"]) - mu0, what="eval during warm-up")
+    assert int(upd["batch_stats"]["count"]) == 2
+    np.testing.assert_array_equal(upd["batch_stats"]["mu0"], stats["mu0"])

@@ -123,6 +123,11 @@ def test_dtn_local_init(heads):
                                        2.0 * np.array([2 * (h2 - center), 2 * (h1 - center), -1]))
     if heads == 5:  # the head beyond k^2: small random weights, times the strength
         assert 0 < np.abs(kernel[:, 4]).max() < 2.0 * 0.1
+    # the strength multiplies the whole matrix (docs/norms.md), the random heads too
+    one = build("dtn", {"position_init": "local", "locality_strength": 1.0}, dim=20, heads=heads,
+                grid=(3, 3))
+    np.testing.assert_allclose(kernel, 2.0 * np.asarray(
+        jit_init(one, jnp.ones((1, 9, 20)))["params"]["pos_proj"]), rtol=1e-6)
     ref = build("dtn", {}, dim=20, heads=heads, grid=(3, 3))
     gates = jit_init(ref, jnp.ones((1, 9, 20)))["params"]
     assert np.abs(gates["pos_proj"]).max() < 0.1  # the released ViT's re-init: near-uniform P

@@ -398,3 +398,124 @@ def test_progressive_one_pass_gradients_with_large_channel_means(n1, n2):
         for k in want:
             err = np.max(np.abs(got[k] - want[k])) / np.max(np.abs(want[k]))
             assert err <= tol, (dtype, k, err)
+
+
+# ------------------------------------------- what the tests above could not see (mutation audit)
+
+@pytest.mark.parametrize("name,opts,want", [
+    ("repbn", {}, {"eta": 1.0}), ("repbn", {"eta_init": 0.25}, {"eta": 0.25}),
+    ("dyt", {}, {"alpha": 0.5}), ("dyt", {"alpha_init": 0.8}, {"alpha": 0.8}),
+    ("derf", {}, {"alpha": 0.5, "shift": 0.0}),
+    ("derf", {"alpha_init": 0.7, "shift_init": 0.3}, {"alpha": 0.7, "shift": 0.3}),
+])
+def test_init_options_reach_the_parameters(name, opts, want):
+    """The scalar inits are options (DyT's alpha 0.5 is the paper's ViT value, not a constant);
+    the tests above draw every parameter at random, so an ignored option passed them."""
+    module = norms.create({"name": name, **opts}, dim=SHAPE[-1])
+    got = flat(module.init(jax.random.key(0), jnp.asarray(X, jnp.float32))["params"])
+    for k, value in want.items():
+        key = "eta" if name == "repbn" else k
+        assert float(got[key]) == pytest.approx(value), (name, opts, k)
+
+
+@pytest.mark.parametrize("name,size", [("zscore", 1e-3), ("minmax", 1e-6)])
+def test_feature_norms_epsilon_where_it_matters(name, size):
+    """Tokens whose statistic (variance, range) is about epsilon (1e-6): the formula's epsilon
+    placement decides the output there (with unit inputs it is below the tolerance)."""
+    module = norms.create(name, dim=SHAPE[-1])
+    _, p = random_params(module)
+    x = X * size
+    y = module.apply({"params": unflat(p)}, jnp.asarray(x, jnp.float32), train=True)
+    np.testing.assert_allclose(np.asarray(y), np_ref(name, x, p), rtol=1e-5, atol=1e-5)
+
+
+def test_progressive_hand_over_starts_at_warmup_steps_with_r0():
+    """At step == warmup_steps the mixture starts with N1's weight r0 (the reference's first
+    forward after ``warm``) and N2's running statistics move; r0 < 1 makes it visible."""
+    cfg = {"name": "progressive", "n1": {"name": "layernorm", "epsilon": 1e-6}, "n2": "repbn",
+           "warmup_steps": 2, "decay_steps": 4, "r0": 0.5}
+    module = norms.create(cfg, dim=SHAPE[-1])
+    v, p = random_params(module)
+    sub = lambda s: {k[3:]: a for k, a in p.items() if k.startswith(s + "/")}  # noqa: E731
+    y, mut = module.apply({"params": unflat(p), "batch_stats": v["batch_stats"]},
+                          jnp.asarray(X, jnp.float32), train=True, step=jnp.int32(2),
+                          mutable=["batch_stats"])
+    want = 0.5 * np_ref("layernorm", X, sub("n1")) + 0.5 * np_ref("repbn", X, sub("n2"))
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(flat(mut["batch_stats"])["n2/bn/mean"],
+                               0.1 * X.mean(axis=(0, 1)), rtol=1e-5, atol=1e-6)
+
+
+def test_progressive_phase_that_ends_with_the_hand_over_still_mixes():
+    """A compiled phase [ws + ds - 1, ws + ds) (another slot's schedule can start a phase there)
+    still has N1's weight r0/ds at its step, so it mixes: it equals the step that reads the
+    step number (phase None)."""
+    base = {"name": "progressive", "n1": "layernorm", "n2": "repbn", "warmup_steps": 1,
+            "decay_steps": 4}
+    step = 1 + 4 - 1
+    outs = []
+    for phase in (None, (step, step + 1)):
+        module = norms.create({**base, "phase": phase}, dim=SHAPE[-1])
+        v, p = random_params(module)
+        outs.append(np.asarray(module.apply({"params": unflat(p), "batch_stats": v["batch_stats"]},
+                                            jnp.asarray(X, jnp.float32), train=True,
+                                            step=jnp.int32(step), mutable=["batch_stats"])[0]))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n1,n2", [("layernorm", "repbn"), ("zscore", "batchnorm")])
+def test_progressive_one_pass_with_a_running_mean_away_from_zero(n1, n2):
+    """The one pass shifts by N2's running mean; every test above ran it at the running mean's
+    initial 0, where a term that forgets the shift vanishes. Here the running mean is near the
+    channel means (as after some steps) and the inputs have means ~10x their spread: output,
+    the running mean and every gradient against the plain mixture in float64."""
+    cfg = {"name": "progressive", "n1": {"name": n1}, "decay_steps": 4, "n2": {"name": n2}}
+    module = norms.create(cfg, dim=SHAPE[-1])
+    v, p = random_params(module)
+    rng = np.random.default_rng(21)
+    means = rng.normal(0.0, 10.0, size=SHAPE[-1])
+    x64 = np.asarray(np.float32(means + rng.normal(size=SHAPE)), np.float64)
+    running = means + rng.normal(0.0, 1.0, size=SHAPE[-1])
+    key = "n2/bn/" if n2 == "repbn" else "n2/"
+    stats = flat(v["batch_stats"])
+    stats[key + "mean"] = running
+    stats = unflat(stats)
+    lam = 0.75
+    sub = lambda q, s: {k[3:]: a for k, a in q.items() if k.startswith(s + "/")}  # noqa: E731
+    ref = lambda x, q: (lam * np_ref(n1, x, sub(q, "n1"))  # noqa: E731
+                        + (1 - lam) * np_batch_norm(n2, x, sub(q, "n2"), 1))
+
+    def f(params, x):
+        y, mut = module.apply({"params": params, "batch_stats": stats}, x, train=True,
+                              step=jnp.int32(1), mutable=["batch_stats", "schedule"])
+        return jnp.sum(jnp.asarray(W, jnp.float32) * y), (y, mut)
+
+    (_, (y, mut)), (gp, gx) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
+        unflat(p), jnp.asarray(x64, jnp.float32))
+    want = ref(x64, p)
+    assert np.max(np.abs(np.asarray(y) - want)) <= 1e-5 * np.max(np.abs(want))
+    np.testing.assert_allclose(flat(mut["batch_stats"])[key + "mean"],
+                               0.9 * running + 0.1 * x64.mean(axis=(0, 1)), rtol=1e-5)
+    loss = lambda xx, q: float(np.sum(W * ref(xx, q)))  # noqa: E731
+    got = {"x": np.asarray(gx, np.float64), **flat(gp)}
+    wants = {"x": fd_grad(lambda a: loss(a, p), x64.copy())}
+    wants.update({k: fd_grad(lambda a: loss(x64, {**p, k: a}), p[k].copy()) for k in p})
+    for k in wants:
+        err = np.max(np.abs(got[k] - wants[k])) / np.max(np.abs(wants[k]))
+        assert err <= 1e-3, (k, err)
+
+
+def test_progressive_one_pass_epsilons_on_small_tokens():
+    """N1's epsilon (LayerNorm 1e-6) and N2's (BatchNorm 1e-5) each where its own: tokens of
+    variance ~1e-6, where exchanging them changes the output."""
+    cfg = {"name": "progressive", "n1": {"name": "layernorm"}, "decay_steps": 4,
+           "n2": {"name": "batchnorm"}}
+    module = norms.create(cfg, dim=SHAPE[-1])
+    v, p = random_params(module)
+    x = X * 1e-3
+    y = module.apply({"params": unflat(p), "batch_stats": v["batch_stats"]},
+                     jnp.asarray(x, jnp.float32), train=True, step=jnp.int32(1),
+                     mutable=["batch_stats"])[0]
+    sub = lambda s: {k[3:]: a for k, a in p.items() if k.startswith(s + "/")}  # noqa: E731
+    want = 0.75 * np_ref("layernorm", x, sub("n1")) + 0.25 * np_batch_norm("batchnorm", x, sub("n2"), 1)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)

@@ -221,3 +221,69 @@ def test_unified_window_one_always_skips_and_filtration_off():
         assert_rel(gx, rdx, TOL, f"step {i + 1} dx")
         assert_rel(stats["ema_gz"], sim.ema, TOL, f"step {i + 1} ema_gz")
         assert_rel(stats["buffer_gz"], sim.bg, TOL, f"step {i + 1} buffer_gz")
+
+
+def test_unified_ratio_stays_one_through_a_warmup_longer_than_ratio_warmup():
+    """The reference's own setting, warmup 4000 > ratio_warmup 1000: r is 1 while
+    t <= max(ratio_warmup, warmup), so through the whole warmup, not only ratio_warmup steps
+    (the other tests all had ratio_warmup >= warmup). Batches scaled away from running_var's 1,
+    so a ratio taken early would differ from 1."""
+    c, wf, warmup, ratio_warmup = 4, 2, 6, 2
+    module = build("unified", {"window": wf, "warmup": warmup, "ratio_warmup": ratio_warmup},
+                   dim=c)
+    rng = np.random.default_rng(4)
+    xs = [(rng.normal(size=(2, 5, c)) * rng.uniform(2.0, 3.0, c)).astype(np.float32)
+          for _ in range(8)]
+    v = jit_init(module, xs[0], True)
+    params, stats = randomize(v["params"]), v["batch_stats"]
+    gamma, beta = (np.asarray(params[k], np.float64) for k in ("scale", "bias"))
+    sim, step = NpUnified(c, wf, wf, warmup, False, ratio_warmup), make_step(module)
+    seen = []
+    for i, x in enumerate(xs):
+        w = rng.normal(size=x.shape).astype(np.float32)
+        y, gp, gx, stats = step(params, stats, jnp.asarray(x), jnp.asarray(w))
+        ry, rdx, rdg, _, info = sim.step(x.astype(np.float64), gamma, beta, w.astype(np.float64))
+        seen.append(info)
+        assert_rel(y, ry, TOL, f"step {i + 1} forward")
+        assert_rel(gx, rdx, TOL, f"step {i + 1} dx")
+        assert_rel(gp["scale"], rdg, TOL, f"step {i + 1} dgamma")
+        assert_rel(stats["ema_gz"], sim.ema, TOL, f"step {i + 1} ema_gz")
+    assert all(np.all(s["r"] == 1) for s in seen[:warmup])
+    assert any(np.any(s["r"] != 1) for s in seen[warmup:])
+
+
+def test_unified_outlier_threshold_uses_the_unbiased_variance():
+    """sigma_rec is the UNBIASED variance of sqrt(window) (W*C entries): a batch whose AM - GM
+    lies between W times the biased and W times the unbiased variance is not an outlier. The
+    window and the step are set so; the batch's mean square is exact (|x| constant)."""
+    c, wf = 3, 4
+    module = build("unified", {"window": wf, "warmup": 1, "outlier_filtration": True}, dim=c)
+    rng = np.random.default_rng(6)
+    buf = rng.uniform(1.0, 2.0, size=(wf, c))
+    t = 9.0  # the step is t + 1 = 10: its slot is 10 % 4 = 2
+    slot = int(t + 1) % wf
+    sig_u, sig_b = np.var(np.sqrt(buf), ddof=1), np.var(np.sqrt(buf), ddof=0)
+    target = wf * (sig_u + sig_b) / 2  # between the two thresholds
+
+    def am_gm(v):  # channel 0's AM - GM once v enters the slot
+        col = buf[:, 0].copy()
+        col[slot] = v
+        return col.mean() - np.exp(np.log(col).mean())
+    lo, hi = buf[:, 0].max(), 1e4
+    for _ in range(200):  # AM - GM grows with v above the window's values
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if am_gm(mid) < target else (lo, mid)
+    s = np.array([lo, *[np.exp(np.log(buf[:, k]).mean()) for k in (1, 2)]])  # others: tiny AM-GM
+    new = buf.copy()
+    new[slot] = s
+    gap = new.mean(0) - np.exp(np.log(new).mean(0))
+    assert wf * sig_b < gap.max() < wf * sig_u, (gap, wf * sig_b, wf * sig_u)
+    signs = rng.choice([-1.0, 1.0], size=(2, 8, c))
+    x = (signs * np.sqrt(s)).astype(np.float32)
+    v = jit_init(module, x, True)
+    stats = {**v["batch_stats"], "buffer_x2": jnp.asarray(buf, jnp.float32),
+             "t": jnp.float32(t), "running_var": jnp.asarray(buf.mean(0), jnp.float32)}
+    _, upd = module.apply({**v, "batch_stats": stats}, jnp.asarray(x), train=True,
+                          mutable=["batch_stats"])
+    assert int(upd["batch_stats"]["skips"]) == 0, "not an outlier by the unbiased variance"
+    assert_rel(upd["batch_stats"]["buffer_x2"][slot], s, TOL, "this step's statistic entered")

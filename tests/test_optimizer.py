@@ -31,6 +31,26 @@ def test_weight_decay_mask_spares_biases_norms_posemb_and_cls():
         assert not mask[name], name
 
 
+@pytest.mark.parametrize("name", optimizer.OPTIMIZERS)
+def test_every_optimizer_applies_the_decay_mask(name):
+    """decay_mask is right (above) AND each optimizer uses it: with zero gradients the only
+    update is the weight decay, so the no-decay parameters (norm scales and biases, biases,
+    cls, position embedding) must not move while the matrices do."""
+    model = models.create({"variant": "Ti/4", "depth": 1, "hidden_size": 16, "num_heads": 2},
+                          num_classes=3)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    params = jax.tree.map(lambda a: a + 0.5, params)  # no zero leaf: decay moves every one
+    c = tiny_demo_config(**{"optimizer.name": name, "optimizer.weight_decay": 0.1,
+                            "optimizer.learning_rate": 0.01, "schedule.name": "constant",
+                            "schedule.warmup_steps": 0})
+    tx, _ = optimizer.create(c, total_steps=10)
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    mask = _flat(optimizer.decay_mask(params))
+    moved = {k: bool(np.any(np.asarray(u) != 0)) for k, u in _flat(updates).items()}
+    assert moved == mask, {k: (moved[k], mask[k]) for k in mask if moved[k] != mask[k]}
+    assert any(mask.values()) and not all(mask.values())
+
+
 @pytest.mark.parametrize("name", ["cosine", "linear", "constant"])
 def test_schedule_warms_up_linearly_then_decays(name):
     c = tiny_demo_config(**{"schedule.name": name, "schedule.warmup_steps": 10,
