@@ -34,9 +34,12 @@ def list_images(spec: str) -> list[str]:
     out = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         if os.path.isdir(part):
-            for root, dirs, files in os.walk(part):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                out += [os.path.join(root, f) for f in sorted(files) if not f.startswith(".")]
+            from normvit_jax.data import formats  # prepare's walk: linked folders followed once
+            try:
+                out += formats.walk_files(part)
+            except OSError as e:  # a folder that cannot be listed was skipped silently
+                raise FileNotFoundError(f"--images: {e.filename or part} cannot be listed "
+                                        f"({e.strerror or e})") from None
         elif os.path.isfile(part):
             out.append(part)
         else:

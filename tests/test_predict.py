@@ -113,3 +113,17 @@ def test_predict_decodes_each_image_once_a_batch_at_a_time(run, tmp_path, monkey
     assert len(lines) == 23 and lines[1][0] == rows[0]["path"]
     assert lines[1][2] == f"{rows[0]['top'][0][1]:.6f}"
 
+
+
+def test_list_images_follows_linked_folders_once_and_stops_at_a_loop(tmp_path):
+    """--images=FOLDER with a linked sub-folder: its photos were left out silently (os.walk does
+    not follow links); a link back up must not list the folder again (a loop)."""
+    (tmp_path / "photos" / "trip").mkdir(parents=True)
+    (tmp_path / "more").mkdir()
+    for p in ("photos/a.jpg", "photos/trip/b.jpg", "more/c.jpg"):
+        (tmp_path / p).write_bytes(b"x")
+    (tmp_path / "photos" / "linked").symlink_to(tmp_path / "more")
+    (tmp_path / "photos" / "trip" / "up").symlink_to("..")
+    got = predict.list_images(str(tmp_path / "photos"))
+    assert [os.path.relpath(p, tmp_path / "photos") for p in got] == [
+        "a.jpg", "linked/c.jpg", "trip/b.jpg"]

@@ -502,3 +502,22 @@ def test_the_suggested_command_trains_on_fewer_images_than_the_batch(tmp_path, c
     # the log says what happens to each split's decoded images (eval batches are not augmented)
     assert [m.split("; ")[1].split(" (")[0] for m in said if m.startswith("Decoded the")] == [
         "its batches are augmented from there", "its batches are read from there"], said
+
+
+def test_linked_folders_are_read_once_and_a_broken_link_is_skipped_by_name(tmp_path, capsys):
+    """A photo folder with symbolic links: a linked sub-folder of a class was dropped silently
+    (os.walk does not follow links), a broken link stopped the prepare with a traceback (exit 1),
+    and a link back to the source would pull the other classes' files into the class."""
+    src = tmp_path / "s"
+    _tree(src, {"cat": 3, "dog": 3})
+    _tree(tmp_path / "elsewhere", {"more": 2})
+    (src / "cat" / "linked").symlink_to(tmp_path / "elsewhere" / "more")  # 2 more cat images
+    (src / "cat" / "again").symlink_to(tmp_path / "elsewhere" / "more")   # the same folder twice
+    (src / "dog" / "loop").symlink_to("..")                               # src itself
+    (src / "dog" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    (src / "everything").symlink_to(".")                                  # a class folder = src
+    info = _run(f"--src={src}", "--name=links", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    assert info["splits"]["train"]["per_class"] == [5, 3] and info["classes"] == ["cat", "dog"]
+    assert info["splits"]["train"]["skipped"] == [
+        f"{src}/dog/gone.jpg (a broken symbolic link to {tmp_path}/nowhere.jpg)"]
+    assert info["ignored"] == [f"{src}/everything"]

@@ -99,26 +99,58 @@ def visible(d: str) -> list[str]:
     return sorted(e for e in os.listdir(d) if not e.startswith("."))
 
 
-def _class_files(class_dir: str) -> list[str]:
-    out = []
-    for root, dirs, files in os.walk(class_dir):
+def walk_files(top: str) -> list[str]:
+    """The files under folder ``top`` in sorted order, hidden ones (``.*``) skipped. Symbolic links
+    to folders are followed, as torchvision's ImageFolder does (os.walk's default dropped them
+    silently), each real folder once; a link to ``top`` or a folder above it (a loop, which would
+    bring in the other classes' files) is not followed. Raises OSError for a folder that cannot be
+    listed (os.walk's default skipped it silently)."""
+    out: list[str] = []
+    top_real = os.path.realpath(top)
+    seen: set[str] = set()
+
+    def fail(e: OSError) -> None:
+        raise e
+    for root, dirs, files in os.walk(top, onerror=fail, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen or (root != top and (top_real + os.sep).startswith(real + os.sep)):
+            dirs[:] = []
+            continue
+        seen.add(real)
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))
         out.extend(os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
+    return out
+
+
+def _class_files(class_dir: str) -> list[str]:
+    try:
+        out = walk_files(class_dir)
+    except OSError as e:
+        raise PrepareError(f"{e.filename or class_dir}: cannot be listed ({e.strerror or e})"
+                           ) from None
     if not out:
         raise PrepareError(f"{class_dir}: empty class folder; put images in it or remove it")
     return out
 
 
 def _load_path(path: str) -> tuple[bytes, np.ndarray]:
-    with open(path, "rb") as f:
-        return images.load_file(f.read())
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:  # a broken link, no permission: unreadable like a corrupt file (skipped)
+        if os.path.islink(path) and not os.path.exists(path):
+            raise images.BadImageError(f"a broken symbolic link to {os.readlink(path)}") from None
+        raise images.BadImageError(f"cannot be read ({type(e).__name__}: {e.strerror or e})"
+                                   ) from None
+    return images.load_file(data)
 
 
 def _tree(d: str, ignored: list[str]) -> dict[str, list[str]]:
     classes = {}
     for e in visible(d):
         p = os.path.join(d, e)
-        if os.path.isdir(p):
+        real, d_real = os.path.realpath(p), os.path.realpath(d)
+        if os.path.isdir(p) and not (d_real + os.sep).startswith(real + os.sep):
             classes[e] = _class_files(p)
         else:
             ignored.append(p)
