@@ -189,6 +189,17 @@ def test_single_tree_holds_out_a_seeded_fraction_per_class(tmp_path):
     assert held(0) == held(1) and held(0) != held(2)  # same seed same files; other seed others
 
 
+def test_a_held_out_fraction_leaves_every_class_a_train_example():
+    """A class of 1 image at --val_fraction=0.6 (round(0.6) = 1), or of 2 at 0.8, was held out
+    whole: written with no train example, never learned, yet evaluated, without a word."""
+    labels = np.array([0] * 1 + [1] * 2 + [2] * 10)
+    pool = formats.Split(labels, [str(i) for i in range(len(labels))], lambda i: (b"", None))
+    train, held = formats.hold_out(pool, 0.8, seed=0)
+    assert np.bincount(train.labels, minlength=3).tolist() == [1, 1, 2]  # round(8) of class 2
+    assert np.bincount(held.labels, minlength=3).tolist() == [0, 1, 8]
+    assert sorted(train.names + held.names, key=int) == pool.names  # each example once
+
+
 def test_empty_class_folder_and_foreign_test_class_exit_2(tmp_path, capsys):
     (tmp_path / "s1/a").mkdir(parents=True)
     (tmp_path / "s1/b").mkdir(parents=True)

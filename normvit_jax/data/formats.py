@@ -53,13 +53,14 @@ def subset(s: Split, idx: np.ndarray) -> Split:
 
 
 def hold_out(s: Split, fraction: float, seed: int) -> tuple[Split, Split]:
-    """(train, held-out): round(fraction * n_c) examples of each class c, chosen by a permutation
-    of that class's examples (in source order) drawn from ``default_rng([seed, c])``."""
+    """(train, held-out): round(fraction * n_c) examples of each class c, at most n_c - 1 (a class
+    held out whole was written with no train example: never learned, yet evaluated), chosen by a
+    permutation of that class's examples (in source order) drawn from ``default_rng([seed, c])``."""
     train, held = [], []
     for c in np.unique(s.labels):
         members = np.flatnonzero(s.labels == c)
         perm = np.random.default_rng([seed, int(c)]).permutation(len(members))
-        k = int(round(fraction * len(members)))
+        k = min(int(round(fraction * len(members))), len(members) - 1)
         held.extend(members[perm[:k]].tolist())
         train.extend(members[perm[k:]].tolist())
     return subset(s, np.sort(train)), subset(s, np.sort(held))
