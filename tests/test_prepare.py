@@ -532,3 +532,21 @@ def test_linked_folders_are_read_once_and_a_broken_link_is_skipped_by_name(tmp_p
     assert info["splits"]["train"]["skipped"] == [
         f"{src}/dog/gone.jpg (a broken symbolic link to {tmp_path}/nowhere.jpg)"]
     assert info["ignored"] == [f"{src}/everything"]
+
+
+def test_a_png_cut_after_its_pixels_is_stored_decodable_by_training(tmp_path):
+    """A PNG whose copy stopped in its last bytes: PIL reads every pixel, TensorFlow's decoder
+    (training's) refuses the file. It was stored as it was, and the run stopped at its first
+    batch with 'example k of the split cannot be decoded'; it is stored as the PNG of its pixels."""
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+    src = _tree(tmp_path / "s", {"cat": 2, "dog": 2})
+    px = RNG.integers(0, 256, (7, 9, 3), np.uint8)
+    Image.fromarray(px).save(tmp_path / "s" / "dog" / "cut.png")
+    whole = (tmp_path / "s" / "dog" / "cut.png").read_bytes()
+    (tmp_path / "s" / "dog" / "cut.png").write_bytes(whole[:-12])  # without its IEND chunk
+    _run(f"--src={src}", "--name=cut", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    ds = tfds.builder_from_directory(f"{tmp_path}/dd/cut/1.0.0").as_data_source(
+        split="train", decoders={"image": tfds.decode.SkipDecoding()})
+    stored = [tf.io.decode_image(ds[i]["image"], channels=3).numpy() for i in range(len(ds))]
+    assert len(stored) == 5 and sum(x.shape == px.shape and (x == px).all() for x in stored) == 1

@@ -14,7 +14,7 @@ float must lie in [0, 1] and becomes round(x * 255). One channel is copied to th
 (alpha) channel is dropped.
 
 What is stored: JPEG and PNG files that need no change (RGB or gray, 8-bit, upright, no alpha or
-palette) keep their original bytes (no re-compression); every other image is stored as the PNG of
+palette; a PNG with its last chunk) keep their original bytes (no re-compression); every other image is stored as the PNG of
 its RGB pixels (lossless).
 """
 from __future__ import annotations
@@ -48,10 +48,16 @@ def to_rgb(im: Any) -> np.ndarray:
     return np.asarray(im, np.uint8)
 
 
-def _kept(im, fmt: str | None, orientation: Any) -> bool:
+# A PNG's last chunk. PIL decodes a PNG cut short after its image data (a copy or download
+# stopped in the last bytes) and TensorFlow's decoder, training's, does not: such a file kept as it
+# was stopped the training run that met it ("example k of the split cannot be decoded").
+_PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
+
+
+def _kept(im, fmt: str | None, orientation: Any, data: bytes) -> bool:
     """Whether an opened image is stored (and decoded by TF) as its original bytes."""
     return (fmt in KEEP_FORMATS and im.mode in _KEEP_MODES and orientation in (None, 1)
-            and "transparency" not in im.info)
+            and "transparency" not in im.info and (fmt != "PNG" or _PNG_END in data))
 
 
 def stored_as_is(data: bytes) -> bool:
@@ -63,7 +69,7 @@ def stored_as_is(data: bytes) -> bool:
         raise BadImageError("empty file (0 bytes)")
     try:
         im = Image.open(io.BytesIO(data))
-        return _kept(im, im.format, im.getexif().get(0x0112, 1))
+        return _kept(im, im.format, im.getexif().get(0x0112, 1), data)
     except Image.UnidentifiedImageError:
         raise BadImageError("not an image format PIL recognises") from None
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad headers)
@@ -83,7 +89,7 @@ def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
         im.load()  # decodes fully: a truncated file fails here
         if orientation not in (None, 1):
             im = ImageOps.exif_transpose(im)
-        keep = _kept(im, fmt, orientation)
+        keep = _kept(im, fmt, orientation, data)
         rgb = to_rgb(im)
     except BadImageError:
         raise
