@@ -550,3 +550,20 @@ def test_a_png_cut_after_its_pixels_is_stored_decodable_by_training(tmp_path):
         split="train", decoders={"image": tfds.decode.SkipDecoding()})
     stored = [tf.io.decode_image(ds[i]["image"], channels=3).numpy() for i in range(len(ds))]
     assert len(stored) == 5 and sum(x.shape == px.shape and (x == px).all() for x in stored) == 1
+
+
+def test_split_folders_not_named_as_splits_are_refused_not_read_as_classes(tmp_path, capsys):
+    """A download laid out as Train/<class>, Test/<class> (or training_set/test_set) was read as
+    one tree of the classes 'Test' and 'Train': a model telling the folders apart, without a
+    word. Folders of images named so (no sub-folders) are still classes."""
+    for split in ("Train", "Test"):
+        _tree(tmp_path / "s" / split, {"cat": 2, "dog": 2})
+    line = _fails(capsys, f"--src={tmp_path}/s", "--name=k1", f"--data_dir={tmp_path}/dd",
+                  "--val_fraction=0")
+    assert line == (f"error: {tmp_path}/s: the folders 'Test', 'Train' look like splits, not "
+                    "classes; name them train/ and val/, validation/ or test/ (lower case), each "
+                    "holding one folder per class, or point --src at one of them")
+    _tree(tmp_path / "s2", {"Train": 2, "valid": 2})  # images directly inside: classes
+    info = _run(f"--src={tmp_path}/s2", "--name=k2", f"--data_dir={tmp_path}/dd",
+                "--val_fraction=0")
+    assert info["classes"] == ["Train", "valid"]

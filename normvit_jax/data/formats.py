@@ -160,6 +160,25 @@ def _tree(d: str, ignored: list[str]) -> dict[str, list[str]]:
     return classes
 
 
+# Folder names that mean a split, not a class, in downloaded datasets ('Train'/'Test',
+# 'training_set'/'test_set', ...): only lower-case train, val, validation and test are splits here.
+_SPLIT_LIKE = re.compile(r"(train|training|test|testing|val|valid|validation|eval|dev)"
+                         r"(_?set)?", re.IGNORECASE)
+
+
+def _refuse_split_like(src: str, subdirs: list[str]) -> None:
+    """A single tree whose every class folder is named like a split and holds folders ('Train/cat',
+    'Test/cat') was read as the classes 'Test' and 'Train': a model that tells the two folders
+    apart, trained without a word."""
+    if subdirs and all(_SPLIT_LIKE.fullmatch(d) for d in subdirs) and any(
+            os.path.isdir(os.path.join(src, d, e)) for d in subdirs
+            for e in visible(os.path.join(src, d))):
+        names = ", ".join(repr(d) for d in subdirs)
+        raise PrepareError(f"{src}: the folders {names} look like splits, not classes; name them "
+                           "train/ and val/, validation/ or test/ (lower case), each holding one "
+                           "folder per class, or point --src at one of them")
+
+
 def read_folder(src: str) -> tuple[Parsed, bool]:
     """(parsed, single_tree): ``src/<split>/<class>/...`` with a ``train`` split, or a single
     ``src/<class>/...`` tree (one 'train' split; ``prepare`` then holds out a fraction)."""
@@ -175,6 +194,7 @@ def read_folder(src: str) -> tuple[Parsed, bool]:
         ignored += [os.path.join(src, e) for e in visible(src) if e not in subdirs]
         trees = {s: _tree(os.path.join(src, s), ignored) for s in ["train"] + others}
     else:
+        _refuse_split_like(src, subdirs)
         trees = {"train": _tree(src, ignored)}
     classes = sorted(trees["train"])
     index = {c: i for i, c in enumerate(classes)}
