@@ -567,3 +567,16 @@ def test_split_folders_not_named_as_splits_are_refused_not_read_as_classes(tmp_p
     info = _run(f"--src={tmp_path}/s2", "--name=k2", f"--data_dir={tmp_path}/dd",
                 "--val_fraction=0")
     assert info["classes"] == ["Train", "valid"]
+
+
+def test_a_heic_photo_is_named_as_such_with_what_to_do():
+    """iPhone photos are HEIC, which PIL does not decode: the skip reason said only 'not an image
+    format PIL recognises'. The header of an iPhone HEIC (an ISO-BMFF 'ftyp' box, brand heic)."""
+    from normvit_jax.data import images
+    heic = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64)
+    for read in (images.load_file, images.stored_as_is):  # prepare and serve; predict
+        with pytest.raises(images.BadImageError, match=r"^a HEIC/HEIF photo, which PIL cannot "
+                           r"decode; convert it to JPEG \(macOS: sips"):
+            read(heic)
+        with pytest.raises(images.BadImageError, match="^not an image format PIL recognises$"):
+            read(b"\x00\x00\x00\x18ftypisom" + bytes(64))  # an MP4 video

@@ -60,6 +60,18 @@ def _kept(im, fmt: str | None, orientation: Any, data: bytes) -> bool:
             and "transparency" not in im.info and (fmt != "PNG" or _PNG_END in data))
 
 
+# ISO-BMFF brands of HEIC/HEIF files (iPhone photos since iOS 11), which PIL does not decode
+_HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1")
+
+
+def _unrecognised(data: bytes) -> BadImageError:
+    """Why PIL recognises no image in ``data``; a HEIC photo is named as such, with what to do."""
+    if data[4:8] == b"ftyp" and data[8:12] in _HEIF_BRANDS:
+        return BadImageError("a HEIC/HEIF photo, which PIL cannot decode; convert it to JPEG "
+                             "(macOS: sips -s format jpeg IMG.HEIC --out IMG.jpg)")
+    return BadImageError("not an image format PIL recognises")
+
+
 def stored_as_is(data: bytes) -> bool:
     """Whether ``load_file`` would keep ``data`` as it is, from the file's header only (nothing is
     decoded: predict lets TensorFlow's decoder, evaluation's, decode such a file once).
@@ -71,7 +83,7 @@ def stored_as_is(data: bytes) -> bool:
         im = Image.open(io.BytesIO(data))
         return _kept(im, im.format, im.getexif().get(0x0112, 1), data)
     except Image.UnidentifiedImageError:
-        raise BadImageError("not an image format PIL recognises") from None
+        raise _unrecognised(data) from None
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad headers)
         raise BadImageError(f"{type(e).__name__}: {e}") from None
 
@@ -94,7 +106,7 @@ def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
     except BadImageError:
         raise
     except Image.UnidentifiedImageError:
-        raise BadImageError("not an image format PIL recognises") from None
+        raise _unrecognised(data) from None
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad files)
         raise BadImageError(f"{type(e).__name__}: {e}") from None
     if rgb.ndim != 3 or rgb.shape[0] < 1 or rgb.shape[1] < 1:
