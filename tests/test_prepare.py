@@ -580,3 +580,26 @@ def test_a_heic_photo_is_named_as_such_with_what_to_do():
             read(heic)
         with pytest.raises(images.BadImageError, match="^not an image format PIL recognises$"):
             read(b"\x00\x00\x00\x18ftypisom" + bytes(64))  # an MP4 video
+
+
+def test_decoding_runs_at_most_two_images_per_worker_ahead_of_the_writer():
+    """Each decoded photo is held until the writer (one thread) takes it: a look-ahead of 256
+    images held 256 decoded photos (10+ GB at 12 MP) when many decode threads outran it. The
+    writer here stops at its first image until the decoders have run as far ahead as they can
+    (or half a second has passed); none may start more than 2 x workers images ahead of it."""
+    import threading
+    workers, n, taken, lead = 3, 40, [0], []
+    far = threading.Event()
+
+    def load(i):
+        lead.append(i - taken[0])
+        if i >= 2 * workers:
+            far.set()
+        return b"", np.zeros((1, 1, 3), np.uint8)
+    split = formats.Split(np.zeros(n, np.int64), [str(i) for i in range(n)], load)
+    writer = prepare._SplitWriter("train", split, 1, False, workers, None)
+    for k, _ in writer:
+        if k == 0:
+            far.wait(0.5)
+        taken[0] += 1
+    assert taken[0] == n and len(lead) == n and max(lead) <= 2 * workers, max(lead)
