@@ -603,3 +603,22 @@ def test_decoding_runs_at_most_two_images_per_worker_ahead_of_the_writer():
             far.wait(0.5)
         taken[0] += 1
     assert taken[0] == n and len(lead) == n and max(lead) <= 2 * workers, max(lead)
+
+
+def test_a_16_bit_rgb_png_keeps_each_values_high_byte_in_prepare_and_training():
+    """docs/data.md's RGB rule: 16-bit gray is scaled and rounded, 16-bit RGB(A) PNGs (which PIL
+    opens as 8-bit RGB) keep the high byte; PIL (prepare, serve) and TensorFlow (training,
+    predict) agree on it. The doc said 'scaled by 255/65535 and rounded' for every 16-bit image."""
+    import struct
+    import zlib
+    import tensorflow as tf
+    from normvit_jax.data import images
+    v = np.array([[[0, 255, 256], [32767, 32768, 33023], [65535, 65280, 65279]]], np.uint16)
+    chunk = lambda t, d: (struct.pack(">I", len(d)) + t + d  # noqa: E731
+                          + struct.pack(">I", zlib.crc32(t + d)))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 3, 1, 16, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(b"\x00" + v[0].astype(">u2").tobytes()))
+           + chunk(b"IEND", b""))
+    stored, rgb = images.load_file(png)
+    assert (rgb == (v >> 8)).all() and stored == png  # 255 -> 0 (rounding: 1), 65280 -> 255 (254)
+    assert (tf.io.decode_image(stored, channels=3).numpy() == rgb).all()
