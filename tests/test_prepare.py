@@ -620,5 +620,6 @@ def test_a_16_bit_rgb_png_keeps_each_values_high_byte_in_prepare_and_training():
            + chunk(b"IDAT", zlib.compress(b"\x00" + v[0].astype(">u2").tobytes()))
            + chunk(b"IEND", b""))
     stored, rgb = images.load_file(png)
-    assert (rgb == (v >> 8)).all() and stored == png  # 255 -> 0 (rounding: 1), 65280 -> 255 (254)
+    # 255 -> 0 (rounding: 1), 65280 -> 255 (rounding: 254)
+    assert (rgb == (v >> 8)).all() and stored == png
     assert (tf.io.decode_image(stored, channels=3).numpy() == rgb).all()

@@ -8,14 +8,15 @@ Files are opened with PIL (JPEG, PNG, BMP, GIF, WebP, TIFF, ...):
    dropped (not composited: the colour under a transparent pixel is kept, as torchvision's and
    timm's ``ImageFolder`` loaders and TF's ``decode_image(channels=3)`` do), CMYK is converted by
    PIL's formula (no ICC profile). 16-bit gray (I;16*, I) images are scaled by 255/65535 and
-   rounded; 16-bit RGB(A) PNGs keep each value's high byte (PIL and TensorFlow alike); 32-bit float (F) images are clipped to [0, 255] by PIL.
+   rounded; 16-bit RGB(A) PNGs keep each value's high byte (PIL and TensorFlow alike); 32-bit
+   float (F) images are clipped to [0, 255] by PIL.
 Arrays: uint8 as is; other integer types must lie in [0, 255] (uint16: scaled like 16-bit files);
 float must lie in [0, 1] and becomes round(x * 255). One channel is copied to three; a fourth
 (alpha) channel is dropped.
 
 What is stored: JPEG and PNG files that need no change (RGB or gray, 8-bit, upright, no alpha or
-palette; a PNG with its last chunk) keep their original bytes (no re-compression); every other image is stored as the PNG of
-its RGB pixels (lossless).
+palette; a PNG with its last chunk) keep their original bytes (no re-compression); every other
+image is stored as the PNG of its RGB pixels (lossless).
 """
 from __future__ import annotations
 
