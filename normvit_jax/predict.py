@@ -22,17 +22,30 @@ import csv
 import json
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 EXIT_BAD_INPUT = 2
 
 
+def _paths(spec: str) -> Iterator[str]:
+    """The comma-separated paths of ``spec``; a path holding commas ('Paris, France/') is taken
+    whole: the longest run of parts that names an existing file or folder (it was split and
+    refused as 'Paris is neither a file nor a folder')."""
+    parts, i = spec.split(","), 0
+    while i < len(parts):
+        j = next((j for j in range(len(parts), i, -1)
+                  if os.path.exists(",".join(parts[i:j]).strip())), i + 1)
+        part, i = ",".join(parts[i:j]).strip(), j
+        if part:
+            yield part
+
+
 def list_images(spec: str) -> list[str]:
     """Files named by ``--images``: comma-separated files and folders (walked, sorted)."""
     out = []
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
+    for part in _paths(spec):
         if os.path.isdir(part):
             from normvit_jax.data import formats  # prepare's walk: linked folders followed once
             try:
@@ -43,7 +56,8 @@ def list_images(spec: str) -> list[str]:
         elif os.path.isfile(part):
             out.append(part)
         else:
-            raise FileNotFoundError(f"--images: {part} is neither a file nor a folder")
+            raise FileNotFoundError(f"--images: {part} is neither a file nor a folder" + (
+                " (--images is split at commas)" if "," in spec else ""))
     if not out:
         raise FileNotFoundError(f"--images={spec}: no files found")
     return out

@@ -135,3 +135,19 @@ def test_a_file_tensorflow_refuses_and_pil_reads_is_named_so():
     Image.fromarray(np.full((4, 5, 3), 7, np.uint8)).save(buf, "PNG")
     assert "cut short" in predict._undecodable(buf.getvalue()[:-12])
     assert predict._undecodable(buf.getvalue()[:40]) == "not an image format PIL recognises"
+
+
+def test_images_paths_may_hold_commas(tmp_path):
+    """--images is comma-separated, and a photo folder named 'Paris, France' was split in two and
+    refused ('Paris is neither a file nor a folder'); the longest run of parts that exists is
+    one path."""
+    (tmp_path / "Paris, France").mkdir()
+    (tmp_path / "Paris").mkdir()  # a shorter existing prefix is not taken instead
+    for p in ("Paris, France/a.jpg", "Paris/b.jpg", "c.jpg"):
+        (tmp_path / p).write_bytes(b"x")
+    got = predict.list_images(f"{tmp_path}/Paris, France, {tmp_path}/c.jpg,,{tmp_path}/Paris")
+    assert [os.path.relpath(p, tmp_path) for p in got] == ["Paris, France/a.jpg", "c.jpg",
+                                                          "Paris/b.jpg"]
+    with pytest.raises(FileNotFoundError, match=r"/Nice is neither a file nor a folder \(--images "
+                       "is split at commas\\)$"):
+        predict.list_images(f"{tmp_path}/c.jpg,{tmp_path}/Nice, France")
