@@ -623,3 +623,20 @@ def test_a_16_bit_rgb_png_keeps_each_values_high_byte_in_prepare_and_training():
     # 255 -> 0 (rounding: 1), 65280 -> 255 (rounding: 254)
     assert (rgb == (v >> 8)).all() and stored == png
     assert (tf.io.decode_image(stored, channels=3).numpy() == rgb).all()
+
+
+def test_the_summary_names_ten_skipped_files_per_split_and_points_to_the_rest(tmp_path, capsys):
+    """A Google Takeout folder has a .json beside every photo: the summary printed one line per
+    skipped file, thousands of lines above the statistics and the command to train."""
+    src = _tree(tmp_path / "s", {"cat": 4, "dog": 4})
+    for i in range(12):
+        (tmp_path / "s" / "cat" / f"{i}.png.json").write_text("{}")
+    info = _run(f"--src={src}", "--name=sidecars", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    out = capsys.readouterr().out.splitlines()
+    assert len(info["splits"]["train"]["skipped"]) == 12  # all in prepare.json
+    start = out.index("  train: skipped 12 unreadable file(s):")
+    assert all(line.endswith(".png.json (not an image format PIL recognises)")
+               for line in out[start + 1:start + 11])
+    assert out[start + 11] == (f"    ... and 2 more, all listed in {tmp_path}/dd/sidecars/1.0.0/"
+                               "prepare.json")
+    assert out[start + 12].startswith("  train per-channel mean")

@@ -277,6 +277,9 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
     return info
 
 
+SHOWN_SKIPPED = 10  # skipped files the summary names per split; prepare.json has them all
+
+
 def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
             val_fraction: float = 0.0) -> str:
     """The lines prepare prints; ``val_fraction``: the flag's value (why there is no eval split:
@@ -297,7 +300,11 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
                          f"{', '.join(empty[:8])}{' ...' if len(empty) > 8 else ''}")
         if sp["skipped"]:
             lines.append(f"  {s}: skipped {len(sp['skipped'])} unreadable file(s):")
-            lines += [f"    {x}" for x in sp["skipped"]]
+            lines += [f"    {x}" for x in sp["skipped"][:SHOWN_SKIPPED]]
+            if len(sp["skipped"]) > SHOWN_SKIPPED:  # a sidecar per photo (Google Takeout's .json)
+                listed = os.path.join(prepared.version_dir(name, data_dir), prepared.INFO_FILE)
+                lines.append(f"    ... and {len(sp['skipped']) - SHOWN_SKIPPED} more, all listed "
+                             f"in {listed}")
     if info["ignored"]:
         lines.append(f"  ignored {len(info['ignored'])} file(s) outside class folders: "
                      f"{', '.join(info['ignored'][:5])}{' ...' if len(info['ignored']) > 5 else ''}")
