@@ -208,7 +208,9 @@ def _progress(items: Any, what: str, total: int) -> Any:
 
 
 def write_csv(rows: list[dict], path: str, top_k: int) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    # surrogateescape: a file name that is not UTF-8 is written as its own bytes (the path of the
+    # file on disk), not a UnicodeEncodeError once every image was predicted
+    with open(path, "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
         w = csv.writer(f)
         w.writerow(["path"] + [h for r in range(1, top_k + 1) for h in (f"class_{r}", f"prob_{r}")])
         for row in rows:
@@ -271,10 +273,11 @@ def _main(args: Any, prog: str) -> Any:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    from normvit_jax.data.formats import shown  # a file name that is not UTF-8, printable
     for row in rows:
-        print(f"{row['path']}: " + ", ".join(f"{c} {p:.3f}" for c, p in row["top"]))
+        print(f"{shown(row['path'])}: " + ", ".join(f"{c} {p:.3f}" for c, p in row["top"]))
     for s in skipped:
-        print(f"skipped (not a readable image): {s}", file=sys.stderr)
+        print(f"skipped (not a readable image): {shown(s)}", file=sys.stderr)
     if not rows:  # every file skipped: exit 0 and an empty CSV would read as success
         print(f"{prog}: error: none of the {len(skipped)} file(s) of --images is a readable image",
               file=sys.stderr)

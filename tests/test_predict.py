@@ -151,3 +151,18 @@ def test_images_paths_may_hold_commas(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"/Nice is neither a file nor a folder \(--images "
                        "is split at commas\\)$"):
         predict.list_images(f"{tmp_path}/c.jpg,{tmp_path}/Nice, France")
+
+
+def test_a_file_name_that_is_not_utf8_is_printed_and_written_to_the_csv(run, tmp_path, capsys):
+    """A photo named in cp1252 bytes (caf\\xe9.jpg from an old Windows zip): the CSV, written
+    as UTF-8, stopped with a UnicodeEncodeError after every image was predicted."""
+    folder = os.fsencode(tmp_path / "photos")
+    os.mkdir(folder)
+    Image.fromarray(np.full((9, 9, 3), 90, np.uint8)).save(os.path.join(folder, b"caf\xe9.png"))
+    out = tmp_path / "preds.csv"
+    predict.main([f"--workdir={run}", f"--images={tmp_path / 'photos'}", f"--out={out}"])
+    printed = capsys.readouterr().out
+    printed.encode("utf-8")  # printable in a UTF-8 terminal (strict): no lone surrogate
+    assert f"{tmp_path}/photos/caf\\xe9.png: " in printed
+    row = out.read_bytes().splitlines()[1]  # the file's own bytes: the path that opens it
+    assert row.startswith(os.path.join(folder, b"caf\xe9.png") + b",")

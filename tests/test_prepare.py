@@ -640,3 +640,24 @@ def test_the_summary_names_ten_skipped_files_per_split_and_points_to_the_rest(tm
     assert out[start + 11] == (f"    ... and 2 more, all listed in {tmp_path}/dd/sidecars/1.0.0/"
                                "prepare.json")
     assert out[start + 12].startswith("  train per-channel mean")
+
+
+def test_names_that_are_not_utf8_are_refused_for_a_class_and_printable_for_a_file(tmp_path,
+                                                                                  capsys):
+    """Folders unzipped from an old Windows archive have names in cp1252 bytes: a class folder
+    so named decoded every image, then stopped in tfds with a UnicodeEncodeError's traceback; a
+    skipped file so named made the summary's print fail in a UTF-8 terminal (a traceback)."""
+    src = _tree(tmp_path / "s", {"cat": 2, "dog": 2})
+    bad_class = os.path.join(os.fsencode(src), b"caf\xe9")
+    os.mkdir(bad_class)
+    shutil.copy(os.path.join(src, "cat", "0.png"), os.path.join(bad_class, b"0.png"))
+    line = _fails(capsys, f"--src={src}", "--name=u8", f"--data_dir={tmp_path}/dd",
+                  "--val_fraction=0")
+    assert line.startswith(f"error: {src}/caf\\xe9: the class folder's name is not valid UTF-8")
+    shutil.rmtree(bad_class)
+    with open(os.path.join(os.fsencode(src), b"cat", b"notes\xff.jpg"), "wb") as f:
+        f.write(b"not an image")
+    _run(f"--src={src}", "--name=u8", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    out = capsys.readouterr().out
+    out.encode("utf-8")  # printable in a UTF-8 terminal (strict): no lone surrogate
+    assert f"    {src}/cat/notes\\xff.jpg (not an image format PIL recognises)" in out

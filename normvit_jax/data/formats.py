@@ -95,6 +95,12 @@ def numbered(labels: list[np.ndarray]) -> list[str]:
 
 
 # ---------------------------------------------------------------- folders of images
+def shown(path: str) -> str:
+    """``path`` printable in any locale: bytes of a file name that are not UTF-8 (which Python
+    holds as surrogates, and a UTF-8 terminal refused to print: a traceback) as ``\\xe9``."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def visible(d: str) -> list[str]:
     """The entries of folder ``d`` that are not hidden, sorted."""
     return sorted(e for e in os.listdir(d) if not e.startswith("."))
@@ -197,6 +203,14 @@ def read_folder(src: str) -> tuple[Parsed, bool]:
         _refuse_split_like(src, subdirs)
         trees = {"train": _tree(src, ignored)}
     classes = sorted(trees["train"])
+    for c in classes:  # the dataset stores the names as UTF-8 text: tfds's traceback at the end
+        try:
+            c.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PrepareError(
+                f"{shown(os.path.join(src, 'train' if split_layout else '', c))}: the class "
+                "folder's name is not valid UTF-8 (made on another system, e.g. a zip from old "
+                "Windows); rename it (convmv -f cp1252 -t utf8 -r DIR fixes every name)") from None
     index = {c: i for i, c in enumerate(classes)}
     splits = {}
     for s, tree in trees.items():

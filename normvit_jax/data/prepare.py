@@ -300,14 +300,15 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
                          f"{', '.join(empty[:8])}{' ...' if len(empty) > 8 else ''}")
         if sp["skipped"]:
             lines.append(f"  {s}: skipped {len(sp['skipped'])} unreadable file(s):")
-            lines += [f"    {x}" for x in sp["skipped"][:SHOWN_SKIPPED]]
+            lines += [f"    {formats.shown(x)}" for x in sp["skipped"][:SHOWN_SKIPPED]]
             if len(sp["skipped"]) > SHOWN_SKIPPED:  # a sidecar per photo (Google Takeout's .json)
                 listed = os.path.join(prepared.version_dir(name, data_dir), prepared.INFO_FILE)
                 lines.append(f"    ... and {len(sp['skipped']) - SHOWN_SKIPPED} more, all listed "
                              f"in {listed}")
     if info["ignored"]:
         lines.append(f"  ignored {len(info['ignored'])} file(s) outside class folders: "
-                     f"{', '.join(info['ignored'][:5])}{' ...' if len(info['ignored']) > 5 else ''}")
+                     f"{formats.shown(', '.join(info['ignored'][:5]))}"
+                     f"{' ...' if len(info['ignored']) > 5 else ''}")
     if info.get("held_out"):
         h = info["held_out"]
         lines.append(f"  held out {h['fraction']:g} of each class as '{h['split']}' (seed {h['seed']})")
