@@ -4,7 +4,7 @@
     python -m normvit_jax.predict --workdir=W --folded=FOLDED_DIR --images=...   # folded weights
     python -m normvit_jax.predict --workdir=W --mode=eval --split=SPLIT            # a labelled split
 
---images: files and folders, comma-separated (folders are read recursively, hidden files skipped).
+--images: files and folders, comma-separated (folders are read as prepare reads a class folder).
 Each image follows prepare's RGB rule (docs/data.md) and the run's eval preprocessing (central crop
 data.eval_crop_fraction, resize to data.image_size, data.normalize with the statistics the run
 trained with: <workdir>/data.json, else the dataset's) through the same decoder as evaluation.

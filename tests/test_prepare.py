@@ -661,3 +661,18 @@ def test_names_that_are_not_utf8_are_refused_for_a_class_and_printable_for_a_fil
     out = capsys.readouterr().out
     out.encode("utf-8")  # printable in a UTF-8 terminal (strict): no lone surrogate
     assert f"    {src}/cat/notes\\xff.jpg (not an image format PIL recognises)" in out
+
+
+def test_synology_thumbnail_folders_are_skipped_like_hidden_ones(tmp_path):
+    """A photo share on a Synology NAS has an @eaDir folder in every folder, with thumbnails of
+    each photo: they were read as more images of the class (and of a class '@eaDir' at the top),
+    near-copies of the photos in both train and validation."""
+    src = _tree(tmp_path / "s", {"cat": 3, "dog": 3})
+    for where in ("cat/@eaDir/0.png", "dog/sub/@eaDir/1.png", "@eaDir/cat"):
+        d = tmp_path / "s" / where
+        d.mkdir(parents=True)
+        Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(d / "SYNOPHOTO_THUMB_M.jpg")
+    info = _run(f"--src={src}", "--name=nas", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    assert info["classes"] == ["cat", "dog"] and info["splits"]["train"]["per_class"] == [3, 3]
+    from normvit_jax import predict  # --images reads folders alike
+    assert predict.list_images(f"{src}/cat") == [f"{src}/cat/{i}.png" for i in range(3)]

@@ -101,13 +101,23 @@ def shown(path: str) -> str:
     return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+# Folders a NAS adds beside photos: Synology's @eaDir holds 3-5 thumbnails of every photo, which
+# were read as more images of the class, each in train or validation as it fell (a leak)
+NAS_FOLDERS = ("@eaDir",)
+
+
+def is_hidden(name: str) -> bool:
+    """A name the folder readers skip: hidden (``.*``: .DS_Store, ._x.jpg, .git) or NAS_FOLDERS."""
+    return name.startswith(".") or name in NAS_FOLDERS
+
+
 def visible(d: str) -> list[str]:
     """The entries of folder ``d`` that are not hidden, sorted."""
-    return sorted(e for e in os.listdir(d) if not e.startswith("."))
+    return sorted(e for e in os.listdir(d) if not is_hidden(e))
 
 
 def walk_files(top: str) -> list[str]:
-    """The files under folder ``top`` in sorted order, hidden ones (``.*``) skipped. Symbolic links
+    """The files under folder ``top`` in sorted order, hidden ones (``is_hidden``) skipped. Links
     to folders are followed, as torchvision's ImageFolder does (os.walk's default dropped them
     silently), each real folder once; a link to ``top`` or a folder above it (a loop, which would
     bring in the other classes' files) is not followed. Raises OSError for a folder that cannot be
@@ -124,8 +134,8 @@ def walk_files(top: str) -> list[str]:
             dirs[:] = []
             continue
         seen.add(real)
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
-        out.extend(os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
+        dirs[:] = sorted(x for x in dirs if not is_hidden(x))
+        out.extend(os.path.join(root, f) for f in sorted(files) if not is_hidden(f))
     return out
 
 
