@@ -676,3 +676,24 @@ def test_synology_thumbnail_folders_are_skipped_like_hidden_ones(tmp_path):
     assert info["classes"] == ["cat", "dog"] and info["splits"]["train"]["per_class"] == [3, 3]
     from normvit_jax import predict  # --images reads folders alike
     assert predict.list_images(f"{src}/cat") == [f"{src}/cat/{i}.png" for i in range(3)]
+
+
+def test_a_camera_raw_files_preview_is_not_taken_for_the_photo():
+    """A Nikon .NEF or a .DNG is a TIFF whose first image is a small preview (NewSubfileType 1),
+    which PIL opened: a RAW + JPEG folder held each photo twice, once as a 160x120 thumbnail. A
+    plain TIFF (no such tag, or 0) is an image as before."""
+    from PIL import TiffImagePlugin
+    from normvit_jax.data import images
+    px = RNG.integers(0, 256, (120, 160, 3), np.uint8)
+    for tag, ok in ((1, False), (0, True), (None, True)):
+        info = TiffImagePlugin.ImageFileDirectory_v2()
+        if tag is not None:
+            info[254] = tag
+        buf = io.BytesIO()
+        Image.fromarray(px).save(buf, "TIFF", tiffinfo=info)
+        if ok:
+            assert (images.load_file(buf.getvalue())[1] == px).all()
+        else:
+            with pytest.raises(images.BadImageError, match=r"^its first image is a 160x120 "
+                               r"preview \(a camera RAW file: .NEF, .DNG, ...\)"):
+                images.load_file(buf.getvalue())

@@ -55,6 +55,12 @@ def to_rgb(im: Any) -> np.ndarray:
 _PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
 
 
+# TIFF tag NewSubfileType; bit 0 marks a reduced-resolution image. A camera RAW file (Nikon .NEF,
+# .DNG) is a TIFF whose first image is such a preview (160x120 in a .NEF): PIL opened it, and a
+# RAW + JPEG folder gave each photo a second, thumbnail-sized copy in the class.
+_NEW_SUBFILE_TYPE = 254
+
+
 def _kept(im, fmt: str | None, orientation: Any, data: bytes) -> bool:
     """Whether an opened image is stored (and decoded by TF) as its original bytes."""
     return (fmt in KEEP_FORMATS and im.mode in _KEEP_MODES and orientation in (None, 1)
@@ -98,6 +104,10 @@ def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
         im = Image.open(io.BytesIO(data))
         fmt = im.format
         im.seek(0)
+        if fmt == "TIFF" and int(im.tag_v2.get(_NEW_SUBFILE_TYPE, 0)) & 1:
+            raise BadImageError(
+                f"its first image is a {im.size[0]}x{im.size[1]} preview (a camera RAW file: "
+                ".NEF, .DNG, ...), and PIL cannot decode the photo; convert it to JPEG or TIFF")
         orientation = im.getexif().get(0x0112, 1)  # EXIF Orientation tag; 1 is upright
         im.load()  # decodes fully: a truncated file fails here
         if orientation not in (None, 1):
