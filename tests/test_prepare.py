@@ -639,7 +639,7 @@ def test_the_summary_names_ten_skipped_files_per_split_and_points_to_the_rest(tm
                for line in out[start + 1:start + 11])
     assert out[start + 11] == (f"    ... and 2 more, all listed in {tmp_path}/dd/sidecars/1.0.0/"
                                "prepare.json")
-    assert out[start + 12].startswith("  train per-channel mean")
+    assert not out[start + 12].startswith("    ")  # the list ends there
 
 
 def test_names_that_are_not_utf8_are_refused_for_a_class_and_printable_for_a_file(tmp_path,
@@ -697,3 +697,24 @@ def test_a_camera_raw_files_preview_is_not_taken_for_the_photo():
             with pytest.raises(images.BadImageError, match=r"^its first image is a 160x120 "
                                r"preview \(a camera RAW file: .NEF, .DNG, ...\)"):
                 images.load_file(buf.getvalue())
+
+
+def test_identical_images_under_two_classes_or_in_two_splits_are_noted(tmp_path, capsys):
+    """A photo copied into two class folders is trained with both labels, one in train and in
+    val is evaluated on an image the model trained on: both were written without a word."""
+    px = [RNG.integers(0, 256, (6, 6, 3), np.uint8) for _ in range(5)]
+    for rel, k in (("train/cat/a.png", 0), ("train/cat/b.png", 1), ("train/cat/same.png", 1),
+                   ("train/dog/c.png", 2), ("train/dog/a_copy.png", 0),
+                   ("val/cat/d.png", 3), ("val/dog/c_again.png", 2), ("val/dog/e.png", 4)):
+        (tmp_path / "s" / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(px[k]).save(tmp_path / "s" / rel)
+    info = _run(f"--src={tmp_path}/s", "--name=copies", f"--data_dir={tmp_path}/dd")
+    s = f"{tmp_path}/s"
+    assert [(c["file"], c["copy_of"]) for c in info["copies"]] == [  # same class, same split: no
+        (f"{s}/train/dog/a_copy.png", f"{s}/train/cat/a.png"),
+        (f"{s}/val/dog/c_again.png", f"{s}/train/dog/c.png")]
+    assert info["copies"][1]["copy_split"] == "train" and info["copies"][1]["label"] == "dog"
+    assert (f"  note: 2 image(s) are byte-identical to an earlier one: 1 under another class "
+            f"(trained with both labels), 1 in another split (evaluated on an image trained on); "
+            f"e.g. {s}/train/dog/a_copy.png (train, dog) = {s}/train/cat/a.png (train, cat); all "
+            f"in prepare.json ('copies')") in capsys.readouterr().out.splitlines()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -61,14 +62,33 @@ class _Stats:
         return dict(mean=r(mean), std=r(std), min=r(lo), max=r(hi))
 
 
+class _Copies:
+    """Images whose stored bytes are identical to an earlier one's under another class (a photo
+    copied into two class folders: trained with both labels) or in another split (a photo in
+    train and in the eval split: evaluated on an image the model trained on). Both were written
+    without a word; they are counted, named in prepare.json and noted in the summary."""
+
+    def __init__(self, classes: Sequence[str]) -> None:
+        self.classes, self.first, self.found = classes, {}, []
+
+    def add(self, data: bytes, split: str, label: int, name: str) -> None:
+        key = hashlib.blake2b(data, digest_size=16).digest()
+        first = self.first.setdefault(key, (split, label, name))
+        if first[1] != label or first[0] != split:
+            self.found.append(dict(file=name, split=split, label=self.classes[label],
+                                   copy_of=first[2], copy_split=first[0],
+                                   copy_label=self.classes[first[1]]))
+
+
 class _SplitWriter:
     """Loads a split's images on a thread pool (PIL releases the GIL while decoding) and yields
     tfds (key, example) pairs in order, recording sizes, skipped files and statistics."""
 
     def __init__(self, name: str, split: formats.Split, num_classes: int, strict: bool,
-                 workers: int, stats: _Stats | None):
+                 workers: int, stats: _Stats | None, copies: _Copies | None = None):
         self.name, self.split, self.strict, self.workers, self.stats = name, split, strict, \
             workers, stats
+        self.copies = copies
         self.per_class = np.zeros(num_classes, np.int64)
         self.skipped: list[str] = []
         self.skipped_per_class = np.zeros(num_classes, np.int64)
@@ -121,6 +141,8 @@ class _SplitWriter:
                 self.per_class[label] += 1
                 if self.stats is not None:
                     self.stats.add(rgb)
+                if self.copies is not None:
+                    self.copies.add(data, self.name, label, self.split.names[i])
                 del got, rgb  # not held while the writer takes the example
                 yield i, {"image": data, "label": label}
 
@@ -223,9 +245,9 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
     if os.path.exists(tmp):  # an interrupted earlier run: start over
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    stats = _Stats()
+    stats, copies = _Stats(), _Copies(parsed.classes)
     writers = {s: _SplitWriter(s, sp, len(parsed.classes), strict, workers,
-                               stats if s == "train" else None)
+                               stats if s == "train" else None, copies)
                for s, sp in parsed.splits.items()}
     features = tfds.features.FeaturesDict({
         "image": tfds.features.Image(shape=(None, None, 3), dtype=np.uint8),
@@ -261,7 +283,7 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
         raise
     info = dict(extra, classes=parsed.classes, splits={s: w.info() for s, w in writers.items()},
                 eval_split=eval_split_of(list(writers)), stats=stats.result(),
-                ignored=parsed.ignored)
+                ignored=parsed.ignored, copies=copies.found)
     with open(os.path.join(tmp, name, prepared.VERSION, prepared.INFO_FILE), "w",
               encoding="utf-8") as f:
         json.dump(info, f, indent=1)
@@ -309,6 +331,18 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
         lines.append(f"  ignored {len(info['ignored'])} file(s) outside class folders: "
                      f"{formats.shown(', '.join(info['ignored'][:5]))}"
                      f"{' ...' if len(info['ignored']) > 5 else ''}")
+    copies = info.get("copies") or []
+    if copies:
+        labels = sum(c["label"] != c["copy_label"] for c in copies)
+        c = copies[0]
+        kinds = [f"{labels} under another class (trained with both labels)"] if labels else []
+        kinds += ([f"{len(copies) - labels} in another split (evaluated on an image trained on)"]
+                  if len(copies) > labels else [])
+        lines.append(
+            f"  note: {len(copies)} image(s) are byte-identical to an earlier one: "
+            f"{', '.join(kinds)}; e.g. {formats.shown(c['file'])} ({c['split']}, {c['label']}) = "
+            f"{formats.shown(c['copy_of'])} ({c['copy_split']}, {c['copy_label']}); all in "
+            f"prepare.json ('copies')")
     if info.get("held_out"):
         h = info["held_out"]
         lines.append(f"  held out {h['fraction']:g} of each class as '{h['split']}' (seed {h['seed']})")
