@@ -718,3 +718,24 @@ def test_identical_images_under_two_classes_or_in_two_splits_are_noted(tmp_path,
             f"(trained with both labels), 1 in another split (evaluated on an image trained on); "
             f"e.g. {s}/train/dog/a_copy.png (train, dog) = {s}/train/cat/a.png (train, cat); all "
             f"in prepare.json ('copies')") in capsys.readouterr().out.splitlines()
+
+
+def test_a_camera_jpeg_with_more_images_is_stored_as_it_is():
+    """Many cameras' and phones' .jpg files carry a preview or depth map after the photo (PIL's
+    'MPO'): it was re-encoded as a PNG 3-5x its size, though TensorFlow's decoder (training's)
+    reads the photo, its first image, exactly as PIL does."""
+    import tensorflow as tf
+    from normvit_jax.data import images
+    photo, preview = (Image.fromarray(RNG.integers(0, 256, (30, 40, 3), np.uint8))
+                      for _ in range(2))
+    buf = io.BytesIO()
+    photo.save(buf, "MPO", save_all=True, append_images=[preview])
+    data = buf.getvalue()
+    assert Image.open(io.BytesIO(data)).format == "MPO"
+    stored, rgb = images.load_file(data)
+    assert stored is data and images.stored_as_is(data)  # prepare and predict alike
+    decoded = tf.io.decode_and_crop_jpeg(data, [0, 0, 30, 40], channels=3,
+                                         dct_method="INTEGER_ACCURATE").numpy()
+    alone = io.BytesIO()
+    photo.save(alone, "JPEG")  # the photo, not the preview, as a plain JPEG decodes
+    assert (decoded == rgb).all() and (rgb == np.asarray(Image.open(alone))).all()

@@ -14,9 +14,9 @@ Arrays: uint8 as is; other integer types must lie in [0, 255] (uint16: scaled li
 float must lie in [0, 1] and becomes round(x * 255). One channel is copied to three; a fourth
 (alpha) channel is dropped.
 
-What is stored: JPEG and PNG files that need no change (RGB or gray, 8-bit, upright, no alpha or
-palette; a PNG with its last chunk) keep their original bytes (no re-compression); every other
-image is stored as the PNG of its RGB pixels (lossless).
+What is stored: JPEG (MPO too) and PNG files that need no change (RGB or gray, 8-bit, upright, no
+alpha or palette; a PNG with its last chunk) keep their original bytes (no re-compression); every
+other image is stored as the PNG of its RGB pixels (lossless).
 """
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ from typing import Any
 
 import numpy as np
 
-KEEP_FORMATS = ("JPEG", "PNG")  # what TF's decode_image and tfds's readers decode as stored
+# What TF's decode_image and tfds's readers decode as stored. MPO is PIL's name for a JPEG with
+# more images after the photo (an MPF preview or depth map: many cameras' and phones' .jpg files);
+# every decoder reads its first image, the photo, and it was re-encoded as a PNG 3-5x its size.
+KEEP_FORMATS = ("JPEG", "MPO", "PNG")
 _KEEP_MODES = ("RGB", "L")
 
 
