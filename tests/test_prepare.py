@@ -739,3 +739,13 @@ def test_a_camera_jpeg_with_more_images_is_stored_as_it_is():
     alone = io.BytesIO()
     photo.save(alone, "JPEG")  # the photo, not the preview, as a plain JPEG decodes
     assert (decoded == rgb).all() and (rgb == np.asarray(Image.open(alone))).all()
+
+
+def test_class_names_that_differ_only_in_case_or_spaces_are_noted(tmp_path, capsys):
+    """Folders merged from two sources, 'cat' and 'Cat ' (a trailing space): two classes the
+    model is asked to tell apart, which tfds's label file even shows as 'Cat' and 'cat'."""
+    src = _tree(tmp_path / "s", {"cat": 2, "Cat ": 2, "dog": 2, "A": 2, "a": 2})
+    _run(f"--src={src}", "--name=alike", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    assert ("  note: class names that differ only in case or spaces: 'A' and 'a'; 'Cat ' and "
+            "'cat'; they are separate classes (merge the folders if they are one)"
+            ) in capsys.readouterr().out.splitlines()

@@ -302,6 +302,16 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
 SHOWN_SKIPPED = 10  # skipped files the summary names per split; prepare.json has them all
 
 
+def _alike(classes: Sequence[str]) -> list[list[str]]:
+    """Groups of class names equal but for case and spaces ('cat', 'Cat', 'cat '): a folder's
+    name typed twice is two classes, which a model cannot tell apart; shown as a note (letters
+    'A' and 'a' may be meant as two)."""
+    groups: dict[str, list[str]] = {}
+    for c in classes:
+        groups.setdefault(" ".join(c.casefold().split()), []).append(c)
+    return [g for g in groups.values() if len(g) > 1]
+
+
 def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
             val_fraction: float = 0.0) -> str:
     """The lines prepare prints; ``val_fraction``: the flag's value (why there is no eval split:
@@ -309,6 +319,11 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
     classes = info["classes"]
     lines = [f"prepared {name!r} in {prepared.version_dir(name, data_dir)}: {len(classes)} "
              f"classes, format {info['format']}, {seconds:.1f} s"]
+    alike = _alike(classes)
+    if alike:  # 'cat' and 'Cat ' merged from two sources: two labels, one concept
+        lines.append(f"  note: class names that differ only in case or spaces: "
+                     f"{'; '.join(' and '.join(repr(c) for c in g) for g in alike[:3])}; they are "
+                     "separate classes (merge the folders if they are one)")
     for s, sp in info["splits"].items():
         per = ", ".join(f"{c} {n}" for c, n in zip(classes, sp["per_class"]))
         if len(classes) > 12:
