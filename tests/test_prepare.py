@@ -749,3 +749,22 @@ def test_class_names_that_differ_only_in_case_or_spaces_are_noted(tmp_path, caps
     assert ("  note: class names that differ only in case or spaces: 'A' and 'a'; 'Cat ' and "
             "'cat'; they are separate classes (merge the folders if they are one)"
             ) in capsys.readouterr().out.splitlines()
+
+
+def test_strict_stops_without_decoding_the_images_waiting_in_the_window():
+    """--strict's refusal of the first image must not wait for the images queued behind it (the
+    pool's shutdown ran every queued decode: with big photos, seconds each)."""
+    import time
+    from normvit_jax.data import images
+    started = []
+
+    def load(i):
+        started.append(i)
+        if i == 0:
+            raise images.BadImageError("not an image format PIL recognises")
+        time.sleep(0.2)  # a decode; the refusal comes while 1..3 run and 4, 5 wait
+        return b"", np.zeros((1, 1, 3), np.uint8)
+    split = formats.Split(np.zeros(6, np.int64), [str(i) for i in range(6)], load)
+    with pytest.raises(formats.PrepareError, match="^0: cannot be decoded"):
+        list(prepare._SplitWriter("train", split, 1, True, 3, None))
+    assert sorted(started) == [0, 1, 2, 3], started

@@ -121,8 +121,9 @@ class _SplitWriter:
         from tqdm import tqdm
         n = len(self.split.labels)
         with tqdm(total=n, desc=self.name, unit="img", file=sys.stderr, dynamic_ncols=True
-                  ) as bar, cf.ThreadPoolExecutor(self.workers) as ex:
-            for i, got in enumerate(self._loaded(ex, n)):
+                  ) as bar, cf.ThreadPoolExecutor(self.workers) as ex, \
+                contextlib.closing(self._loaded(ex, n)) as loaded:  # closed before the pool waits
+            for i, got in enumerate(loaded):
                 bar.update(1)
                 if isinstance(got, images.BadImageError):
                     if self.strict:
