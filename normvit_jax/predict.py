@@ -157,8 +157,7 @@ def _encoded(path: str) -> bytes:
     change as it is, read from its header only (TensorFlow decodes it, once); any other image
     decoded by PIL and stored as the PNG of its RGB pixels. Raises BadImageError or OSError."""
     from normvit_jax.data import images
-    with open(path, "rb") as f:
-        data = f.read()
+    data = images.read_file(path)  # a video: its first bytes only
     return data if images.stored_as_is(data) else images.load_file(data)[0]
 
 

@@ -166,3 +166,13 @@ def test_a_file_name_that_is_not_utf8_is_printed_and_written_to_the_csv(run, tmp
     assert f"{tmp_path}/photos/caf\\xe9.png: " in printed
     row = out.read_bytes().splitlines()[1]  # the file's own bytes: the path that opens it
     assert row.startswith(os.path.join(folder, b"caf\xe9.png") + b",")
+
+
+def test_a_video_in_images_is_skipped_from_its_first_bytes(tmp_path):
+    """--images=CAMERA_ROLL: a video was read whole into memory before being skipped."""
+    video = tmp_path / "VID_0001.MP4"
+    with open(video, "wb") as f:
+        f.write(b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00mp42isom")
+        f.truncate(64 << 20)  # sparse
+    with pytest.raises(images.BadImageError, match=r"^a video \(MP4/MOV\), not an image$"):
+        predict._encoded(str(video))

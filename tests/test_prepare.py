@@ -768,3 +768,28 @@ def test_strict_stops_without_decoding_the_images_waiting_in_the_window():
     with pytest.raises(formats.PrepareError, match="^0: cannot be decoded"):
         list(prepare._SplitWriter("train", split, 1, True, 3, None))
     assert sorted(started) == [0, 1, 2, 3], started
+
+
+def test_a_video_among_the_photos_is_skipped_from_its_first_bytes(tmp_path, monkeypatch):
+    """A camera roll holds videos of gigabytes: each was read whole into memory (one per decode
+    thread) for PIL to say 'not an image format PIL recognises'. It is now named a video from
+    its first bytes, and the rest is not read; images that start alike (a GIF's 'G', WebP's
+    RIFF, HEIC's and AVIF's ftyp) are not taken for videos."""
+    from normvit_jax.data import images
+    src = _tree(tmp_path / "s", {"cat": 2, "dog": 2})
+    with open(tmp_path / "s" / "dog" / "VID_0001.MOV", "wb") as f:
+        f.write(b"\x00\x00\x00\x14ftypqt  \x00\x00\x02\x00qt  ")
+        f.truncate(64 << 20)  # sparse: 64 MiB of video data
+    reads = []
+    real_read_file = images.read_file
+    monkeypatch.setattr(images, "read_file", lambda p: reads.append(p) or real_read_file(p))
+    info = _run(f"--src={src}", "--name=vid", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    assert info["splits"]["train"]["skipped"] == [
+        f"{src}/dog/VID_0001.MOV (a video (MP4/MOV), not an image)"]
+    assert len(reads) == 5  # every file went through the head check
+    ts = (b"\x47" + bytes(187)) * 3
+    assert [images.video_kind(h) for h in (
+        ts, bytes(4) + ts, b"RIFF\x00\x00\x00\x00AVI LIST", b"\x1a\x45\xdf\xa3" + bytes(8),
+        b"\x00\x00\x00\x18ftypmp42", b"GIF89a" + bytes(600), b"RIFF\x00\x00\x00\x00WEBPVP8 ",
+        b"\x00\x00\x00\x18ftypheic", b"\x00\x00\x00\x1cftypavif")] == [
+        "MPEG-TS (.MTS)", "MPEG-TS (.MTS)", "AVI", "MKV/WebM", "MP4/MOV", None, None, None, None]

@@ -152,8 +152,7 @@ def _class_files(class_dir: str) -> list[str]:
 
 def _load_path(path: str) -> tuple[bytes, np.ndarray]:
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = images.read_file(path)
     except OSError as e:  # a broken link, no permission: unreadable like a corrupt file (skipped)
         if os.path.islink(path) and not os.path.exists(path):
             raise images.BadImageError(f"a broken symbolic link to {os.readlink(path)}") from None

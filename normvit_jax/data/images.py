@@ -82,6 +82,46 @@ def _unrecognised(data: bytes) -> BadImageError:
     return BadImageError("not an image format PIL recognises")
 
 
+# Video containers found among photos (a phone's camera roll, a Takeout export): named from their
+# first bytes, so that the rest, gigabytes, is never read (each was read whole into memory, one
+# per decode thread, only for PIL to say it is no image)
+_VIDEO_BOXES = (b"moov", b"mdat", b"wide", b"free", b"skip", b"pnot")  # QuickTime without ftyp
+
+
+def video_kind(head: bytes) -> str | None:
+    """'MP4/MOV', 'AVI', ... if ``head`` (a file's first bytes, 512 or more) starts a video."""
+    if head[4:8] == b"ftyp":  # ISO-BMFF: videos, and HEIC, AVIF, Canon .CR3 (left to PIL)
+        not_video = _HEIF_BRANDS + (b"avif", b"avis", b"crx ")
+        return None if head[8:12] in not_video else "MP4/MOV"
+    if head[4:8] in _VIDEO_BOXES:
+        return "MOV"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "AVI"
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "MKV/WebM"
+    if head[:4] == b"\x00\x00\x01\xba" or head[:4] == b"\x00\x00\x01\xb3":
+        return "MPEG"
+    if any(head[k:k + 565:188] == b"GGG" for k in (0, 4)):  # 3 sync bytes; GIF starts with 'G'
+        return "MPEG-TS (.MTS)"
+    if head[:3] == b"FLV" or head[:4] == b"\x30\x26\xb2\x75":
+        return "FLV/WMV"
+    return None
+
+
+HEAD_BYTES = 4096
+
+
+def read_file(path: str) -> bytes:
+    """The bytes of the image file ``path``; a video is refused (BadImageError) from its first
+    HEAD_BYTES, the rest not read. OSError passes through."""
+    with open(path, "rb") as f:
+        head = f.read(HEAD_BYTES)
+        kind = video_kind(head)
+        if kind:
+            raise BadImageError(f"a video ({kind}), not an image")
+        return head + f.read()
+
+
 def stored_as_is(data: bytes) -> bool:
     """Whether ``load_file`` would keep ``data`` as it is, from the file's header only (nothing is
     decoded: predict lets TensorFlow's decoder, evaluation's, decode such a file once).
