@@ -4,7 +4,7 @@
     python -m normvit_jax.predict --workdir=W --folded=FOLDED_DIR --images=...   # folded weights
     python -m normvit_jax.predict --workdir=W --mode=eval --split=SPLIT            # a labelled split
 
---images: files and folders, comma-separated (folders are read recursively, hidden files skipped).
+--images: files and folders, comma-separated (folders are read as prepare reads a class folder).
 Each image follows prepare's RGB rule (docs/data.md) and the run's eval preprocessing (central crop
 data.eval_crop_fraction, resize to data.image_size, data.normalize with the statistics the run
 trained with: <workdir>/data.json, else the dataset's) through the same decoder as evaluation.
@@ -22,25 +22,42 @@ import csv
 import json
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 EXIT_BAD_INPUT = 2
 
 
+def _paths(spec: str) -> Iterator[str]:
+    """The comma-separated paths of ``spec``; a path holding commas ('Paris, France/') is taken
+    whole: the longest run of parts that names an existing file or folder (it was split and
+    refused as 'Paris is neither a file nor a folder')."""
+    parts, i = spec.split(","), 0
+    while i < len(parts):
+        j = next((j for j in range(len(parts), i, -1)
+                  if os.path.exists(",".join(parts[i:j]).strip())), i + 1)
+        part, i = ",".join(parts[i:j]).strip(), j
+        if part:
+            yield part
+
+
 def list_images(spec: str) -> list[str]:
     """Files named by ``--images``: comma-separated files and folders (walked, sorted)."""
     out = []
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
+    for part in _paths(spec):
         if os.path.isdir(part):
-            for root, dirs, files in os.walk(part):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                out += [os.path.join(root, f) for f in sorted(files) if not f.startswith(".")]
+            from normvit_jax.data import formats  # prepare's walk: linked folders followed once
+            try:
+                out += formats.walk_files(part)
+            except OSError as e:  # a folder that cannot be listed was skipped silently
+                raise FileNotFoundError(f"--images: {e.filename or part} cannot be listed "
+                                        f"({e.strerror or e})") from None
         elif os.path.isfile(part):
             out.append(part)
         else:
-            raise FileNotFoundError(f"--images: {part} is neither a file nor a folder")
+            raise FileNotFoundError(f"--images: {part} is neither a file nor a folder" + (
+                " (--images is split at commas)" if "," in spec else ""))
     if not out:
         raise FileNotFoundError(f"--images={spec}: no files found")
     return out
@@ -140,8 +157,7 @@ def _encoded(path: str) -> bytes:
     change as it is, read from its header only (TensorFlow decodes it, once); any other image
     decoded by PIL and stored as the PNG of its RGB pixels. Raises BadImageError or OSError."""
     from normvit_jax.data import images
-    with open(path, "rb") as f:
-        data = f.read()
+    data = images.read_file(path)  # a video: its first bytes only
     return data if images.stored_as_is(data) else images.load_file(data)[0]
 
 
@@ -191,7 +207,9 @@ def _progress(items: Any, what: str, total: int) -> Any:
 
 
 def write_csv(rows: list[dict], path: str, top_k: int) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    # surrogateescape: a file name that is not UTF-8 is written as its own bytes (the path of the
+    # file on disk), not a UnicodeEncodeError once every image was predicted
+    with open(path, "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
         w = csv.writer(f)
         w.writerow(["path"] + [h for r in range(1, top_k + 1) for h in (f"class_{r}", f"prob_{r}")])
         for row in rows:
@@ -267,10 +285,11 @@ def _main(args: Any, prog: str) -> Any:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    from normvit_jax.data.formats import shown  # a file name that is not UTF-8, printable
     for row in rows:
-        print(f"{row['path']}: " + ", ".join(f"{c} {p:.3f}" for c, p in row["top"]))
+        print(f"{shown(row['path'])}: " + ", ".join(f"{c} {p:.3f}" for c, p in row["top"]))
     for s in skipped:
-        print(f"skipped (not a readable image): {s}", file=sys.stderr)
+        print(f"skipped (not a readable image): {shown(s)}", file=sys.stderr)
     if not rows:  # every file skipped: exit 0 and an empty CSV would read as success
         print(f"{prog}: error: none of the {len(skipped)} file(s) of --images is a readable image",
               file=sys.stderr)

@@ -189,6 +189,17 @@ def test_single_tree_holds_out_a_seeded_fraction_per_class(tmp_path):
     assert held(0) == held(1) and held(0) != held(2)  # same seed same files; other seed others
 
 
+def test_a_held_out_fraction_leaves_every_class_a_train_example():
+    """A class of 1 image at --val_fraction=0.6 (round(0.6) = 1), or of 2 at 0.8, was held out
+    whole: written with no train example, never learned, yet evaluated, without a word."""
+    labels = np.array([0] * 1 + [1] * 2 + [2] * 10)
+    pool = formats.Split(labels, [str(i) for i in range(len(labels))], lambda i: (b"", None))
+    train, held = formats.hold_out(pool, 0.8, seed=0)
+    assert np.bincount(train.labels, minlength=3).tolist() == [1, 1, 2]  # round(8) of class 2
+    assert np.bincount(held.labels, minlength=3).tolist() == [0, 1, 8]
+    assert sorted(train.names + held.names, key=int) == pool.names  # each example once
+
+
 def test_empty_class_folder_and_foreign_test_class_exit_2(tmp_path, capsys):
     (tmp_path / "s1/a").mkdir(parents=True)
     (tmp_path / "s1/b").mkdir(parents=True)
@@ -502,3 +513,283 @@ def test_the_suggested_command_trains_on_fewer_images_than_the_batch(tmp_path, c
     # the log says what happens to each split's decoded images (eval batches are not augmented)
     assert [m.split("; ")[1].split(" (")[0] for m in said if m.startswith("Decoded the")] == [
         "its batches are augmented from there", "its batches are read from there"], said
+
+
+def test_linked_folders_are_read_once_and_a_broken_link_is_skipped_by_name(tmp_path, capsys):
+    """A photo folder with symbolic links: a linked sub-folder of a class was dropped silently
+    (os.walk does not follow links), a broken link stopped the prepare with a traceback (exit 1),
+    and a link back to the source would pull the other classes' files into the class."""
+    src = tmp_path / "s"
+    _tree(src, {"cat": 3, "dog": 3})
+    _tree(tmp_path / "elsewhere", {"more": 2})
+    (src / "cat" / "linked").symlink_to(tmp_path / "elsewhere" / "more")  # 2 more cat images
+    (src / "cat" / "again").symlink_to(tmp_path / "elsewhere" / "more")   # the same folder twice
+    (src / "dog" / "loop").symlink_to("..")                               # src itself
+    (src / "dog" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    (src / "everything").symlink_to(".")                                  # a class folder = src
+    info = _run(f"--src={src}", "--name=links", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    assert info["splits"]["train"]["per_class"] == [5, 3] and info["classes"] == ["cat", "dog"]
+    assert info["splits"]["train"]["skipped"] == [
+        f"{src}/dog/gone.jpg (a broken symbolic link to {tmp_path}/nowhere.jpg)"]
+    assert info["ignored"] == [f"{src}/everything"]
+
+
+def test_a_png_cut_after_its_pixels_is_stored_decodable_by_training(tmp_path):
+    """A PNG whose copy stopped in its last bytes: PIL reads every pixel, TensorFlow's decoder
+    (training's) refuses the file. It was stored as it was, and the run stopped at its first
+    batch with 'example k of the split cannot be decoded'; it is stored as the PNG of its pixels."""
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+    src = _tree(tmp_path / "s", {"cat": 2, "dog": 2})
+    px = RNG.integers(0, 256, (7, 9, 3), np.uint8)
+    Image.fromarray(px).save(tmp_path / "s" / "dog" / "cut.png")
+    whole = (tmp_path / "s" / "dog" / "cut.png").read_bytes()
+    (tmp_path / "s" / "dog" / "cut.png").write_bytes(whole[:-12])  # without its IEND chunk
+    _run(f"--src={src}", "--name=cut", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    ds = tfds.builder_from_directory(f"{tmp_path}/dd/cut/1.0.0").as_data_source(
+        split="train", decoders={"image": tfds.decode.SkipDecoding()})
+    stored = [tf.io.decode_image(ds[i]["image"], channels=3).numpy() for i in range(len(ds))]
+    assert len(stored) == 5 and sum(x.shape == px.shape and (x == px).all() for x in stored) == 1
+
+
+def test_split_folders_not_named_as_splits_are_refused_not_read_as_classes(tmp_path, capsys):
+    """A download laid out as Train/<class>, Test/<class> (or training_set/test_set) was read as
+    one tree of the classes 'Test' and 'Train': a model telling the folders apart, without a
+    word. Folders of images named so (no sub-folders) are still classes."""
+    for split in ("Train", "Test"):
+        _tree(tmp_path / "s" / split, {"cat": 2, "dog": 2})
+    line = _fails(capsys, f"--src={tmp_path}/s", "--name=k1", f"--data_dir={tmp_path}/dd",
+                  "--val_fraction=0")
+    assert line == (f"error: {tmp_path}/s: the folders 'Test', 'Train' look like splits, not "
+                    "classes; name them train/ and val/, validation/ or test/ (lower case), each "
+                    "holding one folder per class, or point --src at one of them")
+    _tree(tmp_path / "s2", {"Train": 2, "valid": 2})  # images directly inside: classes
+    info = _run(f"--src={tmp_path}/s2", "--name=k2", f"--data_dir={tmp_path}/dd",
+                "--val_fraction=0")
+    assert info["classes"] == ["Train", "valid"]
+
+
+def test_a_heic_photo_is_named_as_such_with_what_to_do():
+    """iPhone photos are HEIC, which PIL does not decode: the skip reason said only 'not an image
+    format PIL recognises'. The header of an iPhone HEIC (an ISO-BMFF 'ftyp' box, brand heic)."""
+    from normvit_jax.data import images
+    heic = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64)
+    for read in (images.load_file, images.stored_as_is):  # prepare and serve; predict
+        with pytest.raises(images.BadImageError, match=r"^a HEIC/HEIF photo, which PIL cannot "
+                           r"decode; convert it to JPEG \(macOS: sips"):
+            read(heic)
+        with pytest.raises(images.BadImageError, match="^not an image format PIL recognises$"):
+            read(b"\x00\x00\x00\x18ftypisom" + bytes(64))  # an MP4 video
+
+
+def test_decoding_runs_at_most_two_images_per_worker_ahead_of_the_writer():
+    """Each decoded photo is held until the writer (one thread) takes it: a look-ahead of 256
+    images held 256 decoded photos (10+ GB at 12 MP) when many decode threads outran it. The
+    writer here stops at its first image until the decoders have run as far ahead as they can
+    (or half a second has passed); none may start more than 2 x workers images ahead of it."""
+    import threading
+    workers, n, taken, lead = 3, 40, [0], []
+    far = threading.Event()
+
+    def load(i):
+        lead.append(i - taken[0])
+        if i >= 2 * workers:
+            far.set()
+        return b"", np.zeros((1, 1, 3), np.uint8)
+    split = formats.Split(np.zeros(n, np.int64), [str(i) for i in range(n)], load)
+    writer = prepare._SplitWriter("train", split, 1, False, workers, None)
+    for k, _ in writer:
+        if k == 0:
+            far.wait(0.5)
+        taken[0] += 1
+    assert taken[0] == n and len(lead) == n and max(lead) <= 2 * workers, max(lead)
+
+
+def test_a_16_bit_rgb_png_keeps_each_values_high_byte_in_prepare_and_training():
+    """docs/data.md's RGB rule: 16-bit gray is scaled and rounded, 16-bit RGB(A) PNGs (which PIL
+    opens as 8-bit RGB) keep the high byte; PIL (prepare, serve) and TensorFlow (training,
+    predict) agree on it. The doc said 'scaled by 255/65535 and rounded' for every 16-bit image."""
+    import struct
+    import zlib
+    import tensorflow as tf
+    from normvit_jax.data import images
+    v = np.array([[[0, 255, 256], [32767, 32768, 33023], [65535, 65280, 65279]]], np.uint16)
+    chunk = lambda t, d: (struct.pack(">I", len(d)) + t + d  # noqa: E731
+                          + struct.pack(">I", zlib.crc32(t + d)))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 3, 1, 16, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(b"\x00" + v[0].astype(">u2").tobytes()))
+           + chunk(b"IEND", b""))
+    stored, rgb = images.load_file(png)
+    # 255 -> 0 (rounding: 1), 65280 -> 255 (rounding: 254)
+    assert (rgb == (v >> 8)).all() and stored == png
+    assert (tf.io.decode_image(stored, channels=3).numpy() == rgb).all()
+
+
+def test_the_summary_names_ten_skipped_files_per_split_and_points_to_the_rest(tmp_path, capsys):
+    """A Google Takeout folder has a .json beside every photo: the summary printed one line per
+    skipped file, thousands of lines above the statistics and the command to train."""
+    src = _tree(tmp_path / "s", {"cat": 4, "dog": 4})
+    for i in range(12):
+        (tmp_path / "s" / "cat" / f"{i}.png.json").write_text("{}")
+    info = _run(f"--src={src}", "--name=sidecars", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    out = capsys.readouterr().out.splitlines()
+    assert len(info["splits"]["train"]["skipped"]) == 12  # all in prepare.json
+    start = out.index("  train: skipped 12 unreadable file(s):")
+    assert all(line.endswith(".png.json (not an image format PIL recognises)")
+               for line in out[start + 1:start + 11])
+    assert out[start + 11] == (f"    ... and 2 more, all listed in {tmp_path}/dd/sidecars/1.0.0/"
+                               "prepare.json")
+    assert not out[start + 12].startswith("    ")  # the list ends there
+
+
+def test_names_that_are_not_utf8_are_refused_for_a_class_and_printable_for_a_file(tmp_path,
+                                                                                  capsys):
+    """Folders unzipped from an old Windows archive have names in cp1252 bytes: a class folder
+    so named decoded every image, then stopped in tfds with a UnicodeEncodeError's traceback; a
+    skipped file so named made the summary's print fail in a UTF-8 terminal (a traceback)."""
+    src = _tree(tmp_path / "s", {"cat": 2, "dog": 2})
+    bad_class = os.path.join(os.fsencode(src), b"caf\xe9")
+    os.mkdir(bad_class)
+    shutil.copy(os.path.join(src, "cat", "0.png"), os.path.join(bad_class, b"0.png"))
+    line = _fails(capsys, f"--src={src}", "--name=u8", f"--data_dir={tmp_path}/dd",
+                  "--val_fraction=0")
+    assert line.startswith(f"error: {src}/caf\\xe9: the class folder's name is not valid UTF-8")
+    shutil.rmtree(bad_class)
+    with open(os.path.join(os.fsencode(src), b"cat", b"notes\xff.jpg"), "wb") as f:
+        f.write(b"not an image")
+    _run(f"--src={src}", "--name=u8", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    out = capsys.readouterr().out
+    out.encode("utf-8")  # printable in a UTF-8 terminal (strict): no lone surrogate
+    assert f"    {src}/cat/notes\\xff.jpg (not an image format PIL recognises)" in out
+
+
+def test_synology_thumbnail_folders_are_skipped_like_hidden_ones(tmp_path):
+    """A photo share on a Synology NAS has an @eaDir folder in every folder, with thumbnails of
+    each photo: they were read as more images of the class (and of a class '@eaDir' at the top),
+    near-copies of the photos in both train and validation."""
+    src = _tree(tmp_path / "s", {"cat": 3, "dog": 3})
+    for where in ("cat/@eaDir/0.png", "dog/sub/@eaDir/1.png", "@eaDir/cat"):
+        d = tmp_path / "s" / where
+        d.mkdir(parents=True)
+        Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(d / "SYNOPHOTO_THUMB_M.jpg")
+    info = _run(f"--src={src}", "--name=nas", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    assert info["classes"] == ["cat", "dog"] and info["splits"]["train"]["per_class"] == [3, 3]
+    from normvit_jax import predict  # --images reads folders alike
+    assert predict.list_images(f"{src}/cat") == [f"{src}/cat/{i}.png" for i in range(3)]
+
+
+def test_a_camera_raw_files_preview_is_not_taken_for_the_photo():
+    """A Nikon .NEF or a .DNG is a TIFF whose first image is a small preview (NewSubfileType 1),
+    which PIL opened: a RAW + JPEG folder held each photo twice, once as a 160x120 thumbnail. A
+    plain TIFF (no such tag, or 0) is an image as before."""
+    from PIL import TiffImagePlugin
+    from normvit_jax.data import images
+    px = RNG.integers(0, 256, (120, 160, 3), np.uint8)
+    for tag, ok in ((1, False), (0, True), (None, True)):
+        info = TiffImagePlugin.ImageFileDirectory_v2()
+        if tag is not None:
+            info[254] = tag
+        buf = io.BytesIO()
+        Image.fromarray(px).save(buf, "TIFF", tiffinfo=info)
+        if ok:
+            assert (images.load_file(buf.getvalue())[1] == px).all()
+        else:
+            with pytest.raises(images.BadImageError, match=r"^its first image is a 160x120 "
+                               r"preview \(a camera RAW file: .NEF, .DNG, ...\)"):
+                images.load_file(buf.getvalue())
+
+
+def test_identical_images_under_two_classes_or_in_two_splits_are_noted(tmp_path, capsys):
+    """A photo copied into two class folders is trained with both labels, one in train and in
+    val is evaluated on an image the model trained on: both were written without a word."""
+    px = [RNG.integers(0, 256, (6, 6, 3), np.uint8) for _ in range(5)]
+    for rel, k in (("train/cat/a.png", 0), ("train/cat/b.png", 1), ("train/cat/same.png", 1),
+                   ("train/dog/c.png", 2), ("train/dog/a_copy.png", 0),
+                   ("val/cat/d.png", 3), ("val/dog/c_again.png", 2), ("val/dog/e.png", 4)):
+        (tmp_path / "s" / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(px[k]).save(tmp_path / "s" / rel)
+    info = _run(f"--src={tmp_path}/s", "--name=copies", f"--data_dir={tmp_path}/dd")
+    s = f"{tmp_path}/s"
+    assert [(c["file"], c["copy_of"]) for c in info["copies"]] == [  # same class, same split: no
+        (f"{s}/train/dog/a_copy.png", f"{s}/train/cat/a.png"),
+        (f"{s}/val/dog/c_again.png", f"{s}/train/dog/c.png")]
+    assert info["copies"][1]["copy_split"] == "train" and info["copies"][1]["label"] == "dog"
+    assert (f"  note: 2 image(s) are byte-identical to an earlier one: 1 under another class "
+            f"(trained with both labels), 1 in another split (evaluated on an image trained on); "
+            f"e.g. {s}/train/dog/a_copy.png (train, dog) = {s}/train/cat/a.png (train, cat); all "
+            f"in prepare.json ('copies')") in capsys.readouterr().out.splitlines()
+
+
+def test_a_camera_jpeg_with_more_images_is_stored_as_it_is():
+    """Many cameras' and phones' .jpg files carry a preview or depth map after the photo (PIL's
+    'MPO'): it was re-encoded as a PNG 3-5x its size, though TensorFlow's decoder (training's)
+    reads the photo, its first image, exactly as PIL does."""
+    import tensorflow as tf
+    from normvit_jax.data import images
+    photo, preview = (Image.fromarray(RNG.integers(0, 256, (30, 40, 3), np.uint8))
+                      for _ in range(2))
+    buf = io.BytesIO()
+    photo.save(buf, "MPO", save_all=True, append_images=[preview])
+    data = buf.getvalue()
+    assert Image.open(io.BytesIO(data)).format == "MPO"
+    stored, rgb = images.load_file(data)
+    assert stored is data and images.stored_as_is(data)  # prepare and predict alike
+    decoded = tf.io.decode_and_crop_jpeg(data, [0, 0, 30, 40], channels=3,
+                                         dct_method="INTEGER_ACCURATE").numpy()
+    alone = io.BytesIO()
+    photo.save(alone, "JPEG")  # the photo, not the preview, as a plain JPEG decodes
+    assert (decoded == rgb).all() and (rgb == np.asarray(Image.open(alone))).all()
+
+
+def test_class_names_that_differ_only_in_case_or_spaces_are_noted(tmp_path, capsys):
+    """Folders merged from two sources, 'cat' and 'Cat ' (a trailing space): two classes the
+    model is asked to tell apart, which tfds's label file even shows as 'Cat' and 'cat'."""
+    src = _tree(tmp_path / "s", {"cat": 2, "Cat ": 2, "dog": 2, "A": 2, "a": 2})
+    _run(f"--src={src}", "--name=alike", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    assert ("  note: class names that differ only in case or spaces: 'A' and 'a'; 'Cat ' and "
+            "'cat'; they are separate classes (merge the folders if they are one)"
+            ) in capsys.readouterr().out.splitlines()
+
+
+def test_strict_stops_without_decoding_the_images_waiting_in_the_window():
+    """--strict's refusal of the first image must not wait for the images queued behind it (the
+    pool's shutdown ran every queued decode: with big photos, seconds each)."""
+    import time
+    from normvit_jax.data import images
+    started = []
+
+    def load(i):
+        started.append(i)
+        if i == 0:
+            raise images.BadImageError("not an image format PIL recognises")
+        time.sleep(0.2)  # a decode; the refusal comes while 1..3 run and 4, 5 wait
+        return b"", np.zeros((1, 1, 3), np.uint8)
+    split = formats.Split(np.zeros(6, np.int64), [str(i) for i in range(6)], load)
+    with pytest.raises(formats.PrepareError, match="^0: cannot be decoded"):
+        list(prepare._SplitWriter("train", split, 1, True, 3, None))
+    assert sorted(started) == [0, 1, 2, 3], started
+
+
+def test_a_video_among_the_photos_is_skipped_from_its_first_bytes(tmp_path, monkeypatch):
+    """A camera roll holds videos of gigabytes: each was read whole into memory (one per decode
+    thread) for PIL to say 'not an image format PIL recognises'. It is now named a video from
+    its first bytes, and the rest is not read; images that start alike (a GIF's 'G', WebP's
+    RIFF, HEIC's and AVIF's ftyp) are not taken for videos."""
+    from normvit_jax.data import images
+    src = _tree(tmp_path / "s", {"cat": 2, "dog": 2})
+    with open(tmp_path / "s" / "dog" / "VID_0001.MOV", "wb") as f:
+        f.write(b"\x00\x00\x00\x14ftypqt  \x00\x00\x02\x00qt  ")
+        f.truncate(64 << 20)  # sparse: 64 MiB of video data
+    reads = []
+    real_read_file = images.read_file
+    monkeypatch.setattr(images, "read_file", lambda p: reads.append(p) or real_read_file(p))
+    info = _run(f"--src={src}", "--name=vid", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    assert info["splits"]["train"]["skipped"] == [
+        f"{src}/dog/VID_0001.MOV (a video (MP4/MOV), not an image)"]
+    assert len(reads) == 5  # every file went through the head check
+    ts = (b"\x47" + bytes(187)) * 3
+    assert [images.video_kind(h) for h in (
+        ts, bytes(4) + ts, b"RIFF\x00\x00\x00\x00AVI LIST", b"\x1a\x45\xdf\xa3" + bytes(8),
+        b"\x00\x00\x00\x18ftypmp42", b"GIF89a" + bytes(600), b"RIFF\x00\x00\x00\x00WEBPVP8 ",
+        b"\x00\x00\x00\x18ftypheic", b"\x00\x00\x00\x1cftypavif")] == [
+        "MPEG-TS (.MTS)", "MPEG-TS (.MTS)", "AVI", "MKV/WebM", "MP4/MOV", None, None, None, None]

@@ -53,13 +53,14 @@ def subset(s: Split, idx: np.ndarray) -> Split:
 
 
 def hold_out(s: Split, fraction: float, seed: int) -> tuple[Split, Split]:
-    """(train, held-out): round(fraction * n_c) examples of each class c, chosen by a permutation
-    of that class's examples (in source order) drawn from ``default_rng([seed, c])``."""
+    """(train, held-out): round(fraction * n_c) examples of each class c, at most n_c - 1 (a class
+    held out whole was written with no train example: never learned, yet evaluated), chosen by a
+    permutation of that class's examples (in source order) drawn from ``default_rng([seed, c])``."""
     train, held = [], []
     for c in np.unique(s.labels):
         members = np.flatnonzero(s.labels == c)
         perm = np.random.default_rng([seed, int(c)]).permutation(len(members))
-        k = int(round(fraction * len(members)))
+        k = min(int(round(fraction * len(members))), len(members) - 1)
         held.extend(members[perm[:k]].tolist())
         train.extend(members[perm[k:]].tolist())
     return subset(s, np.sort(train)), subset(s, np.sort(held))
@@ -94,37 +95,103 @@ def numbered(labels: list[np.ndarray]) -> list[str]:
 
 
 # ---------------------------------------------------------------- folders of images
+def shown(path: str) -> str:
+    """``path`` printable in any locale: bytes of a file name that are not UTF-8 (which Python
+    holds as surrogates, and a UTF-8 terminal refused to print: a traceback) as ``\\xe9``."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+# Folders a NAS adds beside photos: Synology's @eaDir holds 3-5 thumbnails of every photo, which
+# were read as more images of the class, each in train or validation as it fell (a leak)
+NAS_FOLDERS = ("@eaDir",)
+
+
+def is_hidden(name: str) -> bool:
+    """A name the folder readers skip: hidden (``.*``: .DS_Store, ._x.jpg, .git) or NAS_FOLDERS."""
+    return name.startswith(".") or name in NAS_FOLDERS
+
+
 def visible(d: str) -> list[str]:
     """The entries of folder ``d`` that are not hidden, sorted."""
-    return sorted(e for e in os.listdir(d) if not e.startswith("."))
+    return sorted(e for e in os.listdir(d) if not is_hidden(e))
+
+
+def walk_files(top: str) -> list[str]:
+    """The files under folder ``top`` in sorted order, hidden ones (``is_hidden``) skipped. Links
+    to folders are followed, as torchvision's ImageFolder does (os.walk's default dropped them
+    silently), each real folder once; a link to ``top`` or a folder above it (a loop, which would
+    bring in the other classes' files) is not followed. Raises OSError for a folder that cannot be
+    listed (os.walk's default skipped it silently)."""
+    out: list[str] = []
+    top_real = os.path.realpath(top)
+    seen: set[str] = set()
+
+    def fail(e: OSError) -> None:
+        raise e
+    for root, dirs, files in os.walk(top, onerror=fail, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen or (root != top and (top_real + os.sep).startswith(real + os.sep)):
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(x for x in dirs if not is_hidden(x))
+        out.extend(os.path.join(root, f) for f in sorted(files) if not is_hidden(f))
+    return out
 
 
 def _class_files(class_dir: str) -> list[str]:
-    out = []
-    for root, dirs, files in os.walk(class_dir):
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
-        out.extend(os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
+    try:
+        out = walk_files(class_dir)
+    except OSError as e:
+        raise PrepareError(f"{e.filename or class_dir}: cannot be listed ({e.strerror or e})"
+                           ) from None
     if not out:
         raise PrepareError(f"{class_dir}: empty class folder; put images in it or remove it")
     return out
 
 
 def _load_path(path: str) -> tuple[bytes, np.ndarray]:
-    with open(path, "rb") as f:
-        return images.load_file(f.read())
+    try:
+        data = images.read_file(path)
+    except OSError as e:  # a broken link, no permission: unreadable like a corrupt file (skipped)
+        if os.path.islink(path) and not os.path.exists(path):
+            raise images.BadImageError(f"a broken symbolic link to {os.readlink(path)}") from None
+        raise images.BadImageError(f"cannot be read ({type(e).__name__}: {e.strerror or e})"
+                                   ) from None
+    return images.load_file(data)
 
 
 def _tree(d: str, ignored: list[str]) -> dict[str, list[str]]:
     classes = {}
     for e in visible(d):
         p = os.path.join(d, e)
-        if os.path.isdir(p):
+        real, d_real = os.path.realpath(p), os.path.realpath(d)
+        if os.path.isdir(p) and not (d_real + os.sep).startswith(real + os.sep):
             classes[e] = _class_files(p)
         else:
             ignored.append(p)
     if not classes:
         raise PrepareError(f"{d}: no class folders; expected {d}/<class>/<image>")
     return classes
+
+
+# Folder names that mean a split, not a class, in downloaded datasets ('Train'/'Test',
+# 'training_set'/'test_set', ...): only lower-case train, val, validation and test are splits here.
+_SPLIT_LIKE = re.compile(r"(train|training|test|testing|val|valid|validation|eval|dev)"
+                         r"(_?set)?", re.IGNORECASE)
+
+
+def _refuse_split_like(src: str, subdirs: list[str]) -> None:
+    """A single tree whose every class folder is named like a split and holds folders ('Train/cat',
+    'Test/cat') was read as the classes 'Test' and 'Train': a model that tells the two folders
+    apart, trained without a word."""
+    if subdirs and all(_SPLIT_LIKE.fullmatch(d) for d in subdirs) and any(
+            os.path.isdir(os.path.join(src, d, e)) for d in subdirs
+            for e in visible(os.path.join(src, d))):
+        names = ", ".join(repr(d) for d in subdirs)
+        raise PrepareError(f"{src}: the folders {names} look like splits, not classes; name them "
+                           "train/ and val/, validation/ or test/ (lower case), each holding one "
+                           "folder per class, or point --src at one of them")
 
 
 def read_folder(src: str) -> tuple[Parsed, bool]:
@@ -142,8 +209,17 @@ def read_folder(src: str) -> tuple[Parsed, bool]:
         ignored += [os.path.join(src, e) for e in visible(src) if e not in subdirs]
         trees = {s: _tree(os.path.join(src, s), ignored) for s in ["train"] + others}
     else:
+        _refuse_split_like(src, subdirs)
         trees = {"train": _tree(src, ignored)}
     classes = sorted(trees["train"])
+    for c in classes:  # the dataset stores the names as UTF-8 text: tfds's traceback at the end
+        try:
+            c.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PrepareError(
+                f"{shown(os.path.join(src, 'train' if split_layout else '', c))}: the class "
+                "folder's name is not valid UTF-8 (made on another system, e.g. a zip from old "
+                "Windows); rename it (convmv -f cp1252 -t utf8 -r DIR fixes every name)") from None
     index = {c: i for i, c in enumerate(classes)}
     splits = {}
     for s, tree in trees.items():

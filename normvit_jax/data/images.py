@@ -7,15 +7,16 @@ Files are opened with PIL (JPEG, PNG, BMP, GIF, WebP, TIFF, ...):
    ``convert('RGB')``: gray is copied to the three channels, a palette is looked up, alpha is
    dropped (not composited: the colour under a transparent pixel is kept, as torchvision's and
    timm's ``ImageFolder`` loaders and TF's ``decode_image(channels=3)`` do), CMYK is converted by
-   PIL's formula (no ICC profile). 16-bit (I;16*, I) images are scaled by 255/65535 and rounded;
-   32-bit float (F) images are clipped to [0, 255] by PIL.
+   PIL's formula (no ICC profile). 16-bit gray (I;16*, I) images are scaled by 255/65535 and
+   rounded; 16-bit RGB(A) PNGs keep each value's high byte (PIL and TensorFlow alike); 32-bit
+   float (F) images are clipped to [0, 255] by PIL.
 Arrays: uint8 as is; other integer types must lie in [0, 255] (uint16: scaled like 16-bit files);
 float must lie in [0, 1] and becomes round(x * 255). One channel is copied to three; a fourth
 (alpha) channel is dropped.
 
-What is stored: JPEG and PNG files that need no change (RGB or gray, 8-bit, upright, no alpha or
-palette) keep their original bytes (no re-compression); every other image is stored as the PNG of
-its RGB pixels (lossless).
+What is stored: JPEG (MPO too) and PNG files that need no change (RGB or gray, 8-bit, upright, no
+alpha or palette; a PNG with its last chunk) keep their original bytes (no re-compression); every
+other image is stored as the PNG of its RGB pixels (lossless).
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ from typing import Any
 
 import numpy as np
 
-KEEP_FORMATS = ("JPEG", "PNG")  # what TF's decode_image and tfds's readers decode as stored
+# What TF's decode_image and tfds's readers decode as stored. MPO is PIL's name for a JPEG with
+# more images after the photo (an MPF preview or depth map: many cameras' and phones' .jpg files);
+# every decoder reads its first image, the photo, and it was re-encoded as a PNG 3-5x its size.
+KEEP_FORMATS = ("JPEG", "MPO", "PNG")
 _KEEP_MODES = ("RGB", "L")
 
 
@@ -48,10 +52,74 @@ def to_rgb(im: Any) -> np.ndarray:
     return np.asarray(im, np.uint8)
 
 
-def _kept(im, fmt: str | None, orientation: Any) -> bool:
+# A PNG's last chunk. PIL decodes a PNG cut short after its image data (a copy or download
+# stopped in the last bytes) and TensorFlow's decoder, training's, does not: such a file kept as it
+# was stopped the training run that met it ("example k of the split cannot be decoded").
+_PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
+
+
+# TIFF tag NewSubfileType; bit 0 marks a reduced-resolution image. A camera RAW file (Nikon .NEF,
+# .DNG) is a TIFF whose first image is such a preview (160x120 in a .NEF): PIL opened it, and a
+# RAW + JPEG folder gave each photo a second, thumbnail-sized copy in the class.
+_NEW_SUBFILE_TYPE = 254
+
+
+def _kept(im, fmt: str | None, orientation: Any, data: bytes) -> bool:
     """Whether an opened image is stored (and decoded by TF) as its original bytes."""
     return (fmt in KEEP_FORMATS and im.mode in _KEEP_MODES and orientation in (None, 1)
-            and "transparency" not in im.info)
+            and "transparency" not in im.info and (fmt != "PNG" or _PNG_END in data))
+
+
+# ISO-BMFF brands of HEIC/HEIF files (iPhone photos since iOS 11), which PIL does not decode
+_HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1")
+
+
+def _unrecognised(data: bytes) -> BadImageError:
+    """Why PIL recognises no image in ``data``; a HEIC photo is named as such, with what to do."""
+    if data[4:8] == b"ftyp" and data[8:12] in _HEIF_BRANDS:
+        return BadImageError("a HEIC/HEIF photo, which PIL cannot decode; convert it to JPEG "
+                             "(macOS: sips -s format jpeg IMG.HEIC --out IMG.jpg)")
+    return BadImageError("not an image format PIL recognises")
+
+
+# Video containers found among photos (a phone's camera roll, a Takeout export): named from their
+# first bytes, so that the rest, gigabytes, is never read (each was read whole into memory, one
+# per decode thread, only for PIL to say it is no image)
+_VIDEO_BOXES = (b"moov", b"mdat", b"wide", b"free", b"skip", b"pnot")  # QuickTime without ftyp
+
+
+def video_kind(head: bytes) -> str | None:
+    """'MP4/MOV', 'AVI', ... if ``head`` (a file's first bytes, 512 or more) starts a video."""
+    if head[4:8] == b"ftyp":  # ISO-BMFF: videos, and HEIC, AVIF, Canon .CR3 (left to PIL)
+        not_video = _HEIF_BRANDS + (b"avif", b"avis", b"crx ")
+        return None if head[8:12] in not_video else "MP4/MOV"
+    if head[4:8] in _VIDEO_BOXES:
+        return "MOV"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "AVI"
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "MKV/WebM"
+    if head[:4] == b"\x00\x00\x01\xba" or head[:4] == b"\x00\x00\x01\xb3":
+        return "MPEG"
+    if any(head[k:k + 565:188] == b"GGG" for k in (0, 4)):  # 3 sync bytes; GIF starts with 'G'
+        return "MPEG-TS (.MTS)"
+    if head[:3] == b"FLV" or head[:4] == b"\x30\x26\xb2\x75":
+        return "FLV/WMV"
+    return None
+
+
+HEAD_BYTES = 4096
+
+
+def read_file(path: str) -> bytes:
+    """The bytes of the image file ``path``; a video is refused (BadImageError) from its first
+    HEAD_BYTES, the rest not read. OSError passes through."""
+    with open(path, "rb") as f:
+        head = f.read(HEAD_BYTES)
+        kind = video_kind(head)
+        if kind:
+            raise BadImageError(f"a video ({kind}), not an image")
+        return head + f.read()
 
 
 def stored_as_is(data: bytes) -> bool:
@@ -63,9 +131,9 @@ def stored_as_is(data: bytes) -> bool:
         raise BadImageError("empty file (0 bytes)")
     try:
         im = Image.open(io.BytesIO(data))
-        return _kept(im, im.format, im.getexif().get(0x0112, 1))
+        return _kept(im, im.format, im.getexif().get(0x0112, 1), data)
     except Image.UnidentifiedImageError:
-        raise BadImageError("not an image format PIL recognises") from None
+        raise _unrecognised(data) from None
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad headers)
         raise BadImageError(f"{type(e).__name__}: {e}") from None
 
@@ -79,16 +147,20 @@ def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
         im = Image.open(io.BytesIO(data))
         fmt = im.format
         im.seek(0)
+        if fmt == "TIFF" and int(im.tag_v2.get(_NEW_SUBFILE_TYPE, 0)) & 1:
+            raise BadImageError(
+                f"its first image is a {im.size[0]}x{im.size[1]} preview (a camera RAW file: "
+                ".NEF, .DNG, ...), and PIL cannot decode the photo; convert it to JPEG or TIFF")
         orientation = im.getexif().get(0x0112, 1)  # EXIF Orientation tag; 1 is upright
         im.load()  # decodes fully: a truncated file fails here
         if orientation not in (None, 1):
             im = ImageOps.exif_transpose(im)
-        keep = _kept(im, fmt, orientation)
+        keep = _kept(im, fmt, orientation, data)
         rgb = to_rgb(im)
     except BadImageError:
         raise
     except Image.UnidentifiedImageError:
-        raise BadImageError("not an image format PIL recognises") from None
+        raise _unrecognised(data) from None
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad files)
         raise BadImageError(f"{type(e).__name__}: {e}") from None
     if rgb.ndim != 3 or rgb.shape[0] < 1 or rgb.shape[1] < 1:

@@ -14,8 +14,10 @@ bad input stops with exit 2 and one line naming the file. docs/data.md has every
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -60,14 +62,33 @@ class _Stats:
         return dict(mean=r(mean), std=r(std), min=r(lo), max=r(hi))
 
 
+class _Copies:
+    """Images whose stored bytes are identical to an earlier one's under another class (a photo
+    copied into two class folders: trained with both labels) or in another split (a photo in
+    train and in the eval split: evaluated on an image the model trained on). Both were written
+    without a word; they are counted, named in prepare.json and noted in the summary."""
+
+    def __init__(self, classes: Sequence[str]) -> None:
+        self.classes, self.first, self.found = classes, {}, []
+
+    def add(self, data: bytes, split: str, label: int, name: str) -> None:
+        key = hashlib.blake2b(data, digest_size=16).digest()
+        first = self.first.setdefault(key, (split, label, name))
+        if first[1] != label or first[0] != split:
+            self.found.append(dict(file=name, split=split, label=self.classes[label],
+                                   copy_of=first[2], copy_split=first[0],
+                                   copy_label=self.classes[first[1]]))
+
+
 class _SplitWriter:
     """Loads a split's images on a thread pool (PIL releases the GIL while decoding) and yields
     tfds (key, example) pairs in order, recording sizes, skipped files and statistics."""
 
     def __init__(self, name: str, split: formats.Split, num_classes: int, strict: bool,
-                 workers: int, stats: _Stats | None):
+                 workers: int, stats: _Stats | None, copies: _Copies | None = None):
         self.name, self.split, self.strict, self.workers, self.stats = name, split, strict, \
             workers, stats
+        self.copies = copies
         self.per_class = np.zeros(num_classes, np.int64)
         self.skipped: list[str] = []
         self.skipped_per_class = np.zeros(num_classes, np.int64)
@@ -80,33 +101,51 @@ class _SplitWriter:
         except images.BadImageError as e:
             return e
 
+    def _loaded(self, ex: cf.ThreadPoolExecutor, n: int) -> Iterator[Any]:
+        """``_load(i)`` for i in 0..n-1, in order, with at most 2 x workers images decoded or
+        decoding ahead of the one consumed: each is a decoded photo (36 MB of RGB at 12 MP) and
+        its encoding, and the look-ahead of 256 held up to 256 of them (9 GB of 12 MP photos)
+        whenever the writer, one thread, fell behind the decode threads (254 ahead, measured with
+        16 threads)."""
+        ahead: collections.deque[cf.Future] = collections.deque()
+        try:
+            for i in range(n):
+                while len(ahead) < 2 * self.workers and i + len(ahead) < n:
+                    ahead.append(ex.submit(self._load, i + len(ahead)))
+                yield ahead.popleft().result()
+        finally:  # Ctrl-C, --strict: the pool's shutdown does not wait for decodes not started
+            for f in ahead:
+                f.cancel()
+
     def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
         from tqdm import tqdm
         n = len(self.split.labels)
         with tqdm(total=n, desc=self.name, unit="img", file=sys.stderr, dynamic_ncols=True
-                  ) as bar, cf.ThreadPoolExecutor(self.workers) as ex:
-            for start in range(0, n, 256):  # bounded look-ahead: memory stays small
-                for i, got in zip(range(start, min(n, start + 256)),
-                                  ex.map(self._load, range(start, min(n, start + 256)))):
-                    bar.update(1)
-                    if isinstance(got, images.BadImageError):
-                        if self.strict:
-                            raise PrepareError(f"{self.split.names[i]}: cannot be decoded "
-                                               f"({got}); --strict refuses unreadable images")
-                        self.skipped.append(f"{self.split.names[i]} ({got})")
-                        label = int(self.split.labels[i])
-                        self.skipped_per_class[label] += 1
-                        self.first_skipped.setdefault(label, self.skipped[-1])
-                        continue
-                    data, rgb = got
-                    h, w = rgb.shape[:2]
-                    self.min_size = [min(self.min_size[0], h), min(self.min_size[1], w)]
-                    self.max_size = [max(self.max_size[0], h), max(self.max_size[1], w)]
+                  ) as bar, cf.ThreadPoolExecutor(self.workers) as ex, \
+                contextlib.closing(self._loaded(ex, n)) as loaded:  # closed before the pool waits
+            for i, got in enumerate(loaded):
+                bar.update(1)
+                if isinstance(got, images.BadImageError):
+                    if self.strict:
+                        raise PrepareError(f"{self.split.names[i]}: cannot be decoded "
+                                           f"({got}); --strict refuses unreadable images")
+                    self.skipped.append(f"{self.split.names[i]} ({got})")
                     label = int(self.split.labels[i])
-                    self.per_class[label] += 1
-                    if self.stats is not None:
-                        self.stats.add(rgb)
-                    yield i, {"image": data, "label": label}
+                    self.skipped_per_class[label] += 1
+                    self.first_skipped.setdefault(label, self.skipped[-1])
+                    continue
+                data, rgb = got
+                h, w = rgb.shape[:2]
+                self.min_size = [min(self.min_size[0], h), min(self.min_size[1], w)]
+                self.max_size = [max(self.max_size[0], h), max(self.max_size[1], w)]
+                label = int(self.split.labels[i])
+                self.per_class[label] += 1
+                if self.stats is not None:
+                    self.stats.add(rgb)
+                if self.copies is not None:
+                    self.copies.add(data, self.name, label, self.split.names[i])
+                del got, rgb  # not held while the writer takes the example
+                yield i, {"image": data, "label": label}
 
     def info(self) -> dict[str, Any]:
         n = int(self.per_class.sum())
@@ -207,9 +246,9 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
     if os.path.exists(tmp):  # an interrupted earlier run: start over
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    stats = _Stats()
+    stats, copies = _Stats(), _Copies(parsed.classes)
     writers = {s: _SplitWriter(s, sp, len(parsed.classes), strict, workers,
-                               stats if s == "train" else None)
+                               stats if s == "train" else None, copies)
                for s, sp in parsed.splits.items()}
     features = tfds.features.FeaturesDict({
         "image": tfds.features.Image(shape=(None, None, 3), dtype=np.uint8),
@@ -245,7 +284,7 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
         raise
     info = dict(extra, classes=parsed.classes, splits={s: w.info() for s, w in writers.items()},
                 eval_split=eval_split_of(list(writers)), stats=stats.result(),
-                ignored=parsed.ignored)
+                ignored=parsed.ignored, copies=copies.found)
     with open(os.path.join(tmp, name, prepared.VERSION, prepared.INFO_FILE), "w",
               encoding="utf-8") as f:
         json.dump(info, f, indent=1)
@@ -261,6 +300,19 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
     return info
 
 
+SHOWN_SKIPPED = 10  # skipped files the summary names per split; prepare.json has them all
+
+
+def _alike(classes: Sequence[str]) -> list[list[str]]:
+    """Groups of class names equal but for case and spaces ('cat', 'Cat', 'cat '): a folder's
+    name typed twice is two classes, which a model cannot tell apart; shown as a note (letters
+    'A' and 'a' may be meant as two)."""
+    groups: dict[str, list[str]] = {}
+    for c in classes:
+        groups.setdefault(" ".join(c.casefold().split()), []).append(c)
+    return [g for g in groups.values() if len(g) > 1]
+
+
 def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
             val_fraction: float = 0.0) -> str:
     """The lines prepare prints; ``val_fraction``: the flag's value (why there is no eval split:
@@ -268,6 +320,11 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
     classes = info["classes"]
     lines = [f"prepared {name!r} in {prepared.version_dir(name, data_dir)}: {len(classes)} "
              f"classes, format {info['format']}, {seconds:.1f} s"]
+    alike = _alike(classes)
+    if alike:  # 'cat' and 'Cat ' merged from two sources: two labels, one concept
+        lines.append(f"  note: class names that differ only in case or spaces: "
+                     f"{'; '.join(' and '.join(repr(c) for c in g) for g in alike[:3])}; they are "
+                     "separate classes (merge the folders if they are one)")
     for s, sp in info["splits"].items():
         per = ", ".join(f"{c} {n}" for c, n in zip(classes, sp["per_class"]))
         if len(classes) > 12:
@@ -281,10 +338,27 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
                          f"{', '.join(empty[:8])}{' ...' if len(empty) > 8 else ''}")
         if sp["skipped"]:
             lines.append(f"  {s}: skipped {len(sp['skipped'])} unreadable file(s):")
-            lines += [f"    {x}" for x in sp["skipped"]]
+            lines += [f"    {formats.shown(x)}" for x in sp["skipped"][:SHOWN_SKIPPED]]
+            if len(sp["skipped"]) > SHOWN_SKIPPED:  # a sidecar per photo (Google Takeout's .json)
+                listed = os.path.join(prepared.version_dir(name, data_dir), prepared.INFO_FILE)
+                lines.append(f"    ... and {len(sp['skipped']) - SHOWN_SKIPPED} more, all listed "
+                             f"in {listed}")
     if info["ignored"]:
         lines.append(f"  ignored {len(info['ignored'])} file(s) outside class folders: "
-                     f"{', '.join(info['ignored'][:5])}{' ...' if len(info['ignored']) > 5 else ''}")
+                     f"{formats.shown(', '.join(info['ignored'][:5]))}"
+                     f"{' ...' if len(info['ignored']) > 5 else ''}")
+    copies = info.get("copies") or []
+    if copies:
+        labels = sum(c["label"] != c["copy_label"] for c in copies)
+        c = copies[0]
+        kinds = [f"{labels} under another class (trained with both labels)"] if labels else []
+        kinds += ([f"{len(copies) - labels} in another split (evaluated on an image trained on)"]
+                  if len(copies) > labels else [])
+        lines.append(
+            f"  note: {len(copies)} image(s) are byte-identical to an earlier one: "
+            f"{', '.join(kinds)}; e.g. {formats.shown(c['file'])} ({c['split']}, {c['label']}) = "
+            f"{formats.shown(c['copy_of'])} ({c['copy_split']}, {c['copy_label']}); all in "
+            f"prepare.json ('copies')")
     if info.get("held_out"):
         h = info["held_out"]
         lines.append(f"  held out {h['fraction']:g} of each class as '{h['split']}' (seed {h['seed']})")
