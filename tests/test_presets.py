@@ -178,3 +178,23 @@ def test_augmentation_acts_in_training_and_not_in_evaluation():
     c.mixup_alpha = c.cutmix_alpha = c.random_erase_prob = 0.0  # all off: no transform at all
     c.randaugment = ""
     assert batch_aug.make(c, data.resolve_data_spec(c)) is None
+
+
+@pytest.mark.parametrize("method", ["vit_rescale", "vit_learnable_scaler"])
+def test_method_optimizer_keeps_the_variants_run_length(method):
+    """A method config that sets its reference's optimizer outside ``:demo`` (RescaleViT's SGD,
+    LearnableScaler's LAMB) must not overwrite the run shape ``:small32`` and ``:imagenet`` set:
+    small32 is a fixed 300-step CPU recipe for any method, imagenet 300 epochs of 1024."""
+    import importlib
+    from configs import default
+    module = importlib.import_module(f"configs.{method}")
+    s = module.get_config("small32")
+    assert (s.total_steps, s.batch_size) == (default.SMALL32_STEPS, 128)
+    assert s.schedule.warmup_steps < s.total_steps
+    i = module.get_config("imagenet")
+    assert (i.total_steps, i.num_epochs, i.batch_size) == (None, 300.0, 1024)
+    if method == "vit_rescale":
+        # seeds/001 (RescaleViT README): batch 128, 20000 iterations, SGD, on CIFAR: the plain config
+        c = module.get_config()
+        assert (c.batch_size, c.total_steps, c.schedule.warmup_steps) == (128, 20_000, 500)
+        assert (i.optimizer.name, s.optimizer.name, c.optimizer.learning_rate) == ("sgd", "sgd", 0.05)
