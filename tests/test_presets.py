@@ -198,3 +198,20 @@ def test_method_optimizer_keeps_the_variants_run_length(method):
         c = module.get_config()
         assert (c.batch_size, c.total_steps, c.schedule.warmup_steps) == (128, 20_000, 500)
         assert (i.optimizer.name, s.optimizer.name, c.optimizer.learning_rate) == ("sgd", "sgd", 0.05)
+
+
+def test_batch_statistics_are_per_gpu_process_as_the_references():
+    """The references normalise with each GPU's own batch (no SyncBatchNorm): SLAB's RepBN over
+    8 x 128 (SLAB README.md:65, config.py:22; main.py never converts), UN's T2T-ViT over 8 x 64
+    (run_train.sh; main.py:189 --sync-bn off), DeiT's 4 x 256. Global statistics over the
+    whole batch would be a different normaliser in training."""
+    assert load("vit_repbn.py:slab_deit_t").model.norm.stats_group_size == 128
+    assert load("vit_progressive.py:slab_deit_s").model.norm.n2.stats_group_size == 128
+    assert load("vit_un.py:t2t_vit_14").model.norm.stats_group_size == 64
+    assert load("vit_un.py:deit_s").model.norm.stats_group_size == 256
+    for spec in ("vit_repbn.py:slab_deit_t", "vit_progressive.py:slab_deit_s", "vit_un.py:t2t_vit_14"):
+        c = load(spec)
+        setup.validate_config(c, 1)
+        norm = c.model.norm.get("n2", c.model.norm) if c.model.norm.name == "progressive" else c.model.norm
+        assert c.batch_size // norm.stats_group_size == c.mix_groups  # one group per process
+    assert "stats_group_size" not in load("vit_dtn.py:deit_s").model.norm  # DTN: per-token
