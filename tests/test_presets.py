@@ -215,3 +215,22 @@ def test_batch_statistics_are_per_gpu_process_as_the_references():
         norm = c.model.norm.get("n2", c.model.norm) if c.model.norm.name == "progressive" else c.model.norm
         assert c.batch_size // norm.stats_group_size == c.mix_groups  # one group per process
     assert "stats_group_size" not in load("vit_dtn.py:deit_s").model.norm  # DTN: per-token
+
+
+def test_readme_lists_every_preset():
+    """README.md's 'Reproducing the papers' table names each preset in its first column
+    (`vit_x.py:a`, `vit_x.py:a` / `:b`, `vit_ln.py:deit_t/_s/_b`), so the README's pointer there
+    for a paper's recipe holds for every method that has one."""
+    import re
+    with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("## Reproducing the papers", 1)[1].split("\n## ", 1)[0]
+    listed = set()
+    for row in (r for r in section.splitlines() if r.startswith("| `")):
+        file = None
+        for f, names in re.findall(r"`([\w.]*):([\w/]+)`", row.split("|")[1]):
+            file = f or file
+            first, *rest = names.split("/")
+            stem = first.rsplit("_", 1)[0]
+            listed |= {f"{file}:{first}"} | {f"{file}:{stem}{r}" for r in rest}
+    missing = [s for s in ALL_PRESETS if not s.endswith(",dtn_code") and s not in listed]
+    assert not missing, missing
