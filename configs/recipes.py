@@ -291,6 +291,7 @@ def rescale_cifar10_b16(c: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     c.model.variant = "B/16"            # [RV] train.py:297 --model_type ViT-B_16
     c.model.dropout_rate = 0.1          # [RV] models/configs.py:44 get_b16_config dropout_rate 0.1
     c.model.attention_dropout_rate = 0.0  # [RV] models/configs.py:43
+    c.model.gelu_approximate = False    # [RV] models/modeling.py:51,129 torch.nn.functional.gelu (exact erf)
     c.batch_size = 128                  # [RV] train.py:306 --train_batch_size 128
     c.total_steps = 20_000              # [RV] train.py:318 --num_steps 20000
     c.optimizer.name = "sgd"            # [RV] train.py:197-200 SGD momentum 0.9

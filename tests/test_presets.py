@@ -138,6 +138,9 @@ def test_presets_carry_the_cited_values():
     assert (r.model.variant, r.data.image_size, r.total_steps, r.batch_size) == ("B/16", 224, 20_000, 128)
     assert r.model.norm.name == "rescale" and r.optimizer.name == "sgd"
     assert (r.model.dropout_rate, r.model.attention_dropout_rate) == (0.1, 0.0)  # models/configs.py
+    # RescaleViT's models/modeling.py:51,129 (seeds/001: on jeonsworld/ViT-pytorch): torch's exact
+    # GELU, not the tanh approximation of Google's checkpoints
+    assert r.model.gelu_approximate is False
     assert (t.mix_groups, t.dtype, t.data.eval_crop_fraction) == (8, "float32", 0.9)
 
 
