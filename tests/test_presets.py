@@ -237,3 +237,32 @@ def test_readme_lists_every_preset():
             listed |= {f"{file}:{first}"} | {f"{file}:{stem}{r}" for r in rest}
     missing = [s for s in ALL_PRESETS if not s.endswith(",dtn_code") and s not in listed]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("method", ["vit_progressive", "vit_dynamic_feature"])
+def test_progressive_handover_ends_within_the_run(method):
+    """Evaluation uses N2 (RepBN) alone, so the LN -> RepBN hand-over must end inside the run:
+    SLAB hands over in 300,000 of ~375,000 ImageNet steps (models/prepbn.py:20, 80%). Kept at
+    300,000 for the plain CIFAR configs (39,000 steps) it left N1 a weight of 0.87 at the end."""
+    import importlib
+    import math
+    module = importlib.import_module(f"configs.{method}")
+    for variant in (None, "cifar100", "small32"):
+        c = module.get_config(variant)
+        steps = c.total_steps or math.ceil(c.num_epochs * (50_000 // c.batch_size))
+        n = c.model.norm
+        assert n.warmup_steps + n.decay_steps == int(0.8 * steps), variant
+    assert module.get_config("imagenet").model.norm.decay_steps == 300_000
+    assert module.get_config("demo").model.norm.decay_steps == 700  # the measured demo
+
+
+def test_progressive_handover_past_the_run_is_said_at_start():
+    from normvit_jax.norms import progressive
+    cfg = {"name": "progressive", "n1": "layernorm", "n2": "repbn", "decay_steps": 1000,
+           "warmup_steps": 100}
+    line = progressive.handover_note([{"name": "layernorm"}, cfg], 350)
+    # linear: N1's weight at the last step = 1 - (350 - 100) / 1000
+    assert "ends at step 1100" in line and "350 steps" in line and "0.75" in line
+    assert "at most 250" in line
+    assert progressive.handover_note([cfg], 1100) is None  # ends on the last step
+    assert progressive.handover_note([dict(cfg, eval_mode="mixture")], 350) is None
