@@ -20,7 +20,7 @@ ALL_PRESETS = [
     "vit_un.py:deit_s", "vit_learnable_scaler.py:paper", "vit_learnable_scaler.py:paper_d36",
     "vit_rescale.py:cifar10_b16", "vit_un.py:t2t_vit_14", "vit_ln.py:t2t_vit_14",
     "vit_repbn.py:slab_deit_t", "vit_progressive.py:slab_deit_s", "vit_dyt.py:dyt_b",
-    "vit_dyt.py:dyt_l", "vit_derf.py:dyt_b", "vit_dtn.py:deit_s,dtn_code",
+    "vit_dyt.py:dyt_l", "vit_derf.py:dyt_b", "vit_derf.py:dyt_l", "vit_dtn.py:deit_s,dtn_code",
 ]
 # Trained shrunk: one per distinct recipe x normalizer (deit_t/_b and paper_d36 differ from
 # deit_s and paper only in the model size, which the shrinking replaces).
@@ -266,3 +266,41 @@ def test_progressive_handover_past_the_run_is_said_at_start():
     assert "at most 250" in line
     assert progressive.handover_note([cfg], 1100) is None  # ends on the last step
     assert progressive.handover_note([dict(cfg, eval_mode="mixture")], 350) is None
+
+
+def test_slab_dyt_derf_presets_carry_the_cited_values():
+    """Against the sources configs/recipes.py cites (xinghaochen/SLAB classification/config.py,
+    cfgs/deit_{t,s}_prepbn.yaml, models/deit.py, models/prepbn.py; jiachenzhu/DyT README.md and
+    main.py; zlab-princeton/Derf ViT/README.md and ViT/main.py)."""
+    spe = 1_281_167 // 1024
+    for spec, variant in (("vit_repbn.py:slab_deit_t", "Ti/16"), ("vit_progressive.py:slab_deit_s", "S/16")):
+        s = load(spec)
+        assert (s.model.variant, s.batch_size, s.mix_groups, s.num_epochs) == (variant, 1024, 8, 300.0)
+        # BASE_LR 5e-4 x 1024 / 512; MIN_LR 5e-6 scaled alike; WARMUP_EPOCHS 20; CLIP_GRAD 5.0
+        assert (s.optimizer.learning_rate, s.optimizer.weight_decay, s.optimizer.grad_clip) == \
+            (1e-3, 0.05, 5.0)
+        assert s.schedule.end_factor == pytest.approx(0.01) and s.schedule.warmup_steps == 20 * spe
+        # DROP_PATH_RATE 0.0 (yaml), no EMA in main.py, no repeated augmentation
+        assert (s.model.stochastic_depth, s.ema_decay, s.data.repeated_aug) == (0.0, 0.0, 1)
+        assert (s.label_smoothing, s.mixup_alpha, s.cutmix_alpha, s.random_erase_prob) == \
+            (0.1, 0.8, 1.0, 0.25)
+        assert (s.randaugment, s.data.interpolation, s.data.eval_crop_fraction) == \
+            ("rand-m9-mstd0.5-inc1", "bicubic", 0.875)
+    assert load("vit_repbn.py:slab_deit_t").model.norm.eta_init == 1.0  # prepbn.py:9 alpha = 1
+    p = load("vit_progressive.py:slab_deit_s").model.norm  # prepbn.py:20 step=300000, warm=0
+    assert (p.decay_steps, p.warmup_steps, p.r0, p.n1.epsilon) == (300_000, 0, 1.0, 1e-6)
+    # DyT README.md: 8 nodes x 8 GPUs x 64, lr 4e-3, drop path 0.1 / 0.4, betas 0.9/0.95 for L,
+    # EMA on; main.py: 300 epochs, 20 warm-up, min lr 1e-6, wd 0.05, timm global_pool='avg'
+    # Derf ViT/README.md: B on 4 x 8 x 128 with main.py's drop path 0.15, L 8 x 8 x 64, 0.5
+    spe = 1_281_167 // 4096
+    for spec, groups, drop, b2 in (("vit_dyt.py:dyt_b", 64, 0.1, 0.999), ("vit_dyt.py:dyt_l", 64, 0.4, 0.95),
+                                   ("vit_derf.py:dyt_b", 32, 0.15, 0.999),
+                                   ("vit_derf.py:dyt_l", 64, 0.5, 0.95)):
+        d = load(spec)
+        assert (d.batch_size, d.mix_groups, d.model.stochastic_depth, d.optimizer.b2) == \
+            (4096, groups, drop, b2), spec
+        assert (d.optimizer.learning_rate, d.optimizer.weight_decay, d.optimizer.grad_clip) == \
+            (4e-3, 0.05, None)
+        assert d.schedule.warmup_steps == 20 * spe and d.schedule.end_factor == pytest.approx(1e-6 / 4e-3)
+        assert (d.ema_decay, d.model.classifier, d.num_epochs) == (0.9999, "gap_fc_norm", 300.0)
+        assert (d.model.norm.alpha_init, d.model.gelu_approximate) == (0.5, False)
