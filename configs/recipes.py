@@ -40,6 +40,19 @@ def steps_per_epoch(batch_size: int, num_examples: int = IMAGENET_TRAIN_EXAMPLES
     return num_examples // batch_size  # the pipeline drops the last partial batch
 
 
+def per_process_statistics(c: ml_collections.ConfigDict, samples: int) -> None:
+    """Batch-statistics norms (BatchNorm, RepBN, UN, PowerNorm; a progressive norm's N2) take
+    their statistics over each GPU process's ``samples`` images, as the PyTorch references do:
+    none of them converts to SyncBatchNorm ([DeiT] main.py, [UN] main.py:189 --sync-bn off,
+    [SLAB] main.py, [DTNc] train.py). Other norms have no such key and are left alone."""
+    norm = c.model.norm
+    for n in (norm, norm.get("n2") if norm.get("name") == "progressive" else None):
+        if not isinstance(n, ml_collections.ConfigDict):
+            continue
+        if "stats_group_size" in n or n.get("name") in ("batchnorm", "repbn", "unified", "powernorm"):
+            n.stats_group_size = samples
+
+
 def imagenet_data(c: ml_collections.ConfigDict, normalize: str, antialias: bool,
                   interpolation: str, eval_crop: float = 0.875,
                   min_crop_area: float = 0.08) -> None:
@@ -87,6 +100,7 @@ def timm_deit_training(c: ml_collections.ConfigDict, *, batch: int, lr: float, w
     c.switch_prob = 0.5                 # [DeiT] main.py:136 --mixup-switch-prob 0.5; [UN] main.py:163
     c.mix_mode = "batch"                # [DeiT] main.py:138 --mixup-mode batch; [UN] main.py:165
     c.mix_groups = mix_groups           # one Mixup draw per GPU process's batch
+    per_process_statistics(c, batch // mix_groups)  # and per-GPU BatchNorm-style statistics
     c.cutmix_box = "even"               # timm 0.3.x rand_bbox: c +- cut // 2
     c.random_erase_prob = 0.25          # [DeiT] main.py:118 --reprob 0.25; [UN] main.py:147
     c.random_erase_mode = "pixel"       # [DeiT] main.py:120 --remode pixel; [UN] main.py:149
@@ -124,6 +138,7 @@ def dtn_released_code(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     c.schedule.end_factor = 1e-5 / lr   # [DTNc] train.py:119 --min-lr 1e-5
     c.mixup_alpha = c.cutmix_alpha = 0.0  # [DTNc] train.py:404: mixup_fn = None, never applied
     c.mix_groups = 1
+    per_process_statistics(c, 128)      # [DTNc] scripts/train.sh: 128 images per process
     c.random_erase_prob = 0.0           # [DTNc] train.py:155 --reprob 0
     c.model.qkv_bias = False            # [DTNc] models/vit_norm.py:134 qkv_bias=False
     c.dtype = "float32"                 # [DTNc] vit.yaml:4 amp: False
@@ -276,6 +291,7 @@ def rescale_cifar10_b16(c: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     c.model.variant = "B/16"            # [RV] train.py:297 --model_type ViT-B_16
     c.model.dropout_rate = 0.1          # [RV] models/configs.py:44 get_b16_config dropout_rate 0.1
     c.model.attention_dropout_rate = 0.0  # [RV] models/configs.py:43
+    c.model.gelu_approximate = False    # [RV] models/modeling.py:51,129 torch.nn.functional.gelu (exact erf)
     c.batch_size = 128                  # [RV] train.py:306 --train_batch_size 128
     c.total_steps = 20_000              # [RV] train.py:318 --num_steps 20000
     c.optimizer.name = "sgd"            # [RV] train.py:197-200 SGD momentum 0.9

@@ -6,7 +6,8 @@ and the final norm. DTN on every block with the class token under plain LN stati
 ``--config.model.cls_token_at_block=0 --config.model.norm_overrides.final.name=dtn`` etc.
 Recipe: the presets ``:deit_t`` (ViT-T*, 4 heads), ``:deit_s``, ``:deit_b`` (ViT-B*, 16 heads): DeiT's
 ImageNet recipe with every value cited in configs/recipes.py (the ``:imagenet`` variant of
-default.py is a shorter DeiT-style setting). ``:demo`` (depth 4): DTN in blocks 0-1,
+default.py is a lighter DeiT-style setting: the same 300 epochs, batch and lr, without Mixup/CutMix,
+RandAugment, erasing, EMA or repeated augmentation). ``:demo`` (depth 4): DTN in blocks 0-1,
 class token at block 2.
 """
 from __future__ import annotations

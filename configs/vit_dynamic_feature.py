@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_collections
 
 from configs import default
-from configs.vit_progressive import progressive_norm
+from configs.vit_progressive import fit_handover, progressive_norm
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -21,4 +21,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = default.apply_variants(c, ",".join(p for p in parts if p != "minmax") or None)
     if "demo" in parts:
         c.model.norm.decay_steps = 700
+    else:
+        fit_handover(c)                 # 80% of the run, as vit_progressive.py
     return c

@@ -3,7 +3,8 @@ MLP residual is sqrt(i/(i+1)) * x + s/sqrt(L) * MLP(y), and there is no final no
 
 Recipe of the reference (CIFAR-10, ViT-B/16 at 224, 20k steps): SGD momentum 0.9, lr 0.05, wd 0,
 batch 128, cosine with 500 warmup steps; set as the default outside ``:demo`` (the demo keeps
-default.py's AdamW so it trains in a minute).
+default.py's AdamW so it trains in a minute); ``:imagenet`` and ``:small32`` take the optimizer but
+keep their own batch, warmup and run length.
 Preset ``:cifar10_b16``: that whole run (ViT-B/16 at 224 on CIFAR-10: LN 69.7, BN 66.5, GN 65.1,
 Rescale 65.2), data and optimizer values cited in configs/recipes.py.
 """
@@ -24,13 +25,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.residual_scaling = "rescale"  # sqrt(i/(i+1)) * x + s/sqrt(L) * MLP(y)
     c.model.final_norm = False          # RescaleViT has no final norm
     c = default.apply_variants(c, arg, {"cifar10_b16": recipes.rescale_cifar10_b16})
-    if "demo" not in [p.strip() for p in (arg or "").split(",")]:
+    parts = [p.strip() for p in (arg or "").split(",")]
+    if "demo" not in parts:
         c.optimizer.name = "sgd"
         c.optimizer.momentum = 0.9
         c.optimizer.learning_rate = 0.05
         c.optimizer.weight_decay = 0.0
-        c.batch_size = 128
         c.schedule.name = "cosine"
-        c.schedule.warmup_steps = 500
-        c.total_steps = 20000           # the reference's 20k iterations
+        # The run's shape only where no variant set its own: ':imagenet' (300 epochs of 1024)
+        # and ':small32' (a fixed 300 steps) keep theirs.
+        if "imagenet" not in parts and "small32" not in parts:
+            c.batch_size = 128
+            c.schedule.warmup_steps = 500
+            c.total_steps = 20000       # the reference's 20k iterations
     return c

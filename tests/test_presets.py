@@ -20,7 +20,7 @@ ALL_PRESETS = [
     "vit_un.py:deit_s", "vit_learnable_scaler.py:paper", "vit_learnable_scaler.py:paper_d36",
     "vit_rescale.py:cifar10_b16", "vit_un.py:t2t_vit_14", "vit_ln.py:t2t_vit_14",
     "vit_repbn.py:slab_deit_t", "vit_progressive.py:slab_deit_s", "vit_dyt.py:dyt_b",
-    "vit_dyt.py:dyt_l", "vit_derf.py:dyt_b", "vit_dtn.py:deit_s,dtn_code",
+    "vit_dyt.py:dyt_l", "vit_derf.py:dyt_b", "vit_derf.py:dyt_l", "vit_dtn.py:deit_s,dtn_code",
 ]
 # Trained shrunk: one per distinct recipe x normalizer (deit_t/_b and paper_d36 differ from
 # deit_s and paper only in the model size, which the shrinking replaces).
@@ -138,6 +138,9 @@ def test_presets_carry_the_cited_values():
     assert (r.model.variant, r.data.image_size, r.total_steps, r.batch_size) == ("B/16", 224, 20_000, 128)
     assert r.model.norm.name == "rescale" and r.optimizer.name == "sgd"
     assert (r.model.dropout_rate, r.model.attention_dropout_rate) == (0.1, 0.0)  # models/configs.py
+    # RescaleViT's models/modeling.py:51,129 (seeds/001: on jeonsworld/ViT-pytorch): torch's exact
+    # GELU, not the tanh approximation of Google's checkpoints
+    assert r.model.gelu_approximate is False
     assert (t.mix_groups, t.dtype, t.data.eval_crop_fraction) == (8, "float32", 0.9)
 
 
@@ -178,3 +181,126 @@ def test_augmentation_acts_in_training_and_not_in_evaluation():
     c.mixup_alpha = c.cutmix_alpha = c.random_erase_prob = 0.0  # all off: no transform at all
     c.randaugment = ""
     assert batch_aug.make(c, data.resolve_data_spec(c)) is None
+
+
+@pytest.mark.parametrize("method", ["vit_rescale", "vit_learnable_scaler"])
+def test_method_optimizer_keeps_the_variants_run_length(method):
+    """A method config that sets its reference's optimizer outside ``:demo`` (RescaleViT's SGD,
+    LearnableScaler's LAMB) must not overwrite the run shape ``:small32`` and ``:imagenet`` set:
+    small32 is a fixed 300-step CPU recipe for any method, imagenet 300 epochs of 1024."""
+    import importlib
+    from configs import default
+    module = importlib.import_module(f"configs.{method}")
+    s = module.get_config("small32")
+    assert (s.total_steps, s.batch_size) == (default.SMALL32_STEPS, 128)
+    assert s.schedule.warmup_steps < s.total_steps
+    i = module.get_config("imagenet")
+    assert (i.total_steps, i.num_epochs, i.batch_size) == (None, 300.0, 1024)
+    if method == "vit_rescale":
+        # seeds/001 (RescaleViT README): batch 128, 20000 iterations, SGD, on CIFAR: the plain config
+        c = module.get_config()
+        assert (c.batch_size, c.total_steps, c.schedule.warmup_steps) == (128, 20_000, 500)
+        assert (i.optimizer.name, s.optimizer.name, c.optimizer.learning_rate) == ("sgd", "sgd", 0.05)
+
+
+def test_batch_statistics_are_per_gpu_process_as_the_references():
+    """The references normalise with each GPU's own batch (no SyncBatchNorm): SLAB's RepBN over
+    8 x 128 (SLAB README.md:65, config.py:22; main.py never converts), UN's T2T-ViT over 8 x 64
+    (run_train.sh; main.py:189 --sync-bn off), DeiT's 4 x 256. Global statistics over the
+    whole batch would be a different normaliser in training."""
+    assert load("vit_repbn.py:slab_deit_t").model.norm.stats_group_size == 128
+    assert load("vit_progressive.py:slab_deit_s").model.norm.n2.stats_group_size == 128
+    assert load("vit_un.py:t2t_vit_14").model.norm.stats_group_size == 64
+    assert load("vit_un.py:deit_s").model.norm.stats_group_size == 256
+    for spec in ("vit_repbn.py:slab_deit_t", "vit_progressive.py:slab_deit_s", "vit_un.py:t2t_vit_14"):
+        c = load(spec)
+        setup.validate_config(c, 1)
+        norm = c.model.norm.get("n2", c.model.norm) if c.model.norm.name == "progressive" else c.model.norm
+        assert c.batch_size // norm.stats_group_size == c.mix_groups  # one group per process
+    assert "stats_group_size" not in load("vit_dtn.py:deit_s").model.norm  # DTN: per-token
+
+
+def test_readme_lists_every_preset():
+    """README.md's 'Reproducing the papers' table names each preset in its first column
+    (`vit_x.py:a`, `vit_x.py:a` / `:b`, `vit_ln.py:deit_t/_s/_b`), so the README's pointer there
+    for a paper's recipe holds for every method that has one."""
+    import re
+    with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("## Reproducing the papers", 1)[1].split("\n## ", 1)[0]
+    listed = set()
+    for row in (r for r in section.splitlines() if r.startswith("| `")):
+        file = None
+        for f, names in re.findall(r"`([\w.]*):([\w/]+)`", row.split("|")[1]):
+            file = f or file
+            first, *rest = names.split("/")
+            stem = first.rsplit("_", 1)[0]
+            listed |= {f"{file}:{first}"} | {f"{file}:{stem}{r}" for r in rest}
+    missing = [s for s in ALL_PRESETS if not s.endswith(",dtn_code") and s not in listed]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("method", ["vit_progressive", "vit_dynamic_feature"])
+def test_progressive_handover_ends_within_the_run(method):
+    """Evaluation uses N2 (RepBN) alone, so the LN -> RepBN hand-over must end inside the run:
+    SLAB hands over in 300,000 of ~375,000 ImageNet steps (models/prepbn.py:20, 80%). Kept at
+    300,000 for the plain CIFAR configs (39,000 steps) it left N1 a weight of 0.87 at the end."""
+    import importlib
+    import math
+    module = importlib.import_module(f"configs.{method}")
+    for variant in (None, "cifar100", "small32"):
+        c = module.get_config(variant)
+        steps = c.total_steps or math.ceil(c.num_epochs * (50_000 // c.batch_size))
+        n = c.model.norm
+        assert n.warmup_steps + n.decay_steps == int(0.8 * steps), variant
+    assert module.get_config("imagenet").model.norm.decay_steps == 300_000
+    assert module.get_config("demo").model.norm.decay_steps == 700  # the measured demo
+
+
+def test_progressive_handover_past_the_run_is_said_at_start():
+    from normvit_jax.norms import progressive
+    cfg = {"name": "progressive", "n1": "layernorm", "n2": "repbn", "decay_steps": 1000,
+           "warmup_steps": 100}
+    line = progressive.handover_note([{"name": "layernorm"}, cfg], 350)
+    # linear: N1's weight at the last step = 1 - (350 - 100) / 1000
+    assert "ends at step 1100" in line and "350 steps" in line and "0.75" in line
+    assert "at most 250" in line
+    assert progressive.handover_note([cfg], 1100) is None  # ends on the last step
+    assert progressive.handover_note([dict(cfg, eval_mode="mixture")], 350) is None
+
+
+def test_slab_dyt_derf_presets_carry_the_cited_values():
+    """Against the sources configs/recipes.py cites (xinghaochen/SLAB classification/config.py,
+    cfgs/deit_{t,s}_prepbn.yaml, models/deit.py, models/prepbn.py; jiachenzhu/DyT README.md and
+    main.py; zlab-princeton/Derf ViT/README.md and ViT/main.py)."""
+    spe = 1_281_167 // 1024
+    for spec, variant in (("vit_repbn.py:slab_deit_t", "Ti/16"), ("vit_progressive.py:slab_deit_s", "S/16")):
+        s = load(spec)
+        assert (s.model.variant, s.batch_size, s.mix_groups, s.num_epochs) == (variant, 1024, 8, 300.0)
+        # BASE_LR 5e-4 x 1024 / 512; MIN_LR 5e-6 scaled alike; WARMUP_EPOCHS 20; CLIP_GRAD 5.0
+        assert (s.optimizer.learning_rate, s.optimizer.weight_decay, s.optimizer.grad_clip) == \
+            (1e-3, 0.05, 5.0)
+        assert s.schedule.end_factor == pytest.approx(0.01) and s.schedule.warmup_steps == 20 * spe
+        # DROP_PATH_RATE 0.0 (yaml), no EMA in main.py, no repeated augmentation
+        assert (s.model.stochastic_depth, s.ema_decay, s.data.repeated_aug) == (0.0, 0.0, 1)
+        assert (s.label_smoothing, s.mixup_alpha, s.cutmix_alpha, s.random_erase_prob) == \
+            (0.1, 0.8, 1.0, 0.25)
+        assert (s.randaugment, s.data.interpolation, s.data.eval_crop_fraction) == \
+            ("rand-m9-mstd0.5-inc1", "bicubic", 0.875)
+    assert load("vit_repbn.py:slab_deit_t").model.norm.eta_init == 1.0  # prepbn.py:9 alpha = 1
+    p = load("vit_progressive.py:slab_deit_s").model.norm  # prepbn.py:20 step=300000, warm=0
+    assert (p.decay_steps, p.warmup_steps, p.r0, p.n1.epsilon) == (300_000, 0, 1.0, 1e-6)
+    # DyT README.md: 8 nodes x 8 GPUs x 64, lr 4e-3, drop path 0.1 / 0.4, betas 0.9/0.95 for L,
+    # EMA on; main.py: 300 epochs, 20 warm-up, min lr 1e-6, wd 0.05, timm global_pool='avg'
+    # Derf ViT/README.md: B on 4 x 8 x 128 with main.py's drop path 0.15, L 8 x 8 x 64, 0.5
+    spe = 1_281_167 // 4096
+    for spec, groups, drop, b2 in (("vit_dyt.py:dyt_b", 64, 0.1, 0.999), ("vit_dyt.py:dyt_l", 64, 0.4, 0.95),
+                                   ("vit_derf.py:dyt_b", 32, 0.15, 0.999),
+                                   ("vit_derf.py:dyt_l", 64, 0.5, 0.95)):
+        d = load(spec)
+        assert (d.batch_size, d.mix_groups, d.model.stochastic_depth, d.optimizer.b2) == \
+            (4096, groups, drop, b2), spec
+        assert (d.optimizer.learning_rate, d.optimizer.weight_decay, d.optimizer.grad_clip) == \
+            (4e-3, 0.05, None)
+        assert d.schedule.warmup_steps == 20 * spe and d.schedule.end_factor == pytest.approx(1e-6 / 4e-3)
+        assert (d.ema_decay, d.model.classifier, d.num_epochs) == (0.9999, "gap_fc_norm", 300.0)
+        assert (d.model.norm.alpha_init, d.model.gelu_approximate) == (0.5, False)

@@ -40,6 +40,30 @@ def _norm_cfg(value: Any) -> FrozenDict:
     return FrozenDict(registry.as_dict(value))
 
 
+def handover_note(norm_cfgs: list[Any], total_steps: int) -> str | None:
+    """One line when a progressive norm that evaluates N2 alone ends its hand-over after the
+    run's last step (training logs it at start): evaluation would then use an N2 that carried
+    only part of the training forward. None otherwise."""
+    for cfg in norm_cfgs:
+        cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg  # a ConfigDict
+        if not isinstance(cfg, Mapping) or cfg.get("name") != "progressive":
+            continue
+        if cfg.get("eval_mode", "n2") != "n2":
+            continue
+        ws = int(cfg.get("warmup_steps", Progressive.warmup_steps))
+        ds = int(cfg.get("decay_steps", Progressive.decay_steps))
+        if ws + ds <= total_steps:
+            continue
+        lam = float(n1_weight(jnp.asarray(float(total_steps)), r0=float(cfg.get("r0", 1.0)),
+                              warmup_steps=ws, decay_steps=ds,
+                              schedule=cfg.get("schedule", "linear")))
+        return (f"config.model.norm: the progressive hand-over ends at step {ws + ds}, after the "
+                f"run's {total_steps} steps (N1's weight {lam:.2f} at the end), but evaluation uses "
+                f"N2 alone; set model.norm.decay_steps to at most {total_steps - ws} (the reference: 80% "
+                f"of the run) or eval_mode='mixture'")
+    return None
+
+
 def n1_weight(step: jax.Array, *, r0: float, warmup_steps: int, decay_steps: int,
               schedule: str) -> jax.Array:
     """N1's weight at a global train step: 1 during warm-up (N1 alone), then lam (float32); 0

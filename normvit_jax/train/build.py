@@ -20,6 +20,7 @@ from absl import logging
 from jax.sharding import Mesh
 
 from normvit_jax import checkpoints, data, run_config, run_data, sharding, summaries
+from normvit_jax.norms import progressive
 from normvit_jax.train import ema, guards
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import phases, progress, setup, tensorboard
@@ -77,6 +78,10 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
     tx, lr_schedule = optim.create(config, n_steps)
     note = optim.warmup_note(config, n_steps)
     if note:  # the schedule differs from the config's: said once, at start
+        logging.warning(note)
+    note = progressive.handover_note(
+        [config.model.norm, *config.model.norm_overrides.values()], n_steps)
+    if note:  # a progressive norm evaluated as N2 that training never fully handed over to
         logging.warning(note)
     state, state_sharding = setup.create_train_state(model, tx, train_data.image_shape, mesh,
                                                      jax.random.key(config.seed),
