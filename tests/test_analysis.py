@@ -275,6 +275,20 @@ def test_report_table_equals_the_summaries(trained, tmp_path):
         assert os.path.join(str(tmp_path / "rep"), name) in paths
 
 
+def test_report_counts_a_run_given_twice_once(trained, tmp_path, capsys):
+    """`report runs/ln runs/ln/` had two rows and made the run two seeds of LN (n=2 in the
+    convergence table, its mean weighted twice)."""
+    workdir = trained[0]
+    out = tmp_path / "rep"
+    report.write_report([workdir, workdir + os.sep, os.path.join(workdir, ".")], str(out),
+                        no_attention=True)
+    rows = json.load(open(out / "report.json"))
+    assert [r["workdir"] for r in rows] == [workdir]
+    assert open(out / "report.md").read().count("| LN | ln |") == 1
+    err = capsys.readouterr().err
+    assert err.count("is the same run as") == 2 and "counted once" in err
+
+
 def test_live_eval_summaries(trained):
     run = capture.load_run(trained[0])
     images = eval_hook.fixed_images(run.config, run.data, 4)

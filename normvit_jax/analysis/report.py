@@ -157,7 +157,7 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
     when such runs are present, else no convergence section. Raises ConvergenceError for a
     reference no run has or a target <= 0, before anything is written."""
     convergence.check_target(target)
-    rows, summaries, skipped = _read_runs(workdirs)
+    rows, summaries, skipped = _read_runs(_distinct(workdirs))
     workdirs = [r["workdir"] for r in rows]
     if not rows:  # one line (main): each run and why
         raise ValueError("no run could be read: " + "; ".join(f"{w}: {why}" for w, why in skipped))
@@ -262,6 +262,19 @@ def _progress(workdirs: Sequence[str], what: str) -> Any:
 
 def _skip(workdir: str, why: str) -> None:
     print(f"report: skipping {workdir}: {why}", file=sys.stderr)
+
+
+def _distinct(workdirs: Sequence[str]) -> list[str]:
+    """The workdirs with each run once: a run given twice (``runs/ln runs/ln/``, overlapping
+    globs) had two rows and counted as two seeds of its method in the convergence mean."""
+    seen: dict[str, str] = {}
+    for w in workdirs:
+        key = os.path.realpath(w)
+        if key in seen:
+            print(f"report: {w} is the same run as {seen[key]}; counted once", file=sys.stderr)
+        else:
+            seen[key] = str(w)
+    return list(seen.values())
 
 
 def _read_runs(workdirs: Sequence[str]) -> tuple[list[dict], dict, list[tuple[str, str]]]:
