@@ -289,6 +289,29 @@ def test_report_counts_a_run_given_twice_once(trained, tmp_path, capsys):
     assert err.count("is the same run as") == 2 and "counted once" in err
 
 
+def test_a_long_run_name_leaves_the_panels_their_width():
+    """A 90-character run name on one legend line took most of curves_steps.png: the three
+    panels became slivers and the title ran off the canvas."""
+    from normvit_jax.analysis import plots_curves  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(0)
+    steps = np.arange(10, 70, 10)
+    series = lambda: summaries.Series(steps, rng.uniform(1, 2, len(steps)), steps * 1.0, steps * 1.0)
+    long = "DTN (dtn_patch2_width64_depth4_heads4_lr1e-3_wd0.05_warmup100_seed0_cosine_run_long)"
+    runs = [(lab, col, {t: series() for t in ("train/loss", "eval/loss", "eval/top1")})
+            for lab, col in (("LN (ln)", "C0"), (long, "C2"))]
+    fig = plots_curves.curves_figure(runs, "step", "Training curves per normalizer, against steps")
+    fig.canvas.draw()
+    width = fig.bbox.width
+    panels = sum(ax.get_window_extent().width for ax in fig.axes)
+    assert panels > 0.6 * width, (panels, width)
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert texts[1].replace("\n", "") == long  # wrapped, nothing cut
+    assert max(len(line) for t in texts for line in t.split("\n")) <= 40
+    for artist in (fig.legends[0], fig._suptitle):  # pylint: disable=protected-access
+        box = artist.get_window_extent()
+        assert box.x0 >= 0 and box.x1 <= width + 1, (artist, box, width)
+
+
 def test_live_eval_summaries(trained):
     run = capture.load_run(trained[0])
     images = eval_hook.fixed_images(run.config, run.data, 4)

@@ -13,6 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 DPI = 80
+LEGEND_CHARS = 40  # a legend label's longest line
 
 
 def figure(width: float, height: float) -> Figure:
@@ -99,5 +100,8 @@ def legend(fig: Figure, axes: Any, order: list[str] | None = None, fontsize: int
     rank = {lab: i for i, lab in enumerate(order or [])}
     labels = sorted(seen, key=lambda lab: rank.get(lab, len(rank)))
     if labels:
-        fig.legend([seen[lab] for lab in labels], labels, loc="outside right upper",
+        # a long run name on one line made the legend wider than the axes, squeezing the panels
+        # to slivers and pushing the title off the canvas; wrapped, every character is kept
+        shown = [textwrap.fill(lab, LEGEND_CHARS, break_on_hyphens=False) for lab in labels]
+        fig.legend([seen[lab] for lab in labels], shown, loc="outside right upper",
                    fontsize=fontsize)
