@@ -312,6 +312,19 @@ def test_a_long_run_name_leaves_the_panels_their_width():
         assert box.x0 >= 0 and box.x1 <= width + 1, (artist, box, width)
 
 
+def test_attention_on_a_folded_model_names_it(tmp_path, capsys):
+    """`attention --workdir=<reparam --out folder>` said the folder held no run and to train one
+    there (into the folded model's folder)."""
+    folded = tmp_path / "folded"
+    folded.mkdir()
+    (folded / "model.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:  # cli.tool_errors exits with the table's code
+        attention.main([f"--workdir={folded}", f"--out={tmp_path / 'a'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "holds a folded model" in err[0] and "train one there" not in err[0], err
+
+
 def test_live_eval_summaries(trained):
     run = capture.load_run(trained[0])
     images = eval_hook.fixed_images(run.config, run.data, 4)
