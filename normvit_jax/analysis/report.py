@@ -21,7 +21,8 @@ runs, the final top-1 (mean, min-max), and the first evaluated step at which eac
 --reference defaults to layernorm when such runs are present (else, as without a finished run of the
 reference, no convergence table or figure: report.md says why, report.json's ``convergence`` is
 null); a reference no run has exits 2 naming the methods present. Runs still training (last
-evaluation before the others') are left out of it, with the reason printed. The table goes to stdout
+evaluation before the others') or trained on other data than the reference are left out of it,
+with the reason printed. The table goes to stdout
 and report.md; each row of report.json gets ``convergence``: the reference, target, threshold_top1
 and its steps_to_target (null: never), or why it was left out.
 """
@@ -94,6 +95,7 @@ def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
     return dict(
         run=tables.run_name(workdir), workdir=str(workdir), method=method, label=colors.label(method),
         model=model_name(config, ds),
+        data=f"{ds.name} {ds.image_shape[0]}px, {ds.num_classes} classes",
         params=int(sum(np.size(x) for x in jax.tree.leaves(variables["params"]))),
         flops_per_image=flops.xla_flops_of_config(config, ds, variables),
         analytic_flops_per_image=flops.analytic_flops(models.spec_of(config, ds.num_classes),
