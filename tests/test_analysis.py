@@ -325,6 +325,28 @@ def test_attention_on_a_folded_model_names_it(tmp_path, capsys):
     assert "holds a folded model" in err[0] and "train one there" not in err[0], err
 
 
+def test_runs_of_one_method_are_drawn_apart():
+    """Two LN seeds were drawn in the same colour, line style and marker: the legend named each
+    run, but nothing on the axes said which line was which."""
+    from normvit_jax.analysis import plots_curves, plots_stats  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(1)
+    steps = np.arange(10, 50, 10)
+    series = lambda: summaries.Series(steps, rng.uniform(1, 2, 4), steps * 1.0, steps * 1.0)
+    runs = [(lab, colors.color(m), {t: series() for t in ("train/loss", "eval/loss", "eval/top1")})
+            for lab, m in (("LN (s0)", "layernorm"), ("DTN (s0)", "dtn"), ("LN (s1)", "layernorm"))]
+    stats = {"encoderblock_0/LayerNorm_0": {side: {k: float(rng.uniform(1, 2)) for k in
+                                                   ("chan_mean", "chan_var", "tok_mean", "tok_var",
+                                                    "max_abs")} for side in ("in", "out")}}
+    figs = [plots_curves.curves_figure(runs, "step", "t"),
+            plots_stats.token_stats_figure([(lab, col, stats) for lab, col, _ in runs], 1, "t")]
+    for fig in figs:
+        for ax in fig.axes:
+            look = {ln.get_label(): (ln.get_linestyle(), ln.get_marker()) for ln in ax.get_lines()}
+            if "LN (s0)" in look:
+                assert look["LN (s0)"] != look["LN (s1)"], look
+                assert look["LN (s0)"] == look["DTN (s0)"], look  # other colours keep the first
+
+
 def test_live_eval_summaries(trained):
     run = capture.load_run(trained[0])
     images = eval_hook.fixed_images(run.config, run.data, 4)

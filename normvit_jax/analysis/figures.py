@@ -90,6 +90,21 @@ def log_y(ax: Axes) -> None:
     ax.yaxis.set_minor_formatter(ticker.NullFormatter())
 
 
+STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"))
+
+
+def styles(colours: list) -> list[tuple[object, str]]:
+    """(linestyle, marker) of each run: the k-th run sharing a colour (one method, several
+    seeds) gets the k-th style, so runs of one method can be told apart (they were drawn
+    identically, the legend naming each run against indistinguishable lines)."""
+    seen: dict[str, int] = {}
+    out = []
+    for c in colours:
+        k = seen[str(c)] = seen.get(str(c), -1) + 1
+        out.append(STYLES[k % len(STYLES)])
+    return out
+
+
 def legend(fig: Figure, axes: Any, order: list[str] | None = None, fontsize: int = 8) -> None:
     """One legend for the figure, right of the axes: each label once, in ``order`` (the runs'
     order) where given, then in order of appearance."""
