@@ -105,7 +105,7 @@ def styles(colours: list) -> list[tuple[object, str]]:
     return out
 
 
-def legend(fig: Figure, axes: Any, order: list[str] | None = None, fontsize: int = 8) -> None:
+def legend(fig: Figure, axes: Any, order: list[str] | None = None, fontsize: float = 8) -> None:
     """One legend for the figure, right of the axes: each label once, in ``order`` (the runs'
     order) where given, then in order of appearance."""
     seen: dict[str, object] = {}
