@@ -109,6 +109,25 @@ def test_read_run_last_write_wins_and_wall_time_skips_the_restart_gap(tmp_path):
     np.testing.assert_allclose(run.scalars["eval/top1"].values, [0.5, 0.875, 0.625])
 
 
+
+def test_images_per_s_leaves_out_each_restarts_compile_interval(tmp_path):
+    """After a resume the restart's first log interval (its compilation: 60 images/s here) was
+    kept in the median; only the very first interval of the run was left out."""
+    ips = "train/examples_per_sec"
+    first = [(summaries.SEGMENT_TAG, 0, 100.0, 0.0), (ips, 10, 110.0, 50.0), (ips, 20, 120.0, 1000.0),
+             (ips, 30, 130.0, 1100.0), (ips, 40, 140.0, 900.0)]
+    second = [(summaries.SEGMENT_TAG, 40, 1000.0, 40.0), (ips, 50, 1010.0, 60.0),
+              (ips, 60, 1020.0, 1050.0), (ips, 70, 1030.0, 950.0)]
+    _write_events(os.path.join(tmp_path, "events.out.tfevents.100.host.1.0.v2"), 100.0, first)
+    _write_events(os.path.join(tmp_path, "events.out.tfevents.1000.host.2.0.v2"), 1000.0, second)
+    run = summaries.read_run(str(tmp_path))
+    assert run.start_steps == [0, 40]
+    kept = report.steady_throughput(run.scalars[ips], run.start_steps)
+    np.testing.assert_allclose(kept, [1000.0, 1100.0, 900.0, 1050.0, 950.0])
+    # a run written before the start marker: only its first interval is known to compile
+    np.testing.assert_allclose(report.steady_throughput(run.scalars[ips], []),
+                               [1000.0, 1100.0, 900.0, 60.0, 1050.0, 950.0])
+
 # ---- gates ----
 
 def test_gates_of_hand_built_variables():

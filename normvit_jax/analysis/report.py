@@ -82,15 +82,28 @@ def model_name(config: Any, data_spec: data.DataSpec | ModelInput) -> str:
     return f"ViT-{name} ({size}, {data_spec.image_shape[0]}px {data_spec.name})"
 
 
+def steady_throughput(ips: events.Series | None, start_steps: Sequence[int]) -> np.ndarray:
+    """The images/s values without the first log interval of each (re)start of the loop: each
+    includes that process's compilation (after a resume the restart's first interval was kept,
+    pulling the median down on a run restarted often). A run with that interval alone keeps it."""
+    if ips is None or not len(ips.values):
+        return np.zeros(0)
+    drop = {0}
+    for s in start_steps:
+        after = np.nonzero(ips.steps > s)[0]
+        if len(after):
+            drop.add(int(after[0]))
+    keep = np.array([i not in drop for i in range(len(ips.values))])
+    return ips.values[keep] if keep.any() else ips.values
+
+
 def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
     """One table row: numbers from the summaries, the config and the newest checkpoint."""
     variables, config = checkpoints.load_variables(workdir)
     ds = data_spec_of(workdir, config, variables)
     sc = summaries.scalars
     steps = [int(s.steps[-1]) for t, s in sc.items() if t.startswith(("train/", "eval/")) and len(s.steps)]
-    ips = sc.get("train/examples_per_sec")
-    # Steady-state throughput: the first logged interval includes compilation.
-    ips_vals = ips.values[1:] if ips is not None and len(ips.values) > 1 else getattr(ips, "values", [])
+    ips_vals = steady_throughput(sc.get("train/examples_per_sec"), summaries.start_steps)
     method = colors.method_of(config)
     return dict(
         run=tables.run_name(workdir), workdir=str(workdir), method=method, label=colors.label(method),
@@ -146,7 +159,8 @@ NOTES = f"""
 - best/final top-1 and top-5: the maximum and the last value of `eval/top1`, `eval/top5`.
 - steps: the last step with a train or eval summary. wall time: sum over the run's event files
   (one per process) of last minus first event time; idle time between restarts is not counted.
-- images/s: median of `train/examples_per_sec` over the log intervals, the first (compilation) left out.
+- images/s: median of `train/examples_per_sec` over the log intervals, the first of the run and of
+  each restart (compilation) left out.
 - params: from the newest checkpoint.
 """
 
