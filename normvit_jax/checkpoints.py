@@ -48,6 +48,12 @@ def require_run(workdir: str) -> None:
         raise RunNotFoundError(
             f"{workdir} does not exist: train a run there first, e.g. python main.py "
             f"--config=configs/vit_ln.py:demo --workdir={workdir}")
+    if not config_path(workdir).exists() and (epath.Path(workdir) / "model.json").exists():
+        # reparam's/export's folded model: "train one there" would have sent the user to
+        # train into it
+        raise RunNotFoundError(
+            f"{workdir} holds a folded model (model.json, python -m normvit_jax.reparam), not a "
+            f"run: pass the workdir it was folded from (predict takes the folder as --folded)")
     if not config_path(workdir).exists():
         raise RunNotFoundError(
             f"{workdir} holds no run (no config.json): train one there first, e.g. python main.py "

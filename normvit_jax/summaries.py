@@ -49,6 +49,9 @@ class Series:
 class RunSummaries:
     scalars: dict[str, Series]
     wall_time_s: float  # sum over event files of (last event - first event)
+    # the step each (re)start of the loop began at (its SEGMENT_TAG), in file order; empty for
+    # runs written before the marker existed
+    start_steps: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -139,7 +142,8 @@ def read_run(workdir: str) -> RunSummaries:
         pts = np.array(points, np.float64).reshape(-1, 3)
         scalars[tag] = Series(pts[:, 0].astype(np.int64), pts[:, 1], pts[:, 2],
                               elapsed(pts[:, 2], spans))
-    return RunSummaries(scalars, float(sum(last - first for first, last in spans)))
+    starts = [step for f in files for tag, step, _, _ in f.scalars if tag == SEGMENT_TAG]
+    return RunSummaries(scalars, float(sum(last - first for first, last in spans)), starts)
 
 
 def elapsed(wall: np.ndarray, spans: list[tuple[float, float]]) -> np.ndarray:

@@ -109,6 +109,25 @@ def test_read_run_last_write_wins_and_wall_time_skips_the_restart_gap(tmp_path):
     np.testing.assert_allclose(run.scalars["eval/top1"].values, [0.5, 0.875, 0.625])
 
 
+
+def test_images_per_s_leaves_out_each_restarts_compile_interval(tmp_path):
+    """After a resume the restart's first log interval (its compilation: 60 images/s here) was
+    kept in the median; only the very first interval of the run was left out."""
+    ips = "train/examples_per_sec"
+    first = [(summaries.SEGMENT_TAG, 0, 100.0, 0.0), (ips, 10, 110.0, 50.0), (ips, 20, 120.0, 1000.0),
+             (ips, 30, 130.0, 1100.0), (ips, 40, 140.0, 900.0)]
+    second = [(summaries.SEGMENT_TAG, 40, 1000.0, 40.0), (ips, 50, 1010.0, 60.0),
+              (ips, 60, 1020.0, 1050.0), (ips, 70, 1030.0, 950.0)]
+    _write_events(os.path.join(tmp_path, "events.out.tfevents.100.host.1.0.v2"), 100.0, first)
+    _write_events(os.path.join(tmp_path, "events.out.tfevents.1000.host.2.0.v2"), 1000.0, second)
+    run = summaries.read_run(str(tmp_path))
+    assert run.start_steps == [0, 40]
+    kept = report.steady_throughput(run.scalars[ips], run.start_steps)
+    np.testing.assert_allclose(kept, [1000.0, 1100.0, 900.0, 1050.0, 950.0])
+    # a run written before the start marker: only its first interval is known to compile
+    np.testing.assert_allclose(report.steady_throughput(run.scalars[ips], []),
+                               [1000.0, 1100.0, 900.0, 60.0, 1050.0, 950.0])
+
 # ---- gates ----
 
 def test_gates_of_hand_built_variables():
@@ -273,6 +292,78 @@ def test_report_table_equals_the_summaries(trained, tmp_path):
     assert f"{n_params:,}" in md
     for name in ("curves_steps.png", "curves_wall.png", "attention_distance.png", "token_stats.png"):
         assert os.path.join(str(tmp_path / "rep"), name) in paths
+
+
+def test_report_counts_a_run_given_twice_once(trained, tmp_path, capsys):
+    """`report runs/ln runs/ln/` had two rows and made the run two seeds of LN (n=2 in the
+    convergence table, its mean weighted twice)."""
+    workdir = trained[0]
+    out = tmp_path / "rep"
+    report.write_report([workdir, workdir + os.sep, os.path.join(workdir, ".")], str(out),
+                        no_attention=True)
+    rows = json.load(open(out / "report.json"))
+    assert [r["workdir"] for r in rows] == [workdir]
+    assert open(out / "report.md").read().count("| LN | ln |") == 1
+    err = capsys.readouterr().err
+    assert err.count("is the same run as") == 2 and "counted once" in err
+
+
+def test_a_long_run_name_leaves_the_panels_their_width():
+    """A 90-character run name on one legend line took most of curves_steps.png: the three
+    panels became slivers and the title ran off the canvas."""
+    from normvit_jax.analysis import plots_curves  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(0)
+    steps = np.arange(10, 70, 10)
+    series = lambda: summaries.Series(steps, rng.uniform(1, 2, len(steps)), steps * 1.0, steps * 1.0)
+    long = "DTN (dtn_patch2_width64_depth4_heads4_lr1e-3_wd0.05_warmup100_seed0_cosine_run_long)"
+    runs = [(lab, col, {t: series() for t in ("train/loss", "eval/loss", "eval/top1")})
+            for lab, col in (("LN (ln)", "C0"), (long, "C2"))]
+    fig = plots_curves.curves_figure(runs, "step", "Training curves per normalizer, against steps")
+    fig.canvas.draw()
+    width = fig.bbox.width
+    panels = sum(ax.get_window_extent().width for ax in fig.axes)
+    assert panels > 0.6 * width, (panels, width)
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert texts[1].replace("\n", "") == long  # wrapped, nothing cut
+    assert max(len(line) for t in texts for line in t.split("\n")) <= 40
+    for artist in (fig.legends[0], fig._suptitle):  # pylint: disable=protected-access
+        box = artist.get_window_extent()
+        assert box.x0 >= 0 and box.x1 <= width + 1, (artist, box, width)
+
+
+def test_attention_on_a_folded_model_names_it(tmp_path, capsys):
+    """`attention --workdir=<reparam --out folder>` said the folder held no run and to train one
+    there (into the folded model's folder)."""
+    folded = tmp_path / "folded"
+    folded.mkdir()
+    (folded / "model.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:  # cli.tool_errors exits with the table's code
+        attention.main([f"--workdir={folded}", f"--out={tmp_path / 'a'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "holds a folded model" in err[0] and "train one there" not in err[0], err
+
+
+def test_runs_of_one_method_are_drawn_apart():
+    """Two LN seeds were drawn in the same colour, line style and marker: the legend named each
+    run, but nothing on the axes said which line was which."""
+    from normvit_jax.analysis import plots_curves, plots_stats  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(1)
+    steps = np.arange(10, 50, 10)
+    series = lambda: summaries.Series(steps, rng.uniform(1, 2, 4), steps * 1.0, steps * 1.0)
+    runs = [(lab, colors.color(m), {t: series() for t in ("train/loss", "eval/loss", "eval/top1")})
+            for lab, m in (("LN (s0)", "layernorm"), ("DTN (s0)", "dtn"), ("LN (s1)", "layernorm"))]
+    stats = {"encoderblock_0/LayerNorm_0": {side: {k: float(rng.uniform(1, 2)) for k in
+                                                   ("chan_mean", "chan_var", "tok_mean", "tok_var",
+                                                    "max_abs")} for side in ("in", "out")}}
+    figs = [plots_curves.curves_figure(runs, "step", "t"),
+            plots_stats.token_stats_figure([(lab, col, stats) for lab, col, _ in runs], 1, "t")]
+    for fig in figs:
+        for ax in fig.axes:
+            look = {ln.get_label(): (ln.get_linestyle(), ln.get_marker()) for ln in ax.get_lines()}
+            if "LN (s0)" in look:
+                assert look["LN (s0)"] != look["LN (s1)"], look
+                assert look["LN (s0)"] == look["DTN (s0)"], look  # other colours keep the first
 
 
 def test_live_eval_summaries(trained):

@@ -151,6 +151,50 @@ def test_mean_curve_over_the_steps_every_run_evaluated():
     assert "| X | 2 | 70.00% | 60.00-80.00% | 20 | 200 |" in convergence.markdown(conv)
 
 
+def test_a_run_on_other_data_than_the_reference_is_left_out_with_the_reason():
+    """A DTN run on CIFAR-10 got 'steps to 95% of LN's final' with LN trained on digits, and
+    nothing said the two accuracies were on different data."""
+    def series(steps, values):
+        steps = np.asarray(steps)
+        return {"eval/top1": Series(steps, np.asarray(values, np.float64), steps * 1.0, steps * 1.0)}
+    digits, cifar = "digits 8px, 10 classes", "cifar10 32px, 10 classes"
+    rows = [dict(workdir=w, run=w, method=m, label=m.upper(), images_per_s=None, data=d)
+            for w, m, d in (("ln", "layernorm", digits), ("dtn", "dtn", digits),
+                            ("dtn_c10", "dtn", cifar))]
+    scalars = {"ln": series([10, 20], [0.5, 0.8]), "dtn": series([10, 20], [0.7, 0.9]),
+               "dtn_c10": series([10, 20, 30], [0.3, 0.4, 0.45])}  # longer: not "still training"
+    conv = convergence.analyze(rows, scalars, "layernorm", 0.5)
+    assert conv.left_out == [("dtn_c10", f"trained on {cifar}, the reference LAYERNORM on {digits}")]
+    assert [c.workdirs for c in conv.methods] == [["ln"], ["dtn"]]
+    assert [c.reach for c in conv.methods] == [[10], [10]]  # threshold 0.4
+
+
+def test_convergence_figure_legend_hides_no_curve():
+    """The legend sat inside the axes at the lower right, over the curve of a method that
+    stays low (a diverging RepBN run at 19% was hidden under it); outside, it must not cover the
+    title either."""
+    from normvit_jax.analysis import plots_convergence  # pylint: disable=import-outside-toplevel
+    steps = np.arange(10, 70, 10)
+    rows = [dict(workdir=w, run=w, method=m, label=m, images_per_s=None)
+            for w, m in (("a", "layernorm"), ("b", "repbn"), ("c", "dtn"))]
+    curves = {"a": [0.3, 0.5, 0.6, 0.65, 0.7, 0.73], "b": [0.2, 0.19, 0.18, 0.19, 0.2, 0.19],
+              "c": [0.25, 0.45, 0.55, 0.6, 0.7, 0.78]}
+    scalars = {w: {"eval/top1": Series(steps, np.asarray(v), steps * 1.0, steps * 1.0)}
+               for w, v in curves.items()}
+    fig = plots_convergence.convergence_figure(
+        convergence.analyze(rows, scalars, "layernorm"),
+        "Eval top-1 against steps, mean over each method's runs: ViT-custom (d4 w64 h4 p2, 8px "
+        "digits)")
+    fig.canvas.draw()
+    ax, = fig.axes
+    box = (fig.legends or [ax.get_legend()])[0].get_window_extent()
+    for line in ax.get_lines():
+        for x, y in ax.transData.transform(line.get_xydata()):
+            assert not box.contains(x, y), (line.get_label(), x, y, box)
+    titles = [t for t in (ax.title, fig._suptitle) if t is not None and t.get_text()]  # pylint: disable=protected-access
+    assert titles and not any(t.get_window_extent().overlaps(box) for t in titles)
+
+
 def test_progressive_runs_are_keyed_and_named_by_their_two_norms():
     for cfg, key, name in ((vit_progressive.get_config("demo"), "progressive:layernorm->repbn",
                             "LN->RepBN"),
@@ -177,4 +221,5 @@ def test_report_without_the_runs_prepared_dataset_takes_classes_from_the_checkpo
     assert f"report: {run}: dataset 'fmnist' not readable here" in capsys.readouterr().err
     row, = json.load(open(tmp_path / "r" / "report.json"))
     assert row["model"].endswith("8px fmnist)") and row["flops_per_image"] > 0
+    assert row["data"] == "fmnist 8px, 10 classes"  # what convergence compares with the reference
     assert row["analytic_flops_per_image"] > 0 and row["final_top1"] == 0.875

@@ -5,7 +5,8 @@ The runs of one method (the seeds) form one curve: the mean of their ``eval/top1
 of them evaluated, with the min-max over them. The threshold is ``target`` x the reference
 method's mean final top-1. A run's reaching step is its first evaluated step at or above the
 threshold; a method's is the mean over its runs, or none when a run never gets there. Runs whose
-last evaluation comes before the others' (still training) are left out, with the reason.
+last evaluation comes before the others' (still training) or that trained on other data than the
+reference (dataset, image size, class count) are left out, with the reason.
 """
 from __future__ import annotations
 
@@ -76,15 +77,22 @@ def check_target(target: float) -> None:
 
 def analyze(rows: Sequence[Mapping], scalars: Mapping[str, Mapping[str, Series]], reference: str,
             target: float = 0.95) -> Convergence | str:
-    """rows: the report's run rows (workdir, run, method, label, images_per_s); scalars: each
-    workdir's summaries. Returns the analysis, or why there is none (a sentence)."""
+    """rows: the report's run rows (workdir, run, method, label, images_per_s, data); scalars: each
+    workdir's summaries. Runs whose ``data`` differs from the reference's first run's are left
+    out. Returns the analysis, or why there is none (a sentence)."""
     check_target(target)
     labels = {r["method"]: r["label"] for r in rows}
     check_reference(reference, [r["method"] for r in rows], labels)
     left_out, evals = [], []
+    # the threshold is a fraction of the reference's accuracy on its data: a run trained on
+    # other data (another dataset, image size or class count) was compared with it silently
+    ref_data = next((r.get("data") for r in rows if r["method"] == reference), None)
     for r in rows:
         s = scalars[r["workdir"]].get(TAG)
-        if s is None or not len(s.steps):
+        if r.get("data") != ref_data:
+            left_out.append((r["workdir"], f"trained on {r.get('data')}, the reference "
+                                           f"{labels[reference]} on {ref_data}"))
+        elif s is None or not len(s.steps):
             left_out.append((r["workdir"], f"no {TAG} summaries"))
         else:
             evals.append((r, s))

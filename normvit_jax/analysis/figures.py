@@ -13,6 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 DPI = 80
+LEGEND_CHARS = 40  # a legend label's longest line
 
 
 def figure(width: float, height: float) -> Figure:
@@ -89,7 +90,22 @@ def log_y(ax: Axes) -> None:
     ax.yaxis.set_minor_formatter(ticker.NullFormatter())
 
 
-def legend(fig: Figure, axes: Any, order: list[str] | None = None, fontsize: int = 8) -> None:
+STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"))
+
+
+def styles(colours: list) -> list[tuple[object, str]]:
+    """(linestyle, marker) of each run: the k-th run sharing a colour (one method, several
+    seeds) gets the k-th style, so runs of one method can be told apart (they were drawn
+    identically, the legend naming each run against indistinguishable lines)."""
+    seen: dict[str, int] = {}
+    out = []
+    for c in colours:
+        k = seen[str(c)] = seen.get(str(c), -1) + 1
+        out.append(STYLES[k % len(STYLES)])
+    return out
+
+
+def legend(fig: Figure, axes: Any, order: list[str] | None = None, fontsize: float = 8) -> None:
     """One legend for the figure, right of the axes: each label once, in ``order`` (the runs'
     order) where given, then in order of appearance."""
     seen: dict[str, object] = {}
@@ -99,5 +115,8 @@ def legend(fig: Figure, axes: Any, order: list[str] | None = None, fontsize: int
     rank = {lab: i for i, lab in enumerate(order or [])}
     labels = sorted(seen, key=lambda lab: rank.get(lab, len(rank)))
     if labels:
-        fig.legend([seen[lab] for lab in labels], labels, loc="outside right upper",
+        # a long run name on one line made the legend wider than the axes, squeezing the panels
+        # to slivers and pushing the title off the canvas; wrapped, every character is kept
+        shown = [textwrap.fill(lab, LEGEND_CHARS, break_on_hyphens=False) for lab in labels]
+        fig.legend([seen[lab] for lab in labels], shown, loc="outside right upper",
                    fontsize=fontsize)

@@ -79,13 +79,14 @@ def distance_figure(runs: Sequence[tuple[str, tuple, np.ndarray]], uniform_px: f
     fig = figures.figure(8.2, 4.0)
     ax = fig.subplots()
     k = len(runs)
-    for i, (lab, col, dist) in enumerate(runs):
+    style = figures.styles([r[1] for r in runs])
+    for i, ((lab, col, dist), (ls, mk)) in enumerate(zip(runs, style)):
         depth, heads = dist.shape
         off = (i - (k - 1) / 2) * min(0.5 / max(k, 1), 0.15)
         x = np.repeat(np.arange(depth), heads) + off
-        ax.scatter(x, dist.reshape(-1), s=22, color=col, alpha=0.85, label=lab,
+        ax.scatter(x, dist.reshape(-1), s=22, color=col, alpha=0.85, label=lab, marker=mk,
                    edgecolors="white", linewidths=0.4)
-        ax.plot(np.arange(depth) + off, dist.mean(1), color=col, lw=1, alpha=0.6)
+        ax.plot(np.arange(depth) + off, dist.mean(1), color=col, lw=1, alpha=0.6, ls=ls)
     if uniform_px is not None:
         ax.axhline(uniform_px, color="gray", ls="--", lw=1,
                    label=f"uniform attention ({uniform_px:.1f} px)")

@@ -9,7 +9,7 @@ from normvit_jax.analysis.convergence import Convergence, reach_cell
 
 
 def convergence_figure(conv: Convergence, title: str) -> Figure:
-    fig = figures.figure(8.0, 5.0)
+    fig = figures.figure(10.0, 5.0)
     ax = fig.subplots()
     for c in conv.methods:
         col = colors.color(c.method)
@@ -25,8 +25,11 @@ def convergence_figure(conv: Convergence, title: str) -> Figure:
     ax.set_xlabel("training step", fontsize=9)
     ax.set_ylabel("eval top-1 accuracy (%)", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=7.5)  # under the curves' plateau, clear of the title
-    figures.suptitle(fig, title, fontsize=10)
+    # right of the axes: inside (lower right) it hid the curve of a method that stays low
+    figures.legend(fig, [ax], fontsize=7.5)
+    # over the axes alone: a figure-wide title ran under the legend at the upper right
+    ax.set_title(figures.wrap(fig, title, 10, width=ax.get_position().width * fig.get_figwidth()),
+                 fontsize=10)
     figures.note(fig, "Line: mean over a method's runs at the steps all of them evaluated; band: "
                       "min-max over the runs; triangle: the mean over the runs of the first "
                       "evaluated step at or above the dotted target (none when a run never gets "

@@ -19,14 +19,16 @@ def curves_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Series]]], x: st
     """runs: (label, colour, scalars). x: 'step' or 'elapsed'. One panel per tag."""
     fig = figures.figure(4.3 * len(tags) + 2.0, 3.7)
     axes = fig.subplots(1, len(tags), squeeze=False)[0]
+    style = figures.styles([r[1] for r in runs])
     for ax, (tag, name, unit, factor) in zip(axes, tags):
-        for lab, col, scalars in runs:
+        for (lab, col, scalars), (ls, mk) in zip(runs, style):
             s = scalars.get(tag)
             if s is None or not len(s.steps):
                 continue
             xs = s.steps if x == "step" else s.elapsed / 60.0
-            marker = "o" if tag.startswith("eval/") else None
-            ax.plot(xs, s.values * factor, color=col, label=lab, marker=marker, ms=3, lw=1.3)
+            marker = mk if tag.startswith("eval/") else None
+            ax.plot(xs, s.values * factor, color=col, label=lab, marker=marker, ms=3, lw=1.3,
+                    ls=ls)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel(AXES[x], fontsize=8)
         ax.set_ylabel(unit, fontsize=8)

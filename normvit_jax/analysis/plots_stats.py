@@ -40,15 +40,16 @@ def token_stats_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Mapping]]],
     """runs: (label, colour, stats: slot -> {'in'|'out': {stat: value}}). Rows: before/after."""
     fig = figures.figure(14.0, 5.6)
     axes = fig.subplots(2, len(STATS), squeeze=False)
+    style = figures.styles([r[1] for r in runs])
     for r, side in enumerate(("in", "out")):
         for c, (key, name, log) in enumerate(STATS):
             ax = axes[r, c]
-            for lab, col, stats in runs:
+            for (lab, col, stats), (ls, mk) in zip(runs, style):
                 pts = sorted((slot_position(s, depth), d[side][key]) for s, d in stats.items()
                              if side in d and slot_position(s, depth) is not None)
                 if pts:
                     x, y = zip(*pts)
-                    ax.plot(x, y, "o-", color=col, label=lab, ms=3.5, lw=1.2)
+                    ax.plot(x, y, color=col, label=lab, ms=3.5, lw=1.2, ls=ls, marker=mk)
             if log:
                 figures.log_y(ax)
             ax.set_title(f"{name}, {'before' if side == 'in' else 'after'} the norm", fontsize=9)
@@ -92,8 +93,9 @@ def gates_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Mapping[str, floa
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax in axes[len(kinds):]:
         ax.set_visible(False)
+    style = figures.styles([r[1] for r in runs])
     for ax, (kind, name) in zip(axes, kinds):
-        for lab, col, gates in runs:
+        for (lab, col, gates), (_, mk) in zip(runs, style):
             xs, ys = [], []
             for slot, d in gates.items():
                 x = _gate_position(slot, depth)
@@ -105,7 +107,7 @@ def gates_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Mapping[str, floa
                         ys.append(v)
             if xs:
                 order = np.argsort(xs, kind="stable")
-                ax.plot(np.asarray(xs)[order], np.asarray(ys)[order], "o", color=col, label=lab,
+                ax.plot(np.asarray(xs)[order], np.asarray(ys)[order], mk, color=col, label=lab,
                         ms=4, alpha=0.85)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("block", fontsize=8)

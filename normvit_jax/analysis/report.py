@@ -21,7 +21,8 @@ runs, the final top-1 (mean, min-max), and the first evaluated step at which eac
 --reference defaults to layernorm when such runs are present (else, as without a finished run of the
 reference, no convergence table or figure: report.md says why, report.json's ``convergence`` is
 null); a reference no run has exits 2 naming the methods present. Runs still training (last
-evaluation before the others') are left out of it, with the reason printed. The table goes to stdout
+evaluation before the others') or trained on other data than the reference are left out of it,
+with the reason printed. The table goes to stdout
 and report.md; each row of report.json gets ``convergence``: the reference, target, threshold_top1
 and its steps_to_target (null: never), or why it was left out.
 """
@@ -81,19 +82,33 @@ def model_name(config: Any, data_spec: data.DataSpec | ModelInput) -> str:
     return f"ViT-{name} ({size}, {data_spec.image_shape[0]}px {data_spec.name})"
 
 
+def steady_throughput(ips: events.Series | None, start_steps: Sequence[int]) -> np.ndarray:
+    """The images/s values without the first log interval of each (re)start of the loop: each
+    includes that process's compilation (after a resume the restart's first interval was kept,
+    pulling the median down on a run restarted often). A run with that interval alone keeps it."""
+    if ips is None or not len(ips.values):
+        return np.zeros(0)
+    drop = {0}
+    for s in start_steps:
+        after = np.nonzero(ips.steps > s)[0]
+        if len(after):
+            drop.add(int(after[0]))
+    keep = np.array([i not in drop for i in range(len(ips.values))])
+    return ips.values[keep] if keep.any() else ips.values
+
+
 def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
     """One table row: numbers from the summaries, the config and the newest checkpoint."""
     variables, config = checkpoints.load_variables(workdir)
     ds = data_spec_of(workdir, config, variables)
     sc = summaries.scalars
     steps = [int(s.steps[-1]) for t, s in sc.items() if t.startswith(("train/", "eval/")) and len(s.steps)]
-    ips = sc.get("train/examples_per_sec")
-    # Steady-state throughput: the first logged interval includes compilation.
-    ips_vals = ips.values[1:] if ips is not None and len(ips.values) > 1 else getattr(ips, "values", [])
+    ips_vals = steady_throughput(sc.get("train/examples_per_sec"), summaries.start_steps)
     method = colors.method_of(config)
     return dict(
         run=tables.run_name(workdir), workdir=str(workdir), method=method, label=colors.label(method),
         model=model_name(config, ds),
+        data=f"{ds.name} {ds.image_shape[0]}px, {ds.num_classes} classes",
         params=int(sum(np.size(x) for x in jax.tree.leaves(variables["params"]))),
         flops_per_image=flops.xla_flops_of_config(config, ds, variables),
         analytic_flops_per_image=flops.analytic_flops(models.spec_of(config, ds.num_classes),
@@ -144,7 +159,8 @@ NOTES = f"""
 - best/final top-1 and top-5: the maximum and the last value of `eval/top1`, `eval/top5`.
 - steps: the last step with a train or eval summary. wall time: sum over the run's event files
   (one per process) of last minus first event time; idle time between restarts is not counted.
-- images/s: median of `train/examples_per_sec` over the log intervals, the first (compilation) left out.
+- images/s: median of `train/examples_per_sec` over the log intervals, the first of the run and of
+  each restart (compilation) left out.
 - params: from the newest checkpoint.
 """
 
@@ -157,7 +173,7 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
     when such runs are present, else no convergence section. Raises ConvergenceError for a
     reference no run has or a target <= 0, before anything is written."""
     convergence.check_target(target)
-    rows, summaries, skipped = _read_runs(workdirs)
+    rows, summaries, skipped = _read_runs(_distinct(workdirs))
     workdirs = [r["workdir"] for r in rows]
     if not rows:  # one line (main): each run and why
         raise ValueError("no run could be read: " + "; ".join(f"{w}: {why}" for w, why in skipped))
@@ -262,6 +278,19 @@ def _progress(workdirs: Sequence[str], what: str) -> Any:
 
 def _skip(workdir: str, why: str) -> None:
     print(f"report: skipping {workdir}: {why}", file=sys.stderr)
+
+
+def _distinct(workdirs: Sequence[str]) -> list[str]:
+    """The workdirs with each run once: a run given twice (``runs/ln runs/ln/``, overlapping
+    globs) had two rows and counted as two seeds of its method in the convergence mean."""
+    seen: dict[str, str] = {}
+    for w in workdirs:
+        key = os.path.realpath(w)
+        if key in seen:
+            print(f"report: {w} is the same run as {seen[key]}; counted once", file=sys.stderr)
+        else:
+            seen[key] = str(w)
+    return list(seen.values())
 
 
 def _read_runs(workdirs: Sequence[str]) -> tuple[list[dict], dict, list[tuple[str, str]]]:
