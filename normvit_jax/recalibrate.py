@@ -102,9 +102,10 @@ def _main(args: Any) -> dict[str, Any]:
     from normvit_jax import cli, tool_flags
     if args.batches < 1:
         _fail(f"--batches={args.batches} is not accepted; accepted: a positive integer")
+    # a file first: listing it as a folder was a NotADirectoryError traceback, exit 1
+    tool_flags.check_output("out", args.out, folder=True)  # before the work
     if epath.Path(args.out).exists() and any(epath.Path(args.out).iterdir()):
         _fail(f"--out={args.out} exists and is not empty; accepted: a new or empty folder")
-    tool_flags.check_output("out", args.out, folder=True)  # before the work
     config = (cli.load_config_file(args.config) if args.config
               else checkpoints.load_config(args.workdir))
     mesh = sharding.make_mesh(config)

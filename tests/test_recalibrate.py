@@ -75,3 +75,17 @@ def test_a_run_without_statistics_exits_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "keeps no running statistics" in err[0] and "'layernorm'" in err[0]
     assert err[0].startswith("python -m normvit_jax.recalibrate: error: ")  # docs/faults.md
+
+
+def test_an_out_that_is_a_file_exits_2_with_one_line(tmp_path, capsys):
+    """--out naming an existing file was listed as a folder before it was checked: a
+    NotADirectoryError traceback and exit 1. The check runs before the run is read."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        recalibrate.main([f"--workdir={tmp_path / 'no_run'}", f"--out={afile}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"python -m normvit_jax.recalibrate: error: --out={afile} exists and is not a "
+                   "folder; pass the path of a folder"], err
+    assert afile.read_text() == "mine"
