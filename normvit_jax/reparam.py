@@ -294,18 +294,24 @@ def max_logit_difference(model: Any, variables: Mapping, folded: Any,
 
 def save(path: str, model: Any, variables: Mapping, num_classes: int) -> None:
     """Writes a folded model (its spec or ``config.model``) to the folder ``path``:
-    ``variables.msgpack`` (written to a temporary name, then renamed over an earlier save's)
-    and ``model.json``
-    ({'model': config, 'num_classes': n})."""
+    ``variables.msgpack`` and ``model.json`` ({'model': config, 'num_classes': n}), each written
+    to a temporary name, then renamed over an earlier save's. An earlier ``model.json`` is removed
+    first and the new one is written last, so a save that stops part-way (Ctrl-C, a full disk)
+    leaves a folder ``load`` refuses, never new weights read with another model's config."""
     model_cfg = models.spec_of(model).to_config()
     d = epath.Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / "variables.msgpack.tmp"
-    tmp.write_bytes(serialization.msgpack_serialize(jax.tree.map(np.asarray, dict(variables))))
-    tmp.replace(d / "variables.msgpack")  # rename() refuses an existing file: a re-run's --out
-    (d / "model.json").write_text(json.dumps(
+    meta = json.dumps(
         {"model": json.loads(ml_collections.ConfigDict(dict(model_cfg)).to_json_best_effort()),
-         "num_classes": int(num_classes)}, indent=2))
+         "num_classes": int(num_classes)}, indent=2)
+    if (d / "model.json").exists():
+        (d / "model.json").unlink()
+    # rename() refuses an existing file (a re-run's --out): replace()
+    for name, data in (("variables.msgpack", serialization.msgpack_serialize(
+            jax.tree.map(np.asarray, dict(variables)))), ("model.json", meta.encode())):
+        tmp = d / f"{name}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(d / name)
 
 
 def load(path: str) -> tuple[dict, dict, int]:

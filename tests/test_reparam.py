@@ -243,6 +243,42 @@ def test_save_into_a_folder_saved_before_replaces_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json", "variables.msgpack"]
 
 
+@pytest.mark.parametrize("stop_at_write", [1, 2])
+def test_a_save_stopped_part_way_is_never_read_as_a_mixed_model(tmp_path, monkeypatch,
+                                                                 stop_at_write):
+    """Ctrl-C during a re-run's ``--out`` save: after the weights were replaced the earlier
+    model.json was still there, so ``load`` returned the new weights with the old model's config
+    (here a DyT model's weights read as a BatchNorm model). Now a stopped save leaves either the
+    earlier folder or one ``load`` refuses."""
+    from etils import epath
+    first_cfg, second_cfg = tiny_model_cfg("batchnorm"), tiny_model_cfg("dyt")
+    first, second = random_variables(first_cfg, seed=1), random_variables(second_cfg, seed=2)
+    reparam.save(str(tmp_path), first_cfg, first, NUM_CLASSES)
+    cls, writes = type(epath.Path(tmp_path)), []
+
+    def interrupted(original):
+        def write(self, *args, **kwargs):
+            if str(self).startswith(str(tmp_path)):  # not JAX's compilation cache
+                writes.append(self.name)
+            if len(writes) == stop_at_write:
+                raise KeyboardInterrupt
+            return original(self, *args, **kwargs)
+        return write
+
+    monkeypatch.setattr(cls, "write_bytes", interrupted(cls.write_bytes))
+    monkeypatch.setattr(cls, "write_text", interrupted(cls.write_text))
+    with pytest.raises(KeyboardInterrupt):
+        reparam.save(str(tmp_path), second_cfg, second, NUM_CLASSES)
+    monkeypatch.undo()
+    try:
+        model_cfg, loaded, _ = reparam.load(str(tmp_path))
+    except FileNotFoundError:
+        return  # refused: the user sees the save did not finish
+    assert model_cfg["norm"]["name"] == "batchnorm"  # the earlier save, whole
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
 @pytest.mark.parametrize("patch_norm", ["none", "post"])
 def test_input_affine_folds_into_the_patch_embedding(patch_norm):
     """Folded into the patch embedding, the pixels' per-channel affine gives the same logits on
