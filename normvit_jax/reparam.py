@@ -337,9 +337,13 @@ def _time(fn, variables, images, reps: int) -> list[float]:
     return ts
 
 
+MIN_REPS_FOR_RATIO = 3  # timings per model before their spreads are compared
+
+
 def timing_summary(unfolded: Sequence[float], folded: Sequence[float] | None, batch: int) -> str:
-    """Medians with their min-max spread; a ratio only when something was folded and the spreads
-    do not overlap (otherwise the difference is timing noise)."""
+    """Medians with their min-max spread; a ratio only when something was folded, each model was
+    timed at least ``MIN_REPS_FOR_RATIO`` times and the spreads do not overlap (otherwise the
+    difference is timing noise)."""
     def fmt(ts):
         return f"{np.median(ts) * 1e3:.1f} ms (min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})"
     if folded is None:
@@ -347,8 +351,14 @@ def timing_summary(unfolded: Sequence[float], folded: Sequence[float] | None, ba
                 "folded, so the folded model is the same model (no speed ratio)")
     ratio = float(np.median(unfolded) / np.median(folded))
     overlap = min(unfolded) <= max(folded) and min(folded) <= max(unfolded)
-    verdict = ("the spreads overlap: no measurable difference" if overlap
-               else f"folded {ratio:.2f}x as fast")
+    if min(len(unfolded), len(folded)) < MIN_REPS_FOR_RATIO:
+        # one or two timings have no spread to speak of: --reps=1 claimed "10x as fast" from noise
+        verdict = (f"too few repetitions to tell a difference from noise (--reps of at least "
+                   f"{MIN_REPS_FOR_RATIO} gives a ratio)")
+    elif overlap:
+        verdict = "the spreads overlap: no measurable difference"
+    else:
+        verdict = f"folded {ratio:.2f}x as fast"
     return (f"eval batch of {batch}: unfolded {fmt(unfolded)}, folded {fmt(folded)}, median of "
             f"{len(unfolded)}; {verdict}")
 
@@ -364,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch", type=tool_flags.positive_int, default=64,
                    help="images for the check and the timing")
     p.add_argument("--reps", type=tool_flags.positive_int, default=5,
-                   help="timed repetitions (median)")
+                   help="timed repetitions (median; a speed ratio needs at least 3)")
     p.add_argument("--out", default=None,
                    help="folder to save the folded model in (model.json + variables.msgpack; "
                         "read back with normvit_jax.reparam.load)")

@@ -302,3 +302,14 @@ def test_input_affine_folds_into_the_patch_embedding(patch_norm):
     t2t = dict(name="t2t_vit", hidden_size=32, depth=1, num_heads=2, mlp_dim=48, patch_size=16,
                token_dim=16, norm={"name": "layernorm"})  # its stem attends over unfolded pixels
     assert reparam.fold_input_affine(t2t, {}, scale, shift) is None
+
+
+def test_timing_with_too_few_repetitions_claims_no_ratio():
+    """``--reps=1`` compared two single timings: a point 'spread' never overlaps, so the report
+    said e.g. 'folded 10.36x as fast' from one noisy sample (seen on a DyT run)."""
+    one = reparam.timing_summary([0.009], [0.0009], 4)
+    assert "x as fast" not in one and "too few repetitions" in one
+    two = reparam.timing_summary([0.020, 0.021], [0.010, 0.011], 4)
+    assert "x as fast" not in two and "too few repetitions" in two
+    three = reparam.timing_summary([0.020, 0.021, 0.022], [0.010, 0.0105, 0.011], 4)
+    assert "folded 2.00x as fast" in three
