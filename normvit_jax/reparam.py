@@ -322,9 +322,19 @@ def load(path: str) -> tuple[dict, dict, int]:
         if not (d / name).exists():
             raise FileNotFoundError(f"{d / name} not found: is {path} a folder written by "
                                     "normvit_jax.reparam.save (or the CLI's --out)?")
-    meta = json.loads((d / "model.json").read_text())
-    variables = serialization.msgpack_restore((d / "variables.msgpack").read_bytes())
-    return meta["model"], variables, int(meta["num_classes"])
+    redo = "write the folder again: python -m normvit_jax.reparam --workdir=RUN --out=" + str(path)
+    try:
+        meta = json.loads((d / "model.json").read_text())
+        model_cfg, num_classes = meta["model"], int(meta["num_classes"])
+    except (ValueError, KeyError, TypeError) as e:  # JSON's message alone named no file
+        raise ValueError(f"{d / 'model.json'} is damaged ({type(e).__name__}: {e}); "
+                         f"{redo}") from None
+    try:
+        variables = serialization.msgpack_restore((d / "variables.msgpack").read_bytes())
+    except Exception as e:  # noqa: BLE001 msgpack's 'Unpack failed: incomplete input' named no file
+        raise ValueError(f"{d / 'variables.msgpack'} is damaged ({type(e).__name__}: {e}); "
+                         f"{redo}") from None
+    return model_cfg, variables, num_classes
 
 
 def _time(fn, variables, images, reps: int) -> list[float]:

@@ -243,6 +243,20 @@ def test_save_into_a_folder_saved_before_replaces_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json", "variables.msgpack"]
 
 
+@pytest.mark.parametrize("name", ["model.json", "variables.msgpack"])
+def test_a_damaged_folded_folder_names_the_file(tmp_path, name):
+    """A truncated model.json or variables.msgpack (a copy cut short) gave JSON's or msgpack's
+    message alone ('Expecting ':' delimiter: line 4 column 17', 'Unpack failed: incomplete
+    input'): predict --folded printed it naming no file."""
+    cfg = tiny_model_cfg("batchnorm")
+    reparam.save(str(tmp_path), cfg, random_variables(cfg), NUM_CLASSES)
+    whole = (tmp_path / name).read_bytes()
+    (tmp_path / name).write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ValueError, match=rf"^{tmp_path / name} is damaged \(.+\); write the "
+                                         rf"folder again: python -m normvit_jax\.reparam "):
+        reparam.load(str(tmp_path))
+
+
 @pytest.mark.parametrize("stop_at_write", [1, 2])
 def test_a_save_stopped_part_way_is_never_read_as_a_mixed_model(tmp_path, monkeypatch,
                                                                  stop_at_write):
