@@ -10,7 +10,8 @@ eval split (no augmentation: the eval transforms, no Mixup, no random erasing), 
 size, with dropout and drop-path off, the global step that of the checkpoint (a progressive norm's
 lam is then its final value). Each forward updates the statistics with the norm's own momentum, so
 after N batches the checkpoint's statistics weigh momentum**N (0.9**200 ~ 7e-10). Statistics that
-a norm updates in its backward pass (PowerNorm's ema_gz, UN's gz window) are left as they are.
+a norm updates in its backward pass (PowerNorm's ema_gz, UN's gz window) and the norms' step
+counters (``t``) are left as they are.
 Partial (padded) batches are skipped.
 
 Writes a new workdir ``--out`` (config.json, the run's data.json and classes.json, and one
@@ -75,7 +76,24 @@ def recalibrate_stats(model: Any, variables: dict, batches: Any, step: Any,
             bs = forward(bs, data_stats.model_input(batch["image"], affine))
             used += 1
             bar.update(1)
-    return bs, used
+    return _keep_step_counters(variables["batch_stats"], bs), used
+
+
+# the norms' own step counters (PowerNorm's and UN's warmups, UN's gz window index): each forward
+# advanced them, so --batches=200 left a step-4 checkpoint counting 204 steps, and a run continued
+# from --out ended its warmups early
+STEP_COUNTERS = ("t",)
+
+
+def _keep_step_counters(old: Any, new: Any) -> Any:
+    """``new`` statistics with the step counters of ``old`` (the checkpoint's step stays the run's)."""
+    from flax import traverse_util
+    flat_old = traverse_util.flatten_dict(dict(old))
+    flat = traverse_util.flatten_dict(dict(new))
+    for key in flat:
+        if key[-1] in STEP_COUNTERS:
+            flat[key] = flat_old[key]
+    return traverse_util.unflatten_dict(flat)
 
 
 def _fail(message: str) -> None:
@@ -102,9 +120,10 @@ def _main(args: Any) -> dict[str, Any]:
     from normvit_jax import cli, tool_flags
     if args.batches < 1:
         _fail(f"--batches={args.batches} is not accepted; accepted: a positive integer")
+    # a file first: listing it as a folder was a NotADirectoryError traceback, exit 1
+    tool_flags.check_output("out", args.out, folder=True)  # before the work
     if epath.Path(args.out).exists() and any(epath.Path(args.out).iterdir()):
         _fail(f"--out={args.out} exists and is not empty; accepted: a new or empty folder")
-    tool_flags.check_output("out", args.out, folder=True)  # before the work
     config = (cli.load_config_file(args.config) if args.config
               else checkpoints.load_config(args.workdir))
     mesh = sharding.make_mesh(config)

@@ -294,18 +294,24 @@ def max_logit_difference(model: Any, variables: Mapping, folded: Any,
 
 def save(path: str, model: Any, variables: Mapping, num_classes: int) -> None:
     """Writes a folded model (its spec or ``config.model``) to the folder ``path``:
-    ``variables.msgpack`` (written to a temporary name, then renamed over an earlier save's)
-    and ``model.json``
-    ({'model': config, 'num_classes': n})."""
+    ``variables.msgpack`` and ``model.json`` ({'model': config, 'num_classes': n}), each written
+    to a temporary name, then renamed over an earlier save's. An earlier ``model.json`` is removed
+    first and the new one is written last, so a save that stops part-way (Ctrl-C, a full disk)
+    leaves a folder ``load`` refuses, never new weights read with another model's config."""
     model_cfg = models.spec_of(model).to_config()
     d = epath.Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / "variables.msgpack.tmp"
-    tmp.write_bytes(serialization.msgpack_serialize(jax.tree.map(np.asarray, dict(variables))))
-    tmp.replace(d / "variables.msgpack")  # rename() refuses an existing file: a re-run's --out
-    (d / "model.json").write_text(json.dumps(
+    meta = json.dumps(
         {"model": json.loads(ml_collections.ConfigDict(dict(model_cfg)).to_json_best_effort()),
-         "num_classes": int(num_classes)}, indent=2))
+         "num_classes": int(num_classes)}, indent=2)
+    if (d / "model.json").exists():
+        (d / "model.json").unlink()
+    # rename() refuses an existing file (a re-run's --out): replace()
+    for name, data in (("variables.msgpack", serialization.msgpack_serialize(
+            jax.tree.map(np.asarray, dict(variables)))), ("model.json", meta.encode())):
+        tmp = d / f"{name}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(d / name)
 
 
 def load(path: str) -> tuple[dict, dict, int]:
@@ -316,9 +322,19 @@ def load(path: str) -> tuple[dict, dict, int]:
         if not (d / name).exists():
             raise FileNotFoundError(f"{d / name} not found: is {path} a folder written by "
                                     "normvit_jax.reparam.save (or the CLI's --out)?")
-    meta = json.loads((d / "model.json").read_text())
-    variables = serialization.msgpack_restore((d / "variables.msgpack").read_bytes())
-    return meta["model"], variables, int(meta["num_classes"])
+    redo = "write the folder again: python -m normvit_jax.reparam --workdir=RUN --out=" + str(path)
+    try:
+        meta = json.loads((d / "model.json").read_text())
+        model_cfg, num_classes = meta["model"], int(meta["num_classes"])
+    except (ValueError, KeyError, TypeError) as e:  # JSON's message alone named no file
+        raise ValueError(f"{d / 'model.json'} is damaged ({type(e).__name__}: {e}); "
+                         f"{redo}") from None
+    try:
+        variables = serialization.msgpack_restore((d / "variables.msgpack").read_bytes())
+    except Exception as e:  # noqa: BLE001 msgpack's 'Unpack failed: incomplete input' named no file
+        raise ValueError(f"{d / 'variables.msgpack'} is damaged ({type(e).__name__}: {e}); "
+                         f"{redo}") from None
+    return model_cfg, variables, num_classes
 
 
 def _time(fn, variables, images, reps: int) -> list[float]:
@@ -331,9 +347,13 @@ def _time(fn, variables, images, reps: int) -> list[float]:
     return ts
 
 
+MIN_REPS_FOR_RATIO = 3  # timings per model before their spreads are compared
+
+
 def timing_summary(unfolded: Sequence[float], folded: Sequence[float] | None, batch: int) -> str:
-    """Medians with their min-max spread; a ratio only when something was folded and the spreads
-    do not overlap (otherwise the difference is timing noise)."""
+    """Medians with their min-max spread; a ratio only when something was folded, each model was
+    timed at least ``MIN_REPS_FOR_RATIO`` times and the spreads do not overlap (otherwise the
+    difference is timing noise)."""
     def fmt(ts):
         return f"{np.median(ts) * 1e3:.1f} ms (min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})"
     if folded is None:
@@ -341,8 +361,14 @@ def timing_summary(unfolded: Sequence[float], folded: Sequence[float] | None, ba
                 "folded, so the folded model is the same model (no speed ratio)")
     ratio = float(np.median(unfolded) / np.median(folded))
     overlap = min(unfolded) <= max(folded) and min(folded) <= max(unfolded)
-    verdict = ("the spreads overlap: no measurable difference" if overlap
-               else f"folded {ratio:.2f}x as fast")
+    if min(len(unfolded), len(folded)) < MIN_REPS_FOR_RATIO:
+        # one or two timings have no spread to speak of: --reps=1 claimed "10x as fast" from noise
+        verdict = (f"too few repetitions to tell a difference from noise (--reps of at least "
+                   f"{MIN_REPS_FOR_RATIO} gives a ratio)")
+    elif overlap:
+        verdict = "the spreads overlap: no measurable difference"
+    else:
+        verdict = f"folded {ratio:.2f}x as fast"
     return (f"eval batch of {batch}: unfolded {fmt(unfolded)}, folded {fmt(folded)}, median of "
             f"{len(unfolded)}; {verdict}")
 
@@ -358,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch", type=tool_flags.positive_int, default=64,
                    help="images for the check and the timing")
     p.add_argument("--reps", type=tool_flags.positive_int, default=5,
-                   help="timed repetitions (median)")
+                   help="timed repetitions (median; a speed ratio needs at least 3)")
     p.add_argument("--out", default=None,
                    help="folder to save the folded model in (model.json + variables.msgpack; "
                         "read back with normvit_jax.reparam.load)")

@@ -75,3 +75,45 @@ def test_a_run_without_statistics_exits_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "keeps no running statistics" in err[0] and "'layernorm'" in err[0]
     assert err[0].startswith("python -m normvit_jax.recalibrate: error: ")  # docs/faults.md
+
+
+def test_an_out_that_is_a_file_exits_2_with_one_line(tmp_path, capsys):
+    """--out naming an existing file was listed as a folder before it was checked: a
+    NotADirectoryError traceback and exit 1. The check runs before the run is read."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        recalibrate.main([f"--workdir={tmp_path / 'no_run'}", f"--out={afile}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"python -m normvit_jax.recalibrate: error: --out={afile} exists and is not a "
+                   "folder; pass the path of a folder"], err
+    assert afile.read_text() == "mine"
+
+
+@pytest.mark.parametrize("norm", ["powernorm", "unified"])
+def test_the_norms_step_counters_keep_the_checkpoints_step(norm):
+    """Each statistics forward advanced PowerNorm's and UN's step counter ``t`` (it drives their
+    warmups and UN's gz window): a step-4 checkpoint recalibrated over 3 batches counted 7 steps.
+    The re-estimated statistics change; the counters stay."""
+    import jax.numpy as jnp
+    from flax import traverse_util
+    cfg = tiny_demo_config()
+    cfg.model.norm = {"name": norm}
+    model = models.create(recalibrate.statistics_view(cfg).model, 10)  # dropout off, as the tool
+    images = jax.random.uniform(jax.random.key(0), (3, 8, 8, 8, 3))
+    variables = model.init(jax.random.key(1), images[0], train=False)
+    # the counters as a trained checkpoint has them (4 steps), not at their init value 0
+    stats = jax.tree_util.tree_map_with_path(
+        lambda p, v: jnp.full_like(v, 4.0) if p[-1].key == "t" else v, variables["batch_stats"])
+    variables = {"params": variables["params"], "batch_stats": stats}
+    batches = [{"image": x, "mask": np.ones(8, bool)} for x in images]
+    new, used = recalibrate.recalibrate_stats(model, variables, batches, jnp.asarray(4), None, 3)
+    assert used == 3
+    old_flat = traverse_util.flatten_dict(stats, sep="/")
+    new_flat = traverse_util.flatten_dict(new, sep="/")
+    assert sorted(old_flat) == sorted(new_flat)
+    counters = [k for k in old_flat if k.endswith("/t")]
+    assert counters and all(float(new_flat[k]) == 4.0 for k in counters)
+    running = [k for k in old_flat if k.endswith(("/running_phi", "/running_var"))]
+    assert running and all(not np.allclose(new_flat[k], old_flat[k]) for k in running)

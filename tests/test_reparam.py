@@ -243,6 +243,56 @@ def test_save_into_a_folder_saved_before_replaces_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json", "variables.msgpack"]
 
 
+@pytest.mark.parametrize("name", ["model.json", "variables.msgpack"])
+def test_a_damaged_folded_folder_names_the_file(tmp_path, name):
+    """A truncated model.json or variables.msgpack (a copy cut short) gave JSON's or msgpack's
+    message alone ('Expecting ':' delimiter: line 4 column 17', 'Unpack failed: incomplete
+    input'): predict --folded printed it naming no file."""
+    cfg = tiny_model_cfg("batchnorm")
+    reparam.save(str(tmp_path), cfg, random_variables(cfg), NUM_CLASSES)
+    whole = (tmp_path / name).read_bytes()
+    (tmp_path / name).write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ValueError, match=rf"^{tmp_path / name} is damaged \(.+\); write the "
+                                         rf"folder again: python -m normvit_jax\.reparam "):
+        reparam.load(str(tmp_path))
+
+
+@pytest.mark.parametrize("stop_at_write", [1, 2])
+def test_a_save_stopped_part_way_is_never_read_as_a_mixed_model(tmp_path, monkeypatch,
+                                                                 stop_at_write):
+    """Ctrl-C during a re-run's ``--out`` save: after the weights were replaced the earlier
+    model.json was still there, so ``load`` returned the new weights with the old model's config
+    (here a DyT model's weights read as a BatchNorm model). Now a stopped save leaves either the
+    earlier folder or one ``load`` refuses."""
+    from etils import epath
+    first_cfg, second_cfg = tiny_model_cfg("batchnorm"), tiny_model_cfg("dyt")
+    first, second = random_variables(first_cfg, seed=1), random_variables(second_cfg, seed=2)
+    reparam.save(str(tmp_path), first_cfg, first, NUM_CLASSES)
+    cls, writes = type(epath.Path(tmp_path)), []
+
+    def interrupted(original):
+        def write(self, *args, **kwargs):
+            if str(self).startswith(str(tmp_path)):  # not JAX's compilation cache
+                writes.append(self.name)
+            if len(writes) == stop_at_write:
+                raise KeyboardInterrupt
+            return original(self, *args, **kwargs)
+        return write
+
+    monkeypatch.setattr(cls, "write_bytes", interrupted(cls.write_bytes))
+    monkeypatch.setattr(cls, "write_text", interrupted(cls.write_text))
+    with pytest.raises(KeyboardInterrupt):
+        reparam.save(str(tmp_path), second_cfg, second, NUM_CLASSES)
+    monkeypatch.undo()
+    try:
+        model_cfg, loaded, _ = reparam.load(str(tmp_path))
+    except FileNotFoundError:
+        return  # refused: the user sees the save did not finish
+    assert model_cfg["norm"]["name"] == "batchnorm"  # the earlier save, whole
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
 @pytest.mark.parametrize("patch_norm", ["none", "post"])
 def test_input_affine_folds_into_the_patch_embedding(patch_norm):
     """Folded into the patch embedding, the pixels' per-channel affine gives the same logits on
@@ -266,3 +316,14 @@ def test_input_affine_folds_into_the_patch_embedding(patch_norm):
     t2t = dict(name="t2t_vit", hidden_size=32, depth=1, num_heads=2, mlp_dim=48, patch_size=16,
                token_dim=16, norm={"name": "layernorm"})  # its stem attends over unfolded pixels
     assert reparam.fold_input_affine(t2t, {}, scale, shift) is None
+
+
+def test_timing_with_too_few_repetitions_claims_no_ratio():
+    """``--reps=1`` compared two single timings: a point 'spread' never overlaps, so the report
+    said e.g. 'folded 10.36x as fast' from one noisy sample (seen on a DyT run)."""
+    one = reparam.timing_summary([0.009], [0.0009], 4)
+    assert "x as fast" not in one and "too few repetitions" in one
+    two = reparam.timing_summary([0.020, 0.021], [0.010, 0.011], 4)
+    assert "x as fast" not in two and "too few repetitions" in two
+    three = reparam.timing_summary([0.020, 0.021, 0.022], [0.010, 0.0105, 0.011], 4)
+    assert "folded 2.00x as fast" in three

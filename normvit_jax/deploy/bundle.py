@@ -60,7 +60,7 @@ def load(workdir: str, *, step: int | None = None, folded: str | None = None,
     if folded:
         try:
             model_cfg, variables, n = reparam.load(folded)
-        except FileNotFoundError as e:  # not a reparam --out folder: the command is wrong (exit 2)
+        except (FileNotFoundError, ValueError) as e:  # not (or a damaged) reparam --out folder: exit 2
             raise DeployError(str(e)) from None
         try:
             predict.check_folded(folded, n, workdir, config)
