@@ -308,6 +308,29 @@ def test_report_counts_a_run_given_twice_once(trained, tmp_path, capsys):
     assert err.count("is the same run as") == 2 and "counted once" in err
 
 
+def test_runs_whose_folders_share_a_name_are_told_apart(trained, tmp_path):
+    """`report a/ln b/ln` named both runs 'ln' in the table, report.json, the CSVs and the
+    legends: nothing said which row was which run."""
+    from normvit_jax.analysis import tables  # pylint: disable=import-outside-toplevel
+    runs = [str(tmp_path / d / "ln") for d in ("a", "b")]
+    for w in runs:
+        shutil.copytree(trained[0], w)
+    out = tmp_path / "rep"
+    report.write_report(runs + [trained[0]], str(out), images=2, stat_images=2)
+    rows = json.load(open(out / "report.json"))
+    assert [r["run"] for r in rows][:2] == ["a/ln", "b/ln"]
+    assert rows[2]["run"] not in ("a/ln", "b/ln", "ln")  # the fixture's own 'ln' collides too
+    md = open(out / "report.md").read()
+    assert "| LN | a/ln |" in md and "| LN | b/ln |" in md
+    with open(out / "attention_distance.csv") as f:
+        assert {r["run"] for r in csv.DictReader(f)} == {r["run"] for r in rows}
+    # names that do not collide stay the base name; a longer suffix only where needed
+    assert tables.run_names(["runs/ln", "runs/dtn/"]) == ["ln", "dtn"]
+    assert tables.run_names(["x/s0/ln", "y/s0/ln", "x/s1/ln", "z/dtn"]) == [
+        "x/s0/ln", "y/s0/ln", "x/s1/ln", "dtn"]
+    assert tables.run_names(["/x/ln", "/y/x/ln"]) == ["/x/ln", "/y/x/ln"]  # whole: from the root
+
+
 def test_a_long_run_name_leaves_the_panels_their_width():
     """A 90-character run name on one legend line took most of curves_steps.png: the three
     panels became slivers and the title ran off the canvas."""

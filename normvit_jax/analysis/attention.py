@@ -93,16 +93,20 @@ def write_summaries(runs: Sequence[RunAnalysis], out: str, title: str) -> list[s
     grid, p = geometry(first)
     same_grid = all(geometry(r.run) == (grid, p) for r in runs)
     dup = len({r.run.method for r in runs}) < len(runs)  # name the run where methods repeat
-    entry = lambda r, v: (f"{colors.label(r.run.method)} ({tables.run_name(r.run.workdir)})"
+    names = dict(zip(map(id, runs), tables.run_names([r.run.workdir for r in runs])))
+    entry = lambda r, v: (f"{colors.label(r.run.method)} ({names[id(r)]})"
                           if dup else colors.label(r.run.method), colors.color(r.run.method), v)
     depth = max(r.stats.distance.shape[0] for r in runs)
     paths = [
         tables.write_csv(os.path.join(out, "attention_distance.csv"),
-                         [row for r in runs for row in tables.distance_rows(r.run, r.stats.distance)]),
+                         [row for r in runs
+                          for row in tables.distance_rows(r.run, r.stats.distance, names[id(r)])]),
         tables.write_csv(os.path.join(out, "token_stats.csv"),
-                         [row for r in runs for row in tables.stats_rows(r.run, r.stats.stats)]),
+                         [row for r in runs
+                          for row in tables.stats_rows(r.run, r.stats.stats, names[id(r)])]),
         tables.write_csv(os.path.join(out, "norm_gates.csv"),
-                         [row for r in runs for row in tables.gate_rows(r.run, r.gates)],
+                         [row for r in runs
+                          for row in tables.gate_rows(r.run, r.gates, names[id(r)])],
                          ("run", "method", "step", "slot", "gate", "value")),
     ]
     n_img = runs[0].stats.distance.shape[1]
