@@ -254,6 +254,19 @@ def test_attention_and_report_name_a_bad_count_or_index_flag_in_one_line(trained
     assert not os.path.exists(tmp_path / "rep")
 
 
+def test_attention_refuses_more_map_rows_than_its_maximum(trained, tmp_path, capsys):
+    """--images=400 drew every image as a row of one PNG: 44,092 pixels tall, ten minutes."""
+    out = tmp_path / "att"
+    with pytest.raises(SystemExit) as e:
+        attention.main([f"--workdir={trained[0]}", f"--out={out}", "--images=400"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert (f"error: argument --images: 400 is not accepted; accepted: an integer in "
+            f"1..{attention.MAX_IMAGES} (each is a row of") in err, err
+    assert not os.path.exists(out)
+    assert attention.map_images(str(attention.MAX_IMAGES)) == attention.MAX_IMAGES
+
+
 def test_report_names_a_tag_no_run_logged_before_writing(trained, tmp_path, capsys):
     """A misspelt --tags drew an empty panel in tags.png, exit 0, and nothing said so."""
     out = tmp_path / "rep"
