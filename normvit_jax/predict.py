@@ -13,7 +13,8 @@ by PIL; any other by PIL, then its lossless PNG as prepare stores it), and the f
 decoded and predicted one --batch at a time, so a folder of any size fits in memory. Class names:
 <workdir>/classes.json (written by training), else the dataset's, else the label numbers.
 Unreadable files are listed and skipped (also one that PIL reads and TensorFlow does not, which
-stopped the whole prediction). --mode=eval evaluates the checkpoint on
+stopped the whole prediction), and so is an image over serve's default pixel limit as it is or once
+resized by data.eval_resize_small (deploy.preprocess.check_pixels). --mode=eval evaluates the checkpoint on
 a split of the run's dataset (or --name/--data_dir) like ``main.py --mode=eval``.
 """
 from __future__ import annotations
@@ -152,12 +153,18 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
     return rows, skipped
 
 
-def _encoded(path: str) -> bytes:
+def _encoded(path: str, resize_small: int = 0) -> bytes:
     """The bytes evaluation would decode for ``path`` (prepare's rule): a JPEG or PNG that needs no
     change as it is, read from its header only (TensorFlow decodes it, once); any other image
-    decoded by PIL and stored as the PNG of its RGB pixels. Raises BadImageError or OSError."""
+    decoded by PIL and stored as the PNG of its RGB pixels. Raises BadImageError or OSError, and
+    deploy.preprocess.InputError for an image over serve's pixel limit as it is or once resized
+    by ``resize_small`` (a 3x10000 strip to a short side of 256 is ~4 GB and ~20 s), as serve."""
     from normvit_jax.data import images
+    from normvit_jax.deploy import preprocess
+    from normvit_jax.serve import DEFAULT_MAX_PIXELS
     data = images.read_file(path)  # a video: its first bytes only
+    preprocess.check_pixels(data, DEFAULT_MAX_PIXELS, {"eval_resize_small": resize_small},
+                            limit="predict's limit, as serve's default")
     return data if images.stored_as_is(data) else images.load_file(data)[0]
 
 
@@ -165,12 +172,13 @@ def _decode(paths: Sequence[str], geo: Any, decoder: Any
             ) -> tuple[list[str], np.ndarray, list[str]]:
     """(paths decoded, their uint8 eval images, 'path (reason)' of the files skipped, in order)."""
     from normvit_jax.data import images, tf_images
+    from normvit_jax.deploy import preprocess
     why: dict[int, str] = {}
     encoded: dict[int, bytes] = {}
     for i, path in enumerate(paths):
         try:
-            encoded[i] = _encoded(path)
-        except (images.BadImageError, OSError) as e:
+            encoded[i] = _encoded(path, geo.resize_small)
+        except (images.BadImageError, OSError, preprocess.InputError) as e:
             why[i] = str(e)
     while True:
         order = sorted(encoded)

@@ -254,6 +254,19 @@ def test_attention_and_report_name_a_bad_count_or_index_flag_in_one_line(trained
     assert not os.path.exists(tmp_path / "rep")
 
 
+def test_attention_refuses_more_map_rows_than_its_maximum(trained, tmp_path, capsys):
+    """--images=400 drew every image as a row of one PNG: 44,092 pixels tall, ten minutes."""
+    out = tmp_path / "att"
+    with pytest.raises(SystemExit) as e:
+        attention.main([f"--workdir={trained[0]}", f"--out={out}", "--images=400"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert (f"error: argument --images: 400 is not accepted; accepted: an integer in "
+            f"1..{attention.MAX_IMAGES} (each is a row of") in err, err
+    assert not os.path.exists(out)
+    assert attention.map_images(str(attention.MAX_IMAGES)) == attention.MAX_IMAGES
+
+
 def test_report_names_a_tag_no_run_logged_before_writing(trained, tmp_path, capsys):
     """A misspelt --tags drew an empty panel in tags.png, exit 0, and nothing said so."""
     out = tmp_path / "rep"
@@ -306,6 +319,29 @@ def test_report_counts_a_run_given_twice_once(trained, tmp_path, capsys):
     assert open(out / "report.md").read().count("| LN | ln |") == 1
     err = capsys.readouterr().err
     assert err.count("is the same run as") == 2 and "counted once" in err
+
+
+def test_runs_whose_folders_share_a_name_are_told_apart(trained, tmp_path):
+    """`report a/ln b/ln` named both runs 'ln' in the table, report.json, the CSVs and the
+    legends: nothing said which row was which run."""
+    from normvit_jax.analysis import tables  # pylint: disable=import-outside-toplevel
+    runs = [str(tmp_path / d / "ln") for d in ("a", "b")]
+    for w in runs:
+        shutil.copytree(trained[0], w)
+    out = tmp_path / "rep"
+    report.write_report(runs + [trained[0]], str(out), images=2, stat_images=2)
+    rows = json.load(open(out / "report.json"))
+    assert [r["run"] for r in rows][:2] == ["a/ln", "b/ln"]
+    assert rows[2]["run"] not in ("a/ln", "b/ln", "ln")  # the fixture's own 'ln' collides too
+    md = open(out / "report.md").read()
+    assert "| LN | a/ln |" in md and "| LN | b/ln |" in md
+    with open(out / "attention_distance.csv") as f:
+        assert {r["run"] for r in csv.DictReader(f)} == {r["run"] for r in rows}
+    # names that do not collide stay the base name; a longer suffix only where needed
+    assert tables.run_names(["runs/ln", "runs/dtn/"]) == ["ln", "dtn"]
+    assert tables.run_names(["x/s0/ln", "y/s0/ln", "x/s1/ln", "z/dtn"]) == [
+        "x/s0/ln", "y/s0/ln", "x/s1/ln", "dtn"]
+    assert tables.run_names(["/x/ln", "/y/x/ln"]) == ["/x/ln", "/y/x/ln"]  # whole: from the root
 
 
 def test_a_long_run_name_leaves_the_panels_their_width():

@@ -176,3 +176,20 @@ def test_a_video_in_images_is_skipped_from_its_first_bytes(tmp_path):
         f.truncate(64 << 20)  # sparse
     with pytest.raises(images.BadImageError, match=r"^a video \(MP4/MOV\), not an image$"):
         predict._encoded(str(video))
+
+
+def test_a_strip_that_eval_resize_small_would_blow_up_is_skipped_with_its_reason(tmp_path):
+    """A 3x10000 PNG with data.eval_resize_small=256 was resized to 256x853,333 (~4 GB, ~20 s);
+    serve refused it (413). predict now skips it with serve's reason, and keeps the others."""
+    from normvit_jax.data.sources import Geometry  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(3)
+    strip, normal = str(tmp_path / "strip.png"), str(tmp_path / "ok.png")
+    _save(strip, rng.integers(1, 255, (3, 10000, 3), dtype=np.uint8), "PNG")
+    _save(normal, rng.integers(1, 255, (12, 10, 3), dtype=np.uint8), "PNG")
+    geo = Geometry(8, False, 1.0, 1.0, resize_small=256)
+    kept, x, bad = predict._decode([strip, normal], geo, tf_images.BatchDecoder(1))
+    assert kept == [normal] and x.shape == (1, 8, 8, 3)
+    assert len(bad) == 1 and bad[0].startswith(f"{strip} (image of 10000x3 is resized to "), bad
+    assert "(eval_resize_small=256), over the limit of 50,000,000 pixels" in bad[0], bad
+    _, alone, _ = predict._decode([normal], geo, tf_images.BatchDecoder(1))
+    np.testing.assert_array_equal(x, alone)  # the kept image's pixels do not depend on the skip

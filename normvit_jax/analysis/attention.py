@@ -10,10 +10,13 @@ Writes to --out:
   attention_distance.png/.csv    mean attention distance of every head of every block
   token_stats.png/.csv           per norm slot, before and after the norm
   norm_gates.png/.csv            the norms' learned gates (DTN lambda, UN skip rate, scales)
-Distances and statistics are averaged over --stat_images eval images (one batch).
+Distances and statistics are averaged over --stat_images eval images (one batch). --images is
+at most MAX_IMAGES: each image is a row of the maps figure (--images=400 drew a 44,092-pixel-tall
+PNG for ten minutes); more is refused (exit 2, one line).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -24,6 +27,20 @@ import numpy as np
 from normvit_jax import tool_flags
 from normvit_jax.analysis import (capture, colors, distance, figures, gates, plots_attention,
                                   plots_stats, tables)
+
+
+MAX_IMAGES = 32  # rows of attention_maps_head{h}.png (~4,000 pixels tall)
+
+
+def map_images(text: str) -> int:
+    """An argparse ``type`` for --images: 1..MAX_IMAGES (one figure row each)."""
+    value = tool_flags.positive_int(text)
+    if value > MAX_IMAGES:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not accepted; accepted: an integer in 1..{MAX_IMAGES} (each is a row of "
+            f"attention_maps_head{{h}}.png; --stat_images averages the distances and statistics "
+            f"over more)")
+    return value
 
 
 def default_blocks(depth: int) -> list[int]:
@@ -93,16 +110,20 @@ def write_summaries(runs: Sequence[RunAnalysis], out: str, title: str) -> list[s
     grid, p = geometry(first)
     same_grid = all(geometry(r.run) == (grid, p) for r in runs)
     dup = len({r.run.method for r in runs}) < len(runs)  # name the run where methods repeat
-    entry = lambda r, v: (f"{colors.label(r.run.method)} ({tables.run_name(r.run.workdir)})"
+    names = dict(zip(map(id, runs), tables.run_names([r.run.workdir for r in runs])))
+    entry = lambda r, v: (f"{colors.label(r.run.method)} ({names[id(r)]})"
                           if dup else colors.label(r.run.method), colors.color(r.run.method), v)
     depth = max(r.stats.distance.shape[0] for r in runs)
     paths = [
         tables.write_csv(os.path.join(out, "attention_distance.csv"),
-                         [row for r in runs for row in tables.distance_rows(r.run, r.stats.distance)]),
+                         [row for r in runs
+                          for row in tables.distance_rows(r.run, r.stats.distance, names[id(r)])]),
         tables.write_csv(os.path.join(out, "token_stats.csv"),
-                         [row for r in runs for row in tables.stats_rows(r.run, r.stats.stats)]),
+                         [row for r in runs
+                          for row in tables.stats_rows(r.run, r.stats.stats, names[id(r)])]),
         tables.write_csv(os.path.join(out, "norm_gates.csv"),
-                         [row for r in runs for row in tables.gate_rows(r.run, r.gates)],
+                         [row for r in runs
+                          for row in tables.gate_rows(r.run, r.gates, names[id(r)])],
                          ("run", "method", "step", "slot", "gate", "value")),
     ]
     n_img = runs[0].stats.distance.shape[1]
@@ -127,8 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = tool_flags.Parser("python -m normvit_jax.analysis.attention", __doc__)
     ap.add_argument("--workdir", required=True, help="a run's workdir (config.json, checkpoints/)")
     ap.add_argument("--out", required=True, help="folder for the PNG and CSV files")
-    ap.add_argument("--images", type=tool_flags.positive_int, default=8,
-                    help="eval images shown in the maps")
+    ap.add_argument("--images", type=map_images, default=8,
+                    help=f"eval images shown in the maps (1..{MAX_IMAGES})")
     ap.add_argument("--stat_images", type=tool_flags.positive_int, default=64,
                     help="eval images averaged for distances and token statistics")
     ap.add_argument("--heads", default="0", help="'0,1', 'all' (maps and matrices)")

@@ -175,6 +175,8 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
     convergence.check_target(target)
     rows, summaries, skipped = _read_runs(_distinct(workdirs))
     workdirs = [r["workdir"] for r in rows]
+    for r, name in zip(rows, tables.run_names(workdirs)):  # a/ln b/ln: not both 'ln'
+        r["run"] = name
     if not rows:  # one line (main): each run and why
         raise ValueError("no run could be read: " + "; ".join(f"{w}: {why}" for w, why in skipped))
     for w, why in skipped:

@@ -27,11 +27,13 @@ class InputError(Exception):
         self.status, self.message = status, message
 
 
-def check_pixels(data: bytes, max_pixels: int, pre: dict | None = None) -> None:
+def check_pixels(data: bytes, max_pixels: int, pre: dict | None = None,
+                 limit: str = "--max_pixels") -> None:
     """Reads only the header: a file whose image is over ``max_pixels`` (a decompression bomb:
     a small file that decodes to a huge image) is refused before it is decoded; with
     ``eval_resize_small`` in ``pre``, so is one whose resized image would be (a 3 x 10000 strip
-    resized to a short side of 256 is 256 x 853,333)."""
+    resized to a short side of 256 is 256 x 853,333). limit: what sets max_pixels, in the
+    message (serve's flag; predict's fixed limit)."""
     from PIL import Image
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -44,7 +46,7 @@ def check_pixels(data: bytes, max_pixels: int, pre: dict | None = None) -> None:
             return
     if w * h > max_pixels:
         raise InputError(413, f"image of {w}x{h} = {w * h:,} pixels is over the limit of "
-                              f"{max_pixels:,} pixels (--max_pixels)")
+                              f"{max_pixels:,} pixels ({limit})")
     small = int((pre or {}).get("eval_resize_small") or 0)
     if small:  # the sides as tf_images._resize_small_crop rounds them (float32)
         factor = np.float32(small) / np.float32(min(h, w))
@@ -52,7 +54,7 @@ def check_pixels(data: bytes, max_pixels: int, pre: dict | None = None) -> None:
         if nh * nw > max_pixels:
             raise InputError(413, f"image of {w}x{h} is resized to {nw}x{nh} = {nw * nh:,} "
                                   f"pixels (eval_resize_small={small}), over the limit of "
-                                  f"{max_pixels:,} pixels (--max_pixels)")
+                                  f"{max_pixels:,} pixels ({limit})")
 
 
 def geometry(pre: dict) -> Any:
