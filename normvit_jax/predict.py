@@ -13,8 +13,8 @@ by PIL; any other by PIL, then its lossless PNG as prepare stores it), and the f
 decoded and predicted one --batch at a time, so a folder of any size fits in memory. Class names:
 <workdir>/classes.json (written by training), else the dataset's, else the label numbers.
 Unreadable files are listed and skipped (also one that PIL reads and TensorFlow does not, which
-stopped the whole prediction), and so is an image over serve's default pixel limit as it is or once
-resized by data.eval_resize_small (deploy.preprocess.check_pixels). --mode=eval evaluates the checkpoint on
+stopped the whole prediction), and so is an image that data.eval_resize_small would resize past
+serve's default pixel limit (deploy.preprocess.check_pixels). --mode=eval evaluates the checkpoint on
 a split of the run's dataset (or --name/--data_dir) like ``main.py --mode=eval``.
 """
 from __future__ import annotations
@@ -157,14 +157,15 @@ def _encoded(path: str, resize_small: int = 0) -> bytes:
     """The bytes evaluation would decode for ``path`` (prepare's rule): a JPEG or PNG that needs no
     change as it is, read from its header only (TensorFlow decodes it, once); any other image
     decoded by PIL and stored as the PNG of its RGB pixels. Raises BadImageError or OSError, and
-    deploy.preprocess.InputError for an image over serve's pixel limit as it is or once resized
-    by ``resize_small`` (a 3x10000 strip to a short side of 256 is ~4 GB and ~20 s), as serve."""
+    deploy.preprocess.InputError for an image that ``resize_small`` would resize past serve's
+    default pixel limit (a 3x10000 strip to a short side of 256 is ~4 GB and ~20 s). A large photo
+    as it is stays: it is the user's own file, not a request to a service."""
     from normvit_jax.data import images
     from normvit_jax.deploy import preprocess
     from normvit_jax.serve import DEFAULT_MAX_PIXELS
     data = images.read_file(path)  # a video: its first bytes only
     preprocess.check_pixels(data, DEFAULT_MAX_PIXELS, {"eval_resize_small": resize_small},
-                            limit="predict's limit, as serve's default")
+                            limit="predict's limit, as serve's default", as_is=False)
     return data if images.stored_as_is(data) else images.load_file(data)[0]
 
 

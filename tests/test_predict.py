@@ -193,3 +193,20 @@ def test_a_strip_that_eval_resize_small_would_blow_up_is_skipped_with_its_reason
     assert "(eval_resize_small=256), over the limit of 50,000,000 pixels" in bad[0], bad
     _, alone, _ = predict._decode([normal], geo, tf_images.BatchDecoder(1))
     np.testing.assert_array_equal(x, alone)  # the kept image's pixels do not depend on the skip
+
+
+def test_a_photo_over_serves_pixel_limit_as_it_is_is_still_predicted(tmp_path, monkeypatch):
+    """Only a resize that explodes is refused: a 61 MP camera photo on disk is the user's own
+    file (serve refuses it as a request over --max_pixels; predict skipped it too at first).
+    The limit is lowered here so that a 12x10 image stands for the large photo."""
+    from normvit_jax import serve  # pylint: disable=import-outside-toplevel
+    from normvit_jax.data.sources import Geometry  # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(serve, "DEFAULT_MAX_PIXELS", 100)
+    photo = str(tmp_path / "photo.png")
+    _save(photo, np.random.default_rng(4).integers(1, 255, (12, 10, 3), dtype=np.uint8), "PNG")
+    kept, x, bad = predict._decode([photo], Geometry(8, False, 1.0, 1.0),
+                                   tf_images.BatchDecoder(1))
+    assert kept == [photo] and not bad and x.shape == (1, 8, 8, 3)
+    kept, _, bad = predict._decode([photo], Geometry(8, False, 1.0, 1.0, resize_small=16),
+                                   tf_images.BatchDecoder(1))  # 12x10 -> 19x16 = 304 > 100
+    assert kept == [] and "over the limit of 100 pixels" in bad[0], bad

@@ -28,12 +28,13 @@ class InputError(Exception):
 
 
 def check_pixels(data: bytes, max_pixels: int, pre: dict | None = None,
-                 limit: str = "--max_pixels") -> None:
+                 limit: str = "--max_pixels", *, as_is: bool = True) -> None:
     """Reads only the header: a file whose image is over ``max_pixels`` (a decompression bomb:
     a small file that decodes to a huge image) is refused before it is decoded; with
     ``eval_resize_small`` in ``pre``, so is one whose resized image would be (a 3 x 10000 strip
     resized to a short side of 256 is 256 x 853,333). limit: what sets max_pixels, in the
-    message (serve's flag; predict's fixed limit)."""
+    message (serve's flag; predict's fixed limit). as_is=False checks only the resized size
+    (predict: a large photo on disk is the user's own, only a resize that explodes is refused)."""
     from PIL import Image
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -44,7 +45,7 @@ def check_pixels(data: bytes, max_pixels: int, pre: dict | None = None,
             raise InputError(413, f"image too large to decode: {e}") from None
         except Exception:  # noqa: BLE001  not an image: the decoding names why
             return
-    if w * h > max_pixels:
+    if as_is and w * h > max_pixels:
         raise InputError(413, f"image of {w}x{h} = {w * h:,} pixels is over the limit of "
                               f"{max_pixels:,} pixels ({limit})")
     small = int((pre or {}).get("eval_resize_small") or 0)
