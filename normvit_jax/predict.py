@@ -166,7 +166,7 @@ def _encoded(path: str, resize_small: int = 0) -> bytes:
     data = images.read_file(path)  # a video: its first bytes only
     preprocess.check_pixels(data, DEFAULT_MAX_PIXELS, {"eval_resize_small": resize_small},
                             limit="predict's limit, as serve's default", as_is=False)
-    return data if images.stored_as_is(data) else images.load_file(data)[0]
+    return images.as_stored(data)
 
 
 def _decode(paths: Sequence[str], geo: Any, decoder: Any
@@ -188,21 +188,9 @@ def _decode(paths: Sequence[str], geo: Any, decoder: Any
             break
         except tf_images.BadImageError as e:  # a kept file TensorFlow cannot decode: skip it
             i = order[e.position]
-            why[i] = _undecodable(encoded.pop(i))
+            why[i] = images.undecodable(encoded.pop(i))
     return ([paths[i] for i in order], x,
             [f"{paths[i]} ({why[i]})" for i in sorted(why)])
-
-
-def _undecodable(data: bytes) -> str:
-    """Why TensorFlow could not decode a file whose header was read: PIL's reason when PIL fails
-    too (a truncated JPEG), else what differs (a PNG cut just before its end, which PIL reads)."""
-    from normvit_jax.data import images
-    try:
-        images.load_file(data)
-    except images.BadImageError as e:
-        return str(e)
-    return ("TensorFlow's decoder, which evaluation uses, cannot decode it (PIL can: the file "
-            "may be cut short)")
 
 
 PROGRESS_MIN_IMAGES = 256  # fewer finish in seconds: no bar

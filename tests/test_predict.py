@@ -133,8 +133,8 @@ def test_a_file_tensorflow_refuses_and_pil_reads_is_named_so():
     chunk, which the header check no longer keeps, is the known case)."""
     buf = io.BytesIO()
     Image.fromarray(np.full((4, 5, 3), 7, np.uint8)).save(buf, "PNG")
-    assert "cut short" in predict._undecodable(buf.getvalue()[:-12])
-    assert predict._undecodable(buf.getvalue()[:40]) == "not an image format PIL recognises"
+    assert "cut short" in images.undecodable(buf.getvalue()[:-12])
+    assert images.undecodable(buf.getvalue()[:40]) == "not an image format PIL recognises"
 
 
 def test_images_paths_may_hold_commas(tmp_path):

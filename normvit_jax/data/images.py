@@ -168,6 +168,25 @@ def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
     return (data if keep else encode_png(rgb)), rgb
 
 
+def as_stored(data: bytes) -> bytes:
+    """The bytes evaluation decodes for a file (prepare's rule): the file as it is where
+    ``stored_as_is`` (its header only: TensorFlow's decoder decodes it, once), else the PNG of its
+    RGB pixels. Raises BadImageError. predict and serve make their input with it."""
+    return data if stored_as_is(data) else load_file(data)[0]
+
+
+def undecodable(data: bytes) -> str:
+    """Why TensorFlow's decoder (evaluation's) could not decode a file whose header was read:
+    PIL's reason when PIL fails too (a truncated JPEG), else what differs (a PNG cut just before
+    its end, which PIL reads)."""
+    try:
+        load_file(data)
+    except BadImageError as e:
+        return str(e)
+    return ("TensorFlow's decoder, which evaluation uses, cannot decode it (PIL can: the file "
+            "may be cut short)")
+
+
 def encode_png(rgb: np.ndarray) -> bytes:
     """uint8 (H, W, 3) -> PNG bytes (lossless; compress_level 1: fast, still ~2x smaller)."""
     Image, _ = _pil()

@@ -77,7 +77,6 @@ def _decoder() -> Any:
 def to_input(data: bytes, pre: dict, max_pixels: int) -> np.ndarray:
     """Encoded file -> uint8 (image_size, image_size, 3): predict's pixels for the same file."""
     from PIL import Image
-    from normvit_jax import predict
     from normvit_jax.data import tf_images
     if not data:
         raise InputError(400, "empty body: send one image file (raw body or multipart field "
@@ -86,11 +85,11 @@ def to_input(data: bytes, pre: dict, max_pixels: int) -> np.ndarray:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
-            encoded = data if images.stored_as_is(data) else images.load_file(data)[0]
+            encoded = images.as_stored(data)
         except images.BadImageError as e:
             raise InputError(400, f"not a readable image: {e}") from None
     try:
         x, _ = _decoder()([encoded], None, geometry(pre))
     except tf_images.BadImageError:  # a truncated JPEG; a PNG cut short, which PIL reads
-        raise InputError(400, f"not a readable image: {predict._undecodable(data)}") from None
+        raise InputError(400, f"not a readable image: {images.undecodable(data)}") from None
     return x[0]
