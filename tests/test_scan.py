@@ -24,6 +24,10 @@ LAYOUTS = {
     "powernorm": {"norm": {"name": "powernorm", "warmup": 1}},
     "unified_sandwich": {"norm": {"name": "unified", "warmup": 1, "window": 2},
                          "norm_placement": "sandwich"},
+    # per-process statistics, as the DeiT/UN/SLAB presets set them (configs/recipes.py): ghost
+    # groups of one sample each, so the grouping is visible in the outputs
+    "batchnorm_ghost": {"norm": {"name": "batchnorm", "stats_group_size": 1}},
+    "repbn_ghost": {"norm": {"name": "repbn", "stats_group_size": 1}},
 }
 
 
