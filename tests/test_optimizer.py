@@ -51,6 +51,27 @@ def test_every_optimizer_applies_the_decay_mask(name):
     assert any(mask.values()) and not all(mask.values())
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_weight_decay_moves_only_the_matrices_scanned_or_not(scan):
+    """With zero gradients AdamW's update is the weight decay alone: it must move the kernels and
+    DTN's position map (the matrices) and nothing else. The expectation is by name, not from
+    decay_mask. Before: the q/k/v biases ((heads, head_dim), one vector in timm) were decayed, and
+    in a scanned model (a leading depth axis) every block's biases and norm gains too."""
+    model = models.create({"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2,
+                           "norm": {"name": "dtn"}, "scan": scan}, num_classes=3)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    params = jax.tree.map(lambda a: a + 0.5, params)  # no zero leaf: decay moves every one
+    assert ("Transformer/encoderblock/LayerNorm_0/scale" in _flat(params)) == scan
+    c = tiny_demo_config(**{"optimizer.name": "adamw", "optimizer.weight_decay": 0.1,
+                            "optimizer.learning_rate": 0.01, "schedule.name": "constant",
+                            "schedule.warmup_steps": 0})
+    tx, _ = optimizer.create(c, total_steps=10)
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    moved = {k: bool(np.any(np.asarray(u) != 0)) for k, u in _flat(updates).items()}
+    want = {k: k.rsplit("/", 1)[-1] in ("kernel", "pos_proj") for k in moved}
+    assert moved == want, {k: moved[k] for k in moved if moved[k] != want[k]}
+
+
 @pytest.mark.parametrize("name", ["cosine", "linear", "constant"])
 def test_schedule_warms_up_linearly_then_decays(name):
     c = tiny_demo_config(**{"schedule.name": name, "schedule.warmup_steps": 10,

@@ -9,15 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from normvit_jax.models import scan_convert
 from normvit_jax.train import ema, global_norm, layer_decay
 
 # lamb: timm's Lamb (the LearnableScaler recipe's); lamb_optax: optax.lamb (trust ratio everywhere).
 OPTIMIZERS = ("adamw", "sgd", "lamb", "lamb_optax")
 SCHEDULES = ("cosine", "linear", "constant", "ls_custom")
-# Weight decay applies to matrices only: every 1-D parameter (biases, norm gains and shifts, DTN's
-# gates) and scalar is exempt, and so are the position embedding and the class token. A norm's own
-# matrices (DTN's position map) are decayed, as in the reference code.
-_NO_DECAY_NAMES = ("pos_embedding", "cls")
+# Weight decay applies to matrices only: every 1-D parameter (norm gains and shifts, DTN's gates),
+# scalar and bias (attention's q/k/v biases are 2-D here, one vector in timm) is exempt, and so are
+# the position embedding and the class token; a scanned block's leaves count without their depth
+# axis. A norm's own matrices (DTN's position map) are decayed, as in the reference code.
+_NO_DECAY_NAMES = ("pos_embedding", "cls", "bias")
 
 
 def validate(config: Any) -> None:
@@ -119,10 +121,16 @@ def timm_lamb(learning_rate: optax.ScalarOrSchedule, b1: float, b2: float, weigh
 
 
 def decay_mask(params: Any) -> Any:
-    """True where weight decay applies: matrices, except the position embedding and class token."""
+    """True where weight decay applies: matrices, except the position embedding and class token.
+
+    The rank is the parameter's own: a scanned model's stacked leaves (under
+    ``Transformer/encoderblock``, a leading depth axis) count one axis less, so their biases and
+    norm gains stay exempt; a ``bias`` is exempt whatever its rank (attention's q/k/v biases are
+    (heads, head_dim): timm's qkv bias, one vector, is not decayed)."""
     def keep(path, leaf) -> bool:
-        last = jax.tree_util.keystr(path[-1:], simple=True)
-        return leaf.ndim >= 2 and last not in _NO_DECAY_NAMES
+        names = [jax.tree_util.keystr((k,), simple=True) for k in path]
+        rank = leaf.ndim - (scan_convert.STACKED in names)
+        return rank >= 2 and names[-1] not in _NO_DECAY_NAMES
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
