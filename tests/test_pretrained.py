@@ -337,6 +337,14 @@ def test_pre_logits_dropped_or_kept_by_config(tmp_path):
     with pytest.raises(pretrained.CheckpointError,
                        match="^init_keep_pre_logits=True .*set model.representation_size=6"):
         load(template(cfg, 5), path, cfg, 5, keep_pre_logits=True)
+    # a model with a new pre_logits layer (at init) and a file without one: the file's head saw the
+    # encoder's features, not that layer's, so it is zeroed even where its shape fits (it loaded)
+    plain = write(tmp_path / "plain.npz", vit_jax_file(logical(4)))
+    cfg8 = model_cfg(representation_size=D)
+    new, rows, _ = load(template(cfg8, 5), plain, cfg8, 5)
+    assert rows["pre_logits/kernel"].action == "init" and rows["head/kernel"].action == "reinit"
+    assert "head input changed" in rows["head/kernel"].note
+    assert np.all(flat(new)["head/kernel"] == 0) and np.all(flat(new)["head/bias"] == 0)
 
 
 def test_class_token_variants(tmp_path):
