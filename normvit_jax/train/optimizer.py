@@ -115,7 +115,7 @@ def timm_lamb(learning_rate: optax.ScalarOrSchedule, b1: float, b2: float, weigh
     parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
     if weight_decay:
         parts += [optax.add_decayed_weights(weight_decay, mask=mask),
-                  optax.masked(optax.scale_by_trust_ratio(), mask)]
+                  optax.masked(scale_by_trust_ratio(), mask)]
     parts.append(optax.scale_by_learning_rate(learning_rate))
     return optax.chain(*parts)
 
@@ -128,10 +128,38 @@ def decay_mask(params: Any) -> Any:
     norm gains stay exempt; a ``bias`` is exempt whatever its rank (attention's q/k/v biases are
     (heads, head_dim): timm's qkv bias, one vector, is not decayed)."""
     def keep(path, leaf) -> bool:
-        names = [jax.tree_util.keystr((k,), simple=True) for k in path]
-        rank = leaf.ndim - (scan_convert.STACKED in names)
-        return rank >= 2 and names[-1] not in _NO_DECAY_NAMES
+        rank = leaf.ndim - _stacked(path)
+        return rank >= 2 and jax.tree_util.keystr(path[-1:], simple=True) not in _NO_DECAY_NAMES
     return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def _stacked(path: tuple) -> bool:
+    """A scanned model's leaf (under ``Transformer/encoderblock``): one parameter per block
+    stacked on a leading depth axis."""
+    return any(jax.tree_util.keystr((k,), simple=True) == scan_convert.STACKED for k in path)
+
+
+def scale_by_trust_ratio() -> optax.GradientTransformation:
+    """``optax.scale_by_trust_ratio()`` (update * ||param|| / ||update||, 1 where either is 0)
+    with the norms of each parameter: each block's slice of a scanned model's stacked leaf is one,
+    as in the unrolled model (optax's took the norms over all the blocks at once)."""
+    def norm(path: tuple, x: jax.Array) -> jax.Array:
+        if not _stacked(path):
+            return optax.safe_norm(x, 0.0)
+        n = optax.safe_norm(x.reshape(x.shape[0], -1), 0.0, axis=1)
+        return n.reshape((-1,) + (1,) * (x.ndim - 1))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if params is None:
+            raise ValueError("scale_by_trust_ratio needs the params")
+
+        def one(path, u, p):
+            pn, un = norm(path, p), norm(path, u)
+            ratio = jnp.where(jnp.logical_or(pn == 0.0, un == 0.0), jnp.array(1.0, p.dtype), pn / un)
+            return u * ratio
+        return jax.tree_util.tree_map_with_path(one, updates, params), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def create(config: Any, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -143,7 +171,10 @@ def create(config: Any, total_steps: int) -> tuple[optax.GradientTransformation,
     elif o.name == "lamb":
         tx = timm_lamb(lr, o.b1, o.b2, o.weight_decay, decay_mask, o.lamb_grad_clip)
     elif o.name == "lamb_optax":
-        tx = optax.lamb(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask)
+        # optax.lamb's chain (eps 1e-6), with the per-parameter trust ratio of a scanned model
+        tx = optax.chain(optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=1e-6),
+                         optax.add_decayed_weights(o.weight_decay, mask=decay_mask),
+                         scale_by_trust_ratio(), optax.scale_by_learning_rate(lr))
     else:
         tx = optax.chain(optax.add_decayed_weights(o.weight_decay, mask=decay_mask),
                          optax.sgd(lr, momentum=o.momentum or None, nesterov=o.nesterov))
