@@ -807,3 +807,21 @@ def test_resumed_run_keeps_its_weights_and_says_init_from_is_not_read(tmp_path, 
     after = flat(ckpts.load_variables(wd, step=3)[0]["params"])
     for k in before:
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+
+
+def test_init_from_a_run_folder_says_how_to_export_it(tmp_path):
+    """Fine-tuning from a run of this project goes through its .npz export; init_from naming the
+    run's workdir said only 'is a directory, not an .npz file'. It now gives the export command
+    (a plain folder gets no such hint)."""
+    from normvit_jax import preflight
+    from tests.conftest import tiny_demo_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "6").mkdir(parents=True)
+    with pytest.raises(ValueError, match=rf"^config.init_from='{re.escape(str(run))}' is a directory, "
+                                         rf"not an .npz file; it holds a run: `python -m "
+                                         rf"normvit_jax.export --workdir={re.escape(str(run))} "
+                                         r"--out=FILE.npz`"):
+        preflight.check(tiny_demo_config(init_from=str(run)), str(tmp_path / "new"))
+    with pytest.raises(ValueError, match=r"is a directory, not an .npz file$"):
+        preflight.check(tiny_demo_config(init_from=str(tmp_path)), str(tmp_path / "new"))
