@@ -323,6 +323,14 @@ def test_flattened_head_kernels_reshape(tmp_path):
             np.testing.assert_array_equal(f[k.replace("kernel", "bias")], b[f"{t[0]}_b"])
     assert "reshaped (8, 8) -> (8, 2, 4)" in rows[
         "Transformer/encoderblock_0/MultiHeadDotProductAttention_1/query/kernel"].note
+    # another mismatch (depth): the first line names it, not heads: (D, H*Dh) kernels give no head
+    # count (it said 'heads (checkpoint 8, model 2)', H*Dh taken for H)
+    deep = model_cfg(depth=3)
+    with pytest.raises(pretrained.CheckpointError) as err:
+        load(template(deep, 5), path, deep, 5)
+    first = str(err.value).splitlines()[0]
+    assert "differs from the checkpoint in depth (checkpoint 2, model 3);" in first
+    assert "heads" not in first and "checkpoint: depth=2 width=8 heads=? " in str(err.value)
 
 
 def test_pre_logits_dropped_or_kept_by_config(tmp_path):
