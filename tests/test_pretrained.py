@@ -833,3 +833,23 @@ def test_init_from_a_run_folder_says_how_to_export_it(tmp_path):
         preflight.check(tiny_demo_config(init_from=str(run)), str(tmp_path / "new"))
     with pytest.raises(ValueError, match=r"is a directory, not an .npz file$"):
         preflight.check(tiny_demo_config(init_from=str(tmp_path)), str(tmp_path / "new"))
+
+
+@pytest.mark.parametrize("extra,note", [
+    ({}, None),
+    ({"qkv_bias": False}, "model.qkv_bias=False (others assume True)"),
+    ({"classifier": "gap_fc_norm"}, "model.classifier='gap_fc_norm' (others assume 'token' or 'gap'"),
+    ({"posemb": "sincos2d"}, "model.posemb='sincos2d' (others assume 'learn')"),
+], ids=["standard", "no_qkv_bias", "gap_fc_norm", "sincos"])
+def test_export_log_names_what_other_codebases_would_build_differently(tmp_path, extra, note):
+    """docs/pretrained.md: 'The export log names every way a model differs from' the standard ViT.
+    A model without q/k/v biases (the file lacks the arrays vit_jax and timm read) and one that
+    normalises after pooling (fc_norm, no encoder_norm) were exported without a word."""
+    cfg = model_cfg(**extra)
+    lines: list[str] = []
+    export.export_npz(random_params(cfg, 5, 3), str(tmp_path / "m.npz"), cfg, log=lines.append)
+    notes = [x for x in "\n".join(lines).splitlines() if x.strip().startswith("note:")]
+    if note is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and note in notes[0], notes
