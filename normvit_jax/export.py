@@ -42,9 +42,12 @@ def _compat_notes(spec: ViTSpec) -> list[str]:
         notes.append(f"norms {sorted(names)} (others expect LayerNorm)")
     for key, want in (("norm_placement", "pre"), ("patch_norm", "none"), ("posemb", "learn"),
                       ("residual_scaling", "none"), ("cls_token_at_block", 0), ("final_norm", True),
-                      ("gelu_approximate", True)):
+                      ("gelu_approximate", True), ("qkv_bias", True)):
         if getattr(spec, key) != want:
             notes.append(f"model.{key}={getattr(spec, key)!r} (others assume {want!r})")
+    if spec.classifier not in ("token", "gap"):  # gap_fc_norm: the final norm after pooling
+        notes.append(f"model.classifier={spec.classifier!r} (others assume 'token' or 'gap', the "
+                     "final norm on the tokens as Transformer/encoder_norm)")
     return notes
 
 

@@ -117,7 +117,11 @@ def check_npz(path: str, key: str = "path", missing_hint: str = "") -> None:
     if not p.exists():
         raise ValueError(f"{key}={path!r} does not exist{missing_hint}")
     if p.is_dir():
-        raise ValueError(f"{key}={path!r} is a directory, not an .npz file")
+        hint = ""
+        if run_config.has_checkpoint(path):  # a run of this project: say how to start from it
+            hint = (f"; it holds a run: `python -m normvit_jax.export --workdir={path} "
+                    "--out=FILE.npz` writes its weights as an .npz to pass here (docs/pretrained.md)")
+        raise ValueError(f"{key}={path!r} is a directory, not an .npz file{hint}")
     try:
         with p.open("rb") as f:
             head = f.read(8)

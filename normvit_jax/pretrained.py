@@ -162,7 +162,9 @@ class _ParamLoader:
         for k in pl_s if not load_pl else []:
             self.drop(k, "pre_logits not kept (model.representation_size unset or "
                          "init_keep_pre_logits=False)")
-        same_features = bool(pl_s) == load_pl
+        # the head saw the same features iff the pre_logits it read load too, or neither side has
+        # them (a new pre_logits layer at init feeds the head other features)
+        same_features = load_pl or not (pl_s or pl_t)
         keys = ("head/kernel", "head/bias")
         if same_features and all(k in src and src[k].shape == self.shape(k) for k in keys):
             for k in keys:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from normvit_jax import models
@@ -49,6 +50,77 @@ def test_every_optimizer_applies_the_decay_mask(name):
     moved = {k: bool(np.any(np.asarray(u) != 0)) for k, u in _flat(updates).items()}
     assert moved == mask, {k: (moved[k], mask[k]) for k in mask if moved[k] != mask[k]}
     assert any(mask.values()) and not all(mask.values())
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_weight_decay_moves_only_the_matrices_scanned_or_not(scan):
+    """With zero gradients AdamW's update is the weight decay alone: it must move the kernels and
+    DTN's position map (the matrices) and nothing else. The expectation is by name, not from
+    decay_mask. Before: the q/k/v biases ((heads, head_dim), one vector in timm) were decayed, and
+    in a scanned model (a leading depth axis) every block's biases and norm gains too."""
+    model = models.create({"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2,
+                           "norm": {"name": "dtn"}, "scan": scan}, num_classes=3)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    params = jax.tree.map(lambda a: a + 0.5, params)  # no zero leaf: decay moves every one
+    assert ("Transformer/encoderblock/LayerNorm_0/scale" in _flat(params)) == scan
+    c = tiny_demo_config(**{"optimizer.name": "adamw", "optimizer.weight_decay": 0.1,
+                            "optimizer.learning_rate": 0.01, "schedule.name": "constant",
+                            "schedule.warmup_steps": 0})
+    tx, _ = optimizer.create(c, total_steps=10)
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    moved = {k: bool(np.any(np.asarray(u) != 0)) for k, u in _flat(updates).items()}
+    want = {k: k.rsplit("/", 1)[-1] in ("kernel", "pos_proj") for k in moved}
+    assert moved == want, {k: moved[k] for k in moved if moved[k] != want[k]}
+
+
+@pytest.mark.parametrize("name", optimizer.OPTIMIZERS)
+def test_scanned_model_gets_the_unrolled_models_updates(name):
+    """model.scan stacks each block parameter on a leading depth axis; the optimizer must still
+    treat every block's slice as its own parameter. LAMB's trust ratio ||w|| / ||update|| was taken
+    over all the blocks at once (optax.scale_by_trust_ratio on the stacked leaf): updates ~4% off
+    the unrolled model's. Three steps, random weights and gradients, weight decay on."""
+    from normvit_jax.models import scan_convert
+    cfg = {"variant": "Ti/4", "depth": 3, "hidden_size": 16, "num_heads": 2, "mlp_dim": 32}
+    params = models.create(cfg, 3).init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    r = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: jnp.asarray(r.normal(size=a.shape), jnp.float32), params)
+    grads = [jax.tree.map(lambda a: jnp.asarray(r.normal(size=a.shape), jnp.float32), params)
+             for _ in range(3)]
+    spec = models.spec_of({**cfg, "scan": True}, 3)
+    c = tiny_demo_config(**{"optimizer.name": name, "optimizer.weight_decay": 0.05,
+                            "schedule.name": "constant", "schedule.warmup_steps": 0})
+    tx, _ = optimizer.create(c, total_steps=10)
+    pu, su = params, tx.init(params)
+    ps = scan_convert.to_layout(params, spec)
+    ss = tx.init(ps)
+    assert "Transformer/encoderblock/LayerNorm_0/scale" in _flat(ps)
+    for g in grads:
+        uu, su = tx.update(g, su, pu)
+        us, ss = tx.update(scan_convert.to_layout(g, spec), ss, ps)
+        pu, ps = optax.apply_updates(pu, uu), optax.apply_updates(ps, us)
+        back = _flat(scan_convert.unstack_blocks(us))
+        for k, u in _flat(uu).items():
+            np.testing.assert_allclose(back[k], u, rtol=1e-5, atol=1e-9, err_msg=k)
+
+
+def test_lamb_optax_is_optax_lamb_on_an_unrolled_model():
+    """'lamb_optax' is optax.lamb's chain with a trust ratio that knows scanned leaves: on an
+    unrolled model the same state tree and the same updates, bit for bit."""
+    params = models.create({"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2},
+                           num_classes=3).init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    r = np.random.default_rng(1)
+    grads = jax.tree.map(lambda a: jnp.asarray(r.normal(size=a.shape), jnp.float32), params)
+    c = tiny_demo_config(**{"optimizer.name": "lamb_optax", "optimizer.weight_decay": 0.05,
+                            "optimizer.grad_clip": None, "schedule.name": "constant",
+                            "schedule.warmup_steps": 0})
+    tx, lr = optimizer.create(c, total_steps=10)
+    ref = optax.lamb(lr, b1=c.optimizer.b1, b2=c.optimizer.b2, weight_decay=0.05,
+                     mask=optimizer.decay_mask)
+    assert jax.tree.structure(tx.init(params)) == jax.tree.structure(ref.init(params))
+    got, _ = tx.update(grads, tx.init(params), params)
+    want, _ = ref.update(grads, ref.init(params), params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("name", ["cosine", "linear", "constant"])

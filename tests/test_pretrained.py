@@ -323,6 +323,14 @@ def test_flattened_head_kernels_reshape(tmp_path):
             np.testing.assert_array_equal(f[k.replace("kernel", "bias")], b[f"{t[0]}_b"])
     assert "reshaped (8, 8) -> (8, 2, 4)" in rows[
         "Transformer/encoderblock_0/MultiHeadDotProductAttention_1/query/kernel"].note
+    # another mismatch (depth): the first line names it, not heads: (D, H*Dh) kernels give no head
+    # count (it said 'heads (checkpoint 8, model 2)', H*Dh taken for H)
+    deep = model_cfg(depth=3)
+    with pytest.raises(pretrained.CheckpointError) as err:
+        load(template(deep, 5), path, deep, 5)
+    first = str(err.value).splitlines()[0]
+    assert "differs from the checkpoint in depth (checkpoint 2, model 3);" in first
+    assert "heads" not in first and "checkpoint: depth=2 width=8 heads=? " in str(err.value)
 
 
 def test_pre_logits_dropped_or_kept_by_config(tmp_path):
@@ -337,6 +345,14 @@ def test_pre_logits_dropped_or_kept_by_config(tmp_path):
     with pytest.raises(pretrained.CheckpointError,
                        match="^init_keep_pre_logits=True .*set model.representation_size=6"):
         load(template(cfg, 5), path, cfg, 5, keep_pre_logits=True)
+    # a model with a new pre_logits layer (at init) and a file without one: the file's head saw the
+    # encoder's features, not that layer's, so it is zeroed even where its shape fits (it loaded)
+    plain = write(tmp_path / "plain.npz", vit_jax_file(logical(4)))
+    cfg8 = model_cfg(representation_size=D)
+    new, rows, _ = load(template(cfg8, 5), plain, cfg8, 5)
+    assert rows["pre_logits/kernel"].action == "init" and rows["head/kernel"].action == "reinit"
+    assert "head input changed" in rows["head/kernel"].note
+    assert np.all(flat(new)["head/kernel"] == 0) and np.all(flat(new)["head/bias"] == 0)
 
 
 def test_class_token_variants(tmp_path):
@@ -799,3 +815,41 @@ def test_resumed_run_keeps_its_weights_and_says_init_from_is_not_read(tmp_path, 
     after = flat(ckpts.load_variables(wd, step=3)[0]["params"])
     for k in before:
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+
+
+def test_init_from_a_run_folder_says_how_to_export_it(tmp_path):
+    """Fine-tuning from a run of this project goes through its .npz export; init_from naming the
+    run's workdir said only 'is a directory, not an .npz file'. It now gives the export command
+    (a plain folder gets no such hint)."""
+    from normvit_jax import preflight
+    from tests.conftest import tiny_demo_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "6").mkdir(parents=True)
+    with pytest.raises(ValueError, match=rf"^config.init_from='{re.escape(str(run))}' is a directory, "
+                                         rf"not an .npz file; it holds a run: `python -m "
+                                         rf"normvit_jax.export --workdir={re.escape(str(run))} "
+                                         r"--out=FILE.npz`"):
+        preflight.check(tiny_demo_config(init_from=str(run)), str(tmp_path / "new"))
+    with pytest.raises(ValueError, match=r"is a directory, not an .npz file$"):
+        preflight.check(tiny_demo_config(init_from=str(tmp_path)), str(tmp_path / "new"))
+
+
+@pytest.mark.parametrize("extra,note", [
+    ({}, None),
+    ({"qkv_bias": False}, "model.qkv_bias=False (others assume True)"),
+    ({"classifier": "gap_fc_norm"}, "model.classifier='gap_fc_norm' (others assume 'token' or 'gap'"),
+    ({"posemb": "sincos2d"}, "model.posemb='sincos2d' (others assume 'learn')"),
+], ids=["standard", "no_qkv_bias", "gap_fc_norm", "sincos"])
+def test_export_log_names_what_other_codebases_would_build_differently(tmp_path, extra, note):
+    """docs/pretrained.md: 'The export log names every way a model differs from' the standard ViT.
+    A model without q/k/v biases (the file lacks the arrays vit_jax and timm read) and one that
+    normalises after pooling (fc_norm, no encoder_norm) were exported without a word."""
+    cfg = model_cfg(**extra)
+    lines: list[str] = []
+    export.export_npz(random_params(cfg, 5, 3), str(tmp_path / "m.npz"), cfg, log=lines.append)
+    notes = [x for x in "\n".join(lines).splitlines() if x.strip().startswith("note:")]
+    if note is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and note in notes[0], notes

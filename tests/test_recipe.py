@@ -133,6 +133,22 @@ def test_layer_decay_table_for_a_tiny_model():
         assert v in (d ** 3, d ** 2, d, 1.0), k
 
 
+def test_layer_decay_gives_the_t2t_stem_the_embeddings_scale():
+    """BEiT's rule: the stem that makes the tokens is layer 0. T2T-ViT's tokens-to-token module
+    (its patch embedding) got layer depth + 1, the head's full learning rate, instead of the
+    smallest scale."""
+    d, depth = 0.5, 2
+    params = models.create({"name": "t2t_vit", "variant": "T2T-7", "depth": depth}, 4).init(
+        jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]
+    got = _flat(layer_decay.scales(params, d))
+    stem = [k for k in got if k.startswith("tokens_to_token/")]
+    assert len(stem) > 10
+    for k in stem + ["cls", "Transformer/posembed_input/pos_embedding"]:
+        assert got[k] == pytest.approx(d ** (depth + 1), rel=1e-12), k
+    assert got["Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel"] == pytest.approx(d ** depth)
+    assert got["head/kernel"] == 1.0
+
+
 def test_layer_decay_scales_the_updates_and_supports_scan():
     """SGD without momentum/decay/clip: update = -lr * scale * grad, per leaf; a scanned stack
     (3 blocks in Transformer/encoderblock) gets the scale of each block on its slice."""

@@ -140,11 +140,13 @@ def slot_of(name: str) -> tuple[str, str] | None:
 
 def dims(flat: Mapping[str, Any]) -> dict[str, Any]:
     """depth, width, heads, mlp and patch of flat vit_jax-named parameters ('?' where absent)."""
-    def dim(key: str, axis: int) -> Any:
-        return np.shape(flat[key])[axis] if key in flat else "?"
+    def dim(key: str, axis: int, ndim: int | None = None) -> Any:
+        ok = key in flat and (ndim is None or np.ndim(flat[key]) == ndim)
+        return np.shape(flat[key])[axis] if ok else "?"
     q = "Transformer/encoderblock_0/MultiHeadDotProductAttention_1/query/kernel"
+    # heads from a (D, H, Dh) kernel only: a (D, H*Dh) one (heads flattened) does not say
     return dict(depth=len({m.group(1) for k in flat if (m := BLOCK.match(k))}),
-                width=dim("embedding/kernel", -1), heads=dim(q, 1),
+                width=dim("embedding/kernel", -1), heads=dim(q, 1, ndim=3),
                 mlp=dim("Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel", -1),
                 patch=dim("embedding/kernel", 0))
 

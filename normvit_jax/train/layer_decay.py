@@ -1,8 +1,8 @@
 """Layer-wise learning-rate decay for fine-tuning (BEiT, MAE, timm's ``layer_decay``).
 
-Layer ids: the embeddings (patch embedding and its norms, class token, position embedding) are
-layer 0, block i is layer i + 1, everything after the blocks (final norm, pre_logits, head) is layer
-depth + 1. The lr scale of layer l is ``decay ** (depth + 1 - l)``. The scale multiplies the final
+Layer ids: the embeddings (patch embedding and its norms, T2T-ViT's tokens-to-token stem, class
+token, position embedding) are layer 0, block i is layer i + 1, everything after the blocks (final
+norm, pre_logits, head) is layer depth + 1. The lr scale of layer l is ``decay ** (depth + 1 - l)``. The scale multiplies the final
 updates, which equals scaling the param group's lr in timm (weight decay included, as torch's
 AdamW multiplies it by the lr). A scanned model (``Transformer/encoderblock`` stacked along axis 0)
 gets one scale per slice of that axis.
@@ -16,7 +16,11 @@ import jax
 import numpy as np
 import optax
 
-_EMBEDDING = ("embedding", "cls", "posembed_input", "patch_norm_pre", "patch_norm_post")
+from normvit_jax.models import t2t_vit
+
+# the stems: ViT's patch embedding, T2T-ViT's tokens-to-token module (BEiT's patch_embed: layer 0)
+_EMBEDDING = ("embedding", t2t_vit.STEM_SCOPE, "cls", "posembed_input", "patch_norm_pre",
+              "patch_norm_post")
 _BLOCK = re.compile(r"encoderblock_(\d+)$")
 
 

@@ -9,15 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from normvit_jax.models import scan_convert
 from normvit_jax.train import ema, global_norm, layer_decay
 
 # lamb: timm's Lamb (the LearnableScaler recipe's); lamb_optax: optax.lamb (trust ratio everywhere).
 OPTIMIZERS = ("adamw", "sgd", "lamb", "lamb_optax")
 SCHEDULES = ("cosine", "linear", "constant", "ls_custom")
-# Weight decay applies to matrices only: every 1-D parameter (biases, norm gains and shifts, DTN's
-# gates) and scalar is exempt, and so are the position embedding and the class token. A norm's own
-# matrices (DTN's position map) are decayed, as in the reference code.
-_NO_DECAY_NAMES = ("pos_embedding", "cls")
+# Weight decay applies to matrices only: every 1-D parameter (norm gains and shifts, DTN's gates),
+# scalar and bias (attention's q/k/v biases are 2-D here, one vector in timm) is exempt, and so are
+# the position embedding and the class token; a scanned block's leaves count without their depth
+# axis. A norm's own matrices (DTN's position map) are decayed, as in the reference code.
+_NO_DECAY_NAMES = ("pos_embedding", "cls", "bias")
 
 
 def validate(config: Any) -> None:
@@ -113,17 +115,51 @@ def timm_lamb(learning_rate: optax.ScalarOrSchedule, b1: float, b2: float, weigh
     parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
     if weight_decay:
         parts += [optax.add_decayed_weights(weight_decay, mask=mask),
-                  optax.masked(optax.scale_by_trust_ratio(), mask)]
+                  optax.masked(scale_by_trust_ratio(), mask)]
     parts.append(optax.scale_by_learning_rate(learning_rate))
     return optax.chain(*parts)
 
 
 def decay_mask(params: Any) -> Any:
-    """True where weight decay applies: matrices, except the position embedding and class token."""
+    """True where weight decay applies: matrices, except the position embedding and class token.
+
+    The rank is the parameter's own: a scanned model's stacked leaves (under
+    ``Transformer/encoderblock``, a leading depth axis) count one axis less, so their biases and
+    norm gains stay exempt; a ``bias`` is exempt whatever its rank (attention's q/k/v biases are
+    (heads, head_dim): timm's qkv bias, one vector, is not decayed)."""
     def keep(path, leaf) -> bool:
-        last = jax.tree_util.keystr(path[-1:], simple=True)
-        return leaf.ndim >= 2 and last not in _NO_DECAY_NAMES
+        rank = leaf.ndim - _stacked(path)
+        return rank >= 2 and jax.tree_util.keystr(path[-1:], simple=True) not in _NO_DECAY_NAMES
     return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def _stacked(path: tuple) -> bool:
+    """A scanned model's leaf (under ``Transformer/encoderblock``): one parameter per block
+    stacked on a leading depth axis."""
+    return any(jax.tree_util.keystr((k,), simple=True) == scan_convert.STACKED for k in path)
+
+
+def scale_by_trust_ratio() -> optax.GradientTransformation:
+    """``optax.scale_by_trust_ratio()`` (update * ||param|| / ||update||, 1 where either is 0)
+    with the norms of each parameter: each block's slice of a scanned model's stacked leaf is one,
+    as in the unrolled model (optax's took the norms over all the blocks at once)."""
+    def norm(path: tuple, x: jax.Array) -> jax.Array:
+        if not _stacked(path):
+            return optax.safe_norm(x, 0.0)
+        n = optax.safe_norm(x.reshape(x.shape[0], -1), 0.0, axis=1)
+        return n.reshape((-1,) + (1,) * (x.ndim - 1))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if params is None:
+            raise ValueError("scale_by_trust_ratio needs the params")
+
+        def one(path, u, p):
+            pn, un = norm(path, p), norm(path, u)
+            ratio = jnp.where(jnp.logical_or(pn == 0.0, un == 0.0), jnp.array(1.0, p.dtype), pn / un)
+            return u * ratio
+        return jax.tree_util.tree_map_with_path(one, updates, params), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def create(config: Any, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -135,7 +171,10 @@ def create(config: Any, total_steps: int) -> tuple[optax.GradientTransformation,
     elif o.name == "lamb":
         tx = timm_lamb(lr, o.b1, o.b2, o.weight_decay, decay_mask, o.lamb_grad_clip)
     elif o.name == "lamb_optax":
-        tx = optax.lamb(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask)
+        # optax.lamb's chain (eps 1e-6), with the per-parameter trust ratio of a scanned model
+        tx = optax.chain(optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=1e-6),
+                         optax.add_decayed_weights(o.weight_decay, mask=decay_mask),
+                         scale_by_trust_ratio(), optax.scale_by_learning_rate(lr))
     else:
         tx = optax.chain(optax.add_decayed_weights(o.weight_decay, mask=decay_mask),
                          optax.sgd(lr, momentum=o.momentum or None, nesterov=o.nesterov))
