@@ -391,6 +391,22 @@ def test_not_prepared_fails_fast_with_instructions(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing downloaded or created
 
 
+@pytest.mark.parametrize("eval_name, split, manual", [
+    ("imagenet_v2", "test", None), ("imagenet2012_real", "validation", "ILSVRC2012_img_val.tar")])
+def test_eval_only_sets_not_prepared_say_how_to_build_them_readable(tmp_path, eval_name, split,
+                                                                     manual):
+    """They are read by index: the command given must build array_record (tfds's default,
+    TFRecord, is refused next); ReaL needs ImageNet's validation tar placed by hand."""
+    c = cfg("imagenet2012", data_dir=str(tmp_path), eval_name=eval_name, eval_split=split)
+    with pytest.raises(data.DatasetNotFoundError) as e:
+        pipe(c, "eval")
+    msg = str(e.value)
+    assert f"tfds build {eval_name} --data_dir={tmp_path} --file_format=array_record" in msg
+    if manual:
+        assert f"place {manual} in {tmp_path / 'downloads' / 'manual'}" in msg
+    assert "\n" not in msg and not any(tmp_path.iterdir())
+
+
 def test_cifar10_under_mock_data(tmp_path):
     import tensorflow_datasets as tfds
     c = cfg("cifar10", data_dir=str(tmp_path), image_size=16, normalize="minus_one_one",

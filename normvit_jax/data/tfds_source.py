@@ -20,6 +20,11 @@ _OFFLINE = ("Offline alternatives: the bundled digits data (`--config=configs/<m
             "`--config.data.name=digits`), or tests under `tfds.testing.mock_data`.")
 
 
+# The archives tfds cannot download (ImageNet's licence): tfds reads them from <data_dir>/downloads/manual.
+MANUAL_FILES = {"imagenet2012": ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"),
+                "imagenet2012_real": ("ILSVRC2012_img_val.tar",)}
+
+
 def _tfds():
     logs.import_tensorflow_once()
     import tensorflow_datasets as tfds
@@ -50,12 +55,16 @@ def open_builder(name: str, data_dir: str | None, *, random_access: bool) -> Any
     if is_mocked():
         return builder
     root = _root(builder, data_dir)
-    if name == "imagenet2012":
-        how = (f"place ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar in "
-               f"{os.path.join(root, 'downloads', 'manual')} and run `tfds build imagenet2012 "
-               f"--data_dir={root} --file_format=array_record`")
+    # read by index: built as array_record at once (tfds's default, TFRecord, is refused below)
+    build = (f"`tfds build {name} --data_dir={root}"
+             f"{' --file_format=array_record' if random_access else ''}`")
+    if name in MANUAL_FILES:
+        how = (f"place {' and '.join(MANUAL_FILES[name])} in "
+               f"{os.path.join(root, 'downloads', 'manual')} and run {build}")
+        if name == "imagenet2012_real":
+            how += " on a machine with network (it downloads the ReaL labels)"
     else:
-        how = f"run `tfds build {name} --data_dir={root}` once on a machine with network"
+        how = f"run {build} once on a machine with network"
     if not builder.is_prepared():
         raise DatasetNotFoundError(
             f"dataset {name!r} is not prepared in {builder.data_dir} (data_dir={root}); no "
