@@ -10,6 +10,7 @@ import gc
 import io
 import itertools
 import os
+import re
 import time
 from unittest import mock
 
@@ -486,9 +487,23 @@ def test_imagenet_random_access(fake_imagenet):
 def test_imagenet_tfrecord_is_refused_with_a_fix(tmp_path):
     _prepare("imagenet2012", str(tmp_path), "tfrecord",
              {"validation": [{"image": _jpeg(0, 9, 9), "label": 1, "file_name": "a.JPEG"}]})
-    c = cfg("imagenet2012", data_dir=str(tmp_path))
+    c = cfg("imagenet2012", data_dir=str(tmp_path), eval_split="validation")
     with pytest.raises(data.DatasetNotFoundError, match="convert_format.*array_record"):
         pipe(c, "eval")
+
+
+@pytest.mark.parametrize("key, split", [("eval_split", "test"), ("eval_split", "validation+test"),
+                                        ("train_split", "test[:50%]")])
+def test_imagenet_unlabelled_test_split_is_refused_when_opened(fake_imagenet, key, split):
+    """tfds's imagenet2012 'test' has label -1 everywhere: evaluated, it reported loss 0.0 and
+    top-1 0%. Opening it is refused in one line; resolving the config (predict, export of a
+    run whose config names it) is not."""
+    c = default.get_imagenet(default.get_config())
+    c.data.data_dir, c.data[key] = fake_imagenet, split
+    data.resolve_data_spec(c)
+    with pytest.raises(ValueError, match=rf"^config.data.{key}='{re.escape(split)}' is invalid; "
+                                         r"accepted: a labelled split of 'imagenet2012'.*'validation'"):
+        pipe(c, "train" if key == "train_split" else "eval")
 
 
 def test_cifar10_prepared_array_record_in_memory(tmp_path):

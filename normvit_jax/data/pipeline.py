@@ -188,6 +188,8 @@ def make_pipeline(config: Any, split: str, spec: dataspec.DataSpec | None = None
     order.host_rows(gb, process_index, process_count)  # fail before reading any data
     train = split == "train"
     tfds_split = spec.train_split if train else spec.eval_split
+    dataspec.check_labelled("train_split" if train else "eval_split",
+                            spec.name if train else spec.eval_name, tfds_split)
     limit = d.get("num_train_examples") if train else d.get("num_eval_examples")
     workers = d.get("num_workers") or default_num_workers()
     source = _open_source(spec.data_dir, spec.name if train else spec.eval_name, tfds_split, limit,
