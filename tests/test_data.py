@@ -484,6 +484,41 @@ def test_imagenet_random_access(fake_imagenet):
     p.close()
 
 
+def _as_version(src_root: str, dst_root, version: str) -> str:
+    """A copy of the prepared imagenet2012 in ``src_root`` relabelled as ``version`` (what an
+    older tfds left), in ``dst_root``."""
+    import json
+    import shutil
+    (src,) = [d for d in os.listdir(os.path.join(src_root, "imagenet2012")) if d[0].isdigit()]
+    dst = os.path.join(dst_root, "imagenet2012", version)
+    shutil.copytree(os.path.join(src_root, "imagenet2012", src), dst)
+    info = os.path.join(dst, "dataset_info.json")
+    with open(info) as f:
+        d = json.load(f)
+    d["version"] = version
+    with open(info, "w") as f:
+        json.dump(d, f)
+    return str(dst_root)
+
+
+def test_imagenet_built_by_an_older_tfds_is_read_not_rebuilt(fake_imagenet, tmp_path):
+    """ImageNet prepared as 5.0.0 (tfds's default before 5.1.0 added the unlabelled 'test'):
+    read as it is. Another major version is not read, and the message names it."""
+    c = default.get_imagenet(default.get_config())
+    c.data.data_dir, c.data.image_size, c.data.num_workers = (
+        _as_version(fake_imagenet, tmp_path / "old", "5.0.0"), 16, 2)
+    c.batch_size, c.eval_batch_size = 8, 4
+    new = default.get_imagenet(default.get_config())
+    new.data.data_dir, new.data.image_size, new.data.num_workers = fake_imagenet, 16, 2
+    new.batch_size, new.eval_batch_size = 8, 4
+    assert same(pipe(c).train_batch(3), pipe(new).train_batch(3))
+    assert pipe(c, "eval").num_examples == 7
+    c.data.data_dir = _as_version(fake_imagenet, tmp_path / "older", "4.0.0")
+    with pytest.raises(data.DatasetNotFoundError,
+                       match=r"other versions there, which this tfds does not read: 4\.0\.0"):
+        pipe(c)
+
+
 def test_imagenet_tfrecord_is_refused_with_a_fix(tmp_path):
     _prepare("imagenet2012", str(tmp_path), "tfrecord",
              {"validation": [{"image": _jpeg(0, 9, 9), "label": 1, "file_name": "a.JPEG"}]})

@@ -1,4 +1,6 @@
 """Opening tfds datasets offline: a fast 'is it prepared?' check, then in-memory or random access.
+Where this tfds's version of a dataset is not prepared but another of the same major version is
+(ImageNet 5.0.0, built by an older tfds), that one is read from its files (``_other_version``).
 
 tfds's downloader retries for minutes without a network, so nothing here may reach it: every read
 goes through ``open_builder``, which fails at once with what to do instead. Under
@@ -12,6 +14,7 @@ import os
 from typing import Any
 
 import numpy as np
+from absl import logging
 
 from normvit_jax import logs
 from normvit_jax.data.errors import DatasetNotFoundError
@@ -45,6 +48,30 @@ def _root(builder: Any, data_dir: str | None) -> str:
     return os.fspath(builder.data_path.parents[up - 1])
 
 
+def _other_version(builder: Any) -> tuple[Any | None, list[str]]:
+    """(a read-only builder of the newest other prepared version of ``builder``'s dataset with the
+    same major version, or None; the other prepared versions' names). An ImageNet that an older
+    tfds built as 5.0.0 is the same data as this tfds's 5.1.0 but for its unlabelled 'test'
+    split: it is read, not rebuilt (hours, and the archives again)."""
+    tfds = _tfds()
+    found = []
+    try:
+        entries = list(builder.data_path.parent.iterdir())
+    except OSError:
+        return None, []
+    for d in entries:
+        try:
+            version = tfds.core.Version(d.name)
+        except ValueError:  # 'incomplete.*' folders of a build that stopped, other files
+            continue
+        if version != builder.version and (d / "dataset_info.json").exists():
+            found.append((version, d))
+    same = [(v, d) for v, d in sorted(found, reverse=True) if v.major == builder.version.major]
+    if same:
+        return tfds.builder_from_directory(os.fspath(same[0][1])), []
+    return None, [str(v) for v, _ in sorted(found, reverse=True)]
+
+
 def open_builder(name: str, data_dir: str | None, *, random_access: bool) -> Any:
     """A tfds builder for prepared data; raises DatasetNotFoundError (no download) otherwise.
 
@@ -66,9 +93,16 @@ def open_builder(name: str, data_dir: str | None, *, random_access: bool) -> Any
     else:
         how = f"run {build} once on a machine with network"
     if not builder.is_prepared():
-        raise DatasetNotFoundError(
-            f"dataset {name!r} is not prepared in {builder.data_dir} (data_dir={root}); no "
-            f"download is attempted. To prepare it, {how}. {_OFFLINE}")
+        other, others = _other_version(builder)
+        if other is None:
+            found = (f" (other versions there, which this tfds does not read: {', '.join(others)})"
+                     if others else "")
+            raise DatasetNotFoundError(
+                f"dataset {name!r} is not prepared in {builder.data_dir} (data_dir={root}){found}; "
+                f"no download is attempted. To prepare it, {how}. {_OFFLINE}")
+        logging.info("Dataset %s: version %s is not prepared in %s; reading version %s, prepared "
+                     "there.", name, builder.version, root, other.version)
+        builder = other
     fmt = builder.info.file_format
     if random_access and fmt != tfds.core.FileFormat.ARRAY_RECORD:
         raise DatasetNotFoundError(
