@@ -541,6 +541,22 @@ def test_imagenet_unlabelled_test_split_is_refused_when_opened(fake_imagenet, ke
         pipe(c, "train" if key == "train_split" else "eval")
 
 
+@pytest.mark.parametrize("key, split, why", [
+    ("eval_split", "val", "Unknown split 'val'"),
+    ("train_split", "train[:200%]", "percent slice boundaries should be in"),
+    ("train_split", "train[5:3]", "the slice selects no examples")])
+def test_a_split_tfds_cannot_read_is_one_line_naming_its_key(fake_imagenet, key, split, why):
+    """tfds's own messages named neither the key nor (some) fit one line ('train[5:3]' read
+    '__len__() should return >= 0')."""
+    c = default.get_imagenet(default.get_config())
+    c.data.data_dir, c.data[key] = fake_imagenet, split
+    with pytest.raises(ValueError) as e:
+        pipe(c, "train" if key == "train_split" else "eval")
+    msg = str(e.value)
+    assert msg.startswith(f"config.data.{key}={split!r} cannot be read from imagenet2012: ")
+    assert why in msg and "\n" not in msg
+
+
 def test_cifar10_prepared_array_record_in_memory(tmp_path):
     ex = [{"id": f"i{i}", "image": np.full((32, 32, 3), 20 * (i % 10), np.uint8),
            "label": i % 10} for i in range(12)]
