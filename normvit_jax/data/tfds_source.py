@@ -56,16 +56,15 @@ def _other_version(builder: Any) -> tuple[Any | None, list[str]]:
     tfds = _tfds()
     found = []
     try:
-        entries = list(builder.data_path.parent.iterdir())
-    except OSError:
-        return None, []
-    for d in entries:
-        try:
-            version = tfds.core.Version(d.name)
-        except ValueError:  # 'incomplete.*' folders of a build that stopped, other files
-            continue
-        if version != builder.version and (d / "dataset_info.json").exists():
-            found.append((version, d))
+        for d in builder.data_path.parent.iterdir():
+            try:
+                version = tfds.core.Version(d.name)
+            except ValueError:  # 'incomplete.*' folders of a build that stopped, other files
+                continue
+            if version != builder.version and (d / "dataset_info.json").exists():
+                found.append((version, d))
+    except Exception:  # noqa: BLE001  a best-effort look: a missing folder (on gs://, TF's
+        return None, []  # NotFoundError, not an OSError) leaves the not-prepared message as it is
     same = [(v, d) for v, d in sorted(found, reverse=True) if v.major == builder.version.major]
     if same:
         return tfds.builder_from_directory(os.fspath(same[0][1])), []
