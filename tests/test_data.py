@@ -10,6 +10,7 @@ import gc
 import io
 import itertools
 import os
+import re
 import time
 from unittest import mock
 
@@ -391,6 +392,22 @@ def test_not_prepared_fails_fast_with_instructions(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing downloaded or created
 
 
+@pytest.mark.parametrize("eval_name, split, manual", [
+    ("imagenet_v2", "test", None), ("imagenet2012_real", "validation", "ILSVRC2012_img_val.tar")])
+def test_eval_only_sets_not_prepared_say_how_to_build_them_readable(tmp_path, eval_name, split,
+                                                                     manual):
+    """They are read by index: the command given must build array_record (tfds's default,
+    TFRecord, is refused next); ReaL needs ImageNet's validation tar placed by hand."""
+    c = cfg("imagenet2012", data_dir=str(tmp_path), eval_name=eval_name, eval_split=split)
+    with pytest.raises(data.DatasetNotFoundError) as e:
+        pipe(c, "eval")
+    msg = str(e.value)
+    assert f"tfds build {eval_name} --data_dir={tmp_path} --file_format=array_record" in msg
+    if manual:
+        assert f"place {manual} in {tmp_path / 'downloads' / 'manual'}" in msg
+    assert "\n" not in msg and not any(tmp_path.iterdir())
+
+
 def test_cifar10_under_mock_data(tmp_path):
     import tensorflow_datasets as tfds
     c = cfg("cifar10", data_dir=str(tmp_path), image_size=16, normalize="minus_one_one",
@@ -467,12 +484,77 @@ def test_imagenet_random_access(fake_imagenet):
     p.close()
 
 
+def _as_version(src_root: str, dst_root, version: str) -> str:
+    """A copy of the prepared imagenet2012 in ``src_root`` relabelled as ``version`` (what an
+    older tfds left), in ``dst_root``."""
+    import json
+    import shutil
+    (src,) = [d for d in os.listdir(os.path.join(src_root, "imagenet2012")) if d[0].isdigit()]
+    dst = os.path.join(dst_root, "imagenet2012", version)
+    shutil.copytree(os.path.join(src_root, "imagenet2012", src), dst)
+    info = os.path.join(dst, "dataset_info.json")
+    with open(info) as f:
+        d = json.load(f)
+    d["version"] = version
+    with open(info, "w") as f:
+        json.dump(d, f)
+    return str(dst_root)
+
+
+def test_imagenet_built_by_an_older_tfds_is_read_not_rebuilt(fake_imagenet, tmp_path):
+    """ImageNet prepared as 5.0.0 (tfds's default before 5.1.0 added the unlabelled 'test'):
+    read as it is. Another major version is not read, and the message names it."""
+    c = default.get_imagenet(default.get_config())
+    c.data.data_dir, c.data.image_size, c.data.num_workers = (
+        _as_version(fake_imagenet, tmp_path / "old", "5.0.0"), 16, 2)
+    c.batch_size, c.eval_batch_size = 8, 4
+    new = default.get_imagenet(default.get_config())
+    new.data.data_dir, new.data.image_size, new.data.num_workers = fake_imagenet, 16, 2
+    new.batch_size, new.eval_batch_size = 8, 4
+    assert same(pipe(c).train_batch(3), pipe(new).train_batch(3))
+    assert pipe(c, "eval").num_examples == 7
+    c.data.data_dir = _as_version(fake_imagenet, tmp_path / "older", "4.0.0")
+    with pytest.raises(data.DatasetNotFoundError,
+                       match=r"other versions there, which this tfds does not read: 4\.0\.0"):
+        pipe(c)
+
+
 def test_imagenet_tfrecord_is_refused_with_a_fix(tmp_path):
     _prepare("imagenet2012", str(tmp_path), "tfrecord",
              {"validation": [{"image": _jpeg(0, 9, 9), "label": 1, "file_name": "a.JPEG"}]})
-    c = cfg("imagenet2012", data_dir=str(tmp_path))
+    c = cfg("imagenet2012", data_dir=str(tmp_path), eval_split="validation")
     with pytest.raises(data.DatasetNotFoundError, match="convert_format.*array_record"):
         pipe(c, "eval")
+
+
+@pytest.mark.parametrize("key, split", [("eval_split", "test"), ("eval_split", "validation+test"),
+                                        ("train_split", "test[:50%]")])
+def test_imagenet_unlabelled_test_split_is_refused_when_opened(fake_imagenet, key, split):
+    """tfds's imagenet2012 'test' has label -1 everywhere: evaluated, it reported loss 0.0 and
+    top-1 0%. Opening it is refused in one line; resolving the config (predict, export of a
+    run whose config names it) is not."""
+    c = default.get_imagenet(default.get_config())
+    c.data.data_dir, c.data[key] = fake_imagenet, split
+    data.resolve_data_spec(c)
+    with pytest.raises(ValueError, match=rf"^config.data.{key}='{re.escape(split)}' is invalid; "
+                                         r"accepted: a labelled split of 'imagenet2012'.*'validation'"):
+        pipe(c, "train" if key == "train_split" else "eval")
+
+
+@pytest.mark.parametrize("key, split, why", [
+    ("eval_split", "val", "Unknown split 'val'"),
+    ("train_split", "train[:200%]", "percent slice boundaries should be in"),
+    ("train_split", "train[5:3]", "the slice selects no examples")])
+def test_a_split_tfds_cannot_read_is_one_line_naming_its_key(fake_imagenet, key, split, why):
+    """tfds's own messages named neither the key nor (some) fit one line ('train[5:3]' read
+    '__len__() should return >= 0')."""
+    c = default.get_imagenet(default.get_config())
+    c.data.data_dir, c.data[key] = fake_imagenet, split
+    with pytest.raises(ValueError) as e:
+        pipe(c, "train" if key == "train_split" else "eval")
+    msg = str(e.value)
+    assert msg.startswith(f"config.data.{key}={split!r} cannot be read from imagenet2012: ")
+    assert why in msg and "\n" not in msg
 
 
 def test_cifar10_prepared_array_record_in_memory(tmp_path):

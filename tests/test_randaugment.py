@@ -14,6 +14,7 @@ import pytest
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
 from normvit_jax import data
+from normvit_jax.data import stats as data_stats
 from normvit_jax.train import batch_aug, erasing, randaugment as ra
 from normvit_jax.train import randaug_ops as ops
 from normvit_jax.train import steps as steps_lib
@@ -304,6 +305,31 @@ def test_normalization_round_trip_and_untouched_rows():
     np.testing.assert_allclose(got, (255 - p) / 255 * scale + shift, atol=1e-5)
     off = dataclasses.replace(cfg, prob=0.0)
     np.testing.assert_array_equal(ra.augment(jax.random.key(0), jnp.asarray(x), off), x)
+
+
+@pytest.mark.parametrize("preset, fill", [
+    ("vit_ln.py:deit_t", (124.0, 116.0, 104.0)),  # timm IMAGENET_DEFAULT_MEAN
+    ("vit_learnable_scaler.py:paper", (128.0, 128.0, 128.0))])  # IMAGENET_INCEPTION_MEAN 0.5
+def test_timm_fill_is_the_mean_of_the_normalization_the_preset_trains_with(preset, fill):
+    """timm's create_transform sets img_mean = round(255 * x) of its Normalize mean: LS trains
+    with mean 0.5 (data.normalize='minus_one_one'), so it fills with 128, not ImageNet's mean."""
+    import importlib
+    module, variant = preset.split(":")
+    c = importlib.import_module(f"configs.{module[:-3]}").get_config(variant)
+    cfg = ra.from_config(c, data.resolve_data_spec(c))
+    assert cfg.style == "timm" and cfg.fill == fill
+
+
+@pytest.mark.parametrize("normalize", data.NORMALIZE)
+def test_normalization_mean_is_the_pixel_mapped_to_zero(normalize):
+    """Whatever the mode, the fill's pixel is the one the model input sees as 0 (float64 check
+    of the affine's own arithmetic on random statistics)."""
+    rng = np.random.default_rng(3)
+    s = {"mean": rng.uniform(0.3, 0.6, 3), "std": rng.uniform(0.1, 0.3, 3),
+         "min": rng.uniform(0.0, 0.1, 3), "max": rng.uniform(0.9, 1.0, 3)}
+    m = data_stats.normalization_mean(s, normalize)
+    scale, shift = data_stats.affine_of(s, normalize)
+    np.testing.assert_allclose(m * np.float64(scale) + np.float64(shift), 0.0, atol=1e-6)
 
 
 def test_deterministic_in_the_key_and_differs_across_steps_and_rows():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import threading
 import time
 
@@ -59,17 +60,61 @@ def test_crop_window_is_the_numpy_rule(rrc, min_area, fraction):
     hw = np.concatenate([rng.integers(1, 12, (n // 4, 2)), rng.integers(12, 700, (n - n // 4, 2))])
     u = rng.random((n, transforms.NUM_UNIFORMS))
     fn = tf.function(lambda h, w, r: tf_images.crop_window(h, w, r, geo))
+    hw[: n // 8, 0] = rng.integers(1, 40, n // 8)  # 5:1 and thinner: timm's fallback, narrowed
     fallbacks = 0
     for (h, w), r in zip(hw, u):
         top, left, hh, ww = fn(tf.constant(h), tf.constant(w), tf.constant(r)).numpy().tolist()
         if rrc:
             box = transforms.random_resized_box(int(h), int(w), r, min_area)
-            fallbacks += box == transforms.central_box(int(h), int(w), 1.0)
+            fallbacks += box == transforms.rrc_fallback_box(int(h), int(w))
         else:
             box = transforms.central_box(int(h), int(w), fraction)
         assert (left, top, left + ww, top + hh) == box, (h, w)
-    if rrc:  # the tiny images exercise the central-square fallback, the rest the random boxes
-        assert 0 < fallbacks < n // 2
+    if rrc:  # the tiny and thin images exercise the fallback, the rest the random boxes
+        assert 0 < fallbacks < n * 3 // 4
+
+
+def _timm_rrc(h: int, w: int, u: np.ndarray, min_area: float) -> tuple[int, int, int, int]:
+    """timm's RandomResizedCropAndInterpolation.get_params (timm/data/transforms.py), its
+    random.uniform/randint replaced by the same uniforms; (left, top, right, bottom)."""
+    area, ratio = h * w, (3. / 4., 4. / 3.)
+    for k in range(10):
+        target_area = (min_area + (1.0 - min_area) * u[transforms.U_RRC + 2 * k]) * area
+        log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+        aspect_ratio = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0])
+                                * u[transforms.U_RRC + 2 * k + 1])
+        cw = int(round(math.sqrt(target_area * aspect_ratio)))
+        ch = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < cw <= w and 0 < ch <= h:
+            i = int(u[transforms.U_POS_Y] * (h - ch + 1))
+            j = int(u[transforms.U_POS_X] * (w - cw + 1))
+            return j, i, j + cw, i + ch
+    in_ratio = w / h  # fallback to central crop
+    if in_ratio < min(ratio):
+        cw, ch = w, int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        ch, cw = h, int(round(h * max(ratio)))
+    else:  # whole image
+        cw, ch = w, h
+    i, j = (h - ch) // 2, (w - cw) // 2
+    return j, i, j + cw, i + ch
+
+
+def test_random_resized_box_is_timms_including_its_fallback():
+    """A panorama (5:1 and 1:5) falls back in about a quarter of its draws: timm then takes its
+    central 4:3 (3:4) window, not a square; photos within the limits take the whole image."""
+    rng = np.random.default_rng(4)
+    shapes = [(200, 1000), (1000, 200), (300, 600), (375, 500), (500, 375), (7, 3), (1, 1)]
+    fell = 0
+    for h, w in shapes:
+        for _ in range(400):
+            r = rng.random(transforms.NUM_UNIFORMS)
+            box = transforms.random_resized_box(h, w, r, 0.08)
+            assert box == _timm_rrc(h, w, r, 0.08), (h, w)
+            fell += h * w == 200_000 and box == transforms.rrc_fallback_box(h, w)
+    assert 100 < fell < 300  # of the panoramas' 800 draws (measured: about 24%)
+    assert transforms.rrc_fallback_box(200, 1000) == (366, 0, 633, 200)  # 267 x 200, centred
+    assert transforms.rrc_fallback_box(375, 500) == (0, 0, 500, 375)
 
 
 @pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "random"])

@@ -28,6 +28,9 @@ NORMALIZE = stats.NORMALIZE
 IN_MEMORY_TFDS = ("cifar10", "cifar100")
 # Evaluation-only datasets (config.data.eval_name) and the training set whose labels they share.
 EVAL_ONLY_TFDS = {"imagenet_v2": "imagenet2012", "imagenet2012_real": "imagenet2012"}
+# Splits tfds stores without labels (every label -1): training or evaluating on them would give a
+# loss of 0 and 0% accuracy (one_hot(-1) is all zeros), so opening one is refused by name.
+UNLABELLED_SPLITS: dict[str, tuple[str, ...]] = {"imagenet2012": ("test",)}
 CLASS_NAMES: dict[str, tuple[str, ...]] = {
     "digits": tuple(str(i) for i in range(10)),
     "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
@@ -236,6 +239,18 @@ def validate(config: Any, num_devices: int = 1) -> None:
     if not _is_int(_get(config, "seed", 0)):
         _fail("seed", _get(config, "seed"), "an integer")
     check_batch_sizes(config, num_devices)
+
+
+def check_labelled(key: str, dataset: str, split: str) -> None:
+    """Refuses a split string that reads one of ``UNLABELLED_SPLITS`` (``'test'``, ``'test[:10%]'``,
+    ``'validation+test'``). Called where a split is opened (``make_pipeline``), not by
+    ``validate``: a run's saved config naming one still predicts and exports."""
+    parts = {p.split("[")[0].strip() for p in split.split("+")}
+    bad = sorted(parts & set(UNLABELLED_SPLITS.get(dataset, ())))
+    if bad:
+        _fail(f"data.{key}", split, f"a labelled split of {dataset!r}: its {bad[0]!r} split has no "
+              "labels (tfds stores -1; the loss would be 0 and the accuracy 0%); ImageNet's "
+              "labelled held-out split is 'validation'")
 
 
 def check_batch_sizes(config: Any, num_devices: int = 1) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from normvit_jax.data import dataspec, decoded, digits, order, prepared, tfds_source, transforms
+from normvit_jax.data import (dataspec, decoded, digits, errors, order, prepared, tfds_source,
+                              transforms)
 from normvit_jax.data import real as real_labels
 from normvit_jax.data.prefetch import Prefetcher, ordered_map
 from normvit_jax.data.dataspec import setting
@@ -28,7 +29,32 @@ Batch = dict[str, np.ndarray]
 
 
 def _open_source(data_dir: str | None, name: str, tfds_split: str, limit: int | None,
-                 workers: int):
+                 workers: int, key: str = "data.train_split"):
+    """The source of split ``tfds_split`` (the value of ``config.<key>``) of dataset ``name``; a
+    split string tfds cannot read is refused in one line naming ``key``."""
+    try:
+        src = _open_split(data_dir, name, tfds_split, workers)
+    except errors.DatasetNotFoundError:
+        raise
+    except ValueError as e:  # tfds: unknown split, bad slice (some messages span lines), empty
+        if str(e).startswith("config."):  # already names its key (a prepared dataset's splits)
+            raise
+        why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        if "__len__" in why:  # a slice that ends before it starts, e.g. 'train[5:3]'
+            why = "the slice selects no examples"
+        raise ValueError(f"config.{key}={tfds_split!r} cannot be read from {name}: {why}") from None
+    if limit is not None:  # use the first `limit` examples of the split
+        if limit > len(src):
+            raise ValueError(f"config.data.num_*_examples={limit} exceeds the {len(src)} "
+                             f"examples of {name}:{tfds_split}")
+        if isinstance(src, ArraySource):
+            src = ArraySource(src.images[:limit], src.labels[:limit])
+        else:
+            src.n = limit
+    return src
+
+
+def _open_split(data_dir: str | None, name: str, tfds_split: str, workers: int) -> Any:
     if name == "digits":
         src: Any = ArraySource(*digits.load(tfds_split))
     elif name in dataspec.IN_MEMORY_TFDS:
@@ -45,14 +71,6 @@ def _open_source(data_dir: str | None, name: str, tfds_split: str, limit: int | 
         else:
             examples = tfds_source.serialized_examples(recs)
         src = JpegSource(recs, len(recs), workers, examples, where=f"{name}:{tfds_split}")
-    if limit is not None:  # use the first `limit` examples of the split
-        if limit > len(src):
-            raise ValueError(f"config.data.num_*_examples={limit} exceeds the {len(src)} "
-                             f"examples of {name}:{tfds_split}")
-        if isinstance(src, ArraySource):
-            src = ArraySource(src.images[:limit], src.labels[:limit])
-        else:
-            src.n = limit
     return src
 
 
@@ -188,8 +206,10 @@ def make_pipeline(config: Any, split: str, spec: dataspec.DataSpec | None = None
     order.host_rows(gb, process_index, process_count)  # fail before reading any data
     train = split == "train"
     tfds_split = spec.train_split if train else spec.eval_split
+    dataspec.check_labelled("train_split" if train else "eval_split",
+                            spec.name if train else spec.eval_name, tfds_split)
     limit = d.get("num_train_examples") if train else d.get("num_eval_examples")
     workers = d.get("num_workers") or default_num_workers()
     source = _open_source(spec.data_dir, spec.name if train else spec.eval_name, tfds_split, limit,
-                          workers)
+                          workers, "data.train_split" if train else "data.eval_split")
     return Pipeline(config, spec, split, source, process_index, process_count)

@@ -68,6 +68,19 @@ def affine_of(s: dict[str, np.ndarray], normalize: str) -> tuple[np.ndarray, np.
     return 1 / span, -s["min"] / span
 
 
+def normalization_mean(s: dict[str, np.ndarray], normalize: str) -> np.ndarray:
+    """float64 (3,): the [0, 1] pixel that ``normalize`` maps to 0, i.e. the mean of the
+    equivalent ``(x01 - mean) / std`` (torchvision's Normalize, whose mean timm's RandAugment
+    fills with): the training mean for zscore, 0.5 for minus_one_one, the training min for
+    minmax, 0 for zero_one."""
+    if normalize not in NORMALIZE:
+        raise ValueError(f"config.data.normalize={normalize!r} is invalid; accepted: "
+                         f"{list(NORMALIZE)}")
+    pick = {"zscore": lambda: s["mean"], "minmax": lambda: s["min"],
+            "minus_one_one": lambda: np.full(3, 0.5), "zero_one": lambda: np.zeros(3)}
+    return np.asarray(pick[normalize](), np.float64)
+
+
 def model_input(images: Any, affine: tuple[np.ndarray, np.ndarray] | None) -> Any:
     """Batch images -> model input. uint8 pixels (what JPEG sources ship: a quarter of float32's
     host work and host-to-device bytes) become ``x / 255 * scale + shift`` in float32, on whatever

@@ -24,7 +24,7 @@ import numpy as np
 from normvit_jax import logs
 from normvit_jax.data import transforms
 
-_LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
+_LOG_RATIO = tuple(math.log(r) for r in transforms.RRC_RATIO)
 # One tf.function per (geometry, examples, workers) for the whole process, traced once under a
 # lock before its first call: the batches in flight (sources.JpegSource: 4 threads) called it at
 # once, each saw the tracing count change while the first call traced, and TF's frequent-tracing
@@ -47,7 +47,8 @@ def _tf():
 
 def crop_window(h: Any, w: Any, u: Any, geo: Any) -> Any:
     """int32 (top, left, height, width) of the crop of an ``h x w`` image, from its uniforms ``u``
-    (float64, ``transforms.NUM_UNIFORMS``): random resized (``geo.rrc``) or central square."""
+    (float64, ``transforms.NUM_UNIFORMS``): random resized (``geo.rrc``; when no draw fits,
+    ``transforms.rrc_fallback_box``) or central square."""
     tf = _tf()
     hf, wf = tf.cast(h, tf.float64), tf.cast(w, tf.float64)
 
@@ -74,7 +75,15 @@ def crop_window(h: Any, w: Any, u: Any, geo: Any) -> Any:
         left = tf.minimum(tf.floor(u[transforms.U_POS_X] * (wf - cw1 + 1)), wf - cw1)
         return tf.cast(tf.stack([top, left, ch1, cw1]), tf.int32)
 
-    return tf.cond(tf.reduce_any(fits), random_box, lambda: central(1.0))
+    def fallback():  # transforms.rrc_fallback_box
+        r_lo, r_hi = transforms.RRC_RATIO
+        in_ratio = wf / hf
+        cw1 = tf.where(in_ratio > r_hi, tf.round(hf * r_hi), wf)
+        ch1 = tf.where(in_ratio < r_lo, tf.round(wf / r_lo), hf)
+        top, left = tf.math.floordiv(hf - ch1, 2.0), tf.math.floordiv(wf - cw1, 2.0)
+        return tf.cast(tf.stack([top, left, ch1, cw1]), tf.int32)
+
+    return tf.cond(tf.reduce_any(fits), random_box, fallback)
 
 
 def _decode_window(encoded: Any, u: Any, geo: Any) -> Any:

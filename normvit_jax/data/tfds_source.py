@@ -1,4 +1,6 @@
 """Opening tfds datasets offline: a fast 'is it prepared?' check, then in-memory or random access.
+Where this tfds's version of a dataset is not prepared but another of the same major version is
+(ImageNet 5.0.0, built by an older tfds), that one is read from its files (``_other_version``).
 
 tfds's downloader retries for minutes without a network, so nothing here may reach it: every read
 goes through ``open_builder``, which fails at once with what to do instead. Under
@@ -12,12 +14,18 @@ import os
 from typing import Any
 
 import numpy as np
+from absl import logging
 
 from normvit_jax import logs
 from normvit_jax.data.errors import DatasetNotFoundError
 
 _OFFLINE = ("Offline alternatives: the bundled digits data (`--config=configs/<method>.py:demo` or "
             "`--config.data.name=digits`), or tests under `tfds.testing.mock_data`.")
+
+
+# The archives tfds cannot download (ImageNet's licence): tfds reads them from <data_dir>/downloads/manual.
+MANUAL_FILES = {"imagenet2012": ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"),
+                "imagenet2012_real": ("ILSVRC2012_img_val.tar",)}
 
 
 def _tfds():
@@ -40,6 +48,29 @@ def _root(builder: Any, data_dir: str | None) -> str:
     return os.fspath(builder.data_path.parents[up - 1])
 
 
+def _other_version(builder: Any) -> tuple[Any | None, list[str]]:
+    """(a read-only builder of the newest other prepared version of ``builder``'s dataset with the
+    same major version, or None; the other prepared versions' names). An ImageNet that an older
+    tfds built as 5.0.0 is the same data as this tfds's 5.1.0 but for its unlabelled 'test'
+    split: it is read, not rebuilt (hours, and the archives again)."""
+    tfds = _tfds()
+    found = []
+    try:
+        for d in builder.data_path.parent.iterdir():
+            try:
+                version = tfds.core.Version(d.name)
+            except ValueError:  # 'incomplete.*' folders of a build that stopped, other files
+                continue
+            if version != builder.version and (d / "dataset_info.json").exists():
+                found.append((version, d))
+    except Exception:  # noqa: BLE001  a best-effort look: a missing folder (on gs://, TF's
+        return None, []  # NotFoundError, not an OSError) leaves the not-prepared message as it is
+    same = [(v, d) for v, d in sorted(found, reverse=True) if v.major == builder.version.major]
+    if same:
+        return tfds.builder_from_directory(os.fspath(same[0][1])), []
+    return None, [str(v) for v, _ in sorted(found, reverse=True)]
+
+
 def open_builder(name: str, data_dir: str | None, *, random_access: bool) -> Any:
     """A tfds builder for prepared data; raises DatasetNotFoundError (no download) otherwise.
 
@@ -50,16 +81,27 @@ def open_builder(name: str, data_dir: str | None, *, random_access: bool) -> Any
     if is_mocked():
         return builder
     root = _root(builder, data_dir)
-    if name == "imagenet2012":
-        how = (f"place ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar in "
-               f"{os.path.join(root, 'downloads', 'manual')} and run `tfds build imagenet2012 "
-               f"--data_dir={root} --file_format=array_record`")
+    # read by index: built as array_record at once (tfds's default, TFRecord, is refused below)
+    build = (f"`tfds build {name} --data_dir={root}"
+             f"{' --file_format=array_record' if random_access else ''}`")
+    if name in MANUAL_FILES:
+        how = (f"place {' and '.join(MANUAL_FILES[name])} in "
+               f"{os.path.join(root, 'downloads', 'manual')} and run {build}")
+        if name == "imagenet2012_real":
+            how += " on a machine with network (it downloads the ReaL labels)"
     else:
-        how = f"run `tfds build {name} --data_dir={root}` once on a machine with network"
+        how = f"run {build} once on a machine with network"
     if not builder.is_prepared():
-        raise DatasetNotFoundError(
-            f"dataset {name!r} is not prepared in {builder.data_dir} (data_dir={root}); no "
-            f"download is attempted. To prepare it, {how}. {_OFFLINE}")
+        other, others = _other_version(builder)
+        if other is None:
+            found = (f" (other versions there, which this tfds does not read: {', '.join(others)})"
+                     if others else "")
+            raise DatasetNotFoundError(
+                f"dataset {name!r} is not prepared in {builder.data_dir} (data_dir={root}){found}; "
+                f"no download is attempted. To prepare it, {how}. {_OFFLINE}")
+        logging.info("Dataset %s: version %s is not prepared in %s; reading version %s, prepared "
+                     "there.", name, builder.version, root, other.version)
+        builder = other
     fmt = builder.info.file_format
     if random_access and fmt != tfds.core.FileFormat.ARRAY_RECORD:
         raise DatasetNotFoundError(

@@ -4,7 +4,8 @@ crop rules for JPEGs are TF ops in ``tf_images``).
 Randomness never comes from a generator in here: each example gets a row of ``NUM_UNIFORMS``
 uniforms in [0, 1) (see ``order.aug_uniforms``), so the same row always yields the same image.
 Two stages, shared by every source:
-  1. to ``size x size``: random resized crop (train, when enabled), else a central square crop of
+  1. to ``size x size``: random resized crop (train, when enabled: timm's ``RandomResizedCrop``
+     rule, its fallback included), else a central square crop of
      ``fraction`` of the shorter side, then a bilinear or bicubic resize (``data.interpolation``,
      'random': one of the two per example; antialiased when shrinking, unless ``data.antialias``
      is False);
@@ -18,6 +19,7 @@ import math
 import numpy as np
 
 RRC_ATTEMPTS = 10
+RRC_RATIO = (3 / 4, 4 / 3)  # the aspect-ratio (width / height) limits of the random resized crop
 U_FLIP, U_PAD_Y, U_PAD_X, U_POS_Y, U_POS_X, U_RRC = 0, 1, 2, 3, 4, 5
 U_INTERP = U_RRC + 2 * RRC_ATTEMPTS  # RRC: per attempt an area fraction and a log aspect ratio
 NUM_UNIFORMS = U_INTERP + 1
@@ -105,10 +107,24 @@ def central_box(h: int, w: int, fraction: float) -> Box:
     return left, top, left + side, top + side
 
 
+def rrc_fallback_box(h: int, w: int) -> Box:
+    """timm's/torchvision's ``RandomResizedCrop`` when no draw fits: the whole image, narrowed to
+    the aspect-ratio limits [3/4, 4/3] if it is outside them, centred (offsets floored)."""
+    in_ratio = w / h
+    cw, ch = w, h
+    if in_ratio < RRC_RATIO[0]:
+        ch = int(round(w / RRC_RATIO[0]))
+    elif in_ratio > RRC_RATIO[1]:
+        cw = int(round(h * RRC_RATIO[1]))
+    top, left = (h - ch) // 2, (w - cw) // 2
+    return left, top, left + cw, top + ch
+
+
 def random_resized_box(h: int, w: int, u: np.ndarray, min_area: float) -> Box:
-    """Inception-style crop: area fraction in [min_area, 1], aspect ratio in [3/4, 4/3] (log-
-    uniform), first of ``RRC_ATTEMPTS`` draws that fits; otherwise the central square."""
-    lo, hi = math.log(3 / 4), math.log(4 / 3)
+    """Inception-style crop (timm's ``RandomResizedCrop``): area fraction in [min_area, 1], aspect
+    ratio in [3/4, 4/3] (log-uniform), first of ``RRC_ATTEMPTS`` draws that fits; otherwise
+    ``rrc_fallback_box``."""
+    lo, hi = math.log(RRC_RATIO[0]), math.log(RRC_RATIO[1])
     for k in range(RRC_ATTEMPTS):
         area = h * w * (min_area + (1.0 - min_area) * u[U_RRC + 2 * k])
         ratio = math.exp(lo + (hi - lo) * u[U_RRC + 2 * k + 1])
@@ -117,7 +133,7 @@ def random_resized_box(h: int, w: int, u: np.ndarray, min_area: float) -> Box:
             top = min(int(u[U_POS_Y] * (h - ch + 1)), h - ch)
             left = min(int(u[U_POS_X] * (w - cw + 1)), w - cw)
             return left, top, left + cw, top + ch
-    return central_box(h, w, 1.0)
+    return rrc_fallback_box(h, w)
 
 
 def array_to_size(x: np.ndarray, size: int, u: np.ndarray | None, *, rrc: bool,

@@ -33,8 +33,10 @@ ops, and (timm) the op is skipped with probability ``1 - p``. ``level / 10`` set
     | Cutout                   square of side 2 int(40 L/10), centre uniform      128
 
 The non-increasing timm set (inc0) uses the big_vision column's Posterize/Solarize/enhance
-mappings with timm's SolarizeAdd cap and TranslateRel. Fill F: timm fills with the dataset mean
-``round(255 * mean)`` (timm's ``img_mean`` hparam from ``create_transform``); big_vision with 128.
+mappings with timm's SolarizeAdd cap and TranslateRel. Fill F: timm fills with ``round(255 * mean)``
+of its Normalize's mean (its ``img_mean`` hparam from ``create_transform``): here the pixel that
+``data.normalize`` maps to 0 (``stats.normalization_mean``: the training mean for zscore, 128 for
+minus_one_one, as timm's 0.5 mean); big_vision with 128.
 Geometric resampling: timm runs PIL with a random bilinear/bicubic choice (DeiT: bicubic); we use
 bilinear, PIL's pixel-centre convention. big_vision runs tfa's nearest-neighbour transform, which
 we reproduce (pixel-index convention, rotation about ((W-1)/2, (H-1)/2)). Contrast under big_vision
@@ -55,6 +57,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from normvit_jax.data import stats
 from normvit_jax.data.dataspec import DataSpec
 from normvit_jax.train import randaug_ops as ops
 
@@ -130,8 +133,9 @@ def from_config(config: Any, data_spec: DataSpec) -> RandAugConfig | None:
         return None
     scale, shift = data_spec.affine
     fill = cfg.fill
-    if cfg.style == "timm":
-        fill = tuple(float(min(255, round(255 * float(v)))) for v in data_spec.stats()["mean"])
+    if cfg.style == "timm":  # timm's img_mean: round(255 * mean) of the Normalize it trains with
+        mean = stats.normalization_mean(data_spec.stats(), data_spec.normalize)
+        fill = tuple(float(min(255, round(255 * float(v)))) for v in mean)
     return dataclasses.replace(cfg, scale=tuple(map(float, scale)), shift=tuple(map(float, shift)),
                                fill=fill)
 
