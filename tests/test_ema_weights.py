@@ -222,3 +222,11 @@ def test_recalibrate_re_estimates_the_ema_statistics_at_the_ema_weights(run, tmp
     np.testing.assert_allclose(got["mean"], mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["var"], var, rtol=1e-5)
 
+
+def test_init_from_naming_a_run_with_an_ema_names_the_flag(run, tmp_path):
+    """Fine-tuning from a run goes through its .npz export, which takes the raw weights unless
+    told: the hint for init_from=<workdir> says how to export the EMA."""
+    from normvit_jax import preflight
+    with pytest.raises(ValueError, match=r"keeps a weight EMA \(config.ema_decay=0.5\): add "
+                                         r"--weights=ema to export it"):
+        preflight.check(tiny_demo_config(init_from=run), str(tmp_path / "new"))
