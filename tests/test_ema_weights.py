@@ -230,3 +230,15 @@ def test_init_from_naming_a_run_with_an_ema_names_the_flag(run, tmp_path):
     with pytest.raises(ValueError, match=r"keeps a weight EMA \(config.ema_decay=0.5\): add "
                                          r"--weights=ema to export it"):
         preflight.check(tiny_demo_config(init_from=run), str(tmp_path / "new"))
+
+
+def test_the_analysis_loads_the_ema_model(run):
+    from normvit_jax.analysis import capture
+    _, ema = _arrays(run)
+    loaded = capture.load_run(run, weights="ema")
+    assert (loaded.weights, loaded.step) == ("ema", 3)
+    for part in ("params", "batch_stats"):
+        got = traverse_util.flatten_dict(loaded.variables[part])
+        for k, v in traverse_util.flatten_dict(ema[part]).items():
+            np.testing.assert_array_equal(got[k], v)
+    assert capture.load_run(run, weights="raw").weights == "raw"
