@@ -151,7 +151,8 @@ def get_config() -> ml_collections.ConfigDict:
                                     # attn_extra_loss_layers blocks; needs feature_decay > 0 (0: off)
     c.attn_extra_loss_layers = 0    # blocks (from the first) with the attention loss (above the depth: all)
     c.ema_decay = 0.0               # EMA of the weights per step (DeiT's model EMA: 0.99996; 0: off); kept in
-                                    # the optimizer state, evaluated beside the raw weights as eval/ema_*
+                                    # the optimizer state, evaluated beside the raw weights as eval/ema_*;
+                                    # predict, export, reparam, recalibrate, analysis take it with --weights=ema
     c.ema_batch_stats = True        # with ema_decay: also average the norm statistics (batch_stats), as timm's
                                     # model EMA averages buffers; False: EMA weights with the raw statistics
 

@@ -392,6 +392,79 @@ def variables_of(state: dict) -> dict:
     return variables
 
 
+class NoEmaError(ValueError):
+    """``--weights=ema`` of a run that kept no EMA of its weights (one line, exit 2)."""
+
+
+def ema_of(state: dict) -> dict | None:
+    """The weight EMA (train/ema.py's ``EmaState``, restored as ``{'ema_params',
+    'ema_batch_stats'}``) inside a restored numpy state's ``opt_state``; None without one."""
+    def walk(tree: Any) -> dict | None:
+        if isinstance(tree, dict):
+            if "ema_params" in tree:
+                return tree
+            children = list(tree.values())
+        elif isinstance(tree, (list, tuple)):
+            children = list(tree)
+        else:
+            return None
+        for child in children:
+            found = walk(child)
+            if found is not None:
+                return found
+        return None
+    return walk(state.get("opt_state"))
+
+
+def note_raw_weights(workdir: str) -> None:
+    """The log line of a tool using the raw weights of a run that keeps an EMA (no --weights)."""
+    log.warning("%s keeps an EMA of the weights (config.ema_decay > 0): using the raw weights; "
+                "--weights=ema uses the EMA (its eval/ema_* metrics)", workdir)
+
+
+def no_ema(workdir: str) -> NoEmaError:
+    """The error of ``--weights=ema`` for a run without an EMA."""
+    return NoEmaError(f"--weights=ema: the run {workdir} keeps no EMA of its weights "
+                      "(config.ema_decay is 0); leave --weights out for its weights")
+
+
+def choose_weights(state: dict, weights: str | None, workdir: str) -> tuple[dict, dict]:
+    """(the model's variables, what they are) of a restored numpy state for ``--weights``
+    (tool_flags.WEIGHTS): 'ema' the EMA params with the EMA norm statistics when the run averaged
+    them (else its raw ones, as its eval/ema_* metrics), NoEmaError for a run without an EMA;
+    'raw' or None the trained weights, None with one log line naming the flag when the run has an
+    EMA (timm's default, and a DeiT-style run is often best on its EMA). The record,
+    ``{'weights': 'raw'|'ema'}`` (+ ``'norm_statistics'`` for EMA weights of a model with running
+    statistics), goes into what the tools write (reparam's model.json, an export's metadata)."""
+    ema = ema_of(state)
+    raw = variables_of(state)
+    if weights not in (None, "raw", "ema"):
+        raise ValueError(f"--weights={weights} is not accepted; accepted: raw, ema")
+    if weights != "ema":
+        if ema is not None and weights is None:
+            note_raw_weights(workdir)
+        return raw, {"weights": "raw"}
+    if ema is None:
+        raise no_ema(workdir)
+    variables = {"params": ema["ema_params"]}
+    record = {"weights": "ema"}
+    if "batch_stats" in raw:
+        averaged = bool(jax.tree.leaves(ema.get("ema_batch_stats")))
+        variables["batch_stats"] = ema["ema_batch_stats"] if averaged else raw["batch_stats"]
+        record["norm_statistics"] = "ema" if averaged else (
+            "raw (the run did not average them: config.ema_batch_stats=False)")
+    return variables, record
+
+
+def restore_weights(workdir: str, step: int | None = None, weights: str | None = None
+                    ) -> tuple[dict, ml_collections.ConfigDict, dict]:
+    """(variables, config, record) for the tools' ``--step`` and ``--weights``: the shared
+    restore (``restore_numpy``), then ``choose_weights``; the record adds the step restored."""
+    restored, config = restore_numpy(workdir, step)
+    variables, record = choose_weights(restored.state, weights, workdir)
+    return variables, config, {**record, "step": int(restored.step)}
+
+
 def config_path(workdir: str) -> epath.Path:
     return epath.Path(workdir) / "config.json"
 

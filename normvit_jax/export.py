@@ -2,15 +2,17 @@
 is ``models.google_layout``, loading it back ``normvit_jax.pretrained``), or the whole model as a
 deployable artifact (``normvit_jax.deploy``, docs/deploy.md).
 
-    python -m normvit_jax.export --workdir=runs/ft --out=model.npz [--step=N]
+    python -m normvit_jax.export --workdir=runs/ft --out=model.npz [--step=N] [--weights=ema]
     python -m normvit_jax.export --workdir=W --format=onnx|savedmodel|stablehlo --out=PATH \
-        [--fold] [--batch=N] [--folded=FOLDED_DIR] [--step=N]
+        [--fold] [--batch=N] [--folded=FOLDED_DIR] [--step=N] [--weights=ema]
 
 The .npz loads back with ``config.init_from`` and in other ViT codebases that read that format
 (as the same model where the architecture is the standard pre-LN ViT; the log says where not).
 An artifact takes uint8 pixels ``image`` (N, H, W, 3) and gives ``probabilities`` and ``logits``;
 ``--fold`` folds the affine norms first (``normvit_jax.reparam``); ``classes.json`` is written
-beside it. Bad input (also a norm a format cannot express, a missing extra): one line, exit 2.
+beside it. ``--weights=ema``: the weight EMA of a run trained with ``config.ema_decay > 0``
+(``checkpoints.choose_weights``; the artifact's metadata ``source.weights`` says which).
+Bad input (also a norm a format cannot express, a missing extra): one line, exit 2.
 """
 from __future__ import annotations
 
@@ -101,6 +103,7 @@ def export_npz(params: Any, out_path: str, model: Any,
 
 def define_flags() -> None:
     """Defines the flags unless a module already did (main.py also defines --workdir)."""
+    from normvit_jax import tool_flags
     if "workdir" not in FLAGS:
         flags.DEFINE_string("workdir", None, "Run directory holding the checkpoints.")
     if "out" not in FLAGS:
@@ -108,6 +111,8 @@ def define_flags() -> None:
     if "step" not in FLAGS:
         flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the latest).")
     # --- deploy formats (normvit_jax.deploy, docs/deploy.md)
+    if "weights" not in FLAGS:
+        flags.DEFINE_enum("weights", None, list(tool_flags.WEIGHTS), tool_flags.WEIGHTS_HELP)
     if "format" not in FLAGS:
         flags.DEFINE_enum("format", "npz", ["npz", "onnx", "savedmodel", "stablehlo"],
                           "npz: the parameters (vit_jax layout); onnx, savedmodel, stablehlo: the "
@@ -124,7 +129,8 @@ def define_flags() -> None:
 
 
 def run_deploy(workdir: str, out: str, fmt: str, *, step: int | None = None, fold: bool = False,
-               batch: int | None = None, folded: str | None = None) -> dict[str, Any]:
+               batch: int | None = None, folded: str | None = None,
+               weights: str | None = None) -> dict[str, Any]:
     """Writes the ``fmt`` artifact of a run (normvit_jax.deploy); returns its metadata."""
     from normvit_jax import deploy
     from normvit_jax.deploy import bundle
@@ -135,33 +141,44 @@ def run_deploy(workdir: str, out: str, fmt: str, *, step: int | None = None, fol
             f"--step={step} picks a checkpoint, but --folded={folded} exports the model that "
             f"folder holds; fold that step first: python -m normvit_jax.reparam "
             f"--workdir={workdir} --step={step} --out=DIR, then --folded=DIR without --step")
-    b = bundle.load(workdir, step=step, folded=folded, fold=fold)
+    if folded and weights:  # the folder holds one model, folded from the weights it records
+        raise deploy.DeployError(
+            f"--weights={weights} picks a checkpoint's weights, but --folded={folded} exports "
+            f"the model that folder holds (its model.json says which weights); fold those "
+            f"first: python -m normvit_jax.reparam --workdir={workdir} --weights={weights} "
+            f"--out=DIR, then --folded=DIR without --weights")
+    b = bundle.load(workdir, step=step, folded=folded, fold=fold, weights=weights)
     return deploy.export_artifact(b, fmt, out, batch)
 
 
-def run(workdir: str, out: str, step: int | None = None) -> dict[str, Any]:
+def run(workdir: str, out: str, step: int | None = None,
+        weights: str | None = None) -> dict[str, Any]:
     from normvit_jax import checkpoints  # the train side's restore; imported late on purpose
 
-    # the shared restore path (checkpoints.restore_numpy): a damaged newest step falls back
-    variables, config = checkpoints.load_variables(workdir, step=step)
-    # a scanned run's stacked blocks are written per block (encoderblock_{i})
+    # the shared restore path (checkpoints.restore_numpy): a damaged newest step falls back;
+    # --weights: the raw or the EMA weights (checkpoints.choose_weights)
+    variables, config, source = checkpoints.restore_weights(workdir, step, weights)
+    # a scanned run's stacked blocks are written per block (encoderblock_{i}); the layout has no
+    # place for metadata (other codebases read it), so the log says which weights it holds
     flat = export_npz(variables["params"], out, models.spec_of(config.model))
-    note = running_statistics_note(variables, workdir)
+    print(f"  the {source['weights']} weights of step {source['step']} of {workdir}")
+    note = running_statistics_note(variables, workdir, source["weights"])
     if note:
         print(note)
     return flat
 
 
-def running_statistics_note(variables: dict, workdir: str) -> str | None:
+def running_statistics_note(variables: dict, workdir: str, weights: str = "raw") -> str | None:
     """One line when the run keeps running statistics (BN, RepBN, UN, ...): the .npz format holds
-    parameters only, so they are left out; reparam's folder keeps them."""
+    parameters only, so they are left out; reparam's folder (of the same ``weights``) keeps them."""
     n = len(jax.tree.leaves(variables.get("batch_stats", {})))
     if not n:
         return None
     return (f"  note: the .npz holds parameters only: the norms' {n} running-statistics arrays "
             f"(batch_stats) are left out, so the model it loads evaluates differently; `python -m "
-            f"normvit_jax.reparam --workdir={workdir} --out=DIR` writes a folder that keeps them "
-            f"(model.json + variables.msgpack, read by predict --folded=DIR)")
+            f"normvit_jax.reparam --workdir={workdir}{' --weights=ema' if weights == 'ema' else ''} "
+            f"--out=DIR` writes a folder that keeps them (model.json + variables.msgpack, read by "
+            f"predict --folded=DIR)")
 
 
 def _stop(message: str) -> NoReturn:
@@ -190,13 +207,13 @@ def main(argv: Sequence[str]) -> None:
         tool_flags.check_output("out", FLAGS.out, folder=FLAGS.format == "savedmodel")
         if FLAGS.format != "npz":
             run_deploy(FLAGS.workdir, FLAGS.out, FLAGS.format, step=FLAGS.step, fold=FLAGS.fold,
-                       batch=FLAGS.batch, folded=FLAGS.folded)
+                       batch=FLAGS.batch, folded=FLAGS.folded, weights=FLAGS.weights)
             return
         if FLAGS.fold or FLAGS.batch is not None or FLAGS.folded:
             _stop("--fold, --batch and --folded apply to --format=onnx|savedmodel|stablehlo; the "
                   "npz holds the parameters as trained (python -m normvit_jax.reparam --out=DIR "
                   "folds)")
-        run(FLAGS.workdir, FLAGS.out, FLAGS.step)
+        run(FLAGS.workdir, FLAGS.out, FLAGS.step, FLAGS.weights)
 
 
 if __name__ == "__main__":

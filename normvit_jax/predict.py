@@ -3,6 +3,7 @@
     python -m normvit_jax.predict --workdir=W --images=DIR_OR_FILES [--top_k=5] [--out=preds.csv]
     python -m normvit_jax.predict --workdir=W --folded=FOLDED_DIR --images=...   # folded weights
     python -m normvit_jax.predict --workdir=W --mode=eval --split=SPLIT            # a labelled split
+    python -m normvit_jax.predict --workdir=W --weights=ema --images=...  # a run's weight EMA
 
 --images: files and folders, comma-separated (folders are read as prepare reads a class folder).
 Each image follows prepare's RGB rule (docs/data.md) and the run's eval preprocessing (central crop
@@ -112,9 +113,11 @@ def eval_geometry(d: Any) -> Any:
 
 
 def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | None = None,
-            folded: str | None = None, batch: int = 64) -> tuple[list[dict], list[str]]:
+            folded: str | None = None, batch: int = 64, weights: str | None = None
+            ) -> tuple[list[dict], list[str]]:
     """(rows, skipped): per readable file ``{'path', 'top': [(class, prob), ...]}``; skipped:
-    'path (reason)' for files that are not decodable images."""
+    'path (reason)' for files that are not decodable images. ``weights``: --weights
+    (``checkpoints.choose_weights``; a --folded folder holds the weights it was folded from)."""
     import jax
     from normvit_jax import checkpoints, models, reparam, run_data
     from normvit_jax.data import stats, tf_images
@@ -124,7 +127,8 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
         model_cfg, variables, n = reparam.load(folded)
         check_folded(folded, n, workdir, config)
     else:
-        variables, _ = checkpoints.load_variables(workdir, step)  # the shared restore path
+        # the shared restore path, the raw or EMA weights (--weights)
+        variables, _, _ = checkpoints.restore_weights(workdir, step, weights)
         model_cfg, n = config.model, int(np.shape(variables["params"]["head"]["bias"])[-1])
     model = models.create(model_cfg, n)
     names = class_names(workdir, config, n)
@@ -225,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
     p.add_argument("--folded", default=None, help="folder written by `python -m "
                    "normvit_jax.reparam --out=...`: predict with the folded weights (not with "
                    "--step or --mode=eval)")
+    tool_flags.add_weights(p)
     p.add_argument("--batch", type=int, default=64, help="images per forward pass")
     p.add_argument("--mode", default="predict", choices=["predict", "eval"],
                    help="predict: label --images; eval: metrics on --split of a prepared dataset")
@@ -246,6 +251,13 @@ def _main(args: Any, prog: str) -> Any:
               f"holds one folded model; fold that step first (python -m normvit_jax.reparam "
               f"--workdir={args.workdir} --step={args.step} --out=DIR), then --folded=DIR "
               f"without --step", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    if args.weights and (args.folded or args.mode == "eval"):  # it would go unused
+        print(f"{prog}: error: --weights={args.weights}: " + (
+            f"--folded={args.folded} holds one folded model (its model.json says which weights; "
+            f"reparam --weights=... --out=DIR folds the others)" if args.folded else
+            "--mode=eval reports both: the metrics of the raw weights and, for a run with an "
+            "EMA, ema_*") + "; leave --weights out", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     if args.mode == "eval":
         if args.folded:  # evaluate_checkpoint reads checkpoints: --folded went unused
@@ -276,7 +288,7 @@ def _main(args: Any, prog: str) -> Any:
     try:  # --images naming nothing, a --folded folder that reparam did not write
         files = list_images(args.images)
         rows, skipped = predict(args.workdir, files, top_k=args.top_k, step=args.step,
-                                folded=args.folded, batch=args.batch)
+                                folded=args.folded, batch=args.batch, weights=args.weights)
     except FileNotFoundError as e:
         if isinstance(e, checkpoints.RunNotFoundError):
             raise

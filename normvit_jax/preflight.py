@@ -110,6 +110,18 @@ def npz_problem(head: bytes) -> str | None:
             "HTML error page, or another format?)")
 
 
+def _ema_hint(workdir: str) -> str:
+    """For a run with a weight EMA: the export flag that writes it (export takes the raw weights
+    unless told), so the user picks the model that evaluated better."""
+    try:
+        saved = run_config.read_saved(epath.Path(workdir) / "config.json")
+        decay = float(saved.get("ema_decay") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):  # no or a damaged config: no hint
+        return ""
+    return (f"; the run keeps a weight EMA (config.ema_decay={decay:g}): add --weights=ema to "
+            "export it instead of the raw weights") if decay > 0 else ""
+
+
 def check_npz(path: str, key: str = "path", missing_hint: str = "") -> None:
     """A local file that exists, is readable and starts like an .npz (zip) archive;
     ``missing_hint`` ends the message of a file that does not exist (what to do)."""
@@ -120,7 +132,8 @@ def check_npz(path: str, key: str = "path", missing_hint: str = "") -> None:
         hint = ""
         if run_config.has_checkpoint(path):  # a run of this project: say how to start from it
             hint = (f"; it holds a run: `python -m normvit_jax.export --workdir={path} "
-                    "--out=FILE.npz` writes its weights as an .npz to pass here (docs/pretrained.md)")
+                    "--out=FILE.npz` writes its weights as an .npz to pass here (docs/pretrained.md)"
+                    + _ema_hint(path))
         raise ValueError(f"{key}={path!r} is a directory, not an .npz file{hint}")
     try:
         with p.open("rb") as f:

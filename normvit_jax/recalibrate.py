@@ -1,7 +1,8 @@
 """Re-estimates the running statistics of a trained run at its final weights (SLAB does this).
 
     python -m normvit_jax.recalibrate --workdir=runs/repbn --out=runs/repbn_recal [--batches=200]
-                                      [--step=S] [--config=configs/vit_repbn.py:demo]
+                                      [--step=S] [--weights=raw|ema]
+                                      [--config=configs/vit_repbn.py:demo]
 
 BN-type running statistics (BatchNorm, RepBN, a progressive norm's N2, UN's running variance) are
 averaged over the whole run while the weights move; this tool re-estimates them with the final
@@ -18,7 +19,10 @@ Writes a new workdir ``--out`` (config.json, the run's data.json and classes.jso
 checkpoint at the same step: the whole train state with only ``batch_stats`` changed, readable by
 ``main.py --mode=eval``, predict, export and ``python -m normvit_jax.reparam``) and
 ``recalibrate.json`` there, and prints the eval metrics of the config's eval split before and
-after. ``--config``: a config file for the run (default: the run's config.json). Exit 2 with one
+after. ``--weights=ema`` (a run with ``config.ema_decay > 0`` and ``config.ema_batch_stats``):
+the statistics of the weight EMA are re-estimated at the EMA weights and written in the EMA's place
+(the raw model is unchanged; the metrics printed are ``ema_*``, and predict/export/reparam
+``--weights=ema`` on ``--out`` use them). ``--config``: a config file for the run (default: the run's config.json). Exit 2 with one
 line for a run without running statistics or a bad flag.
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ from etils import epath
 
 from normvit_jax import checkpoints, data, models, predict, run_config, run_data, sharding
 from normvit_jax.data import stats as data_stats
+from normvit_jax.train import ema as ema_lib
 from normvit_jax.train import optimizer as optim
 from normvit_jax.train import setup
 from normvit_jax.train import steps as steps_lib
@@ -110,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", required=True, help="new workdir for the recalibrated checkpoint")
     p.add_argument("--config", default=None, help="config file of the run (default: its config.json)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    tool_flags.add_weights(p)
     p.add_argument("--batches", type=int, default=200, help="train batches to average over")
     args = p.parse_args(argv)
     with cli.tool_errors(p.prog):  # docs/faults.md: one line and the table's exit code
@@ -148,6 +154,18 @@ def _main(args: Any) -> dict[str, Any]:
     if not jax.tree.leaves(state.batch_stats):
         _fail(f"the model of {args.workdir} keeps no running statistics (norm "
               f"{config.model.norm.name!r}): nothing to recalibrate")
+    averaged = ema_lib.averaged(state)  # the EMA model, None without one
+    if args.weights == "ema":
+        if averaged is None:
+            raise checkpoints.no_ema(args.workdir)
+        if not ema_lib.keeps_stats(state.opt_state):  # nowhere to keep them but the raw model's
+            _fail(f"--weights=ema: the run {args.workdir} evaluates its EMA weights with the raw "
+                  "statistics (config.ema_batch_stats=False); leave --weights out to re-estimate "
+                  "those")
+    elif averaged is not None and args.weights is None:
+        checkpoints.note_raw_weights(args.workdir)
+    ema = args.weights == "ema"
+    prefix = "ema_" if ema else ""  # the metrics of the model recalibrated
     affine = ds.affine
     eval_step = setup.jit_eval_step(model, state_sharding, mesh, affine)
     before = setup.evaluate(eval_step, state, eval_pipe, mesh)
@@ -155,12 +173,14 @@ def _main(args: Any) -> dict[str, Any]:
     stats_ds = run_data.apply(setup.resolve_config(stats_cfg, mesh.devices.size).data, record)
     stats_pipe = data.make_pipeline(stats_cfg, "eval", stats_ds)
     stats_model = models.create(stats_cfg.model, ds.num_classes)
-    new_bs, used = recalibrate_stats(stats_model, state.variables(), stats_pipe.eval_batches(),
+    new_bs, used = recalibrate_stats(stats_model, (averaged if ema else state).variables(),
+                                     stats_pipe.eval_batches(),
                                      state.step, affine, args.batches, progress=True)
     stats_pipe.close()
     if used == 0:
         _fail(f"no full batch of {config.batch_size} in the train split: lower --config batch_size")
-    new_state = state.replace(batch_stats=new_bs)
+    new_state = (state.replace(opt_state=ema_lib.init_stats(state.opt_state, new_bs)) if ema
+                 else state.replace(batch_stats=new_bs))
     after = setup.evaluate(eval_step, new_state, eval_pipe, mesh)
     eval_pipe.close()
     out = epath.Path(args.out)
@@ -176,11 +196,13 @@ def _main(args: Any) -> dict[str, Any]:
     saver.wait_until_finished()
     saver.close()
     result = {"workdir": args.workdir, "step": int(step), "batches": used,
-              "batch_size": int(config.batch_size), "before": before, "after": after}
+              "batch_size": int(config.batch_size), "before": before, "after": after,
+              "weights": "ema" if ema else "raw"}
     (out / "recalibrate.json").write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     for name, m in (("before", before), ("after", after)):
-        print(f"{name}: top-1 {m['top1']:.4f}, top-5 {m['top5']:.4f}, loss {m['loss']:.4f} "
-              f"over {m['num_examples']} examples")
+        print(f"{name}{' (EMA weights)' if ema else ''}: top-1 {m[prefix + 'top1']:.4f}, top-5 "
+              f"{m[prefix + 'top5']:.4f}, loss {m[prefix + 'loss']:.4f} over "
+              f"{m['num_examples']} examples")
     print(f"statistics re-estimated over {used} train batches of {config.batch_size}; "
           f"checkpoint of step {step} written to {args.out}")
     return result

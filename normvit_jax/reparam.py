@@ -10,6 +10,7 @@ same function without a pass over the activations (UN's "faster inference").
 
     python -m normvit_jax.reparam --workdir=runs/demo_un [--out=runs/demo_un/folded]
                                                              # fold, check, time [, save]
+    (--weights=ema: a run's weight EMA, recorded in the folder's model.json)
 
 ``fold(spec, variables)`` returns the folded model's spec, variables and a report;
 ``max_logit_difference`` is the equivalence check; ``save``/``load`` write and read a folded
@@ -292,9 +293,12 @@ def max_logit_difference(model: Any, variables: Mapping, folded: Any,
     return float(jnp.max(jnp.abs(a - b)))
 
 
-def save(path: str, model: Any, variables: Mapping, num_classes: int) -> None:
+def save(path: str, model: Any, variables: Mapping, num_classes: int,
+         source: Mapping[str, Any] | None = None) -> None:
     """Writes a folded model (its spec or ``config.model``) to the folder ``path``:
-    ``variables.msgpack`` and ``model.json`` ({'model': config, 'num_classes': n}), each written
+    ``variables.msgpack`` and ``model.json`` ({'model': config, 'num_classes': n, and with
+    ``source`` where the weights came from: {'workdir', 'step', 'weights': 'raw'|'ema', ...}, so
+    a folder folded from a run's EMA is not taken for its raw weights}), each written
     to a temporary name, then renamed over an earlier save's. An earlier ``model.json`` is removed
     first and the new one is written last, so a save that stops part-way (Ctrl-C, a full disk)
     leaves a folder ``load`` refuses, never new weights read with another model's config."""
@@ -303,7 +307,8 @@ def save(path: str, model: Any, variables: Mapping, num_classes: int) -> None:
     d.mkdir(parents=True, exist_ok=True)
     meta = json.dumps(
         {"model": json.loads(ml_collections.ConfigDict(dict(model_cfg)).to_json_best_effort()),
-         "num_classes": int(num_classes)}, indent=2)
+         "num_classes": int(num_classes), **({"source": dict(source)} if source else {})},
+        indent=2)
     if (d / "model.json").exists():
         (d / "model.json").unlink()
     # rename() refuses an existing file (a re-run's --out): replace()
@@ -312,6 +317,16 @@ def save(path: str, model: Any, variables: Mapping, num_classes: int) -> None:
         tmp = d / f"{name}.tmp"
         tmp.write_bytes(data)
         tmp.replace(d / name)
+
+
+def source_of(path: str) -> dict:
+    """The ``source`` a folder's model.json records (``save``); {} for a folder written before
+    it did (its weights were the raw ones: the tools had no --weights then)."""
+    try:
+        source = json.loads((epath.Path(path) / "model.json").read_text()).get("source")
+    except (OSError, ValueError, AttributeError):  # load() names a missing or damaged file
+        return {}
+    return dict(source) if isinstance(source, dict) else {}
 
 
 def load(path: str) -> tuple[dict, dict, int]:
@@ -381,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = tool_flags.Parser("python -m normvit_jax.reparam", __doc__)
     p.add_argument("--workdir", required=True, help="run directory with checkpoints")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    tool_flags.add_weights(p)
     p.add_argument("--batch", type=tool_flags.positive_int, default=64,
                    help="images for the check and the timing")
     p.add_argument("--reps", type=tool_flags.positive_int, default=5,
@@ -397,7 +413,8 @@ def _main(args: Any) -> dict[str, Any]:
     from normvit_jax import checkpoints, tool_flags
     if args.out:
         tool_flags.check_output("out", args.out, folder=True)  # before the work
-    variables, config = checkpoints.load_variables(args.workdir, args.step)  # the shared restore
+    # the shared restore, the raw or EMA weights (--weights), recorded in model.json
+    variables, config, source = checkpoints.restore_weights(args.workdir, args.step, args.weights)
     num_classes = int(variables["params"]["head"]["bias"].shape[-1])
     size = int(config.data.image_size)
     images = jax.random.normal(jax.random.key(0), (args.batch, size, size, 3))
@@ -415,8 +432,10 @@ def _main(args: Any) -> dict[str, Any]:
     t0 = float(np.median(ts0))
     t1 = float(np.median(ts1)) if ts1 else t0
     if args.out:
-        save(args.out, folded_spec, folded, num_classes)
-        print(f"folded model saved in {args.out}")
+        save(args.out, folded_spec, folded, num_classes,
+             {"workdir": str(args.workdir), **source})
+        print(f"folded model of the {source['weights']} weights of step {source['step']} saved "
+              f"in {args.out}")
     return {"folded": report.folded, "kept": report.kept, "max_diff": diff, "unfolded_s": t0,
             "folded_s": t1}
 

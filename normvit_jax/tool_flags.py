@@ -15,6 +15,14 @@ import sys
 import tempfile
 from typing import NoReturn, Sequence
 
+# --weights of the tools that read a training workdir (predict, export, reparam, recalibrate,
+# analysis.attention, analysis.report): timm's --use-ema, as a choice. The default is None, which
+# is 'raw' with one log line when the run keeps an EMA (checkpoints.choose_weights).
+WEIGHTS = ("raw", "ema")
+WEIGHTS_HELP = ("raw: the trained weights (the default); ema: their moving average of a run with "
+                "config.ema_decay > 0, with its averaged norm statistics when the run kept them "
+                "(config.ema_batch_stats), as its eval/ema_* metrics")
+
 _HOME_VALUE = re.compile(r"^(--[^=]+=)(~[^/]*(?:/.*)?)$")
 
 
@@ -43,6 +51,11 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is not accepted; accepted: an integer >= 0")
     return value
+
+
+def add_weights(parser: argparse.ArgumentParser) -> None:
+    """The shared ``--weights=raw|ema`` flag (default None: raw, logged when the run has an EMA)."""
+    parser.add_argument("--weights", default=None, choices=WEIGHTS, help=WEIGHTS_HELP)
 
 
 def check_output(flag: str, path: str, folder: bool = False) -> None:

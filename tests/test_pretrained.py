@@ -561,13 +561,13 @@ def test_export_cli(tmp_path, monkeypatch):
     params = random_params(cfg, 5, 12)
     calls = []
 
-    def load_variables(workdir, step=None):
-        calls.append((workdir, step))
+    def restore_weights(workdir, step=None, weights=None):
+        calls.append((workdir, step, weights))
         c = ml_collections.ConfigDict({"model": cfg})
-        return {"params": jax.tree.map(jnp.asarray, params)}, c
+        return {"params": jax.tree.map(jnp.asarray, params)}, c, {"weights": "raw", "step": step}
 
     fake = types.ModuleType("normvit_jax.checkpoints")
-    fake.load_variables = load_variables
+    fake.restore_weights = restore_weights
     monkeypatch.setitem(sys.modules, "normvit_jax.checkpoints", fake)
     monkeypatch.setattr(normvit_jax, "checkpoints", fake, raising=False)
     export.define_flags()
@@ -578,7 +578,7 @@ def test_export_cli(tmp_path, monkeypatch):
         export.main(["export"])
     finally:
         flags.FLAGS.unparse_flags()
-    assert calls == [(f"{tmp_path}/run", 7)]
+    assert calls == [(f"{tmp_path}/run", 7, None)]
     got = pretrained.load_npz(str(out))
     for k, v in flat(params).items():
         assert np.array_equal(got[k], v), k

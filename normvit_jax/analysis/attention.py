@@ -74,8 +74,8 @@ class RunAnalysis:
 
 
 def analyze_run(workdir: str, images: int = 8, stat_images: int = 64,
-                step: int | None = None) -> RunAnalysis:
-    run = capture.load_run(workdir, step)
+                step: int | None = None, weights: str | None = None) -> RunAnalysis:
+    run = capture.load_run(workdir, step, weights)
     x, y = capture.eval_images(run.config, run.data, max(images, stat_images))
     maps = capture.analyze(run, x[:images], full=True)
     stats = capture.analyze(run, x[:stat_images]) if stat_images != images else maps
@@ -85,7 +85,9 @@ def analyze_run(workdir: str, images: int = 8, stat_images: int = 64,
 
 def write_maps(ra: RunAnalysis, out: str, heads: Sequence[int], blocks: Sequence[int]) -> list[str]:
     run, a = ra.run, ra.maps
-    name, paths = f"{colors.label(run.method)} ({tables.run_name(run.workdir)}, step {run.step})", []
+    ema = ", EMA weights" if run.weights == "ema" else ""  # which model the figures show
+    name, paths = (f"{colors.label(run.method)} ({tables.run_name(run.workdir)}, step "
+                   f"{run.step}{ema})", [])
     rows = [f"image {i}\n(label {int(l)})" for i, l in enumerate(ra.labels)]
     cols = [f"block {b}" + ("" if a.has_cls[b] else "*") for b in blocks]
     for h in heads:
@@ -155,11 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--heads", default="0", help="'0,1', 'all' (maps and matrices)")
     ap.add_argument("--blocks", default="auto", help="'auto' (0/3/6/9 of 12), 'all' or '0,3'")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    tool_flags.add_weights(ap)
     args = ap.parse_args(argv)
     from normvit_jax import cli
     with cli.tool_errors(ap.prog):  # docs/faults.md: one line and the table's exit code
         tool_flags.check_output("out", args.out, folder=True)  # before the work
-        ra = analyze_run(args.workdir, args.images, args.stat_images, args.step)
+        ra = analyze_run(args.workdir, args.images, args.stat_images, args.step, args.weights)
     depth, heads = ra.stats.distance.shape[0], ra.stats.distance.shape[2]
     try:
         hs = parse_indices(args.heads, heads, [0])
@@ -175,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     paths = write_maps(ra, args.out, hs, bs)
     paths += write_summaries([ra], args.out, f"{colors.label(ra.run.method)} "
-                                             f"({tables.run_name(args.workdir)}, step {ra.run.step})")
+                                             f"({tables.run_name(args.workdir)}, step {ra.run.step}"
+                                             + (", EMA weights" if ra.run.weights == "ema" else "")
+                                             + ")")
     print("\n".join(paths))
     return 0
 

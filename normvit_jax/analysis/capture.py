@@ -37,6 +37,7 @@ class Run:
     variables: dict
     step: int
     method: str
+    weights: str = "raw"  # --weights: 'raw' or 'ema' (checkpoints.choose_weights)
 
 
 @dataclasses.dataclass
@@ -70,13 +71,14 @@ def build_model(config: ml_collections.ConfigDict, data_spec: DataSpec) -> Any:
     return models.create(config, data_spec.num_classes)
 
 
-def load_run(workdir: str, step: int | None = None) -> Run:
+def load_run(workdir: str, step: int | None = None, weights: str | None = None) -> Run:
+    """A run's checkpoint (``step`` None: the newest that restores), its raw or EMA weights
+    (``weights``: --weights, ``checkpoints.choose_weights``)."""
     # the shared restore path: a damaged newest checkpoint is named and the previous one used
-    restored, config = checkpoints.restore_numpy(workdir, step)
-    variables, step = checkpoints.variables_of(restored.state), restored.step
+    variables, config, record = checkpoints.restore_weights(workdir, step, weights)
     ds = run_data.inference_spec(workdir, data.resolve_data_spec(config))  # as trained
-    return Run(str(workdir), config, ds, build_model(config, ds), variables, step,
-               colors.method_of(config))
+    return Run(str(workdir), config, ds, build_model(config, ds), variables, record["step"],
+               colors.method_of(config), record["weights"])
 
 
 def geometry(spec: Any, image_size: int) -> tuple[tuple[int, int], int]:

@@ -167,11 +167,12 @@ NOTES = f"""
 
 def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, images: int = 8,
                  stat_images: int = 64, tags: Sequence[str] = (), reference: str | None = None,
-                 target: float = 0.95) -> list[str]:
+                 target: float = 0.95, weights: str | None = None) -> list[str]:
     """Writes the report of ``workdirs`` into ``out`` and returns the paths written. reference,
     target: the convergence table and figure (module docstring); reference None: 'layernorm'
-    when such runs are present, else no convergence section. Raises ConvergenceError for a
-    reference no run has or a target <= 0, before anything is written."""
+    when such runs are present, else no convergence section. weights: --weights of the attention
+    analysis (``checkpoints.choose_weights``; a run without an EMA is skipped there). Raises
+    ConvergenceError for a reference no run has or a target <= 0, before anything is written."""
     convergence.check_target(target)
     rows, summaries, skipped = _read_runs(_distinct(workdirs))
     workdirs = [r["workdir"] for r in rows]
@@ -208,7 +209,7 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         runs = []
         for w in _progress(workdirs, "attention analysis"):
             try:
-                runs.append(attention.analyze_run(w, images, stat_images))
+                runs.append(attention.analyze_run(w, images, stat_images, weights=weights))
             except Exception as e:  # noqa: BLE001  (one run's eval data or model must not end all)
                 _skip(w, f"attention analysis failed ({type(e).__name__}: {e})")
         if runs:
@@ -331,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "when present, else no convergence table)")
     ap.add_argument("--target", type=float, default=0.95,
                     help="fraction of the reference's mean final top-1 each method must reach")
+    tool_flags.add_weights(ap)  # the attention analysis's weights (the table reads summaries)
     args = ap.parse_args(argv)
     tags = [t for t in args.tags.split(",") if t.strip()]
     try:  # before the work, not a traceback after it
@@ -339,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(e))
     try:
         paths = write_report(args.workdirs, args.out, args.no_attention, args.images,
-                             args.stat_images, tags, args.reference, args.target)
+                             args.stat_images, tags, args.reference, args.target, args.weights)
     except ValueError as e:
         if not (isinstance(e, (convergence.ConvergenceError, TagsError))
                 or str(e).startswith("no run could be read")):

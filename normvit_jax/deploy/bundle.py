@@ -30,15 +30,6 @@ class Bundle:
     affine_in_weights: bool = False  # the affine folded into the patch embedding (--fold)
 
 
-def _checkpoint(workdir: str, step: int | None) -> tuple[dict, Any, int]:
-    """(variables, config, step) of a run's checkpoint through the project's one restore path
-    (``checkpoints.restore_numpy``): with ``step`` None the newest that restores, a damaged newer
-    one named in a warning; the step is the one actually restored."""
-    from normvit_jax import checkpoints
-    restored, config = checkpoints.restore_numpy(workdir, step)
-    return checkpoints.variables_of(restored.state), config, int(restored.step)
-
-
 def eval_preprocess(data: Any) -> dict:
     """The eval pipeline's geometry (``predict.eval_geometry``) as plain JSON values; a key an
     older run's config.json lacks is configs/default.py's (``dataspec.setting``)."""
@@ -51,9 +42,12 @@ def eval_preprocess(data: Any) -> dict:
 
 
 def load(workdir: str, *, step: int | None = None, folded: str | None = None,
-         fold: bool = False, log: Callable[[str], Any] | None = print) -> Bundle:
+         fold: bool = False, log: Callable[[str], Any] | None = print,
+         weights: str | None = None) -> Bundle:
     """The bundle of a run (``folded``: a folder written by ``reparam --out`` instead of the
-    checkpoint; ``fold``: fold the affine norms first, as ``reparam`` does, the report logged)."""
+    checkpoint; ``fold``: fold the affine norms first, as ``reparam`` does, the report logged;
+    ``weights``: --weights, ``checkpoints.choose_weights``). The metadata's ``source`` records
+    the step and which weights ('raw' or 'ema'; a folded folder's as its model.json says)."""
     from normvit_jax import checkpoints, models, predict, reparam
     config = checkpoints.load_config(workdir)
     source: dict = {"workdir": str(workdir)}
@@ -67,9 +61,14 @@ def load(workdir: str, *, step: int | None = None, folded: str | None = None,
         except ValueError as e:
             raise DeployError(str(e)) from None
         model = models.spec_of(model_cfg, n)
-        source.update(folded_dir=str(folded))
+        recorded = reparam.source_of(folded)
+        source.update(folded_dir=str(folded), weights=recorded.get("weights", "raw"),
+                      **{k: recorded[k] for k in ("step", "norm_statistics") if k in recorded})
     else:
-        variables, config, source["step"] = _checkpoint(workdir, step)
+        # the project's one restore path (checkpoints.restore_numpy): with step None the newest
+        # that restores, a damaged newer one named in a warning; the step actually restored
+        variables, config, record = checkpoints.restore_weights(workdir, step, weights)
+        source.update(record)
         n = int(np.shape(variables["params"]["head"]["bias"])[-1])
         model = models.spec_of(config.model, n)
     return from_variables(config, model, variables, n, predict.class_names(workdir, config, n),

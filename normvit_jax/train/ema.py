@@ -76,6 +76,13 @@ def init_stats(opt_state: Any, batch_stats: Any) -> Any:
     return jax.tree.map(fill, opt_state, is_leaf=_is_ema)
 
 
+def keeps_stats(opt_state: Any) -> bool:
+    """Whether the EMA inside ``opt_state`` averages the norm statistics (``init_stats`` then
+    replaces them)."""
+    return any(_is_ema(s) and bool(jax.tree.leaves(s.ema_batch_stats))
+               for s in jax.tree.leaves(opt_state, is_leaf=_is_ema))
+
+
 def find(opt_state: Any) -> Any | None:
     """The EMA params inside an optimizer state, or None when the run keeps none."""
     found = [s.ema_params for s in jax.tree.leaves(opt_state, is_leaf=_is_ema) if _is_ema(s)]
