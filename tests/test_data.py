@@ -571,6 +571,12 @@ def test_cifar10_prepared_array_record_in_memory(tmp_path):
     np.testing.assert_array_equal(b["image"], np.broadcast_to(
         (20 * b["label"] / 255).astype(np.float32)[:, None, None, None], (4, 32, 32, 3)))
     assert pipe(c, "eval").num_examples == 5
+    # tfds cannot slice 'all' (its NotImplementedError was a traceback): one line naming the key
+    c.data.train_split = "all[:50%]"
+    with pytest.raises(ValueError) as e:
+        pipe(c)
+    assert str(e.value).startswith("config.data.train_split='all[:50%]' cannot be read from "
+                                   "cifar10: ") and "\n" not in str(e.value)
 
 
 def test_loop_trains_on_jpegs_and_resumes_bitwise(fake_imagenet, tmp_path):
