@@ -528,11 +528,12 @@ def test_imagenet_tfrecord_is_refused_with_a_fix(tmp_path):
 
 
 @pytest.mark.parametrize("key, split", [("eval_split", "test"), ("eval_split", "validation+test"),
-                                        ("train_split", "test[:50%]")])
+                                        ("train_split", "test[:50%]"), ("train_split", "all")])
 def test_imagenet_unlabelled_test_split_is_refused_when_opened(fake_imagenet, key, split):
     """tfds's imagenet2012 'test' has label -1 everywhere: evaluated, it reported loss 0.0 and
     top-1 0%. Opening it is refused in one line; resolving the config (predict, export of a
-    run whose config names it) is not."""
+    run whose config names it) is not. tfds's 'all' reads it too (it was let through: 100,000
+    examples of loss 0 mixed into training)."""
     c = default.get_imagenet(default.get_config())
     c.data.data_dir, c.data[key] = fake_imagenet, split
     data.resolve_data_spec(c)
@@ -570,6 +571,12 @@ def test_cifar10_prepared_array_record_in_memory(tmp_path):
     np.testing.assert_array_equal(b["image"], np.broadcast_to(
         (20 * b["label"] / 255).astype(np.float32)[:, None, None, None], (4, 32, 32, 3)))
     assert pipe(c, "eval").num_examples == 5
+    # tfds cannot slice 'all' (its NotImplementedError was a traceback): one line naming the key
+    c.data.train_split = "all[:50%]"
+    with pytest.raises(ValueError) as e:
+        pipe(c)
+    assert str(e.value).startswith("config.data.train_split='all[:50%]' cannot be read from "
+                                   "cifar10: ") and "\n" not in str(e.value)
 
 
 def test_loop_trains_on_jpegs_and_resumes_bitwise(fake_imagenet, tmp_path):

@@ -244,13 +244,16 @@ def validate(config: Any, num_devices: int = 1) -> None:
 def check_labelled(key: str, dataset: str, split: str) -> None:
     """Refuses a split string that reads one of ``UNLABELLED_SPLITS`` (``'test'``, ``'test[:10%]'``,
     ``'validation+test'``). Called where a split is opened (``make_pipeline``), not by
-    ``validate``: a run's saved config naming one still predicts and exports."""
+    ``validate``: a run's saved config naming one still predicts and exports. tfds's ``'all'``
+    reads every split, the unlabelled ones included."""
     parts = {p.split("[")[0].strip() for p in split.split("+")}
-    bad = sorted(parts & set(UNLABELLED_SPLITS.get(dataset, ())))
+    unlabelled = set(UNLABELLED_SPLITS.get(dataset, ()))
+    bad = sorted(parts & unlabelled) or (sorted(unlabelled) if "all" in parts else [])
     if bad:
+        within = " ('all' reads it too)" if bad[0] not in parts else ""
         _fail(f"data.{key}", split, f"a labelled split of {dataset!r}: its {bad[0]!r} split has no "
-              "labels (tfds stores -1; the loss would be 0 and the accuracy 0%); ImageNet's "
-              "labelled held-out split is 'validation'")
+              f"labels{within} (tfds stores -1; the loss would be 0 and the accuracy 0%); "
+              "ImageNet's labelled held-out split is 'validation'")
 
 
 def check_batch_sizes(config: Any, num_devices: int = 1) -> None:

@@ -36,7 +36,9 @@ def _open_source(data_dir: str | None, name: str, tfds_split: str, limit: int | 
         src = _open_split(data_dir, name, tfds_split, workers)
     except errors.DatasetNotFoundError:
         raise
-    except ValueError as e:  # tfds: unknown split, bad slice (some messages span lines), empty
+    # tfds: unknown split, bad slice (some messages span lines), empty; a slice of 'all' is its
+    # NotImplementedError
+    except (ValueError, NotImplementedError) as e:
         if str(e).startswith("config."):  # already names its key (a prepared dataset's splits)
             raise
         why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
