@@ -10,12 +10,61 @@ the rest (main.py):
 from __future__ import annotations
 
 import ast
+import difflib
 from typing import Any, Sequence
 
 import ml_collections
 
 PREFIX = "--config."
 DICT_VALUED = ("model.norm", "model.norm_overrides")  # their keys are free (norm options, blocks)
+
+
+def _paths(node: Any, prefix: str = "") -> list[str]:
+    """Every key of a config by its dotted path, groups and values alike."""
+    out = []
+    for k in node.keys():
+        out.append(prefix + k)
+        if isinstance(node[k], ml_collections.ConfigDict):
+            out += _paths(node[k], f"{prefix}{k}.")
+    return out
+
+
+def _initials(name: str) -> str:
+    return "".join(w[:1] for w in name.split("_"))
+
+
+def closest(config: Any, path: str, n: int = 3) -> list[str]:
+    """The keys of ``config`` a misspelt or misplaced ``path`` most likely meant, best first:
+    the same name in another group (``learning_rate`` -> ``optimizer.learning_rate``), a close
+    spelling (``model.detph`` -> ``model.depth``), the initials of a name (``optimizer.lr`` ->
+    ``optimizer.learning_rate``), or a name it begins (``mixup`` -> ``mixup_alpha``); a key of
+    the same group before one of another."""
+    group, _, leaf = path.rpartition(".")
+    ranked = []
+    for p in _paths(config):
+        where, _, name = p.rpartition(".")
+        similarity = difflib.SequenceMatcher(None, name, leaf).ratio()
+        if name == leaf:
+            tier = 0
+        elif similarity >= 0.75:
+            tier = 1
+        elif "_" in name and _initials(name) == leaf:
+            tier = 2
+        elif len(leaf) >= 3 and name.startswith(leaf):
+            tier = 3
+        else:
+            continue
+        if p != path:
+            ranked.append((tier, where != group, -similarity, p))
+    return [p for *_, p in sorted(ranked)[:n]]
+
+
+def did_you_mean(config: Any, path: str) -> str:
+    """' (did you mean --config.X?)' naming ``closest``'s guesses, else ''."""
+    guesses = closest(config, path)
+    if not guesses:
+        return ""
+    return " (did you mean " + " or ".join(f"--config.{g}" for g in guesses) + "?)"
 
 
 def _path_value(arg: str) -> tuple[str, str] | None:
@@ -80,7 +129,8 @@ def apply(config: ml_collections.ConfigDict, overrides: Sequence[tuple[str, str]
                 if part not in node and not _free(here):
                     where = ".".join(["config"] + parts[:i])
                     raise ValueError(f"unknown config key --config.{path}: {where} has no key "
-                                     f"{part!r}; accepted: {sorted(node.keys())}")
+                                     f"{part!r}{did_you_mean(config, path)}; accepted: "
+                                     f"{sorted(node.keys())}")
                 if i < len(parts) - 1:
                     if part not in node:
                         node[part] = ml_collections.ConfigDict()
