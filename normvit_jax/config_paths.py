@@ -4,8 +4,10 @@ the rest (main.py):
 - a key inside a dict-valued field, by its path, whether or not the config already has it:
   ``--config.model.norm_overrides.block_1.name=rmsnorm`` (adds the override of block 1),
   ``--config.model.norm.groups=8`` (a norm option the config file did not set);
-- ``None`` for any existing key: ``--config.model.variant=None`` unsets a preset's variant
-  (the config flag would store the string 'None').
+- ``None`` for any existing value: ``--config.model.variant=None`` unsets a preset's variant
+  (the config flag would store the string 'None'); config_ranges.check refuses it where it has no
+  meaning (``log_every``). A group of keys takes None only where it is dict-valued
+  (``model.norm``: the default norm; ``model.norm_overrides``: none).
 """
 from __future__ import annotations
 
@@ -137,9 +139,11 @@ def apply(config: ml_collections.ConfigDict, overrides: Sequence[tuple[str, str]
                     node = node[part]
                     continue
                 current = node.get(part)
-                if isinstance(current, ml_collections.ConfigDict) and text != "None":
-                    raise ValueError(f"--config.{path} is a group of keys; set one of "
-                                     f"{sorted(current.keys())}")
+                # None for model.norm / norm_overrides: the default norm, no overrides
+                if isinstance(current, ml_collections.ConfigDict) and (
+                        text != "None" or path not in DICT_VALUED):
+                    raise ValueError(f"--config.{path}={text}: config.{path} is a group of "
+                                     f"keys, not a value; set one of {sorted(current.keys())}")
                 try:
                     node[part] = _parse(text, current)
                 except (ValueError, TypeError) as e:  # TypeError: a typed None (placeholder)

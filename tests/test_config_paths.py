@@ -168,3 +168,22 @@ def test_main_names_the_closest_key_of_a_misplaced_one(override):
     assert len(lines) == 1 and "config has no key 'learning_rate' (did you mean " \
         "--config.optimizer.learning_rate?); accepted: ['allow_config_change'" in lines[0], lines
     assert not os.path.exists("/tmp/never")
+
+
+def test_none_for_a_group_is_refused_but_for_the_dict_valued_ones(tmp_path):
+    """--config.optimizer=None (data, schedule, mesh) was a traceback from the first reader;
+    --config.model.norm_overrides=None (no overrides) reached train/build.py's
+    norm_overrides.values(): AttributeError on None."""
+    c = _config("vit_ln", "demo")
+    for group in ("optimizer", "data", "schedule", "mesh"):
+        with pytest.raises(ValueError, match=rf"^--config.{group}=None: config.{group} is a group "
+                                             r"of keys, not a value; set one of \["):
+            config_paths.apply(c, [(group, "None")])
+    from tests.conftest import tiny_demo_config
+    c = tiny_demo_config(total_steps=1, eval_every=1, checkpoint_every=1)
+    c.lock()
+    config_paths.apply(c, [("model.norm_overrides", "None")])
+    assert c.model.norm_overrides is None
+    assert cli.run(c, str(tmp_path / "wd")) == cli.EXIT_OK
+    saved = json.loads((tmp_path / "wd" / "config.json").read_text())
+    assert saved["model"]["norm_overrides"] is None  # as it ran
