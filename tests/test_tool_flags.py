@@ -279,3 +279,36 @@ def test_export_refuses_a_bad_flag_in_one_line_exit_2(flag, message, tmp_path):
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
     assert lines[0].startswith("python -m normvit_jax.export: error: ") and message in lines[0]
     assert "Traceback" not in r.stderr and os.listdir(tmp_path) == []
+
+
+def _argparse_tools() -> list[str]:
+    """Every ``python -m`` tool that parses with tool_flags.Parser: the package's and each
+    benchmark with a ``main``."""
+    out = ["normvit_jax.predict", "normvit_jax.data.prepare", "normvit_jax.reparam",
+           "normvit_jax.recalibrate", "normvit_jax.serve", "normvit_jax.analysis.attention",
+           "normvit_jax.analysis.report"]
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "benchmarks", "*.py"))):
+        with open(path) as f:
+            if re.search(r"^def main\(", f.read(), re.MULTILINE):
+                out.append("benchmarks." + os.path.basename(path)[:-3])
+    return out
+
+
+@pytest.mark.parametrize("module", _argparse_tools())
+def test_every_flag_of_every_tool_has_a_description(module):
+    """--help of the benchmarks listed 88 flags as a bare name and default (`--image_size
+    IMAGE_SIZE`, `--xla_preset {tuned,default}`, `--json JSON`): what each does was only in the
+    source."""
+    mod = importlib.import_module(module)
+
+    def capture(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    parse = getattr(mod, "parse", None) or mod.main
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tool_flags.Parser, "parse_args", capture)
+        with pytest.raises(_Parsed) as e:
+            parse([])
+    actions = [a for a in e.value.args[0]._actions if a.dest != "help"]
+    assert actions, module
+    assert [a.option_strings or a.dest for a in actions if not (a.help or "").strip()] == []
