@@ -35,7 +35,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--layouts", default="unrolled,scan",
                    help="comma list of block layouts: unrolled, scan (model.scan)")
     p.add_argument("--batch", type=tool_flags.positive_int, default=128, help="global batch")
-    p.add_argument("--image_size", type=int, default=None,
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
                    help="input resolution (default: 32 for a patch of at most 8, else 224)")
     p.add_argument("--remat", action="store_true",
                    help="activation checkpointing per block (config.remat)")

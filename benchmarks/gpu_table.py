@@ -57,7 +57,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="timed steps per run (default: 20; --quick: 10; --tiny: 1)")
     p.add_argument("--warmup", type=tool_flags.non_negative_int, default=None,
                    help="untimed steps first (default: 3; --quick: 2; --tiny: 0)")
-    p.add_argument("--num_classes", type=int, default=1000, help="classes of the head")
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=1000, help="classes of the head")
     p.add_argument("--norm_timeout", type=float, default=300.0, help="seconds per norm")
     p.add_argument("--torch_timeout", type=float, default=900.0, help="seconds per vs_torch run")
     p.add_argument("--no_torch", action="store_true", help="skip vs_torch")

@@ -35,11 +35,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=tool_flags.positive_int, default=10, help="timed rounds")
     p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2,
                    help="untimed rounds before the timed ones")
-    p.add_argument("--image_size", type=int, default=None,
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
                    help="input resolution (default: 32 for a patch of at most 8, else 224)")
-    p.add_argument("--depth", type=int, default=None,
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
                    help="transformer blocks (default: the model preset's)")
-    p.add_argument("--num_classes", type=int, default=10, help="classes of the head")
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=10, help="classes of the head")
     p.add_argument("--scan", action="store_true", help="nn.scan over the blocks (model.scan)")
     p.add_argument("--fold", action="store_true",
                    help="also time each foldable norm folded into the next Dense ('<norm>+folded')")

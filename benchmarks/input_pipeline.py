@@ -64,11 +64,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         f"{CPU_STEP_BATCH} on CPU)")
     p.add_argument("--steps", type=tool_flags.positive_int, default=3, help="timed train steps")
     p.add_argument("--model", default=None, help="override the dataset config's model preset")
-    p.add_argument("--image_size", type=int, default=None,
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
                    help="input resolution (default: 32 for a patch of at most 8, else 224)")
-    p.add_argument("--depth", type=int, default=None,
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
                    help="transformer blocks (default: the model preset's)")
-    p.add_argument("--synthetic_examples", type=int, default=256,
+    p.add_argument("--synthetic_examples", type=tool_flags.positive_int, default=256,
                    help="size of the synthetic ImageNet set when none is prepared")
     p.add_argument("--skip_run", action="store_true", help="skip the pipeline+step run")
     p.add_argument("--cores", default=None,

@@ -33,9 +33,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.matmul", __doc__)
     p.add_argument("--model", default="Ti/4", help="ViT preset '<size>/<patch>', e.g. Ti/4, S/16")
     p.add_argument("--batch", type=tool_flags.positive_int, default=128, help="global batch")
-    p.add_argument("--image_size", type=int, default=None,
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
                    help="input resolution (default: 32 for a patch of at most 8, else 224)")
-    p.add_argument("--depth", type=int, default=None,
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
                    help="transformer blocks (default: the model preset's)")
     p.add_argument("--repeats", type=tool_flags.positive_int, default=9,
                    help="timed rounds (the median is reported)")

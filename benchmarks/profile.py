@@ -43,15 +43,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=tool_flags.positive_int, default=128, help="global batch")
     p.add_argument("--dtype", default="float32", choices=list(common.DTYPES),
                    help="compute dtype (parameters stay float32)")
-    p.add_argument("--num_classes", type=int, default=10, help="classes of the head")
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=10, help="classes of the head")
     p.add_argument("--steps", type=tool_flags.positive_int, default=3, help="profiled steps")
-    p.add_argument("--image_size", type=int, default=None,
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
                    help="input resolution (default: 32 for a patch of at most 8, else 224)")
-    p.add_argument("--depth", type=int, default=None,
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
                    help="transformer blocks (default: the model preset's)")
     p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS,
                    help="model.attention_impl (default: the config's, auto)")
-    p.add_argument("--top", type=int, default=15, help="list this many single ops")
+    p.add_argument("--top", type=tool_flags.positive_int, default=15, help="list this many single ops")
     p.add_argument("--part", default=None,
                    help="list the top ops of this model part only ('each': the top of every part)")
     p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),

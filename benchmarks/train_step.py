@@ -47,12 +47,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="timed steps (rounds) per norm")
     p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2,
                    help="untimed steps (rounds) first")
-    p.add_argument("--image_size", type=int, default=None, help="default: 32 for patch<=8, else 224")
-    p.add_argument("--depth", type=int, default=None, help="override the preset's depth")
-    p.add_argument("--num_classes", type=int, default=10, help="classes of the head")
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
+                   help="default: 32 for patch<=8, else 224")
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None, help="override the preset's depth")
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=10, help="classes of the head")
     p.add_argument("--remat", action="store_true", help="activation checkpointing per block")
     p.add_argument("--scan", action="store_true", help="nn.scan over blocks (model.scan)")
-    p.add_argument("--grad_accum", type=int, default=1, help="config.grad_accum_steps")
+    p.add_argument("--grad_accum", type=tool_flags.positive_int, default=1, help="config.grad_accum_steps")
     p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS,
                    help="model.attention_impl (default: the config's, auto)")
     p.add_argument("--recompute", default=None, choices=list(RECOMPUTE),

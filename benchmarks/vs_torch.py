@@ -78,16 +78,16 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=tool_flags.positive_int, default=7, help="timed pairs")
     p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2,
                    help="untimed rounds before the timed ones")
-    p.add_argument("--image_size", type=int, default=None,
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
                    help="input resolution (default: 32 for a patch of at most 8, else 224)")
-    p.add_argument("--depth", type=int, default=None,
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
                    help="transformer blocks (default: the model preset's)")
-    p.add_argument("--num_classes", type=int, default=10, help="classes of the head")
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=10, help="classes of the head")
     p.add_argument("--gelu", default="tanh", choices=["tanh", "exact"],
                    help="both sides; timm's default is exact, Google's checkpoints use tanh")
     p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS,
                    help="model.attention_impl (default: the config's, auto)")
-    p.add_argument("--torch_threads", type=int, default=None, help="default: torch's own")
+    p.add_argument("--torch_threads", type=tool_flags.positive_int, default=None, help="default: torch's own")
     p.add_argument("--torch_device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto: cuda when torch sees a GPU")
     p.add_argument("--torch_compile", default="auto", choices=["auto", "yes", "no"],

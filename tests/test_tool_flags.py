@@ -312,3 +312,23 @@ def test_every_flag_of_every_tool_has_a_description(module):
     actions = [a for a in e.value.args[0]._actions if a.dest != "help"]
     assert actions, module
     assert [a.option_strings or a.dest for a in actions if not (a.help or "").strip()] == []
+
+
+def _sizes_of(module: str) -> list[str]:
+    with open(os.path.join(REPO_ROOT, *module.split(".")) + ".py") as f:
+        src = f.read()
+    return [f for f in ("--image_size", "--depth", "--num_classes", "--batch_per_device")
+            if f'"{f}"' in src]
+
+
+@pytest.mark.parametrize("module, flag", [(m, f) for m in _argparse_tools() if m.startswith(
+    "benchmarks.") for f in _sizes_of(m)])
+def test_a_benchmark_size_below_1_is_one_line_exit_2(module, flag, capsys):
+    """--image_size=-3 was a JAX traceback (exit 1) after the imports, --depth=0 'model.depth is
+    not set' (0 read as unset)."""
+    mod = importlib.import_module(module)
+    with pytest.raises(SystemExit) as e:
+        (getattr(mod, "parse", None) or mod.main)([f"{flag}=0"])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(
+        f": error: argument {flag}: 0 is not accepted; accepted: an integer >= 1 "
+        "(--help lists the flags)\n")
