@@ -88,6 +88,9 @@ def test_values_booleans_enums_and_both_spellings():
     (["--workdir=w", "--batch=four"], "--batch: invalid int value: 'four'"),
     (["--workdir=w", "stray"], "unrecognized arguments: stray"),
     (["--workdir=w", "--bat=4"], "unrecognized arguments: --bat=4"),  # no abbreviations
+    (["--workdirr=w"], "unrecognized arguments: --workdirr=w (did you mean --workdir?)"),
+    (["--workdir=w", "--imp", "xla"], "unrecognized arguments: --imp (did you mean --impl?)"),
+    (["--workdir=w", "--xyz"], "unrecognized arguments: --xyz (--help"),  # nothing alike
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
