@@ -89,6 +89,10 @@ def parse_flags(argv):
     except Exception as e:  # noqa: BLE001  (ml_collections raises several types)
         print(f"error: {cli.describe_flag_error(argv, e)}", file=sys.stderr)
         sys.exit(cli.EXIT_CONFIG)
+    if not (FLAGS.workdir or "").strip():  # --workdir=$UNSET: the run went into the current folder
+        print("error: --workdir is empty (an unset shell variable?); pass the run's directory, "
+              "e.g. --workdir=runs/demo", file=sys.stderr)
+        sys.exit(cli.EXIT_CONFIG)
     try:
         config_paths.apply(FLAGS.config, paths)
     except ValueError as e:

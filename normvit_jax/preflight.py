@@ -84,6 +84,9 @@ def check_run_length(config: Any) -> None:
 
 
 def check_workdir_path(workdir: str) -> None:
+    if not str(workdir).strip():  # os.path.abspath('') is the current folder
+        raise ValueError("the workdir is empty (an unset shell variable?); pass the run's "
+                         "directory, e.g. --workdir=runs/demo")
     if workdir_lib.is_remote(workdir):
         return
     path = os.path.abspath(workdir)

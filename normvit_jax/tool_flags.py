@@ -50,7 +50,12 @@ def check_output(flag: str, path: str, folder: bool = False) -> None:
     """Before the work: ``--flag=path`` can be written as a file (or, ``folder``, a folder): it is
     of that kind if it exists, and a file can be made in the nearest folder that exists. Else a
     ValueError naming the flag (one line, exit 2 by cli.tool_errors), not a traceback after the
-    work. gs:// paths are left to the write (checking them needs credentials)."""
+    work. gs:// paths are left to the write (checking them needs credentials). An empty path
+    (``--out=$UNSET``) is refused: as a folder it was the current one, where analysis.attention
+    wrote its files."""
+    if not path.strip():
+        raise ValueError(f"--{flag} is empty (an unset shell variable?); pass the path of "
+                         f"{'a folder' if folder else 'a file'}")
     if "://" in path:
         return
     path = os.path.abspath(path)

@@ -18,7 +18,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from configs import default
-from normvit_jax import cli, pretrained, run_config, workdir
+from normvit_jax import cli, preflight, pretrained, run_config, workdir
 from normvit_jax.train import setup
 from tests import conftest
 from tests.conftest import REPO_ROOT
@@ -197,6 +197,22 @@ def test_workdir_that_is_a_file_is_named(tmp_path):
     assert "is a file, not a directory" in r.stderr and "ermission" not in r.stderr
     r = main_py("--config=configs/vit_ln.py:demo", f"--workdir={f}/sub")
     assert r.returncode == cli.EXIT_WORKDIR and "is a file, not a directory" in r.stderr
+
+
+@pytest.mark.parametrize("workdir", ["", " "])
+def test_an_empty_workdir_is_refused_and_nothing_is_written(tmp_path, workdir):
+    """--workdir=$UNSET trained a whole run into the current folder (checkpoints/, config.json,
+    .lock, event files beside the user's files) with exit 0."""
+    for mode in ("train", "eval"):
+        r = main_py(f"--config={REPO_ROOT}/configs/vit_ln.py:demo", f"--workdir={workdir}",
+                    f"--mode={mode}", "--config.total_steps=1", cwd=str(tmp_path))
+        assert r.returncode == cli.EXIT_CONFIG and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert r.stderr.strip().splitlines() == [
+            "error: --workdir is empty (an unset shell variable?); pass the run's directory, "
+            "e.g. --workdir=runs/demo"]
+        assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="the workdir is empty"):  # cli.run called directly
+        preflight.check(conftest.tiny_demo_config(), workdir)
 
 
 def test_config_of_a_workdir_without_checkpoint_can_change(tmp_path):

@@ -335,3 +335,17 @@ def test_a_benchmark_size_below_1_is_one_line_exit_2(module, flag, capsys):
     assert e.value.code == 2 and capsys.readouterr().err.endswith(
         f": error: argument {flag}: 0 is not accepted; accepted: an integer >= 1 "
         "(--help lists the flags)\n")
+
+
+@pytest.mark.parametrize("module", ["normvit_jax.analysis.attention",
+                                    "normvit_jax.analysis.report", "normvit_jax.recalibrate"])
+def test_an_empty_out_is_refused_before_the_work(module, tmp_path, monkeypatch, capsys):
+    """--out=$UNSET: analysis.attention wrote its 11 PNG and CSV files into the current folder,
+    analysis.report ended in a FileNotFoundError traceback (exit 1)."""
+    monkeypatch.chdir(tmp_path)
+    argv = (["workdir_a"] if module.endswith("report") else ["--workdir=w"]) + ["--out="]
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(argv)
+    assert e.value.code == 2 and "--out is empty (an unset shell variable?); pass the path of a " \
+        "folder" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
