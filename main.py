@@ -120,6 +120,15 @@ def main(argv):
         print(f"error: unexpected arguments {argv[1:]}: main.py takes only flags "
               "(--config=..., --workdir=..., --config.KEY=VALUE; --help lists them)", file=sys.stderr)
         sys.exit(cli.EXIT_CONFIG)
+    # Flags of the other mode were ignored: --step=N with training still resumed from the newest
+    # checkpoint, --fresh with --mode=eval moved nothing aside.
+    wrong = ("--step" if FLAGS.mode == "train" and FLAGS.step is not None else
+             "--fresh" if FLAGS.mode == "eval" and FLAGS.fresh else None)
+    if wrong:
+        print(f"error: {wrong} is not a flag of --mode={FLAGS.mode}: --step chooses the checkpoint "
+              "--mode=eval evaluates; training resumes from the newest checkpoint, and --fresh "
+              "starts it over", file=sys.stderr)
+        sys.exit(cli.EXIT_CONFIG)
     try:
         _pin_cpu_numerics()
         if FLAGS.mode == "eval":

@@ -451,3 +451,16 @@ def test_resumed_run_does_not_need_its_init_from(tmp_path):
         preflight.check(config, str(tmp_path / "wd"))
     (tmp_path / "wd" / "checkpoints" / "6").mkdir(parents=True)
     preflight.check(config, str(tmp_path / "wd"))
+
+
+@pytest.mark.parametrize("flags, wrong", [(["--mode=train", "--step=3"], "--step"),
+                                          (["--mode=eval", "--fresh"], "--fresh")])
+def test_a_flag_of_the_other_mode_is_refused(tmp_path, flags, wrong):
+    """--step=3 with training was ignored (the run resumed from its newest checkpoint, or trained
+    from step 0, exit 0); --fresh with --mode=eval evaluated the old run without a word."""
+    r = main_py("--config=configs/vit_ln.py:demo", f"--workdir={tmp_path}/wd", *flags,
+                "--config.total_steps=1")
+    assert r.returncode == cli.EXIT_CONFIG and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {wrong} is not a flag of "), lines
+    assert not (tmp_path / "wd").exists()
