@@ -464,3 +464,15 @@ def test_a_flag_of_the_other_mode_is_refused(tmp_path, flags, wrong):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {wrong} is not a flag of "), lines
     assert not (tmp_path / "wd").exists()
+
+
+@pytest.mark.parametrize("key", ["init_from", "data.data_dir"])
+def test_an_empty_path_key_is_refused(tmp_path, key):
+    """--config.init_from=$UNSET trained from scratch (an empty path read as 'none'), exit 0,
+    when the user meant to fine-tune."""
+    r = main_py("--config=configs/vit_ln.py:demo", f"--workdir={tmp_path}/wd",
+                f"--config.{key}=", "--config.total_steps=1")
+    assert r.returncode == cli.EXIT_CONFIG and "Traceback" not in r.stderr, r.stderr[-3000:]
+    stopped = _messages(r)
+    assert len(stopped) == 1 and f"config.{key} is empty (an unset shell variable?)" in stopped[0]
+    assert not (tmp_path / "wd").exists()
