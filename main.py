@@ -89,6 +89,10 @@ def parse_flags(argv):
     except Exception as e:  # noqa: BLE001  (ml_collections raises several types)
         print(f"error: {cli.describe_flag_error(argv, e)}", file=sys.stderr)
         sys.exit(cli.EXIT_CONFIG)
+    if not (FLAGS.workdir or "").strip():  # --workdir=$UNSET: the run went into the current folder
+        print("error: --workdir is empty (an unset shell variable?); pass the run's directory, "
+              "e.g. --workdir=runs/demo", file=sys.stderr)
+        sys.exit(cli.EXIT_CONFIG)
     try:
         config_paths.apply(FLAGS.config, paths)
     except ValueError as e:
@@ -115,6 +119,15 @@ def main(argv):
     if len(argv) > 1:  # one line and exit 2, as every tool (absl's UsageError exits 1 with usage)
         print(f"error: unexpected arguments {argv[1:]}: main.py takes only flags "
               "(--config=..., --workdir=..., --config.KEY=VALUE; --help lists them)", file=sys.stderr)
+        sys.exit(cli.EXIT_CONFIG)
+    # Flags of the other mode were ignored: --step=N with training still resumed from the newest
+    # checkpoint, --fresh with --mode=eval moved nothing aside.
+    wrong = ("--step" if FLAGS.mode == "train" and FLAGS.step is not None else
+             "--fresh" if FLAGS.mode == "eval" and FLAGS.fresh else None)
+    if wrong:
+        print(f"error: {wrong} is not a flag of --mode={FLAGS.mode}: --step chooses the checkpoint "
+              "--mode=eval evaluates; training resumes from the newest checkpoint, and --fresh "
+              "starts it over", file=sys.stderr)
         sys.exit(cli.EXIT_CONFIG)
     try:
         _pin_cpu_numerics()

@@ -28,16 +28,23 @@ LAYOUTS = ("unrolled", "scan")
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.compile_time", __doc__)
-    p.add_argument("--model", default="Ti/4")
-    p.add_argument("--norm", default="layernorm")
-    p.add_argument("--depths", default="12,36")
-    p.add_argument("--layouts", default="unrolled,scan")
-    p.add_argument("--batch", type=tool_flags.positive_int, default=128)
-    p.add_argument("--image_size", type=int, default=None)
-    p.add_argument("--remat", action="store_true")
-    p.add_argument("--repeats", type=tool_flags.positive_int, default=1)
-    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
-    p.add_argument("--json", default=None)
+    p.add_argument("--model", default="Ti/4", help="ViT preset '<size>/<patch>', e.g. Ti/4, S/16")
+    p.add_argument("--norm", default="layernorm",
+                   help="the normalizer of every slot (benchmarks/common.py NORMS)")
+    p.add_argument("--depths", default="12,36", help="comma list of depths to compile")
+    p.add_argument("--layouts", default="unrolled,scan",
+                   help="comma list of block layouts: unrolled, scan (model.scan)")
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128, help="global batch")
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
+                   help="input resolution (default: 32 for a patch of at most 8, else 224)")
+    p.add_argument("--remat", action="store_true",
+                   help="activation checkpointing per block (config.remat)")
+    p.add_argument("--repeats", type=tool_flags.positive_int, default=1,
+                   help="timed rounds (the median is reported)")
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
+                   help="XLA:CPU flags set before JAX starts: tuned (this project's measured "
+                        "settings) or default (XLA's own); benchmarks/xla_flags.py")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     args = p.parse_args(argv)
     common.check_norm(args.norm)
     try:

@@ -273,12 +273,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     + ",".join(k for k, _, _ in METHODS))
     ap.add_argument("--dry-run", dest="dry_run", action="store_true",
                     help="print the commands, run nothing")
-    ap.add_argument("--readme", default=os.path.join(REPO, "README.md"))
+    ap.add_argument("--readme", default=os.path.join(REPO, "README.md"),
+                    help="the README whose demo table is rewritten")
     ap.add_argument("--root", default=os.path.join(REPO, "runs", "demo_table"),
                     help="parent of the runs' workdirs (each replaced)")
     ap.add_argument("--results", default=RESULTS, help="the JSON file the numbers are kept in")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds per method (0..N-1); seed 0 is "
-                    "the table's run, the others give the range beside it")
+    ap.add_argument("--seeds", type=tool_flags.positive_int, default=3,
+                    help="seeds per method (0..N-1); seed 0 is "
+                         "the table's run, the others give the range beside it")
     args = ap.parse_args([a for a in argv if a not in extra])
     args.extra = extra
     known = {k: (label, f) for k, label, f in METHODS}

@@ -403,10 +403,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
 
 def _main(argv: Sequence[str] | None) -> list[dict]:
     p = tool_flags.Parser(PROG, __doc__)
-    p.add_argument("--models", default="S/16,demo")
-    p.add_argument("--norms", default=",".join(NORMS))
-    p.add_argument("--runtimes", default="onnx,savedmodel,stablehlo")
-    p.add_argument("--batches", default="1,32")
+    p.add_argument("--models", default="S/16,demo",
+                   help="comma list of models: ViT presets '<size>/<patch>' or demo (the digits "
+                        "demo's)")
+    p.add_argument("--norms", default=",".join(NORMS),
+                   help="comma list of normalizers (benchmarks/common.py NORMS)")
+    p.add_argument("--runtimes", default="onnx,savedmodel,stablehlo",
+                   help="comma list of artifact formats to export and time: onnx, savedmodel, "
+                        "stablehlo")
+    p.add_argument("--batches", default="1,32", help="comma list of batch sizes to time")
     p.add_argument("--reps", type=tool_flags.positive_int, default=10,
                    help="timed calls at small batches")
     p.add_argument("--reps_large", type=tool_flags.positive_int, default=3,
@@ -419,11 +424,13 @@ def _main(argv: Sequence[str] | None) -> list[dict]:
     p.add_argument("--anchor_reps", type=tool_flags.positive_int, default=None,
                    help="interleaved rounds of the anchors (default: --reps)")
     p.add_argument("--md", default=None, help="markdown file whose deploy-table block to replace")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     p.add_argument("--include", default="",
                    help="comma-separated --json files of earlier runs whose rows join the table "
                    "(a long measurement in parts)")
-    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
+                   help="XLA:CPU flags set before JAX starts: tuned (this project's measured "
+                        "settings) or default (XLA's own); benchmarks/xla_flags.py")
     args = p.parse_args(argv)
     check_args(p, args)
     rows: list[dict] = []

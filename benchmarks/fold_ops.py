@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
 def _main(argv: Sequence[str] | None) -> list[dict]:
     p = tool_flags.Parser(PROG, __doc__)
     p.add_argument("--model", default="Ti/16", help="ViT size, e.g. Ti/16")
-    p.add_argument("--depth", type=int, default=2, help="blocks (counts scale with it)")
+    p.add_argument("--depth", type=tool_flags.positive_int, default=2, help="blocks (counts scale with it)")
     p.add_argument("--norms", default="layernorm,batchnorm,repbn,progressive,zscore_repbn,zscore,"
                    "minmax,dyt,derf", help="comma list of benchmarks.common.NORMS keys")
     args = p.parse_args(argv)

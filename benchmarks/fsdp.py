@@ -31,19 +31,24 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.fsdp", __doc__)
     p.add_argument("--models", default="B/16,L/16,H/14", help="memory rows ('' for none)")
     p.add_argument("--fsdp", type=int, default=0, help="FSDP size (0: all devices)")
-    p.add_argument("--batch_per_device", type=int, default=1)
+    p.add_argument("--batch_per_device", type=tool_flags.positive_int, default=1,
+                   help="images per device (the global batch: this x the device count)")
     p.add_argument("--norm", default="layernorm", help=f"one of {list(common.NORMS)}")
-    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
-    p.add_argument("--num_classes", type=int, default=1000)
-    p.add_argument("--depth", type=int, default=None,
+    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES),
+                   help="compute dtype (parameters stay float32)")
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=1000, help="classes of the head")
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
                    help="blocks of every model (default: the model's own; fewer compile faster)")
-    p.add_argument("--image_size", type=int, default=None,
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
                    help="default: 32 for patch sizes up to 8, else 224")
     p.add_argument("--step_model", default="Ti/4", help="step-time model ('' for none)")
-    p.add_argument("--step_batch", type=int, default=64, help="global batch of the step timing")
-    p.add_argument("--steps", type=int, default=10, help="timed rounds")
-    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
-    p.add_argument("--json", default=None)
+    p.add_argument("--step_batch", type=tool_flags.positive_int, default=64,
+                   help="global batch of the step timing")
+    p.add_argument("--steps", type=tool_flags.positive_int, default=10, help="timed rounds")
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
+                   help="XLA:CPU flags set before JAX starts: tuned (this project's measured "
+                        "settings) or default (XLA's own); benchmarks/xla_flags.py")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     args = p.parse_args(argv)
     common.check_norm(args.norm)  # was a KeyError traceback
     return args

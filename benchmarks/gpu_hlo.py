@@ -267,13 +267,16 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="S/16", help="model preset (S/16, B/16, ...)")
     p.add_argument("--norm", default="layernorm",
                    help="comma list of benchmarks.common.NORMS names; the first is the baseline")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--image_size", type=int, default=224)
-    p.add_argument("--depth", type=int, default=None, help="blocks to compile (default: the preset's)")
+    p.add_argument("--batch", type=tool_flags.positive_int, default=256, help="global batch")
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=224,
+                   help="input resolution (default: 32 for a patch of at most 8, else 224)")
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
+                   help="blocks to compile (default: the preset's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every norm's step (repeatable), e.g. "
                    "--set=model.attention_impl='separate' (VALUE a Python literal)")
-    p.add_argument("--target", default="h100", choices=sorted(TARGETS))
+    p.add_argument("--target", default="h100", choices=sorted(TARGETS),
+                   help="the GPU compiled for (its bandwidth and memory, public specs)")
     p.add_argument("--site", default=".gpu_hlo_site",
                    help="folder holding jax's CUDA plugin (pip install --target, see above)")
     p.add_argument("--hlo_dir", default=None, help="also write each optimized HLO module here")

@@ -48,22 +48,24 @@ GPU_FLAGS_TO_TRY = ("--xla_gpu_enable_latency_hiding_scheduler=true",
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.gpu_table", __doc__)
     p.add_argument("--out", default="runs/gpu", help="logs, JSON results and gpu_table.md")
-    p.add_argument("--models", default="B/16,S/16")
+    p.add_argument("--models", default="B/16,S/16",
+                   help="comma list of ViT presets '<size>/<patch>'")
     p.add_argument("--norm", default="all", help="train_step --norm")
-    p.add_argument("--batch", type=tool_flags.positive_int, default=256)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=tool_flags.positive_int, default=256, help="global batch")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype (parameters stay float32)")
     p.add_argument("--steps", type=tool_flags.positive_int, default=None,
                    help="timed steps per run (default: 20; --quick: 10; --tiny: 1)")
     p.add_argument("--warmup", type=tool_flags.non_negative_int, default=None,
                    help="untimed steps first (default: 3; --quick: 2; --tiny: 0)")
-    p.add_argument("--num_classes", type=int, default=1000)
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=1000, help="classes of the head")
     p.add_argument("--norm_timeout", type=float, default=300.0, help="seconds per norm")
     p.add_argument("--torch_timeout", type=float, default=900.0, help="seconds per vs_torch run")
     p.add_argument("--no_torch", action="store_true", help="skip vs_torch")
     p.add_argument("--pipeline_cores", default=None,
                    help="input_pipeline --cores (default: 1, 2, 4, ... up to this host's cores; "
                         "'' skips it)")
-    p.add_argument("--pipeline_timeout", type=float, default=900.0)
+    p.add_argument("--pipeline_timeout", type=float, default=900.0,
+                   help="seconds allowed to each input-pipeline measurement")
     p.add_argument("--xla_flags", default="", help="appended to XLA_FLAGS of every run")
     p.add_argument("--doc", default=None,
                    help="markdown file to update between the markers (default: docs/benchmarks.md; "

@@ -27,20 +27,26 @@ from normvit_jax import models, reparam, sharding  # noqa: E402
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.inference", __doc__)
-    p.add_argument("--model", default="Ti/4")
+    p.add_argument("--model", default="Ti/4", help="ViT preset '<size>/<patch>', e.g. Ti/4, S/16")
     p.add_argument("--norm", default="all", help=f"'all' or a comma list of {list(common.NORMS)}")
-    p.add_argument("--batch", type=tool_flags.positive_int, default=256)
-    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
+    p.add_argument("--batch", type=tool_flags.positive_int, default=256, help="global batch")
+    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES),
+                   help="compute dtype (parameters stay float32)")
     p.add_argument("--steps", type=tool_flags.positive_int, default=10, help="timed rounds")
-    p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2)
-    p.add_argument("--image_size", type=int, default=None)
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--num_classes", type=int, default=10)
-    p.add_argument("--scan", action="store_true")
+    p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2,
+                   help="untimed rounds before the timed ones")
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
+                   help="input resolution (default: 32 for a patch of at most 8, else 224)")
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
+                   help="transformer blocks (default: the model preset's)")
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=10, help="classes of the head")
+    p.add_argument("--scan", action="store_true", help="nn.scan over the blocks (model.scan)")
     p.add_argument("--fold", action="store_true",
                    help="also time each foldable norm folded into the next Dense ('<norm>+folded')")
-    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
-    p.add_argument("--json", default=None)
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
+                   help="XLA:CPU flags set before JAX starts: tuned (this project's measured "
+                        "settings) or default (XLA's own); benchmarks/xla_flags.py")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     return p.parse_args(argv)
 
 

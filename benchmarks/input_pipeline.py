@@ -64,9 +64,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         f"{CPU_STEP_BATCH} on CPU)")
     p.add_argument("--steps", type=tool_flags.positive_int, default=3, help="timed train steps")
     p.add_argument("--model", default=None, help="override the dataset config's model preset")
-    p.add_argument("--image_size", type=int, default=None)
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--synthetic_examples", type=int, default=256,
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
+                   help="input resolution (default: 32 for a patch of at most 8, else 224)")
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
+                   help="transformer blocks (default: the model preset's)")
+    p.add_argument("--synthetic_examples", type=tool_flags.positive_int, default=256,
                    help="size of the synthetic ImageNet set when none is prepared")
     p.add_argument("--skip_run", action="store_true", help="skip the pipeline+step run")
     p.add_argument("--cores", default=None,
@@ -84,8 +86,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         "worker per core (what --cores runs in each child)")
     p.add_argument("--pin_cores", type=int, default=None,
                    help="with --pipeline_only: first restrict this process to its first N cores")
-    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
-    p.add_argument("--json", default=None)
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
+                   help="XLA:CPU flags set before JAX starts: tuned (this project's measured "
+                        "settings) or default (XLA's own); benchmarks/xla_flags.py")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     return p.parse_args(argv)
 
 

@@ -31,14 +31,19 @@ from normvit_jax import models  # noqa: E402
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.matmul", __doc__)
-    p.add_argument("--model", default="Ti/4")
-    p.add_argument("--batch", type=tool_flags.positive_int, default=128)
-    p.add_argument("--image_size", type=int, default=None)
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--repeats", type=tool_flags.positive_int, default=9)
+    p.add_argument("--model", default="Ti/4", help="ViT preset '<size>/<patch>', e.g. Ti/4, S/16")
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128, help="global batch")
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
+                   help="input resolution (default: 32 for a patch of at most 8, else 224)")
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
+                   help="transformer blocks (default: the model preset's)")
+    p.add_argument("--repeats", type=tool_flags.positive_int, default=9,
+                   help="timed rounds (the median is reported)")
     p.add_argument("--no_torch", action="store_true", help="XLA only")
-    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
-    p.add_argument("--json", default=None)
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
+                   help="XLA:CPU flags set before JAX starts: tuned (this project's measured "
+                        "settings) or default (XLA's own); benchmarks/xla_flags.py")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     return p.parse_args(argv)
 
 

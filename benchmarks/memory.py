@@ -29,19 +29,25 @@ from normvit_jax import tool_flags  # noqa: E402
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.memory", __doc__)
-    p.add_argument("--models", default="Ti/16,S/16,B/16,L/16")
+    p.add_argument("--models", default="Ti/16,S/16,B/16,L/16",
+                   help="comma list of ViT presets '<size>/<patch>'")
     p.add_argument("--norm", default="layernorm", help=f"one of {list(common.NORMS)}")
-    p.add_argument("--image_size", type=int, default=None)
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
+                   help="input resolution (default: 32 for a patch of at most 8, else 224)")
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
+                   help="transformer blocks (default: the model preset's)")
+    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES),
+                   help="compute dtype (parameters stay float32)")
     p.add_argument("--memory_gb", default="16,40,80",
                    help="device memory budgets in GiB (the device's own limit is added if known)")
     p.add_argument("--probe_batches", default="4,8", help="two per-device batches to fit from")
-    p.add_argument("--scan", action="store_true")
+    p.add_argument("--scan", action="store_true", help="nn.scan over the blocks (model.scan)")
     p.add_argument("--verify", action="store_true", help="compile at each predicted batch too")
-    p.add_argument("--num_classes", type=int, default=1000)
-    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
-    p.add_argument("--json", default=None)
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=1000, help="classes of the head")
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
+                   help="XLA:CPU flags set before JAX starts: tuned (this project's measured "
+                        "settings) or default (XLA's own); benchmarks/xla_flags.py")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     args = p.parse_args(argv)
     # checked here, not as a KeyError / ValueError / ZeroDivisionError traceback mid-run
     if args.norm not in common.NORMS:

@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--root", default="runs/ablation", help="folder of the run workdirs")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     p.add_argument("--only", default="", help="comma-separated method keys (default: all)")
-    p.add_argument("--eval_every", type=int, default=50, help="steps between evaluations")
+    p.add_argument("--eval_every", type=tool_flags.positive_int, default=50, help="steps between evaluations")
     p.add_argument("--summary_only", action="store_true", help="run nothing, write the report")
     p.add_argument("--out", default=None, help="the report's folder (default: <root>/report)")
     p.add_argument("--config_args", default="",

@@ -39,8 +39,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="S/16", help="preset giving tokens and width")
     p.add_argument("--norm", default="layernorm,batchnorm,repbn,progressive,zscore_repbn,dyt",
                    help=f"'all' or a comma list of {list(common.NORMS)}")
-    p.add_argument("--batch", type=tool_flags.positive_int, default=64)
-    p.add_argument("--dtype", default="bfloat16", choices=list(common.DTYPES))
+    p.add_argument("--batch", type=tool_flags.positive_int, default=64, help="global batch")
+    p.add_argument("--dtype", default="bfloat16", choices=list(common.DTYPES),
+                   help="compute dtype (parameters stay float32)")
     p.add_argument("--steps", type=tool_flags.positive_int, default=10, help="timed rounds")
     p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2,
                    help="untimed rounds first")

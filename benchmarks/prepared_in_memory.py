@@ -50,16 +50,19 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/vit_dtn.py:demo",
                    help="the method config (the issue's measurement: vit_dtn.py:demo at 32 px)")
     p.add_argument("--name", default=None, help="a prepared dataset (default: synthetic PNGs)")
-    p.add_argument("--data_dir", default=None)
+    p.add_argument("--data_dir", default=None,
+                   help="where --name was prepared (default: $TFDS_DATA_DIR or "
+                        "~/tensorflow_datasets)")
     p.add_argument("--images", type=tool_flags.positive_int, default=3805,
                    help="synthetic train images")
-    p.add_argument("--batch", type=tool_flags.positive_int, default=128)
-    p.add_argument("--rounds", type=tool_flags.positive_int, default=5)
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128, help="global batch")
+    p.add_argument("--rounds", type=tool_flags.positive_int, default=5,
+                   help="timed rounds per mode")
     p.add_argument("--block", type=tool_flags.positive_int, default=20,
                    help="steps of one pipeline per round")
     p.add_argument("--skip", type=tool_flags.non_negative_int, default=6,
                    help="first steps of a block not counted")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     args = p.parse_args(argv)
     if args.skip >= args.block:  # no step of a block would be counted
         p.error(f"--skip={args.skip}: must be below --block={args.block}")

@@ -38,22 +38,28 @@ PARTS = (("optimizer", ("optax", "adam", "clip", "tree_norm", "apply_updates", "
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.profile", __doc__)
-    p.add_argument("--model", default="Ti/4")
+    p.add_argument("--model", default="Ti/4", help="ViT preset '<size>/<patch>', e.g. Ti/4, S/16")
     p.add_argument("--norm", default="layernorm", help=f"one of {list(common.NORMS)}")
-    p.add_argument("--batch", type=tool_flags.positive_int, default=128)
-    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
-    p.add_argument("--num_classes", type=int, default=10)
-    p.add_argument("--steps", type=tool_flags.positive_int, default=3)
-    p.add_argument("--image_size", type=int, default=None)
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
-    p.add_argument("--top", type=int, default=15, help="list this many single ops")
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128, help="global batch")
+    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES),
+                   help="compute dtype (parameters stay float32)")
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=10, help="classes of the head")
+    p.add_argument("--steps", type=tool_flags.positive_int, default=3, help="profiled steps")
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
+                   help="input resolution (default: 32 for a patch of at most 8, else 224)")
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
+                   help="transformer blocks (default: the model preset's)")
+    p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS,
+                   help="model.attention_impl (default: the config's, auto)")
+    p.add_argument("--top", type=tool_flags.positive_int, default=15, help="list this many single ops")
     p.add_argument("--part", default=None,
                    help="list the top ops of this model part only ('each': the top of every part)")
-    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
+                   help="XLA:CPU flags set before JAX starts: tuned (this project's measured "
+                        "settings) or default (XLA's own); benchmarks/xla_flags.py")
     p.add_argument("--trace_dir", default=None,
                    help="keep the trace here (default: a temporary folder, removed)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     args = p.parse_args(argv)
     common.check_norm(args.norm)  # one norm; was a KeyError (also for a comma list)
     parts = [name for name, _ in PARTS] + ["other", "each"]

@@ -41,25 +41,30 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--norm", default="layernorm",
                    help=f"'all' or a comma list of {list(common.NORMS)}")
     p.add_argument("--batch", type=tool_flags.positive_int, default=128, help="global batch")
-    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES))
+    p.add_argument("--dtype", default="float32", choices=list(common.DTYPES),
+                   help="compute dtype (parameters stay float32)")
     p.add_argument("--steps", type=tool_flags.positive_int, default=10,
                    help="timed steps (rounds) per norm")
     p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2,
                    help="untimed steps (rounds) first")
-    p.add_argument("--image_size", type=int, default=None, help="default: 32 for patch<=8, else 224")
-    p.add_argument("--depth", type=int, default=None, help="override the preset's depth")
-    p.add_argument("--num_classes", type=int, default=10)
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
+                   help="default: 32 for patch<=8, else 224")
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None, help="override the preset's depth")
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=10, help="classes of the head")
     p.add_argument("--remat", action="store_true", help="activation checkpointing per block")
     p.add_argument("--scan", action="store_true", help="nn.scan over blocks (model.scan)")
-    p.add_argument("--grad_accum", type=int, default=1, help="config.grad_accum_steps")
-    p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
+    p.add_argument("--grad_accum", type=tool_flags.positive_int, default=1, help="config.grad_accum_steps")
+    p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS,
+                   help="model.attention_impl (default: the config's, auto)")
     p.add_argument("--recompute", default=None, choices=list(RECOMPUTE),
                    help="model.recompute (default: the config's, none)")
     p.add_argument("--stream_layout", default=None, choices=list(STREAM_LAYOUTS),
                    help="model.stream_layout (default: the config's, auto: pinned on GPU)")
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="device peak for MFU; default: the datasheet's (GPUs), else a matmul probe")
-    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
+                   help="XLA:CPU flags set before JAX starts: tuned (this project's measured "
+                        "settings) or default (XLA's own); benchmarks/xla_flags.py")
     p.add_argument("--isolate", action="store_true",
                    help="each norm in its own process (benchmarks.isolate); ratios of medians")
     p.add_argument("--norm_timeout", type=float, default=NORM_TIMEOUT_S,

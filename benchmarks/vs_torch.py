@@ -72,25 +72,32 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = tool_flags.Parser("python -m benchmarks.vs_torch", __doc__)
     p.add_argument("--model", default="Ti/4",
                    help="a preset, or a comma list measured one after another in this process")
-    p.add_argument("--batch", type=tool_flags.positive_int, default=128)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--batch", type=tool_flags.positive_int, default=128, help="global batch")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute dtype (parameters stay float32)")
     p.add_argument("--steps", type=tool_flags.positive_int, default=7, help="timed pairs")
-    p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2)
-    p.add_argument("--image_size", type=int, default=None)
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--num_classes", type=int, default=10)
+    p.add_argument("--warmup", type=tool_flags.non_negative_int, default=2,
+                   help="untimed rounds before the timed ones")
+    p.add_argument("--image_size", type=tool_flags.positive_int, default=None,
+                   help="input resolution (default: 32 for a patch of at most 8, else 224)")
+    p.add_argument("--depth", type=tool_flags.positive_int, default=None,
+                   help="transformer blocks (default: the model preset's)")
+    p.add_argument("--num_classes", type=tool_flags.positive_int, default=10, help="classes of the head")
     p.add_argument("--gelu", default="tanh", choices=["tanh", "exact"],
                    help="both sides; timm's default is exact, Google's checkpoints use tanh")
-    p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS)
-    p.add_argument("--torch_threads", type=int, default=None, help="default: torch's own")
+    p.add_argument("--attention_impl", default=None, choices=common.ATTENTION_IMPLS,
+                   help="model.attention_impl (default: the config's, auto)")
+    p.add_argument("--torch_threads", type=tool_flags.positive_int, default=None, help="default: torch's own")
     p.add_argument("--torch_device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto: cuda when torch sees a GPU")
     p.add_argument("--torch_compile", default="auto", choices=["auto", "yes", "no"],
                    help="also time a torch.compile'd timm; auto: on cuda only")
-    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS))
+    p.add_argument("--xla_preset", default=xla_flags.DEFAULT_PRESET, choices=list(xla_flags.PRESETS),
+                   help="XLA:CPU flags set before JAX starts: tuned (this project's measured "
+                        "settings) or default (XLA's own); benchmarks/xla_flags.py")
     p.add_argument("--time_budget_s", type=float, default=None,
                    help="with several models: start no model once this many seconds have passed")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     return p.parse_args(argv)
 
 

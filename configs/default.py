@@ -173,7 +173,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.random_erase_mode = "pixel"   # pixel (per-pixel normal noise) | rand (per channel) | const (zeros)
 
     # ---- precision and memory ----
-    c.dtype = "float32"             # compute dtype: float32 | bfloat16 (params and stats stay float32)
+    c.dtype = "float32"             # compute dtype: float32 | bfloat16 | float16 (no loss scaling: small
+                                    # gradients underflow); params and stats stay float32
     c.remat = False                 # activation checkpointing per block
     c.reproducible_cpu_threads = 0  # >0: XLA:CPU on this many threads with AVX2 code and no YNNPACK: the
                                     # same numbers on any core count of a CPU model, not across models

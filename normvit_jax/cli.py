@@ -158,6 +158,7 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
 def describe_flag_error(argv: list[str], error: BaseException) -> str:
     """A one-paragraph message for a bad ``--config...`` command line: the bad key, its value and
     the keys accepted at that level (instead of a traceback from deep inside ml_collections)."""
+    from normvit_jax import config_paths
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     overrides = [a[2:].split("=", 1) for a in argv if a.startswith("--config.")]
     if spec is not None:
@@ -171,8 +172,9 @@ def describe_flag_error(argv: list[str], error: BaseException) -> str:
             for part in key.split(".")[1:]:
                 if not isinstance(node, ml_collections.ConfigDict) or part not in node:
                     accepted = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                    hint = config_paths.did_you_mean(config, key[len("config."):])
                     return (f"Unknown config key --{key} (value {value!r}): "
-                            f"{'.'.join(walked)} has no key {part!r}; accepted: {accepted}")
+                            f"{'.'.join(walked)} has no key {part!r}{hint}; accepted: {accepted}")
                 node, walked = node[part], walked + [part]
             if isinstance(node, ml_collections.ConfigDict) and f"--{key}=" in str(error):
                 # --config.model.norm=rmsnorm: a plain value where a group of keys is

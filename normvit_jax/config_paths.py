@@ -4,18 +4,69 @@ the rest (main.py):
 - a key inside a dict-valued field, by its path, whether or not the config already has it:
   ``--config.model.norm_overrides.block_1.name=rmsnorm`` (adds the override of block 1),
   ``--config.model.norm.groups=8`` (a norm option the config file did not set);
-- ``None`` for any existing key: ``--config.model.variant=None`` unsets a preset's variant
-  (the config flag would store the string 'None').
+- ``None`` for any existing value: ``--config.model.variant=None`` unsets a preset's variant
+  (the config flag would store the string 'None'); config_ranges.check refuses it where it has no
+  meaning (``log_every``). A group of keys takes None only where it is dict-valued
+  (``model.norm``: the default norm; ``model.norm_overrides``: none).
 """
 from __future__ import annotations
 
 import ast
+import difflib
 from typing import Any, Sequence
 
 import ml_collections
 
 PREFIX = "--config."
 DICT_VALUED = ("model.norm", "model.norm_overrides")  # their keys are free (norm options, blocks)
+
+
+def _paths(node: Any, prefix: str = "") -> list[str]:
+    """Every key of a config by its dotted path, groups and values alike."""
+    out = []
+    for k in node.keys():
+        out.append(prefix + k)
+        if isinstance(node[k], ml_collections.ConfigDict):
+            out += _paths(node[k], f"{prefix}{k}.")
+    return out
+
+
+def _initials(name: str) -> str:
+    return "".join(w[:1] for w in name.split("_"))
+
+
+def closest(config: Any, path: str, n: int = 3) -> list[str]:
+    """The keys of ``config`` a misspelt or misplaced ``path`` most likely meant, best first:
+    the same name in another group (``learning_rate`` -> ``optimizer.learning_rate``), a close
+    spelling (``model.detph`` -> ``model.depth``), the initials of a name (``optimizer.lr`` ->
+    ``optimizer.learning_rate``), or a name it begins (``mixup`` -> ``mixup_alpha``); a key of
+    the same group before one of another."""
+    group, _, leaf = path.rpartition(".")
+    ranked = []
+    for p in _paths(config):
+        where, _, name = p.rpartition(".")
+        similarity = difflib.SequenceMatcher(None, name, leaf).ratio()
+        if name == leaf:
+            tier = 0
+        elif similarity >= 0.75:
+            tier = 1
+        elif "_" in name and _initials(name) == leaf:
+            tier = 2
+        elif len(leaf) >= 3 and name.startswith(leaf):
+            tier = 3
+        else:
+            continue
+        if p != path:
+            ranked.append((tier, where != group, -similarity, p))
+    return [p for *_, p in sorted(ranked)[:n]]
+
+
+def did_you_mean(config: Any, path: str) -> str:
+    """' (did you mean --config.X?)' naming ``closest``'s guesses, else ''."""
+    guesses = closest(config, path)
+    if not guesses:
+        return ""
+    return " (did you mean " + " or ".join(f"--config.{g}" for g in guesses) + "?)"
 
 
 def _path_value(arg: str) -> tuple[str, str] | None:
@@ -80,16 +131,19 @@ def apply(config: ml_collections.ConfigDict, overrides: Sequence[tuple[str, str]
                 if part not in node and not _free(here):
                     where = ".".join(["config"] + parts[:i])
                     raise ValueError(f"unknown config key --config.{path}: {where} has no key "
-                                     f"{part!r}; accepted: {sorted(node.keys())}")
+                                     f"{part!r}{did_you_mean(config, path)}; accepted: "
+                                     f"{sorted(node.keys())}")
                 if i < len(parts) - 1:
                     if part not in node:
                         node[part] = ml_collections.ConfigDict()
                     node = node[part]
                     continue
                 current = node.get(part)
-                if isinstance(current, ml_collections.ConfigDict) and text != "None":
-                    raise ValueError(f"--config.{path} is a group of keys; set one of "
-                                     f"{sorted(current.keys())}")
+                # None for model.norm / norm_overrides: the default norm, no overrides
+                if isinstance(current, ml_collections.ConfigDict) and (
+                        text != "None" or path not in DICT_VALUED):
+                    raise ValueError(f"--config.{path}={text}: config.{path} is a group of "
+                                     f"keys, not a value; set one of {sorted(current.keys())}")
                 try:
                     node[part] = _parse(text, current)
                 except (ValueError, TypeError) as e:  # TypeError: a typed None (placeholder)

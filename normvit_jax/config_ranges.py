@@ -3,8 +3,10 @@ built (preflight.check and train/setup.validate_config), so ``label_smoothing=1.
 ``model.depth=0`` is refused with one line naming the key, its value and the range, instead of
 training something meaningless or being read as "unset".
 
-None is left to each key's own meaning (``total_steps=None``: use num_epochs; ``grad_clip=None``:
-off). Keys without a range (``seed``) and keys whose range depends on others (``mesh.data``: -1 or
+None is accepted only where it has a meaning (``NONE_MEANS``: ``total_steps=None``: use
+num_epochs; ``grad_clip=None``: off; a ``model.*`` key: the model family's default) and refused
+with the range elsewhere (``--config.log_every=None`` was a TypeError traceback from the loop).
+Keys without a range (``seed``) and keys whose range depends on others (``mesh.data``: -1 or
 a divisor of the device count; ``model.cls_token_at_block``: within the depth) are listed in
 ``UNBOUNDED`` and checked where the other values are known.
 """
@@ -117,6 +119,22 @@ RANGES: dict[str, Range] = {
 
 UNBOUNDED = ("seed", "mesh.data", "model.cls_token_at_block")
 
+# The keys of RANGES and UNBOUNDED that may be None, and what None means; every model.* key may be
+# (the family's default: models.spec.ViTSpec.resolve_partial).
+NONE_MEANS: dict[str, str] = {
+    "total_steps": "train num_epochs",
+    "num_epochs": "train total_steps steps",
+    "data.num_train_examples": "every train example",
+    "data.num_eval_examples": "every eval example",
+    "data.num_workers": "min(32, usable CPUs)",
+    "optimizer.grad_clip": "no clipping",
+    "optimizer.lamb_grad_clip": "no clipping inside Lamb",
+}
+
+
+def none_allowed(key: str) -> bool:
+    return key in NONE_MEANS or key.startswith("model.")
+
 # Numeric options of a norm (model.norm, model.norm_overrides.<key>), by name, whichever norm has
 # them; norms.registry.create checks them. Out of range, they trained to NaN or to a NaN eval.
 NORM_OPTIONS: dict[str, Range] = {
@@ -138,9 +156,16 @@ def _get(config: Any, key: str) -> tuple[bool, Any]:
 
 
 def check(config: Any) -> None:
-    """Raises ValueError naming the first key whose value is outside its range."""
+    """Raises ValueError naming the first key whose value is outside its range, or None where
+    None has no meaning."""
+    for key in UNBOUNDED:
+        present, value = _get(config, key)
+        if present and value is None and not none_allowed(key):
+            raise ValueError(f"config.{key}=None is not accepted; accepted: an integer")
     for key, allowed in RANGES.items():
         present, value = _get(config, key)
+        if present and value is None and not none_allowed(key):
+            raise ValueError(f"config.{key}=None is not accepted; accepted: {allowed.describe()}")
         if present and value is not None and not allowed.contains(value):
             raise ValueError(f"config.{key}={value!r} is out of range; accepted: "
                              f"{allowed.describe()}")

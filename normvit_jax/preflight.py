@@ -30,6 +30,7 @@ def check(config: Any, workdir: str) -> None:
     check_values(config)
     check_model(config)
     check_workdir_path(workdir)
+    check_empty_paths(config)
     # init_from is read only by a run that starts at step 0: a resumed run does not need it
     resuming = not workdir_lib.is_remote(workdir) and os.path.isdir(workdir) \
         and run_config.has_checkpoint(os.path.abspath(workdir))
@@ -44,6 +45,22 @@ def check(config: Any, workdir: str) -> None:
             "; download the checkpoint first, e.g. `wget https://storage.googleapis.com/"
             "vit_models/imagenet21k/ViT-B_16.npz` (public; the files and their layouts: "
             "docs/pretrained.md)"))
+
+
+# Path keys whose None has a meaning an empty string must not take: ``--config.init_from=$UNSET``
+# trained from scratch (an empty init_from read as "none") with exit 0.
+PATH_KEYS = {"init_from": "train from scratch", "data.data_dir": "tfds's default folder"}
+
+
+def check_empty_paths(config: Any) -> None:
+    """Raises ValueError naming a path key set to an empty string."""
+    for key, none_means in PATH_KEYS.items():
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if hasattr(node, "get") else None
+        if isinstance(node, str) and not node.strip():
+            raise ValueError(f"config.{key} is empty (an unset shell variable?); pass a path, or "
+                             f"leave it out (None: {none_means})")
 
 
 def check_loaded(config: Any) -> None:
@@ -84,6 +101,9 @@ def check_run_length(config: Any) -> None:
 
 
 def check_workdir_path(workdir: str) -> None:
+    if not str(workdir).strip():  # os.path.abspath('') is the current folder
+        raise ValueError("the workdir is empty (an unset shell variable?); pass the run's "
+                         "directory, e.g. --workdir=runs/demo")
     if workdir_lib.is_remote(workdir):
         return
     path = os.path.abspath(workdir)

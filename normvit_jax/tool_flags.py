@@ -9,6 +9,7 @@ project's CLI contract for bad input: one line on stderr naming the flag, exit 2
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import sys
@@ -62,7 +63,12 @@ def check_output(flag: str, path: str, folder: bool = False) -> None:
     """Before the work: ``--flag=path`` can be written as a file (or, ``folder``, a folder): it is
     of that kind if it exists, and a file can be made in the nearest folder that exists. Else a
     ValueError naming the flag (one line, exit 2 by cli.tool_errors), not a traceback after the
-    work. gs:// paths are left to the write (checking them needs credentials)."""
+    work. gs:// paths are left to the write (checking them needs credentials). An empty path
+    (``--out=$UNSET``) is refused: as a folder it was the current one, where analysis.attention
+    wrote its files."""
+    if not path.strip():
+        raise ValueError(f"--{flag} is empty (an unset shell variable?); pass the path of "
+                         f"{'a folder' if folder else 'a file'}")
     if "://" in path:
         return
     path = os.path.abspath(path)
@@ -100,9 +106,22 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:
         """Positional arguments may sit between flags (``report a --out=o b``); ``--flag=~/x``
-        means ``$HOME/x`` (expand_home)."""
-        return self.parse_intermixed_args(expand_home(sys.argv[1:] if args is None else args),
-                                          namespace)
+        means ``$HOME/x`` (expand_home). A flag the tool does not have is named first, with the
+        flag it most likely meant (argparse named only a missing required one when both were:
+        ``--workdirr=w`` read 'the following arguments are required: --workdir')."""
+        args = expand_home(sys.argv[1:] if args is None else args)
+        unknown = [a for a in args if a.startswith("--") and a != "--"
+                   and a.split("=", 1)[0] not in self._option_string_actions]
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}"
+                       f"{self._did_you_mean(unknown[0].split('=', 1)[0])}")
+        return self.parse_intermixed_args(args, namespace)
+
+    def _did_you_mean(self, flag: str) -> str:
+        """' (did you mean --X?)' for the closest flag of this tool, else ''."""
+        match = difflib.get_close_matches(flag, [s for s in self._option_string_actions
+                                                 if s.startswith("--")], n=1, cutoff=0.6)
+        return f" (did you mean {match[0]}?)" if match else ""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")

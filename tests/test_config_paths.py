@@ -139,3 +139,51 @@ def test_main_sets_a_block_override_and_unsets_the_variant(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == (
         "error: --config.model.norm_overrides.final.epsilon=tiny: could not convert string to "
         "float: 'tiny'")
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("learning_rate", ["optimizer.learning_rate"]),  # the right name in the wrong group
+    ("optimizer.lr", ["optimizer.learning_rate"]),   # initials
+    ("optimizer.wd", ["optimizer.weight_decay"]),
+    ("model.detph", ["model.depth"]),                # a typo
+    ("data.imagesize", ["data.image_size"]),
+    ("warmup_steps", ["schedule.warmup_steps"]),
+    ("mixup", ["mixup_alpha"]),                      # the start of a name
+    ("data.batch_size", ["batch_size", "model.patch_size", "eval_batch_size"]),
+    ("model.foo", []),                               # nothing alike: no guess
+])
+def test_an_unknown_key_names_the_keys_it_most_likely_meant(typed, meant):
+    assert config_paths.closest(_config("vit_ln", "demo"), typed) == meant
+
+
+@pytest.mark.parametrize("override", ["--config.learning_rate=0.1", "--config.learning_rate=None"])
+def test_main_names_the_closest_key_of_a_misplaced_one(override):
+    """--config.learning_rate listed the 50 top-level keys, none of them the one meant
+    (optimizer.learning_rate); =None goes through config_paths, the other through absl."""
+    r = subprocess.run([sys.executable, "main.py", "--config=configs/vit_ln.py:demo",
+                        "--workdir=/tmp/never", override], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert r.returncode == cli.EXIT_CONFIG and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "config has no key 'learning_rate' (did you mean " \
+        "--config.optimizer.learning_rate?); accepted: ['allow_config_change'" in lines[0], lines
+    assert not os.path.exists("/tmp/never")
+
+
+def test_none_for_a_group_is_refused_but_for_the_dict_valued_ones(tmp_path):
+    """--config.optimizer=None (data, schedule, mesh) was a traceback from the first reader;
+    --config.model.norm_overrides=None (no overrides) reached train/build.py's
+    norm_overrides.values(): AttributeError on None."""
+    c = _config("vit_ln", "demo")
+    for group in ("optimizer", "data", "schedule", "mesh"):
+        with pytest.raises(ValueError, match=rf"^--config.{group}=None: config.{group} is a group "
+                                             r"of keys, not a value; set one of \["):
+            config_paths.apply(c, [(group, "None")])
+    from tests.conftest import tiny_demo_config
+    c = tiny_demo_config(total_steps=1, eval_every=1, checkpoint_every=1)
+    c.lock()
+    config_paths.apply(c, [("model.norm_overrides", "None")])
+    assert c.model.norm_overrides is None
+    assert cli.run(c, str(tmp_path / "wd")) == cli.EXIT_OK
+    saved = json.loads((tmp_path / "wd" / "config.json").read_text())
+    assert saved["model"]["norm_overrides"] is None  # as it ran

@@ -132,3 +132,46 @@ def test_main_refuses_with_exit_2_and_one_line(tmp_path, override, key, shown):
     assert len(lines) == 1 and f"{key}={shown} " in lines[0] and "accepted: " in lines[0]
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "wd").exists() or os.listdir(tmp_path / "wd") == []
+
+
+def test_none_is_refused_where_it_has_no_meaning():
+    """--config.log_every=None (or mix_prob, optimizer.b1, mesh.data, ... =None) passed every
+    check and ended in a TypeError traceback (exit 1) from the loop; None stays accepted where it
+    means something (NONE_MEANS; a model.* key: the family's default)."""
+    refused = 0
+    for key in [*RANGES, *UNBOUNDED]:
+        c = tiny_demo_config()
+        _set(c, key, None)
+        if config_ranges.none_allowed(key):
+            config_ranges.check(c)  # no error
+            continue
+        refused += 1
+        accepted = RANGES[key].describe() if key in RANGES else "an integer"
+        with pytest.raises(ValueError) as e:
+            preflight.check_values(c)
+        assert str(e.value) == f"config.{key}=None is not accepted; accepted: {accepted}"
+    assert refused > 40
+
+
+def test_every_key_that_defaults_to_none_may_be_none():
+    """A default is never refused: each key configs/default.py leaves None has a meaning."""
+    c = default.get_config()
+    nones = [k for k in [*RANGES, *UNBOUNDED] if config_ranges._get(c, k) == (True, None)]
+    assert len(nones) > 5 and [k for k in nones if not config_ranges.none_allowed(k)] == []
+    assert sorted(set(config_ranges.NONE_MEANS) - set(RANGES)) == []  # no stale names
+
+
+@pytest.mark.parametrize("override, line", [
+    ("--config.log_every=None",
+     "Stopped: config.log_every=None is not accepted; accepted: an integer >= 1"),
+    ("--config.data=None",  # a group: was AttributeError 'NoneType' object has no attribute ...
+     "error: --config.data=None: config.data is a group of keys, not a value; set one of ["),
+])
+def test_main_refuses_none_without_a_meaning_in_one_line(tmp_path, override, line):
+    r = subprocess.run([sys.executable, "main.py", "--config=configs/vit_ln.py:demo", override,
+                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert r.returncode == cli.EXIT_CONFIG and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if "rror" in x or "Stopped" in x]
+    assert len(lines) == 1 and line in lines[0], r.stderr[-3000:]
+    assert not (tmp_path / "wd").exists()

@@ -18,7 +18,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from configs import default
-from normvit_jax import cli, pretrained, run_config, workdir
+from normvit_jax import cli, preflight, pretrained, run_config, workdir
 from normvit_jax.train import setup
 from tests import conftest
 from tests.conftest import REPO_ROOT
@@ -197,6 +197,22 @@ def test_workdir_that_is_a_file_is_named(tmp_path):
     assert "is a file, not a directory" in r.stderr and "ermission" not in r.stderr
     r = main_py("--config=configs/vit_ln.py:demo", f"--workdir={f}/sub")
     assert r.returncode == cli.EXIT_WORKDIR and "is a file, not a directory" in r.stderr
+
+
+@pytest.mark.parametrize("workdir", ["", " "])
+def test_an_empty_workdir_is_refused_and_nothing_is_written(tmp_path, workdir):
+    """--workdir=$UNSET trained a whole run into the current folder (checkpoints/, config.json,
+    .lock, event files beside the user's files) with exit 0."""
+    for mode in ("train", "eval"):
+        r = main_py(f"--config={REPO_ROOT}/configs/vit_ln.py:demo", f"--workdir={workdir}",
+                    f"--mode={mode}", "--config.total_steps=1", cwd=str(tmp_path))
+        assert r.returncode == cli.EXIT_CONFIG and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert r.stderr.strip().splitlines() == [
+            "error: --workdir is empty (an unset shell variable?); pass the run's directory, "
+            "e.g. --workdir=runs/demo"]
+        assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="the workdir is empty"):  # cli.run called directly
+        preflight.check(conftest.tiny_demo_config(), workdir)
 
 
 def test_config_of_a_workdir_without_checkpoint_can_change(tmp_path):
@@ -435,3 +451,28 @@ def test_resumed_run_does_not_need_its_init_from(tmp_path):
         preflight.check(config, str(tmp_path / "wd"))
     (tmp_path / "wd" / "checkpoints" / "6").mkdir(parents=True)
     preflight.check(config, str(tmp_path / "wd"))
+
+
+@pytest.mark.parametrize("flags, wrong", [(["--mode=train", "--step=3"], "--step"),
+                                          (["--mode=eval", "--fresh"], "--fresh")])
+def test_a_flag_of_the_other_mode_is_refused(tmp_path, flags, wrong):
+    """--step=3 with training was ignored (the run resumed from its newest checkpoint, or trained
+    from step 0, exit 0); --fresh with --mode=eval evaluated the old run without a word."""
+    r = main_py("--config=configs/vit_ln.py:demo", f"--workdir={tmp_path}/wd", *flags,
+                "--config.total_steps=1")
+    assert r.returncode == cli.EXIT_CONFIG and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {wrong} is not a flag of "), lines
+    assert not (tmp_path / "wd").exists()
+
+
+@pytest.mark.parametrize("key", ["init_from", "data.data_dir"])
+def test_an_empty_path_key_is_refused(tmp_path, key):
+    """--config.init_from=$UNSET trained from scratch (an empty path read as 'none'), exit 0,
+    when the user meant to fine-tune."""
+    r = main_py("--config=configs/vit_ln.py:demo", f"--workdir={tmp_path}/wd",
+                f"--config.{key}=", "--config.total_steps=1")
+    assert r.returncode == cli.EXIT_CONFIG and "Traceback" not in r.stderr, r.stderr[-3000:]
+    stopped = _messages(r)
+    assert len(stopped) == 1 and f"config.{key} is empty (an unset shell variable?)" in stopped[0]
+    assert not (tmp_path / "wd").exists()

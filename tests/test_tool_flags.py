@@ -88,6 +88,9 @@ def test_values_booleans_enums_and_both_spellings():
     (["--workdir=w", "--batch=four"], "--batch: invalid int value: 'four'"),
     (["--workdir=w", "stray"], "unrecognized arguments: stray"),
     (["--workdir=w", "--bat=4"], "unrecognized arguments: --bat=4"),  # no abbreviations
+    (["--workdirr=w"], "unrecognized arguments: --workdirr=w (did you mean --workdir?)"),
+    (["--workdir=w", "--imp", "xla"], "unrecognized arguments: --imp (did you mean --impl?)"),
+    (["--workdir=w", "--xyz"], "unrecognized arguments: --xyz (--help"),  # nothing alike
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -279,3 +282,70 @@ def test_export_refuses_a_bad_flag_in_one_line_exit_2(flag, message, tmp_path):
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
     assert lines[0].startswith("python -m normvit_jax.export: error: ") and message in lines[0]
     assert "Traceback" not in r.stderr and os.listdir(tmp_path) == []
+
+
+def _argparse_tools() -> list[str]:
+    """Every ``python -m`` tool that parses with tool_flags.Parser: the package's and each
+    benchmark with a ``main``."""
+    out = ["normvit_jax.predict", "normvit_jax.data.prepare", "normvit_jax.reparam",
+           "normvit_jax.recalibrate", "normvit_jax.serve", "normvit_jax.analysis.attention",
+           "normvit_jax.analysis.report"]
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "benchmarks", "*.py"))):
+        with open(path) as f:
+            if re.search(r"^def main\(", f.read(), re.MULTILINE):
+                out.append("benchmarks." + os.path.basename(path)[:-3])
+    return out
+
+
+@pytest.mark.parametrize("module", _argparse_tools())
+def test_every_flag_of_every_tool_has_a_description(module):
+    """--help of the benchmarks listed 88 flags as a bare name and default (`--image_size
+    IMAGE_SIZE`, `--xla_preset {tuned,default}`, `--json JSON`): what each does was only in the
+    source."""
+    mod = importlib.import_module(module)
+
+    def capture(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    parse = getattr(mod, "parse", None) or mod.main
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tool_flags.Parser, "parse_args", capture)
+        with pytest.raises(_Parsed) as e:
+            parse([])
+    actions = [a for a in e.value.args[0]._actions if a.dest != "help"]
+    assert actions, module
+    assert [a.option_strings or a.dest for a in actions if not (a.help or "").strip()] == []
+
+
+def _sizes_of(module: str) -> list[str]:
+    with open(os.path.join(REPO_ROOT, *module.split(".")) + ".py") as f:
+        src = f.read()
+    return [f for f in ("--image_size", "--depth", "--num_classes", "--batch_per_device")
+            if f'"{f}"' in src]
+
+
+@pytest.mark.parametrize("module, flag", [(m, f) for m in _argparse_tools() if m.startswith(
+    "benchmarks.") for f in _sizes_of(m)])
+def test_a_benchmark_size_below_1_is_one_line_exit_2(module, flag, capsys):
+    """--image_size=-3 was a JAX traceback (exit 1) after the imports, --depth=0 'model.depth is
+    not set' (0 read as unset)."""
+    mod = importlib.import_module(module)
+    with pytest.raises(SystemExit) as e:
+        (getattr(mod, "parse", None) or mod.main)([f"{flag}=0"])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(
+        f": error: argument {flag}: 0 is not accepted; accepted: an integer >= 1 "
+        "(--help lists the flags)\n")
+
+
+@pytest.mark.parametrize("module", ["normvit_jax.analysis.attention",
+                                    "normvit_jax.analysis.report", "normvit_jax.recalibrate"])
+def test_an_empty_out_is_refused_before_the_work(module, tmp_path, monkeypatch, capsys):
+    """--out=$UNSET: analysis.attention wrote its 11 PNG and CSV files into the current folder,
+    analysis.report ended in a FileNotFoundError traceback (exit 1)."""
+    monkeypatch.chdir(tmp_path)
+    argv = (["workdir_a"] if module.endswith("report") else ["--workdir=w"]) + ["--out="]
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(argv)
+    assert e.value.code == 2 and "--out is empty (an unset shell variable?); pass the path of a " \
+        "folder" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []

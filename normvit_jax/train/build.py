@@ -80,7 +80,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
     if note:  # the schedule differs from the config's: said once, at start
         logging.warning(note)
     note = progressive.handover_note(
-        [config.model.norm, *config.model.norm_overrides.values()], n_steps)
+        [run_spec.model.norm, *dict(run_spec.model.norm_overrides).values()], n_steps)
     if note:  # a progressive norm evaluated as N2 that training never fully handed over to
         logging.warning(note)
     state, state_sharding = setup.create_train_state(model, tx, train_data.image_shape, mesh,
