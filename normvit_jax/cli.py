@@ -53,7 +53,11 @@ def _show_traceback(error: BaseException) -> None:
 
 
 def exit_code(error: BaseException) -> int | None:
-    """The exit code of ``error`` by ``EXIT_CODES``; None if it is not a known error."""
+    """The exit code of ``error`` by ``EXIT_CODES`` (a process that stopped because another did:
+    that one's code); None if it is not a known error."""
+    peer = getattr(sys.modules.get("normvit_jax.distributed"), "PeerStoppedError", None)
+    if peer is not None and isinstance(error, peer):
+        return int(error.code)
     for module, name, code in EXIT_CODES:
         cls = getattr(sys.modules.get(module), name, None)
         if cls is not None and isinstance(error, cls):

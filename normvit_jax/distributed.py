@@ -6,6 +6,9 @@ Several processes are assumed only when something started several: JAX_COORDINAT
 SLURM_STEP_NUM_TASKS; a batch script alone only has SLURM_NTASKS of the allocation), or a Cloud
 TPU pod (TPU_WORKER_HOSTNAMES lists several workers). The rendezvous waits at most
 NORMVIT_DISTRIBUTED_TIMEOUT seconds (default 300), then names the processes that did not join.
+Once joined, the start's checks end in ``agree``: a check that fails on some processes only (a
+dataset missing on one host, the workdir lock held on process 0) stops every process at once
+with that reason and exit code, instead of leaving the others in the next collective.
 """
 from __future__ import annotations
 
@@ -25,6 +28,18 @@ EXIT_CODE = 7  # cli.EXIT_DISTRIBUTED
 
 class DistributedStartError(RuntimeError):
     """The processes of a multi-process run did not all meet (cli: EXIT_DISTRIBUTED)."""
+
+
+class PeerStoppedError(RuntimeError):
+    """Another process of the run stopped at start (``agree``); this one stops with it and with
+    its exit code (``code``; cli.exit_code returns it)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+MESSAGE_BYTES = 1024  # of a failed process's message that the others repeat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +148,43 @@ def initialize(env: Mapping[str, str] | None = None) -> Plan | None:
     finally:
         watchdog.cancel()
     return p
+
+
+def agree(stage: str, error: Exception | None) -> None:
+    """Every process calls this at the end of ``stage`` with the error that stopped it there
+    (None: none). Alone: raises ``error`` if any. With several processes they first exchange
+    (exit code, first line of the message) in one all-gather, which is also the barrier that ends
+    the stage; if any failed, a failed process raises its own error and every other one
+    ``PeerStoppedError`` with the exit code and message of the lowest-numbered failed process.
+    Without this a process that stopped alone left the others waiting in the next collective
+    until XLA's timeout ended them with a traceback (exit 1), the reason in another log."""
+    import jax
+    if jax.process_count() == 1:
+        if error is not None:
+            raise error
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from normvit_jax import cli
+    record = np.zeros(1 + MESSAGE_BYTES, np.int32)  # [exit code (0: none), message bytes...]
+    if error is not None:
+        code = cli.exit_code(error)
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if code is None:  # a bug: its traceback is in that process's log
+            code, text = 1, f"{type(error).__name__}: {text} (a bug: its traceback is in its log)"
+        raw = text.encode()[:MESSAGE_BYTES]
+        record[0], record[1:1 + len(raw)] = code, np.frombuffer(raw, np.uint8)
+    records = np.asarray(multihost_utils.process_allgather(record))  # (processes, 1 + bytes)
+    failed = [i for i in range(len(records)) if records[i, 0]]
+    if error is not None:
+        raise error
+    if failed:
+        i = failed[0]
+        text = bytes(records[i, 1:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
+        code = int(records[i, 0])
+        raise PeerStoppedError(f"process {i} of {len(records)} stopped during {stage} (exit {code}"
+                               f"), so every process stops: {text}", code)
 
 
 def _give_up(p: Plan, timeout: int) -> None:

@@ -53,13 +53,13 @@ def _env(tmp_path, **extra: str) -> dict:
 class Job:
     """``launch/local.sh --processes=2 --cpu-devices=2`` with per-process log files."""
 
-    def __init__(self, tmp_path, name: str, workdir, **env: str):
+    def __init__(self, tmp_path, name: str, workdir, config: str = CONFIG, **env: str):
         self.logs = tmp_path / name
         self.logs.mkdir()
         self.stderr = open(self.logs / "local.err", "w")
         self.p = subprocess.Popen(
             ["bash", "launch/local.sh", "--processes=2", "--cpu-devices=2", "--grace=3",
-             f"--log-dir={self.logs}", CONFIG, str(workdir)],
+             f"--log-dir={self.logs}", config, str(workdir)],
             cwd=REPO_ROOT, env=_env(tmp_path, **env), stdout=subprocess.DEVNULL,
             stderr=self.stderr)
 
@@ -208,3 +208,22 @@ def test_two_processes_killed_and_restarted_end_like_one(tmp_path):
         assert sorted(seen) == list(range(EVAL_EXAMPLES))
     counts = summaries.read_scalars(str(wd), include_timing=False)["eval/num_examples"]
     assert {s: v for s, v, _ in counts} == {12: EVAL_EXAMPLES, STEPS: EVAL_EXAMPLES}
+
+
+@pytest.mark.multiprocess
+def test_a_start_check_failing_on_one_process_stops_both_with_its_reason(tmp_path):
+    """Process 1's dataset is missing (its config names one its host lacks): it stops with exit 2
+    and process 0, which passed its checks and holds the workdir lock, stops too, at once, with
+    process 1's reason and exit code in one line. Before, process 0 waited in the barrier after
+    the checks until gloo's 30 s timeout ended it with a traceback and exit 1 (the launcher's
+    exit code), the reason only in process 1's log."""
+    job = Job(tmp_path, "job", tmp_path / "run", "tests/multiproc_host1_missing_config.py")
+    assert job.finish() == cli.EXIT_CONFIG, job.tails()
+    assert sorted(re.findall(r"process (\d) exited with 2$", (job.logs / "local.err").read_text(),
+                             re.M)) == ["0", "1"], job.tails()
+    for i in range(2):
+        assert "Traceback" not in job.log(i) and "only_on_host_0" in job.log(i), job.tails()
+    assert re.search(r"Stopped: process 1 of 2 stopped during the start's checks \(exit 2\), so "
+                     r"every process stops: config.data.name='only_on_host_0' is not a known "
+                     r"dataset", job.log(0)), job.tails()
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained or saved
