@@ -3,8 +3,9 @@ hanging.
 
 Several processes are assumed only when something started several: JAX_COORDINATOR_ADDRESS
 (set by hand), a SLURM job step with more than one task (``srun`` sets SLURM_STEP_ID and
-SLURM_STEP_NUM_TASKS; a batch script alone only has SLURM_NTASKS of the allocation), or a Cloud
-TPU pod (TPU_WORKER_HOSTNAMES lists several workers). The rendezvous waits at most
+SLURM_STEP_NUM_TASKS; a batch script alone only has SLURM_NTASKS of the allocation), a TPU pod
+on GKE (TPU_WORKER_HOSTNAMES lists several workers), or a Cloud TPU VM (launch/tpu_pod.sh): its
+shell has none of these; JAX reads the slice's workers from the VM's metadata server. The rendezvous waits at most
 NORMVIT_DISTRIBUTED_TIMEOUT seconds (default 300), then names the processes that did not join.
 Once joined, the start's checks end in ``agree``: a check that fails on some processes only (a
 dataset missing on one host, the workdir lock held on process 0) stops every process at once
@@ -58,9 +59,17 @@ def _int(env: Mapping[str, str], key: str) -> int | None:
     return int(value) if value.lstrip("-").isdigit() else None
 
 
-def plan(env: Mapping[str, str] | None = None) -> Plan | None:
+def on_cloud_tpu_vm() -> bool:
+    """True on a Cloud TPU VM (libtpu installed, TPU chips attached): what ``import jax`` found."""
+    import jax  # noqa: F401  (its import runs cloud_tpu_init, which sets the flag)
+    from jax._src import cloud_tpu_init
+    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
+
+
+def plan(env: Mapping[str, str] | None = None, tpu_vm: bool | None = None) -> Plan | None:
     """The way this process joins the others, or None when it runs alone (with a warning when
-    the environment suggests several processes but nothing started them)."""
+    the environment suggests several processes but nothing started them). ``tpu_vm``: whether
+    this is a Cloud TPU VM (default: ``on_cloud_tpu_vm()``)."""
     env = os.environ if env is None else env
     if env.get("JAX_COORDINATOR_ADDRESS"):
         n, pid = _int(env, "JAX_NUM_PROCESSES"), _int(env, "JAX_PROCESS_ID")
@@ -81,6 +90,12 @@ def plan(env: Mapping[str, str] | None = None) -> Plan | None:
     if env.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
         return Plan("tpu", env["TPU_WORKER_HOSTNAMES"].count(",") + 1, _int(env, "TPU_WORKER_ID"),
                     None, {})
+    if "TPU_WORKER_HOSTNAMES" not in env and (on_cloud_tpu_vm() if tpu_vm is None else tpu_vm):
+        # a pod slice's workers are in the metadata, not the environment: libtpu joins them
+        # without jax.distributed, but then no SIGTERM reached JAX's preemption sync point (a
+        # Spot preemption killed the run without a checkpoint) and every host logged. On one
+        # host JAX's detection finds one process.
+        return Plan("tpu", None, None, None, {})
     return None
 
 

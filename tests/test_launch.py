@@ -62,6 +62,19 @@ def test_explicit_coordinator_and_tpu_pod():
     assert distributed.plan({"TPU_WORKER_HOSTNAMES": "a"}) is None
 
 
+def test_cloud_tpu_vm_joins_through_jax_detection(warnings):
+    """A Cloud TPU VM's shell (launch/tpu_pod.sh) has no TPU_WORKER_HOSTNAMES: JAX finds the
+    slice's workers in the VM's metadata. It used to run without jax.distributed (libtpu joins
+    the hosts anyway), so a Spot preemption's SIGTERM never reached the preemption sync point
+    and killed the run without a checkpoint."""
+    p = distributed.plan({}, tpu_vm=True)
+    assert (p.source, p.num_processes, p.process_id, p.kwargs) == ("tpu", None, None, {})
+    assert distributed.plan({}, tpu_vm=False) is None
+    assert distributed.plan({"TPU_WORKER_HOSTNAMES": "a"}, tpu_vm=True) is None  # GKE, one host
+    assert distributed.on_cloud_tpu_vm() is False and distributed.plan({}) is None  # not here
+    assert not warnings
+
+
 def test_timeout_setting():
     assert distributed.timeout_s({}) == 300
     assert distributed.timeout_s({distributed.TIMEOUT_ENV: "20"}) == 20
