@@ -115,9 +115,12 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None =
     JSON and writes them beside the checkpoints; returns the exit code (the table above)."""
     import json
 
-    from normvit_jax import logs
+    from normvit_jax import logs, sharding
     logs.quiet_library_logs()
     try:
+        # one of several processes (local.sh, srun, a TPU pod) joins them, as training does: alone,
+        # each evaluated the whole split on every device it saw (all GPUs of its node under srun)
+        sharding.maybe_initialize_distributed()
         from normvit_jax import evaluation
         result = evaluation.evaluate_checkpoint(config, workdir, step)
     except Exception as e:  # noqa: BLE001  (known errors become exit codes)

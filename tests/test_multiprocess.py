@@ -19,6 +19,7 @@ once across the processes. About 2 minutes on 2 idle cores, most of it starting 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -53,13 +54,14 @@ def _env(tmp_path, **extra: str) -> dict:
 class Job:
     """``launch/local.sh --processes=2 --cpu-devices=2`` with per-process log files."""
 
-    def __init__(self, tmp_path, name: str, workdir, config: str = CONFIG, **env: str):
+    def __init__(self, tmp_path, name: str, workdir, config: str = CONFIG, flags: tuple = (),
+                 **env: str):
         self.logs = tmp_path / name
         self.logs.mkdir()
         self.stderr = open(self.logs / "local.err", "w")
         self.p = subprocess.Popen(
             ["bash", "launch/local.sh", "--processes=2", "--cpu-devices=2", "--grace=3",
-             f"--log-dir={self.logs}", config, str(workdir)],
+             f"--log-dir={self.logs}", config, str(workdir), *flags],
             cwd=REPO_ROOT, env=_env(tmp_path, **env), stdout=subprocess.DEVNULL,
             stderr=self.stderr)
 
@@ -227,3 +229,34 @@ def test_a_start_check_failing_on_one_process_stops_both_with_its_reason(tmp_pat
                      r"every process stops: config.data.name='only_on_host_0' is not a known "
                      r"dataset", job.log(0)), job.tails()
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained or saved
+
+
+@pytest.mark.multiprocess
+def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
+    """``--mode=eval`` through local.sh joins the processes as training does: each process reads
+    its half of every eval batch (each of the 100 examples once over both), and the metrics are
+    the one-process run's own eval at the same step. It used to skip jax.distributed: every
+    process evaluated the whole split alone, on every device it saw (under srun: all GPUs of its
+    node), and each wrote the result file."""
+    wd, steps = tmp_path / "run", 4
+    train = subprocess.run(  # one process, 4 devices: trains 4 steps and evaluates at the end
+        [sys.executable, "main.py", f"--config={CONFIG}", f"--workdir={wd}",
+         f"--config.total_steps={steps}"], cwd=REPO_ROOT, capture_output=True, text=True,
+        env=_env(tmp_path, JAX_PLATFORMS="cpu",
+                 XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
+        timeout=TIMEOUT)
+    assert train.returncode == cli.EXIT_OK, train.stderr[-3000:]
+    job = Job(tmp_path, "eval", wd, flags=(f"--config.total_steps={steps}", "--mode=eval"),
+              NORMVIT_TEST_RECORD_EVAL=str(tmp_path / "eval.{process}"))
+    assert job.finish() == cli.EXIT_OK, job.tails()
+    rows = [read_record(tmp_path / f"eval.{i}") for i in range(2)]
+    assert len(rows[0]) == len(rows[1]) == EVAL_BATCHES, job.tails()
+    assert sorted(x for proc in rows for line in proc for x in line) == list(range(EVAL_EXAMPLES))
+    with open(wd / f"eval_digits_test_{steps}.json") as f:
+        got = json.load(f)["metrics"]
+    scalars = summaries.read_scalars(str(wd), include_timing=False)
+    want = {k: next(v for s, v, _ in scalars[f"eval/{k}"] if s == steps)
+            for k in ("num_examples", "top1", "top5", "loss")}
+    assert got["num_examples"] == want["num_examples"] == EVAL_EXAMPLES
+    for k in ("top1", "top5", "loss"):  # loss: the devices' sums added in another order
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
