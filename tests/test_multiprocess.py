@@ -260,3 +260,36 @@ def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
     assert got["num_examples"] == want["num_examples"] == EVAL_EXAMPLES
     for k in ("top1", "top5", "loss"):  # loss: the devices' sums added in another order
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+
+
+@pytest.mark.multiprocess
+def test_damaged_newest_checkpoint_moved_once_and_both_processes_resume(tmp_path):
+    """A run (one process, 4 devices) whose newest checkpoint (step 8) is damaged, resumed by 2
+    processes: process 0 moves it to damaged_checkpoints/ once, both resume from step 4 and
+    redo steps 5-8 to the state the run had. Every process used to move it: the first rename
+    won, the other process failed with FileNotFoundError (a traceback, exit 1) and the winner
+    waited for it in a collective until gloo's timeout."""
+    from tests.test_interruptions import scramble
+    wd, steps = tmp_path / "run", 8
+    train = subprocess.run(
+        [sys.executable, "main.py", f"--config={CONFIG}", f"--workdir={wd}",
+         f"--config.total_steps={steps}"], cwd=REPO_ROOT, capture_output=True, text=True,
+        env=_env(tmp_path, JAX_PLATFORMS="cpu",
+                 XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
+        timeout=TIMEOUT)
+    assert train.returncode == cli.EXIT_OK, train.stderr[-3000:]
+    assert checkpoints.complete_steps(str(wd)) == [4, steps]
+    reference, _ = checkpoints.load_state(str(wd), steps)
+    scramble(wd / "checkpoints" / str(steps))
+
+    job = Job(tmp_path, "resume", wd, flags=(f"--config.total_steps={steps}",))
+    assert job.finish() == cli.EXIT_OK, job.tails()
+    for i in range(2):
+        log = job.log(i)
+        assert "Traceback" not in log, job.tails()
+        assert re.search(rf"Checkpoint at step {steps} in \S+ is damaged \(.+\); moved to \S+"
+                         rf"damaged_checkpoints.* using step 4 instead", log), job.tails()
+        assert re.search(rf"Done at step {steps}", log), job.tails()
+    assert sorted(os.listdir(wd / "damaged_checkpoints")) == [str(steps)]  # moved once
+    assert checkpoints.complete_steps(str(wd)) == [4, steps]
+    assert_state_close(checkpoints.load_state(str(wd), steps)[0], reference)
