@@ -225,7 +225,8 @@ def test_tpu_script_runs_training_detached_on_every_worker(stubs, tmp_path):
     # run the worker's script here with stand-in git/pip/python: it returns while training goes on
     home = tmp_path / "home"
     (home / "normvit_jax").mkdir(parents=True)
-    worker = {**env, "HOME": str(home), "STUB_RC_python": "42"}
+    # STUB_FAIL: abc123 is no branch of origin (git rev-parse fails), so it is checked out as is
+    worker = {**env, "HOME": str(home), "STUB_RC_python": "42", "STUB_FAIL": "refs/remotes/"}
     t0 = time.time()
     w = subprocess.run(["bash", "-c", remote], cwd=home, env=worker, capture_output=True, text=True,
                        timeout=60)
@@ -239,6 +240,37 @@ def test_tpu_script_runs_training_detached_on_every_worker(stubs, tmp_path):
                        "--config.data.data_dir=gs://bucket/tfds"]]
     assert ["git", "checkout", "-q", "abc123"] in seen()
 
+
+
+def test_tpu_script_runs_a_branch_at_its_newest_pushed_commit(stubs, tmp_path):
+    """REF=main on a worker that cloned before the last push (the re-run after a preemption,
+    with a fix pushed since): `git checkout main` switched to the clone's own stale branch and
+    trained the old code. Real git here, stand-in pip and python."""
+    env, seen = stubs
+    (tmp_path / "bin" / "git").unlink()
+    git = lambda *a, cwd: subprocess.run(  # noqa: E731
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=cwd, check=True,
+        capture_output=True, text=True).stdout.strip()
+    origin, home = tmp_path / "origin", tmp_path / "home"
+    origin.mkdir()
+    home.mkdir()
+    git("init", "-q", "-b", "main", cwd=origin)
+    (origin / "v").write_text("1")
+    git("add", "v", cwd=origin)
+    git("commit", "-q", "-m", "one", cwd=origin)
+    git("clone", "-q", str(origin), "normvit_jax", cwd=home)  # the worker's earlier start
+    (origin / "v").write_text("2")
+    git("commit", "-q", "-am", "two: the fix", cwd=origin)
+    env = {**env, "TPU": "t", "ZONE": "z", "REPO": str(origin), "REF": "main"}
+    r = script("tpu_pod.sh", CONFIG, "gs://bucket/run", env=env)
+    assert r.returncode == 0, r.stderr
+    (gcloud,) = seen()
+    w = subprocess.run(["bash", "-c", gcloud[10]], cwd=home, capture_output=True, text=True,
+                       env={**env, "HOME": str(home)}, timeout=60)
+    assert w.returncode == 0, w.stderr
+    assert (git("rev-parse", "HEAD", cwd=home / "normvit_jax")
+            == git("rev-parse", "HEAD", cwd=origin))
+    assert (home / "normvit_jax" / "v").read_text() == "2"
 
 
 def test_tpu_script_workdir_with_a_space(stubs, tmp_path):
