@@ -51,6 +51,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                          data.make_pipeline(config, "eval", run_spec.data))
         except Exception as e:  # noqa: BLE001  (re-raised by agree, here or on every process)
             failure = e
+        except BaseException:  # Ctrl-C: the lock goes with it, as the with-block did
+            if lock is not None:
+                lock.release()
+            raise
         try:  # also the barrier after which process 0 has moved/written what it must
             distributed.agree("the start's checks", failure)
         except BaseException:
