@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import threading
+import time
 from typing import Any, Mapping
 
 from absl import logging
@@ -136,6 +137,22 @@ def describe_failure(p: Plan, timeout: int, error: BaseException) -> str:
             f"{TIMEOUT_ENV} sets the wait. ({type(error).__name__}: {first_line[:300]})")
 
 
+def describe_refusal(p: Plan, waited: float, error: BaseException) -> str:
+    """An error of ``jax.distributed.initialize`` itself before the wait was over (the process
+    count unset, the coordinator's port in use, a bad address): JAX's reason, not a claim that
+    the others did not come."""
+    text = str(error).strip()
+    first_line = text.splitlines()[0] if text else type(error).__name__
+    hint = {"slurm": "start every task with srun (launch/slurm_gpu.sbatch)",
+            "tpu": "run the same command on every worker (launch/tpu_pod.sh)",
+            "env": "set JAX_COORDINATOR_ADDRESS=host:port (a free port on process 0's host), "
+                   "JAX_NUM_PROCESSES and a distinct JAX_PROCESS_ID for every process"}[p.source]
+    return (f"process {p.process_id if p.process_id is not None else '?'} of "
+            f"{p.num_processes or '?'} ({p.source}): jax.distributed.initialize failed after "
+            f"{waited:.0f} s, before any wait for the others was over: {type(error).__name__}: "
+            f"{first_line[:300].rstrip('.')}. {hint[0].upper()}{hint[1:]}.")
+
+
 def _ranges(ids: list[int]) -> str:
     if len(ids) > 8:
         return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else str(ids)
@@ -155,11 +172,15 @@ def initialize(env: Mapping[str, str] | None = None) -> Plan | None:
     watchdog = threading.Timer(timeout, _give_up, args=(p, timeout))
     watchdog.daemon = True
     watchdog.start()
+    t0 = time.monotonic()
     try:
         # XLA's own deadline comes later, so the message above wins the race
         jax.distributed.initialize(initialization_timeout=timeout + 60, **p.kwargs)
     except Exception as e:  # noqa: BLE001  (XLA raises JaxRuntimeError/RuntimeError/ValueError)
-        raise DistributedStartError(describe_failure(p, timeout, e)) from e
+        waited = time.monotonic() - t0
+        raise DistributedStartError(
+            describe_failure(p, timeout, e) if waited >= timeout else
+            describe_refusal(p, waited, e)) from e
     finally:
         watchdog.cancel()
     return p

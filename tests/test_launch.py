@@ -3,6 +3,7 @@ and what the launch scripts run (their --dry-run, with stand-in gcloud/srun/sbat
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,6 +112,24 @@ def test_rendezvous_times_out_with_exit_code_and_message(tmp_path):
     assert "Check failure stack trace" not in r.stderr
     assert time.time() - t0 < 60
     assert not (tmp_path / "wd").exists()
+
+
+def test_a_refused_start_is_said_as_such_not_as_missing_peers(tmp_path):
+    """jax.distributed.initialize failing at once (here: JAX_NUM_PROCESSES unset; also a
+    coordinator port in use, where JAX itself sometimes segfaults, so not tested) used to be
+    reported as 'the other processes did not all join within 60 s', naming them missing, with
+    JAX's reason only at the end in parentheses."""
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, distributed.TIMEOUT_ENV: "60",
+           "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_PROCESS_ID": "0"}
+    env.pop("JAX_NUM_PROCESSES", None)
+    r = subprocess.run([sys.executable, "main.py", "--config=configs/vit_ln.py:demo",
+                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == cli.EXIT_DISTRIBUTED, r.stderr[-3000:]
+    assert "did not all join" not in r.stderr and "missing" not in r.stderr, r.stderr[-3000:]
+    assert re.search(r"Stopped: process 0 of \? \(env\): jax.distributed.initialize failed after "
+                     r"\d+ s, before any wait for the others was over: ValueError: Number of "
+                     r"processes must be defined\. .*JAX_NUM_PROCESSES", r.stderr), r.stderr[-3000:]
 
 
 # ------------------------------------------------------------------------- launch scripts
