@@ -13,9 +13,11 @@ with that reason and exit code, instead of leaving the others in the next collec
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -221,6 +223,56 @@ def agree(stage: str, error: Exception | None) -> None:
         code = int(records[i, 0])
         raise PeerStoppedError(f"process {i} of {len(records)} stopped during {stage} (exit {code}"
                                f"), so every process stops: {text}", code)
+
+
+def check_shared_workdir(workdir: str, wait_s: float = 10.0) -> None:
+    """Several processes, a local workdir: process 0 writes a probe file with a token of its own
+    into ``workdir`` and every other process must read that token there (within ``wait_s``: a
+    network filesystem may show a new file late); else every process stops (``agree``) with a
+    WorkdirError naming the first process that does not see it. A workdir on each node's own
+    disk used to train: Orbax's non-primary processes then waited for a checkpoint folder that
+    only process 0's disk had, silently, until its timeout, and no checkpoint was ever complete."""
+    import jax
+    from normvit_jax import workdir as workdir_lib
+    if jax.process_count() == 1 or workdir_lib.is_remote(workdir):
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+    token = np.frombuffer(os.urandom(16), np.uint8)
+    token = np.asarray(multihost_utils.broadcast_one_to_all(token)).astype(np.uint8).tobytes().hex()
+    path = os.path.join(workdir, f".shared_probe.{token}")
+    me, error = jax.process_index(), None
+    try:
+        if me == 0:
+            with open(path, "w") as f:
+                f.write(token)
+    except OSError as e:
+        error = workdir_lib.WorkdirError(f"cannot write {path}: {e}")
+    agree("writing a probe into the workdir", error)  # written before anyone looks
+    try:
+        deadline = time.monotonic() + wait_s
+        while me > 0 and not _reads(path, token):
+            if time.monotonic() > deadline:
+                error = workdir_lib.WorkdirError(
+                    f"process {me} does not see the workdir {workdir} that process 0 writes (on "
+                    f"host {socket.gethostname()}: no {os.path.basename(path)} after "
+                    f"{wait_s:.0f} s): every process must use one folder they all see, on a "
+                    "shared filesystem or gs://, not a disk of its own node")
+                break
+            time.sleep(0.2)
+        agree("checking that every process sees the workdir", error)
+    finally:
+        if me == 0:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+def _reads(path: str, token: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read() == token
+    except OSError:
+        return False
 
 
 def _give_up(p: Plan, timeout: int) -> None:

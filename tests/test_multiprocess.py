@@ -19,9 +19,12 @@ once across the processes. About 2 minutes on 2 idle cores, most of it starting 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,7 +82,8 @@ class Job:
         raise AssertionError(f"no {pattern!r} from process {i}:\n{self.tails()}")
 
     def pid(self, i: int) -> int:
-        self.stderr.flush()
+        if not self.stderr.closed:
+            self.stderr.flush()
         text = (self.logs / "local.err").read_text()
         return int(re.search(rf"process {i} of 2: pid (\d+)", text).group(1))
 
@@ -89,12 +93,20 @@ class Job:
         finally:
             self.stderr.close()
 
+    def close(self) -> None:  # contextlib.closing: a failed check leaves no process behind
+        self.kill()
+
     def tails(self) -> str:
         return "\n".join(f"--- process {i}:\n{self.log(i)[-3000:]}" for i in range(2)) + (
             f"\n--- local.sh:\n{(self.logs / 'local.err').read_text()}")
 
     def kill(self) -> None:
+        """After a failed check: SIGKILL the processes (a hung one may ignore SIGTERM: JAX's
+        preemption notifier takes it), then local.sh."""
         if self.p.poll() is None:
+            for i in range(2):
+                with contextlib.suppress(Exception):  # no pid yet, or already gone
+                    os.kill(self.pid(i), signal.SIGKILL)
             self.p.send_signal(signal.SIGTERM)  # local.sh forwards it
             try:
                 self.p.wait(30)
@@ -220,7 +232,8 @@ def test_a_start_check_failing_on_one_process_stops_both_with_its_reason(tmp_pat
     the checks until gloo's 30 s timeout ended it with a traceback and exit 1 (the launcher's
     exit code), the reason only in process 1's log."""
     job = Job(tmp_path, "job", tmp_path / "run", "tests/multiproc_host1_missing_config.py")
-    assert job.finish() == cli.EXIT_CONFIG, job.tails()
+    with contextlib.closing(job):
+        assert job.finish() == cli.EXIT_CONFIG, job.tails()
     assert sorted(re.findall(r"process (\d) exited with 2$", (job.logs / "local.err").read_text(),
                              re.M)) == ["0", "1"], job.tails()
     for i in range(2):
@@ -248,7 +261,8 @@ def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
     assert train.returncode == cli.EXIT_OK, train.stderr[-3000:]
     job = Job(tmp_path, "eval", wd, flags=(f"--config.total_steps={steps}", "--mode=eval"),
               NORMVIT_TEST_RECORD_EVAL=str(tmp_path / "eval.{process}"))
-    assert job.finish() == cli.EXIT_OK, job.tails()
+    with contextlib.closing(job):
+        assert job.finish() == cli.EXIT_OK, job.tails()
     rows = [read_record(tmp_path / f"eval.{i}") for i in range(2)]
     assert len(rows[0]) == len(rows[1]) == EVAL_BATCHES, job.tails()
     assert sorted(x for proc in rows for line in proc for x in line) == list(range(EVAL_EXAMPLES))
@@ -283,7 +297,8 @@ def test_damaged_newest_checkpoint_moved_once_and_both_processes_resume(tmp_path
     scramble(wd / "checkpoints" / str(steps))
 
     job = Job(tmp_path, "resume", wd, flags=(f"--config.total_steps={steps}",))
-    assert job.finish() == cli.EXIT_OK, job.tails()
+    with contextlib.closing(job):
+        assert job.finish() == cli.EXIT_OK, job.tails()
     for i in range(2):
         log = job.log(i)
         assert "Traceback" not in log, job.tails()
@@ -293,3 +308,49 @@ def test_damaged_newest_checkpoint_moved_once_and_both_processes_resume(tmp_path
     assert sorted(os.listdir(wd / "damaged_checkpoints")) == [str(steps)]  # moved once
     assert checkpoints.complete_steps(str(wd)) == [4, steps]
     assert_state_close(checkpoints.load_state(str(wd), steps)[0], reference)
+
+
+def _python_with_a_private_workdir(tmp_path, wd) -> str | None:
+    """A PYTHON for local.sh under which process 1 sees its own empty tmpfs at ``wd`` (as a
+    node-local disk of another host would be); None where mount namespaces are not allowed."""
+    if shutil.which("unshare") is None:
+        return None
+    flags = "-m" if os.geteuid() == 0 else "-r -m"  # unprivileged: a user namespace too
+    probe = subprocess.run(f"unshare {flags} mount -t tmpfs none {shlex.quote(str(tmp_path))}",
+                           shell=True, capture_output=True)
+    if probe.returncode != 0:
+        return None
+    script = tmp_path / "python.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        'if [ "$JAX_PROCESS_ID" = 1 ]; then\n'
+        f"  exec unshare {flags} bash -c 'mount -t tmpfs none \"$0\" && exec \"$@\"' "
+        f'{shlex.quote(str(wd))} {shlex.quote(sys.executable)} "$@"\n'
+        "fi\n"
+        f'exec {shlex.quote(sys.executable)} "$@"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.multiprocess
+def test_a_workdir_that_one_process_does_not_see_stops_both_at_once(tmp_path):
+    """Process 1 has its own empty folder at the workdir's path (a disk of its own node, here a
+    tmpfs in its own mount namespace): both stop at start with exit 5 and a line saying so.
+    Before, both trained and then waited in Orbax's first checkpoint, silently, for a folder
+    only process 0's disk had (no checkpoint ever complete)."""
+    wd = tmp_path / "run"
+    wd.mkdir()
+    python = _python_with_a_private_workdir(tmp_path, wd)
+    if python is None:
+        pytest.skip("no mount namespaces here (unshare -m)")
+    job = Job(tmp_path, "job", wd, flags=("--config.total_steps=8",), PYTHON=python)
+    with contextlib.closing(job):
+        assert job.finish() == cli.EXIT_WORKDIR, job.tails()
+    for i in range(2):
+        assert "Traceback" not in job.log(i) and "Model:" not in job.log(i), job.tails()
+    assert re.search(r"Stopped: process 1 does not see the workdir \S+ that process 0 writes "
+                     r"\(on host .+\): every process must use one folder", job.log(1)), job.tails()
+    assert re.search(r"Stopped: process 1 of 2 stopped during checking that every process sees "
+                     r"the workdir \(exit 5\), so every process stops: process 1 does not see",
+                     job.log(0)), job.tails()
+    assert not [p for p in os.listdir(wd) if p.startswith(".shared_probe")]  # process 0 cleaned up

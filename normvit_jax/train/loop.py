@@ -57,6 +57,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             raise
         try:  # also the barrier after which process 0 has moved/written what it must
             distributed.agree("the start's checks", failure)
+            distributed.check_shared_workdir(workdir)  # several processes: one folder for all
         except BaseException:
             if lock is not None:
                 lock.release()
