@@ -250,7 +250,8 @@ def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
     its half of every eval batch (each of the 100 examples once over both), and the metrics are
     the one-process run's own eval at the same step. It used to skip jax.distributed: every
     process evaluated the whole split alone, on every device it saw (under srun: all GPUs of its
-    node), and each wrote the result file."""
+    node), and each wrote the result file. Then a check failing on process 1 only stops both
+    with its line (process 0 used to wait in the restore until gloo's timeout, a traceback)."""
     wd, steps = tmp_path / "run", 4
     train = subprocess.run(  # one process, 4 devices: trains 4 steps and evaluates at the end
         [sys.executable, "main.py", f"--config={CONFIG}", f"--workdir={wd}",
@@ -268,6 +269,15 @@ def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
     assert sorted(x for proc in rows for line in proc for x in line) == list(range(EVAL_EXAMPLES))
     with open(wd / f"eval_digits_test_{steps}.json") as f:
         got = json.load(f)["metrics"]
+    # a check failing on process 1 only (its dataset missing) stops both at once with its line
+    # (the processes agree before any collective; before, process 0 waited in the restore)
+    job = Job(tmp_path, "eval_host1_missing", wd, "tests/multiproc_host1_missing_config.py",
+              flags=(f"--config.total_steps={steps}", "--mode=eval"))
+    with contextlib.closing(job):
+        assert job.finish() == cli.EXIT_CONFIG, job.tails()
+    assert re.search(r"Stopped: process 1 of 2 stopped during the evaluation's checks \(exit 2\)"
+                     r", so every process stops: config.data.name='only_on_host_0'", job.log(0))
+    assert "Traceback" not in job.log(0) + job.log(1), job.tails()
     scalars = summaries.read_scalars(str(wd), include_timing=False)
     want = {k: next(v for s, v, _ in scalars[f"eval/{k}"] if s == steps)
             for k in ("num_examples", "top1", "top5", "loss")}
