@@ -10,7 +10,7 @@
 #
 # Environment: TPU, ZONE (required); REPO: the git URL the workers clone (default: this
 # checkout's `origin`; a warning when that is a local path, which the workers cannot clone); REF: the branch/commit to run (default: this checkout's HEAD commit:
-# push it first);
+# push it first; a branch runs its newest pushed commit, also on a worker that cloned before);
 # LOG: the log file on each worker (default $HOME/normvit_<workdir name>.log; the exit code goes to LOG.rc).
 # Follow worker 0:  gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --worker=0 --command 'tail -f LOG'
 # Data: a tfds data dir on GCS prepared beforehand (array_record for ImageNet).
@@ -55,7 +55,11 @@ inner=$(printf '%q' "$train; echo \$? > \"\$0.rc\"")   # the exit code, once the
 remote="set -e
 log=\"$log_dq\"
 [ -d normvit_jax ] || git clone -q $(printf '%q' "$REPO") normvit_jax
-cd normvit_jax && git fetch -q origin && git checkout -q $(printf '%q' "${REF:-origin/HEAD}")
+cd normvit_jax
+git fetch -q origin
+ref=$(printf '%q' "${REF:-origin/HEAD}")
+if git rev-parse -q --verify \"refs/remotes/origin/\$ref^{commit}\" > /dev/null; then ref=origin/\$ref; fi
+git checkout -q \"\$ref\"
 pip install -q -e . 'jax[tpu]'
 setsid nohup bash -c $inner \"\$log\" > \"\$log\" 2>&1 < /dev/null &
 echo \"started on \$(hostname): log \$log\""

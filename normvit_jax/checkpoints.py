@@ -167,7 +167,7 @@ def first_restorable(mngr: ocp.CheckpointManager, steps: list[int] | None,
             failed.append((step, str(e) if isinstance(e, _Damaged)
                            else describe_damage(e, step_dir(mngr, step))))
             continue
-        moved = [(s, err, quarantine(mngr, s) if move_damaged else "") for s, err in failed]
+        moved = _quarantine_all(mngr, failed) if move_damaged else [(s, e, "") for s, e in failed]
         for s, err, dest in moved:
             log.warning("Checkpoint at step %d in %s is damaged (%s)%s; using step %d instead.",
                         s, mngr.directory, err, f"; moved to {dest}" if dest else "", step)
@@ -181,6 +181,25 @@ def first_restorable(mngr: ocp.CheckpointManager, steps: list[int] | None,
             + (" Re-run with --fresh to start from step 0 (the old run is moved to replaced/)."
                if move_damaged else ""))
     return None
+
+
+def _quarantine_all(mngr: ocp.CheckpointManager, failed: list[tuple[int, str]]
+                    ) -> list[tuple[int, str, str]]:
+    """``quarantine`` of each failed step by process 0 only, then every process waits for it
+    (``distributed.agree``: the barrier before ``mngr.reload``, and a failed move stops every
+    process with its reason). Every process used to move the folder: the first rename won and
+    the others raised FileNotFoundError (a traceback) while the winner waited in a collective."""
+    from normvit_jax import distributed
+    moved, error = [], None
+    try:
+        for s, err in failed:
+            where = (quarantine(mngr, s) if jax.process_index() == 0 else
+                     f"{epath.Path(mngr.directory).parent / DAMAGED_DIR} (by process 0)")
+            moved.append((s, err, where))
+    except Exception as e:  # noqa: BLE001  (re-raised by agree on every process)
+        error = e
+    distributed.agree("moving the damaged checkpoints aside", error)
+    return moved
 
 
 def describe_damage(e: BaseException, step_path: epath.Path) -> str:

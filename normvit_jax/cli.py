@@ -53,7 +53,11 @@ def _show_traceback(error: BaseException) -> None:
 
 
 def exit_code(error: BaseException) -> int | None:
-    """The exit code of ``error`` by ``EXIT_CODES``; None if it is not a known error."""
+    """The exit code of ``error`` by ``EXIT_CODES`` (a process that stopped because another did:
+    that one's code); None if it is not a known error."""
+    peer = getattr(sys.modules.get("normvit_jax.distributed"), "PeerStoppedError", None)
+    if peer is not None and isinstance(error, peer):
+        return int(error.code)
     for module, name, code in EXIT_CODES:
         cls = getattr(sys.modules.get(module), name, None)
         if cls is not None and isinstance(error, cls):
@@ -111,9 +115,12 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None =
     JSON and writes them beside the checkpoints; returns the exit code (the table above)."""
     import json
 
-    from normvit_jax import logs
+    from normvit_jax import logs, sharding
     logs.quiet_library_logs()
     try:
+        # one of several processes (local.sh, srun, a TPU pod) joins them, as training does: alone,
+        # each evaluated the whole split on every device it saw (all GPUs of its node under srun)
+        sharding.maybe_initialize_distributed()
         from normvit_jax import evaluation
         result = evaluation.evaluate_checkpoint(config, workdir, step)
     except Exception as e:  # noqa: BLE001  (known errors become exit codes)

@@ -3,17 +3,24 @@ hanging.
 
 Several processes are assumed only when something started several: JAX_COORDINATOR_ADDRESS
 (set by hand), a SLURM job step with more than one task (``srun`` sets SLURM_STEP_ID and
-SLURM_STEP_NUM_TASKS; a batch script alone only has SLURM_NTASKS of the allocation), or a Cloud
-TPU pod (TPU_WORKER_HOSTNAMES lists several workers). The rendezvous waits at most
+SLURM_STEP_NUM_TASKS; a batch script alone only has SLURM_NTASKS of the allocation), a TPU pod
+on GKE (TPU_WORKER_HOSTNAMES lists several workers), or a Cloud TPU VM (launch/tpu_pod.sh): its
+shell has none of these; JAX reads the slice's workers from the VM's metadata server. The rendezvous waits at most
 NORMVIT_DISTRIBUTED_TIMEOUT seconds (default 300), then names the processes that did not join.
+Once joined, the start's checks end in ``agree``: a check that fails on some processes only (a
+dataset missing on one host, the workdir lock held on process 0) stops every process at once
+with that reason and exit code, instead of leaving the others in the next collective.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
+import socket
 import sys
 import threading
+import time
 from typing import Any, Mapping
 
 from absl import logging
@@ -25,6 +32,18 @@ EXIT_CODE = 7  # cli.EXIT_DISTRIBUTED
 
 class DistributedStartError(RuntimeError):
     """The processes of a multi-process run did not all meet (cli: EXIT_DISTRIBUTED)."""
+
+
+class PeerStoppedError(RuntimeError):
+    """Another process of the run stopped at start (``agree``); this one stops with it and with
+    its exit code (``code``; cli.exit_code returns it)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+MESSAGE_BYTES = 1024  # of a failed process's message that the others repeat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +62,17 @@ def _int(env: Mapping[str, str], key: str) -> int | None:
     return int(value) if value.lstrip("-").isdigit() else None
 
 
-def plan(env: Mapping[str, str] | None = None) -> Plan | None:
+def on_cloud_tpu_vm() -> bool:
+    """True on a Cloud TPU VM (libtpu installed, TPU chips attached): what ``import jax`` found."""
+    import jax  # noqa: F401  (its import runs cloud_tpu_init, which sets the flag)
+    from jax._src import cloud_tpu_init
+    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
+
+
+def plan(env: Mapping[str, str] | None = None, tpu_vm: bool | None = None) -> Plan | None:
     """The way this process joins the others, or None when it runs alone (with a warning when
-    the environment suggests several processes but nothing started them)."""
+    the environment suggests several processes but nothing started them). ``tpu_vm``: whether
+    this is a Cloud TPU VM (default: ``on_cloud_tpu_vm()``)."""
     env = os.environ if env is None else env
     if env.get("JAX_COORDINATOR_ADDRESS"):
         n, pid = _int(env, "JAX_NUM_PROCESSES"), _int(env, "JAX_PROCESS_ID")
@@ -66,6 +93,12 @@ def plan(env: Mapping[str, str] | None = None) -> Plan | None:
     if env.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
         return Plan("tpu", env["TPU_WORKER_HOSTNAMES"].count(",") + 1, _int(env, "TPU_WORKER_ID"),
                     None, {})
+    if "TPU_WORKER_HOSTNAMES" not in env and (on_cloud_tpu_vm() if tpu_vm is None else tpu_vm):
+        # a pod slice's workers are in the metadata, not the environment: libtpu joins them
+        # without jax.distributed, but then no SIGTERM reached JAX's preemption sync point (a
+        # Spot preemption killed the run without a checkpoint) and every host logged. On one
+        # host JAX's detection finds one process.
+        return Plan("tpu", None, None, None, {})
     return None
 
 
@@ -106,6 +139,22 @@ def describe_failure(p: Plan, timeout: int, error: BaseException) -> str:
             f"{TIMEOUT_ENV} sets the wait. ({type(error).__name__}: {first_line[:300]})")
 
 
+def describe_refusal(p: Plan, waited: float, error: BaseException) -> str:
+    """An error of ``jax.distributed.initialize`` itself before the wait was over (the process
+    count unset, the coordinator's port in use, a bad address): JAX's reason, not a claim that
+    the others did not come."""
+    text = str(error).strip()
+    first_line = text.splitlines()[0] if text else type(error).__name__
+    hint = {"slurm": "start every task with srun (launch/slurm_gpu.sbatch)",
+            "tpu": "run the same command on every worker (launch/tpu_pod.sh)",
+            "env": "set JAX_COORDINATOR_ADDRESS=host:port (a free port on process 0's host), "
+                   "JAX_NUM_PROCESSES and a distinct JAX_PROCESS_ID for every process"}[p.source]
+    return (f"process {p.process_id if p.process_id is not None else '?'} of "
+            f"{p.num_processes or '?'} ({p.source}): jax.distributed.initialize failed after "
+            f"{waited:.0f} s, before any wait for the others was over: {type(error).__name__}: "
+            f"{first_line[:300].rstrip('.')}. {hint[0].upper()}{hint[1:]}.")
+
+
 def _ranges(ids: list[int]) -> str:
     if len(ids) > 8:
         return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else str(ids)
@@ -125,14 +174,105 @@ def initialize(env: Mapping[str, str] | None = None) -> Plan | None:
     watchdog = threading.Timer(timeout, _give_up, args=(p, timeout))
     watchdog.daemon = True
     watchdog.start()
+    t0 = time.monotonic()
     try:
         # XLA's own deadline comes later, so the message above wins the race
         jax.distributed.initialize(initialization_timeout=timeout + 60, **p.kwargs)
     except Exception as e:  # noqa: BLE001  (XLA raises JaxRuntimeError/RuntimeError/ValueError)
-        raise DistributedStartError(describe_failure(p, timeout, e)) from e
+        waited = time.monotonic() - t0
+        raise DistributedStartError(
+            describe_failure(p, timeout, e) if waited >= timeout else
+            describe_refusal(p, waited, e)) from e
     finally:
         watchdog.cancel()
     return p
+
+
+def agree(stage: str, error: Exception | None) -> None:
+    """Every process calls this at the end of ``stage`` with the error that stopped it there
+    (None: none). Alone: raises ``error`` if any. With several processes they first exchange
+    (exit code, first line of the message) in one all-gather, which is also the barrier that ends
+    the stage; if any failed, a failed process raises its own error and every other one
+    ``PeerStoppedError`` with the exit code and message of the lowest-numbered failed process.
+    Without this a process that stopped alone left the others waiting in the next collective
+    until XLA's timeout ended them with a traceback (exit 1), the reason in another log."""
+    import jax
+    if jax.process_count() == 1:
+        if error is not None:
+            raise error
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from normvit_jax import cli
+    record = np.zeros(1 + MESSAGE_BYTES, np.int32)  # [exit code (0: none), message bytes...]
+    if error is not None:
+        code = cli.exit_code(error)
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if code is None:  # a bug: its traceback is in that process's log
+            code, text = 1, f"{type(error).__name__}: {text} (a bug: its traceback is in its log)"
+        raw = text.encode()[:MESSAGE_BYTES]
+        record[0], record[1:1 + len(raw)] = code, np.frombuffer(raw, np.uint8)
+    records = np.asarray(multihost_utils.process_allgather(record))  # (processes, 1 + bytes)
+    failed = [i for i in range(len(records)) if records[i, 0]]
+    if error is not None:
+        raise error
+    if failed:
+        i = failed[0]
+        text = bytes(records[i, 1:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
+        code = int(records[i, 0])
+        raise PeerStoppedError(f"process {i} of {len(records)} stopped during {stage} (exit {code}"
+                               f"), so every process stops: {text}", code)
+
+
+def check_shared_workdir(workdir: str, wait_s: float = 10.0) -> None:
+    """Several processes, a local workdir: process 0 writes a probe file with a token of its own
+    into ``workdir`` and every other process must read that token there (within ``wait_s``: a
+    network filesystem may show a new file late); else every process stops (``agree``) with a
+    WorkdirError naming the first process that does not see it. A workdir on each node's own
+    disk used to train: Orbax's non-primary processes then waited for a checkpoint folder that
+    only process 0's disk had, silently, until its timeout, and no checkpoint was ever complete."""
+    import jax
+    from normvit_jax import workdir as workdir_lib
+    if jax.process_count() == 1 or workdir_lib.is_remote(workdir):
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+    token = np.frombuffer(os.urandom(16), np.uint8)
+    token = np.asarray(multihost_utils.broadcast_one_to_all(token)).astype(np.uint8).tobytes().hex()
+    path = os.path.join(workdir, f".shared_probe.{token}")
+    me, error = jax.process_index(), None
+    try:
+        if me == 0:
+            with open(path, "w") as f:
+                f.write(token)
+    except OSError as e:
+        error = workdir_lib.WorkdirError(f"cannot write {path}: {e}")
+    agree("writing a probe into the workdir", error)  # written before anyone looks
+    try:
+        deadline = time.monotonic() + wait_s
+        while me > 0 and not _reads(path, token):
+            if time.monotonic() > deadline:
+                error = workdir_lib.WorkdirError(
+                    f"process {me} does not see the workdir {workdir} that process 0 writes (on "
+                    f"host {socket.gethostname()}: no {os.path.basename(path)} after "
+                    f"{wait_s:.0f} s): every process must use one folder they all see, on a "
+                    "shared filesystem or gs://, not a disk of its own node")
+                break
+            time.sleep(0.2)
+        agree("checking that every process sees the workdir", error)
+    finally:
+        if me == 0:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+def _reads(path: str, token: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read() == token
+    except OSError:
+        return False
 
 
 def _give_up(p: Plan, timeout: int) -> None:

@@ -21,7 +21,7 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from normvit_jax import checkpoints, data, run_data, sharding
+from normvit_jax import checkpoints, data, distributed, run_data, sharding
 from normvit_jax.train import evaluator, setup
 from normvit_jax.train import optimizer as optim
 
@@ -76,12 +76,17 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     'path'}`` (EMA metrics as ``ema_*``; path None when the workdir cannot be written). Raises
     CheckpointMismatchError when the config builds another model and
     checkpoints.RunNotFoundError when there is no checkpoint (of that step)."""
-    mesh = sharding.make_mesh(config)  # the run's mesh: an FSDP state is restored sharded
-    run_spec = setup.resolve_config(config, mesh.devices.size)
-    # the statistics the run trained with (a dataset prepared again since: one warning)
-    ds = run_data.inference_spec(workdir, run_spec.data)
-    _require_checkpoint(workdir, step)  # before the eval split is opened (it may be decoded)
-    pipeline = data.make_pipeline(config, "eval", ds)
+    failure = None
+    try:  # checks that may fail on some processes only: they agree before any collective
+        mesh = sharding.make_mesh(config)  # the run's mesh: an FSDP state is restored sharded
+        run_spec = setup.resolve_config(config, mesh.devices.size)
+        # the statistics the run trained with (a dataset prepared again since: one warning)
+        ds = run_data.inference_spec(workdir, run_spec.data)
+        _require_checkpoint(workdir, step)  # before the eval split is opened (it may be decoded)
+        pipeline = data.make_pipeline(config, "eval", ds)
+    except Exception as e:  # noqa: BLE001  (re-raised by agree, here or on every process)
+        failure = e
+    distributed.agree("the evaluation's checks", failure)
     model = setup.create_model(config, ds.num_classes, run_spec.model)
     tx, _ = optim.create(config, max(int(config.total_steps or 0), 1))  # only its state's tree
     abstract, state_sharding = setup.abstract_train_state(model, tx, pipeline.image_shape, mesh,

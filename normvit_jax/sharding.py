@@ -110,9 +110,3 @@ def maybe_initialize_distributed() -> None:
     if distributed.initialize() is not None:
         logs.only_process_zero_informs(jax.process_index())
 
-
-def sync_hosts(name: str) -> None:
-    """A barrier over all processes (no-op for one): e.g. after process 0 prepared the workdir."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)

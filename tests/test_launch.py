@@ -3,6 +3,7 @@ and what the launch scripts run (their --dry-run, with stand-in gcloud/srun/sbat
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +63,19 @@ def test_explicit_coordinator_and_tpu_pod():
     assert distributed.plan({"TPU_WORKER_HOSTNAMES": "a"}) is None
 
 
+def test_cloud_tpu_vm_joins_through_jax_detection(warnings):
+    """A Cloud TPU VM's shell (launch/tpu_pod.sh) has no TPU_WORKER_HOSTNAMES: JAX finds the
+    slice's workers in the VM's metadata. It used to run without jax.distributed (libtpu joins
+    the hosts anyway), so a Spot preemption's SIGTERM never reached the preemption sync point
+    and killed the run without a checkpoint."""
+    p = distributed.plan({}, tpu_vm=True)
+    assert (p.source, p.num_processes, p.process_id, p.kwargs) == ("tpu", None, None, {})
+    assert distributed.plan({}, tpu_vm=False) is None
+    assert distributed.plan({"TPU_WORKER_HOSTNAMES": "a"}, tpu_vm=True) is None  # GKE, one host
+    assert distributed.on_cloud_tpu_vm() is False and distributed.plan({}) is None  # not here
+    assert not warnings
+
+
 def test_timeout_setting():
     assert distributed.timeout_s({}) == 300
     assert distributed.timeout_s({distributed.TIMEOUT_ENV: "20"}) == 20
@@ -98,6 +112,24 @@ def test_rendezvous_times_out_with_exit_code_and_message(tmp_path):
     assert "Check failure stack trace" not in r.stderr
     assert time.time() - t0 < 60
     assert not (tmp_path / "wd").exists()
+
+
+def test_a_refused_start_is_said_as_such_not_as_missing_peers(tmp_path):
+    """jax.distributed.initialize failing at once (here: JAX_NUM_PROCESSES unset; also a
+    coordinator port in use, where JAX itself sometimes segfaults, so not tested) used to be
+    reported as 'the other processes did not all join within 60 s', naming them missing, with
+    JAX's reason only at the end in parentheses."""
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, distributed.TIMEOUT_ENV: "60",
+           "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_PROCESS_ID": "0"}
+    env.pop("JAX_NUM_PROCESSES", None)
+    r = subprocess.run([sys.executable, "main.py", "--config=configs/vit_ln.py:demo",
+                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == cli.EXIT_DISTRIBUTED, r.stderr[-3000:]
+    assert "did not all join" not in r.stderr and "missing" not in r.stderr, r.stderr[-3000:]
+    assert re.search(r"Stopped: process 0 of \? \(env\): jax.distributed.initialize failed after "
+                     r"\d+ s, before any wait for the others was over: ValueError: Number of "
+                     r"processes must be defined\. .*JAX_NUM_PROCESSES", r.stderr), r.stderr[-3000:]
 
 
 # ------------------------------------------------------------------------- launch scripts
@@ -212,7 +244,8 @@ def test_tpu_script_runs_training_detached_on_every_worker(stubs, tmp_path):
     # run the worker's script here with stand-in git/pip/python: it returns while training goes on
     home = tmp_path / "home"
     (home / "normvit_jax").mkdir(parents=True)
-    worker = {**env, "HOME": str(home), "STUB_RC_python": "42"}
+    # STUB_FAIL: abc123 is no branch of origin (git rev-parse fails), so it is checked out as is
+    worker = {**env, "HOME": str(home), "STUB_RC_python": "42", "STUB_FAIL": "refs/remotes/"}
     t0 = time.time()
     w = subprocess.run(["bash", "-c", remote], cwd=home, env=worker, capture_output=True, text=True,
                        timeout=60)
@@ -226,6 +259,37 @@ def test_tpu_script_runs_training_detached_on_every_worker(stubs, tmp_path):
                        "--config.data.data_dir=gs://bucket/tfds"]]
     assert ["git", "checkout", "-q", "abc123"] in seen()
 
+
+
+def test_tpu_script_runs_a_branch_at_its_newest_pushed_commit(stubs, tmp_path):
+    """REF=main on a worker that cloned before the last push (the re-run after a preemption,
+    with a fix pushed since): `git checkout main` switched to the clone's own stale branch and
+    trained the old code. Real git here, stand-in pip and python."""
+    env, seen = stubs
+    (tmp_path / "bin" / "git").unlink()
+    git = lambda *a, cwd: subprocess.run(  # noqa: E731
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=cwd, check=True,
+        capture_output=True, text=True).stdout.strip()
+    origin, home = tmp_path / "origin", tmp_path / "home"
+    origin.mkdir()
+    home.mkdir()
+    git("init", "-q", "-b", "main", cwd=origin)
+    (origin / "v").write_text("1")
+    git("add", "v", cwd=origin)
+    git("commit", "-q", "-m", "one", cwd=origin)
+    git("clone", "-q", str(origin), "normvit_jax", cwd=home)  # the worker's earlier start
+    (origin / "v").write_text("2")
+    git("commit", "-q", "-am", "two: the fix", cwd=origin)
+    env = {**env, "TPU": "t", "ZONE": "z", "REPO": str(origin), "REF": "main"}
+    r = script("tpu_pod.sh", CONFIG, "gs://bucket/run", env=env)
+    assert r.returncode == 0, r.stderr
+    (gcloud,) = seen()
+    w = subprocess.run(["bash", "-c", gcloud[10]], cwd=home, capture_output=True, text=True,
+                       env={**env, "HOME": str(home)}, timeout=60)
+    assert w.returncode == 0, w.stderr
+    assert (git("rev-parse", "HEAD", cwd=home / "normvit_jax")
+            == git("rev-parse", "HEAD", cwd=origin))
+    assert (home / "normvit_jax" / "v").read_text() == "2"
 
 
 def test_tpu_script_workdir_with_a_space(stubs, tmp_path):

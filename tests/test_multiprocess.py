@@ -19,8 +19,12 @@ once across the processes. About 2 minutes on 2 idle cores, most of it starting 
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,13 +57,14 @@ def _env(tmp_path, **extra: str) -> dict:
 class Job:
     """``launch/local.sh --processes=2 --cpu-devices=2`` with per-process log files."""
 
-    def __init__(self, tmp_path, name: str, workdir, **env: str):
+    def __init__(self, tmp_path, name: str, workdir, config: str = CONFIG, flags: tuple = (),
+                 **env: str):
         self.logs = tmp_path / name
         self.logs.mkdir()
         self.stderr = open(self.logs / "local.err", "w")
         self.p = subprocess.Popen(
             ["bash", "launch/local.sh", "--processes=2", "--cpu-devices=2", "--grace=3",
-             f"--log-dir={self.logs}", CONFIG, str(workdir)],
+             f"--log-dir={self.logs}", config, str(workdir), *flags],
             cwd=REPO_ROOT, env=_env(tmp_path, **env), stdout=subprocess.DEVNULL,
             stderr=self.stderr)
 
@@ -77,7 +82,8 @@ class Job:
         raise AssertionError(f"no {pattern!r} from process {i}:\n{self.tails()}")
 
     def pid(self, i: int) -> int:
-        self.stderr.flush()
+        if not self.stderr.closed:
+            self.stderr.flush()
         text = (self.logs / "local.err").read_text()
         return int(re.search(rf"process {i} of 2: pid (\d+)", text).group(1))
 
@@ -87,12 +93,20 @@ class Job:
         finally:
             self.stderr.close()
 
+    def close(self) -> None:  # contextlib.closing: a failed check leaves no process behind
+        self.kill()
+
     def tails(self) -> str:
         return "\n".join(f"--- process {i}:\n{self.log(i)[-3000:]}" for i in range(2)) + (
             f"\n--- local.sh:\n{(self.logs / 'local.err').read_text()}")
 
     def kill(self) -> None:
+        """After a failed check: SIGKILL the processes (a hung one may ignore SIGTERM: JAX's
+        preemption notifier takes it), then local.sh."""
         if self.p.poll() is None:
+            for i in range(2):
+                with contextlib.suppress(Exception):  # no pid yet, or already gone
+                    os.kill(self.pid(i), signal.SIGKILL)
             self.p.send_signal(signal.SIGTERM)  # local.sh forwards it
             try:
                 self.p.wait(30)
@@ -208,3 +222,145 @@ def test_two_processes_killed_and_restarted_end_like_one(tmp_path):
         assert sorted(seen) == list(range(EVAL_EXAMPLES))
     counts = summaries.read_scalars(str(wd), include_timing=False)["eval/num_examples"]
     assert {s: v for s, v, _ in counts} == {12: EVAL_EXAMPLES, STEPS: EVAL_EXAMPLES}
+
+
+@pytest.mark.multiprocess
+def test_a_start_check_failing_on_one_process_stops_both_with_its_reason(tmp_path):
+    """Process 1's dataset is missing (its config names one its host lacks): it stops with exit 2
+    and process 0, which passed its checks and holds the workdir lock, stops too, at once, with
+    process 1's reason and exit code in one line. Before, process 0 waited in the barrier after
+    the checks until gloo's 30 s timeout ended it with a traceback and exit 1 (the launcher's
+    exit code), the reason only in process 1's log."""
+    job = Job(tmp_path, "job", tmp_path / "run", "tests/multiproc_host1_missing_config.py")
+    with contextlib.closing(job):
+        assert job.finish() == cli.EXIT_CONFIG, job.tails()
+    assert sorted(re.findall(r"process (\d) exited with 2$", (job.logs / "local.err").read_text(),
+                             re.M)) == ["0", "1"], job.tails()
+    for i in range(2):
+        assert "Traceback" not in job.log(i) and "only_on_host_0" in job.log(i), job.tails()
+    assert re.search(r"Stopped: process 1 of 2 stopped during the start's checks \(exit 2\), so "
+                     r"every process stops: config.data.name='only_on_host_0' is not a known "
+                     r"dataset", job.log(0)), job.tails()
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained or saved
+
+
+@pytest.mark.multiprocess
+def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
+    """``--mode=eval`` through local.sh joins the processes as training does: each process reads
+    its half of every eval batch (each of the 100 examples once over both), and the metrics are
+    the one-process run's own eval at the same step. It used to skip jax.distributed: every
+    process evaluated the whole split alone, on every device it saw (under srun: all GPUs of its
+    node), and each wrote the result file. Then a check failing on process 1 only stops both
+    with its line (process 0 used to wait in the restore until gloo's timeout, a traceback)."""
+    wd, steps = tmp_path / "run", 4
+    train = subprocess.run(  # one process, 4 devices: trains 4 steps and evaluates at the end
+        [sys.executable, "main.py", f"--config={CONFIG}", f"--workdir={wd}",
+         f"--config.total_steps={steps}"], cwd=REPO_ROOT, capture_output=True, text=True,
+        env=_env(tmp_path, JAX_PLATFORMS="cpu",
+                 XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
+        timeout=TIMEOUT)
+    assert train.returncode == cli.EXIT_OK, train.stderr[-3000:]
+    job = Job(tmp_path, "eval", wd, flags=(f"--config.total_steps={steps}", "--mode=eval"),
+              NORMVIT_TEST_RECORD_EVAL=str(tmp_path / "eval.{process}"))
+    with contextlib.closing(job):
+        assert job.finish() == cli.EXIT_OK, job.tails()
+    rows = [read_record(tmp_path / f"eval.{i}") for i in range(2)]
+    assert len(rows[0]) == len(rows[1]) == EVAL_BATCHES, job.tails()
+    assert sorted(x for proc in rows for line in proc for x in line) == list(range(EVAL_EXAMPLES))
+    with open(wd / f"eval_digits_test_{steps}.json") as f:
+        got = json.load(f)["metrics"]
+    # a check failing on process 1 only (its dataset missing) stops both at once with its line
+    # (the processes agree before any collective; before, process 0 waited in the restore)
+    job = Job(tmp_path, "eval_host1_missing", wd, "tests/multiproc_host1_missing_config.py",
+              flags=(f"--config.total_steps={steps}", "--mode=eval"))
+    with contextlib.closing(job):
+        assert job.finish() == cli.EXIT_CONFIG, job.tails()
+    assert re.search(r"Stopped: process 1 of 2 stopped during the evaluation's checks \(exit 2\)"
+                     r", so every process stops: config.data.name='only_on_host_0'", job.log(0))
+    assert "Traceback" not in job.log(0) + job.log(1), job.tails()
+    scalars = summaries.read_scalars(str(wd), include_timing=False)
+    want = {k: next(v for s, v, _ in scalars[f"eval/{k}"] if s == steps)
+            for k in ("num_examples", "top1", "top5", "loss")}
+    assert got["num_examples"] == want["num_examples"] == EVAL_EXAMPLES
+    for k in ("top1", "top5", "loss"):  # loss: the devices' sums added in another order
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+
+
+@pytest.mark.multiprocess
+def test_damaged_newest_checkpoint_moved_once_and_both_processes_resume(tmp_path):
+    """A run (one process, 4 devices) whose newest checkpoint (step 8) is damaged, resumed by 2
+    processes: process 0 moves it to damaged_checkpoints/ once, both resume from step 4 and
+    redo steps 5-8 to the state the run had. Every process used to move it: the first rename
+    won, the other process failed with FileNotFoundError (a traceback, exit 1) and the winner
+    waited for it in a collective until gloo's timeout."""
+    from tests.test_interruptions import scramble
+    wd, steps = tmp_path / "run", 8
+    train = subprocess.run(
+        [sys.executable, "main.py", f"--config={CONFIG}", f"--workdir={wd}",
+         f"--config.total_steps={steps}"], cwd=REPO_ROOT, capture_output=True, text=True,
+        env=_env(tmp_path, JAX_PLATFORMS="cpu",
+                 XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
+        timeout=TIMEOUT)
+    assert train.returncode == cli.EXIT_OK, train.stderr[-3000:]
+    assert checkpoints.complete_steps(str(wd)) == [4, steps]
+    reference, _ = checkpoints.load_state(str(wd), steps)
+    scramble(wd / "checkpoints" / str(steps))
+
+    job = Job(tmp_path, "resume", wd, flags=(f"--config.total_steps={steps}",))
+    with contextlib.closing(job):
+        assert job.finish() == cli.EXIT_OK, job.tails()
+    for i in range(2):
+        log = job.log(i)
+        assert "Traceback" not in log, job.tails()
+        assert re.search(rf"Checkpoint at step {steps} in \S+ is damaged \(.+\); moved to \S+"
+                         rf"damaged_checkpoints.* using step 4 instead", log), job.tails()
+        assert re.search(rf"Done at step {steps}", log), job.tails()
+    assert sorted(os.listdir(wd / "damaged_checkpoints")) == [str(steps)]  # moved once
+    assert checkpoints.complete_steps(str(wd)) == [4, steps]
+    assert_state_close(checkpoints.load_state(str(wd), steps)[0], reference)
+
+
+def _python_with_a_private_workdir(tmp_path, wd) -> str | None:
+    """A PYTHON for local.sh under which process 1 sees its own empty tmpfs at ``wd`` (as a
+    node-local disk of another host would be); None where mount namespaces are not allowed."""
+    if shutil.which("unshare") is None:
+        return None
+    flags = "-m" if os.geteuid() == 0 else "-r -m"  # unprivileged: a user namespace too
+    probe = subprocess.run(f"unshare {flags} mount -t tmpfs none {shlex.quote(str(tmp_path))}",
+                           shell=True, capture_output=True)
+    if probe.returncode != 0:
+        return None
+    script = tmp_path / "python.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        'if [ "$JAX_PROCESS_ID" = 1 ]; then\n'
+        f"  exec unshare {flags} bash -c 'mount -t tmpfs none \"$0\" && exec \"$@\"' "
+        f'{shlex.quote(str(wd))} {shlex.quote(sys.executable)} "$@"\n'
+        "fi\n"
+        f'exec {shlex.quote(sys.executable)} "$@"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.multiprocess
+def test_a_workdir_that_one_process_does_not_see_stops_both_at_once(tmp_path):
+    """Process 1 has its own empty folder at the workdir's path (a disk of its own node, here a
+    tmpfs in its own mount namespace): both stop at start with exit 5 and a line saying so.
+    Before, both trained and then waited in Orbax's first checkpoint, silently, for a folder
+    only process 0's disk had (no checkpoint ever complete)."""
+    wd = tmp_path / "run"
+    wd.mkdir()
+    python = _python_with_a_private_workdir(tmp_path, wd)
+    if python is None:
+        pytest.skip("no mount namespaces here (unshare -m)")
+    job = Job(tmp_path, "job", wd, flags=("--config.total_steps=8",), PYTHON=python)
+    with contextlib.closing(job):
+        assert job.finish() == cli.EXIT_WORKDIR, job.tails()
+    for i in range(2):
+        assert "Traceback" not in job.log(i) and "Model:" not in job.log(i), job.tails()
+    assert re.search(r"Stopped: process 1 does not see the workdir \S+ that process 0 writes "
+                     r"\(on host .+\): every process must use one folder", job.log(1)), job.tails()
+    assert re.search(r"Stopped: process 1 of 2 stopped during checking that every process sees "
+                     r"the workdir \(exit 5\), so every process stops: process 1 does not see",
+                     job.log(0)), job.tails()
+    assert not [p for p in os.listdir(wd) if p.startswith(".shared_probe")]  # process 0 cleaned up

@@ -37,6 +37,7 @@ def test_step_policy_ladder():
     (policy.NonFiniteError("x"), cli.EXIT_NONFINITE),
     (workdir.WorkdirBusyError("x"), cli.EXIT_BUSY),
     (distributed.DistributedStartError("x"), cli.EXIT_DISTRIBUTED),
+    (distributed.PeerStoppedError("x", cli.EXIT_BUSY), cli.EXIT_BUSY),  # the peer's own code
     (workdir.WorkdirError("x"), cli.EXIT_WORKDIR),
     (checkpoints.CheckpointMismatchError("x"), cli.EXIT_CHECKPOINT),
     (checkpoints.RunNotFoundError("x"), cli.EXIT_CONFIG),  # the same code in every tool
@@ -134,3 +135,21 @@ def test_a_start_that_fails_before_writing_anything_leaves_no_workdir(tmp_path):
     assert cli.run(cfg, str(mine)) == cli.EXIT_CONFIG
     assert mine.is_dir() and os.listdir(mine) == [".lock"]
     assert (mine / ".lock").read_text() == ""  # released: no owner left in it
+
+
+def test_ctrl_c_while_the_data_opens_releases_the_workdir_lock(tmp_path, monkeypatch):
+    """The pipelines open after the lock is taken (among the checks the processes agree on); a
+    Ctrl-C there must let the lock go, as the with-block around them did: a notebook's next
+    start in the same process would otherwise find its own workdir busy."""
+    from normvit_jax import data
+    from normvit_jax.train import loop
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(data, "make_pipeline", interrupted)
+    wd = str(tmp_path / "wd")
+    with pytest.raises(KeyboardInterrupt):
+        loop.train_and_evaluate(tiny_demo_config(), wd)
+    import fcntl
+    with open(os.path.join(wd, workdir.LOCK_NAME)) as f:  # another open file: as another process
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while the start holds it

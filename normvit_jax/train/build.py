@@ -66,13 +66,16 @@ def total_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
 
 
 def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.RunSpec,
-              mesh: Mesh, rerun: str = "rerun the same command") -> Run:
+              mesh: Mesh, rerun: str = "rerun the same command",
+              pipelines: tuple[data.Pipeline, data.Pipeline] | None = None) -> Run:
     """The run in ``workdir`` (restored if it holds a checkpoint). A signal while it is built
     stops the process at once (preemption.py: nothing new to save). ``rerun``: how to continue
-    after a failed checkpoint write (``workdir.rerun_advice``)."""
+    after a failed checkpoint write (``workdir.rerun_advice``). ``pipelines``: the (train, eval)
+    pipelines when the caller opened them (the loop does, among the checks every process agrees
+    on); else opened here."""
     ds = run_spec.data
-    train_data = data.make_pipeline(config, "train", ds)
-    eval_data = data.make_pipeline(config, "eval", ds)
+    train_data, eval_data = pipelines or (data.make_pipeline(config, "train", ds),
+                                          data.make_pipeline(config, "eval", ds))
     n_steps = total_steps(config, train_data.steps_per_epoch)
     model = setup.create_model(config, ds.num_classes, run_spec.model)
     tx, lr_schedule = optim.create(config, n_steps)

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from normvit_jax import preemption, run_data, sharding
+from normvit_jax import distributed, preemption, run_data, sharding
 from normvit_jax import workdir as workdir_lib
 from normvit_jax.train import setup
 from normvit_jax.train.policy import NonFiniteError, PreemptedError, StepPolicy
@@ -37,12 +37,33 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     """
     rerun = workdir_lib.rerun_advice(fresh)  # said by every line that tells how to continue
     with preemption.SigtermFlag(rerun) as sigterm:
-        mesh = sharding.make_mesh(config)
-        run_spec = setup.resolve_config(config, mesh.devices.size)
         workdir = workdir_lib.absolute(workdir)
-        with workdir_lib.prepare(config, workdir, fresh=fresh, process_index=jax.process_index(),
-                                 data_record=run_data.of_spec(run_spec.data)):
-            sharding.sync_hosts("normvit_workdir_ready")  # process 0 has moved/written what it must
+        from normvit_jax import data  # pylint: disable=import-outside-toplevel  (may import TF)
+        lock, failure = None, None
+        try:  # the checks that may fail on some processes only (a dataset missing on one host,
+            # the lock, which process 0 alone takes): the processes agree before going on
+            mesh = sharding.make_mesh(config)
+            run_spec = setup.resolve_config(config, mesh.devices.size)
+            lock = workdir_lib.prepare(config, workdir, fresh=fresh,
+                                       process_index=jax.process_index(),
+                                       data_record=run_data.of_spec(run_spec.data))
+            pipelines = (data.make_pipeline(config, "train", run_spec.data),
+                         data.make_pipeline(config, "eval", run_spec.data))
+        except Exception as e:  # noqa: BLE001  (re-raised by agree, here or on every process)
+            failure = e
+        except BaseException:  # Ctrl-C: the lock goes with it, as the with-block did
+            if lock is not None:
+                lock.release()
+            raise
+        try:  # also the barrier after which process 0 has moved/written what it must
+            distributed.agree("the start's checks", failure)
+            distributed.check_shared_workdir(workdir)  # several processes: one folder for all
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        with lock:
             from normvit_jax.train import build, trainer  # pylint: disable=import-outside-toplevel
-            run = build.build_run(config, workdir, run_spec, mesh, rerun=rerun)
+            run = build.build_run(config, workdir, run_spec, mesh, rerun=rerun,
+                                  pipelines=pipelines)
             return trainer.train(run, StepPolicy.from_config(config, run.n_steps, stop_at), sigterm)
