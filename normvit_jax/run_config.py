@@ -135,7 +135,13 @@ def write_config(config: Any, workdir: str) -> None:
 
 def write_json_atomic(workdir: str, name: str, value: Any) -> None:
     """``<workdir>/<name>`` = JSON of ``value``, written to a temporary name and renamed."""
+    write_text_atomic(workdir, name, json.dumps(value, indent=1) + "\n")
+
+
+def write_text_atomic(workdir: str, name: str, text: str) -> None:
+    """``<workdir>/<name>`` = ``text``, written to a temporary name and renamed (a crash leaves
+    the old file or the new one, never half of one)."""
     path = epath.Path(workdir) / name
     tmp = path.parent / (path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    tmp.write_text(text)
     tmp.replace(path)

@@ -16,7 +16,7 @@ from typing import Any
 from absl import logging
 from etils import epath
 
-from normvit_jax import run_config, run_data
+from normvit_jax import run_code, run_config, run_data
 from normvit_jax.run_config import CONFIG_NAME, REPLACED_DIR, utc_stamp
 
 LOCK_NAME = ".lock"
@@ -202,13 +202,15 @@ def remove_if_unused(workdir: str) -> bool:
 
 
 def move_run_aside(workdir: str) -> str | None:
-    """For ``--fresh``: moves checkpoints, config, class names, input statistics, event files and
-    ``--mode=eval`` results of the run in ``workdir`` to ``workdir/replaced/<UTC time>/``
-    (nothing is deleted). Returns that folder, or None if the workdir held no run."""
+    """For ``--fresh``: moves checkpoints, config, class names, input statistics, the code history
+    (the new run starts its own), event files and ``--mode=eval`` results of the run in
+    ``workdir`` to ``workdir/replaced/<UTC time>/`` (nothing is deleted). Returns that folder,
+    or None if the workdir held no run."""
     root = epath.Path(workdir)
     names = [p.name for p in root.iterdir()] if root.exists() else []
     moving = [n for n in names if n in ("checkpoints", CONFIG_NAME, "damaged_checkpoints",
-                                        "classes.json", run_data.RECORD_NAME)
+                                        "classes.json", run_data.RECORD_NAME,
+                                        run_code.HISTORY_NAME)
               or n.startswith(("events.out.tfevents", "config.before-", "data.before-"))
               or (n.startswith("eval_") and n.endswith(".json"))]  # --mode=eval's results
     if not moving:

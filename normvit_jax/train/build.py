@@ -19,7 +19,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from normvit_jax import checkpoints, data, run_config, run_data, sharding, summaries
+from normvit_jax import checkpoints, data, run_code, run_config, run_data, sharding, summaries
 from normvit_jax.norms import progressive
 from normvit_jax.train import ema, guards
 from normvit_jax.train import optimizer as optim
@@ -147,6 +147,8 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
         # the input statistics the model learns with: predict/export need no dataset, and a
         # dataset prepared again later cannot change them (run_data.py)
         run_data.write(workdir, run_data.of_spec(run_spec.data))
+    if jax.process_index() == 0:  # which code computes the steps from here (run_code.py)
+        run_code.record_start(workdir, 0 if restored is None else restored.step)
     if restored is not None:
         step = restored.step
         window, skipped_total = guards.MetricsWindow.from_meta(
