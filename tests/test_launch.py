@@ -463,20 +463,20 @@ def test_local_script_sigkills_several_after_a_failure(fake_python, tmp_path):
     assert all(f"process {i} exited with 137" in text for i in range(4)), text
 
 
-def _int_as_at_a_terminal() -> None:
-    """SIGINT at its default, as a terminal's shell starts a command: a suite started as a
-    background job (`pytest ... &`) passes SIGINT ignored to its children, and bash cannot trap a
-    signal ignored on entry, so local.sh never heard the test's Ctrl-C."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _start_local(env, fake):
     """local.sh in its own session (as at a terminal: Ctrl-C signals the whole process group),
     once both fake processes have started."""
-    p = subprocess.Popen(["bash", os.path.join(REPO_ROOT, "launch", "local.sh"), "--port=1234",
-                          CONFIG, "wd"], cwd=REPO_ROOT, env={**env, "FAKE_0": fake, "FAKE_1": fake},
+    # SIGINT at its default, as a terminal's shell starts a command: a suite run as a background
+    # job (`pytest ... &`) passes SIGINT ignored to its children, and bash cannot trap a signal
+    # ignored on entry (local.sh never heard the Ctrl-C). Reset in a Python that execs bash (same
+    # pid), not in a preexec_fn: no Python runs in a forked child of this multithreaded process.
+    reset = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+             "os.execvp('bash', ['bash', *sys.argv[1:]])")
+    p = subprocess.Popen([sys.executable, "-c", reset, os.path.join(REPO_ROOT, "launch", "local.sh"),
+                          "--port=1234", CONFIG, "wd"], cwd=REPO_ROOT,
+                         env={**env, "FAKE_0": fake, "FAKE_1": fake},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, preexec_fn=_int_as_at_a_terminal)
+                         start_new_session=True)
     deadline = time.time() + 30
     while not all(os.path.exists(os.path.join(env["STUB_CALLS"], f"p{i}")) for i in range(2)):
         assert time.time() < deadline
