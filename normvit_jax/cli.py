@@ -127,7 +127,9 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None =
         if exit_code(e) is None:
             raise
         return _stop(e)
-    print(json.dumps(result, sort_keys=True))
+    import jax
+    if jax.process_index() == 0:  # one answer per run, as its result file (not one per process)
+        print(json.dumps(result, sort_keys=True))
     return EXIT_OK
 
 

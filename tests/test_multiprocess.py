@@ -269,6 +269,9 @@ def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
     assert sorted(x for proc in rows for line in proc for x in line) == list(range(EVAL_EXAMPLES))
     with open(wd / f"eval_digits_test_{steps}.json") as f:
         got = json.load(f)["metrics"]
+    printed = [[line for line in job.log(i).splitlines() if line.startswith("{")] for i in range(2)]
+    assert len(printed[0]) == 1 and printed[1] == [], printed  # one JSON answer: process 0's
+    assert json.loads(printed[0][0])["metrics"] == got
     # a check failing on process 1 only (its dataset missing) stops both at once with its line
     # (the processes agree before any collective; before, process 0 waited in the restore)
     job = Job(tmp_path, "eval_host1_missing", wd, "tests/multiproc_host1_missing_config.py",
