@@ -71,9 +71,10 @@ def changes(old: dict, new: dict) -> list[str]:
     return out
 
 
-def _last(path: epath.Path) -> dict | None:
-    """The newest readable entry; a damaged line (edited by hand, a full disk) is skipped."""
-    for line in reversed(path.read_text().splitlines()):
+def _last(text: str) -> dict | None:
+    """The newest readable entry of the history's ``text``; a damaged line (edited by hand, a
+    full disk) is skipped."""
+    for line in reversed(text.splitlines()):
         try:
             entry = json.loads(line)
         except ValueError:
@@ -89,7 +90,7 @@ def record_start(workdir: str, step: int) -> None:
     try:
         path = epath.Path(workdir) / HISTORY_NAME
         old_text = path.read_text() if path.exists() else ""  # none: a new run, or an older one
-        previous = _last(path) if old_text else None
+        previous = _last(old_text)
         entry = {"step": int(step), "time": run_config.utc_stamp(), **current()}
         if previous is not None and step > 0:
             changed = changes(previous, entry)

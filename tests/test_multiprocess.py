@@ -244,6 +244,17 @@ def test_a_start_check_failing_on_one_process_stops_both_with_its_reason(tmp_pat
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained or saved
 
 
+def _train_one_process(tmp_path, wd, steps: int) -> None:
+    """The run the two-process tests continue: one process on 4 CPU devices, ``steps`` steps."""
+    train = subprocess.run(
+        [sys.executable, "main.py", f"--config={CONFIG}", f"--workdir={wd}",
+         f"--config.total_steps={steps}"], cwd=REPO_ROOT, capture_output=True, text=True,
+        env=_env(tmp_path, JAX_PLATFORMS="cpu",
+                 XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
+        timeout=TIMEOUT)
+    assert train.returncode == cli.EXIT_OK, train.stderr[-3000:]
+
+
 @pytest.mark.multiprocess
 def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
     """``--mode=eval`` through local.sh joins the processes as training does: each process reads
@@ -253,13 +264,7 @@ def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
     node), and each wrote the result file. Then a check failing on process 1 only stops both
     with its line (process 0 used to wait in the restore until gloo's timeout, a traceback)."""
     wd, steps = tmp_path / "run", 4
-    train = subprocess.run(  # one process, 4 devices: trains 4 steps and evaluates at the end
-        [sys.executable, "main.py", f"--config={CONFIG}", f"--workdir={wd}",
-         f"--config.total_steps={steps}"], cwd=REPO_ROOT, capture_output=True, text=True,
-        env=_env(tmp_path, JAX_PLATFORMS="cpu",
-                 XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
-        timeout=TIMEOUT)
-    assert train.returncode == cli.EXIT_OK, train.stderr[-3000:]
+    _train_one_process(tmp_path, wd, steps)  # 4 devices; evaluates at the end
     job = Job(tmp_path, "eval", wd, flags=(f"--config.total_steps={steps}", "--mode=eval"),
               NORMVIT_TEST_RECORD_EVAL=str(tmp_path / "eval.{process}"))
     with contextlib.closing(job):
@@ -298,13 +303,7 @@ def test_damaged_newest_checkpoint_moved_once_and_both_processes_resume(tmp_path
     waited for it in a collective until gloo's timeout."""
     from tests.test_interruptions import scramble
     wd, steps = tmp_path / "run", 8
-    train = subprocess.run(
-        [sys.executable, "main.py", f"--config={CONFIG}", f"--workdir={wd}",
-         f"--config.total_steps={steps}"], cwd=REPO_ROOT, capture_output=True, text=True,
-        env=_env(tmp_path, JAX_PLATFORMS="cpu",
-                 XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
-        timeout=TIMEOUT)
-    assert train.returncode == cli.EXIT_OK, train.stderr[-3000:]
+    _train_one_process(tmp_path, wd, steps)
     assert checkpoints.complete_steps(str(wd)) == [4, steps]
     reference, _ = checkpoints.load_state(str(wd), steps)
     scramble(wd / "checkpoints" / str(steps))

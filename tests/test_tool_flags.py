@@ -170,6 +170,12 @@ def _flags(module: str) -> dict[str, object]:
             src = f.read()
         return {f"--{n}": ast.literal_eval(d) for n, d in
                 re.findall(r'DEFINE_\w+\(\s*"(\w+)",\s*([^,]+),', src)}
+    return {a.option_strings[0]: a.default for a in _parser_of(module)._actions
+            if a.option_strings and a.option_strings[0] != "-h"}
+
+
+def _parser_of(module: str):
+    """The tool_flags.Parser a tool's parse/main builds, caught as it parses (nothing runs)."""
     mod = importlib.import_module(module)
 
     def capture(self, args=None, namespace=None):
@@ -180,8 +186,7 @@ def _flags(module: str) -> dict[str, object]:
         mp.setattr(tool_flags.Parser, "parse_args", capture)
         with pytest.raises(_Parsed) as e:
             parse([])
-    return {a.option_strings[0]: a.default for a in e.value.args[0]._actions
-            if a.option_strings and a.option_strings[0] != "-h"}
+    return e.value.args[0]
 
 
 def _section(text: str, heading: str | None) -> str:
@@ -302,17 +307,7 @@ def test_every_flag_of_every_tool_has_a_description(module):
     """--help of the benchmarks listed 88 flags as a bare name and default (`--image_size
     IMAGE_SIZE`, `--xla_preset {tuned,default}`, `--json JSON`): what each does was only in the
     source."""
-    mod = importlib.import_module(module)
-
-    def capture(self, args=None, namespace=None):
-        raise _Parsed(self)
-
-    parse = getattr(mod, "parse", None) or mod.main
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tool_flags.Parser, "parse_args", capture)
-        with pytest.raises(_Parsed) as e:
-            parse([])
-    actions = [a for a in e.value.args[0]._actions if a.dest != "help"]
+    actions = [a for a in _parser_of(module)._actions if a.dest != "help"]
     assert actions, module
     assert [a.option_strings or a.dest for a in actions if not (a.help or "").strip()] == []
 
