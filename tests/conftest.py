@@ -166,14 +166,17 @@ GPU_SELECTION = (
 )
 
 
-# The files that take longest (a clean-clone run on 2 cores, 2026-11-26), longest first. xdist
-# (--dist loadfile) hands whole files to the workers in collection order: these go first, so
-# the run does not end with one worker alone on a long file while the other idles.
-SLOW_FILES = ("test_benchmarks.py", "test_export_formats.py", "test_benchmarks_gpu_table.py",
-              "test_faults.py", "test_presets.py", "test_demo_numbers.py", "test_fsdp.py",
-              "test_own_data.py", "test_interruptions.py", "test_train.py", "test_multiprocess.py",
-              "test_reparam.py", "test_first_hour.py", "test_recipe.py", "test_mixing.py",
-              "test_norms_dynamic.py", "test_train_step.py", "test_tensorboard.py")
+# The files that take longest (summed test times, 2 cores, 2026-11-28: 1600 s in all), longest
+# first. xdist (--dist loadfile) hands whole files to the workers in collection order: these go
+# first, so the run does not end with one worker alone on a long file while the other idles.
+SLOW_FILES = (
+    "test_benchmarks.py", "test_benchmarks_gpu_table.py", "test_norms_dtn_pallas.py",
+    "test_multiprocess.py", "test_export_formats.py", "test_fsdp.py", "test_tools_restore.py",
+    "test_interruptions.py", "test_presets.py", "test_demo_numbers.py", "test_own_data.py",
+    "test_train.py", "test_faults.py", "test_reparam.py", "test_scan.py", "test_recipe.py",
+    "test_optimizer.py", "test_norms_configs.py", "test_serve.py", "test_mixing.py",
+    "test_ema_weights.py", "test_first_hour.py", "test_reparam_dynamic.py", "test_train_step.py",
+    "test_t2t_vit.py", "test_norms_dtn.py")
 
 
 def pytest_collection_modifyitems(config, items):

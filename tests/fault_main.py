@@ -7,6 +7,9 @@ NORMVIT_TEST_RECORD_EVAL=path  the same for eval batches: the indices of their r
                                rows, one line per batch.
 NORMVIT_TEST_HOLD_COMMIT=secs  every Orbax checkpoint waits that long before its atomic rename,
                                so a test can SIGKILL the run while a checkpoint is half-written.
+NORMVIT_TEST_WORKDIR_WAIT_S=s  how long a process looks for process 0's probe in the workdir
+                               (distributed.check_shared_workdir; 10 s), so a test of a workdir
+                               that one process does not see need not wait the whole 10 s.
 
 The faults themselves (signals, truncated files, read-only dirs, ...) come from the test.
 """
@@ -53,5 +56,9 @@ if __name__ == "__main__":
         _record(os.environ.get("NORMVIT_TEST_RECORD"), os.environ.get("NORMVIT_TEST_RECORD_EVAL"))
     if os.environ.get("NORMVIT_TEST_HOLD_COMMIT"):
         _hold_commits(float(os.environ["NORMVIT_TEST_HOLD_COMMIT"]))
+    if os.environ.get("NORMVIT_TEST_WORKDIR_WAIT_S"):
+        from normvit_jax import distributed
+        distributed.check_shared_workdir.__defaults__ = (
+            float(os.environ["NORMVIT_TEST_WORKDIR_WAIT_S"]),)
     sys.argv[0] = os.path.join(REPO, "main.py")
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -58,12 +58,12 @@ class Job:
     """``launch/local.sh --processes=2 --cpu-devices=2`` with per-process log files."""
 
     def __init__(self, tmp_path, name: str, workdir, config: str = CONFIG, flags: tuple = (),
-                 **env: str):
+                 grace: int = 3, **env: str):
         self.logs = tmp_path / name
         self.logs.mkdir()
         self.stderr = open(self.logs / "local.err", "w")
         self.p = subprocess.Popen(
-            ["bash", "launch/local.sh", "--processes=2", "--cpu-devices=2", "--grace=3",
+            ["bash", "launch/local.sh", "--processes=2", "--cpu-devices=2", f"--grace={grace}",
              f"--log-dir={self.logs}", config, str(workdir), *flags],
             cwd=REPO_ROOT, env=_env(tmp_path, **env), stdout=subprocess.DEVNULL,
             stderr=self.stderr)
@@ -231,7 +231,10 @@ def test_a_start_check_failing_on_one_process_stops_both_with_its_reason(tmp_pat
     process 1's reason and exit code in one line. Before, process 0 waited in the barrier after
     the checks until gloo's 30 s timeout ended it with a traceback and exit 1 (the launcher's
     exit code), the reason only in process 1's log."""
-    job = Job(tmp_path, "job", tmp_path / "run", "tests/multiproc_host1_missing_config.py")
+    # grace 20 s (< gloo's 30 s): on a loaded CI runner process 0 once took over 3 s to end after
+    # its one-line stop (JAX's distributed shutdown at exit), and local.sh SIGKILLed it
+    job = Job(tmp_path, "job", tmp_path / "run", "tests/multiproc_host1_missing_config.py",
+              grace=20)
     with contextlib.closing(job):
         assert job.finish() == cli.EXIT_CONFIG, job.tails()
     assert sorted(re.findall(r"process (\d) exited with 2$", (job.logs / "local.err").read_text(),
@@ -355,7 +358,8 @@ def test_a_workdir_that_one_process_does_not_see_stops_both_at_once(tmp_path):
     python = _python_with_a_private_workdir(tmp_path, wd)
     if python is None:
         pytest.skip("no mount namespaces here (unshare -m)")
-    job = Job(tmp_path, "job", wd, flags=("--config.total_steps=8",), PYTHON=python)
+    job = Job(tmp_path, "job", wd, flags=("--config.total_steps=8",), PYTHON=python,
+              NORMVIT_TEST_WORKDIR_WAIT_S="2")  # process 1 looks for 2 s, not 10
     with contextlib.closing(job):
         assert job.finish() == cli.EXIT_WORKDIR, job.tails()
     for i in range(2):

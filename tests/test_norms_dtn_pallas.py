@@ -24,9 +24,8 @@ from test_norms_dtn import _float32_case, _realistic_x, np_dtn  # noqa: E402
 
 @pytest.mark.usefixtures("float32_matmuls")
 @pytest.mark.parametrize("pre,mix_mean,side,c,tiling", [
-    (0, True, 5, 32, None), (1, True, 5, 32, None), (2, True, 5, 32, None),
-    (1, False, 5, 32, None), (1, True, 9, 64, None), (2, False, 9, 64, None),
-    (1, True, 9, 64, "16/16/4:32/64/8")])
+    (0, True, 5, 32, None), (2, True, 5, 32, None), (1, True, 9, 64, None),
+    (2, False, 9, 64, None), (1, True, 9, 64, "16/16/4:32/64/8")])
 def test_dtn_pallas_kernels_are_the_autodiff_function(pre, mix_mean, side, c, tiling):
     """norms/dtn_pallas.py's kernels (Pallas's interpreter here, Triton on a GPU) run in float32:
     the output within 1e-6 of max|ref| of ``_dtn`` (measured <= 5e-7), the two token shifts those
@@ -158,7 +157,7 @@ def test_dtn_pallas_kernel_falls_back_to_xla_where_it_does_not_apply():
                                           np.asarray(mk("xla").apply(params, x), np.float32))
 
 
-@pytest.mark.parametrize("layout", [{}, {"scan": True}, {"norm_placement": "post"},
+@pytest.mark.parametrize("layout", [{}, {"norm_placement": "post"},
                                     {"cls_token_at_block": 1, "scan": True}])
 def test_dtn_pallas_kernel_in_every_model_layout(layout):
     """A bfloat16 ViT with DTN in every slot, kernel='pallas': the kernels are in the program

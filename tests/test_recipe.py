@@ -138,9 +138,9 @@ def test_layer_decay_gives_the_t2t_stem_the_embeddings_scale():
     (its patch embedding) got layer depth + 1, the head's full learning rate, instead of the
     smallest scale."""
     d, depth = 0.5, 2
-    params = models.create({"name": "t2t_vit", "variant": "T2T-7", "depth": depth}, 4).init(
-        jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]
-    got = _flat(layer_decay.scales(params, d))
+    model = models.create({"name": "t2t_vit", "variant": "T2T-7", "depth": depth}, 4)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]
+    got = _flat(layer_decay.scales(params, d))  # the scales need the tree only, not the values
     stem = [k for k in got if k.startswith("tokens_to_token/")]
     assert len(stem) > 10
     for k in stem + ["cls", "Transformer/posembed_input/pos_embedding"]:

@@ -433,35 +433,47 @@ def test_ctrl_c_stops_the_service_with_one_line_and_130(served):
     import signal
     import socket
     from normvit_jax import serve
-    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)):
-        # a child of a background job inherits SIGINT ignored: Python's handler, as in a terminal
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "import runpy, signal, sys; "
-             "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'serve'; "
-             "runpy.run_module('normvit_jax.serve', run_name='__main__')",
-             f"--artifact={served[3]}", "--port=0"],
-            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT}, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()[-2000:]  # serving
-        port = int(json.loads(line)["url"].rsplit(":", 1)[1])
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as stalled:
-            stalled.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
-                            + b"x" * 10)
+    signals = ((signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM))
+    procs, stalled = [], []
+    try:  # both services at once: each waits out its grace (SHUTDOWN_GRACE_S) in parallel
+        for sig, _ in signals:
+            # a child of a background job inherits SIGINT ignored: Python's handler, as in a
+            # terminal
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "import runpy, signal, sys; "
+                 "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'serve'; "
+                 "runpy.run_module('normvit_jax.serve', run_name='__main__')",
+                 f"--artifact={served[3]}", "--port=0"],
+                cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs.append(proc)
+        for (sig, _), proc in zip(signals, procs):
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-2000:]  # serving
+            port = int(json.loads(line)["url"].rsplit(":", 1)[1])
+            stalled.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+            stalled[-1].sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+                                b"\r\n" + b"x" * 10)
             with urllib.request.urlopen(f"{served[0].rsplit(':', 1)[0]}:{port}/healthz",
                                         timeout=30) as r:  # the stalled body is being read
                 assert r.status == 200
             proc.send_signal(sig)
+        for (sig, code), proc in zip(signals, procs):
             try:  # a hang is what is tested, not a time: the grace plus start-up slack
                 _, err = proc.communicate(timeout=serve.SHUTDOWN_GRACE_S + 60)
             except subprocess.TimeoutExpired:
+                pytest.fail(f"{sig!r}: the service did not stop with a stalled client")
+            assert proc.returncode == code and "Traceback" not in err, (sig, proc.returncode, err)
+            if sig == signal.SIGINT:
+                assert err.strip().splitlines()[-1] == \
+                    "python -m normvit_jax.serve: interrupted (Ctrl-C); stopped"
+    finally:
+        for conn in stalled:
+            conn.close()
+        for proc in procs:
+            if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-                pytest.fail(f"{sig!r}: the service did not stop with a stalled client")
-        assert proc.returncode == code and "Traceback" not in err, (sig, proc.returncode, err)
-        if sig == signal.SIGINT:
-            assert err.strip().splitlines()[-1] == \
-                "python -m normvit_jax.serve: interrupted (Ctrl-C); stopped"
 
 
 def test_an_ipv6_host_prints_a_url_that_works(served):

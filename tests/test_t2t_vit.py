@@ -223,7 +223,7 @@ def test_fused_and_separate_attention_agree_without_qkv_bias():
     cfg = tiny()
     x = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
     fused = models.create(dict(cfg, attention_impl="fused"), 5)
-    variables = fused.init(jax.random.key(1), x, train=False)
+    variables = jax.jit(lambda k, a: fused.init(k, a, train=False))(jax.random.key(1), x)
     variables = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(2), a.shape), variables)
     separate = models.create(dict(cfg, attention_impl="separate"), 5)
     np.testing.assert_allclose(np.asarray(jax.jit(separate.apply)(variables, x)),
