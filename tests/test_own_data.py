@@ -273,21 +273,31 @@ def test_two_processes_read_their_halves_and_train_like_one(dataset, tmp_path):
     cfg = "tests/own_data_multiproc_config.py"
     rec = lambda phase, kind="train": str(tmp_path / f"{phase}.{kind}.{{process}}")  # noqa: E731
     extra = dict(NORMVIT_TEST_OWN_DATA_DIR=f"{dataset}/dd")
-    ref = subprocess.run(
-        [sys.executable, "tests/fault_main.py", f"--config={cfg}", f"--workdir={tmp_path}/ref"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-        env=_env(tmp_path, JAX_PLATFORMS="cpu", NORMVIT_TEST_RECORD=rec("ref"),
-                 NORMVIT_TEST_RECORD_EVAL=rec("ref", "eval"),
-                 XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4", **extra))
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     logs = tmp_path / "logs"
-    two = subprocess.run(
-        ["bash", "launch/local.sh", "--processes=2", "--cpu-devices=2", "--grace=3",
-         f"--log-dir={logs}", cfg, str(tmp_path / "run")], cwd=REPO_ROOT, capture_output=True,
-        text=True, timeout=600, env=_env(tmp_path, NORMVIT_TEST_RECORD=rec("two"),
-                                         NORMVIT_TEST_RECORD_EVAL=rec("two", "eval"), **extra))
-    assert two.returncode == 0, two.stderr[-2000:] + "".join(
-        p.read_text()[-2000:] for p in logs.glob("process_*.log"))
+    with open(tmp_path / "local.err", "w+") as err:  # both runs at once: their start-ups overlap
+        two = subprocess.Popen(
+            ["bash", "launch/local.sh", "--processes=2", "--cpu-devices=2", "--grace=3",
+             f"--log-dir={logs}", cfg, str(tmp_path / "run")], cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL, stderr=err,
+            env=_env(tmp_path, NORMVIT_TEST_RECORD=rec("two"),
+                     NORMVIT_TEST_RECORD_EVAL=rec("two", "eval"), **extra))
+        try:
+            ref = subprocess.run(
+                [sys.executable, "tests/fault_main.py", f"--config={cfg}",
+                 f"--workdir={tmp_path}/ref"], cwd=REPO_ROOT, capture_output=True, text=True,
+                timeout=600, env=_env(tmp_path, JAX_PLATFORMS="cpu", NORMVIT_TEST_RECORD=rec("ref"),
+                                      NORMVIT_TEST_RECORD_EVAL=rec("ref", "eval"),
+                                      XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4",
+                                      **extra))
+            assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+            if two.wait(600) != 0:
+                err.seek(0)
+                pytest.fail(err.read()[-2000:] + "".join(
+                    p.read_text()[-2000:] for p in logs.glob("process_*.log")))
+        finally:
+            if two.poll() is None:
+                two.kill()
+                two.wait()
     a, _ = checkpoints.load_state(str(tmp_path / "run"), 3)
     b, _ = checkpoints.load_state(str(tmp_path / "ref"), 3)
     assert_state_close(a, b)
