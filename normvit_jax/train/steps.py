@@ -181,6 +181,14 @@ def _metrics(sched: Any, **outputs: jax.Array) -> Any:
     return TrainMetrics.single_from_model_output(**outputs)
 
 
+def argmax_order(logits: jax.Array) -> jax.Array:
+    """``logits`` ranked by ``jax.lax.top_k`` as ``jnp.argmax`` (top-1) ranks them: every NaN
+    first (+NaN; top_k's total order puts a NaN with its sign bit, x86's inf - inf, last) and
+    -0.0 tied with +0.0 (top_k: below), so a top-1 hit is a top-5 hit. NaN first is also
+    torch.topk's rule (timm's accuracy)."""
+    return jnp.where(jnp.isnan(logits), jnp.nan, jnp.where(logits == 0, 0.0, logits))
+
+
 def make_eval_step(model: nn.Module, input_affine: tuple[Any, Any] | None = None,
                    extra_sums: Callable[[jax.Array, dict], dict] | None = None) -> Callable:
     """Returns ``eval_step(state, batch) -> EvalMetrics`` over the rows with mask 1 (uint8 images
@@ -194,8 +202,8 @@ def make_eval_step(model: nn.Module, input_affine: tuple[Any, Any] | None = None
         labels = batch["label"]
         loss = cross_entropy(logits, labels)
         top1 = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-        k = min(5, logits.shape[-1])
-        topk = jax.lax.top_k(logits, k)[1]
+        k = min(5, logits.shape[-1])  # timm: min(k, classes)
+        topk = jax.lax.top_k(argmax_order(logits), k)[1]
         top5 = jnp.any(topk == labels[:, None], axis=-1).astype(jnp.float32)
         mask = batch["mask"].astype(bool)
         metrics = EvalMetrics.single_from_model_output(loss=loss, top1=top1, top5=top5, mask=mask)
