@@ -126,7 +126,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, lr_sched
                                                           rng, grad_accum_steps)
         new_state, grad_norm, finite = _update(state, tx, grads, new_bs, loss, skip_nonfinite)
         return new_state, _metrics(sched, loss=loss, accuracy=acc, grad_norm=grad_norm,
-                                   learning_rate=lr_schedule(state.step),
+                                   learning_rate=lr_schedule(_schedule_count(state)),
                                    skipped=(~finite).astype(jnp.float32))
 
     return train_step
@@ -169,6 +169,15 @@ def _update(state: TrainState, tx: optax.GradientTransformation, grads: Any, new
         kept = state.replace(step=state.step + 1, nonfinite_streak=new_state.nonfinite_streak)
         new_state = _tree_where(finite, new_state, kept)
     return new_state, grad_norm, finite
+
+
+def _schedule_count(state: TrainState) -> jax.Array:
+    """The schedule position the optimizer's update used: optax's own count, which a skipped
+    non-finite step does not advance (so it lags ``state.step`` after one); ``state.step`` where
+    the optimizer keeps no count."""
+    is_count = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    counts = [s.count for s in jax.tree.leaves(state.opt_state, is_leaf=is_count) if is_count(s)]
+    return counts[0] if counts else state.step
 
 
 def _metrics(sched: Any, **outputs: jax.Array) -> Any:
