@@ -153,6 +153,30 @@ def test_gates_of_hand_built_variables():
     assert g["encoder_norm"] == {"g_abs_mean": 5.0}
 
 
+@pytest.mark.parametrize("norm,names", [("dyt", ["alpha"]), ("derf", ["alpha", "shift"]),
+                                        ("repbn", ["eta"])])
+def test_gates_report_the_pointwise_norms_alpha_and_repbns_eta(norm, names):
+    """DyT's/DeRF's learned scalars (alpha, DeRF's shift) and RepBN's eta, per slot, as the
+    model holds them (set here to random values: not their inits)."""
+    model = models.create({"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2,
+                           "mlp_dim": 32, "norm": {"name": norm}}, 4)
+    variables = jax.tree.map(np.asarray, model.init(jax.random.key(0), np.zeros((1, 8, 8, 3),
+                                                                                np.float32)))
+    rng, want = np.random.default_rng(7), {}
+
+    def randomise(tree, path):
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                randomise(v, path + (k,))
+            elif k in names:
+                tree[k] = np.float32(rng.uniform(-2.0, 2.0))
+                want["/".join(p for p in path if p != "Transformer") + "/" + k] = float(tree[k])
+    randomise(variables["params"], ())
+    got = {k: v for k, v in gates.flat(gates.norm_gates(variables)).items()
+           if k.rsplit("/", 1)[1] in names}
+    assert len(want) == 5 * len(names) and got == pytest.approx(want, rel=0, abs=0)
+
+
 def test_scanned_encoder_is_analysed_per_block():
     stacked = {"Transformer": {"encoderblock": {"LayerNorm_0": {"var_gate": np.array([[0.0], [1.0]])},
                                                 "rescale_s": np.array([1.0, 2.0])},

@@ -6,6 +6,9 @@ Per norm slot (path like 'encoderblock_0/LayerNorm_0', 'encoder_norm', 'embeddin
   UN            skip_rate: outlier-filtered steps / training steps (state 'skips' / 't')
   any 'scale'   scale_abs_mean: mean |gamma| (LN-style affine, LearnableScaler's scaler)
   ScaleNorm     g_abs_mean: mean |g|
+  DyT, DeRF     alpha: the learned input scale of tanh(alpha x) / erf(alpha x + shift);
+                DeRF also shift
+  RepBN         eta: the learned weight of the identity in BN(x) + eta x
 Per block: rescale_s, RescaleViT's learnable residual-branch factor.
 """
 from __future__ import annotations
@@ -35,6 +38,9 @@ def _slot_gates(params: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str
         out["scale_abs_mean"] = float(np.mean(np.abs(params["scale"])))
     if "g" in params:
         out["g_abs_mean"] = float(np.mean(np.abs(params["g"])))
+    for key in ("alpha", "shift", "eta"):  # the pointwise norms' and RepBN's learned scalars
+        if key in params and np.ndim(params[key]) == 0:
+            out[key] = float(np.asarray(params[key]))
     if "skips" in state and "t" in state:
         out["skip_rate"] = float(np.asarray(state["skips"]) / max(float(np.asarray(state["t"])), 1.0))
     return out

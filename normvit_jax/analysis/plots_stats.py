@@ -69,6 +69,9 @@ GATE_KINDS = (
     ("scale_abs_mean", "mean |scale| of the norm's affine γ\n(LearnableScaler: its scaler)"),
     ("g_abs_mean", "ScaleNorm |g|"),
     ("rescale_s", "RescaleViT residual factor s"),
+    ("alpha", "DyT / DeRF input scale α"),
+    ("shift", "DeRF shift s"),
+    ("eta", "RepBN identity weight η"),
 )
 
 
