@@ -220,3 +220,35 @@ def _run_on_cpu_devices(script: str, n: int, timeout: int) -> None:
     r = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
+
+
+def test_summaries_are_the_window_means_at_their_steps_and_documented(tmp_path):
+    """log_every=2 writes the mean of log_every=1's two values (loss, accuracy, grad norm), the
+    learning rate the step's update used (the schedule one step back: optax's count), eval at the
+    eval step, no step twice across a stop and resume; every tag is named in docs/analysis.md's
+    table of what a run writes."""
+    from normvit_jax import summaries
+    from normvit_jax.train import optimizer
+    each = tiny_demo_config(total_steps=4, log_every=1, eval_every=4, checkpoint_every=100)
+    pairs = tiny_demo_config(total_steps=4, log_every=2, eval_every=4, checkpoint_every=100)
+    loop.train_and_evaluate(each, str(tmp_path / "each"))
+    loop.train_and_evaluate(pairs, str(tmp_path / "pairs"), stop_at=1)
+    loop.train_and_evaluate(pairs, str(tmp_path / "pairs"))
+    one = summaries.read_scalars(str(tmp_path / "each"))
+    two = summaries.read_scalars(str(tmp_path / "pairs"))
+    for tag in ("train/loss", "train/accuracy", "train/grad_norm"):
+        v = {s: x for s, x, _ in one[tag]}
+        assert sorted(v) == [1, 2, 3, 4] and len(set(v.values())) > 1, tag
+        np.testing.assert_allclose([x for _, x, _ in two[tag]],
+                                   [(v[1] + v[2]) / 2, (v[3] + v[4]) / 2], rtol=1e-6, err_msg=tag)
+    sched = optimizer.schedule(each, 4)
+    np.testing.assert_array_equal([(s, x) for s, x, _ in one["train/learning_rate"]],
+                                  [(s, np.float32(sched(s - 1))) for s in (1, 2, 3, 4)])
+    assert [s for s, _, _ in two["train/steps_per_sec"]] == [2, 4]
+    assert all(x > 0 for _, x, _ in two["train/examples_per_sec"])
+    assert [s for s, _, _ in two["eval/top1"]] == [4]
+    doc = open(os.path.join(REPO_ROOT, "docs", "analysis.md")).read()
+    table = doc[doc.index("## What a run writes"):doc.index("## During training")]
+    missing = [t for t in sorted(set(one) | set(two) | {summaries.SEGMENT_TAG})
+               if f"`{t}`" not in table]
+    assert not missing, missing
