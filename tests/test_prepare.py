@@ -793,3 +793,23 @@ def test_a_video_among_the_photos_is_skipped_from_its_first_bytes(tmp_path, monk
         b"\x00\x00\x00\x18ftypmp42", b"GIF89a" + bytes(600), b"RIFF\x00\x00\x00\x00WEBPVP8 ",
         b"\x00\x00\x00\x18ftypheic", b"\x00\x00\x00\x1cftypavif")] == [
         "MPEG-TS (.MTS)", "MPEG-TS (.MTS)", "AVI", "MKV/WebM", "MP4/MOV", None, None, None, None]
+
+
+def test_windows_thumbnail_and_folder_files_are_skipped_like_hidden_ones(tmp_path):
+    """Windows Explorer leaves Thumbs.db and desktop.ini in photo folders: each was an
+    'unreadable image' of its class, held out like a photo (validation got fewer photos than
+    --val_fraction of them), and --strict refused the folder. torchvision's ImageFolder never
+    reads them (its extension list)."""
+    src = _tree(tmp_path / "s", {"cat": 4, "dog": 4})
+    for c in ("cat", "dog"):
+        (tmp_path / "s" / c / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1" * 64)
+        (tmp_path / "s" / c / "DESKTOP.INI").write_text("[.ShellClassInfo]\n")
+        (tmp_path / "s" / c / "ehthumbs.db").write_bytes(b"\x00" * 64)
+    info = _run(f"--src={src}", "--name=win", f"--data_dir={tmp_path}/dd", "--val_fraction=0.25",
+                "--strict")
+    # round(0.25 * 4 photos) = 1 held out per class, from the photos only
+    assert info["splits"]["validation"]["per_class"] == [1, 1]
+    assert info["splits"]["train"]["per_class"] == [3, 3]
+    assert info["splits"]["train"]["skipped"] == info["splits"]["validation"]["skipped"] == []
+    from normvit_jax import predict  # --images reads folders alike
+    assert predict.list_images(f"{src}/cat") == [f"{src}/cat/{i}.png" for i in range(4)]
