@@ -813,3 +813,23 @@ def test_windows_thumbnail_and_folder_files_are_skipped_like_hidden_ones(tmp_pat
     assert info["splits"]["train"]["skipped"] == info["splits"]["validation"]["skipped"] == []
     from normvit_jax import predict  # --images reads folders alike
     assert predict.list_images(f"{src}/cat") == [f"{src}/cat/{i}.png" for i in range(4)]
+
+
+@pytest.mark.parametrize("orientation,turned", [(0, False), (65535, False), (6, True)])
+def test_a_jpeg_whose_exif_orientation_is_no_turn_is_stored_as_it_is(orientation, turned):
+    """EXIF Orientation 0 (or another value outside 1..8), written by some cameras and apps, turns
+    nothing (PIL's exif_transpose): such a JPEG was stored as a PNG of its pixels, 3-5x larger and
+    decoded whole by training. 6 (a phone held upright) is turned, as before."""
+    from PIL import ImageOps
+    from normvit_jax.data import images
+    rgb = np.random.default_rng(orientation).integers(0, 256, (12, 20, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="JPEG", exif=exif.tobytes())
+    data = buf.getvalue()
+    stored, pixels = images.load_file(data)
+    reference = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+    np.testing.assert_array_equal(pixels, reference)  # PIL's pixels, turned where it turns them
+    assert pixels.shape == ((20, 12, 3) if turned else (12, 20, 3))
+    assert (stored == data) is not turned and (images.as_stored(data) == data) is not turned
