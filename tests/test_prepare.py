@@ -833,3 +833,32 @@ def test_a_jpeg_whose_exif_orientation_is_no_turn_is_stored_as_it_is(orientation
     np.testing.assert_array_equal(pixels, reference)  # PIL's pixels, turned where it turns them
     assert pixels.shape == ((20, 12, 3) if turned else (12, 20, 3))
     assert (stored == data) is not turned and (images.as_stored(data) == data) is not turned
+
+
+def test_pil_metadata_and_large_photo_warnings_are_not_printed_by_the_tools():
+    """A JPEG with a damaged EXIF block (PIL: 'Corrupt EXIF data', UserWarning) and a photo over
+    PIL's 89 MP warning limit (a 108 MP phone photo; here the limit is lowered) decode, and each
+    printed two lines on stderr naming no file ('could be decompression bomb DOS attack')."""
+    import struct
+    import warnings
+    from normvit_jax import logs
+    from normvit_jax.data import images
+    rgb = np.random.default_rng(3).integers(0, 256, (12, 20, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="JPEG")
+    app1 = b"Exif\x00\x00II*\x00\x08\x00\x00\x00\x05\x00"  # an IFD of 5 entries, cut short
+    jpeg = buf.getvalue()
+    damaged = jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + jpeg[2:]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        images.load_file(damaged)
+        with mock.patch.object(Image, "MAX_IMAGE_PIXELS", 200):  # 240 pixels: over, not 2x over
+            images.load_file(jpeg)
+        assert len(seen) == 2, [str(w.message) for w in seen]  # what PIL says without the filter
+        seen.clear()
+        logs.quiet_library_logs()
+        _, pixels = images.load_file(damaged)
+        with mock.patch.object(Image, "MAX_IMAGE_PIXELS", 200):
+            images.load_file(jpeg)
+    assert seen == [], [str(w.message) for w in seen]
+    np.testing.assert_array_equal(pixels, np.asarray(Image.open(io.BytesIO(jpeg))))
