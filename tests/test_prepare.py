@@ -862,3 +862,25 @@ def test_pil_metadata_and_large_photo_warnings_are_not_printed_by_the_tools():
             images.load_file(jpeg)
     assert seen == [], [str(w.message) for w in seen]
     np.testing.assert_array_equal(pixels, np.asarray(Image.open(io.BytesIO(jpeg))))
+
+
+def test_sidecar_files_are_not_held_out_in_place_of_photos(tmp_path):
+    """Google Takeout writes a .json beside each photo (Lightroom an .xmp, an iPhone export an
+    .AAE): they were held out like photos, so --val_fraction=0.25 of 4 photos and 4 sidecars held
+    out 2 files of which 0-2 photos. Now the photos alone are counted and held out; the sidecars
+    stay in train, skipped there and named."""
+    src = _tree(tmp_path / "s", {"cat": 4, "dog": 4})
+    for c in ("cat", "dog"):
+        for i in range(4):
+            (tmp_path / "s" / c / f"{i}.png.json").write_text('{"title": "%d.png"}' % i)
+    info = _run(f"--src={src}", "--name=side", f"--data_dir={tmp_path}/dd", "--val_fraction=0.25")
+    val, train = info["splits"]["validation"], info["splits"]["train"]
+    assert val["per_class"] == [1, 1] and val["skipped"] == []  # round(0.25 * 4 photos)
+    assert train["per_class"] == [3, 3] and len(train["skipped"]) == 8
+    # the photos held out are those hold_out draws from the photos alone (seed 0); _tree's
+    # image i is filled with the value i
+    pool = formats.Split(np.repeat([0, 1], 4), [str(i) for i in range(4)] * 2, lambda i: None)
+    _, held = formats.hold_out(pool, 0.25, 0)
+    _, recs = _read_split(str(tmp_path / "dd" / "side" / "1.0.0"), "validation")
+    assert sorted((int(r["label"]), int(r["image"][0, 0, 0])) for r in recs) == sorted(
+        zip(held.labels.tolist(), map(int, held.names)))

@@ -52,13 +52,20 @@ def subset(s: Split, idx: np.ndarray) -> Split:
     return Split(s.labels[idx], [s.names[i] for i in idx], lambda j: s.load(idx[j]))
 
 
-def hold_out(s: Split, fraction: float, seed: int) -> tuple[Split, Split]:
+def hold_out(s: Split, fraction: float, seed: int, eligible: np.ndarray | None = None
+             ) -> tuple[Split, Split]:
     """(train, held-out): round(fraction * n_c) examples of each class c, at most n_c - 1 (a class
     held out whole was written with no train example: never learned, yet evaluated), chosen by a
-    permutation of that class's examples (in source order) drawn from ``default_rng([seed, c])``."""
+    permutation of that class's examples (in source order) drawn from ``default_rng([seed, c])``.
+    ``eligible`` (bool per example; default all): only these are counted in n_c and held out, the
+    rest stay in train (a folder's files that are no image: skipped there, and named)."""
     train, held = [], []
+    ok = np.ones(len(s.labels), bool) if eligible is None else np.asarray(eligible, bool)
+    train.extend(np.flatnonzero(~ok).tolist())
     for c in np.unique(s.labels):
-        members = np.flatnonzero(s.labels == c)
+        members = np.flatnonzero((s.labels == c) & ok)
+        if not len(members):
+            continue
         perm = np.random.default_rng([seed, int(c)]).permutation(len(members))
         k = min(int(round(fraction * len(members))), len(members) - 1)
         held.extend(members[perm[:k]].tolist())
@@ -143,6 +150,16 @@ def walk_files(top: str) -> list[str]:
         dirs[:] = sorted(x for x in dirs if not is_hidden(x))
         out.extend(os.path.join(root, f) for f in sorted(files) if not is_hidden(f))
     return out
+
+
+def is_image_file(path: str) -> bool:
+    """Whether PIL recognises ``path`` as an image from its header (the pixels are not decoded)."""
+    from PIL import Image
+    try:
+        with Image.open(path):
+            return True
+    except Exception:  # noqa: BLE001  (not an image, unreadable, a broken link, too large)
+        return False
 
 
 def _class_files(class_dir: str) -> list[str]:

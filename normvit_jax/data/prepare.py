@@ -189,8 +189,11 @@ def parse_source(src: str, fmt: str | None, val_fraction: float, seed: int
     held = None
     if single and val_fraction > 0:
         pool = parsed.splits["train"]
+        # a folder's sidecars (Google Takeout's .json per photo, .xmp, .AAE) are no images: held
+        # out like photos, they left the validation split a fraction of the photos it said
+        eligible = ([formats.is_image_file(p) for p in pool.names] if fmt == "folder" else None)
         parsed.splits["train"], parsed.splits["validation"] = formats.hold_out(
-            pool, val_fraction, seed)
+            pool, val_fraction, seed, eligible)
         held = dict(split="validation", fraction=val_fraction, seed=seed)
         if not len(parsed.splits["validation"].labels):
             raise PrepareError(_nothing_held_out(src, pool, parsed.classes, val_fraction))
