@@ -925,3 +925,17 @@ def test_images_decoded_ahead_hold_no_pixels_and_the_statistics_are_exact():
     np.testing.assert_allclose(got["mean"], x.mean(0), atol=1e-6)
     np.testing.assert_allclose(got["std"], x.std(0), atol=1e-6)
     assert got["min"] == x.min(0).tolist() and got["max"] == x.max(0).tolist()
+
+
+def test_a_class_name_in_its_decomposed_unicode_form_is_the_same_class(tmp_path, capsys):
+    """A class folder named on a Mac and copied (zip, rsync) keeps the decomposed form (NFD:
+    'e' + U+0301), which prints as the composed 'é': val/café was refused as 'not a class of
+    train' next to train/café. Both forms in one split are refused naming the two folders."""
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    _tree(tmp_path / "s" / "train", {nfc: 3, "dog": 3})
+    _tree(tmp_path / "s" / "val", {nfd: 2, "dog": 1})
+    info = _run(f"--src={tmp_path / 's'}", "--name=nfd", f"--data_dir={tmp_path}/dd")
+    assert info["classes"] == [nfc, "dog"] and info["splits"]["val"]["per_class"] == [2, 1]
+    _tree(tmp_path / "s2", {nfc: 2, nfd: 2, "dog": 2})
+    line = _fails(capsys, f"--src={tmp_path / 's2'}", "--name=nfd2", f"--data_dir={tmp_path}/dd")
+    assert "one class name written in two Unicode forms" in line and "merge the two" in line

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import unicodedata
 from typing import Callable
 
 import numpy as np
@@ -243,15 +244,27 @@ def read_folder(src: str) -> tuple[Parsed, bool]:
                 f"{shown(os.path.join(src, 'train' if split_layout else '', c))}: the class "
                 "folder's name is not valid UTF-8 (made on another system, e.g. a zip from old "
                 "Windows); rename it (convmv -f cp1252 -t utf8 -r DIR fixes every name)") from None
-    index = {c: i for i, c in enumerate(classes)}
+    # Classes match across splits by their NFC form: a name typed on a Mac and copied (zip,
+    # rsync) arrives decomposed (NFD: 'e' + U+0301 for 'é'), prints the same, and val/café was
+    # refused as "class 'café' of split 'val' is not a class of train"
+    index: dict[str, int] = {}
+    for i, c in enumerate(classes):
+        first = index.setdefault(unicodedata.normalize("NFC", c), i)
+        if first != i:
+            where = os.path.join(src, "train" if split_layout else "")
+            raise PrepareError(
+                f"{shown(os.path.join(where, classes[first]))} and {shown(os.path.join(where, c))}:"
+                " one class name written in two Unicode forms (composed and decomposed, as a Mac "
+                "writes it); merge the two folders")
     splits = {}
     for s, tree in trees.items():
-        missing = [c for c in tree if c not in index]
+        key = {c: unicodedata.normalize("NFC", c) for c in tree}
+        missing = [c for c in tree if key[c] not in index]
         if missing:
             raise PrepareError(f"{os.path.join(src, s, missing[0])}: class {missing[0]!r} of split"
                                f" {s!r} is not a class of train")
         paths = [p for c in sorted(tree) for p in tree[c]]
-        labels = np.array([index[c] for c in sorted(tree) for _ in tree[c]], np.int64)
+        labels = np.array([index[key[c]] for c in sorted(tree) for _ in tree[c]], np.int64)
         splits[s] = Split(labels, paths, lambda i, paths=paths: _load_path(paths[i]))
     return Parsed(classes, splits, ignored), not split_layout
 
