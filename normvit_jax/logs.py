@@ -98,6 +98,13 @@ def quiet_library_logs() -> None:
     # the same failed write's last echo, at exit: the coroutine of a write that never started
     warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host",
                             category=RuntimeWarning)
+    # PIL on a phone's or an editor's metadata ("Corrupt EXIF data", "Possibly corrupt EXIF data",
+    # a palette's transparency) and on a photo over 89 MP (a 108 MP phone photo: "could be
+    # decompression bomb DOS attack"): two lines on stderr naming no file, about pixels that
+    # decode; what cannot be decoded is named per file (prepare's summary, predict's skipped)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
+    warnings.filterwarnings("ignore", message=r"Image size \(\d+ pixels\) exceeds limit",
+                            category=RuntimeWarning)
     if not getattr(sys.unraisablehook, "quiet", False):
         sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 

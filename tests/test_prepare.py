@@ -793,3 +793,149 @@ def test_a_video_among_the_photos_is_skipped_from_its_first_bytes(tmp_path, monk
         b"\x00\x00\x00\x18ftypmp42", b"GIF89a" + bytes(600), b"RIFF\x00\x00\x00\x00WEBPVP8 ",
         b"\x00\x00\x00\x18ftypheic", b"\x00\x00\x00\x1cftypavif")] == [
         "MPEG-TS (.MTS)", "MPEG-TS (.MTS)", "AVI", "MKV/WebM", "MP4/MOV", None, None, None, None]
+
+
+def test_windows_thumbnail_and_folder_files_are_skipped_like_hidden_ones(tmp_path):
+    """Windows Explorer leaves Thumbs.db and desktop.ini in photo folders: each was an
+    'unreadable image' of its class, held out like a photo (validation got fewer photos than
+    --val_fraction of them), and --strict refused the folder. torchvision's ImageFolder never
+    reads them (its extension list)."""
+    src = _tree(tmp_path / "s", {"cat": 4, "dog": 4})
+    for c in ("cat", "dog"):
+        (tmp_path / "s" / c / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1" * 64)
+        (tmp_path / "s" / c / "DESKTOP.INI").write_text("[.ShellClassInfo]\n")
+        (tmp_path / "s" / c / "ehthumbs.db").write_bytes(b"\x00" * 64)
+    info = _run(f"--src={src}", "--name=win", f"--data_dir={tmp_path}/dd", "--val_fraction=0.25",
+                "--strict")
+    # round(0.25 * 4 photos) = 1 held out per class, from the photos only
+    assert info["splits"]["validation"]["per_class"] == [1, 1]
+    assert info["splits"]["train"]["per_class"] == [3, 3]
+    assert info["splits"]["train"]["skipped"] == info["splits"]["validation"]["skipped"] == []
+    from normvit_jax import predict  # --images reads folders alike
+    assert predict.list_images(f"{src}/cat") == [f"{src}/cat/{i}.png" for i in range(4)]
+
+
+@pytest.mark.parametrize("orientation,turned", [(0, False), (65535, False), (6, True)])
+def test_a_jpeg_whose_exif_orientation_is_no_turn_is_stored_as_it_is(orientation, turned):
+    """EXIF Orientation 0 (or another value outside 1..8), written by some cameras and apps, turns
+    nothing (PIL's exif_transpose): such a JPEG was stored as a PNG of its pixels, 3-5x larger and
+    decoded whole by training. 6 (a phone held upright) is turned, as before."""
+    from PIL import ImageOps
+    from normvit_jax.data import images
+    rgb = np.random.default_rng(orientation).integers(0, 256, (12, 20, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="JPEG", exif=exif.tobytes())
+    data = buf.getvalue()
+    stored, pixels = images.load_file(data)
+    reference = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+    np.testing.assert_array_equal(pixels, reference)  # PIL's pixels, turned where it turns them
+    assert pixels.shape == ((20, 12, 3) if turned else (12, 20, 3))
+    assert (stored == data) is not turned and (images.as_stored(data) == data) is not turned
+
+
+def test_pil_metadata_and_large_photo_warnings_are_not_printed_by_the_tools():
+    """A JPEG with a damaged EXIF block (PIL: 'Corrupt EXIF data', UserWarning) and a photo over
+    PIL's 89 MP warning limit (a 108 MP phone photo; here the limit is lowered) decode, and each
+    printed two lines on stderr naming no file ('could be decompression bomb DOS attack')."""
+    import struct
+    import warnings
+    from normvit_jax import logs
+    from normvit_jax.data import images
+    rgb = np.random.default_rng(3).integers(0, 256, (12, 20, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="JPEG")
+    app1 = b"Exif\x00\x00II*\x00\x08\x00\x00\x00\x05\x00"  # an IFD of 5 entries, cut short
+    jpeg = buf.getvalue()
+    damaged = jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + jpeg[2:]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        images.load_file(damaged)
+        with mock.patch.object(Image, "MAX_IMAGE_PIXELS", 200):  # 240 pixels: over, not 2x over
+            images.load_file(jpeg)
+        assert len(seen) == 2, [str(w.message) for w in seen]  # what PIL says without the filter
+        seen.clear()
+        logs.quiet_library_logs()
+        _, pixels = images.load_file(damaged)
+        with mock.patch.object(Image, "MAX_IMAGE_PIXELS", 200):
+            images.load_file(jpeg)
+    assert seen == [], [str(w.message) for w in seen]
+    np.testing.assert_array_equal(pixels, np.asarray(Image.open(io.BytesIO(jpeg))))
+
+
+def test_sidecar_files_are_not_held_out_in_place_of_photos(tmp_path):
+    """Google Takeout writes a .json beside each photo (Lightroom an .xmp, an iPhone export an
+    .AAE): they were held out like photos, so --val_fraction=0.25 of 4 photos and 4 sidecars held
+    out 2 files of which 0-2 photos. Now the photos alone are counted and held out; the sidecars
+    stay in train, skipped there and named."""
+    src = _tree(tmp_path / "s", {"cat": 4, "dog": 4})
+    for c in ("cat", "dog"):
+        for i in range(4):
+            (tmp_path / "s" / c / f"{i}.png.json").write_text('{"title": "%d.png"}' % i)
+    info = _run(f"--src={src}", "--name=side", f"--data_dir={tmp_path}/dd", "--val_fraction=0.25")
+    val, train = info["splits"]["validation"], info["splits"]["train"]
+    assert val["per_class"] == [1, 1] and val["skipped"] == []  # round(0.25 * 4 photos)
+    assert train["per_class"] == [3, 3] and len(train["skipped"]) == 8
+    # the photos held out are those hold_out draws from the photos alone (seed 0); _tree's
+    # image i is filled with the value i
+    pool = formats.Split(np.repeat([0, 1], 4), [str(i) for i in range(4)] * 2, lambda i: None)
+    _, held = formats.hold_out(pool, 0.25, 0)
+    _, recs = _read_split(str(tmp_path / "dd" / "side" / "1.0.0"), "validation")
+    assert sorted((int(r["label"]), int(r["image"][0, 0, 0])) for r in recs) == sorted(
+        zip(held.labels.tolist(), map(int, held.names)))
+
+
+def test_images_decoded_ahead_hold_no_pixels_and_the_statistics_are_exact():
+    """The train histogram was taken by the writer, one thread (0.33 s per 12 MP photo, three
+    times a decode: prepare ran at ~3 photos/s on any number of cores), so each image decoded
+    ahead was held as its pixels (144 MB at 48 MP, 2 x workers of them). The decode threads now
+    take it: what waits for the writer is the stored bytes, the size and the histogram."""
+    import threading
+    import weakref
+    from normvit_jax.data import images
+    workers, n, alive, ready = 2, 9, [], threading.Event()
+
+    def pixels(i):
+        return np.random.default_rng(i).integers(0, 256, (5 + i, 7, 3), dtype=np.uint8)
+
+    def load(i):
+        rgb = pixels(i)
+        alive.append(weakref.ref(rgb))
+        if len(alive) == 2 * workers:  # image 0 and those decoded ahead of it
+            ready.set()
+        return images.encode_png(rgb), rgb
+    split = formats.Split(np.arange(n) % 2, [str(i) for i in range(n)], load)
+    stats = prepare._Stats()
+    writer = prepare._SplitWriter("train", split, 2, False, workers, stats)
+    for k, _ in writer:
+        if k == 0:  # the decoders run 2 x workers ahead; their images wait for the writer
+            assert ready.wait(10)
+            import gc
+            import time
+            for _ in range(300):  # the last one may still be decoding: until it is done
+                gc.collect()
+                held = [r for r in alive[1:] if r() is not None]
+                if not held:
+                    break
+                time.sleep(0.01)
+            assert held == [], f"{len(held)} decoded images held ahead of the writer"
+    x = np.concatenate([pixels(i).reshape(-1, 3) for i in range(n)]).astype(np.float64) / 255
+    got = stats.result()  # population statistics over every pixel, float64, 6 decimals
+    np.testing.assert_allclose(got["mean"], x.mean(0), atol=1e-6)
+    np.testing.assert_allclose(got["std"], x.std(0), atol=1e-6)
+    assert got["min"] == x.min(0).tolist() and got["max"] == x.max(0).tolist()
+
+
+def test_a_class_name_in_its_decomposed_unicode_form_is_the_same_class(tmp_path, capsys):
+    """A class folder named on a Mac and copied (zip, rsync) keeps the decomposed form (NFD:
+    'e' + U+0301), which prints as the composed 'é': val/café was refused as 'not a class of
+    train' next to train/café. Both forms in one split are refused naming the two folders."""
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    _tree(tmp_path / "s" / "train", {nfc: 3, "dog": 3})
+    _tree(tmp_path / "s" / "val", {nfd: 2, "dog": 1})
+    info = _run(f"--src={tmp_path / 's'}", "--name=nfd", f"--data_dir={tmp_path}/dd")
+    assert info["classes"] == [nfc, "dog"] and info["splits"]["val"]["per_class"] == [2, 1]
+    _tree(tmp_path / "s2", {nfc: 2, nfd: 2, "dog": 2})
+    line = _fails(capsys, f"--src={tmp_path / 's2'}", "--name=nfd2", f"--data_dir={tmp_path}/dd")
+    assert "one class name written in two Unicode forms" in line and "merge the two" in line

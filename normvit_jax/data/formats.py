@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import unicodedata
 from typing import Callable
 
 import numpy as np
@@ -52,13 +53,20 @@ def subset(s: Split, idx: np.ndarray) -> Split:
     return Split(s.labels[idx], [s.names[i] for i in idx], lambda j: s.load(idx[j]))
 
 
-def hold_out(s: Split, fraction: float, seed: int) -> tuple[Split, Split]:
+def hold_out(s: Split, fraction: float, seed: int, eligible: np.ndarray | None = None
+             ) -> tuple[Split, Split]:
     """(train, held-out): round(fraction * n_c) examples of each class c, at most n_c - 1 (a class
     held out whole was written with no train example: never learned, yet evaluated), chosen by a
-    permutation of that class's examples (in source order) drawn from ``default_rng([seed, c])``."""
+    permutation of that class's examples (in source order) drawn from ``default_rng([seed, c])``.
+    ``eligible`` (bool per example; default all): only these are counted in n_c and held out, the
+    rest stay in train (a folder's files that are no image: skipped there, and named)."""
     train, held = [], []
+    ok = np.ones(len(s.labels), bool) if eligible is None else np.asarray(eligible, bool)
+    train.extend(np.flatnonzero(~ok).tolist())
     for c in np.unique(s.labels):
-        members = np.flatnonzero(s.labels == c)
+        members = np.flatnonzero((s.labels == c) & ok)
+        if not len(members):
+            continue
         perm = np.random.default_rng([seed, int(c)]).permutation(len(members))
         k = min(int(round(fraction * len(members))), len(members) - 1)
         held.extend(members[perm[:k]].tolist())
@@ -104,11 +112,17 @@ def shown(path: str) -> str:
 # Folders a NAS adds beside photos: Synology's @eaDir holds 3-5 thumbnails of every photo, which
 # were read as more images of the class, each in train or validation as it fell (a leak)
 NAS_FOLDERS = ("@eaDir",)
+# Files Windows Explorer writes beside photos (thumbnail caches, folder settings); lower case, as
+# Windows matches names. Their .DS_Store is hidden by its dot, these are not: each was an
+# "unreadable image" in every folder, drawn into the held-out share like a photo, and --strict
+# refused the whole folder for one.
+WINDOWS_FILES = ("thumbs.db", "ehthumbs.db", "ehthumbs_vista.db", "desktop.ini")
 
 
 def is_hidden(name: str) -> bool:
-    """A name the folder readers skip: hidden (``.*``: .DS_Store, ._x.jpg, .git) or NAS_FOLDERS."""
-    return name.startswith(".") or name in NAS_FOLDERS
+    """A name the folder readers skip: hidden (``.*``: .DS_Store, ._x.jpg, .git), NAS_FOLDERS or
+    WINDOWS_FILES."""
+    return name.startswith(".") or name in NAS_FOLDERS or name.lower() in WINDOWS_FILES
 
 
 def visible(d: str) -> list[str]:
@@ -137,6 +151,16 @@ def walk_files(top: str) -> list[str]:
         dirs[:] = sorted(x for x in dirs if not is_hidden(x))
         out.extend(os.path.join(root, f) for f in sorted(files) if not is_hidden(f))
     return out
+
+
+def is_image_file(path: str) -> bool:
+    """Whether PIL recognises ``path`` as an image from its header (the pixels are not decoded)."""
+    from PIL import Image
+    try:
+        with Image.open(path):
+            return True
+    except Exception:  # noqa: BLE001  (not an image, unreadable, a broken link, too large)
+        return False
 
 
 def _class_files(class_dir: str) -> list[str]:
@@ -220,15 +244,27 @@ def read_folder(src: str) -> tuple[Parsed, bool]:
                 f"{shown(os.path.join(src, 'train' if split_layout else '', c))}: the class "
                 "folder's name is not valid UTF-8 (made on another system, e.g. a zip from old "
                 "Windows); rename it (convmv -f cp1252 -t utf8 -r DIR fixes every name)") from None
-    index = {c: i for i, c in enumerate(classes)}
+    # Classes match across splits by their NFC form: a name typed on a Mac and copied (zip,
+    # rsync) arrives decomposed (NFD: 'e' + U+0301 for 'é'), prints the same, and val/café was
+    # refused as "class 'café' of split 'val' is not a class of train"
+    index: dict[str, int] = {}
+    for i, c in enumerate(classes):
+        first = index.setdefault(unicodedata.normalize("NFC", c), i)
+        if first != i:
+            where = os.path.join(src, "train" if split_layout else "")
+            raise PrepareError(
+                f"{shown(os.path.join(where, classes[first]))} and {shown(os.path.join(where, c))}:"
+                " one class name written in two Unicode forms (composed and decomposed, as a Mac "
+                "writes it); merge the two folders")
     splits = {}
     for s, tree in trees.items():
-        missing = [c for c in tree if c not in index]
+        key = {c: unicodedata.normalize("NFC", c) for c in tree}
+        missing = [c for c in tree if key[c] not in index]
         if missing:
             raise PrepareError(f"{os.path.join(src, s, missing[0])}: class {missing[0]!r} of split"
                                f" {s!r} is not a class of train")
         paths = [p for c in sorted(tree) for p in tree[c]]
-        labels = np.array([index[c] for c in sorted(tree) for _ in tree[c]], np.int64)
+        labels = np.array([index[key[c]] for c in sorted(tree) for _ in tree[c]], np.int64)
         splits[s] = Split(labels, paths, lambda i, paths=paths: _load_path(paths[i]))
     return Parsed(classes, splits, ignored), not split_layout
 

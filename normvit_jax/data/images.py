@@ -64,9 +64,16 @@ _PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
 _NEW_SUBFILE_TYPE = 254
 
 
+def _turned(orientation: Any) -> bool:
+    """Whether an EXIF Orientation value turns or flips the image: 2..8. Others are upright, as
+    for exif_transpose (0 or 65535, written by some cameras and apps, made such a JPEG a PNG 3-5x
+    its size, which training decoded whole instead of its crop window)."""
+    return orientation in range(2, 9)
+
+
 def _kept(im, fmt: str | None, orientation: Any, data: bytes) -> bool:
     """Whether an opened image is stored (and decoded by TF) as its original bytes."""
-    return (fmt in KEEP_FORMATS and im.mode in _KEEP_MODES and orientation in (None, 1)
+    return (fmt in KEEP_FORMATS and im.mode in _KEEP_MODES and not _turned(orientation)
             and "transparency" not in im.info and (fmt != "PNG" or _PNG_END in data))
 
 
@@ -153,7 +160,7 @@ def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
                 ".NEF, .DNG, ...), and PIL cannot decode the photo; convert it to JPEG or TIFF")
         orientation = im.getexif().get(0x0112, 1)  # EXIF Orientation tag; 1 is upright
         im.load()  # decodes fully: a truncated file fails here
-        if orientation not in (None, 1):
+        if _turned(orientation):
             im = ImageOps.exif_transpose(im)
         keep = _kept(im, fmt, orientation, data)
         rgb = to_rgb(im)
