@@ -153,8 +153,16 @@ def walk_files(top: str) -> list[str]:
     return out
 
 
+# Photo extensions taken as images without opening the file (a header read per file is 0.05-0.4
+# ms: minutes over an ImageNet-sized folder); any other name is judged by its header
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
 def is_image_file(path: str) -> bool:
-    """Whether PIL recognises ``path`` as an image from its header (the pixels are not decoded)."""
+    """Whether ``path`` is an image: a photo's extension (IMAGE_EXTENSIONS, any case), else PIL
+    recognises its header (the pixels are not decoded)."""
+    if path.lower().endswith(IMAGE_EXTENSIONS):
+        return True
     from PIL import Image
     try:
         with Image.open(path):
