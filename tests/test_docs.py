@@ -393,3 +393,20 @@ def test_every_public_function_of_the_package_has_type_hints():
                 if node.returns is None or any(a.annotation is None for a in args):
                     missing.append(f"{os.path.relpath(path, REPO_ROOT)}:{node.lineno} {node.name}")
     assert not missing, missing
+
+
+def test_benchmarks_md_lists_every_norm_the_harness_takes_in_the_layout_it_builds():
+    """docs/benchmarks.md's ``--norm`` sentence names exactly ``benchmarks.common.NORMS`` (it had
+    14 of 22: repbn, dyt, ... were missing, dpn was called a registry name), and its layout claim
+    is bench_config's: every slot of default.py's ViT, DTN's class token from block 0, not
+    vit_dtn.py's late class token (the doc said "in its method's config")."""
+    from benchmarks import common
+    text = _read("docs/benchmarks.md")
+    sentence = text[text.index("`--norm` takes"):]
+    sentence = sentence[:sentence.index("or `all`")]
+    assert sorted(set(re.findall(r"`([a-z_]+)`", sentence))) == sorted(common.NORMS)
+    dtn = common.bench_config("Ti/4", "dtn")
+    assert dtn.model.norm.name == "dtn" and dtn.model.cls_token_at_block == 0
+    assert "not its\nmethod's layout" in text and "class token from block 0" in text
+    rescale = common.bench_config("Ti/4", "rescale")
+    assert rescale.model.final_norm is False and rescale.model.residual_scaling == "rescale"
