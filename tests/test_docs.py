@@ -410,3 +410,16 @@ def test_benchmarks_md_lists_every_norm_the_harness_takes_in_the_layout_it_build
     assert "not its\nmethod's layout" in text and "class token from block 0" in text
     rescale = common.bench_config("Ti/4", "rescale")
     assert rescale.model.final_norm is False and rescale.model.residual_scaling == "rescale"
+
+
+def test_the_eval_file_name_the_readme_shows_is_the_one_written():
+    """README's ``--mode=eval`` example of a sliced split names the file evaluation.result_path
+    writes (a user looking for ``eval_..._train[:2%]_...json`` found nothing: the brackets, ':'
+    and '%' become '-')."""
+    import types
+
+    from normvit_jax import evaluation
+    name, split, step = re.search(r"`train\[:2%\]` writes `W/eval_(imagenet2012)_(\S+?)_(\d+)\.json`",
+                                  _read("README.md")).groups()
+    spec = types.SimpleNamespace(eval_name="imagenet2012", eval_split="train[:2%]")
+    assert evaluation.result_path("W", spec, int(step)).name == f"eval_{name}_{split}_{step}.json"
