@@ -405,6 +405,7 @@ def test_benchmarks_md_lists_every_norm_the_harness_takes_in_the_layout_it_build
     sentence = text[text.index("`--norm` takes"):]
     sentence = sentence[:sentence.index("or `all`")]
     assert sorted(set(re.findall(r"`([a-z_]+)`", sentence))) == sorted(common.NORMS)
+    assert int(re.search(r"it now runs (\d+)", text).group(1)) == len(common.NORMS)
     dtn = common.bench_config("Ti/4", "dtn")
     assert dtn.model.norm.name == "dtn" and dtn.model.cls_token_at_block == 0
     assert "not its\nmethod's layout" in text and "class token from block 0" in text
