@@ -1,6 +1,7 @@
 """T2T-ViT (models/t2t_vit.py) against independent references: torch Unfold's documented layout
 and the reference Token_performer's formulas in numpy float64, the published T2T-ViT-14 size
-(21.5M parameters, 4.8G multiply-adds at 224) and the sinusoid table's formula."""
+(21.5M parameters, 4.8G multiply-adds at 224), every variant's parameter count against the
+original's layer list and its README, and the sinusoid table's formula."""
 from __future__ import annotations
 
 import functools
@@ -251,3 +252,67 @@ def test_un_folds_into_the_stem_and_blocks():
 def test_bad_settings_are_named(extra, match):
     with pytest.raises(ValueError, match=match):
         models.spec_of(tiny(**extra), 5)
+
+
+def original_counts(d: int, depth: int, mlp_ratio: float, token_dim: int = 64, classes: int = 1000
+                    ) -> tuple[int, int]:
+    """(trainable, frozen) parameters of yitu-opensource/T2T-ViT's T2T_ViT (performer stem), from
+    its layer list: Token_performer(dim, in_dim=token_dim) = norm1(dim), kqv(dim, 3e)+b, proj(e, e)+b,
+    norm2(e), mlp (e, e)+b twice; frozen: each performer's w (e/2, e) and pos_embed (197, d)."""
+    e, h = token_dim, int(d * mlp_ratio)
+
+    def performer(dim: int) -> int:
+        return 2 * dim + (dim + 1) * 3 * e + (e + 1) * e + 2 * e + 2 * (e + 1) * e
+
+    block = 2 * d + d * 3 * d + (d + 1) * d + 2 * d + (d + 1) * h + (h + 1) * d  # qkv_bias=False
+    trainable = (performer(3 * 49) + performer(e * 9) + (e * 9 + 1) * d + d  # stem, project, cls
+                 + depth * block + 2 * d + (d + 1) * classes)               # blocks, norm, head
+    return trainable, 2 * (e // 2) * e + (14 * 14 + 1) * d
+
+
+# Published sizes (M parameters) of the performer models: yitu-opensource/T2T-ViT README.md tables.
+PUBLISHED_M = {"T2T-7": 4.3, "T2T-10": 5.9, "T2T-12": 6.9, "T2T-14": 21.5, "T2T-19": 39.2,
+               "T2T-24": 64.1}
+PUBLISHED_GMACS = {"T2T-7": 1.1, "T2T-10": 1.5, "T2T-12": 1.8, "T2T-14": 4.8, "T2T-19": 8.5,
+                   "T2T-24": 13.8}  # same tables, at 224
+
+
+@pytest.mark.parametrize("variant", list(PUBLISHED_M))
+def test_parameter_counts_are_the_originals(variant):
+    """Our model as the presets build it (fixed sinusoid table, no qkv bias) holds exactly the
+    original's trainable parameters; the published figure is torch's model.parameters(), frozen
+    pos_embed and performer w included (without them T2T-10/19/24 would round to 5.8/39.1/64.0)."""
+    d, depth, heads, ratio = t2t_vit.T2T_VARIANTS[variant]
+    spec = models.spec_of(dict(name="t2t_vit", variant=variant, qkv_bias=False,
+                               posemb="sincos1d"), 1000)
+    assert (spec.hidden_size, spec.depth, spec.num_heads, spec.mlp_dim) == \
+        (d, depth, heads, int(d * ratio))
+    shapes = jax.eval_shape(lambda: models.create(spec).init(
+        jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False))["params"]
+    n = sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
+    trainable, frozen = original_counts(d, depth, ratio)
+    assert n == trainable
+    assert round((n + frozen) / 1e6, 1) == PUBLISHED_M[variant]
+    stem = jax.tree.map(lambda a: a.shape, shapes[t2t_vit.STEM_SCOPE])
+    assert stem["attention1"]["kqv"]["kernel"] == (147, 192)  # Token_performer(dim=3*7*7, in_dim=64)
+    assert stem["attention2"]["kqv"]["kernel"] == (576, 192)  # Token_performer(dim=64*3*3, in_dim=64)
+    assert stem["project"]["kernel"] == (576, d)
+    # our count (linear layers + attention + stem) vs theirs: 13.66 for T2T-24, others within .05
+    assert abs(flops.analytic_flops(spec, 224) / 2e9 - PUBLISHED_GMACS[variant]) < 0.15
+
+
+def test_t2t_vit_14_presets_are_the_original_model():
+    """configs vit_ln/vit_un :t2t_vit_14 build T2T-ViT-14 with the original's trainable size
+    (21,465,806: qkv_bias=False, fixed sinusoid table, head_dim**-0.5 since qk_scale is only set
+    for pretrained=True) and its stem settings."""
+    import configs.vit_ln
+    import configs.vit_un
+    for mod in (configs.vit_ln, configs.vit_un):
+        spec = models.spec_of(mod.get_config("t2t_vit_14").model.to_dict(), 1000)
+        assert (spec.posemb, spec.qkv_bias, spec.param_init, spec.classifier) == \
+            ("sincos1d", False, "timm", "token")
+        assert (spec.token_dim, spec.kernel_ratio, spec.t2t_dropout_rate) == (64, 0.5, 0.1)
+        shapes = jax.eval_shape(lambda: models.create(spec).init(
+            jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False))["params"]
+        assert sum(math.prod(a.shape) for a in jax.tree.leaves(shapes)) == 21_465_806 == \
+            original_counts(384, 14, 3.0)[0]
