@@ -190,8 +190,8 @@ def test_no_ema_and_weights_beside_a_folded_folder_are_one_line(run, images, tmp
 def test_recalibrate_re_estimates_the_ema_statistics_at_the_ema_weights(run, tmp_path, capsys):
     """The EMA's statistics replaced, the raw model untouched; block 0's first slot against the
     numpy float64 running average (momentum 0.1) of its input under the EMA weights."""
-    from normvit_jax import data, recalibrate
-    from normvit_jax.train import setup
+    from normvit_jax import recalibrate
+    from tests.test_recalibrate import first_slot_reference
     raw, ema = _arrays(run)
     out = tmp_path / "recal"
     result = recalibrate.main([f"--workdir={run}", f"--out={out}", "--batches=2", "--weights=ema"])
@@ -200,25 +200,7 @@ def test_recalibrate_re_estimates_the_ema_statistics_at_the_ema_weights(run, tmp
     for a, b in ((raw, new_raw), (ema["params"], new_ema["params"])):
         for k, v in traverse_util.flatten_dict(a).items():
             np.testing.assert_array_equal(traverse_util.flatten_dict(b)[k], v)
-    view = recalibrate.statistics_view(checkpoints.load_config(run))
-    model = models.create(view.model, 10)
-    ds = setup.resolve_config(view, 1).data
-    pipe = data.make_pipeline(view, "eval", ds)
-    slot = ema["batch_stats"]["Transformer"]["encoderblock_0"]["LayerNorm_0"]["bn"]
-    mean, var = (np.asarray(slot[k], np.float64) for k in ("mean", "var"))
-    used = 0
-    for batch in pipe.eval_batches():
-        if used == 2:
-            break
-        if not batch["mask"].all():
-            continue
-        _, inter = model.apply(ema, stats.model_input(batch["image"], ds.affine), train=False,
-                               capture_intermediates=True, mutable=["intermediates"])
-        x = np.asarray(inter["intermediates"]["Transformer"]["posembed_input"]["__call__"][0],
-                       np.float64).reshape(-1, mean.shape[0])
-        mean, var = 0.9 * mean + 0.1 * x.mean(0), 0.9 * var + 0.1 * x.var(0, ddof=1)
-        used += 1
-    pipe.close()
+    mean, var = first_slot_reference(run, ema, 2)
     got = new_ema["batch_stats"]["Transformer"]["encoderblock_0"]["LayerNorm_0"]["bn"]
     np.testing.assert_allclose(got["mean"], mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["var"], var, rtol=1e-5)

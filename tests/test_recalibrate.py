@@ -19,6 +19,34 @@ from tests.conftest import tiny_demo_config
 pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
+def first_slot_reference(run: str, variables: dict, batches: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy float64 running average (momentum 0.1, unbiased variance) of block 0's first slot's
+    statistics, from ``variables``' own, over the input of the first ``batches`` full eval
+    batches of ``run`` (the position-embedded tokens, captured), under ``variables``."""
+    view = recalibrate.statistics_view(checkpoints.load_config(run))
+    model = models.create(view.model, 10)
+    ds = setup.resolve_config(view, 1).data
+    pipe = data.make_pipeline(view, "eval", ds)
+    slot = variables["batch_stats"]["Transformer"]["encoderblock_0"]["LayerNorm_0"]["bn"]
+    mean, var = (np.asarray(slot[k], np.float64) for k in ("mean", "var"))
+    used = 0
+    for batch in pipe.eval_batches():
+        if used == batches:
+            break
+        if not batch["mask"].all():
+            continue
+        images = data_stats.model_input(batch["image"], ds.affine)
+        _, inter = model.apply(variables, images, train=False, capture_intermediates=True,
+                               mutable=["intermediates"])
+        x = np.asarray(inter["intermediates"]["Transformer"]["posembed_input"]["__call__"][0],
+                       np.float64).reshape(-1, mean.shape[0])
+        mean = 0.9 * mean + 0.1 * x.mean(0)
+        var = 0.9 * var + 0.1 * x.var(0, ddof=1)
+        used += 1
+    pipe.close()
+    return mean, var
+
+
 def test_recalibrates_the_statistics_and_writes_a_checkpoint(tmp_path, capsys):
     cfg = tiny_demo_config(total_steps=4, eval_every=100, checkpoint_every=100)
     cfg.model.norm = {"name": "repbn"}
@@ -33,28 +61,8 @@ def test_recalibrates_the_statistics_and_writes_a_checkpoint(tmp_path, capsys):
     jax.tree.map(np.testing.assert_array_equal, old["params"], new["params"])
 
     # Independent reference for block 0's first slot: its input is the position-embedded tokens.
-    view = recalibrate.statistics_view(checkpoints.load_config(str(tmp_path / "run")))
-    model = models.create(view.model, 10)
-    ds = setup.resolve_config(view, 1).data
-    pipe = data.make_pipeline(view, "eval", ds)
     slot = ("Transformer", "encoderblock_0", "LayerNorm_0", "bn")
-    mean = np.asarray(old["batch_stats"][slot[0]][slot[1]][slot[2]]["bn"]["mean"], np.float64)
-    var = np.asarray(old["batch_stats"][slot[0]][slot[1]][slot[2]]["bn"]["var"], np.float64)
-    used = 0
-    for batch in pipe.eval_batches():
-        if used == 3:
-            break
-        if not batch["mask"].all():
-            continue
-        images = data_stats.model_input(batch["image"], ds.affine)
-        _, inter = model.apply(old, images, train=False, capture_intermediates=True,
-                               mutable=["intermediates"])
-        x = np.asarray(inter["intermediates"]["Transformer"]["posembed_input"]["__call__"][0],
-                       np.float64).reshape(-1, mean.shape[0])
-        mean = 0.9 * mean + 0.1 * x.mean(0)
-        var = 0.9 * var + 0.1 * x.var(0, ddof=1)
-        used += 1
-    pipe.close()
+    mean, var = first_slot_reference(str(tmp_path / "run"), old, 3)
     got = new["batch_stats"][slot[0]][slot[1]][slot[2]]["bn"]
     np.testing.assert_allclose(got["mean"], mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["var"], var, rtol=1e-5)
