@@ -44,13 +44,19 @@ def real_sums(logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
     return {"real_hits": hits, "real_count": counted}
 
 
-def _with_real_top1(metrics: dict[str, float]) -> dict[str, float]:
-    """Turns the summed ReaL counts (raw and ``ema_``) into ``real_top1`` and its example count."""
+def _with_real_top1(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Turns the summed ReaL counts (raw and ``ema_``) into ``real_top1`` and its example count.
+    A split where no image has a ReaL label set scores nothing: ``real_top1`` is None (JSON null,
+    big_vision's evaluator gives NaN there) and one warning says why, rather than a 0.0 that reads
+    as a model that is always wrong."""
     for p in ("", "ema_"):
         if f"{p}real_count" in metrics:
             hits, count = metrics.pop(f"{p}real_hits"), metrics.pop(f"{p}real_count")
-            metrics[f"{p}real_top1"] = hits / max(count, 1.0)
+            metrics[f"{p}real_top1"] = hits / count if count > 0 else None
             metrics[f"{p}real_num_examples"] = int(count)
+    if metrics.get("real_num_examples") == 0:
+        logging.warning("ReaL top-1: no image of this split has a ReaL label set (ReaL leaves "
+                        "some ImageNet images without one), so none is scored: real_top1 is null.")
     return metrics
 
 

@@ -4,6 +4,7 @@ under ``tfds.testing.mock_data``."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -33,6 +34,24 @@ def test_real_top1_counts_hand_made_sets():
     pred = logits.argmax(-1)
     scored = [i for i in range(5) if mask[i] and len(sets[i])]
     assert int(hits) == sum(pred[i] in set(sets[i].tolist()) for i in scored)
+
+
+def test_real_top1_is_null_when_no_image_has_a_label_set(caplog):
+    # the counts the eval step sums (raw and EMA): one split with scored images, one without
+    got = evaluation._with_real_top1({"top1": 0.5, "real_hits": 3.0, "real_count": 4.0,
+                                      "ema_real_hits": 0.0, "ema_real_count": 4.0})
+    assert got == {"top1": 0.5, "real_top1": 0.75, "real_num_examples": 4,
+                   "ema_real_top1": 0.0, "ema_real_num_examples": 4}
+    with caplog.at_level(logging.WARNING):
+        got = evaluation._with_real_top1({"real_hits": 0.0, "real_count": 0.0,
+                                          "ema_real_hits": 0.0, "ema_real_count": 0.0})
+    # not 0.0, which reads as a model that is always wrong; null in the JSON file
+    assert got == {"real_top1": None, "real_num_examples": 0,
+                   "ema_real_top1": None, "ema_real_num_examples": 0}
+    assert json.loads(json.dumps(got))["real_top1"] is None
+    assert [r.getMessage() for r in caplog.records if "ReaL" in r.getMessage()] == [
+        "ReaL top-1: no image of this split has a ReaL label set (ReaL leaves some ImageNet images "
+        "without one), so none is scored: real_top1 is null."]
 
 
 def test_multi_hot():
