@@ -474,6 +474,9 @@ def test_local_prepare_makes_no_network_call_and_checks_arguments_before_tensorf
     assert r.returncode == 0, r.stderr[-3000:]
     for probe in ("google_auth", "metadata.google.internal", "bearer token"):
         assert probe not in r.stderr, r.stderr[-3000:]
+    # TensorFlow's start-up lines once (its two C++ libraries each print them)
+    assert r.stderr.count("oneDNN custom operations") <= 1, r.stderr[-3000:]
+    assert r.stderr.count("before absl::InitializeLog") <= 1, r.stderr[-3000:]
     code = ("import sys\nfrom normvit_jax.data import prepare\ntry:\n"
             f"    prepare.main(['--src={tmp_path}/none', '--name=x', '--data_dir={tmp_path}/dd'])\n"
             "finally:\n    print('tensorflow' in sys.modules, file=sys.stderr)\n")

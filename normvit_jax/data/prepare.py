@@ -261,6 +261,8 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
           extra: dict[str, Any]) -> dict[str, Any]:
     """Writes the tfds dataset in ``<data_dir>/.<name>.partial`` and renames it into place."""
     import tensorflow_datasets as tfds
+    from normvit_jax import logs
+    logs.import_tensorflow_once()  # tfds imports it lazily: its start-up lines would print twice
     final = os.path.join(data_dir, name)
     tmp = os.path.join(data_dir, f".{name}.partial")
     if os.path.exists(tmp):  # an interrupted earlier run: start over
