@@ -378,9 +378,13 @@ def test_library_log_filter():
     assert f.filter(record("/x/normvit_jax/train/loop.py", std_logging.INFO, "step 1/2"))
 
 
-def test_tensorflow_banner_printed_once():
-    r = subprocess.run([sys.executable, "-c", "from normvit_jax import logs; logs.import_tensorflow_once()"],
-                       cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+@pytest.mark.parametrize("code", [
+    "from normvit_jax import logs; logs.import_tensorflow_once()",
+    # the SavedModel export and runtime (the banner showed twice in `export --format=savedmodel`)
+    "from normvit_jax.deploy import errors; errors.require('tensorflow', 'the savedmodel format')"])
+def test_tensorflow_banner_printed_once(code):
+    r = subprocess.run([sys.executable, "-c", code],
+                       cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "0"},
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
     assert r.stderr.count("oneDNN custom operations") <= 1

@@ -30,6 +30,9 @@ class MissingExtraError(DeployError):
 def require(module: str, what: str) -> object:
     """Imports ``module`` or raises MissingExtraError naming the extra that installs it
     (``what``: the format or command that needs it)."""
+    if module == "tensorflow":  # its two C++ libraries would each print the start-up lines
+        from normvit_jax import logs
+        logs.import_tensorflow_once()
     try:
         return importlib.import_module(module)
     except ImportError as e:
