@@ -18,11 +18,13 @@ from flax.core import frozen_dict
 
 from normvit_jax import models
 from normvit_jax.models import scan_convert
-from normvit_jax.models.google_layout import (BLOCK, CKPT_NORM_SLOTS, MODEL_ONLY, POSEMB,
+from normvit_jax import state_dict
+from normvit_jax.models import timm_layout
+from normvit_jax.models.google_layout import (BLOCK, MODEL_ONLY, NORM_SLOTS, POSEMB,
                                               CheckpointError, Layout, canonicalize, check_family,
                                               dims, flat_heads, grid_of, resample_grid, slot_of,
                                               summary)
-from normvit_jax.models.spec import ViTSpec
+from normvit_jax.models.spec import FC_SLOT, ViTSpec
 from normvit_jax.preflight import npz_problem
 
 __all__ = ["CheckpointError", "Row", "format_report", "init_from_npz", "load_npz", "resample_grid"]
@@ -105,6 +107,7 @@ class _ParamLoader:
     def __init__(self, tgt: dict[str, Any], src: dict[str, np.ndarray], layout: Layout,
                  spec: ViTSpec):
         self.tgt, self.src, self.layout, self.spec = tgt, src, layout, spec
+        self.slots = NORM_SLOTS | layout.norm_slots  # timm's files add the top-level fc_norm
         self.new: dict[str, Any] = dict(tgt)
         self.rows: list[Row] = []
         self.errors: list[str] = []
@@ -241,7 +244,7 @@ class _ParamLoader:
         for k in self.tgt:
             if k in done:
                 continue
-            slot = slot_of(k)
+            slot = slot_of(k, self.slots)
             fits = k in self.src and self.src[k].shape == self.shape(k)
             if slot is None:
                 if k.split("/")[-1] in MODEL_ONLY:
@@ -263,8 +266,8 @@ class _ParamLoader:
                          "" if norm == "layernorm" else f"LN {rest} -> {norm} {rest}")
             elif fits:  # not in Google's files: an export of a model with this norm
                 self.put(k, self.src[k], "loaded", k, f"{norm} {rest}: same name in checkpoint")
-            elif norm == "layernorm" and s.split("/")[-1] in CKPT_NORM_SLOTS:
-                self.same(k)  # a LayerNorm slot Google's files have: strict
+            elif norm == "layernorm" and s.split("/")[-1] in self.layout.norm_slots:
+                self.same(k)  # a LayerNorm slot the layout's files have: strict
             elif k in self.src:
                 self.init(k, f"{norm} {rest}: shape {self.shape(k)} != checkpoint {self.src[k].shape}")
             elif any(x.startswith(s + "/") for x in self.src):
@@ -275,13 +278,13 @@ class _ParamLoader:
     def leftovers(self) -> None:
         """Checkpoint keys nothing consumed: LN params of a slot whose norm lacks them are dropped."""
         for k in sorted(set(self.src) - self.used):
-            slot, m = slot_of(k), BLOCK.match(k)
-            if (slot is None or slot[0].split("/")[-1] not in CKPT_NORM_SLOTS
+            slot, m = slot_of(k, self.slots), BLOCK.match(k)
+            if (slot is None or slot[0].split("/")[-1] not in self.layout.norm_slots
                     or (m and int(m.group(1)) >= self.spec.depth)):
                 self.errors.append(f"unexpected in checkpoint: {k} {self.src[k].shape}")
                 continue
             norm = self.spec.slot_norm_name(slot[0])
-            if slot[0] == "Transformer/encoder_norm" and not self.spec.final_norm:
+            if slot[0] in ("Transformer/encoder_norm", FC_SLOT) and not self.spec.final_norm:
                 self.drop(k, "model.final_norm=False")
             elif k in self.tgt:
                 self.drop(k, f"{norm} '{slot[1]}' has another shape")
@@ -315,11 +318,17 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
     wrapped = set(tree) == {"params"}
     tree = scan_convert.unstack_blocks(tree["params"] if wrapped else tree)  # matched per block
     tgt = traverse_util.flatten_dict(tree, sep="/")
-    raw, n_bf16 = _read_npz(path)
+    timm = state_dict.is_state_dict_path(path)
+    if timm:  # .safetensors / .pth / .bin: timm's names, renamed to the layout below
+        raw, read_note = state_dict.read(path)
+    else:
+        raw, n_bf16 = _read_npz(path)
+        read_note = f"{n_bf16} bfloat16 arrays widened" if n_bf16 else ""
     try:
-        src, layout = canonicalize(raw)
+        src, layout = timm_layout.canonicalize(raw, source_grid) if timm else canonicalize(raw)
     except CheckpointError as e:
-        raise CheckpointError(f"cannot load init_from {path}: {e}{_other_format(raw)}") from None
+        hint = "" if timm else _other_format(raw)
+        raise CheckpointError(f"cannot load init_from {path}: {e}{hint}") from None
 
     m = _ParamLoader(tgt, src, layout, spec)
     m.head(num_classes, keep_pre_logits)
@@ -328,7 +337,7 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
     m.leftovers()
 
     header = (f"init_from {path}\n  layout: {layout.describe()}"
-              + (f"; {n_bf16} bfloat16 arrays widened" if n_bf16 else "")
+              + (f"; {read_note}" if read_note else "")
               + (f"; ignored {len(layout.ignored)} non-parameter keys" if layout.ignored else "")
               + f"\n  checkpoint: {summary(src)}\n  model:      {summary(tgt)}")
     if m.errors:
@@ -344,7 +353,10 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
         shown = m.errors[:40] + ([f"... and {len(m.errors) - 40} more"] if len(m.errors) > 40 else [])
         detail = header.split("\n", 1)[1]
         raise CheckpointError(line + "\n" + detail + ("\n  " + "\n  ".join(shown) if more > 0 else ""))
-    if not spec.gelu_approximate:
+    if timm and spec.gelu_approximate:
+        header += ("\n  note: model uses tanh GELU; timm checkpoints were trained with the exact (erf) "
+                   "form: --config.model.gelu_approximate=False reproduces timm's function")
+    elif not timm and not spec.gelu_approximate:
         header += ("\n  note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
                    "form (logits differ by ~5e-4)")
     order = {k: i for i, k in enumerate(tgt)}
@@ -361,10 +373,11 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
 def _other_format(raw: dict[str, np.ndarray]) -> str:
     """A hint naming the format of a file that is not one of Google's ViT layouts."""
     keys = list(raw)
-    if any(k.startswith(("patch_embed.", "blocks.", "cls_token", "pos_embed")) for k in keys):
+    if timm_layout.looks_like_timm(keys):
         return ("; its keys are a timm / PyTorch state dict ('patch_embed.proj.weight', "
-                "'blocks.0.norm1.weight'): only Google's vit_jax, AugReg and big_vision layouts "
-                "are read (docs/pretrained.md)")
+                "'blocks.0.norm1.weight'): an .npz is read as Google's vit_jax, AugReg or big_vision "
+                "layout; save the state dict as .safetensors (or .pth) to load it as timm's "
+                "(docs/pretrained.md)")
     return ""
 
 
