@@ -1,6 +1,8 @@
-"""Loads Google ViT .npz checkpoints into this repository's ViT: reads the archive safely, maps its
-layout (``models.google_layout``) onto the model's parameters (position embeddings resampled, head
-reset, norms mapped by parameter name) and reports what happened to every parameter.
+"""Loads Google ViT .npz checkpoints, and timm / PyTorch state dicts (.safetensors, .pth, .bin:
+``state_dict`` reads them, ``models.timm_layout`` renames them to the same layout), into this
+repository's ViT: reads the file safely, maps its layout (``models.google_layout``) onto the model's
+parameters (position embeddings resampled, head reset, norms mapped by parameter name) and reports
+what happened to every parameter.
 
 Public API: ``load_npz``, ``init_from_npz``, ``format_report`` (and, from the layout module,
 ``CheckpointError``, ``resample_grid``). Export is ``normvit_jax.export.export_npz``.
@@ -16,10 +18,8 @@ from etils import epath
 from flax import traverse_util
 from flax.core import frozen_dict
 
-from normvit_jax import models
-from normvit_jax.models import scan_convert
-from normvit_jax import state_dict
-from normvit_jax.models import timm_layout
+from normvit_jax import models, state_dict
+from normvit_jax.models import scan_convert, timm_layout
 from normvit_jax.models.google_layout import (BLOCK, MODEL_ONLY, NORM_SLOTS, POSEMB,
                                               CheckpointError, Layout, canonicalize, check_family,
                                               dims, flat_heads, grid_of, resample_grid, slot_of,
@@ -28,6 +28,9 @@ from normvit_jax.models.spec import FC_SLOT, ViTSpec
 from normvit_jax.preflight import npz_problem
 
 __all__ = ["CheckpointError", "Row", "format_report", "init_from_npz", "load_npz", "resample_grid"]
+
+RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")  # torch BatchNorm buffers
+
 
 class Row(NamedTuple):
     """One line of the loading report. action: loaded | resampled | reinit | init | dropped."""
@@ -284,7 +287,9 @@ class _ParamLoader:
                 self.errors.append(f"unexpected in checkpoint: {k} {self.src[k].shape}")
                 continue
             norm = self.spec.slot_norm_name(slot[0])
-            if slot[0] in ("Transformer/encoder_norm", FC_SLOT) and not self.spec.final_norm:
+            if slot[1] in RUNNING_STATS:  # a timm BatchNorm's buffers: batch_stats are not loaded
+                self.drop(k, "running statistics are not loaded (batch_stats start at init)")
+            elif slot[0] in ("Transformer/encoder_norm", FC_SLOT) and not self.spec.final_norm:
                 self.drop(k, "model.final_norm=False")
             elif k in self.tgt:
                 self.drop(k, f"{norm} '{slot[1]}' has another shape")
@@ -355,7 +360,7 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
         raise CheckpointError(line + "\n" + detail + ("\n  " + "\n  ".join(shown) if more > 0 else ""))
     if timm and spec.gelu_approximate:
         header += ("\n  note: model uses tanh GELU; timm checkpoints were trained with the exact (erf) "
-                   "form: --config.model.gelu_approximate=False reproduces timm's function")
+                   "form (logits differ by ~5e-4); --config.model.gelu_approximate=False reproduces it")
     elif not timm and not spec.gelu_approximate:
         header += ("\n  note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
                    "form (logits differ by ~5e-4)")
