@@ -8,6 +8,7 @@ Floating tensors come back as float32 (bfloat16/float16 widen exactly). What the
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers numpy's 'bfloat16', which safetensors' numpy API needs)
@@ -32,15 +33,16 @@ def is_state_dict_path(path: str) -> bool:
 
 
 def check(path: str, key: str = "path") -> None:
-    """Raises ValueError naming the problem unless ``path`` is a readable file this module can read
-    here (torch importable for .pth/.bin): preflight's check, before anything is written."""
+    """Raises CheckpointError (a ValueError: exit 2) naming the problem unless ``path`` is a file
+    this module can read here (torch importable for .pth/.bin): preflight's check, before anything
+    is written, and the loader's."""
     p = epath.Path(path)
     if not p.exists():
-        raise ValueError(f"{key}={path!r} does not exist")
+        raise CheckpointError(f"{key}={path!r} does not exist")
     if p.is_dir():
-        raise ValueError(f"{key}={path!r} is a directory, not a state dict file")
+        raise CheckpointError(f"{key}={path!r} is a directory, not a state dict file")
     if str(path).lower().endswith(TORCH) and not _has_torch():
-        raise ValueError(f"{key}: " + NO_TORCH.format(path=path))
+        raise CheckpointError(f"{key}: " + NO_TORCH.format(path=path))
 
 
 def read(path: str) -> tuple[dict[str, np.ndarray], str]:
@@ -100,14 +102,15 @@ def _read_torch(path: str) -> dict[str, Any]:
     try:
         obj = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch names the first class it refused
+        what = f" ({found.group(1)})" if found else ""
         raise CheckpointError(
-            f"{path}: holds Python objects besides tensors, which torch.load(weights_only=True) "
-            f"refuses ({first}); save the weights alone: torch.save(ckpt['model'], 'FILE.pth') "
-            "or safetensors.torch.save_file(...)") from None
+            f"{path}: holds Python objects besides tensors{what}, which torch.load("
+            "weights_only=True) refuses; save the weights alone: torch.save(ckpt['model'], "
+            "'FILE.pth') or safetensors.torch.save_file(ckpt['model'], 'FILE.safetensors')") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable PyTorch file (truncated or corrupt "
-                              f"download?): {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
+                              f"download?): {type(e).__name__}: {str(e).strip().split('. ')[0]}") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: holds a {type(obj).__name__}, not a state dict")
     return obj

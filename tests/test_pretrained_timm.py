@@ -266,3 +266,21 @@ def test_real_timm_model_logits(tmp_path, pool, suffix):
     got = np.asarray(net.apply({"params": new}, jnp.asarray(x)))
     print(f"max |logit diff| vs timm ({pool}, {suffix}): {np.abs(got - want).max():.2e}")
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_pth_with_pickled_objects_is_refused_in_one_line(tmp_path):
+    """A training checkpoint holding argparse args (DeiT's) is refused by weights_only=True: one
+    line naming the class and how to save the weights alone; a truncated .pth likewise."""
+    torch = pytest.importorskip("torch")
+    import argparse
+    sd = {k: torch.from_numpy(v) for k, v in timm_sd(8).items()}
+    torch.save({"model": sd, "args": argparse.Namespace(lr=5e-4)}, str(tmp_path / "ckpt.pth"))
+    spec, _, params, _ = build()
+    with pytest.raises(pretrained.CheckpointError, match=r"Python objects besides tensors "
+                                                         r"\(argparse\.Namespace\)") as e:
+        load(params, tmp_path / "ckpt.pth", spec)
+    torch.save({"model": sd}, str(tmp_path / "ok.pth"))
+    (tmp_path / "cut.pth").write_bytes((tmp_path / "ok.pth").read_bytes()[:500])
+    with pytest.raises(pretrained.CheckpointError, match="not a readable PyTorch file") as e2:
+        load(params, tmp_path / "cut.pth", spec)
+    assert "\n" not in str(e.value) + str(e2.value)
