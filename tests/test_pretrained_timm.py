@@ -66,8 +66,16 @@ def reference(sd: dict[str, np.ndarray], images: np.ndarray, *, slot: bool = Tru
               pool: str = "token") -> np.ndarray:
     """timm's VisionTransformer.forward (eval) in float64 from the raw state dict; images NHWC."""
     f = {k: np.asarray(v, np.float64) for k, v in sd.items()}
-    ln = lambda x, p: ((x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)  # noqa: E731
-                       * f[p + ".weight"] + f[p + ".bias"])
+
+    def ln(x: np.ndarray, p: str) -> np.ndarray:
+        """timm's LayerNorm (eps 1e-6), or torch's BatchNorm1d in eval (eps 1e-5) where the state
+        dict holds running statistics for it."""
+        if p + ".running_mean" in f:
+            return ((x - f[p + ".running_mean"]) / np.sqrt(f[p + ".running_var"] + 1e-5)
+                    * f[p + ".weight"] + f[p + ".bias"])
+        return ((x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)
+                * f[p + ".weight"] + f[p + ".bias"])
+
     lin = lambda x, p: x @ f[p + ".weight"].T + f[p + ".bias"]  # noqa: E731
     x = images.astype(np.float64).transpose(0, 3, 1, 2)               # NCHW, as torch
     b, c, hh, ww = x.shape
@@ -154,8 +162,8 @@ def test_posemb_resampled_to_another_image_size(tmp_path):
 
 
 def test_head_of_another_class_count_is_zeroed_and_stats_reported(tmp_path):
-    """A 1000-class head into a 5-class model: zeros (the existing rule); a BatchNorm's running
-    statistics in a norm slot are reported as dropped, not silently ignored."""
+    """A 7-class head into a 5-class model: zeros (the existing rule); a BatchNorm's running
+    statistic in a LayerNorm slot is reported as dropped, not silently ignored."""
     sd = timm_sd(3)
     sd["head.weight"], sd["head.bias"] = np.ones((7, D), np.float32), np.ones(7, np.float32)
     sd["blocks.0.norm1.running_mean"] = np.ones(D, np.float32)
@@ -165,7 +173,67 @@ def test_head_of_another_class_count_is_zeroed_and_stats_reported(tmp_path):
     head = [r for r in rows if r.param.startswith("head/")]
     assert [r.action for r in head] == ["reinit", "reinit"] and not np.any(new["head"]["kernel"])
     stat = [r for r in rows if r.action == "dropped"]
-    assert len(stat) == 1 and "running statistics" in stat[0].note
+    assert len(stat) == 1 and "running statistics are not loaded" in stat[0].note
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["per_block", "scanned"])
+def test_batchnorm_running_statistics_load_into_batch_stats(tmp_path, scan):
+    """A BatchNorm ViT in timm's names (norm1/norm2/norm with running_mean/var, as torch's
+    BatchNorm1d saves them) into model.norm='batchnorm': eval logits match torch's BN eval
+    formula; with init_from_npz (no batch_stats) the statistics are reported as dropped."""
+    sd = timm_sd(9)
+    r = np.random.default_rng(10)
+    for p in [f"blocks.{i}.{n}" for i in range(DEPTH) for n in ("norm1", "norm2")] + ["norm"]:
+        sd[p + ".running_mean"] = r.normal(size=D).astype(np.float32)
+        sd[p + ".running_var"] = r.uniform(0.5, 2.0, size=D).astype(np.float32)
+        sd[p + ".num_batches_tracked"] = np.array(100, np.int64)
+    path = tmp_path / "bn.safetensors"
+    save_file(sd, str(path))
+    spec, net, _, x = build(norm="batchnorm", scan=scan)
+    variables = net.init(jax.random.PRNGKey(0), x)
+    params, stats, rows = pretrained.init_from_checkpoint(
+        variables["params"], variables["batch_stats"], str(path), spec, NCLS, log=None)
+    assert sum(r.param.startswith("batch_stats/") and r.action == "loaded" for r in rows) == 10
+    assert {r.note for r in rows if r.action == "dropped"} == {"a step counter, not used"}
+    got = np.asarray(net.apply({"params": params, "batch_stats": stats}, x, train=False))
+    np.testing.assert_allclose(got, reference(sd, np.asarray(x)), rtol=1e-4, atol=1e-4)
+    _, rows = load(variables["params"], path, spec)
+    assert sum(r.action == "dropped" and "batch_stats not given" in r.note for r in rows) == 10
+
+
+def test_loop_init_from_puts_running_statistics_into_the_train_state(tmp_path):
+    """The loop's own path (train/build.init_from_pretrained) with a BatchNorm timm file: the
+    state's batch_stats are the file's running statistics, on the state's shardings."""
+    from flax import traverse_util
+
+    from normvit_jax import sharding
+    from normvit_jax.train import build, optimizer, setup
+    from tests.conftest import tiny_demo_config
+
+    cfg = tiny_demo_config(**{"model.hidden_size": D, "model.mlp_dim": MLP, "model.patch_size": P,
+                              "model.norm": {"name": "batchnorm"}})
+    spec = setup.validate_config(cfg, jax.device_count())
+    model = setup.create_model(cfg, 10, spec)
+    tx, _ = optimizer.create(cfg, 6)
+    state, shardings = setup.create_train_state(model, tx, (8, 8, 3), sharding.make_mesh(cfg),
+                                                jax.random.key(0))
+    sd = timm_sd(11, grid=2)
+    r = np.random.default_rng(12)
+    for i in range(DEPTH):
+        for n in ("norm1", "norm2"):
+            sd[f"blocks.{i}.{n}.running_mean"] = r.normal(size=D).astype(np.float32)
+            sd[f"blocks.{i}.{n}.running_var"] = r.uniform(0.5, 2, size=D).astype(np.float32)
+    save_file(sd, str(tmp_path / "bn.safetensors"))
+    cfg.init_from = str(tmp_path / "bn.safetensors")
+    new = build.init_from_pretrained(cfg, spec, 10, state, tx, shardings)
+    stats = traverse_util.flatten_dict(jax.tree.map(np.asarray, new.batch_stats), sep="/")
+    slots = {"norm1": "LayerNorm_0", "norm2": "LayerNorm_2"}
+    want = {f"Transformer/encoderblock_{k.split('.')[1]}/{slots[k.split('.')[2]]}/"
+            f"{'mean' if k.endswith('mean') else 'var'}": v for k, v in sd.items() if "running" in k}
+    assert sorted(want) == sorted(k for k in stats if "encoderblock" in k)
+    for k, v in want.items():
+        np.testing.assert_array_equal(stats[k], v, err_msg=k)
+    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(new), jax.tree.leaves(shardings)))
 
 
 # ------------------------------------------------------------------------------------ refusals

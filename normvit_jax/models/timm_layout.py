@@ -97,16 +97,21 @@ def _block(src: dict[str, np.ndarray], prefix: str, rest: str, v: np.ndarray, ke
 
 def _module(src: dict[str, np.ndarray], prefix: str, key: str, v: np.ndarray,
             table: Mapping[str, tuple[str, bool]], original: str) -> None:
-    """``module.param`` through ``table``: Linear weight -> kernel (transposed), LN weight -> scale;
-    other parameters (a BatchNorm's running_mean) keep their name inside the slot."""
-    module, _, param = key.rpartition(".")
-    if module not in table:
+    """``module.param`` through ``table``: a Linear's weight -> kernel (transposed), bias; inside a
+    norm, ``weight`` -> ``scale`` and other tensors keep their path ('bn.running_mean' ->
+    'bn/running_mean': a BatchNorm's statistics, RepBN's inner BatchNorm)."""
+    module = next((m for m in table if key.startswith(m + ".")), None)
+    if module is None:
         src[original] = v  # unknown: the loader reports it as unexpected
         return
     name, linear = table[module]
-    if param == "weight":
-        param, v = ("kernel", v.T) if linear else ("scale", v)
-    src[f"{prefix}{name}/{param}"] = v
+    path = key[len(module) + 1:].split(".")
+    if linear and path not in (["weight"], ["bias"]):
+        src[original] = v
+        return
+    if path[-1] == "weight":
+        path[-1], v = ("kernel", v.T) if linear else ("scale", v)
+    src[f"{prefix}{name}/{'/'.join(path)}"] = v
 
 
 def _class_slot(sd: Mapping[str, np.ndarray], source_grid: Sequence[int] | None) -> bool:
