@@ -285,8 +285,9 @@ class _ParamLoader:
     def running_stats(self) -> None:
         """torch BatchNorm buffers (timm names, renamed into their slot) -> the model's batch_stats
         of the same slot and path: running_mean -> mean, running_var -> var (what eval reads in
-        both); the model's statistics the file lacks stay at init, reported."""
-        if self.stats is None:
+        both); the model's statistics the file lacks stay at init, reported. Google's files hold
+        none: their report stays as it was."""
+        if self.stats is None or self.layout.numbering != "timm":
             return
         for k in sorted(self.src):
             slot = slot_of(k, self.slots)
