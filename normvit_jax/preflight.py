@@ -1,7 +1,8 @@
 """Checks that run before anything is written or JAX starts (``cli.run`` calls ``check`` first):
 the config loaded, its run length and every numeric value are in range (config_ranges.py), the
 model it describes can be built, the workdir path can be a directory, every gs:// path (workdir,
-data_dir, init_from) has Google Cloud credentials, and ``init_from`` is a readable .npz. A failed
+data_dir, init_from) has Google Cloud credentials, and ``init_from`` is a readable .npz (or a
+PyTorch state dict file, with torch installed where it needs it). A failed
 check changes nothing on disk, so the corrected command starts cleanly.
 """
 from __future__ import annotations
@@ -40,7 +41,10 @@ def check(config: Any, workdir: str) -> None:
                        ("config.init_from", init_from)):
         if path and str(path).startswith("gs://"):
             check_gcs_credentials(str(path), what=what)
-    if init_from and not workdir_lib.is_remote(init_from):
+    from normvit_jax import state_dict  # imports jax (CheckpointError): not before it is needed
+    if init_from and not workdir_lib.is_remote(init_from) and state_dict.is_state_dict_path(init_from):
+        state_dict.check(init_from, key="config.init_from")  # timm / PyTorch (docs/pretrained.md)
+    elif init_from and not workdir_lib.is_remote(init_from):
         check_npz(init_from, key="config.init_from", missing_hint=(
             "; download the checkpoint first, e.g. `wget https://storage.googleapis.com/"
             "vit_models/imagenet21k/ViT-B_16.npz` (public; the files and their layouts: "

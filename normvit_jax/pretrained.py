@@ -1,8 +1,11 @@
-"""Loads Google ViT .npz checkpoints into this repository's ViT: reads the archive safely, maps its
-layout (``models.google_layout``) onto the model's parameters (position embeddings resampled, head
-reset, norms mapped by parameter name) and reports what happened to every parameter.
+"""Loads Google ViT .npz checkpoints, and timm / PyTorch state dicts (.safetensors, .pth, .bin:
+``state_dict`` reads them, ``models.timm_layout`` renames them to the same layout), into this
+repository's ViT: reads the file safely, maps its layout (``models.google_layout``) onto the model's
+parameters (position embeddings resampled, head reset, norms mapped by parameter name) and reports
+what happened to every parameter.
 
-Public API: ``load_npz``, ``init_from_npz``, ``format_report`` (and, from the layout module,
+Public API: ``load_npz``, ``init_from_npz``, ``init_from_checkpoint`` (also running statistics),
+``format_report`` (and, from the layout module,
 ``CheckpointError``, ``resample_grid``). Export is ``normvit_jax.export.export_npz``.
 Every mismatch raises ``CheckpointError`` naming the keys and shapes: never a silent partial load.
 """
@@ -16,16 +19,20 @@ from etils import epath
 from flax import traverse_util
 from flax.core import frozen_dict
 
-from normvit_jax import models
-from normvit_jax.models import scan_convert
-from normvit_jax.models.google_layout import (BLOCK, CKPT_NORM_SLOTS, MODEL_ONLY, POSEMB,
+from normvit_jax import models, state_dict
+from normvit_jax.models import scan_convert, timm_layout
+from normvit_jax.models.google_layout import (BLOCK, MODEL_ONLY, NORM_SLOTS, POSEMB,
                                               CheckpointError, Layout, canonicalize, check_family,
                                               dims, flat_heads, grid_of, resample_grid, slot_of,
                                               summary)
-from normvit_jax.models.spec import ViTSpec
+from normvit_jax.models.spec import FC_SLOT, ViTSpec
 from normvit_jax.preflight import npz_problem
 
-__all__ = ["CheckpointError", "Row", "format_report", "init_from_npz", "load_npz", "resample_grid"]
+__all__ = ["CheckpointError", "Row", "format_report", "init_from_checkpoint", "init_from_npz", "load_npz",
+           "resample_grid"]
+
+RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")  # torch BatchNorm buffers
+
 
 class Row(NamedTuple):
     """One line of the loading report. action: loaded | resampled | reinit | init | dropped."""
@@ -103,8 +110,11 @@ class _ParamLoader:
     recording a report row per parameter and every mismatch."""
 
     def __init__(self, tgt: dict[str, Any], src: dict[str, np.ndarray], layout: Layout,
-                 spec: ViTSpec):
+                 spec: ViTSpec, stats: dict[str, Any] | None = None):
         self.tgt, self.src, self.layout, self.spec = tgt, src, layout, spec
+        self.stats = stats  # the model's flat batch_stats; None: not asked to load them
+        self.new_stats: dict[str, Any] = dict(stats or {})
+        self.slots = NORM_SLOTS | layout.norm_slots  # timm's files add the top-level fc_norm
         self.new: dict[str, Any] = dict(tgt)
         self.rows: list[Row] = []
         self.errors: list[str] = []
@@ -241,7 +251,7 @@ class _ParamLoader:
         for k in self.tgt:
             if k in done:
                 continue
-            slot = slot_of(k)
+            slot = slot_of(k, self.slots)
             fits = k in self.src and self.src[k].shape == self.shape(k)
             if slot is None:
                 if k.split("/")[-1] in MODEL_ONLY:
@@ -263,8 +273,8 @@ class _ParamLoader:
                          "" if norm == "layernorm" else f"LN {rest} -> {norm} {rest}")
             elif fits:  # not in Google's files: an export of a model with this norm
                 self.put(k, self.src[k], "loaded", k, f"{norm} {rest}: same name in checkpoint")
-            elif norm == "layernorm" and s.split("/")[-1] in CKPT_NORM_SLOTS:
-                self.same(k)  # a LayerNorm slot Google's files have: strict
+            elif norm == "layernorm" and s.split("/")[-1] in self.layout.norm_slots:
+                self.same(k)  # a LayerNorm slot the layout's files have: strict
             elif k in self.src:
                 self.init(k, f"{norm} {rest}: shape {self.shape(k)} != checkpoint {self.src[k].shape}")
             elif any(x.startswith(s + "/") for x in self.src):
@@ -272,16 +282,43 @@ class _ParamLoader:
             else:
                 self.init(k, "norm slot not in checkpoint")
 
+    def running_stats(self) -> None:
+        """torch BatchNorm buffers (timm names, renamed into their slot) -> the model's batch_stats
+        of the same slot and path: running_mean -> mean, running_var -> var (what eval reads in
+        both); the model's statistics the file lacks stay at init, reported. Google's files hold
+        none: their report stays as it was."""
+        if self.stats is None or self.layout.numbering != "timm":
+            return
+        for k in sorted(self.src):
+            slot = slot_of(k, self.slots)
+            leaf = k.rsplit("/", 1)[-1]
+            if slot is None or leaf not in ("running_mean", "running_var"):
+                continue
+            t = k.rsplit("/", 1)[0] + "/" + ("mean" if leaf == "running_mean" else "var")
+            if t in self.stats and np.shape(self.stats[t]) == self.src[k].shape:
+                self.new_stats[t] = np.asarray(self.src[k], _dtype(self.stats[t]))
+                self.rows.append(Row("batch_stats/" + t, "loaded", k, self.src[k].shape, leaf))
+                self.used.add(k)
+        loaded = {r.param for r in self.rows}
+        for t in self.stats:
+            if "batch_stats/" + t not in loaded:
+                self.rows.append(Row("batch_stats/" + t, "init", "", tuple(np.shape(self.stats[t])),
+                                     "running statistic not in checkpoint"))
+
     def leftovers(self) -> None:
         """Checkpoint keys nothing consumed: LN params of a slot whose norm lacks them are dropped."""
         for k in sorted(set(self.src) - self.used):
-            slot, m = slot_of(k), BLOCK.match(k)
-            if (slot is None or slot[0].split("/")[-1] not in CKPT_NORM_SLOTS
+            slot, m = slot_of(k, self.slots), BLOCK.match(k)
+            if (slot is None or slot[0].split("/")[-1] not in self.layout.norm_slots
                     or (m and int(m.group(1)) >= self.spec.depth)):
                 self.errors.append(f"unexpected in checkpoint: {k} {self.src[k].shape}")
                 continue
             norm = self.spec.slot_norm_name(slot[0])
-            if slot[0] == "Transformer/encoder_norm" and not self.spec.final_norm:
+            if slot[1].rsplit("/", 1)[-1] in RUNNING_STATS:  # torch BatchNorm buffers nothing took
+                self.drop(k, "a step counter, not used" if k.endswith("num_batches_tracked") else
+                          f"{norm} keeps no such running statistic" if self.stats is not None else
+                          "running statistics are not loaded (batch_stats not given)")
+            elif slot[0] in ("Transformer/encoder_norm", FC_SLOT) and not self.spec.final_norm:
                 self.drop(k, "model.final_norm=False")
             elif k in self.tgt:
                 self.drop(k, f"{norm} '{slot[1]}' has another shape")
@@ -296,7 +333,23 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
                   image_size: int | Sequence[int] | None = None,
                   source_grid: Sequence[int] | None = None,
                   log: Callable[[str], Any] | None = print) -> tuple[Any, list[Row]]:
-    """Returns ``params`` (freshly initialised, same structure) with the checkpoint's weights in.
+    """Returns ``params`` (freshly initialised, same structure) with the checkpoint's weights in:
+    ``init_from_checkpoint`` without running statistics (the file's are reported as dropped)."""
+    new, _, rows = init_from_checkpoint(params, None, path, model, num_classes,
+                                        keep_pre_logits=keep_pre_logits, image_size=image_size,
+                                        source_grid=source_grid, log=log)
+    return new, rows
+
+
+def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, num_classes: int, *,
+                         keep_pre_logits: bool | None = None,
+                         image_size: int | Sequence[int] | None = None,
+                         source_grid: Sequence[int] | None = None,
+                         log: Callable[[str], Any] | None = print) -> tuple[Any, Any, list[Row]]:
+    """Returns ``(params, batch_stats, rows)``: the model's freshly initialised trees (same
+    structures) with the checkpoint's weights in. ``batch_stats`` (None: not loaded) take a timm
+    file's BatchNorm ``running_mean``/``running_var`` where the model's slot keeps ``mean``/``var``
+    at the same path (Google's files have none).
 
     model: the ``ViTSpec`` (or ``config.model``) of the model ``params`` belong to; a scanned
     model (``model.scan``) loads every layout a per-block one loads.
@@ -315,20 +368,31 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
     wrapped = set(tree) == {"params"}
     tree = scan_convert.unstack_blocks(tree["params"] if wrapped else tree)  # matched per block
     tgt = traverse_util.flatten_dict(tree, sep="/")
-    raw, n_bf16 = _read_npz(path)
+    stats = None
+    if batch_stats is not None:
+        stats = traverse_util.flatten_dict(scan_convert.unstack_blocks(
+            frozen_dict.unfreeze(batch_stats)), sep="/")
+    timm = state_dict.is_state_dict_path(path)
+    if timm:  # .safetensors / .pth / .bin: timm's names, renamed to the layout below
+        raw, read_note = state_dict.read(path)
+    else:
+        raw, n_bf16 = _read_npz(path)
+        read_note = f"{n_bf16} bfloat16 arrays widened" if n_bf16 else ""
     try:
-        src, layout = canonicalize(raw)
+        src, layout = timm_layout.canonicalize(raw, source_grid) if timm else canonicalize(raw)
     except CheckpointError as e:
-        raise CheckpointError(f"cannot load init_from {path}: {e}{_other_format(raw)}") from None
+        hint = "" if timm else _other_format(raw)
+        raise CheckpointError(f"cannot load init_from {path}: {e}{hint}") from None
 
-    m = _ParamLoader(tgt, src, layout, spec)
+    m = _ParamLoader(tgt, src, layout, spec, stats)
     m.head(num_classes, keep_pre_logits)
     m.posemb_and_cls(image_size, source_grid)
     m.body()
+    m.running_stats()
     m.leftovers()
 
     header = (f"init_from {path}\n  layout: {layout.describe()}"
-              + (f"; {n_bf16} bfloat16 arrays widened" if n_bf16 else "")
+              + (f"; {read_note}" if read_note else "")
               + (f"; ignored {len(layout.ignored)} non-parameter keys" if layout.ignored else "")
               + f"\n  checkpoint: {summary(src)}\n  model:      {summary(tgt)}")
     if m.errors:
@@ -344,27 +408,37 @@ def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
         shown = m.errors[:40] + ([f"... and {len(m.errors) - 40} more"] if len(m.errors) > 40 else [])
         detail = header.split("\n", 1)[1]
         raise CheckpointError(line + "\n" + detail + ("\n  " + "\n  ".join(shown) if more > 0 else ""))
-    if not spec.gelu_approximate:
+    if timm and spec.gelu_approximate:
+        header += ("\n  note: model uses tanh GELU; timm checkpoints were trained with the exact (erf) "
+                   "form (logits differ by ~5e-4); --config.model.gelu_approximate=False reproduces it")
+    elif not timm and not spec.gelu_approximate:
         header += ("\n  note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
                    "form (logits differ by ~5e-4)")
     order = {k: i for i, k in enumerate(tgt)}
-    rows = sorted(m.rows, key=lambda r: len(order) if r.action == "dropped" else order.get(r.param, 0))
+    rows = sorted(m.rows, key=lambda r: len(order) + 1 if r.action == "dropped"
+                  else order.get(r.param, len(order)))  # batch_stats after the parameters
     if log is not None:
         log(format_report(rows, header))
     out = traverse_util.unflatten_dict(m.new, sep="/")
     if spec.scan:
         out = scan_convert.to_layout(out, spec)
     out = {"params": out} if wrapped else out
-    return (frozen_dict.freeze(out) if frozen else out), rows
+    new_stats = batch_stats
+    if stats:
+        new_stats = scan_convert.to_layout(traverse_util.unflatten_dict(m.new_stats, sep="/"), spec)
+        if isinstance(batch_stats, frozen_dict.FrozenDict):
+            new_stats = frozen_dict.freeze(new_stats)
+    return (frozen_dict.freeze(out) if frozen else out), new_stats, rows
 
 
 def _other_format(raw: dict[str, np.ndarray]) -> str:
     """A hint naming the format of a file that is not one of Google's ViT layouts."""
     keys = list(raw)
-    if any(k.startswith(("patch_embed.", "blocks.", "cls_token", "pos_embed")) for k in keys):
+    if timm_layout.looks_like_timm(keys):
         return ("; its keys are a timm / PyTorch state dict ('patch_embed.proj.weight', "
-                "'blocks.0.norm1.weight'): only Google's vit_jax, AugReg and big_vision layouts "
-                "are read (docs/pretrained.md)")
+                "'blocks.0.norm1.weight'): an .npz is read as Google's vit_jax, AugReg or big_vision "
+                "layout; save the state dict as .safetensors (or .pth) to load it as timm's "
+                "(docs/pretrained.md)")
     return ""
 
 

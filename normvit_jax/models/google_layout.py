@@ -39,6 +39,7 @@ class Layout(NamedTuple):
     posemb_key: str | None    # where the position embedding was found
     class_slot: bool          # the position embedding has a class-token slot at index 0
     ignored: tuple[str, ...]  # keys outside the parameter prefix (optimizer state)
+    norm_slots: frozenset[str] = CKPT_NORM_SLOTS  # the norm slots files of this layout hold
 
     def describe(self) -> str:
         pe = "none" if self.posemb_key is None else (
@@ -129,11 +130,11 @@ def grid_of(n: int, given: Sequence[int] | None, what: str) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------------ model names
 
-def slot_of(name: str) -> tuple[str, str] | None:
+def slot_of(name: str, slots: frozenset[str] = NORM_SLOTS) -> tuple[str, str] | None:
     """('Transformer/encoderblock_3/LayerNorm_0', 'scale') for a parameter inside a norm slot."""
     parts = name.split("/")
     for i, p in enumerate(parts[:-1]):
-        if p in NORM_SLOTS:
+        if p in slots:
             return "/".join(parts[: i + 1]), "/".join(parts[i + 1:])
     return None
 

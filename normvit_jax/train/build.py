@@ -181,16 +181,19 @@ def _writers(workdir: str) -> tuple[Any, Any]:
 
 def init_from_pretrained(config: ml_collections.ConfigDict, spec: Any, num_classes: int,
                          state: TrainState, tx: Any, state_sharding: Any) -> TrainState:
-    """``state`` with the parameters of ``config.init_from`` (an .npz; the head re-initialised
-    unless its shape fits) and a fresh optimizer state for them, in ``state_sharding``."""
+    """``state`` with the parameters of ``config.init_from`` (an .npz or a timm state dict; the
+    head re-initialised unless its shape fits; a timm file's BatchNorm running statistics into
+    ``batch_stats``) and a fresh optimizer state for them, in ``state_sharding``."""
     from jax.experimental import multihost_utils
 
     from normvit_jax import pretrained
     # whole arrays on every process, also for an FSDP state split across hosts
     params = multihost_utils.process_allgather(state.params, tiled=True)
-    params, _ = pretrained.init_from_npz(params, config.init_from, spec, num_classes,
-                                         keep_pre_logits=config.get("init_keep_pre_logits"),
-                                         image_size=config.data.image_size, log=logging.info)
-    opt_state = ema.init_stats(tx.init(params), state.batch_stats)
-    new = state.replace(params=params, opt_state=opt_state)
+    stats = multihost_utils.process_allgather(state.batch_stats, tiled=True)
+    params, stats, _ = pretrained.init_from_checkpoint(
+        params, stats, config.init_from, spec, num_classes,
+        keep_pre_logits=config.get("init_keep_pre_logits"), image_size=config.data.image_size,
+        log=logging.info)
+    opt_state = ema.init_stats(tx.init(params), stats)
+    new = state.replace(params=params, batch_stats=stats, opt_state=opt_state)
     return jax.device_put(new, state_sharding)
