@@ -86,10 +86,20 @@ def _has_torch() -> bool:
 
 
 def _read_safetensors(path: str) -> dict[str, Any]:
+    import tempfile  # pylint: disable=import-outside-toplevel
+
     from safetensors import SafetensorError, safe_open  # pylint: disable=import-outside-toplevel
-    try:
-        with safe_open(os.fspath(path), framework="np") as f:
+
+    def tensors(local: str) -> dict[str, Any]:
+        with safe_open(local, framework="np") as f:  # (safetensors.numpy.load has no bfloat16)
             return {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        if "://" not in str(path):
+            return tensors(os.fspath(path))
+        with tempfile.NamedTemporaryFile(suffix=".safetensors") as tmp:  # gs://: a local copy
+            tmp.write(epath.Path(path).read_bytes())
+            tmp.flush()
+            return tensors(tmp.name)
     except (SafetensorError, OSError, TypeError) as e:  # TypeError: a dtype numpy lacks (FP8)
         raise CheckpointError(f"{path}: not a readable .safetensors file (truncated or corrupt "
                               f"download?): {e}") from None

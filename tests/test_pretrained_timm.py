@@ -149,6 +149,23 @@ def test_logits_match_float64_timm_forward(tmp_path, case):
     assert np.abs(want).max() > 0.5  # logits of a size that a wrong weight would change
 
 
+def test_a_remote_safetensors_file_is_read_through_epath(tmp_path, monkeypatch):
+    """gs:// (any path etils.epath opens, as for the .npz files): the bytes are copied to a local
+    file for safetensors' reader, which takes local paths only; bfloat16 included."""
+    sd = {k: v.astype(ml_dtypes.bfloat16) if k.endswith("weight") else v
+          for k, v in timm_sd(2).items()}
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    real_path = state_dict.epath.Path
+
+    def remote(p):  # gs://bucket/m.safetensors -> the local file (no network here)
+        return real_path(str(tmp_path / "m.safetensors") if str(p).startswith("gs://") else p)
+    monkeypatch.setattr(state_dict.epath, "Path", remote)
+    got, note = state_dict.read("gs://bucket/m.safetensors")
+    assert sorted(got) == sorted(sd) and "bfloat16" in note
+    for k, v in sd.items():
+        np.testing.assert_array_equal(got[k], v.astype(np.float32), err_msg=k)
+
+
 def test_posemb_resampled_to_another_image_size(tmp_path):
     """A 16 px file (4x4 grid) into a 24 px model (6x6): the grid is resized, the class slot kept."""
     sd = timm_sd(2)
