@@ -148,7 +148,8 @@ def compare(tmod: torch.nn.Module, cfg: dict, *, dim: int, heads: int = 2,
             stats: dict[tuple[str, ...], str] = {}, steps: int = 1, grid: tuple | None = None,
             call: Callable | None = None, transposed: tuple[str, ...] = (),
             lam: Callable | None = None, fold: bool = False, seed: int = 0,
-            inputs: Callable | None = None, param_init: Callable | None = None) -> Errors:
+            inputs: Callable | None = None, param_init: Callable | None = None,
+            random_init: tuple[str, ...] = ()) -> Errors:
     """The original ``tmod`` (float64) and this project's norm ``cfg`` on the same inputs.
 
     params/stats: jax path -> torch attribute name (layouts differ by a reshape, or a transpose
@@ -156,7 +157,9 @@ def compare(tmod: torch.nn.Module, cfg: dict, *, dim: int, heads: int = 2,
     ``lam(tmod)`` is the original's mixing weight of the coming train forward (progressive);
     ``fold``: the project's ``inference_affine`` against the original's eval output too;
     ``inputs(rng, step)`` replaces ``tokens`` (an outlier step); ``param_init(name, tensor,
-    rng)`` the random parameter values (default: scales 1 + 0.3 N, the rest 0.3 N)."""
+    rng)`` the random parameter values (default: scales 1 + 0.3 N, the rest 0.3 N). First the
+    initial values of every mapped parameter and state are compared (``random_init``: the torch
+    names drawn at random, left out)."""
     rng = np.random.default_rng(seed)
     call = call or (lambda m, x: m(x))
     inputs = inputs or (lambda r, i: tokens(r, shape))
@@ -166,6 +169,14 @@ def compare(tmod: torch.nn.Module, cfg: dict, *, dim: int, heads: int = 2,
     v = module.init(jax.random.PRNGKey(0), x0, train=True, **({"step": 0} if takes_step else {}))
     jp, js = _unfreeze(v["params"]), _unfreeze(v.get("batch_stats", {}))
     tnamed = dict(tmod.named_parameters())
+    err = Errors()
+    tbuf = dict(tmod.named_buffers())
+    for tree, names, tvals in ((jp, params, tnamed), (js, stats, tbuf)):  # the initial values
+        for path, tname in names.items():
+            if tname not in random_init:
+                sh = np.shape(_get(tree, path))
+                err.add("init (params, state)", _get(tree, path),
+                        to_jax_layout(t2n(tvals[tname]), sh, tname in transposed))
     with torch.no_grad():  # the same random parameters on both sides
         for path, tname in params.items():
             t = tnamed[tname]
@@ -181,10 +192,9 @@ def compare(tmod: torch.nn.Module, cfg: dict, *, dim: int, heads: int = 2,
         for tname, t in tnamed.items():  # parameters the project does not have
             if tname not in params.values():
                 t.copy_(torch.from_numpy(f32(0.3 * rng.normal(size=t.shape))))
-    err, step = Errors(), jax_step(module, takes_step)
+    step = jax_step(module, takes_step)
     t32 = copy.deepcopy(tmod).float()  # the original in float32: float32's own error, for scale
-    tnamed32, tbuf, tbuf32 = (dict(t32.named_parameters()), dict(tmod.named_buffers()),
-                              dict(t32.named_buffers()))
+    tnamed32, tbuf32 = dict(t32.named_parameters()), dict(t32.named_buffers())
     tmod.train()
     t32.train()
     for i in range(steps):
@@ -271,7 +281,10 @@ def dtn(src: str, grid: int = 14, only_var: bool = False) -> Errors:
          ("pos_proj",): "pos_proj.weight"}
     if not only_var:
         p[("mean_gate",)] = "mean_norm_weight"
-    return compare(tmod, {"name": "dtn_var" if only_var else "dtn"}, dim=c, heads=h,
+    # position_init 'local': the layer's own init (NormSelect's DTN); the released ViT re-inits
+    # every Linear afterwards, which the project's default 'reference' reproduces (docs/norms.md).
+    cfg = {"name": "dtn_var" if only_var else "dtn", "position_init": "local"}
+    return compare(tmod, cfg, dim=c, heads=h,
                    shape=(2, grid * grid, c), grid=(grid, grid), params=p, steps=2,
                    transposed=("pos_proj.weight",), param_init=_pos_init)
 
@@ -406,7 +419,7 @@ def learnable_scaler(src: str) -> Errors:
     # Only the class: the file is part of a vendored timm whose relative imports need the package.
     cls = load_class(src, "LearnableScaler", "timm/layers/norm.py", "LearnableScaler")
     return compare(cls(BC[2]), {"name": "learnable_scaler"}, dim=BC[2], shape=BC,
-                   params={("scale",): "a", ("bias",): "b"})
+                   params={("scale",): "a", ("bias",): "b"}, random_init=("a",))
 
 
 def rescale(src: str, steps: int = 10) -> Errors:
