@@ -31,7 +31,10 @@ random cotangent w per step, the same on both sides), the state after each step 
 here = torch's 0.1), the progressive norm's lambda per step, then the eval forward and, for the
 norms that fold, the project's ``inference_affine`` a * x + c against the original's eval. The
 originals run in float64 (torch's default dtype set to float64), the project's norms in their
-float32 statistics with JAX's x64 on. Printed: per case and quantity the max abs error and the
+float32 statistics with JAX's x64 on. Rows 'ghost 2x2': the batch of 4 in ghost groups of 2
+(``stats_group_size=2``) against two copies of the original sharing their parameters, one per
+group as one GPU each, their state set to the copies' mean before each forward (what the
+project keeps; DistributedDataParallel's buffer broadcast would give rank 0's). Printed: per case and quantity the max abs error and the
 max relative error max|ours - original| / max|original| over all steps. Stubs, where an
 original cannot run as released: the DTN repository's PowerNorm calls ``PowerFunction``, a name
 its file renamed to ``PowerFunction_PN`` (bound to it); LearnableScaler's class is run alone

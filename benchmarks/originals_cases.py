@@ -149,7 +149,7 @@ def compare(tmod: torch.nn.Module, cfg: dict, *, dim: int, heads: int = 2,
             call: Callable | None = None, transposed: tuple[str, ...] = (),
             lam: Callable | None = None, fold: bool = False, seed: int = 0,
             inputs: Callable | None = None, param_init: Callable | None = None,
-            random_init: tuple[str, ...] = ()) -> Errors:
+            random_init: tuple[str, ...] = (), groups: int = 1) -> Errors:
     """The original ``tmod`` (float64) and this project's norm ``cfg`` on the same inputs.
 
     params/stats: jax path -> torch attribute name (layouts differ by a reshape, or a transpose
@@ -159,9 +159,15 @@ def compare(tmod: torch.nn.Module, cfg: dict, *, dim: int, heads: int = 2,
     ``inputs(rng, step)`` replaces ``tokens`` (an outlier step); ``param_init(name, tensor,
     rng)`` the random parameter values (default: scales 1 + 0.3 N, the rest 0.3 N). First the
     initial values of every mapped parameter and state are compared (``random_init``: the torch
-    names drawn at random, left out)."""
+    names drawn at random, left out). ``groups`` > 1: that many copies of the original, one per
+    slice of the batch (``Ghost``), against ``stats_group_size=B/groups``."""
     rng = np.random.default_rng(seed)
     call = call or (lambda m, x: m(x))
+    if groups > 1:
+        tmod, call = Ghost(tmod, groups, call), (lambda m, x: m(x))
+        cfg = {**cfg, "stats_group_size": shape[0] // groups}
+        params = {k: "copies.0." + v for k, v in params.items()}
+        transposed = tuple("copies.0." + v for v in transposed)
     inputs = inputs or (lambda r, i: tokens(r, shape))
     module = norms.create(cfg, dim=dim, num_heads=heads, grid=grid, num_prefix_tokens=0)
     takes_step = getattr(type(module), "TAKES_STEP", False)
@@ -170,13 +176,12 @@ def compare(tmod: torch.nn.Module, cfg: dict, *, dim: int, heads: int = 2,
     jp, js = _unfreeze(v["params"]), _unfreeze(v.get("batch_stats", {}))
     tnamed = dict(tmod.named_parameters())
     err = Errors()
-    tbuf = dict(tmod.named_buffers())
-    for tree, names, tvals in ((jp, params, tnamed), (js, stats, tbuf)):  # the initial values
-        for path, tname in names.items():
+    for tree, names, value in ((jp, params, lambda m, n: t2n(tnamed[n])), (js, stats, buffer)):
+        for path, tname in names.items():  # the initial values
             if tname not in random_init:
                 sh = np.shape(_get(tree, path))
                 err.add("init (params, state)", _get(tree, path),
-                        to_jax_layout(t2n(tvals[tname]), sh, tname in transposed))
+                        to_jax_layout(value(tmod, tname), sh, tname in transposed))
     with torch.no_grad():  # the same random parameters on both sides
         for path, tname in params.items():
             t = tnamed[tname]
@@ -194,7 +199,7 @@ def compare(tmod: torch.nn.Module, cfg: dict, *, dim: int, heads: int = 2,
                 t.copy_(torch.from_numpy(f32(0.3 * rng.normal(size=t.shape))))
     step = jax_step(module, takes_step)
     t32 = copy.deepcopy(tmod).float()  # the original in float32: float32's own error, for scale
-    tnamed32, tbuf32 = dict(t32.named_parameters()), dict(t32.named_buffers())
+    tnamed32 = dict(t32.named_parameters())
     tmod.train()
     t32.train()
     for i in range(steps):
@@ -213,8 +218,8 @@ def compare(tmod: torch.nn.Module, cfg: dict, *, dim: int, heads: int = 2,
                     *(to_jax_layout(g[tname], sh, tname in transposed) for g in (gpt, gp32)))
         for path, tname in stats.items():
             sh = np.shape(_get(js, path))
-            err.add("/".join(path), _get(js, path), t2n(tbuf[tname]).reshape(sh),
-                    t2n(tbuf32[tname]).reshape(sh))
+            err.add("/".join(path), _get(js, path), buffer(tmod, tname).reshape(sh),
+                    buffer(t32, tname).reshape(sh))
         if lam is not None:
             err.add("lambda", jax.tree.leaves(sched)[0], ref_lam)
     tmod.eval()
@@ -232,6 +237,41 @@ def compare(tmod: torch.nn.Module, cfg: dict, *, dim: int, heads: int = 2,
         a, c = module.inference_affine(jp, js)
         err.add("eval fold a*x+c", np.asarray(a, np.float64) * x + np.asarray(c, np.float64), yt)
     return err
+
+
+class Ghost(torch.nn.Module):
+    """``groups`` copies of an original sharing its parameters, each normalising its own slice of
+    the batch: one GPU each under DistributedDataParallel, whose gradients add up here (the sum
+    of the losses; DDP averages, a constant factor). Against ``stats_group_size``, whose state is
+    the mean over groups: so before each forward every copy's floating-point state is set
+    to the mean over the copies (DDP's default broadcast would give rank 0's instead)."""
+
+    def __init__(self, mod: torch.nn.Module, groups: int, call: Callable) -> None:
+        super().__init__()
+        self.copies = torch.nn.ModuleList([mod] + [copy.deepcopy(mod) for _ in range(groups - 1)])
+        for c in self.copies[1:]:
+            for name, p in mod.named_parameters():
+                owner, _, attr = name.rpartition(".")
+                setattr(c.get_submodule(owner) if owner else c, attr, p)
+        self.call = call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for name, b in self.copies[0].named_buffers():
+                if b.is_floating_point():
+                    mean = torch.stack([dict(c.named_buffers())[name] for c in self.copies]).mean(0)
+                    for c in self.copies:
+                        dict(c.named_buffers())[name].copy_(mean)
+        parts = x.chunk(len(self.copies))
+        return torch.cat([self.call(c, xs) for c, xs in zip(self.copies, parts)])
+
+
+def buffer(tmod: torch.nn.Module, name: str) -> np.ndarray:
+    """An original's state; of a ``Ghost``, the mean over its copies (this project's state of
+    ghost groups; the references keep rank 0's)."""
+    if isinstance(tmod, Ghost):
+        return np.mean([t2n(dict(c.named_buffers())[name]) for c in tmod.copies], axis=0)
+    return t2n(dict(tmod.named_buffers())[name])
 
 
 @contextlib.contextmanager
@@ -289,16 +329,17 @@ def dtn(src: str, grid: int = 14, only_var: bool = False) -> Errors:
                    transposed=("pos_proj.weight",), param_init=_pos_init)
 
 
-def powernorm_reference(src: str) -> Errors:
+def powernorm_reference(src: str, groups: int = 1, steps: int = 6) -> Errors:
     m = load(src, "powernorm", "fairseq/modules/norms/mask_powernorm.py")
     tmod = m.MaskPowerNorm(BC[2], warmup_iters=3)  # one group, as the reference's default
     return compare(tmod, {"name": "powernorm", "warmup": 3, "groups": 1}, dim=BC[2], shape=BC,
+                   groups=groups,
                    params={("scale",): "weight", ("bias",): "bias"},
                    stats={("running_phi",): "running_phi", ("ema_gz",): "ema_gz", ("t",): "iters"},
-                   steps=6, call=lambda mod, x: mod(x.transpose(0, 1)).transpose(0, 1))
+                   steps=steps, call=lambda mod, x: mod(x.transpose(0, 1)).transpose(0, 1))
 
 
-def powernorm_dtn(src: str) -> Errors:
+def powernorm_dtn(src: str, groups: int = 1, steps: int = 6) -> Errors:
     # Stub: the DTN copy's forward calls PowerFunction, which the file renamed PowerFunction_PN
     # (docs/norms.md: it cannot train as released); bound to that class, nothing else changes.
     m = load(src, "DTN", DTN_DIR + "us_powernorm.py")
@@ -307,14 +348,15 @@ def powernorm_dtn(src: str) -> Errors:
     return compare(tmod, {"name": "powernorm", "warmup": 3, "groups": "heads", "backward": "dtn"},
                    dim=BC[2], heads=3, shape=BC, params={("scale",): "weight", ("bias",): "bias"},
                    stats={("running_phi",): "running_phi", ("ema_gz",): "ema_gz", ("t",): "iters"},
-                   steps=6)
+                   steps=steps, groups=groups)
 
 
 UN_STATS = {("running_var",): "running_var", ("ema_gz",): "ema_gz", ("buffer_x2",): "buffer_x2",
             ("buffer_gz",): "buffer_gz", ("t",): "iters", ("skips",): "skip_counter"}
 
 
-def unified(src: str, window: Any = 4, filtration: bool = False) -> Errors:
+def unified(src: str, window: Any = 4, filtration: bool = False, groups: int = 1,
+            steps: int = 1010) -> Errors:
     """1010 steps: the original's ratio warm-up (1000) is a constant, so the r-scaled backward
     starts at step 1001. With filtration, steps 1003 and 1006 have one channel 30x larger."""
     m = load(src, "Unified-Normalization",
@@ -328,13 +370,13 @@ def unified(src: str, window: Any = 4, filtration: bool = False) -> Errors:
         return x
     return compare(tmod, {"name": "unified", "window": window, "warmup": 6,
                           "outlier_filtration": filtration}, dim=BC[2], shape=BC,
-                   params={("scale",): "weight", ("bias",): "bias"}, stats=UN_STATS, steps=1010,
-                   inputs=inputs)
+                   params={("scale",): "weight", ("bias",): "bias"}, stats=UN_STATS, steps=steps,
+                   inputs=inputs, groups=groups)
 
 
-def repbn(src: str) -> Errors:
+def repbn(src: str, groups: int = 1) -> Errors:
     m = load(src, "SLAB", "classification/models/prepbn.py")
-    return compare(m.RepBN(BC[2]), {"name": "repbn"}, dim=BC[2], shape=BC,
+    return compare(m.RepBN(BC[2]), {"name": "repbn"}, dim=BC[2], shape=BC, groups=groups,
                    params={("eta",): "alpha", ("bn", "scale"): "bn.weight", ("bn", "bias"): "bn.bias"},
                    stats={("bn", "mean"): "bn.running_mean", ("bn", "var"): "bn.running_var"},
                    steps=5, fold=True)
@@ -360,10 +402,10 @@ def progressive(src: str) -> Errors:
                    steps=9, lam=lam, fold=True)
 
 
-def batchnorm(src: str) -> Errors:
+def batchnorm(src: str, groups: int = 1) -> Errors:
     m = load(src, "DTN", DTN_DIR + "us_instancenorm.py")
     return compare(m.BatchNorm_(BC[2]), {"name": "batchnorm", "unbiased_running_var": True},
-                   dim=BC[2], shape=BC, params={("scale",): "weight", ("bias",): "bias"},
+                   dim=BC[2], shape=BC, groups=groups, params={("scale",): "weight", ("bias",): "bias"},
                    stats={("mean",): "bn.running_mean", ("var",): "bn.running_var"}, steps=5,
                    fold=True)
 
@@ -439,11 +481,17 @@ CASES: dict[str, tuple[str, Callable[[str], Errors]]] = {
     "unified": ("Unified-Normalization", unified),
     "unified (3,2) filtration": ("Unified-Normalization",
                                  functools.partial(unified, window=(3, 2), filtration=True)),
+    "unified ghost 2x2 (3,2) filtration": ("Unified-Normalization", functools.partial(
+        unified, window=(3, 2), filtration=True, groups=2)),
     "powernorm": ("powernorm", powernorm_reference),
     "powernorm DTN copy": ("DTN", powernorm_dtn),
+    "powernorm ghost 2x2": ("powernorm", functools.partial(powernorm_reference, groups=2)),
+    "powernorm DTN copy ghost 2x2": ("DTN", functools.partial(powernorm_dtn, groups=2)),
     "repbn": ("SLAB", repbn),
     "progressive LN->RepBN": ("SLAB", progressive),
+    "repbn ghost 2x2": ("SLAB", functools.partial(repbn, groups=2)),
     "batchnorm": ("DTN", batchnorm),
+    "batchnorm ghost 2x2": ("DTN", functools.partial(batchnorm, groups=2)),
     "layernorm": ("DTN", layernorm),
     "instancenorm": ("DTN", instancenorm),
     "groupnorm": ("DTN", groupnorm),
