@@ -5,14 +5,15 @@
 DIR holds the original repositories checked out under their GitHub names; the table in
 docs/norms.md ("Checked against the original code") was measured at these commits:
 
-    DIR/DTN                    wqshao126/DTN                         f6b43371824d7d0878b339b422c7e71a75367b2a
-    DIR/powernorm              sIncerass/powernorm                   9ea6226a3203d5d6fcee07a5c6dec38ec6bc5e9f
-    DIR/Unified-Normalization  hikvision-research/Unified-Normalization 0ce9bf26837f94c58ae5dd0d206ad3aa32d82d07
-    DIR/SLAB                   xinghaochen/SLAB                      f58db00b9db3959b5de03986f454aa5ff064279a
-    DIR/DyT                    jiachenzhu/DyT                        aab5dde0bc1bdd4410f687dad404c87b31808f90
-    DIR/Derf                   zlab-princeton/Derf                   8dd9ea3cc70370f423a80a80af6f72466bc621db
-    DIR/LearnableScaler        nghiemtuan/LearnableScaler            175086099924a79d63bac63e21daf2cfafcdcd74
-    DIR/RescaleViT             ChaofanTao/RescaleViT                 3a761cc937681cb1cd782a3d20630e909d850de4
+    DIR/DTN                    wqshao126/DTN@f6b43371824d7d0878b339b422c7e71a75367b2a
+    DIR/powernorm              sIncerass/powernorm@9ea6226a3203d5d6fcee07a5c6dec38ec6bc5e9f
+    DIR/Unified-Normalization  hikvision-research/Unified-Normalization@
+                                   0ce9bf26837f94c58ae5dd0d206ad3aa32d82d07
+    DIR/SLAB                   xinghaochen/SLAB@f58db00b9db3959b5de03986f454aa5ff064279a
+    DIR/DyT                    jiachenzhu/DyT@aab5dde0bc1bdd4410f687dad404c87b31808f90
+    DIR/Derf                   zlab-princeton/Derf@8dd9ea3cc70370f423a80a80af6f72466bc621db
+    DIR/LearnableScaler        nghiemtuan/LearnableScaler@175086099924a79d63bac63e21daf2cfafcdcd74
+    DIR/RescaleViT             ChaofanTao/RescaleViT@3a761cc937681cb1cd782a3d20630e909d850de4
 
 Check each out with ``git clone https://github.com/OWNER/NAME DIR/NAME && git -C DIR/NAME
 checkout COMMIT`` (only the one file each case reads is needed: DTN's models/normkit/norms/*.py,
@@ -34,12 +35,14 @@ originals run in float64 (torch's default dtype set to float64), the project's n
 float32 statistics with JAX's x64 on. Rows 'ghost 2x2': the batch of 4 in ghost groups of 2
 (``stats_group_size=2``) against two copies of the original sharing their parameters, one per
 group as one GPU each, their state set to the copies' mean before each forward (what the
-project keeps; DistributedDataParallel's buffer broadcast would give rank 0's). Printed: per case and quantity the max abs error and the
-max relative error max|ours - original| / max|original| over all steps. Stubs, where an
-original cannot run as released: the DTN repository's PowerNorm calls ``PowerFunction``, a name
-its file renamed to ``PowerFunction_PN`` (bound to it); LearnableScaler's class is run alone
-(its file belongs to a vendored timm package). DyT/Derf/DTN import timm (installed with the
-``.[torch]`` extra) for functions the compared modules do not call at these settings.
+project keeps; DistributedDataParallel's buffer broadcast would give rank 0's). Printed: per
+case and quantity the max abs error and the max relative error max|ours - original| /
+max|original| over all steps, beside the relative error of the same original run in float32
+(float32's own error at that place). Stubs, where an original cannot run as released: the DTN
+repository's PowerNorm calls ``PowerFunction``, a name its file renamed to ``PowerFunction_PN``
+(bound to it); LearnableScaler's class is run alone (its file belongs to a vendored timm
+package). DyT/Derf/DTN import timm (installed with the ``.[torch]`` extra) for functions the
+compared modules do not call at these settings.
 
 Needs PyTorch: ``pip install -e '.[torch]'``; without it, one line and exit 2.
 """
@@ -67,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 def _main(argv: Sequence[str] | None) -> list[dict[str, Any]]:
     p = tool_flags.Parser(PROG, __doc__)
-    p.add_argument("--src", required=True, help="folder of the original repositories, by GitHub name")
+    p.add_argument("--src", required=True,
+                   help="folder of the original repositories, each under its GitHub name")
     p.add_argument("--norms", default="", help="comma list of norm names (default: all)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
@@ -86,8 +90,10 @@ def _main(argv: Sequence[str] | None) -> list[dict[str, Any]]:
     jax.config.update("jax_enable_x64", True)
     from benchmarks import originals_cases as oc
     rows = []
-    print(f"torch {torch.__version__}, jax {jax.__version__}; originals float64, ours float32 stats")
-    print("| case | quantity | max abs | max rel | original in float32: max rel |\n|---|---|---|---|---|")
+    print(f"torch {torch.__version__}, jax {jax.__version__}; originals float64, ours float32 "
+          "statistics")
+    print("| case | quantity | max abs | max rel | original in float32: max rel |\n"
+          "|---|---|---|---|---|")
     for case, (repo, fn) in oc.CASES.items():
         if names and case.split(" ")[0] not in names:
             continue
@@ -105,7 +111,8 @@ def _main(argv: Sequence[str] | None) -> list[dict[str, Any]]:
         print(f"({case}: {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "jax": jax.__version__, "rows": rows}, f, indent=1)
+            json.dump({"torch": torch.__version__, "jax": jax.__version__, "rows": rows}, f,
+                      indent=1)
     return rows
 
 

@@ -89,7 +89,8 @@ def unified(src: str, window: Any = 4, filtration: bool = False, groups: int = 1
 def repbn(src: str, groups: int = 1) -> Errors:
     m = load(src, "SLAB", "classification/models/prepbn.py")
     return compare(m.RepBN(BC[2]), {"name": "repbn"}, dim=BC[2], shape=BC, groups=groups,
-                   params={("eta",): "alpha", ("bn", "scale"): "bn.weight", ("bn", "bias"): "bn.bias"},
+                   params={("eta",): "alpha", ("bn", "scale"): "bn.weight",
+                           ("bn", "bias"): "bn.bias"},
                    stats={("bn", "mean"): "bn.running_mean", ("bn", "var"): "bn.running_var"},
                    steps=5, fold=True)
 
@@ -117,7 +118,8 @@ def progressive(src: str) -> Errors:
 def batchnorm(src: str, groups: int = 1) -> Errors:
     m = load(src, "DTN", DTN_DIR + "us_instancenorm.py")
     return compare(m.BatchNorm_(BC[2]), {"name": "batchnorm", "unbiased_running_var": True},
-                   dim=BC[2], shape=BC, groups=groups, params={("scale",): "weight", ("bias",): "bias"},
+                   dim=BC[2], shape=BC, groups=groups,
+                   params={("scale",): "weight", ("bias",): "bias"},
                    stats={("mean",): "bn.running_mean", ("var",): "bn.running_var"}, steps=5,
                    fold=True)
 

@@ -4,9 +4,9 @@ Imports torch: ``benchmarks.originals`` imports this file (through originals_cas
 torch has imported. ``load`` imports one file of an original repository by path; ``compare``
 gives the original and this project's norm the same random parameters and runs both in train
 mode for some steps (forward, gradients of sum(w * y) for one random cotangent w, the state
-after each step), then in eval mode. The originals run in float64; this project's norms compute in float32 as they always do
-(docs/norms.md, Common rules), on the same float32-representable inputs, so a few 1e-7..1e-5
-of relative error is float32's and a wrong rule shows as 1e-2 or more.
+after each step), then in eval mode. The originals run in float64; this project's norms compute
+in float32 as they always do (docs/norms.md, Common rules), on the same float32-representable
+inputs, so a few 1e-7..1e-5 of relative error is float32's and a wrong rule shows as 1e-3 or more.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def load(src: str, repo: str, path: str, names: dict[str, Any] | None = None) ->
     full = os.path.join(src, repo, path)
     if not os.path.isfile(full):
         raise Skip(f"{os.path.join(repo, path)} not found under --src")
-    spec = importlib.util.spec_from_file_location(f"_orig_{repo}_{os.path.basename(path)[:-3]}", full)
+    name = f"_orig_{repo}_{os.path.basename(path)[:-3]}"
+    spec = importlib.util.spec_from_file_location(name, full)
     mod = importlib.util.module_from_spec(spec)
     mod.__dict__.update(names or {})
     spec.loader.exec_module(mod)
