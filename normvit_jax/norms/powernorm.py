@@ -96,11 +96,13 @@ class PowerNorm(nn.Module):
         phi_old = jax.lax.stop_gradient(phi.value)
         inv_batch = jax.lax.rsqrt(psi2 + self.epsilon)
         inv_fwd = jnp.where(t <= self.warmup, inv_batch, jax.lax.rsqrt(phi_old + self.epsilon))
-        # Cumulative average strictly before warmup ends, then the EMA at every step.
-        phi_new = jnp.where(t < self.warmup, phi_old * (t - 1) / t + psi2_all / t, phi_old)
-        phi_new = self.alpha_fwd * phi_new + (1 - self.alpha_fwd) * psi2_all
+        # Cumulative average strictly before warmup ends, then the EMA at every step. Each ghost
+        # group's own update (a GPU's, which its 'dtn' backward reads); the state keeps the mean.
+        phi_group = jnp.where(t < self.warmup, phi_old * (t - 1) / t + psi2 / t, phi_old)
+        phi_group = self.alpha_fwd * phi_group + (1 - self.alpha_fwd) * psi2  # (G, 1, 1, C)
+        phi_new = jnp.mean(phi_group, axis=(0, 1, 2))
         if self.backward == "dtn":
-            inv_bwd = jnp.where(t >= self.warmup, jax.lax.rsqrt(phi_new + self.epsilon), inv_batch)
+            inv_bwd = jnp.where(t >= self.warmup, jax.lax.rsqrt(phi_group + self.epsilon), inv_batch)
         else:
             inv_bwd = inv_batch
         y = power_core(xg, gamma, beta, ema_gz.value, inv_fwd, inv_bwd, self.alpha_bkw)

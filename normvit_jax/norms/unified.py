@@ -31,16 +31,21 @@ def _un_fwd(x, gamma, beta, ema_gz, buffer_gz, inv, r, t, skip, window_bp, warmu
 
 
 def _un_bwd(window_bp, warmup, momentum, res, dy):
-    z, gamma, ema_gz, buffer_gz, inv, r, t, skip = res
+    z, gamma, ema_gz, buffer_gz, inv, r, t, skip = res  # skip: (G, 1, 1, 1), one per ghost group
     g = dy * gamma * r
     gz = jnp.mean(g * z, axis=(1, 2), keepdims=True)  # (G, 1, 1, C)
-    gz_all = jnp.mean(gz, axis=(0, 1, 2))
-    # On a skip the window slot gets the OLD ema_gz, not this step's gz.
-    new_buffer = buffer_gz.at[t.astype(jnp.int32) % window_bp].set(jnp.where(skip, ema_gz, gz_all))
+    # Each ghost group as one GPU: its own value in this step's slot of the window (on a skip the
+    # OLD ema_gz, not this step's gz), its own window mean and fresh ema_gz; the state keeps the
+    # mean over the groups.
+    own = jnp.where(skip, ema_gz, gz)[:, 0, 0]  # (G, C)
+    windows = jnp.broadcast_to(buffer_gz, own.shape[:1] + buffer_gz.shape)
+    windows = windows.at[:, t.astype(jnp.int32) % window_bp].set(own)  # (G, W_bp, C)
     plain = (t <= window_bp) | (t < warmup) | skip
-    mean_gz = jnp.where(plain, gz, jnp.mean(new_buffer, axis=0))
-    new_ema = momentum * ema_gz + (1 - momentum) * jnp.mean(mean_gz, axis=(0, 1, 2))
-    g_hat = g - jnp.where(skip, mean_gz, new_ema) * z
+    mean_gz = jnp.where(plain, gz, jnp.mean(windows, axis=1)[:, None, None])  # (G, 1, 1, C)
+    ema_group = momentum * ema_gz + (1 - momentum) * mean_gz
+    new_ema = jnp.mean(ema_group, axis=(0, 1, 2))
+    new_buffer = jnp.mean(windows, axis=0)
+    g_hat = g - jnp.where(skip, mean_gz, ema_group) * z
     return (g_hat * inv, jnp.sum(dy * r * z, axis=(0, 1, 2)), jnp.sum(dy, axis=(0, 1, 2)),
             new_ema - ema_gz, new_buffer - buffer_gz, jnp.zeros_like(inv), jnp.zeros_like(r),
             jnp.zeros_like(t), None)
@@ -55,8 +60,9 @@ class UnifiedNorm(nn.Module):
 
     window: int or (fp, bp); warmup: steps before the windowed statistics are used;
     outlier_filtration: the reference layer's default is off, its T2T-ViT turns it on.
-    stats_group_size: ghost groups normalised with their own s_t / gz; the windows, running_var
-    and ema_gz take the mean over groups.
+    stats_group_size: ghost groups run as one GPU each (their own s_t / gz in this step's window
+    slots, skips, window means and fresh ema_gz); the windows, running_var, ema_gz and skips
+    kept are the mean over the groups.
     """
 
     window: tuple[int, int] = (4, 4)
@@ -102,7 +108,7 @@ class UnifiedNorm(nn.Module):
             return (y + beta).astype(x.dtype)
         sg = jax.lax.stop_gradient
         xg = as_groups(x, self.stats_group_size, "unified")  # (G, B/G, T, C)
-        s = sg(jnp.mean(jnp.square(xg), axis=(1, 2), keepdims=True))  # (G, 1, 1, C), no centring
+        s = sg(jnp.mean(jnp.square(xg), axis=(1, 2)))  # (G, C), no centring
         t = sg(step.value) + 1  # 1-based, as the reference's incremented iters
         rv = sg(running_var.value)
         buf = sg(buffer_x2.value)
@@ -110,25 +116,33 @@ class UnifiedNorm(nn.Module):
         # before this step's statistic enters the window.
         sigma_rec = jnp.var(jnp.sqrt(buf), ddof=1) if wf * c > 1 else jnp.zeros(())
         slot = t.astype(jnp.int32) % wf
-        buf = buf.at[slot].set(jnp.mean(s, axis=(0, 1, 2)))
-        skip = jnp.asarray(wf == 1)  # a window of 1: every step counts as a skip
-        outlier = jnp.asarray(False)
+        # Each ghost group as one GPU: the window with ITS statistic in this step's slot, its own
+        # skip and geometric mean; the state keeps the mean over the groups (the references keep
+        # rank 0's). One group: the reference layer.
+        windows = jnp.broadcast_to(buf, s.shape[:1] + buf.shape).at[:, slot].set(s)  # (G, W, C)
+        skip = jnp.full(s.shape[:1], wf == 1)  # a window of 1: every step counts as a skip
+        outlier = jnp.zeros(s.shape[:1], bool)
         if self.outlier_filtration:
-            am = jnp.mean(buf, axis=0)
-            gm = jnp.exp(jnp.mean(jnp.log(buf), axis=0))
-            outlier = (t >= self.warmup) & jnp.any(am - gm > sigma_rec * wf)
-            buf = jnp.where(outlier, buf.at[slot].set(rv), buf)
+            am = jnp.mean(windows, axis=1)
+            gm = jnp.exp(jnp.mean(jnp.log(windows), axis=1))
+            outlier = (t >= self.warmup) & jnp.any(am - gm > sigma_rec * wf, axis=-1)  # (G,)
+            windows = jnp.where(outlier[:, None, None], windows.at[:, slot].set(rv), windows)
             skip = skip | outlier
-        gm = jnp.exp(jnp.mean(jnp.log(buf), axis=0))  # geometric mean of the window
-        var = jnp.where((t <= wf) | (t < self.warmup) | skip, s, gm)
+        gm = jnp.exp(jnp.mean(jnp.log(windows), axis=1))  # geometric mean of each window
+        skip_c = skip[:, None]
+        var = jnp.where((t <= wf) | (t < self.warmup) | skip_c, s, gm)  # (G, C)
         r = jnp.sqrt(var + self.epsilon) / jnp.sqrt(rv + self.epsilon)
-        r = jnp.where((t <= max(self.ratio_warmup, self.warmup)) | skip, 1.0, jnp.clip(r, 0.2, 5.0))
-        y = un_core(xg, gamma, beta, ema_gz.value, buffer_gz.value, jax.lax.rsqrt(var + self.epsilon),
-                    r, t, skip, wb, self.warmup, self.momentum)
+        r = jnp.where((t <= max(self.ratio_warmup, self.warmup)) | skip_c, 1.0,
+                      jnp.clip(r, 0.2, 5.0))
+        per_group = lambda a: a[:, None, None]  # (G, C) -> (G, 1, 1, C)
+        y = un_core(xg, gamma, beta, ema_gz.value, buffer_gz.value,
+                    per_group(jax.lax.rsqrt(var + self.epsilon)), per_group(r), t,
+                    skip[:, None, None, None], wb, self.warmup, self.momentum)
         if updating(self, train):
             step.value = t
-            buffer_x2.value = buf
+            buffer_x2.value = jnp.mean(windows, axis=0)
             running_var.value = (self.momentum * rv
-                                 + (1 - self.momentum) * jnp.mean(var, axis=(0, 1, 2)))
-            skips.value = sg(skips.value) + outlier.astype(jnp.float32)
+                                 + (1 - self.momentum) * jnp.mean(var, axis=0))
+            # With ghost groups a skip counts as the fraction of the groups that skipped.
+            skips.value = sg(skips.value) + jnp.mean(outlier.astype(jnp.float32))
         return y.reshape(b, t_len, c).astype(x.dtype)
