@@ -65,6 +65,13 @@ def build(method: str, root: str) -> tuple[torch.nn.Module, int]:
         conv = _import(os.path.join(root, "zlab-princeton+Derf", "ViT", "dynamic_erf.py"),
                        "derf_original")
         return conv.convert_ln_to_derf(model), 32
+    if method == "learnable_scaler":
+        # the fork's own timm (0.8.21dev0) with LearnableScaler as every norm layer
+        sys.path.insert(0, os.path.join(root, "nghiemtuan+LearnableScaler"))
+        from timm.layers.norm import LearnableScaler  # pylint: disable=import-outside-toplevel
+        from timm.models.vision_transformer import VisionTransformer  # pylint: disable=import-outside-toplevel
+        return VisionTransformer(img_size=32, patch_size=8, embed_dim=DIM, depth=2, num_heads=HEADS,
+                                 num_classes=NCLS, norm_layer=LearnableScaler), 32
     if method == "dtn":
         sys.path.insert(0, os.path.join(root, "wqshao126+DTN"))
         from models import vit_norm_mix  # noqa: E402  pylint: disable=import-outside-toplevel

@@ -257,6 +257,7 @@ ORIGINAL_MODELS = {  # runner method -> (this model's config, image size)
     "slab_progressive:repbn": (dict(patch_size=8, norm={"name": "repbn"}), 32),
     "dyt": (dict(patch_size=8, norm={"name": "dyt"}), 32),
     "derf": (dict(patch_size=8, norm={"name": "derf"}), 32),
+    "learnable_scaler": (dict(patch_size=8, norm={"name": "learnable_scaler"}), 32),
     # vit_norm_mix.py: DTN in blocks 0-1, the class token joining at block 2 (no posemb), LN after
     "dtn": (dict(patch_size=4, depth=3, qkv_bias=False, cls_token_at_block=2,
                  norm={"name": "dtn", "epsilon": 1e-5},
@@ -287,3 +288,18 @@ def test_original_models_logits(tmp_path, case):
     print(f"{case}: max |logit difference| {np.abs(got - want).max():.2e} "
           f"(max |logit| {np.abs(want).max():.2f})")
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("key,words", [
+    ("to_patch_embedding.1.weight", "DTN repository's models/vit_norm.py"),
+    ("transformer.embeddings.patch_embeddings.weight", "RescaleViT"),
+    ("tokens_to_token.attention1.kqv.weight", "T2T-ViT"),
+])
+def test_other_layouts_of_the_originals_are_refused_in_one_line(tmp_path, key, words):
+    path = tmp_path / "other.safetensors"
+    save_file({key: np.ones((4, 4), np.float32), "head.weight": np.ones((5, 4), np.float32)},
+              str(path))
+    spec, _, v, _ = build("layernorm")
+    with pytest.raises(pretrained.CheckpointError) as e:
+        pretrained.init_from_checkpoint(v["params"], None, str(path), spec, NCLS, log=None)
+    assert words in str(e.value) and "\n" not in str(e.value)

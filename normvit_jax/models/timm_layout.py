@@ -35,6 +35,18 @@ REFUSED = (
     (r"^patch_embed\.norm\.", "a norm in the patch embedding (patch_embed.norm)"),
     (r"\.attn\.norm\.|\.mlp\.norm\.", "a norm inside attention or MLP (scale_attn/mlp_norm)"),
 )
+# (a key prefix, the original code whose names these are) of other ViT layouts the methods' code
+# writes: named in the refusal instead of "not a timm state dict".
+FOREIGN = (
+    ("to_patch_embedding.", "the DTN repository's models/vit_norm.py (lucidrains-style names: "
+     "to_patch_embedding, transformer.layers, mlp_head; with DTN it cannot run, DTN asserts the 196 "
+     "patch tokens and that ViT passes the class token too); its models/vit_norm_mix.py, timm's "
+     "names, loads"),
+    ("transformer.embeddings.", "RescaleViT / jeonsworld ViT-pytorch (transformer.embeddings, "
+     "transformer.encoder.layer): another layout, not mapped"),
+    ("tokens_to_token.", "a T2T-ViT (UN's image_classification/models/t2t_vit.py): init_from "
+     "loads the ViT family only"),
+)
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 # per-block module -> (vit_jax module, transpose the weight)
 _BLOCK_MODULES = {
@@ -54,6 +66,9 @@ def canonicalize(sd: Mapping[str, np.ndarray], source_grid: Sequence[int] | None
                  ) -> tuple[dict[str, np.ndarray], Layout]:
     """vit_jax-named arrays of a timm VisionTransformer state dict, and its ``Layout``. Keys it
     does not know keep their name (the loader reports them as unexpected)."""
+    foreign = next((what for prefix, what in FOREIGN if any(k.startswith(prefix) for k in sd)), None)
+    if foreign:
+        raise CheckpointError(f"not a timm VisionTransformer state dict: {foreign}")
     if "patch_embed.proj.weight" not in sd:
         raise CheckpointError(f"no 'patch_embed.proj.weight': not a timm VisionTransformer state "
                               f"dict; first keys: {sorted(sd)[:8]}")
