@@ -303,3 +303,22 @@ def test_other_layouts_of_the_originals_are_refused_in_one_line(tmp_path, key, w
     with pytest.raises(pretrained.CheckpointError) as e:
         pretrained.init_from_checkpoint(v["params"], None, str(path), spec, NCLS, log=None)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_progressive_export_into_repbn_takes_n2(tmp_path):
+    """An .npz of a `progressive` model (vit_jax names, as export writes them) into `repbn`:
+    the same hand-over rule as SLAB's LinearNorm (N2's tensors, N1's dropped)."""
+    _, _, v, _ = build("progressive")
+    flat = traverse_util.flatten_dict(v["params"], sep="/")
+    r = np.random.default_rng(8)
+    flat = {k: np.asarray(a) + r.normal(size=np.shape(a)).astype(np.float32) for k, a in flat.items()}
+    np.savez(tmp_path / "prog.npz", **flat)
+    spec, _, w, _ = build("repbn")
+    params, rows = pretrained.init_from_npz(w["params"], str(tmp_path / "prog.npz"), spec, NCLS,
+                                            log=None)
+    got = traverse_util.flatten_dict(params, sep="/")
+    for s in SLOTS:
+        t = slot_name(s)
+        np.testing.assert_array_equal(got[f"{t}/eta"], flat[f"{t}/n2/eta"])
+        np.testing.assert_array_equal(got[f"{t}/bn/scale"], flat[f"{t}/n2/bn/scale"])
+    assert all(r.action == "dropped" for r in rows if "/n1/" in r.param)
