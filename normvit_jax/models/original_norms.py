@@ -55,32 +55,49 @@ def rename(sd: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[st
     return out, notes
 
 
+def _kind(names: set[str], local: Mapping[str, np.ndarray]) -> str:
+    """The original norm class one module's tensor names say ('' for none: LayerNorm, BatchNorm)."""
+    if "alpha" in names and any(k.startswith("bn.") for k in names):
+        return "SLAB RepBN"
+    if "alpha" in names and np.shape(local["alpha"]) == (1,):
+        return "Derf" if "shift" in names else "DyT"
+    if names & {"mean_norm_weight", "var_norm_weight", "pos_proj.weight"}:
+        return "DTN"
+    if names == {"a", "b"}:
+        return "LearnableScaler"
+    if "running_phi" in names:
+        return "PowerNorm"
+    return ""
+
+
 def _module(local: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, str]]:
     """One norm module's tensors (names relative to it) -> {new name: (array, note)}."""
     names = set(local)
     if {"iter", "total_step"} <= names and any(k.startswith(("norm1.", "norm2.")) for k in names):
         return _linear_norm(local)
+    kind = _kind(names, local)
     renamed: dict[str, tuple[np.ndarray, str]] = {}
-    has_bn = any(k.startswith("bn.") for k in names)
     for k, v in local.items():
-        if k == "alpha" and has_bn:
+        if kind == "SLAB RepBN" and k == "alpha":
             renamed["eta"] = (_scalar(v), "SLAB RepBN alpha -> eta")
-        elif k in ("alpha", "shift") and np.shape(v) == (1,):
-            renamed[k] = (_scalar(v), f"{k} (1,) -> ()")
-        elif k in ("mean_norm_weight", "var_norm_weight"):
+        elif kind in ("DyT", "Derf") and k in ("alpha", "shift") and np.shape(v) == (1,):
+            renamed[k] = (_scalar(v), f"{kind} {k} (1,) -> ()")
+        elif kind == "DTN" and k in ("mean_norm_weight", "var_norm_weight"):
             renamed[k.split("_")[0] + "_gate"] = (v, f"DTN {k} -> {k.split('_')[0]}_gate")
-        elif k == "pos_proj.weight" and np.ndim(v) == 2:
+        elif kind == "DTN" and k == "pos_proj.weight" and np.ndim(v) == 2:
             renamed["pos_proj"] = (np.asarray(v).T, f"DTN pos_proj.weight {np.shape(v)} transposed")
-        elif k == "pos_proj.bias":
+        elif kind == "DTN" and k == "pos_proj.bias":
             renamed["pos_proj_bias"] = (v, "DTN pos_proj.bias: a per-head constant, it cancels in "
                                            "the softmax over source tokens")
-        elif k in ("a", "b") and names == {"a", "b"}:
+        elif kind == "LearnableScaler":
             renamed["scale" if k == "a" else "bias"] = (v, f"LearnableScaler {k} -> "
                                                            f"{'scale' if k == 'a' else 'bias'}")
-        elif k in ("running_phi", "ema_gz") and np.ndim(v) == 4:
+        elif kind == "PowerNorm" and k in ("running_phi", "ema_gz") and np.ndim(v) == 4:
             renamed[k] = (np.asarray(v).reshape(-1), f"PowerNorm {k} {np.shape(v)} -> (C,)")
-        elif k == "iters" and "running_phi" in names:
+        elif kind == "PowerNorm" and k == "iters":
             renamed["t"] = (_scalar(v).astype(np.float32), "PowerNorm iters -> t")
+        elif kind and k in ("weight", "bias"):  # the timm renaming makes weight 'scale'
+            renamed[k] = (v, f"{kind} {k} -> {'scale' if k == 'weight' else 'bias'}")
         else:
             renamed[k] = (v, "")
     return renamed
