@@ -72,12 +72,15 @@ def build(method: str, root: str) -> tuple[torch.nn.Module, int]:
         from timm.models.vision_transformer import VisionTransformer  # pylint: disable=import-outside-toplevel
         return VisionTransformer(img_size=32, patch_size=8, embed_dim=DIM, depth=2, num_heads=HEADS,
                                  num_classes=NCLS, norm_layer=LearnableScaler), 32
-    if method == "dtn":
+    if method in ("dtn", "dtn_powernorm"):
         sys.path.insert(0, os.path.join(root, "wqshao126+DTN"))
         from models import vit_norm_mix  # noqa: E402  pylint: disable=import-outside-toplevel
-        # the grid must be DTN's 14 x 14 (its resolution default); DTN in blocks 0-1, LN after
+        # the grid must be DTN's 14 x 14 (its resolution default); DTN in blocks 0-1, LN after.
+        # PowerNorm ('power': groups = heads, warm-up 3000) runs in eval only (its training
+        # forward calls an undefined function)
         model = vit_norm_mix.VisionTransformer(img_size=56, patch_size=4, embed_dim=DIM, depth=3,
-                                               num_heads=HEADS, num_classes=NCLS, norm_type="dtn",
+                                               num_heads=HEADS, num_classes=NCLS,
+                                               norm_type="dtn" if method == "dtn" else "power",
                                                local_up_to_layer=2)
         return model, 56
     raise SystemExit(f"unknown method {method!r}")

@@ -262,6 +262,9 @@ ORIGINAL_MODELS = {  # runner method -> (this model's config, image size)
     "dtn": (dict(patch_size=4, depth=3, qkv_bias=False, cls_token_at_block=2,
                  norm={"name": "dtn", "epsilon": 1e-5},
                  norm_overrides={"last_1": LN5, "final": LN5}), 56),
+    "dtn_powernorm": (dict(patch_size=4, depth=3, qkv_bias=False, cls_token_at_block=2,
+                           norm={"name": "powernorm", "groups": "heads", "warmup": 3000},
+                           norm_overrides={"last_1": LN5, "final": LN5}), 56),
 }
 
 
