@@ -20,7 +20,7 @@ from flax import traverse_util
 from flax.core import frozen_dict
 
 from normvit_jax import models, state_dict
-from normvit_jax.models import scan_convert, timm_layout
+from normvit_jax.models import original_norms, scan_convert, timm_layout
 from normvit_jax.models.google_layout import (BLOCK, MODEL_ONLY, NORM_SLOTS, POSEMB,
                                               CheckpointError, Layout, canonicalize, check_family,
                                               dims, flat_heads, grid_of, resample_grid, slot_of,
@@ -119,6 +119,10 @@ class _ParamLoader:
         self.rows: list[Row] = []
         self.errors: list[str] = []
         self.used: set[str] = set()
+        self.notes = dict(layout.notes)  # renamed from an original's norm module: what it was
+        # tensors an original holds that no parameter here takes (reported with their reason)
+        self.drop_notes = {k: n for k, n in layout.notes.items()
+                           if k.rsplit("/", 1)[-1] in original_norms.NOT_LOADED}
 
     def shape(self, k: str) -> tuple:
         return tuple(np.shape(self.tgt[k]))
@@ -244,6 +248,25 @@ class _ParamLoader:
         elif "cls" in src:
             self.drop("cls", "model.classifier='gap'")
 
+    def handover(self) -> None:
+        """A file slot holding a progressive hand-over's N1 and N2 (SLAB's LinearNorm, an export of
+        a ``progressive`` run) read by a model slot with another norm: N2's tensors take the slot's
+        names, the function the hand-over evaluates (N2 alone, at any step); N1's are dropped."""
+        slots = {sl[0] for sl in map(lambda k: slot_of(k, self.slots), self.src) if sl}
+        for s in sorted(slots):
+            if (not any(k.startswith(s + "/n2/") for k in self.src)
+                    or not any(t.startswith(s + "/") for t in self.tgt)
+                    or self.spec.slot_norm_name(s) == "progressive"):
+                continue
+            for k in [k for k in self.src if k.startswith(s + "/n2/")]:
+                new = s + k[len(s) + 3:]
+                self.src[new] = self.src.pop(k)
+                self.notes[new] = "; ".join(x for x in (self.notes.pop(k, ""), "N2 of the "
+                                                        "hand-over (what it evaluates)") if x)
+            for k in self.src:
+                if k.startswith(s + "/n1/"):
+                    self.drop_notes[k] = "N1 of the hand-over: its eval is N2 alone"
+
     def body(self) -> None:
         """Same layer -> same tensor; inside norm slots, by parameter name (scale/bias = LN's)."""
         done = {r.param for r in self.rows if r.action != "dropped"}
@@ -268,11 +291,13 @@ class _ParamLoader:
                 continue
             s, rest = slot
             norm = self.spec.slot_norm_name(s)
+            note = self.notes.get(k)  # renamed from an original's norm module
             if rest in ("scale", "bias") and fits:
+                self.put(k, self.src[k], "loaded", k, note or (
+                         "" if norm == "layernorm" else f"LN {rest} -> {norm} {rest}"))
+            elif fits:  # not in Google's files: an export, or an original's renamed tensor
                 self.put(k, self.src[k], "loaded", k,
-                         "" if norm == "layernorm" else f"LN {rest} -> {norm} {rest}")
-            elif fits:  # not in Google's files: an export of a model with this norm
-                self.put(k, self.src[k], "loaded", k, f"{norm} {rest}: same name in checkpoint")
+                         f"{norm} {rest}: {note or 'same name in checkpoint'}")
             elif norm == "layernorm" and s.split("/")[-1] in self.layout.norm_slots:
                 self.same(k)  # a LayerNorm slot the layout's files have: strict
             elif k in self.src:
@@ -285,19 +310,26 @@ class _ParamLoader:
     def running_stats(self) -> None:
         """torch BatchNorm buffers (timm names, renamed into their slot) -> the model's batch_stats
         of the same slot and path: running_mean -> mean, running_var -> var (what eval reads in
-        both); the model's statistics the file lacks stay at init, reported. Google's files hold
-        none: their report stays as it was."""
+        both); other buffers under the model's statistic's own name and shape load as they are
+        (PowerNorm's running_phi, ema_gz, t); the model's statistics the file lacks stay at init,
+        reported. Google's files hold none: their report stays as it was."""
         if self.stats is None or self.layout.numbering != "timm":
             return
         for k in sorted(self.src):
             slot = slot_of(k, self.slots)
             leaf = k.rsplit("/", 1)[-1]
-            if slot is None or leaf not in ("running_mean", "running_var"):
+            if slot is None or k in self.drop_notes:
                 continue
-            t = k.rsplit("/", 1)[0] + "/" + ("mean" if leaf == "running_mean" else "var")
+            if leaf in ("running_mean", "running_var"):
+                t = k.rsplit("/", 1)[0] + "/" + ("mean" if leaf == "running_mean" else "var")
+            elif k in self.stats:
+                t = k
+            else:
+                continue
             if t in self.stats and np.shape(self.stats[t]) == self.src[k].shape:
                 self.new_stats[t] = np.asarray(self.src[k], _dtype(self.stats[t]))
-                self.rows.append(Row("batch_stats/" + t, "loaded", k, self.src[k].shape, leaf))
+                note = "; ".join(x for x in (leaf, self.notes.get(k, "")) if x)
+                self.rows.append(Row("batch_stats/" + t, "loaded", k, self.src[k].shape, note))
                 self.used.add(k)
         loaded = {r.param for r in self.rows}
         for t in self.stats:
@@ -314,18 +346,20 @@ class _ParamLoader:
                 self.errors.append(f"unexpected in checkpoint: {k} {self.src[k].shape}")
                 continue
             norm = self.spec.slot_norm_name(slot[0])
-            if slot[1].rsplit("/", 1)[-1] in RUNNING_STATS:  # torch BatchNorm buffers nothing took
+            if k in self.drop_notes:
+                self.drop(k, self.drop_notes[k])
+            elif slot[1].rsplit("/", 1)[-1] in RUNNING_STATS:  # torch BatchNorm buffers nothing took
                 self.drop(k, "a step counter, not used" if k.endswith("num_batches_tracked") else
                           f"{norm} keeps no such running statistic" if self.stats is not None else
                           "running statistics are not loaded (batch_stats not given)")
             elif slot[0] in ("Transformer/encoder_norm", FC_SLOT) and not self.spec.final_norm:
                 self.drop(k, "model.final_norm=False")
-            elif k in self.tgt:
-                self.drop(k, f"{norm} '{slot[1]}' has another shape")
-            elif any(x.startswith(slot[0] + "/") for x in self.tgt):
-                self.drop(k, f"{norm} has no '{slot[1]}'")
             else:
-                self.drop(k, f"{norm} has no parameters")
+                why = (f"{norm} '{slot[1]}' has another shape" if k in self.tgt else
+                       f"{norm} has no '{slot[1]}'" if any(x.startswith(slot[0] + "/")
+                                                          for x in self.tgt) else
+                       f"{norm} has no parameters")
+                self.drop(k, why + (f" ({self.notes[k]})" if k in self.notes else ""))
 
 
 def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
@@ -387,6 +421,7 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
     m = _ParamLoader(tgt, src, layout, spec, stats)
     m.head(num_classes, keep_pre_logits)
     m.posemb_and_cls(image_size, source_grid)
+    m.handover()
     m.body()
     m.running_stats()
     m.leftovers()

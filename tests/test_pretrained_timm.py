@@ -63,13 +63,16 @@ def resize(grid: np.ndarray, new: int) -> np.ndarray:
 
 
 def reference(sd: dict[str, np.ndarray], images: np.ndarray, *, slot: bool = True,
-              pool: str = "token") -> np.ndarray:
-    """timm's VisionTransformer.forward (eval) in float64 from the raw state dict; images NHWC."""
+              pool: str = "token", norm=None) -> np.ndarray:
+    """timm's VisionTransformer.forward (eval) in float64 from the raw state dict; images NHWC.
+    ``norm(x, f, prefix)``: another norm module's eval (f: the float64 state dict)."""
     f = {k: np.asarray(v, np.float64) for k, v in sd.items()}
 
     def ln(x: np.ndarray, p: str) -> np.ndarray:
         """timm's LayerNorm (eps 1e-6), or torch's BatchNorm1d in eval (eps 1e-5) where the state
         dict holds running statistics for it."""
+        if norm is not None:
+            return norm(x, f, p)
         if p + ".running_mean" in f:
             return ((x - f[p + ".running_mean"]) / np.sqrt(f[p + ".running_var"] + 1e-5)
                     * f[p + ".weight"] + f[p + ".bias"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -40,6 +41,9 @@ class Layout(NamedTuple):
     class_slot: bool          # the position embedding has a class-token slot at index 0
     ignored: tuple[str, ...]  # keys outside the parameter prefix (optimizer state)
     norm_slots: frozenset[str] = CKPT_NORM_SLOTS  # the norm slots files of this layout hold
+    # canonical name -> what it was in the file, for tensors renamed from an original norm module
+    # (timm files: models/original_norms.py); the report's note
+    notes: Mapping[str, str] = types.MappingProxyType({})
 
     def describe(self) -> str:
         pe = "none" if self.posemb_key is None else (

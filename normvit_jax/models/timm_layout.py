@@ -6,7 +6,9 @@ both through one path (position-embedding resampling, head rules, strict LN, rep
 It is the inverse of timm's ``_load_weights`` (vision_transformer.py): torch Linear weights are
 (out, in) and transposed; the conv is OIHW -> HWIO; the fused qkv splits into q, k, v with heads
 flattened ((D, H*Dh): the loader reshapes them to the model's heads, which a timm file does not
-record). Features this ViT lacks are refused by name, never dropped.
+record). Features this ViT lacks are refused by name, never dropped. The norm modules of the
+methods' original code (SLAB's RepBN and LinearNorm, DyT, Derf, DTN, LearnableScaler, PowerNorm)
+are renamed to this project's norm parameters first (``original_norms``).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from normvit_jax.models import original_norms
 from normvit_jax.models import spec as spec_lib
 from normvit_jax.models.google_layout import POSEMB, CheckpointError, Layout
 
@@ -31,6 +34,18 @@ REFUSED = (
     (r"^norm_pre\.", "a norm before the blocks (norm_pre: pre_norm=True, CLIP)"),
     (r"^patch_embed\.norm\.", "a norm in the patch embedding (patch_embed.norm)"),
     (r"\.attn\.norm\.|\.mlp\.norm\.", "a norm inside attention or MLP (scale_attn/mlp_norm)"),
+)
+# (a key prefix, the original code whose names these are) of other ViT layouts the methods' code
+# writes: named in the refusal instead of "not a timm state dict".
+FOREIGN = (
+    ("to_patch_embedding.", "the DTN repository's models/vit_norm.py (lucidrains-style names: "
+     "to_patch_embedding, transformer.layers, mlp_head; with DTN it cannot run, DTN asserts the 196 "
+     "patch tokens and that ViT passes the class token too); its models/vit_norm_mix.py, timm's "
+     "names, loads"),
+    ("transformer.embeddings.", "RescaleViT / jeonsworld ViT-pytorch (transformer.embeddings, "
+     "transformer.encoder.layer): another layout, not mapped"),
+    ("tokens_to_token.", "a T2T-ViT (UN's image_classification/models/t2t_vit.py): init_from "
+     "loads the ViT family only"),
 )
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 # per-block module -> (vit_jax module, transpose the weight)
@@ -51,6 +66,9 @@ def canonicalize(sd: Mapping[str, np.ndarray], source_grid: Sequence[int] | None
                  ) -> tuple[dict[str, np.ndarray], Layout]:
     """vit_jax-named arrays of a timm VisionTransformer state dict, and its ``Layout``. Keys it
     does not know keep their name (the loader reports them as unexpected)."""
+    foreign = next((what for prefix, what in FOREIGN if any(k.startswith(prefix) for k in sd)), None)
+    if foreign:
+        raise CheckpointError(f"not a timm VisionTransformer state dict: {foreign}")
     if "patch_embed.proj.weight" not in sd:
         raise CheckpointError(f"no 'patch_embed.proj.weight': not a timm VisionTransformer state "
                               f"dict; first keys: {sorted(sd)[:8]}")
@@ -62,11 +80,15 @@ def canonicalize(sd: Mapping[str, np.ndarray], source_grid: Sequence[int] | None
     if refused:
         raise CheckpointError("the checkpoint has what this model lacks: " + "; ".join(
             f"{what} [{k}]" for what, k in refused.items()))
+    sd, renamed = original_norms.rename(sd)
     src: dict[str, np.ndarray] = {}
+    notes: dict[str, str] = {}
     for k, v in sd.items():
         m = _BLOCK.match(k)
         if m:
-            _block(src, f"Transformer/encoderblock_{m.group(1)}/", m.group(2), v, k)
+            name = _block(src, f"Transformer/encoderblock_{m.group(1)}/", m.group(2), v, k)
+            if k in renamed:
+                notes[name] = renamed[k]
         elif k == "patch_embed.proj.weight":
             if v.ndim != 4:
                 raise CheckpointError(f"patch_embed.proj.weight {v.shape} is not a (D, C, P, P) conv")
@@ -78,40 +100,44 @@ def canonicalize(sd: Mapping[str, np.ndarray], source_grid: Sequence[int] | None
         elif k == "pos_embed":
             src[POSEMB] = v
         else:
-            _module(src, "", k, v, _TOP_MODULES, k)
+            name = _module(src, "", k, v, _TOP_MODULES, k)
+            if k in renamed:
+                notes[name] = renamed[k]
     slot = _class_slot(sd, source_grid)
     return src, Layout("", False, "timm", "pos_embed" if "pos_embed" in sd else None, slot, (),
-                       NORM_SLOTS)
+                       NORM_SLOTS, notes)
 
 
-def _block(src: dict[str, np.ndarray], prefix: str, rest: str, v: np.ndarray, key: str) -> None:
+def _block(src: dict[str, np.ndarray], prefix: str, rest: str, v: np.ndarray, key: str) -> str:
     if rest in ("attn.qkv.weight", "attn.qkv.bias"):
         if v.shape[0] % 3:
             raise CheckpointError(f"{prefix}{rest} {v.shape}: the fused qkv is not 3 equal parts")
         what = "kernel" if rest.endswith("weight") else "bias"
         for name, part in zip(("query", "key", "value"), np.split(v, 3, axis=0)):
             src[f"{prefix}MultiHeadDotProductAttention_1/{name}/{what}"] = part.T if part.ndim == 2 else part
-        return
-    _module(src, prefix, rest, v, _BLOCK_MODULES, key)
+        return key
+    return _module(src, prefix, rest, v, _BLOCK_MODULES, key)
 
 
 def _module(src: dict[str, np.ndarray], prefix: str, key: str, v: np.ndarray,
-            table: Mapping[str, tuple[str, bool]], original: str) -> None:
+            table: Mapping[str, tuple[str, bool]], original: str) -> str:
     """``module.param`` through ``table``: a Linear's weight -> kernel (transposed), bias; inside a
     norm, ``weight`` -> ``scale`` and other tensors keep their path ('bn.running_mean' ->
-    'bn/running_mean': a BatchNorm's statistics, RepBN's inner BatchNorm)."""
+    'bn/running_mean': a BatchNorm's statistics, RepBN's inner BatchNorm). Returns the name."""
     module = next((m for m in table if key.startswith(m + ".")), None)
     if module is None:
         src[original] = v  # unknown: the loader reports it as unexpected
-        return
+        return original
     name, linear = table[module]
     path = key[len(module) + 1:].split(".")
     if linear and path not in (["weight"], ["bias"]):
         src[original] = v
-        return
+        return original
     if path[-1] == "weight":
         path[-1], v = ("kernel", v.T) if linear else ("scale", v)
-    src[f"{prefix}{name}/{'/'.join(path)}"] = v
+    name = f"{prefix}{name}/{'/'.join(path)}"
+    src[name] = v
+    return name
 
 
 def _class_slot(sd: Mapping[str, np.ndarray], source_grid: Sequence[int] | None) -> bool:
