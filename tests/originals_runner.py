@@ -3,8 +3,8 @@ random values, and writes its state dict (.safetensors), the input images and it
 
     python tests/originals_runner.py METHOD ORIGINALS_DIR OUT_DIR
 
-ORIGINALS_DIR holds the original repositories extracted as ``owner+name`` folders
-(``git -C /work/.mirror/xinghaochen+SLAB/repo archive HEAD | tar -x -C DIR/xinghaochen+SLAB``).
+ORIGINALS_DIR holds the original repositories checked out under their GitHub names (DIR/SLAB,
+DIR/DyT, ...), the layout and commits of ``python -m benchmarks.originals --src=DIR`` (docs/norms.md).
 Run in its own process (the originals import top-level packages named ``models``); needs torch and
 timm. tests/test_pretrained_originals.py calls it and loads the file into this project's model.
 """
@@ -49,7 +49,7 @@ def _randomize(model: torch.nn.Module, seed: int, linear_norm_iter: int = 0) -> 
 def build(method: str, root: str) -> tuple[torch.nn.Module, int]:
     """(the original model, its image size)."""
     if method in ("slab_repbn", "slab_progressive"):
-        sys.path.insert(0, os.path.join(root, "xinghaochen+SLAB", "classification"))
+        sys.path.insert(0, os.path.join(root, "SLAB", "classification"))
         from models import deit  # noqa: E402  pylint: disable=import-outside-toplevel
         norm = deit.RepBN if method == "slab_repbn" else deit.linearnorm
         model = deit.VisionTransformer(img_size=32, patch_size=8, embed_dim=DIM, depth=2,
@@ -60,20 +60,20 @@ def build(method: str, root: str) -> tuple[torch.nn.Module, int]:
         model = VisionTransformer(img_size=32, patch_size=8, embed_dim=DIM, depth=2, num_heads=HEADS,
                                   num_classes=NCLS)
         if method == "dyt":
-            conv = _import(os.path.join(root, "jiachenzhu+DyT", "dynamic_tanh.py"), "dyt_original")
+            conv = _import(os.path.join(root, "DyT", "dynamic_tanh.py"), "dyt_original")
             return conv.convert_ln_to_dyt(model), 32
-        conv = _import(os.path.join(root, "zlab-princeton+Derf", "ViT", "dynamic_erf.py"),
+        conv = _import(os.path.join(root, "Derf", "ViT", "dynamic_erf.py"),
                        "derf_original")
         return conv.convert_ln_to_derf(model), 32
     if method == "learnable_scaler":
         # the fork's own timm (0.8.21dev0) with LearnableScaler as every norm layer
-        sys.path.insert(0, os.path.join(root, "nghiemtuan+LearnableScaler"))
+        sys.path.insert(0, os.path.join(root, "LearnableScaler"))
         from timm.layers.norm import LearnableScaler  # pylint: disable=import-outside-toplevel
         from timm.models.vision_transformer import VisionTransformer  # pylint: disable=import-outside-toplevel
         return VisionTransformer(img_size=32, patch_size=8, embed_dim=DIM, depth=2, num_heads=HEADS,
                                  num_classes=NCLS, norm_layer=LearnableScaler), 32
     if method in ("dtn", "dtn_powernorm"):
-        sys.path.insert(0, os.path.join(root, "wqshao126+DTN"))
+        sys.path.insert(0, os.path.join(root, "DTN"))
         from models import vit_norm_mix  # noqa: E402  pylint: disable=import-outside-toplevel
         # the grid must be DTN's 14 x 14 (its resolution default); DTN in blocks 0-1, LN after.
         # PowerNorm ('power': groups = heads, warm-up 3000) runs in eval only (its training

@@ -8,7 +8,7 @@ reshapes, DTN's transposed pos_proj), and the eval logits with a float64 numpy f
 original's formula where it is cheap (RepBN's eval affine, DyT, Derf, LearnableScaler) at
 rtol = atol = 1e-4 (float32 model vs float64 reference).
 Torch tests (skipped without torch/timm or without NORMVIT_ORIGINALS, a folder holding the original
-repositories extracted as owner+name folders): the original model built from the original file
+repositories checked out under their GitHub names, DIR/SLAB, ...: benchmarks.originals' --src): the original model built from the original file
 (tests/originals_runner.py, in its own process), its state dict loaded here, eval logits within 1e-4.
 """
 from __future__ import annotations
