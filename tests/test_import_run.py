@@ -150,3 +150,29 @@ def test_import_refuses_no_init_from_and_an_existing_run(tmp_path):
     with pytest.raises(ValueError, match="already holds a run.*--fresh"):
         importer.check_importable(cfg, str(tmp_path), fresh=False)
     importer.check_importable(cfg, str(tmp_path), fresh=True)  # --fresh moves it aside
+
+
+def test_a_dataset_not_here_writes_the_run_without_eval(tmp_path, monkeypatch, caplog):
+    """ImageNet for a DeiT need not be on the machine that imports it: the run is written (one
+    warning), and evaluates where the dataset is (here: the digits again) as the reference."""
+    from normvit_jax import data, evaluation
+    from normvit_jax.train import importer
+    from tests.conftest import tiny_demo_config
+
+    sd = ten_class_head(timm_sd(4, grid=2))
+    save_file(sd, str(tmp_path / "timm.safetensors"))
+    cfg = tiny_demo_config(**{f"model.{k}": v for k, v in MODEL.items()},
+                           **{"data.normalize": "imagenet",
+                              "init_from": str(tmp_path / "timm.safetensors")})
+    wd = str(tmp_path / "w")
+
+    def not_here(*a, **k):
+        raise data.DatasetNotFoundError("dataset 'digits' is not prepared in /nowhere; no download")
+    with monkeypatch.context() as m:
+        m.setattr(data, "make_pipeline", not_here)
+        result = importer.import_run(cfg, wd)
+    assert result["eval"] == {} and os.path.isdir(os.path.join(wd, "checkpoints", "0"))
+    assert any("cannot be opened here" in r.getMessage() for r in caplog.records)
+    got = evaluation.evaluate_checkpoint(cfg, wd, None)["metrics"]["top1"]
+    x, y = digits.load("test")
+    assert abs(got - float(np.mean(reference(sd, timm_input(x)).argmax(1) == y))) < 1e-6
