@@ -5,6 +5,9 @@ also inside dict-valued fields (``--config.model.norm_overrides.block_1.name=rms
 None (``--config.model.variant=None``).
 Re-running the same command with the same workdir continues the run from its newest checkpoint;
 ``--fresh`` starts over (the old run is moved aside). Exit codes: docs/faults.md (normvit_jax/cli.py).
+``--mode=import --config=... --config.init_from=FILE`` writes a run of step 0 holding FILE's
+model (timm / the methods' originals / a ViT .npz) without training, and evaluates it once
+(``--skip_eval``: not): eval, predict, reparam, export take that workdir (docs/pretrained.md).
 ``--mode=eval [--step=N]`` evaluates a checkpoint without training (with the run's own config,
 its workdir's config.json, unless ``--config`` is given), on any eval set:
 ``--config.data.eval_name=imagenet_v2 --config.data.eval_split=test`` (README: Evaluation).
@@ -30,9 +33,11 @@ flags.DEFINE_string("workdir", None, "Directory (local or gs://) for checkpoints
 flags.DEFINE_bool("fresh", False, "Start at step 0 even if the workdir holds a run: its checkpoints, "
                   "config.json, event files and eval_*.json results are moved to "
                   "<workdir>/replaced/<time>/ first.")
-flags.DEFINE_enum("mode", "train", ["train", "eval"], "train: train (and evaluate); eval: only "
-                  "evaluate a checkpoint on config.data.eval_name/eval_split, writing "
-                  "<workdir>/eval_<dataset>_<split>_<step>.json.")
+flags.DEFINE_enum("mode", "train", ["train", "eval", "import"], "train: train (and evaluate); "
+                  "eval: only evaluate a checkpoint on config.data.eval_name/eval_split, writing "
+                  "<workdir>/eval_<dataset>_<split>_<step>.json; import: write config.init_from's "
+                  "model as the run's step-0 checkpoint, no training, and evaluate it once.")
+flags.DEFINE_bool("skip_eval", False, "--mode=import: do not evaluate the imported model.")
 flags.DEFINE_integer("step", None, "--mode=eval: the checkpoint's step (default: the newest).")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -122,17 +127,21 @@ def main(argv):
         sys.exit(cli.EXIT_CONFIG)
     # Flags of the other mode were ignored: --step=N with training still resumed from the newest
     # checkpoint, --fresh with --mode=eval moved nothing aside.
-    wrong = ("--step" if FLAGS.mode == "train" and FLAGS.step is not None else
-             "--fresh" if FLAGS.mode == "eval" and FLAGS.fresh else None)
+    wrong = ("--step" if FLAGS.mode != "eval" and FLAGS.step is not None else
+             "--fresh" if FLAGS.mode == "eval" and FLAGS.fresh else
+             "--skip_eval" if FLAGS.mode != "import" and FLAGS.skip_eval else None)
     if wrong:
         print(f"error: {wrong} is not a flag of --mode={FLAGS.mode}: --step chooses the checkpoint "
               "--mode=eval evaluates; training resumes from the newest checkpoint, and --fresh "
-              "starts it over", file=sys.stderr)
+              "starts it over (or an import); --skip_eval is --mode=import's", file=sys.stderr)
         sys.exit(cli.EXIT_CONFIG)
     try:
         _pin_cpu_numerics()
         if FLAGS.mode == "eval":
             sys.exit(cli.evaluate(FLAGS.config, FLAGS.workdir, step=FLAGS.step))
+        if FLAGS.mode == "import":
+            sys.exit(cli.import_checkpoint(FLAGS.config, FLAGS.workdir, fresh=FLAGS.fresh,
+                                           evaluate=not FLAGS.skip_eval))
         sys.exit(cli.run(FLAGS.config, FLAGS.workdir, fresh=FLAGS.fresh))
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves first: preemption.py)
         print("interrupted (Ctrl-C) before training or during evaluation; nothing new was saved; "

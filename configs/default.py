@@ -35,6 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
                                     # prepared set of its classes; normalized with data.name's stats
     c.data.image_size = 32          # model input resolution (square); images are resized to it
     c.data.normalize = "minus_one_one"  # minus_one_one | zero_one | zscore (per-channel dataset stats) | minmax
+                                    # | imagenet: timm's ImageNet mean/std on any dataset (DeiT/timm-trained models)
     c.data.crop_padding = 4         # train: random crop after zero-padding by this many pixels of image_size (0: off)
     c.data.random_resized_crop = False  # train: Inception-style crop (ImageNet) instead of pad-and-crop
     c.data.min_crop_area = 0.08     # smallest area fraction for random_resized_crop

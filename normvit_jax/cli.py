@@ -110,6 +110,33 @@ def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) ->
     return EXIT_OK
 
 
+def import_checkpoint(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False,
+                      evaluate: bool = True) -> int:
+    """``--mode=import``: writes the run of step 0 holding ``config.init_from``
+    (``train.importer``) and evaluates it once unless not ``evaluate``; returns the exit code."""
+    from normvit_jax import logs, preflight, sharding
+    from normvit_jax import workdir as workdir_lib
+
+    logs.quiet_library_logs()
+    new_workdir = not (workdir_lib.is_remote(workdir) or os.path.lexists(workdir))
+    try:
+        preflight.check(config, workdir)
+        sharding.maybe_initialize_distributed()
+        from normvit_jax.train import importer
+        result = importer.import_run(config, workdir, fresh=fresh, evaluate=evaluate)
+    except Exception as e:  # noqa: BLE001  (known errors become exit codes)
+        if exit_code(e) is None:
+            raise
+        if new_workdir and _single_process():
+            workdir_lib.remove_if_unused(workdir)
+        return _stop(e)
+    ev = result["eval"]
+    if ev:
+        logging.info("Imported at step 0: eval top-1 %.4f, top-5 %.4f, loss %.4f.", ev["top1"],
+                     ev["top5"], ev["loss"])
+    return EXIT_OK
+
+
 def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> int:
     """Evaluates a checkpoint of ``workdir`` (normvit_jax/evaluation.py), prints the metrics as
     JSON and writes them beside the checkpoints; returns the exit code (the table above)."""

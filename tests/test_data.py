@@ -198,6 +198,9 @@ def test_value_range(normalize):
         np.testing.assert_allclose([lo, hi], [[0] * 3, [1] * 3], atol=1e-6)
     elif normalize == "minus_one_one":
         np.testing.assert_allclose([lo, hi], [[-1] * 3, [1] * 3], atol=1e-6)
+    elif normalize == "imagenet":  # timm's IMAGENET_DEFAULT_MEAN/STD on digits (0..1 per channel)
+        m, s = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+        np.testing.assert_allclose([lo, hi], [-m / s, (1 - m) / s], atol=1e-6)
     else:
         x = x.astype(np.float64)  # float32 sums over 92k pixels drift in the 4th digit
         np.testing.assert_allclose(x.mean((0, 1, 2)), 0, atol=1e-5)

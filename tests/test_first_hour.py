@@ -458,7 +458,9 @@ def test_resumed_run_does_not_need_its_init_from(tmp_path):
 
 
 @pytest.mark.parametrize("flags, wrong", [(["--mode=train", "--step=3"], "--step"),
-                                          (["--mode=eval", "--fresh"], "--fresh")])
+                                          (["--mode=eval", "--fresh"], "--fresh"),
+                                          (["--mode=import", "--step=3"], "--step"),
+                                          (["--mode=train", "--skip_eval"], "--skip_eval")])
 def test_a_flag_of_the_other_mode_is_refused(tmp_path, flags, wrong):
     """--step=3 with training was ignored (the run resumed from its newest checkpoint, or trained
     from step 0, exit 0); --fresh with --mode=eval evaluated the old run without a word."""

@@ -12,11 +12,16 @@ from typing import Any
 
 import numpy as np
 
-NORMALIZE = ("minus_one_one", "zero_one", "zscore", "minmax")
+NORMALIZE = ("minus_one_one", "zero_one", "zscore", "minmax", "imagenet")
+# timm's IMAGENET_DEFAULT_MEAN / _STD (timm/data/constants.py): what DeiT, timm and the methods'
+# original code feed their ViTs on any dataset; 'imagenet' uses them whatever data.name is, so a
+# model trained there evaluates and fine-tunes on the inputs it learned on.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 _KNOWN = {
     "cifar10": dict(mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616)),
     "cifar100": dict(mean=(0.5071, 0.4865, 0.4409), std=(0.2673, 0.2564, 0.2762)),
-    "imagenet2012": dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)),
+    "imagenet2012": dict(mean=IMAGENET_MEAN, std=IMAGENET_STD),
 }
 
 
@@ -52,7 +57,8 @@ def affine(name: str, normalize: str) -> tuple[np.ndarray, np.ndarray]:
 
 def affine_of(s: dict[str, np.ndarray], normalize: str) -> tuple[np.ndarray, np.ndarray]:
     """(scale, shift), float32 (3,), such that model input = x01 * scale + shift, from the
-    training statistics ``s`` (``mean``, ``std``, ``min``, ``max``; only zscore/minmax use them)."""
+    training statistics ``s`` (``mean``, ``std``, ``min``, ``max``; only zscore/minmax use them;
+    imagenet: ``(x01 - IMAGENET_MEAN) / IMAGENET_STD`` whatever ``s`` is)."""
     if normalize not in NORMALIZE:
         raise ValueError(f"config.data.normalize={normalize!r} is invalid; accepted: "
                          f"{list(NORMALIZE)}")
@@ -61,8 +67,10 @@ def affine_of(s: dict[str, np.ndarray], normalize: str) -> tuple[np.ndarray, np.
         return one, 0 * one
     if normalize == "minus_one_one":
         return 2 * one, -one
+    if normalize == "imagenet":
+        s = dict(mean=np.asarray(IMAGENET_MEAN, np.float32), std=np.asarray(IMAGENET_STD, np.float32))
     s = {k: np.asarray(v, np.float32) for k, v in s.items()}
-    if normalize == "zscore":
+    if normalize in ("zscore", "imagenet"):
         return 1 / s["std"], -s["mean"] / s["std"]
     span = np.maximum(s["max"] - s["min"], 1e-6)  # minmax: training min..max -> 0..1
     return 1 / span, -s["min"] / span
@@ -71,12 +79,13 @@ def affine_of(s: dict[str, np.ndarray], normalize: str) -> tuple[np.ndarray, np.
 def normalization_mean(s: dict[str, np.ndarray], normalize: str) -> np.ndarray:
     """float64 (3,): the [0, 1] pixel that ``normalize`` maps to 0, i.e. the mean of the
     equivalent ``(x01 - mean) / std`` (torchvision's Normalize, whose mean timm's RandAugment
-    fills with): the training mean for zscore, 0.5 for minus_one_one, the training min for
-    minmax, 0 for zero_one."""
+    fills with): the training mean for zscore, ImageNet's for imagenet, 0.5 for minus_one_one,
+    the training min for minmax, 0 for zero_one."""
     if normalize not in NORMALIZE:
         raise ValueError(f"config.data.normalize={normalize!r} is invalid; accepted: "
                          f"{list(NORMALIZE)}")
     pick = {"zscore": lambda: s["mean"], "minmax": lambda: s["min"],
+            "imagenet": lambda: IMAGENET_MEAN,
             "minus_one_one": lambda: np.full(3, 0.5), "zero_one": lambda: np.zeros(3)}
     return np.asarray(pick[normalize](), np.float64)
 
