@@ -20,7 +20,7 @@ from flax import traverse_util
 from flax.core import frozen_dict
 
 from normvit_jax import models, state_dict
-from normvit_jax.models import original_norms, scan_convert, timm_layout
+from normvit_jax.models import hf_layout, original_norms, scan_convert, timm_layout
 from normvit_jax.models.google_layout import (BLOCK, MODEL_ONLY, NORM_SLOTS, POSEMB,
                                               CheckpointError, Layout, canonicalize, check_family,
                                               dims, flat_heads, grid_of, resample_grid, slot_of,
@@ -31,6 +31,8 @@ from normvit_jax.preflight import npz_problem
 __all__ = ["CheckpointError", "Row", "format_report", "init_from_checkpoint", "init_from_npz", "load_npz",
            "resample_grid"]
 
+HF_LN_EPS = 1e-12  # transformers' ViTConfig.layer_norm_eps
+PYTORCH_NUMBERINGS = ("timm", "hf")  # Layout.numbering of the state dict layouts
 RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")  # torch BatchNorm buffers
 
 
@@ -313,7 +315,7 @@ class _ParamLoader:
         both); other buffers under the model's statistic's own name and shape load as they are
         (PowerNorm's running_phi, ema_gz, t); the model's statistics the file lacks stay at init,
         reported. Google's files hold none: their report stays as it was."""
-        if self.stats is None or self.layout.numbering != "timm":
+        if self.stats is None or self.layout.numbering not in PYTORCH_NUMBERINGS:
             return
         for k in sorted(self.src):
             slot = slot_of(k, self.slots)
@@ -413,7 +415,7 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
         raw, n_bf16 = _read_npz(path)
         read_note = f"{n_bf16} bfloat16 arrays widened" if n_bf16 else ""
     try:
-        src, layout = timm_layout.canonicalize(raw, source_grid) if timm else canonicalize(raw)
+        src, layout = _canonicalize_state_dict(raw, source_grid) if timm else canonicalize(raw)
     except CheckpointError as e:
         hint = "" if timm else _other_format(raw)
         raise CheckpointError(f"cannot load init_from {path}: {e}{hint}") from None
@@ -444,8 +446,13 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
         detail = header.split("\n", 1)[1]
         raise CheckpointError(line + "\n" + detail + ("\n  " + "\n  ".join(shown) if more > 0 else ""))
     if timm and spec.gelu_approximate:
-        header += ("\n  note: model uses tanh GELU; timm checkpoints were trained with the exact (erf) "
-                   "form (logits differ by ~5e-4); --config.model.gelu_approximate=False reproduces it")
+        header += ("\n  note: model uses tanh GELU; timm's and HF's ViT compute the exact (erf) form "
+                   "(logits differ by ~5e-4); --config.model.gelu_approximate=False reproduces it")
+    eps = {n.get("epsilon", 1e-6) for n in spec.slot_norms if n["name"] == "layernorm"}
+    if layout.numbering == "hf" and eps - {HF_LN_EPS}:
+        header += (f"\n  note: HF's ViT LayerNorm uses eps {HF_LN_EPS:g} (layer_norm_eps), the model "
+                   f"{', '.join(f'{e:g}' for e in sorted(eps))} (logits differ by up to ~8e-4); "
+                   f"--config.model.norm.epsilon={HF_LN_EPS:g} reproduces it")
     elif not timm and not spec.gelu_approximate:
         header += ("\n  note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
                    "form (logits differ by ~5e-4)")
@@ -464,6 +471,14 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
         if isinstance(batch_stats, frozen_dict.FrozenDict):
             new_stats = frozen_dict.freeze(new_stats)
     return (frozen_dict.freeze(out) if frozen else out), new_stats, rows
+
+
+def _canonicalize_state_dict(raw: dict[str, np.ndarray], source_grid: Sequence[int] | None
+                             ) -> tuple[dict[str, np.ndarray], Layout]:
+    """A PyTorch state dict's layout, told by its key names: HF transformers' ViT or timm's."""
+    if hf_layout.looks_like_hf(list(raw)):
+        return hf_layout.canonicalize(raw, source_grid)
+    return timm_layout.canonicalize(raw, source_grid)
 
 
 def _other_format(raw: dict[str, np.ndarray]) -> str:
