@@ -128,6 +128,9 @@ def npz_problem(head: bytes) -> str | None:
         return "a single .npy array, not an .npz archive of parameters"
     if not head:
         return "an empty file, not an .npz archive"
+    if len(head) > 8 and head[8:9] == b"{" and 1 < int.from_bytes(head[:8], "little") < 10**9:
+        return ("a .safetensors file (a PyTorch state dict), not an .npz archive: name it "
+                "FILE.safetensors to load it (docs/pretrained.md)")
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "a pickle, not an .npz archive; refusing to load it"
     return ("not an .npz archive (it does not start with the zip signature 'PK'; truncated, an "
@@ -151,6 +154,8 @@ def check_npz(path: str, key: str = "path", missing_hint: str = "") -> None:
     ``missing_hint`` ends the message of a file that does not exist (what to do)."""
     p = epath.Path(path)
     if not p.exists():
+        if str(path).startswith("~"):
+            missing_hint = " (a '~' is not expanded here: give the full path)"
         raise ValueError(f"{key}={path!r} does not exist{missing_hint}")
     if p.is_dir():
         hint = ""
@@ -161,7 +166,7 @@ def check_npz(path: str, key: str = "path", missing_hint: str = "") -> None:
         raise ValueError(f"{key}={path!r} is a directory, not an .npz file{hint}")
     try:
         with p.open("rb") as f:
-            head = f.read(8)
+            head = f.read(16)
     except OSError as e:
         raise ValueError(f"{key}={path!r} cannot be read ({type(e).__name__}: {e})") from None
     problem = npz_problem(head)

@@ -57,7 +57,7 @@ def _read_npz(path: str) -> tuple[dict[str, np.ndarray], int]:
     try:
         with p.open("rb") as f:
             # numpy takes any file that is neither zip nor .npy for a pickle: say what it is
-            problem = npz_problem(f.read(8))
+            problem = npz_problem(f.read(16))
             if problem:
                 raise CheckpointError(f"{path}: {problem}")
             f.seek(0)
@@ -130,6 +130,14 @@ class _ParamLoader:
         return tuple(np.shape(self.tgt[k]))
 
     def put(self, k: str, value: np.ndarray, action: str, source: str, note: str = "") -> None:
+        value = np.asarray(value)
+        if value.dtype.kind in "iub" and _dtype(self.tgt[k]).kind == "f":
+            # integer weights are quantized ones (their scales elsewhere) or not weights at all
+            self.errors.append(f"dtype: {source} is {value.dtype}, the model's {_dtype(self.tgt[k])} "
+                               "(quantized weights, or not a weight)")
+        elif value.dtype.kind == "f" and not np.isfinite(value).all():
+            self.errors.append(f"not finite: {source} holds {np.isnan(value).sum()} NaN and "
+                               f"{np.isinf(value).sum()} Inf values")
         self.new[k] = np.asarray(value, dtype=_dtype(self.tgt[k]))
         self.rows.append(Row(k, action, source, self.shape(k), note))
         self.used.add(source)

@@ -48,7 +48,9 @@ class Layout(NamedTuple):
     def describe(self) -> str:
         pe = "none" if self.posemb_key is None else (
             f"{self.posemb_key} ({'with' if self.class_slot else 'no'} class slot)")
-        return (f"prefix={self.prefix or '-'!s}, blocks={'scanned' if self.scanned else 'per-block'}, "
+        name = {"timm": "timm VisionTransformer state dict: ",
+                "hf": "HF transformers ViT state dict (renamed to timm's): "}.get(self.numbering, "")
+        return (f"{name}prefix={self.prefix or '-'!s}, blocks={'scanned' if self.scanned else 'per-block'}, "
                 f"numbering={self.numbering}, posemb={pe}")
 
 

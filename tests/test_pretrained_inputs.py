@@ -1,0 +1,156 @@
+"""init_from with state-dict files a user could plausibly hand it that are not what they seem: each
+is refused in one line naming the problem (exit 2 through main.py, nothing written), or, where the
+file is a readable state dict after all, loaded. Tiny random timm-layout dicts
+(test_pretrained_timm's helpers). The torch-only cases skip without torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from normvit_jax import cli, pretrained, state_dict
+from tests.test_pretrained_timm import D, NCLS, REPO_ROOT, build, load, timm_sd
+
+
+def with_dtype(path, key: str, dtype: str) -> None:
+    """Rewrites a .safetensors file's header so that ``key`` is stored as ``dtype`` (same bytes per
+    element: FP8 files without torch, which numpy cannot write)."""
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header[key]["dtype"] = dtype
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    open(path, "wb").write(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def refused(params, path, spec, pattern: str) -> str:
+    with pytest.raises(pretrained.CheckpointError, match=pattern) as e:
+        load(params, path, spec)
+    return str(e.value)
+
+
+def test_main_py_refuses_fp8_weights_in_one_line(tmp_path):
+    """FP8 tensors (scales elsewhere): safetensors' numpy reader raised an AttributeError (exit 1,
+    a traceback); now one 'Stopped:' line naming the tensor and its dtype, exit 2, no workdir."""
+    sd = timm_sd(31)
+    sd["blocks.0.attn.qkv.weight"] = np.zeros((3 * D, D), np.uint8) + 56  # FP8 bytes
+    path = tmp_path / "fp8.safetensors"
+    save_file(sd, str(path))
+    with_dtype(path, "blocks.0.attn.qkv.weight", "F8_E4M3")
+    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "main.py"),
+                        "--config=configs/vit_ln.py:demo", f"--config.init_from={path}",
+                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": REPO_ROOT}, timeout=300)
+    assert r.returncode == cli.EXIT_CONFIG, r.stderr[-3000:]
+    stopped = [line for line in (r.stdout + r.stderr).splitlines() if "Stopped:" in line]
+    assert len(stopped) == 1 and "'blocks.0.attn.qkv.weight' is F8_E4M3" in stopped[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "wd").exists()
+
+
+@pytest.mark.parametrize("case", ["int8", "bool", "nan"])
+def test_integer_and_non_finite_weights_are_refused(tmp_path, case):
+    """int8 weights (quantized, scales elsewhere) or a bool table were cast to float and loaded
+    silently, as were NaN weights (the run then stopped at step 1 with a NaN loss)."""
+    sd = timm_sd(32)
+    key = {"int8": "blocks.0.attn.qkv.weight", "bool": "pos_embed", "nan": "blocks.1.norm2.weight"}[case]
+    sd[key] = (sd[key] > 0).astype({"int8": np.int8, "bool": bool}.get(case, np.float32))
+    if case == "nan":
+        sd[key][:3] = np.nan
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    spec, _, params, _ = build()
+    want = {"int8": r"dtype: .*encoderblock_0/MultiHeadDotProductAttention_1/query/kernel is int8, "
+                    r"the model's float32 \(quantized weights, or not a weight\)",
+            "bool": r"dtype: Transformer/posembed_input/pos_embedding is bool",
+            "nan": r"not finite: Transformer/encoderblock_1/LayerNorm_2/scale holds 3 NaN and 0 Inf"}
+    first = refused(params, tmp_path / "m.safetensors", spec, want[case]).splitlines()[0]
+    assert re.search(want[case], first)
+
+
+def test_prefixes_a_user_gets_wrong_are_named(tmp_path):
+    """A 'module.' prefix on some keys only (two dicts merged) was a misleading 'not a square grid /
+    no class token' error; an EMA copy saved under its prefix named no prefix."""
+    sd = timm_sd(33)
+    spec, _, params, _ = build()
+    half = {("module." + k if k.startswith("blocks.") else k): v for k, v in sd.items()}
+    save_file(half, str(tmp_path / "ddp.safetensors"))
+    msg = refused(params, tmp_path / "ddp.safetensors", spec,
+                  r"24 of 32 keys have the 'module\.' prefix \(DistributedDataParallel; e\.g\. "
+                  r"module\.blocks\.0\.attn\.proj\.bias\), the others not \(e\.g\. cls_token\)")
+    assert "\n" not in msg
+    save_file({"model_ema." + k: v for k, v in sd.items()}, str(tmp_path / "ema.safetensors"))
+    msg = refused(params, tmp_path / "ema.safetensors", spec,
+                  r"its ViT keys are under 'model_ema\.' \(an EMA copy or a wrapper's prefix\)")
+    assert "\n" not in msg
+
+
+def test_files_named_as_another_format(tmp_path, monkeypatch):
+    """A .bin holding a safetensors file (a renamed download) loads without torch, as the same
+    file named .safetensors; an empty one, a '~' path and an .npz that is a safetensors file are
+    named in one line (they read as 'needs torch', 'does not exist', 'not a zip')."""
+    monkeypatch.setattr(state_dict, "_has_torch", lambda: False)
+    sd = timm_sd(34)
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    (tmp_path / "m.bin").write_bytes((tmp_path / "m.safetensors").read_bytes())
+    spec, _, params, _ = build()
+    lines = []
+    got, rows = pretrained.init_from_npz(params, str(tmp_path / "m.bin"), spec, NCLS, log=lines.append)
+    want, _ = load(params, tmp_path / "m.safetensors", spec)
+    assert {r.action for r in rows} == {"loaded"}
+    assert "layout: timm VisionTransformer state dict: " in lines[0]
+    for a, b in zip(jax_leaves(got), jax_leaves(want)):
+        np.testing.assert_array_equal(a, b)
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"'.*empty\.bin' is an empty file"):
+        state_dict.check(str(tmp_path / "empty.bin"))
+    with pytest.raises(ValueError, match=r"does not exist \(a '~' is not expanded here"):
+        state_dict.check("~/no_such_normvit_file.safetensors")
+    (tmp_path / "m.npz").write_bytes((tmp_path / "m.safetensors").read_bytes())
+    refused(params, tmp_path / "m.npz", spec, r"a \.safetensors file \(a PyTorch state dict\), not "
+                                              r"an \.npz archive: name it FILE\.safetensors")
+
+
+def jax_leaves(tree):
+    import jax
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+# ------------------------------------------------------------------------------------ torch only
+
+def test_torch_files_that_are_not_plain_float_tensors(tmp_path, monkeypatch):
+    """gs:// .pth (torch.load was given the URL: 'no such file'); FP8 and quantized tensors
+    (widened or a TypeError traceback) refused; a sparse tensor loads densified; an EMA-only
+    training checkpoint says how to start from it; an .npz named .pth says so."""
+    torch = pytest.importorskip("torch")
+    sd = {k: torch.from_numpy(v) for k, v in timm_sd(35).items()}
+    spec, _, params, _ = build()
+    torch.save(sd, str(tmp_path / "ok.pth"))
+    real_path = state_dict.epath.Path
+    monkeypatch.setattr(state_dict.epath, "Path", lambda p: real_path(
+        str(tmp_path / "ok.pth") if str(p).startswith("gs://") else p))
+    got, _ = state_dict.read("gs://bucket/ok.pth")
+    for k, v in sd.items():
+        np.testing.assert_array_equal(got[k], v.numpy(), err_msg=k)
+    monkeypatch.setattr(state_dict.epath, "Path", real_path)
+    fp8 = dict(sd, **{"blocks.0.attn.qkv.weight": sd["blocks.0.attn.qkv.weight"].to(torch.float8_e4m3fn)})
+    quant = dict(sd, **{"head.weight": torch.quantize_per_tensor(sd["head.weight"], 0.1, 0, torch.qint8)})
+    sparse = dict(sd, **{"head.bias": sd["head.bias"].to_sparse()})
+    for name, d in (("fp8", fp8), ("quant", quant), ("sparse", sparse)):
+        torch.save(d, str(tmp_path / f"{name}.pth"))
+    refused(params, tmp_path / "fp8.pth", spec, r"'blocks\.0\.attn\.qkv\.weight' is float8_e4m3fn \(FP8")
+    refused(params, tmp_path / "quant.pth", spec, r"'head\.weight' is qint8 \(FP8 or quantized")
+    got, _ = state_dict.read(str(tmp_path / "sparse.pth"))
+    np.testing.assert_array_equal(got["head.bias"], sd["head.bias"].numpy())
+    torch.save({"model_ema": sd, "epoch": 3}, str(tmp_path / "ema.pth"))
+    refused(params, tmp_path / "ema.pth", spec, r"an EMA copy \(model_ema\) is never taken silently: "
+                                                 r"to start from it, save it alone")
+    np.savez(str(tmp_path / "arrays.npz"), a=np.ones(3))
+    os.replace(tmp_path / "arrays.npz", tmp_path / "arrays.pth")
+    refused(params, tmp_path / "arrays.pth", spec, r"an \.npz archive \(numpy arrays\), not a PyTorch file")
