@@ -117,6 +117,22 @@ def test_files_named_as_another_format(tmp_path, monkeypatch):
                                               r"an \.npz archive: name it FILE\.safetensors")
 
 
+@pytest.mark.parametrize("extra, message", [
+    ({"blocks.0.norm1.alpha": (2,), "blocks.0.norm1.bn.weight": (D,)},
+     r"blocks\.0\.norm1\.alpha \(2,\): SLAB RepBN's alpha is one finite number, the file holds 2 values"),
+    ({"blocks.1.norm2.norm1.weight": (D,), "blocks.1.norm2.iter": (0,), "blocks.1.norm2.total_step": (1,)},
+     r"blocks\.1\.norm2\.iter \(0,\): SLAB LinearNorm's iter is one finite number"),
+], ids=["repbn_alpha", "linearnorm_iter"])
+def test_malformed_original_norm_tensors_are_named(tmp_path, extra, message):
+    """An original norm's scalar of another size was a bare 'cannot reshape array' ValueError (or,
+    for SLAB LinearNorm's empty step counter, an IndexError traceback)."""
+    sd = timm_sd(36)
+    sd.update({k: np.ones(s, np.float32) for k, s in extra.items()})
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    spec, _, params, _ = build()
+    assert "\n" not in refused(params, tmp_path / "m.safetensors", spec, "^cannot load init_from .*" + message)
+
+
 def jax_leaves(tree):
     import jax
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
