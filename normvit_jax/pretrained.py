@@ -428,6 +428,10 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
         hint = "" if timm else _other_format(raw)
         raise CheckpointError(f"cannot load init_from {path}: {e}{hint}") from None
 
+    hf_config = hf_layout.read_config(path) if layout.numbering == "hf" else None
+    problem = hf_config and hf_layout.config_problem(hf_config, spec)
+    if problem:
+        raise CheckpointError(f"cannot load init_from {path}: {problem}")
     m = _ParamLoader(tgt, src, layout, spec, stats)
     m.head(num_classes, keep_pre_logits)
     m.posemb_and_cls(image_size, source_grid)
@@ -453,14 +457,19 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
         shown = m.errors[:40] + ([f"... and {len(m.errors) - 40} more"] if len(m.errors) > 40 else [])
         detail = header.split("\n", 1)[1]
         raise CheckpointError(line + "\n" + detail + ("\n  " + "\n  ".join(shown) if more > 0 else ""))
-    if timm and spec.gelu_approximate:
+    exact = (hf_config or {}).get("hidden_act", "gelu") in hf_layout.EXACT_GELU
+    if timm and spec.gelu_approximate and exact:
         header += ("\n  note: model uses tanh GELU; timm's and HF's ViT compute the exact (erf) form "
                    "(logits differ by ~5e-4); --config.model.gelu_approximate=False reproduces it")
     eps = {n.get("epsilon", 1e-6) for n in spec.slot_norms if n["name"] == "layernorm"}
-    if layout.numbering == "hf" and eps - {HF_LN_EPS}:
-        header += (f"\n  note: HF's ViT LayerNorm uses eps {HF_LN_EPS:g} (layer_norm_eps), the model "
+    hf_eps = float((hf_config or {}).get("layer_norm_eps", HF_LN_EPS))
+    if layout.numbering == "hf" and eps - {hf_eps}:
+        header += (f"\n  note: HF's ViT LayerNorm uses eps {hf_eps:g} (layer_norm_eps), the model "
                    f"{', '.join(f'{e:g}' for e in sorted(eps))} (logits differ by up to ~8e-4); "
-                   f"--config.model.norm.epsilon={HF_LN_EPS:g} reproduces it")
+                   f"--config.model.norm.epsilon={hf_eps:g} reproduces it")
+    elif not spec.gelu_approximate and not exact:
+        header += (f"\n  note: model uses exact (erf) GELU; the checkpoint's config.json says hidden_act="
+                   f"{hf_config['hidden_act']!r}, the tanh form; --config.model.gelu_approximate=True")
     elif not timm and not spec.gelu_approximate:
         header += ("\n  note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
                    "form (logits differ by ~5e-4)")

@@ -9,6 +9,8 @@ The last test needs torch and transformers (skipped without them).
 """
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +93,26 @@ def test_hf_vitmodel_pooler_is_pre_logits(tmp_path):
     _, rows = load(params, tmp_path / "model.safetensors", spec)
     assert sum(r.action == "dropped" and r.source.startswith("pre_logits") for r in rows) == 2
     assert {r.action for r in rows if r.param.startswith("head/")} == {"reinit"}
+
+
+def test_hf_config_json_beside_the_file_is_checked(tmp_path):
+    """The heads are not in the weights (q/k/v are (D, D) for 1, 2, 4 or 8 heads: the file loads
+    into a 4-head model and computes another function); a hub folder's config.json says them."""
+    save_file(hf_sd(timm_sd(25)), str(tmp_path / "model.safetensors"))
+    cfg = {"model_type": "vit", "num_attention_heads": 4, "hidden_act": "gelu", "layer_norm_eps": 1e-5}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec, _, params, _ = build(**EPS)
+    with pytest.raises(pretrained.CheckpointError, match=r"its config\.json says num_attention_heads=4, "
+                                                         r"the model has num_heads=2") as e:
+        load(params, tmp_path / "model.safetensors", spec)
+    assert "\n" not in str(e.value)
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, num_attention_heads=2)))
+    lines = []
+    pretrained.init_from_npz(params, str(tmp_path / "model.safetensors"), spec, NCLS, log=lines.append)
+    assert "HF's ViT LayerNorm uses eps 1e-05 (layer_norm_eps), the model 1e-12" in lines[0]
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, num_attention_heads=2, hidden_act="relu")))
+    with pytest.raises(pretrained.CheckpointError, match=r"hidden_act='relu'; this ViT's MLP uses GELU"):
+        load(params, tmp_path / "model.safetensors", spec)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -12,10 +12,12 @@ model's norm config sets (docs/pretrained.md).
 """
 from __future__ import annotations
 
+import json
 import re
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
+from etils import epath
 
 from normvit_jax.models import timm_layout
 from normvit_jax.models.google_layout import CheckpointError, Layout
@@ -41,6 +43,35 @@ REFUSED = (
     (r"(^|\.)embeddings\.mask_token$|^decoder\.",
      "a mask token (HF ViTForMaskedImageModeling / use_mask_token=True)"),
 )
+
+
+# HF hidden_act names of the two GELUs (transformers' activations.py); others are not this ViT's
+EXACT_GELU, TANH_GELU = ("gelu",), ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate")
+
+
+def read_config(path: str) -> dict[str, Any] | None:
+    """The ``config.json`` beside an HF weights file (a hub folder holds one), if it is a ViT's."""
+    p = epath.Path(path).parent / "config.json"
+    try:
+        cfg = json.loads(p.read_text()) if p.exists() else None
+    except (OSError, ValueError):
+        return None  # another file of that name: the weights alone decide, as without one
+    return cfg if isinstance(cfg, dict) and cfg.get("model_type") in ("vit", "deit") else None
+
+
+def config_problem(cfg: Mapping[str, Any], spec: Any) -> str | None:
+    """What the weights cannot say and ``config.json`` does, when it contradicts the model: the
+    number of heads (q/k/v are (D, D) for any head count: a wrong one computes another function)
+    and the activation."""
+    heads = cfg.get("num_attention_heads")
+    if heads is not None and heads != spec.num_heads:
+        return (f"its config.json says num_attention_heads={heads}, the model has num_heads="
+                f"{spec.num_heads} (the weights load either way, as another function): set "
+                f"model.num_heads={heads}")
+    act = cfg.get("hidden_act", "gelu")
+    if act not in EXACT_GELU + TANH_GELU:
+        return f"its config.json says hidden_act={act!r}; this ViT's MLP uses GELU"
+    return None
 
 
 def looks_like_hf(keys: Sequence[str]) -> bool:
