@@ -501,6 +501,10 @@ def _canonicalize_state_dict(raw: dict[str, np.ndarray], source_grid: Sequence[i
 def _other_format(raw: dict[str, np.ndarray]) -> str:
     """A hint naming the format of a file that is not one of Google's ViT layouts."""
     keys = list(raw)
+    if hf_layout.looks_like_hf(keys):
+        return ("; its keys are an HF transformers ViT state dict ('vit.embeddings...', "
+                "'encoder.layer.0...'): an .npz is read as Google's layouts; save it as "
+                ".safetensors to load it (docs/pretrained.md)")
     if timm_layout.looks_like_timm(keys):
         return ("; its keys are a timm / PyTorch state dict ('patch_embed.proj.weight', "
                 "'blocks.0.norm1.weight'): an .npz is read as Google's vit_jax, AugReg or big_vision "

@@ -131,6 +131,14 @@ def test_hf_refusals_are_one_line(tmp_path, extra, message):
     assert "\n" not in str(e.value)
 
 
+def test_hf_names_in_an_npz_are_named(tmp_path):
+    np.savez(str(tmp_path / "hf.npz"), **hf_sd(timm_sd(26)))
+    spec, _, params, _ = build(**EPS)
+    with pytest.raises(pretrained.CheckpointError, match=r"its keys are an HF transformers ViT state "
+                                                         r"dict .*save it as \.safetensors"):
+        load(params, tmp_path / "hf.npz", spec)
+
+
 def test_real_transformers_vit_logits(tmp_path):
     """transformers' own ViTForImageClassification (random init, weights perturbed), written by
     save_pretrained (model.safetensors) and by torch.save(model.state_dict()) (transformers 5's

@@ -112,6 +112,10 @@ def test_files_named_as_another_format(tmp_path, monkeypatch):
         state_dict.check(str(tmp_path / "empty.bin"))
     with pytest.raises(ValueError, match=r"does not exist \(a '~' is not expanded here"):
         state_dict.check("~/no_such_normvit_file.safetensors")
+    save_file({"embedding/kernel": sd["patch_embed.proj.weight"].transpose(2, 3, 1, 0),
+               "cls": sd["cls_token"]}, str(tmp_path / "google.safetensors"))
+    refused(params, tmp_path / "google.safetensors", spec,
+            r"its keys are Google's ViT names \(embedding/kernel\): save them as an \.npz")
     (tmp_path / "m.npz").write_bytes((tmp_path / "m.safetensors").read_bytes())
     refused(params, tmp_path / "m.npz", spec, r"a \.safetensors file \(a PyTorch state dict\), not "
                                               r"an \.npz archive: name it FILE\.safetensors")

@@ -72,9 +72,12 @@ def canonicalize(sd: Mapping[str, np.ndarray], source_grid: Sequence[int] | None
     if "patch_embed.proj.weight" not in sd:
         under = next((k[:-len("patch_embed.proj.weight")] for k in sd
                       if k.endswith(".patch_embed.proj.weight")), None)
+        google = next((k for k in sd if k.endswith("embedding/kernel")), None)
         hint = (f"; its ViT keys are under {under!r} (an EMA copy or a wrapper's prefix): strip it "
                 f"and save again, {{k[{len(under)}:]: v for k, v in sd.items() if "
                 f"k.startswith({under!r})}}" if under else
+                f"; its keys are Google's ViT names ({google}): save them as an .npz "
+                "(np.savez) to load them as Google's layouts" if google else
                 f"; first keys: {sorted(sd)[:6]}")
         raise CheckpointError("no 'patch_embed.proj.weight': not a timm (or HF transformers) "
                               f"VisionTransformer state dict{hint}")
