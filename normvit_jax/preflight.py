@@ -42,6 +42,9 @@ def check(config: Any, workdir: str) -> None:
         if path and str(path).startswith("gs://"):
             check_gcs_credentials(str(path), what=what)
     from normvit_jax import state_dict  # imports jax (CheckpointError): not before it is needed
+    if init_from and config.get("init_source_grid"):
+        from normvit_jax.models import google_layout
+        google_layout.parse_grid(config.init_source_grid, key="config.init_source_grid")
     if init_from and not workdir_lib.is_remote(init_from) and state_dict.is_state_dict_path(init_from):
         state_dict.check(init_from, key="config.init_from")  # timm / PyTorch (docs/pretrained.md)
     elif init_from and not workdir_lib.is_remote(init_from):

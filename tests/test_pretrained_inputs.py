@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -138,7 +139,6 @@ def test_malformed_original_norm_tensors_are_named(tmp_path, extra, message):
 
 
 def jax_leaves(tree):
-    import jax
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
@@ -174,3 +174,37 @@ def test_torch_files_that_are_not_plain_float_tensors(tmp_path, monkeypatch):
     np.savez(str(tmp_path / "arrays.npz"), a=np.ones(3))
     os.replace(tmp_path / "arrays.npz", tmp_path / "arrays.pth")
     refused(params, tmp_path / "arrays.pth", spec, r"an \.npz archive \(numpy arrays\), not a PyTorch file")
+
+
+def test_a_non_square_grid_loads_through_the_config(tmp_path):
+    """A 2x3 pos_embed grid (+ class slot): without a grid the error named only the Python keyword
+    (source_grid=), which main.py could not pass; config.init_source_grid='2x3' now reaches the
+    loader (the loop's path). Corner-aligned 2x3 -> 2x2 keeps columns 0 and 2 exactly."""
+    from flax import traverse_util
+
+    from normvit_jax import sharding
+    from normvit_jax.models import google_layout
+    from normvit_jax.train import build as build_lib
+    from normvit_jax.train import optimizer, setup
+    from tests.conftest import tiny_demo_config
+
+    sd = timm_sd(37)
+    sd["pos_embed"] = np.random.default_rng(38).normal(size=(1, 7, D)).astype(np.float32)
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    spec, _, params, _ = build()
+    refused(params, tmp_path / "m.safetensors", spec, r"7 patch positions are not a square grid; "
+                                                      r"pass the grid: --config\.init_source_grid=ROWSxCOLS")
+    with pytest.raises(ValueError, match=r"init_source_grid='2,3' is not a grid ROWSxCOLS"):
+        google_layout.parse_grid("2,3")
+    cfg = tiny_demo_config(**{"model.hidden_size": D, "model.mlp_dim": 16, "model.patch_size": 4})
+    cfg.init_from, cfg.init_source_grid = str(tmp_path / "m.safetensors"), "2x3"
+    run_spec = setup.validate_config(cfg, 1)
+    model = setup.create_model(cfg, 10, run_spec)
+    tx, _ = optimizer.create(cfg, 6)
+    state, shardings = setup.create_train_state(model, tx, (8, 8, 3), sharding.make_mesh(cfg),
+                                                jax.random.key(0))
+    new = build_lib.init_from_pretrained(cfg, run_spec, 10, state, tx, shardings)
+    pe = traverse_util.flatten_dict(new.params, sep="/")["Transformer/posembed_input/pos_embedding"]
+    grid = sd["pos_embed"][0, 1:].reshape(2, 3, D)
+    np.testing.assert_allclose(np.asarray(pe)[0, 1:], grid[:, [0, 2]].reshape(4, D), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(pe)[0, 0], sd["pos_embed"][0, 0])
