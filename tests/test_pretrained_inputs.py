@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from normvit_jax import cli, pretrained, state_dict
+from normvit_jax import cli, preflight, pretrained, state_dict
 from tests.test_pretrained_timm import D, NCLS, REPO_ROOT, build, load, timm_sd
 
 
@@ -197,7 +197,11 @@ def test_a_non_square_grid_loads_through_the_config(tmp_path):
     with pytest.raises(ValueError, match=r"init_source_grid='2,3' is not a grid ROWSxCOLS"):
         google_layout.parse_grid("2,3")
     cfg = tiny_demo_config(**{"model.hidden_size": D, "model.mlp_dim": 16, "model.patch_size": 4})
-    cfg.init_from, cfg.init_source_grid = str(tmp_path / "m.safetensors"), "2x3"
+    cfg.init_from, cfg.init_source_grid = str(tmp_path / "m.safetensors"), "2,3"
+    with pytest.raises(ValueError, match=r"^config\.init_source_grid='2,3' is not a grid"):
+        preflight.check(cfg, str(tmp_path / "wd"))  # before anything is written
+    assert not (tmp_path / "wd").exists()
+    cfg.init_source_grid = "2x3"
     run_spec = setup.validate_config(cfg, 1)
     model = setup.create_model(cfg, 10, run_spec)
     tx, _ = optimizer.create(cfg, 6)
