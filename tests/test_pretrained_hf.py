@@ -118,9 +118,10 @@ def test_hf_config_json_beside_the_file_is_checked(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     ({"deit.embeddings.distillation_token": (1, 1, D)}, r"a distillation token .*distillation_token"),
     ({"vit.embeddings.mask_token": (1, 1, D)}, r"a mask token"),
+    ({"decoder.decoder_embed.weight": (D, D)}, r"a pre-training decoder .*save the encoder alone"),
     ({"blocks.0.norm1.weight": (D,)}, r"the keys mix two layouts: HF transformers' .* and timm's "
                                       r"\(blocks\.0\.norm1\.weight\)"),
-], ids=["deit_distilled", "mask_token", "mixed_with_timm"])
+], ids=["deit_distilled", "mask_token", "mae_decoder", "mixed_with_timm"])
 def test_hf_refusals_are_one_line(tmp_path, extra, message):
     hf = hf_sd(timm_sd(24))
     hf.update({k: np.full(s, 0.1, np.float32) for k, s in extra.items()})

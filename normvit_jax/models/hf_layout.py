@@ -40,8 +40,10 @@ _QKV = {f"attention.{a}": i for i, names in enumerate((("attention.query", "q_pr
 REFUSED = (
     (r"(^|\.)embeddings\.distillation_token$|^(cls|distillation)_classifier\.",
      "a distillation token (HF DeiT: embeddings.distillation_token; facebook/deit-*-distilled)"),
-    (r"(^|\.)embeddings\.mask_token$|^decoder\.",
-     "a mask token (HF ViTForMaskedImageModeling / use_mask_token=True)"),
+    (r"(^|\.)embeddings\.mask_token$", "a mask token (HF ViTForMaskedImageModeling / "
+     "use_mask_token=True)"),
+    (r"^decoder\.", "a pre-training decoder (HF ViTForMaskedImageModeling, ViTMAEForPreTraining): "
+     "save the encoder alone (model.vit.state_dict())"),
 )
 
 
