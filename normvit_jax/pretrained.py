@@ -11,6 +11,7 @@ Every mismatch raises ``CheckpointError`` naming the keys and shapes: never a si
 """
 from __future__ import annotations
 
+import re
 import zipfile
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -446,6 +447,7 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
               + f"\n  checkpoint: {summary(src)}\n  model:      {summary(tgt)}")
     if m.errors:
         # The first line says it all (what differs, the first arrays); the full list follows.
+        m.errors = fold_errors(m.errors)
         a, b = dims(src), dims(tgt)
         diff = [f"{k} (checkpoint {a[k]}, model {b[k]})" for k in a
                 if a[k] != b[k] and "?" not in (a[k], b[k])]
@@ -513,6 +515,28 @@ def _other_format(raw: dict[str, np.ndarray]) -> str:
     return ""
 
 
+def block_span(blocks: Sequence[int]) -> str:
+    """Block indices as runs, '0..1,3..11': a gap (a block with another norm) is never covered."""
+    runs: list[list[int]] = []
+    for i in sorted(set(blocks)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}..{b}" for a, b in runs)
+
+
+def fold_errors(errors: Sequence[str]) -> list[str]:
+    """Errors that differ only in the block index, one line each (a ViT-B of another width: 16
+    lines, not 192)."""
+    groups: dict[str, list[int]] = {}
+    for e in errors:
+        m = re.search(r"encoderblock_(\d+)/", e)
+        key = re.sub(r"encoderblock_\d+/", "encoderblock_{i}/", e) if m else e
+        groups.setdefault(key, []).extend([int(m.group(1))] if m else [])
+    return [k.replace("{i}", block_span(v)) if v else k for k, v in groups.items()]
+
+
 def format_report(rows: Sequence[Row], header: str = "") -> str:
     """A table of the rows; rows that differ only in the block index are folded into one line."""
     groups: dict[tuple, list[int]] = {}
@@ -525,7 +549,7 @@ def format_report(rows: Sequence[Row], header: str = "") -> str:
     for (param, action, source, shape, note), idx in groups.items():
         blocks = sorted(i for i in idx if i >= 0)
         if blocks:
-            span = f"{blocks[0]}" if len(blocks) == 1 else f"{blocks[0]}..{blocks[-1]}"
+            span = block_span(blocks)
             param = param.replace("{i}", span)
             source = source.replace("{i}", span)
         src_col = "" if source in ("", param) else f"<- {source}"

@@ -212,3 +212,30 @@ def test_a_non_square_grid_loads_through_the_config(tmp_path):
     grid = sd["pos_embed"][0, 1:].reshape(2, 3, D)
     np.testing.assert_allclose(np.asarray(pe)[0, 1:], grid[:, [0, 2]].reshape(4, D), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(pe)[0, 0], sd["pos_embed"][0, 0])
+
+
+def test_report_and_errors_fold_blocks_without_covering_gaps(tmp_path):
+    """A block with another norm (norm_overrides.block_2) was covered by the others' range
+    ('encoderblock_0..3/LayerNorm_0/bias loaded' while block 2's was dropped); errors of a
+    wrong width were one line per block (a ViT-B: 192, 40 shown)."""
+    import jax.numpy as jnp
+
+    from normvit_jax import models
+    save_file(timm_sd(39, depth=4), str(tmp_path / "m.safetensors"))
+
+    def model(width=D, **kw):
+        spec = models.spec_of(dict(name="vit", patch_size=4, hidden_size=width, depth=4,
+                                   num_heads=2, mlp_dim=16, **kw), NCLS)
+        return spec, models.create(spec).init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))["params"]
+    spec, params = model(norm_overrides={"block_2": "rmsnorm"})
+    lines = []
+    pretrained.init_from_npz(params, str(tmp_path / "m.safetensors"), spec, NCLS, log=lines.append)
+    table = lines[0]
+    assert re.search(r"encoderblock_0\.\.1,3/LayerNorm_0/bias +\(8,\) +loaded", table), table
+    assert re.search(r"encoderblock_2/LayerNorm_0/bias +\(8,\) +dropped +rmsnorm has no 'bias'", table)
+    assert "encoderblock_0..3/LayerNorm" not in table
+    spec, params = model(width=12)
+    msg = refused(params, tmp_path / "m.safetensors", spec, r"differs from the checkpoint in width")
+    assert ("shape mismatch: Transformer/encoderblock_0..3/LayerNorm_0/scale checkpoint (8,) vs "
+            "model (12,)") in msg
+    assert "encoderblock_1/" not in msg and len(msg.splitlines()) < 30  # unfolded: 45
