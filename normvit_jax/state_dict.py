@@ -121,6 +121,11 @@ def _read_safetensors(path: str) -> dict[str, Any]:
 
     def tensors(local: str) -> dict[str, Any]:
         with safe_open(local, framework="np") as f:  # (safetensors.numpy.load has no bfloat16)
+            fmt = (f.metadata() or {}).get("format", "pt")
+            if fmt in ("tf", "flax", "jax", "mlx"):  # transformers' other frameworks: other layouts
+                raise CheckpointError(f"{path}: saved from {fmt} (metadata format={fmt!r}): its names "
+                                      "and kernel layouts are not PyTorch's; use the PyTorch weights "
+                                      "(the hub's model.safetensors / pytorch_model.bin)")
             for k in f.keys():
                 dtype = f.get_slice(k).get_dtype()
                 if dtype.startswith("F") and dtype not in FLOATS:

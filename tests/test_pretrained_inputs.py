@@ -108,6 +108,10 @@ def test_files_named_as_another_format(tmp_path, monkeypatch):
     assert "layout: timm VisionTransformer state dict: " in lines[0]
     for a, b in zip(jax_leaves(got), jax_leaves(want)):
         np.testing.assert_array_equal(a, b)
+    save_file(sd, str(tmp_path / "meta.safetensors"), metadata={"format": "pt", "note": "ok"})
+    assert state_dict.read(str(tmp_path / "meta.safetensors"))[0].keys() == sd.keys()
+    save_file(sd, str(tmp_path / "flax.safetensors"), metadata={"format": "flax"})
+    refused(params, tmp_path / "flax.safetensors", spec, r"saved from flax \(metadata format='flax'\)")
     (tmp_path / "empty.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"'.*empty\.bin' is an empty file"):
         state_dict.check(str(tmp_path / "empty.bin"))
