@@ -463,18 +463,18 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
     if timm and spec.gelu_approximate and exact:
         header += ("\n  note: model uses tanh GELU; timm's and HF's ViT compute the exact (erf) form "
                    "(logits differ by ~5e-4); --config.model.gelu_approximate=False reproduces it")
-    eps = {n.get("epsilon", 1e-6) for n in spec.slot_norms if n["name"] == "layernorm"}
-    hf_eps = float((hf_config or {}).get("layer_norm_eps", HF_LN_EPS))
-    if layout.numbering == "hf" and eps - {hf_eps}:
-        header += (f"\n  note: HF's ViT LayerNorm uses eps {hf_eps:g} (layer_norm_eps), the model "
-                   f"{', '.join(f'{e:g}' for e in sorted(eps))} (logits differ by up to ~8e-4); "
-                   f"--config.model.norm.epsilon={hf_eps:g} reproduces it")
     elif not spec.gelu_approximate and not exact:
         header += (f"\n  note: model uses exact (erf) GELU; the checkpoint's config.json says hidden_act="
                    f"{hf_config['hidden_act']!r}, the tanh form; --config.model.gelu_approximate=True")
     elif not timm and not spec.gelu_approximate:
         header += ("\n  note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
                    "form (logits differ by ~5e-4)")
+    eps = {n.get("epsilon", 1e-6) for n in spec.slot_norms if n["name"] == "layernorm"}
+    hf_eps = float((hf_config or {}).get("layer_norm_eps", HF_LN_EPS))
+    if layout.numbering == "hf" and eps - {hf_eps}:
+        header += (f"\n  note: HF's ViT LayerNorm uses eps {hf_eps:g} (layer_norm_eps), the model "
+                   f"{', '.join(f'{e:g}' for e in sorted(eps))} (logits differ by up to ~8e-4); "
+                   f"--config.model.norm.epsilon={hf_eps:g} reproduces it")
     order = {k: i for i, k in enumerate(tgt)}
     rows = sorted(m.rows, key=lambda r: len(order) + 1 if r.action == "dropped"
                   else order.get(r.param, len(order)))  # batch_stats after the parameters

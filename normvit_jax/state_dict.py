@@ -49,8 +49,11 @@ def check(path: str, key: str = "path") -> None:
     if p.is_dir():
         raise CheckpointError(f"{key}={path!r} is a directory, not a state dict file (give the "
                               "file in it, e.g. DIR/model.safetensors)")
-    with p.open("rb") as f:
-        head = f.read(16)
+    try:
+        with p.open("rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        raise CheckpointError(f"{key}={path!r} cannot be read ({type(e).__name__}: {e})") from None
     if not head:
         raise CheckpointError(f"{key}={path!r} is an empty file (an interrupted download?)")
     if str(path).lower().endswith(TORCH) and not is_safetensors(head) and not _has_torch():

@@ -110,6 +110,12 @@ def test_hf_config_json_beside_the_file_is_checked(tmp_path):
     lines = []
     pretrained.init_from_npz(params, str(tmp_path / "model.safetensors"), spec, NCLS, log=lines.append)
     assert "HF's ViT LayerNorm uses eps 1e-05 (layer_norm_eps), the model 1e-12" in lines[0]
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, num_attention_heads=2,
+                                                          hidden_act="gelu_new")))
+    lines = []
+    pretrained.init_from_npz(params, str(tmp_path / "model.safetensors"), spec, NCLS, log=lines.append)
+    assert "config.json says hidden_act='gelu_new', the tanh form" in lines[0]  # with the eps note
+    assert "HF's ViT LayerNorm uses eps 1e-05" in lines[0]
     (tmp_path / "config.json").write_text(json.dumps(dict(cfg, num_attention_heads=2, hidden_act="relu")))
     with pytest.raises(pretrained.CheckpointError, match=r"hidden_act='relu'; this ViT's MLP uses GELU"):
         load(params, tmp_path / "model.safetensors", spec)
