@@ -198,6 +198,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3          # newest checkpoints kept
     c.init_from = placeholder(str)  # path or gs:// of a Google ViT .npz to start from (docs/pretrained.md)
     c.init_keep_pre_logits = placeholder(bool)  # keep the file's pre_logits layer (None: if model.representation_size)
+    c.init_source_grid = placeholder(str)  # the file's posemb grid 'ROWSxCOLS' when it is not square (None: square)
     c.allow_config_change = False   # resume a workdir whose saved config differs
     c.skip_nonfinite_steps = 0      # 0: stop on a NaN/Inf; N: skip such updates, stop after N in a row
     c.eval_analysis_images = 16     # eval images whose token statistics, norm gates and attention

@@ -42,6 +42,9 @@ def check(config: Any, workdir: str) -> None:
         if path and str(path).startswith("gs://"):
             check_gcs_credentials(str(path), what=what)
     from normvit_jax import state_dict  # imports jax (CheckpointError): not before it is needed
+    if init_from and config.get("init_source_grid"):
+        from normvit_jax.models import google_layout
+        google_layout.parse_grid(config.init_source_grid, key="config.init_source_grid")
     if init_from and not workdir_lib.is_remote(init_from) and state_dict.is_state_dict_path(init_from):
         state_dict.check(init_from, key="config.init_from")  # timm / PyTorch (docs/pretrained.md)
     elif init_from and not workdir_lib.is_remote(init_from):
@@ -128,6 +131,9 @@ def npz_problem(head: bytes) -> str | None:
         return "a single .npy array, not an .npz archive of parameters"
     if not head:
         return "an empty file, not an .npz archive"
+    if len(head) > 8 and head[8:9] == b"{" and 1 < int.from_bytes(head[:8], "little") < 10**9:
+        return ("a .safetensors file (a PyTorch state dict), not an .npz archive: name it "
+                "FILE.safetensors to load it (docs/pretrained.md)")
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "a pickle, not an .npz archive; refusing to load it"
     return ("not an .npz archive (it does not start with the zip signature 'PK'; truncated, an "
@@ -151,6 +157,8 @@ def check_npz(path: str, key: str = "path", missing_hint: str = "") -> None:
     ``missing_hint`` ends the message of a file that does not exist (what to do)."""
     p = epath.Path(path)
     if not p.exists():
+        if str(path).startswith("~"):
+            missing_hint = " (a '~' is not expanded here: give the full path)"
         raise ValueError(f"{key}={path!r} does not exist{missing_hint}")
     if p.is_dir():
         hint = ""
@@ -161,7 +169,7 @@ def check_npz(path: str, key: str = "path", missing_hint: str = "") -> None:
         raise ValueError(f"{key}={path!r} is a directory, not an .npz file{hint}")
     try:
         with p.open("rb") as f:
-            head = f.read(8)
+            head = f.read(16)
     except OSError as e:
         raise ValueError(f"{key}={path!r} cannot be read ({type(e).__name__}: {e})") from None
     problem = npz_problem(head)

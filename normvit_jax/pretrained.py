@@ -11,6 +11,7 @@ Every mismatch raises ``CheckpointError`` naming the keys and shapes: never a si
 """
 from __future__ import annotations
 
+import re
 import zipfile
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -20,7 +21,7 @@ from flax import traverse_util
 from flax.core import frozen_dict
 
 from normvit_jax import models, state_dict
-from normvit_jax.models import original_norms, scan_convert, timm_layout
+from normvit_jax.models import hf_layout, original_norms, scan_convert, timm_layout
 from normvit_jax.models.google_layout import (BLOCK, MODEL_ONLY, NORM_SLOTS, POSEMB,
                                               CheckpointError, Layout, canonicalize, check_family,
                                               dims, flat_heads, grid_of, resample_grid, slot_of,
@@ -31,6 +32,8 @@ from normvit_jax.preflight import npz_problem
 __all__ = ["CheckpointError", "Row", "format_report", "init_from_checkpoint", "init_from_npz", "load_npz",
            "resample_grid"]
 
+HF_LN_EPS = 1e-12  # transformers' ViTConfig.layer_norm_eps
+PYTORCH_NUMBERINGS = ("timm", "hf")  # Layout.numbering of the state dict layouts
 RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")  # torch BatchNorm buffers
 
 
@@ -55,7 +58,7 @@ def _read_npz(path: str) -> tuple[dict[str, np.ndarray], int]:
     try:
         with p.open("rb") as f:
             # numpy takes any file that is neither zip nor .npy for a pickle: say what it is
-            problem = npz_problem(f.read(8))
+            problem = npz_problem(f.read(16))
             if problem:
                 raise CheckpointError(f"{path}: {problem}")
             f.seek(0)
@@ -128,6 +131,14 @@ class _ParamLoader:
         return tuple(np.shape(self.tgt[k]))
 
     def put(self, k: str, value: np.ndarray, action: str, source: str, note: str = "") -> None:
+        value = np.asarray(value)
+        if value.dtype.kind in "iub" and _dtype(self.tgt[k]).kind == "f":
+            # integer weights are quantized ones (their scales elsewhere) or not weights at all
+            self.errors.append(f"dtype: {source} is {value.dtype}, the model's {_dtype(self.tgt[k])} "
+                               "(quantized weights, or not a weight)")
+        elif value.dtype.kind == "f" and not np.isfinite(value).all():
+            self.errors.append(f"not finite: {source} holds {np.isnan(value).sum()} NaN and "
+                               f"{np.isinf(value).sum()} Inf values")
         self.new[k] = np.asarray(value, dtype=_dtype(self.tgt[k]))
         self.rows.append(Row(k, action, source, self.shape(k), note))
         self.used.add(source)
@@ -313,7 +324,7 @@ class _ParamLoader:
         both); other buffers under the model's statistic's own name and shape load as they are
         (PowerNorm's running_phi, ema_gz, t); the model's statistics the file lacks stay at init,
         reported. Google's files hold none: their report stays as it was."""
-        if self.stats is None or self.layout.numbering != "timm":
+        if self.stats is None or self.layout.numbering not in PYTORCH_NUMBERINGS:
             return
         for k in sorted(self.src):
             slot = slot_of(k, self.slots)
@@ -413,11 +424,15 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
         raw, n_bf16 = _read_npz(path)
         read_note = f"{n_bf16} bfloat16 arrays widened" if n_bf16 else ""
     try:
-        src, layout = timm_layout.canonicalize(raw, source_grid) if timm else canonicalize(raw)
+        src, layout = _canonicalize_state_dict(raw, source_grid) if timm else canonicalize(raw)
     except CheckpointError as e:
         hint = "" if timm else _other_format(raw)
         raise CheckpointError(f"cannot load init_from {path}: {e}{hint}") from None
 
+    hf_config = hf_layout.read_config(path) if layout.numbering == "hf" else None
+    problem = hf_config and hf_layout.config_problem(hf_config, spec)
+    if problem:
+        raise CheckpointError(f"cannot load init_from {path}: {problem}")
     m = _ParamLoader(tgt, src, layout, spec, stats)
     m.head(num_classes, keep_pre_logits)
     m.posemb_and_cls(image_size, source_grid)
@@ -432,6 +447,7 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
               + f"\n  checkpoint: {summary(src)}\n  model:      {summary(tgt)}")
     if m.errors:
         # The first line says it all (what differs, the first arrays); the full list follows.
+        m.errors = fold_errors(m.errors)
         a, b = dims(src), dims(tgt)
         diff = [f"{k} (checkpoint {a[k]}, model {b[k]})" for k in a
                 if a[k] != b[k] and "?" not in (a[k], b[k])]
@@ -443,12 +459,22 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
         shown = m.errors[:40] + ([f"... and {len(m.errors) - 40} more"] if len(m.errors) > 40 else [])
         detail = header.split("\n", 1)[1]
         raise CheckpointError(line + "\n" + detail + ("\n  " + "\n  ".join(shown) if more > 0 else ""))
-    if timm and spec.gelu_approximate:
-        header += ("\n  note: model uses tanh GELU; timm checkpoints were trained with the exact (erf) "
-                   "form (logits differ by ~5e-4); --config.model.gelu_approximate=False reproduces it")
+    exact = (hf_config or {}).get("hidden_act", "gelu") in hf_layout.EXACT_GELU
+    if timm and spec.gelu_approximate and exact:
+        header += ("\n  note: model uses tanh GELU; timm's and HF's ViT compute the exact (erf) form "
+                   "(logits differ by ~5e-4); --config.model.gelu_approximate=False reproduces it")
+    elif not spec.gelu_approximate and not exact:
+        header += (f"\n  note: model uses exact (erf) GELU; the checkpoint's config.json says hidden_act="
+                   f"{hf_config['hidden_act']!r}, the tanh form; --config.model.gelu_approximate=True")
     elif not timm and not spec.gelu_approximate:
         header += ("\n  note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
                    "form (logits differ by ~5e-4)")
+    eps = {n.get("epsilon", 1e-6) for n in spec.slot_norms if n["name"] == "layernorm"}
+    hf_eps = float((hf_config or {}).get("layer_norm_eps", HF_LN_EPS))
+    if layout.numbering == "hf" and eps - {hf_eps}:
+        header += (f"\n  note: HF's ViT LayerNorm uses eps {hf_eps:g} (layer_norm_eps), the model "
+                   f"{', '.join(f'{e:g}' for e in sorted(eps))} (logits differ by up to ~8e-4); "
+                   f"--config.model.norm.epsilon={hf_eps:g} reproduces it")
     order = {k: i for i, k in enumerate(tgt)}
     rows = sorted(m.rows, key=lambda r: len(order) + 1 if r.action == "dropped"
                   else order.get(r.param, len(order)))  # batch_stats after the parameters
@@ -466,15 +492,49 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
     return (frozen_dict.freeze(out) if frozen else out), new_stats, rows
 
 
+def _canonicalize_state_dict(raw: dict[str, np.ndarray], source_grid: Sequence[int] | None
+                             ) -> tuple[dict[str, np.ndarray], Layout]:
+    """A PyTorch state dict's layout, told by its key names: HF transformers' ViT or timm's."""
+    if hf_layout.looks_like_hf(list(raw)):
+        return hf_layout.canonicalize(raw, source_grid)
+    return timm_layout.canonicalize(raw, source_grid)
+
+
 def _other_format(raw: dict[str, np.ndarray]) -> str:
     """A hint naming the format of a file that is not one of Google's ViT layouts."""
     keys = list(raw)
+    if hf_layout.looks_like_hf(keys):
+        return ("; its keys are an HF transformers ViT state dict ('vit.embeddings...', "
+                "'encoder.layer.0...'): an .npz is read as Google's layouts; save it as "
+                ".safetensors to load it (docs/pretrained.md)")
     if timm_layout.looks_like_timm(keys):
         return ("; its keys are a timm / PyTorch state dict ('patch_embed.proj.weight', "
                 "'blocks.0.norm1.weight'): an .npz is read as Google's vit_jax, AugReg or big_vision "
                 "layout; save the state dict as .safetensors (or .pth) to load it as timm's "
                 "(docs/pretrained.md)")
     return ""
+
+
+def block_span(blocks: Sequence[int]) -> str:
+    """Block indices as runs, '0..1,3..11': a gap (a block with another norm) is never covered."""
+    runs: list[list[int]] = []
+    for i in sorted(set(blocks)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}..{b}" for a, b in runs)
+
+
+def fold_errors(errors: Sequence[str]) -> list[str]:
+    """Errors that differ only in the block index, one line each (a ViT-B of another width: 16
+    lines, not 192)."""
+    groups: dict[str, list[int]] = {}
+    for e in errors:
+        m = re.search(r"encoderblock_(\d+)/", e)
+        key = re.sub(r"encoderblock_\d+/", "encoderblock_{i}/", e) if m else e
+        groups.setdefault(key, []).extend([int(m.group(1))] if m else [])
+    return [k.replace("{i}", block_span(v)) if v else k for k, v in groups.items()]
 
 
 def format_report(rows: Sequence[Row], header: str = "") -> str:
@@ -489,7 +549,7 @@ def format_report(rows: Sequence[Row], header: str = "") -> str:
     for (param, action, source, shape, note), idx in groups.items():
         blocks = sorted(i for i in idx if i >= 0)
         if blocks:
-            span = f"{blocks[0]}" if len(blocks) == 1 else f"{blocks[0]}..{blocks[-1]}"
+            span = block_span(blocks)
             param = param.replace("{i}", span)
             source = source.replace("{i}", span)
         src_col = "" if source in ("", param) else f"<- {source}"

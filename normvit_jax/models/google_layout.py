@@ -48,7 +48,9 @@ class Layout(NamedTuple):
     def describe(self) -> str:
         pe = "none" if self.posemb_key is None else (
             f"{self.posemb_key} ({'with' if self.class_slot else 'no'} class slot)")
-        return (f"prefix={self.prefix or '-'!s}, blocks={'scanned' if self.scanned else 'per-block'}, "
+        name = {"timm": "timm VisionTransformer state dict: ",
+                "hf": "HF transformers ViT state dict (renamed to timm's): "}.get(self.numbering, "")
+        return (f"{name}prefix={self.prefix or '-'!s}, blocks={'scanned' if self.scanned else 'per-block'}, "
                 f"numbering={self.numbering}, posemb={pe}")
 
 
@@ -127,9 +129,19 @@ def grid_of(n: int, given: Sequence[int] | None, what: str) -> tuple[int, int]:
         return gh, gw
     s = math.isqrt(n)
     if s * s != n:
-        raise CheckpointError(f"{what}: {n} patch positions are not a square grid; pass the grid "
-                              "(image_size= for the model, source_grid= for the checkpoint)")
+        how = ("--config.init_source_grid=ROWSxCOLS (source_grid= in Python)"
+               if what.startswith("checkpoint") else "image_size=(h, w)")
+        raise CheckpointError(f"{what}: {n} patch positions are not a square grid; pass the grid: "
+                              f"{how}")
     return s, s
+
+
+def parse_grid(text: str, key: str = "init_source_grid") -> tuple[int, int]:
+    """(rows, cols) of a 'ROWSxCOLS' string (config.init_source_grid)."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
+    if not m or 0 in (int(m.group(1)), int(m.group(2))):
+        raise CheckpointError(f"{key}={text!r} is not a grid ROWSxCOLS, e.g. '14x20'")
+    return int(m.group(1)), int(m.group(2))
 
 
 # ------------------------------------------------------------------------------------ model names

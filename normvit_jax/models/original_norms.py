@@ -29,6 +29,8 @@ from typing import Mapping
 
 import numpy as np
 
+from normvit_jax.models.google_layout import CheckpointError
+
 # a norm slot of timm's ViT: blocks.{i}.norm1/norm2, the final norm, fc_norm (global_pool='avg')
 _SLOT = re.compile(r"^(blocks\.\d+\.norm[12]|norm|fc_norm)\.(.+)$")
 SCHEDULE_BUFFERS = ("warm", "iter", "total_step")  # SLAB LinearNorm's step counters
@@ -48,7 +50,11 @@ def rename(sd: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[st
             out[k] = v
     notes: dict[str, str] = {}
     for slot, local in slots.items():
-        for k, (v, note) in _module(local).items():
+        try:
+            module = _module(local)
+        except CheckpointError as e:  # a malformed original tensor: name it with its slot
+            raise CheckpointError(f"{slot}.{e}") from None
+        for k, (v, note) in module.items():
             out[f"{slot}.{k}"] = v
             if note:
                 notes[f"{slot}.{k}"] = note
@@ -79,9 +85,9 @@ def _module(local: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, str]]:
     renamed: dict[str, tuple[np.ndarray, str]] = {}
     for k, v in local.items():
         if kind == "SLAB RepBN" and k == "alpha":
-            renamed["eta"] = (_scalar(v), "SLAB RepBN alpha -> eta")
+            renamed["eta"] = (_scalar(v, k, kind), "SLAB RepBN alpha -> eta")
         elif kind in ("DyT", "Derf") and k in ("alpha", "shift") and np.shape(v) == (1,):
-            renamed[k] = (_scalar(v), f"{kind} {k} (1,) -> ()")
+            renamed[k] = (_scalar(v, k, kind), f"{kind} {k} (1,) -> ()")
         elif kind == "DTN" and k in ("mean_norm_weight", "var_norm_weight"):
             renamed[k.split("_")[0] + "_gate"] = (v, f"DTN {k} -> {k.split('_')[0]}_gate")
         elif kind == "DTN" and k == "pos_proj.weight" and np.ndim(v) == 2:
@@ -95,7 +101,7 @@ def _module(local: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, str]]:
         elif kind == "PowerNorm" and k in ("running_phi", "ema_gz") and np.ndim(v) == 4:
             renamed[k] = (np.asarray(v).reshape(-1), f"PowerNorm {k} {np.shape(v)} -> (C,)")
         elif kind == "PowerNorm" and k == "iters":
-            renamed["t"] = (_scalar(v).astype(np.float32), "PowerNorm iters -> t")
+            renamed["t"] = (_scalar(v, k, kind).astype(np.float32), "PowerNorm iters -> t")
         elif kind and k in ("weight", "bias"):  # the timm renaming makes weight 'scale'
             renamed[k] = (v, f"{kind} {k} -> {'scale' if k == 'weight' else 'bias'}")
         else:
@@ -109,7 +115,7 @@ def _linear_norm(local: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, st
         inner = {k[len(sub) + 1:]: v for k, v in local.items() if k.startswith(sub + ".")}
         for k, (v, note) in _module(inner).items():
             out[f"{new}.{k}"] = (v, "; ".join(x for x in (f"SLAB LinearNorm {sub} -> {new}", note) if x))
-    note = schedule_note(*(int(np.asarray(local[b]).reshape(-1)[0]) if b in local else 0
+    note = schedule_note(*(int(_scalar(local[b], b, "SLAB LinearNorm")) if b in local else 0
                            for b in SCHEDULE_BUFFERS))
     for k, v in local.items():
         if not k.startswith(("norm1.", "norm2.")):
@@ -135,5 +141,11 @@ def schedule_note(warm: int, iters: int, total: int) -> str:
             f"original's r0 if not 1), decay_steps={iters}, warmup_steps={max(warm, 0)}")
 
 
-def _scalar(v: np.ndarray) -> np.ndarray:
-    return np.asarray(v).reshape(())
+def _scalar(v: np.ndarray, name: str, kind: str) -> np.ndarray:
+    """The one finite number ``v`` holds, or a CheckpointError naming it (``name``: its key)."""
+    a = np.asarray(v)
+    if a.size != 1 or not np.isfinite(a).all():
+        held = f"{a.size} values" if a.size != 1 else "NaN/Inf"
+        raise CheckpointError(f"{name} {a.shape}: {kind}'s {name} is one finite number, the file "
+                              f"holds {held}")
+    return a.reshape(())

@@ -70,8 +70,17 @@ def canonicalize(sd: Mapping[str, np.ndarray], source_grid: Sequence[int] | None
     if foreign:
         raise CheckpointError(f"not a timm VisionTransformer state dict: {foreign}")
     if "patch_embed.proj.weight" not in sd:
-        raise CheckpointError(f"no 'patch_embed.proj.weight': not a timm VisionTransformer state "
-                              f"dict; first keys: {sorted(sd)[:8]}")
+        under = next((k[:-len("patch_embed.proj.weight")] for k in sd
+                      if k.endswith(".patch_embed.proj.weight")), None)
+        google = next((k for k in sd if k.endswith("embedding/kernel")), None)
+        hint = (f"; its ViT keys are under {under!r} (an EMA copy or a wrapper's prefix): strip it "
+                f"and save again, {{k[{len(under)}:]: v for k, v in sd.items() if "
+                f"k.startswith({under!r})}}" if under else
+                f"; its keys are Google's ViT names ({google}): save them as an .npz "
+                "(np.savez) to load them as Google's layouts" if google else
+                f"; first keys: {sorted(sd)[:6]}")
+        raise CheckpointError("no 'patch_embed.proj.weight': not a timm (or HF transformers) "
+                              f"VisionTransformer state dict{hint}")
     refused = {}
     for pattern, what in REFUSED:
         hits = sorted(k for k in sd if re.search(pattern, k))

@@ -187,12 +187,15 @@ def init_from_pretrained(config: ml_collections.ConfigDict, spec: Any, num_class
     from jax.experimental import multihost_utils
 
     from normvit_jax import pretrained
+    from normvit_jax.models import google_layout
     # whole arrays on every process, also for an FSDP state split across hosts
     params = multihost_utils.process_allgather(state.params, tiled=True)
     stats = multihost_utils.process_allgather(state.batch_stats, tiled=True)
     params, stats, _ = pretrained.init_from_checkpoint(
         params, stats, config.init_from, spec, num_classes,
         keep_pre_logits=config.get("init_keep_pre_logits"), image_size=config.data.image_size,
+        source_grid=(google_layout.parse_grid(config.init_source_grid)
+                     if config.get("init_source_grid") else None),
         log=logging.info)
     opt_state = ema.init_stats(tx.init(params), stats)
     new = state.replace(params=params, batch_stats=stats, opt_state=opt_state)
