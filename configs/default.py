@@ -196,7 +196,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_every = 1000             # steps between evaluations (and at the end)
     c.checkpoint_every = 1000       # steps between checkpoints (and at the end)
     c.keep_checkpoints = 3          # newest checkpoints kept
-    c.init_from = placeholder(str)  # path or gs:// of a Google ViT .npz to start from (docs/pretrained.md)
+    c.init_from = placeholder(str)  # path or gs:// of a Google ViT .npz or a timm / HF / original-code
+                                    # state dict (.safetensors, .pth/.bin) to start from; --mode=import:
+                                    # the model to import (docs/pretrained.md)
     c.init_keep_pre_logits = placeholder(bool)  # keep the file's pre_logits layer (None: if model.representation_size)
     c.init_source_grid = placeholder(str)  # the file's posemb grid 'ROWSxCOLS' when it is not square (None: square)
     c.allow_config_change = False   # resume a workdir whose saved config differs
