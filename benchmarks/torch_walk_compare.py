@@ -1,6 +1,8 @@
 """Compare the ONNX exports of the imported runs with PyTorch's logits (benchmarks/torch_walk_train.py)
 on the same uint8 test images, and time the RepBN export folded against unfolded in ONNX Runtime
-(2 threads). DIR holds what torch_walk_train wrote and DIR/onnx/<run>/{model,folded}.onnx:
+(2 threads). DIR holds what torch_walk_train wrote and the exports DIR/onnx/<run>/model.onnx of the
+imported runs ln, ln_tanh, ln_eps5, ln_eps12, repbn, repbn_tanh (docs/pretrained.md, "Measured with
+trained weights", gives their flags), plus ln/folded.onnx and repbn/folded.onnx (--fold):
 
     python -m benchmarks.torch_walk_compare --dir=DIR
 """
