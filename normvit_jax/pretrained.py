@@ -462,7 +462,8 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
     exact = (hf_config or {}).get("hidden_act", "gelu") in hf_layout.EXACT_GELU
     if timm and spec.gelu_approximate and exact:
         header += ("\n  note: model uses tanh GELU; timm's and HF's ViT compute the exact (erf) form "
-                   "(logits differ by ~5e-4); --config.model.gelu_approximate=False reproduces it")
+                   "(logits differ by ~5e-4 on random weights, up to ~4e-3 on trained ones); "
+                   "--config.model.gelu_approximate=False reproduces it")
     elif not spec.gelu_approximate and not exact:
         header += (f"\n  note: model uses exact (erf) GELU; the checkpoint's config.json says hidden_act="
                    f"{hf_config['hidden_act']!r}, the tanh form; --config.model.gelu_approximate=True")
