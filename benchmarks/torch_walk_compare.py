@@ -6,32 +6,86 @@ trained weights", gives their flags), plus ln/folded.onnx and repbn/folded.onnx 
 
     python -m benchmarks.torch_walk_compare --dir=DIR
 """
-import argparse, time, numpy as np, onnxruntime as ort
-ap = argparse.ArgumentParser(); ap.add_argument('--dir', required=True)
-D = ap.parse_args().dir; x = np.load(f'{D}/test_u8.npy'); y = np.load(f'{D}/test_y.npy')
-def sm(z): e = np.exp(z - z.max(1, keepdims=True)); return e / e.sum(1, keepdims=True)
-def sess(p):
-    o = ort.SessionOptions(); o.intra_op_num_threads = 2; o.inter_op_num_threads = 1
-    return ort.InferenceSession(p, o, providers=['CPUExecutionProvider'])
-S = {}
-for tor, names in [('ln', ['ln/model', 'ln/folded', 'ln_tanh/model', 'ln_eps5/model', 'ln_eps12/model']),
-                   ('repbn', ['repbn/model', 'repbn/folded', 'repbn_tanh/model'])]:
-    t = np.load(f'{D}/{tor}_logits.npy'); pt = sm(t.astype(np.float64))
-    print(f'{tor}: torch top-1 {(t.argmax(1) == y).mean():.4f}, |logit| max {np.abs(t).max():.2f}, std {t.std():.2f}')
-    for n in names:
-        s = S[n] = sess(f'{D}/onnx/{n}.onnx')
-        p, l = s.run(['probabilities', 'logits'], {'image': x})
-        print(f'  {n:18s} top-1 {(l.argmax(1) == y).mean():.4f}  argmax = torch on {(l.argmax(1) == t.argmax(1)).sum()}/{len(y)}'
-              f'  max|dlogit| {np.abs(l - t).max():.2e} (median per image {np.median(np.abs(l - t).max(1)):.1e})  max|dprob| {np.abs(p - pt).max():.2e}')
-R, K = 15, 50
-print(f'latency, ONNX Runtime 2 threads, ms per call ({R} rounds x {K} calls, order alternating; median, p25-p75; ratio: median of per-round folded/unfolded):')
-for b in (1, 32):
-    xb = x[:b]; ts = {n: [] for n in ('repbn/model', 'repbn/folded')}
-    for n in ts: [S[n].run(['logits'], {'image': xb}) for _ in range(10)]
-    for r in range(R):
-        for n in (list(ts) if r % 2 == 0 else list(ts)[::-1]):
-            t0 = time.perf_counter()
-            for _ in range(K): S[n].run(['logits'], {'image': xb})
-            ts[n].append((time.perf_counter() - t0) / K * 1e3)
-    u, f = np.array(ts['repbn/model']), np.array(ts['repbn/folded']); q = lambda v: f'{np.median(v):.3f} ({np.percentile(v,25):.3f}-{np.percentile(v,75):.3f})'
-    print(f'  batch {b}: unfolded {q(u)}, folded {q(f)}, folded/unfolded {np.median(f/u):.3f} ({np.percentile(f/u,25):.3f}-{np.percentile(f/u,75):.3f})')
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+RUNS = {"ln": ["ln/model", "ln/folded", "ln_tanh/model", "ln_eps5/model", "ln_eps12/model"],
+        "repbn": ["repbn/model", "repbn/folded", "repbn_tanh/model"]}
+ROUNDS, CALLS = 15, 50
+
+
+def softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def session(path: str) -> Any:
+    import onnxruntime as ort
+    o = ort.SessionOptions()
+    o.intra_op_num_threads, o.inter_op_num_threads = 2, 1
+    return ort.InferenceSession(path, o, providers=["CPUExecutionProvider"])
+
+
+def spread(v: np.ndarray) -> str:
+    return f"{np.median(v):.3f} ({np.percentile(v, 25):.3f}-{np.percentile(v, 75):.3f})"
+
+
+def compare(d: str) -> None:
+    x, y = np.load(os.path.join(d, "test_u8.npy")), np.load(os.path.join(d, "test_y.npy"))
+    sessions = {}
+    for torch_run, names in RUNS.items():
+        t = np.load(os.path.join(d, f"{torch_run}_logits.npy"))
+        pt = softmax(t.astype(np.float64))
+        print(f"{torch_run}: torch top-1 {(t.argmax(1) == y).mean():.4f}, |logit| max "
+              f"{np.abs(t).max():.2f}, std {t.std():.2f}")
+        for n in names:
+            s = sessions[n] = session(os.path.join(d, "onnx", f"{n}.onnx"))
+            p, lg = s.run(["probabilities", "logits"], {"image": x})
+            print(f"  {n:18s} top-1 {(lg.argmax(1) == y).mean():.4f}  argmax = torch on "
+                  f"{(lg.argmax(1) == t.argmax(1)).sum()}/{len(y)}  max|dlogit| "
+                  f"{np.abs(lg - t).max():.2e} (median per image "
+                  f"{np.median(np.abs(lg - t).max(1)):.1e})  max|dprob| {np.abs(p - pt).max():.2e}")
+    print(f"latency, ONNX Runtime 2 threads, ms per call ({ROUNDS} rounds x {CALLS} calls, order "
+          "alternating; median, p25-p75; ratio: median of per-round folded/unfolded):")
+    for b in (1, 32):
+        xb = x[:b]
+        times: dict[str, list[float]] = {n: [] for n in ("repbn/model", "repbn/folded")}
+        for n in times:  # warm-up
+            for _ in range(10):
+                sessions[n].run(["logits"], {"image": xb})
+        for r in range(ROUNDS):
+            for n in (list(times) if r % 2 == 0 else list(times)[::-1]):
+                t0 = time.perf_counter()
+                for _ in range(CALLS):
+                    sessions[n].run(["logits"], {"image": xb})
+                times[n].append((time.perf_counter() - t0) / CALLS * 1e3)
+        u, f = np.array(times["repbn/model"]), np.array(times["repbn/folded"])
+        print(f"  batch {b}: unfolded {spread(u)}, folded {spread(f)}, folded/unfolded "
+              f"{spread(f / u)}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.torch_walk_compare",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", required=True, help="what torch_walk_train wrote, with DIR/onnx/")
+    a = ap.parse_args(argv)
+    missing = [p for p in ["test_u8.npy", *(f"onnx/{n}.onnx" for ns in RUNS.values() for n in ns)]
+               if not os.path.isfile(os.path.join(a.dir, p))]
+    if missing:
+        print(f"{ap.prog}: error: --dir={a.dir}: missing {', '.join(missing[:3])}"
+              f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} (docs/pretrained.md, "
+              "'Measured with trained weights', writes them)", file=sys.stderr)
+        return 2
+    compare(a.dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

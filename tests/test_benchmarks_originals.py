@@ -47,3 +47,25 @@ def test_a_missing_repository_is_a_skipped_row(tmp_path, capsys):
         ("layernorm", "DTN/models/normkit/norms/us_layernorm.py not found under --src"),
         ("rescale", "RescaleViT/models/rescale_mapping.py not found under --src")}
     assert "| layernorm | skipped: DTN/" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["benchmarks.torch_walk_train", "--src={idx}", "--norm=ln", "--out={tmp}/o"],
+    ["benchmarks.torch_walk_train", "--src={tmp}/none", "--norm=ln", "--out={tmp}/o"],
+    ["benchmarks.torch_walk_compare", "--dir={tmp}/none"]])
+def test_the_torch_walk_scripts_refuse_in_one_line(tmp_path, argv):
+    """docs/pretrained.md's walk: without torch, or without their inputs, one line and exit 2."""
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    (idx / "train-images-idx3-ubyte.gz").write_bytes(b"")  # found: torch is what is missing
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    args = [a.format(idx=idx, tmp=tmp_path) for a in argv]
+    r = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(shim), REPO_ROOT])})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert r.stderr.startswith(f"python -m {args[0]}: error:") and "Traceback" not in r.stderr
+    if "{idx}" in argv[1]:
+        assert ".[torch]" in r.stderr
