@@ -8,13 +8,14 @@ trained weights", gives their flags), plus ln/folded.onnx and repbn/folded.onnx 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from typing import Any, Sequence
 
 import numpy as np
+
+from normvit_jax import tool_flags
 
 RUNS = {"ln": ["ln/model", "ln/folded", "ln_tanh/model", "ln_eps5/model", "ln_eps12/model"],
         "repbn": ["repbn/model", "repbn/folded", "repbn_tanh/model"]}
@@ -72,8 +73,7 @@ def compare(d: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.torch_walk_compare",
-                                 description=__doc__.split("\n\n")[0])
+    ap = tool_flags.Parser("python -m benchmarks.torch_walk_compare", __doc__)
     ap.add_argument("--dir", required=True, help="what torch_walk_train wrote, with DIR/onnx/")
     a = ap.parse_args(argv)
     missing = [p for p in ["test_u8.npy", *(f"onnx/{n}.onnx" for ns in RUNS.values() for n in ns)]

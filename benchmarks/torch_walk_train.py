@@ -11,7 +11,6 @@ then import, export and compare as docs/pretrained.md shows (benchmarks/torch_wa
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import os
 import sys
@@ -19,6 +18,8 @@ import time
 from typing import Any, Sequence
 
 import numpy as np
+
+from normvit_jax import tool_flags
 
 BATCH, SIZE = 64, 28
 
@@ -118,12 +119,12 @@ def train(src: str, norm: str, out: str, epochs: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.torch_walk_train",
-                                 description=__doc__.split("\n\n")[0])
+    ap = tool_flags.Parser("python -m benchmarks.torch_walk_train", __doc__)
     ap.add_argument("--src", required=True, help="folder with the train-/t10k- IDX files (gzip)")
-    ap.add_argument("--norm", choices=["ln", "repbn"], required=True)
+    ap.add_argument("--norm", choices=["ln", "repbn"], required=True,
+                    help="ln: timm's LayerNorm ViT; repbn: SLAB's RepBN in every norm slot")
     ap.add_argument("--out", required=True, help="folder for the weights, logits and test images")
-    ap.add_argument("--epochs", type=int, default=60)
+    ap.add_argument("--epochs", type=int, default=60, help="passes over the train split")
     a = ap.parse_args(argv)
     err = None
     if not os.path.isfile(os.path.join(a.src, "train-images-idx3-ubyte.gz")):
