@@ -8,16 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from normvit_jax import cli, preflight, pretrained, state_dict
-from tests.test_pretrained_timm import D, NCLS, REPO_ROOT, build, load, timm_sd
+from normvit_jax import preflight, pretrained, state_dict
+from tests.test_pretrained_timm import D, NCLS, build, load, main_py_stopped, timm_sd
 
 
 def with_dtype(path, key: str, dtype: str) -> None:
@@ -46,12 +44,7 @@ def test_main_py_refuses_fp8_weights_in_one_line(tmp_path):
     path = tmp_path / "fp8.safetensors"
     save_file(sd, str(path))
     with_dtype(path, "blocks.0.attn.qkv.weight", "F8_E4M3")
-    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "main.py"),
-                        "--config=configs/vit_ln.py:demo", f"--config.init_from={path}",
-                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": REPO_ROOT}, timeout=300)
-    assert r.returncode == cli.EXIT_CONFIG, r.stderr[-3000:]
-    stopped = [line for line in (r.stdout + r.stderr).splitlines() if "Stopped:" in line]
+    r, stopped = main_py_stopped(path, tmp_path)
     assert len(stopped) == 1 and "'blocks.0.attn.qkv.weight' is F8_E4M3" in stopped[0], r.stderr[-3000:]
     assert "Traceback" not in r.stderr and not (tmp_path / "wd").exists()
 

@@ -325,18 +325,24 @@ def test_pth_without_torch_names_the_extra(tmp_path, monkeypatch):
         state_dict.check(str(path), key="config.init_from")
 
 
+def main_py_stopped(path, tmp_path) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """main.py (the demo config) starting from ``path``: exit 2 asserted; (the process, its
+    'Stopped:' lines). The workdir would be tmp_path/wd."""
+    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "main.py"),
+                        "--config=configs/vit_ln.py:demo", f"--config.init_from={path}",
+                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": REPO_ROOT}, timeout=300)
+    assert r.returncode == cli.EXIT_CONFIG, r.stderr[-3000:]
+    return r, [line for line in (r.stdout + r.stderr).splitlines() if "Stopped:" in line]
+
+
 def test_main_py_refuses_layerscale_in_one_line(tmp_path):
     """End to end (docs/faults.md): exit 2, one 'Stopped:' line naming LayerScale, no workdir."""
     sd = timm_sd(6)
     sd["blocks.0.ls1.gamma"] = np.ones(D, np.float32)
     path = tmp_path / "deit3.safetensors"
     save_file(sd, str(path))
-    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "main.py"),
-                        "--config=configs/vit_ln.py:demo", f"--config.init_from={path}",
-                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": REPO_ROOT}, timeout=300)
-    assert r.returncode == cli.EXIT_CONFIG, r.stderr[-3000:]
-    stopped = [line for line in (r.stdout + r.stderr).splitlines() if "Stopped:" in line]
+    r, stopped = main_py_stopped(path, tmp_path)
     assert len(stopped) == 1 and "LayerScale" in stopped[0], r.stderr[-3000:]
     assert "Traceback" not in r.stderr and not (tmp_path / "wd").exists()
 

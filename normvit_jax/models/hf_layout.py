@@ -87,14 +87,7 @@ def canonicalize(sd: Mapping[str, np.ndarray], source_grid: Sequence[int] | None
                  ) -> tuple[dict[str, np.ndarray], Layout]:
     """vit_jax-named arrays of an HF ViT state dict, and its ``Layout`` (numbering ``hf``). Keys
     it does not know keep their name (the loader reports them as unexpected)."""
-    refused = {}
-    for pattern, what in REFUSED:
-        hits = sorted(k for k in sd if re.search(pattern, k))
-        if hits:
-            refused[what] = hits[0] + (f" and {len(hits) - 1} more" if len(hits) > 1 else "")
-    if refused:
-        raise CheckpointError("the checkpoint has what this model lacks: " + "; ".join(
-            f"{what} [{k}]" for what, k in refused.items()))
+    timm_layout.refuse(sd, REFUSED)
     if timm_layout.looks_like_timm(sd):
         timm_key = next(k for k in sd if timm_layout.looks_like_timm([k]))
         hf_key = next(k for k in sd if looks_like_hf([k]))

@@ -58,6 +58,19 @@ _TOP_MODULES = {"norm": ("Transformer/encoder_norm", False), "fc_norm": ("fc_nor
                 "head": ("head", True), "pre_logits.fc": ("pre_logits", True)}  # timm < 0.6
 
 
+def refuse(sd: Mapping[str, np.ndarray], patterns: Sequence[tuple[str, str]]) -> None:
+    """CheckpointError naming every (pattern, feature) the keys show and the first key of each:
+    features this ViT has no layer for are refused by name, never dropped."""
+    refused = {}
+    for pattern, what in patterns:
+        hits = sorted(k for k in sd if re.search(pattern, k))
+        if hits:
+            refused[what] = hits[0] + (f" and {len(hits) - 1} more" if len(hits) > 1 else "")
+    if refused:
+        raise CheckpointError("the checkpoint has what this model lacks: " + "; ".join(
+            f"{what} [{k}]" for what, k in refused.items()))
+
+
 def looks_like_timm(keys: Sequence[str]) -> bool:
     return any(k.startswith(("patch_embed.", "blocks.", "cls_token", "pos_embed")) for k in keys)
 
@@ -81,14 +94,7 @@ def canonicalize(sd: Mapping[str, np.ndarray], source_grid: Sequence[int] | None
                 f"; first keys: {sorted(sd)[:6]}")
         raise CheckpointError("no 'patch_embed.proj.weight': not a timm (or HF transformers) "
                               f"VisionTransformer state dict{hint}")
-    refused = {}
-    for pattern, what in REFUSED:
-        hits = sorted(k for k in sd if re.search(pattern, k))
-        if hits:
-            refused[what] = hits[0] + (f" and {len(hits) - 1} more" if len(hits) > 1 else "")
-    if refused:
-        raise CheckpointError("the checkpoint has what this model lacks: " + "; ".join(
-            f"{what} [{k}]" for what, k in refused.items()))
+    refuse(sd, REFUSED)
     sd, renamed = original_norms.rename(sd)
     src: dict[str, np.ndarray] = {}
     notes: dict[str, str] = {}
