@@ -115,8 +115,8 @@ def test_rendezvous_times_out_with_exit_code_and_message(tmp_path):
 
 
 def test_a_refused_start_is_said_as_such_not_as_missing_peers(tmp_path):
-    """jax.distributed.initialize failing at once (here: JAX_NUM_PROCESSES unset; also a
-    coordinator port in use, where JAX itself sometimes segfaults, so not tested) used to be
+    """jax.distributed.initialize failing at once (here: JAX_NUM_PROCESSES unset; a coordinator
+    port in use is caught before JAX: the test below) used to be
     reported as 'the other processes did not all join within 60 s', naming them missing, with
     JAX's reason only at the end in parentheses."""
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, distributed.TIMEOUT_ENV: "60",
@@ -130,6 +130,32 @@ def test_a_refused_start_is_said_as_such_not_as_missing_peers(tmp_path):
     assert re.search(r"Stopped: process 0 of \? \(env\): jax.distributed.initialize failed after "
                      r"\d+ s, before any wait for the others was over: ValueError: Number of "
                      r"processes must be defined\. .*JAX_NUM_PROCESSES", r.stderr), r.stderr[-3000:]
+
+
+def test_a_taken_coordinator_port_stops_process_0_in_one_line_before_jax(monkeypatch):
+    """Process 0 with its coordinator port held by another listener: one line naming the port,
+    before jax.distributed.initialize (which sometimes segfaults on a taken port). Another
+    process id, or a free port, is left to JAX."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": "0"}
+        called = []
+        monkeypatch.setattr("jax.distributed.initialize", lambda **kw: called.append(kw))
+        with pytest.raises(distributed.DistributedStartError) as e:
+            distributed.initialize(env)
+        assert not called
+        assert str(e.value) == (f"process 0 of 2 (env): cannot start the coordinator: port {port} "
+                                f"of the coordinator address 127.0.0.1:{port} is in use on this "
+                                "host (another run's coordinator?); choose a free port.")
+        assert distributed.coordinator_port_taken(
+            distributed.plan({**env, "JAX_PROCESS_ID": "1"})) is None  # not the one that binds
+    # the listener gone, the same port is free again (SO_REUSEADDR: TIME_WAIT does not count)
+    assert distributed.coordinator_port_taken(distributed.plan(env)) is None
+    assert cli.exit_code(distributed.DistributedStartError("x")) == cli.EXIT_DISTRIBUTED
 
 
 # ------------------------------------------------------------------------- launch scripts
