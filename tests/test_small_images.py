@@ -3,6 +3,8 @@ time printed before the first step."""
 from __future__ import annotations
 
 import logging
+import re
+import time
 
 import jax
 import numpy as np
@@ -62,7 +64,16 @@ def test_step_measurement_leaves_the_state_alone():
 
 
 def test_a_run_prints_its_expected_time_before_the_first_step(tmp_path, caplog, monkeypatch):
+    from normvit_jax import summaries
     monkeypatch.setattr(progress, "MEASURE_MIN_STEPS", 4)  # a tiny run measures too
+    measure = progress.measure_step_s
+
+    def slow_compile(*args, **kwargs):  # the measurement (which compiles) takes 2 s more
+        out = measure(*args, **kwargs)
+        time.sleep(2.0)
+        return out
+
+    monkeypatch.setattr(progress, "measure_step_s", slow_compile)
     c = tiny_demo_config(**{"model.depth": 1})  # 6 steps, log every 2, checkpoint every 3
     # on the absl logger itself: a test before this one in the same worker may have left absl's
     # verbosity at WARNING (absl flags parsed, then unparsed, in-process by the export tests)
@@ -71,9 +82,17 @@ def test_a_run_prints_its_expected_time_before_the_first_step(tmp_path, caplog, 
         text = caplog.text
         assert first["step"] == 3 and "Expected run time: 6 steps x " in text
         assert text.index("Expected run time") < text.index("step 2/6")
+        # the first interval starts after the measurement: 2 tiny steps, not 2 s of compiling
+        # (this read 0.9 steps/s before); the line does not say it holds a compilation
+        first_rate = summaries.read_scalars(str(tmp_path / "w"))["train/steps_per_sec"][0]
+        assert first_rate[0] == 2 and first_rate[1] > 2.0, first_rate
+        assert re.search(r"step 2/6: .* examples/s, ETA", text), text
         caplog.clear()
         loop.train_and_evaluate(c, str(tmp_path / "w"))  # resumed: 3 left, too few to measure
     assert "Expected run time" not in caplog.text and "step 6/6" in caplog.text
+    # unmeasured, the first interval holds the compilation and says so; the next one does not
+    assert re.search(r"step 4/6: .* examples/s \(compilation included\), ETA", caplog.text)
+    assert re.search(r"step 6/6: .* examples/s, ETA", caplog.text), caplog.text
     # ... and says what the wait before its first progress line is (a silent compile before)
     assert "Compiling the train step; the first progress line follows it (3 steps to go, " \
            "every 2 logged)." in caplog.text

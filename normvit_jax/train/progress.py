@@ -1,8 +1,9 @@
 """The ETA of the progress line: steps per second of training alone.
 
-The first interval (start to the first log step) holds the compilation, and evals and checkpoint
-writes stop the steps for a while; counting either made the ETA far too long at first and jump
-after each eval. ``Eta`` measures from the first log step on, with paused sections left out, and
+The first interval (start to the first log step) holds the compilation where the step was not
+measured first (accelerators, short runs: the progress line then says "compilation included"),
+and evals and checkpoint writes stop the steps for a while; counting either made the ETA far too
+long at first and jump after each eval. ``Eta`` measures from the first log step on, with paused sections left out, and
 averages over the whole run so far (not the last interval), so the estimate settles.
 """
 from __future__ import annotations

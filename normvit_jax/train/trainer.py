@@ -31,6 +31,7 @@ from normvit_jax.train.policy import NonFiniteError, PreemptedError, StepPolicy
 class _LastLog:
     time: float
     step: int
+    compiled: bool = False  # the train step was compiled before ``time`` (or a mark followed)
 
 
 def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict[str, Any]:
@@ -47,6 +48,8 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
     with contextlib.closing(run.writer):  # its records on disk whatever ends the loop
         try:
             first = _announce_run_time(run, step, batches)
+            if first is not None:  # the step is compiled: the first interval is training only
+                last_log.time, last_log.compiled = time.time(), True
             while step < run.n_steps:
                 batch = sharding.to_global(next(batches), run.mesh) if first is None else first
                 first = None
@@ -114,23 +117,27 @@ def _log(run: Run, step: int, eta: progress.Eta, last: _LastLog) -> None:
     values["steps_per_sec"] = eta.interval_steps_per_s() or (step - last.step) / dt
     values["examples_per_sec"] = values["steps_per_sec"] * run.config.batch_size
     run.writer.write_scalars(step, {f"train/{k}": v for k, v in values.items()})
-    logging.info("step %d/%d: loss %.4f, accuracy %.4f, %.2f steps/s, %.0f examples/s, ETA %s",
+    # an unmeasured start (accelerators, short runs) compiles inside the first interval
+    note = "" if last.compiled else " (compilation included)"
+    logging.info("step %d/%d: loss %.4f, accuracy %.4f, %.2f steps/s, %.0f examples/s%s, ETA %s",
                  step, run.n_steps, values["loss"], values["accuracy"], values["steps_per_sec"],
-                 values["examples_per_sec"], eta.describe(step))
+                 values["examples_per_sec"], note, eta.describe(step))
     if problem:
         raise NonFiniteError(problem)
     run.window = guards.MetricsWindow(step)
-    last.time, last.step = time.time(), step
+    last.time, last.step, last.compiled = time.time(), step, True
 
 
 def _save(run: Run, step: int, eta: progress.Eta) -> None:
-    """Saves the checked state with the metrics window (async; ``saver`` reports failures)."""
-    if not guards.all_finite(run.state):
-        raise NonFiniteError(
-            f"the parameters or optimizer state became non-finite by step {step} although loss "
-            f"and grad_norm are finite; not saved; last good checkpoint: {run.saver.describe()}. "
-            "Lower the learning rate or enable grad clipping (config.optimizer.grad_clip).")
-    run.writer.flush()  # summaries up to this step are on disk before its checkpoint
-    meta = guards.checkpoint_meta(run.window, run.skipped_total)
+    """Saves the checked state with the metrics window (async; ``saver`` reports failures).
+    All of it is a pause of the ETA: the finiteness check compiles at the first save."""
     with eta.paused():
+        if not guards.all_finite(run.state):
+            raise NonFiniteError(
+                f"the parameters or optimizer state became non-finite by step {step} although "
+                f"loss and grad_norm are finite; not saved; last good checkpoint: "
+                f"{run.saver.describe()}. Lower the learning rate or enable grad clipping "
+                "(config.optimizer.grad_clip).")
+        run.writer.flush()  # summaries up to this step are on disk before its checkpoint
+        meta = guards.checkpoint_meta(run.window, run.skipped_total)
         run.saver.save(step, run.state, meta)
