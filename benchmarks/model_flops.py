@@ -62,7 +62,7 @@ def shape_from_spec(spec: Any, image_size: int, num_classes: int) -> VitShape:
     """From a model spec (``models.spec_of``)."""
     return VitShape(hidden=spec.hidden_size, depth=spec.depth, heads=spec.num_heads,
                     mlp_dim=spec.mlp_dim, patch=spec.patch_size, image_size=int(image_size),
-                    num_classes=int(num_classes), class_token=spec.classifier == "token",
+                    num_classes=int(num_classes), class_token=spec.uses_cls,
                     cls_token_at_block=int(spec.cls_token_at_block or 0),
                     representation_size=spec.representation_size or None)
 

@@ -72,7 +72,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.mlp_ratio = 4.0                 # mlp_dim / hidden_size when mlp_dim is None
     c.model.patch_size = placeholder(int)   # square patch side in pixels (None: from variant)
     c.model.classifier = "token"    # token (class token) | gap (global average pooling) |
-    # gap_fc_norm (timm's global_pool='avg': pool the tokens, then the final norm on that vector)
+    # gap_fc_norm (timm's global_pool='avg': pool the tokens, then the final norm on that vector) |
+    # token_gap_fc_norm (the same with timm's class token in the sequence, left out of the mean)
     c.model.posemb = "learn"        # learn | sincos2d | sincos1d (fixed 1-D table, class token at 0) | none
     c.model.cls_token_at_block = 0  # >0: the class token joins before this block (DTN's layout); <0: depth + value
     c.model.norm = ml_collections.ConfigDict({"name": "layernorm"})  # the norm of every slot; options beside name
@@ -80,7 +81,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.norm_placement = "pre"  # pre | post | sandwich
     c.model.patch_norm = "none"     # Dual PatchNorm stem: none | pre | post | dual | post_posemb
     c.model.residual_scaling = "none"  # none | rescale (RescaleViT's residual scaling)
-    c.model.final_norm = True       # the encoder's last norm ('encoder_norm'; 'fc_norm' with gap_fc_norm)
+    c.model.final_norm = True       # the encoder's last norm ('encoder_norm'; 'fc_norm' with *gap_fc_norm)
     c.model.representation_size = placeholder(int)  # pre_logits width
     c.model.dropout_rate = 0.0      # dropout: embeddings, MLP hidden layer, residual branches
     c.model.attention_dropout_rate = 0.0  # dropout on the attention probabilities

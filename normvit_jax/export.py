@@ -47,7 +47,7 @@ def _compat_notes(spec: ViTSpec) -> list[str]:
                       ("gelu_approximate", True), ("qkv_bias", True)):
         if getattr(spec, key) != want:
             notes.append(f"model.{key}={getattr(spec, key)!r} (others assume {want!r})")
-    if spec.classifier not in ("token", "gap"):  # gap_fc_norm: the final norm after pooling
+    if spec.classifier not in ("token", "gap"):  # *gap_fc_norm: the final norm after pooling
         notes.append(f"model.classifier={spec.classifier!r} (others assume 'token' or 'gap', the "
                      "final norm on the tokens as Transformer/encoder_norm)")
     return notes

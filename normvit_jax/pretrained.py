@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import zipfile
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from etils import epath
@@ -248,8 +248,9 @@ class _ParamLoader:
             self.drop(POSEMB, f"model.posemb={spec.posemb!r} has no learned table")
         if "cls" in self.tgt:
             if "cls" not in src:
+                gap = "gap_fc_norm" if spec.fc_norm else "gap"
                 self.errors.append(f"missing in checkpoint: cls (model {self.shape('cls')}); the checkpoint "
-                                   "has no class token (trained with GAP): set model.classifier='gap'")
+                                   f"has no class token (trained with GAP): set model.classifier='{gap}'")
             elif (layout.class_slot and pe is not None and not has_slot
                   and src["cls"].shape == self.shape("cls")):
                 # The model adds no posemb to its class token: fold the checkpoint's slot into it.
@@ -257,7 +258,22 @@ class _ParamLoader:
             else:
                 self.same("cls")
         elif "cls" in src:
-            self.drop("cls", "model.classifier='gap'")
+            fits = file_classifier(src) == "token_gap_fc_norm" and spec.fc_norm
+            # timm's global_pool='avg' with a class token: dropping it changes the function.
+            self.drop("cls", f"model.classifier={spec.classifier!r}" + (
+                ": a fine-tune start; model.classifier='token_gap_fc_norm' keeps the class token "
+                "and loads the file's function" if fits else ""))
+
+    def classifier_hint(self) -> None:
+        """The file's final norm is in the other slot (timm's 'norm' vs 'fc_norm'): the first
+        error names the classifier that reads it."""
+        want = file_classifier(self.src)
+        mine = FC_SLOT if self.spec.fc_norm else "Transformer/encoder_norm"
+        if (self.errors and want and self.spec.final_norm
+                and not any(k.startswith(mine + "/") for k in self.src)):
+            where = "fc_norm (timm's global_pool='avg')" if want.endswith("fc_norm") else "encoder_norm"
+            self.errors.insert(0, f"the checkpoint's final norm is {where}: set "
+                                  f"model.classifier='{want}'")
 
     def handover(self) -> None:
         """A file slot holding a progressive hand-over's N1 and N2 (SLAB's LinearNorm, an export of
@@ -440,6 +456,7 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
     m.body()
     m.running_stats()
     m.leftovers()
+    m.classifier_hint()
 
     header = (f"init_from {path}\n  layout: {layout.describe()}"
               + (f"; {read_note}" if read_note else "")
@@ -525,6 +542,18 @@ def block_span(blocks: Sequence[int]) -> str:
         else:
             runs.append([i, i])
     return ",".join(f"{a}" if a == b else f"{a}..{b}" for a, b in runs)
+
+
+def file_classifier(src: Mapping[str, Any]) -> str | None:
+    """The ``model.classifier`` a file's pooling implies (vit_jax names): its final norm's slot
+    and whether it has a class token; None without a final norm."""
+    has = lambda slot: any(k.startswith(slot + "/") for k in src)  # noqa: E731
+    cls = "cls" in src
+    if has(FC_SLOT):
+        return "token_gap_fc_norm" if cls else "gap_fc_norm"
+    if has("Transformer/encoder_norm"):
+        return "token" if cls else "gap"
+    return None
 
 
 def fold_errors(errors: Sequence[str]) -> list[str]:

@@ -36,7 +36,7 @@ from flax import serialization
 
 from normvit_jax import models, norms
 from normvit_jax.models import scan_convert
-from normvit_jax.models.spec import FC_SLOT, FINAL_SLOT, ViTSpec
+from normvit_jax.models.spec import FC_CLASSIFIERS, FC_SLOT, FINAL_SLOT, ViTSpec
 from normvit_jax.models.t2t_vit import STEM_SCOPE, T2TViTSpec
 
 ATTENTION = "MultiHeadDotProductAttention_1"
@@ -203,9 +203,9 @@ def fold(model: Any, variables: Mapping[str, Any]) -> tuple[ViTSpec, dict, FoldR
 
 def _fold_final(spec: Any, params: dict, stats: dict, dim: int, report: FoldReport,
                 new_overrides: dict) -> None:
-    """The final norm ('Transformer/encoder_norm', or the top-level 'fc_norm' of classifier
-    'gap_fc_norm') into the ``pre_logits`` or ``head`` Dense."""
-    if spec.classifier == "gap_fc_norm":
+    """The final norm ('Transformer/encoder_norm', or the top-level 'fc_norm' of classifiers
+    'gap_fc_norm' and 'token_gap_fc_norm') into the ``pre_logits`` or ``head`` Dense."""
+    if spec.classifier in FC_CLASSIFIERS:
         p_scope, s_scope, key, path = params, stats, FC_SLOT, FC_SLOT
     else:
         p_scope, s_scope = params["Transformer"], stats.get("Transformer", {})

@@ -55,11 +55,13 @@ def build(method: str, root: str) -> tuple[torch.nn.Module, int]:
         model = deit.VisionTransformer(img_size=32, patch_size=8, embed_dim=DIM, depth=2,
                                        num_heads=HEADS, num_classes=NCLS, norm_layer=norm)
         return model, 32
-    if method in ("dyt", "derf"):
+    if method in ("dyt", "derf", "dyt_avg", "derf_avg"):
         from timm.models.vision_transformer import VisionTransformer  # pylint: disable=import-outside-toplevel
+        # _avg: their ImageNet scripts' global_pool='avg' (class token kept, fc_norm)
+        pool = {"global_pool": "avg"} if method.endswith("_avg") else {}
         model = VisionTransformer(img_size=32, patch_size=8, embed_dim=DIM, depth=2, num_heads=HEADS,
-                                  num_classes=NCLS)
-        if method == "dyt":
+                                  num_classes=NCLS, **pool)
+        if method.startswith("dyt"):
             conv = _import(os.path.join(root, "DyT", "dynamic_tanh.py"), "dyt_original")
             return conv.convert_ln_to_dyt(model), 32
         conv = _import(os.path.join(root, "Derf", "ViT", "dynamic_erf.py"),

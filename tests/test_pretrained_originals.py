@@ -257,6 +257,8 @@ ORIGINAL_MODELS = {  # runner method -> (this model's config, image size)
     "slab_progressive:repbn": (dict(patch_size=8, norm={"name": "repbn"}), 32),
     "dyt": (dict(patch_size=8, norm={"name": "dyt"}), 32),
     "derf": (dict(patch_size=8, norm={"name": "derf"}), 32),
+    "dyt_avg": (dict(patch_size=8, norm={"name": "dyt"}, classifier="token_gap_fc_norm"), 32),
+    "derf_avg": (dict(patch_size=8, norm={"name": "derf"}, classifier="token_gap_fc_norm"), 32),
     "learnable_scaler": (dict(patch_size=8, norm={"name": "learnable_scaler"}), 32),
     # vit_norm_mix.py: DTN in blocks 0-1, the class token joining at block 2 (no posemb), LN after
     "dtn": (dict(patch_size=4, depth=3, qkv_bias=False, cls_token_at_block=2,

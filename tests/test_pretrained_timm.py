@@ -132,24 +132,61 @@ def load(params, path, spec, **kw):
 
 # ------------------------------------------------------------------------------------ logits
 
-@pytest.mark.parametrize("case", ["token", "no_embed_class", "avg_fc_norm", "bfloat16"])
+CLASSIFIER = {"avg_fc_norm": "gap_fc_norm", "token_avg_fc_norm": "token_gap_fc_norm"}
+
+
+@pytest.mark.parametrize("case", ["token", "no_embed_class", "avg_fc_norm", "token_avg_fc_norm",
+                                  "bfloat16"])
 def test_logits_match_float64_timm_forward(tmp_path, case):
     """Token pooling with and without the posemb class slot, average pooling with fc_norm
-    (classifier='gap_fc_norm'), and a bfloat16 file (widened exactly: the reference reads the
-    same widened values)."""
+    without a class token (classifier='gap_fc_norm') and with one (timm's global_pool='avg'
+    default: the class token attends, the mean is over the patch tokens only;
+    'token_gap_fc_norm'), and a bfloat16 file (widened exactly: the reference reads the same
+    widened values)."""
     slot = case != "no_embed_class"
-    sd = timm_sd(1, slot=slot, cls=case != "avg_fc_norm", fc_norm=case == "avg_fc_norm")
+    avg = case in CLASSIFIER
+    sd = timm_sd(1, slot=slot, cls=case != "avg_fc_norm", fc_norm=avg)
     if case == "bfloat16":
         sd = {k: v.astype(ml_dtypes.bfloat16) for k, v in sd.items()}
     save_file(sd, str(tmp_path / "m.safetensors"))
-    spec, net, params, x = build(classifier="gap_fc_norm" if case == "avg_fc_norm" else "token")
+    spec, net, params, x = build(classifier=CLASSIFIER.get(case, "token"))
     new, rows = load(params, tmp_path / "m.safetensors", spec)
     assert {r.action for r in rows} == {"loaded"}, [r for r in rows if r.action != "loaded"]
     got = np.asarray(net.apply({"params": new}, x))
     want = reference({k: v.astype(np.float32) for k, v in sd.items()}, np.asarray(x), slot=slot,
-                     pool="avg" if case == "avg_fc_norm" else "token")
+                     pool="avg" if avg else "token")
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert np.abs(want).max() > 0.5  # logits of a size that a wrong weight would change
+
+
+def test_avg_pool_with_class_token_maps_to_token_gap_fc_norm(tmp_path):
+    """A timm file with cls_token and fc_norm (global_pool='avg', class token): into
+    'token_gap_fc_norm' the class token and fc_norm load under their own names; a 'token' or
+    'gap' model stops with a first error naming that classifier; a 'gap_fc_norm' model loads a
+    fine-tune start whose report names it; 'token_gap_fc_norm' without a class token in the file
+    names 'gap_fc_norm'. The pooling itself: test_logits_match_float64_timm_forward."""
+    path = tmp_path / "m.safetensors"
+    save_file(timm_sd(2, fc_norm=True), str(path))
+    spec, _, params, _ = build(classifier="token_gap_fc_norm")
+    _, rows = load(params, path, spec)
+    got = {r.param: (r.action, r.source) for r in rows}
+    assert got["cls"] == ("loaded", "cls")
+    assert got["fc_norm/scale"] == ("loaded", "fc_norm/scale")
+    assert not any(p.startswith("Transformer/encoder_norm") for p in got)
+    for classifier in ("token", "gap"):
+        spec, _, params, _ = build(classifier=classifier)
+        with pytest.raises(pretrained.CheckpointError, match=r"^cannot load init_from \S+: the "
+                           r"checkpoint's final norm is fc_norm \(timm's global_pool='avg'\): set "
+                           r"model\.classifier='token_gap_fc_norm';"):
+            load(params, path, spec)
+    spec, _, params, _ = build(classifier="gap_fc_norm")
+    _, rows = load(params, path, spec)
+    (drop,) = [r for r in rows if r.action == "dropped"]
+    assert drop.param == "cls" and "model.classifier='token_gap_fc_norm'" in drop.note
+    save_file(timm_sd(2, cls=False, fc_norm=True), str(path))
+    spec, _, params, _ = build(classifier="token_gap_fc_norm")
+    with pytest.raises(pretrained.CheckpointError, match="set model.classifier='gap_fc_norm'"):
+        load(params, path, spec)
 
 
 def test_a_remote_safetensors_file_is_read_through_epath(tmp_path, monkeypatch):
@@ -349,16 +386,19 @@ def test_main_py_refuses_layerscale_in_one_line(tmp_path):
 
 # ------------------------------------------------------------------------------------ real timm
 
-@pytest.mark.parametrize("pool, suffix", [("token", ".safetensors"), ("avg", ".pth")])
+@pytest.mark.parametrize("pool, suffix", [("token", ".safetensors"), ("avg", ".pth"),
+                                          ("token_avg", ".safetensors")])
 def test_real_timm_model_logits(tmp_path, pool, suffix):
     """timm's own VisionTransformer (weights perturbed off its init), saved by safetensors.torch,
     or by torch.save wrapped as DeiT's {'model': state_dict}: this model's logits equal timm's
-    eval forward within 1e-4."""
+    eval forward within 1e-4. 'token_avg': global_pool='avg' with timm's default class token and
+    fc_norm (DyT's, Derf's ViTs), classifier='token_gap_fc_norm'."""
     torch = pytest.importorskip("torch")
     timm = pytest.importorskip("timm")
     from safetensors.torch import save_file as torch_save_file
     torch.manual_seed(0)
-    kw = dict(global_pool="avg", class_token=False, fc_norm=True) if pool == "avg" else {}
+    kw = {"token": {}, "avg": dict(global_pool="avg", class_token=False, fc_norm=True),
+          "token_avg": dict(global_pool="avg")}[pool]
     m = timm.models.vision_transformer.VisionTransformer(
         img_size=32, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=10, **kw).eval()
     with torch.no_grad():
@@ -374,7 +414,8 @@ def test_real_timm_model_logits(tmp_path, pool, suffix):
         want = m(torch.from_numpy(x.transpose(0, 3, 1, 2).copy())).numpy()
     spec = models.spec_of(dict(name="vit", patch_size=4, hidden_size=16, depth=2, num_heads=2,
                                mlp_dim=64, gelu_approximate=False,
-                               classifier="gap_fc_norm" if pool == "avg" else "token"), 10)
+                               classifier={"token": "token", "avg": "gap_fc_norm",
+                                           "token_avg": "token_gap_fc_norm"}[pool]), 10)
     net = models.create(spec)
     params = net.init(jax.random.PRNGKey(0), jnp.asarray(x))["params"]
     new, _ = pretrained.init_from_npz(params, str(path), spec, 10, image_size=32, log=None)

@@ -1,5 +1,6 @@
 """Folding the issue-26 norms: RepBN and progressive fold away; DyT, Derf, zscore, minmax fold their
-scale/bias and keep their function; the timm ``gap_fc_norm`` classifier's fc_norm folds too.
+scale/bias and keep their function; the timm ``gap_fc_norm`` and
+``token_gap_fc_norm`` classifiers' fc_norm folds too.
 Reference: the unfolded model's eval logits, every variable drawn at random (tests/test_reparam.py).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ PROG = {"name": "progressive", "n1": {"name": "zscore"}, "n2": {"name": "repbn"}
     ("progressive", {}, None),
     (PROG, {"classifier": "gap_fc_norm", "scan": True}, None),
     ("dyt", {"classifier": "gap_fc_norm"}, "tanh(alpha * x)"),
+    ("dyt", {"classifier": "token_gap_fc_norm"}, "tanh(alpha * x)"),  # DyT's own ViT (class token)
     ("derf", {}, "erf(alpha * x + s)"),
     ("zscore", {"classifier": "gap_fc_norm"}, "per-token statistics"),
     ("minmax", {}, "per-token statistics"),
@@ -35,7 +37,8 @@ def test_folded_logits_equal_unfolded(norm, extra, stays):
     got = eval_logits(spec, folded, IMAGES)
     assert np.abs(want).max() > 1.0  # logits of a size where 1e-5 means something
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
-    final = "fc_norm" if extra.get("classifier") == "gap_fc_norm" else "Transformer/encoder_norm"
+    final = ("fc_norm" if extra.get("classifier", "").endswith("gap_fc_norm")
+             else "Transformer/encoder_norm")
     assert sorted(report.folded) == sorted(BLOCK_SLOTS + [final])
     names = slot_names(folded)
     if stays is None:  # nothing of the norms is left

@@ -24,7 +24,11 @@ VARIANTS: dict[str, tuple[int, int, int, int]] = {
     "L": (1024, 24, 16, 4096),
     "H": (1280, 32, 16, 5120),
 }
-CLASSIFIERS = ("token", "gap", "gap_fc_norm")  # gap_fc_norm: timm's pool, then norm (FC_SLOT)
+# gap_fc_norm: timm's global_pool='avg' without a class token: pool, then the norm (FC_SLOT).
+# token_gap_fc_norm: timm's global_pool='avg' with one (its default; DyT, Derf, MAE fine-tunes):
+# the class token is in the sequence, but only the patch tokens are pooled, then FC_SLOT.
+CLASSIFIERS = ("token", "gap", "gap_fc_norm", "token_gap_fc_norm")
+FC_CLASSIFIERS = ("gap_fc_norm", "token_gap_fc_norm")  # the final norm is FC_SLOT, after pooling
 POSEMBS = ("learn", "sincos2d", "sincos1d", "none")
 PLACEMENTS = ("pre", "post", "sandwich")
 PATCH_NORMS = ("none", "pre", "post", "dual", "post_posemb")
@@ -48,7 +52,7 @@ MLP_RATIO = 4.0  # mlp_dim = MLP_RATIO * hidden_size where neither is set (confi
 # Norm slots, by module name. In a block: pre/post use the first two, sandwich all four.
 BLOCK_SLOTS = ("LayerNorm_0", "LayerNorm_2", "PostNorm_attn", "PostNorm_mlp")
 FINAL_SLOT = "encoder_norm"
-FC_SLOT = "fc_norm"  # classifier gap_fc_norm: the final norm on the pooled vector (top level)
+FC_SLOT = "fc_norm"  # FC_CLASSIFIERS: the final norm on the pooled vector (top level)
 PATCH_SLOTS = ("patch_norm_pre", "patch_norm_post")  # always LayerNorm (Dual PatchNorm)
 ALL_SLOTS = frozenset(BLOCK_SLOTS + (FINAL_SLOT,) + PATCH_SLOTS)
 GOOGLE_SLOTS = frozenset(BLOCK_SLOTS[:2] + (FINAL_SLOT,))  # the slots Google's checkpoints hold
@@ -242,7 +246,13 @@ class ViTSpec:
 
     @property
     def uses_cls(self) -> bool:
-        return self.classifier == "token"
+        """Whether the class token is in the sequence (classified from or not)."""
+        return self.classifier in ("token", "token_gap_fc_norm")
+
+    @property
+    def fc_norm(self) -> bool:
+        """Whether the final norm sits after pooling (FC_SLOT) instead of in the encoder."""
+        return self.classifier in FC_CLASSIFIERS
 
     def block_has_cls(self) -> list[bool]:
         """Per block: whether the class token is in its sequence (token classifier and joined)."""

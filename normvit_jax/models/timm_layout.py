@@ -22,7 +22,8 @@ from normvit_jax.models import original_norms
 from normvit_jax.models import spec as spec_lib
 from normvit_jax.models.google_layout import POSEMB, CheckpointError, Layout
 
-# The file's norm slots: Google's, and timm's fc_norm (global_pool='avg': classifier='gap_fc_norm').
+# The file's norm slots: Google's, and timm's fc_norm (global_pool='avg': classifier
+# 'token_gap_fc_norm' with cls_token, 'gap_fc_norm' without; pretrained.file_classifier).
 NORM_SLOTS = spec_lib.GOOGLE_SLOTS | {spec_lib.FC_SLOT}
 # (a timm key pattern, the feature) this ViT has no layer for.
 REFUSED = (

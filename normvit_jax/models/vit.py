@@ -158,8 +158,11 @@ class ViT(nn.Module):
             x = jnp.concatenate([cls, x], axis=1)
         x = Encoder(s, grid, int(s.uses_cls and not joins_late), name="Transformer")(
             x, cls, train, capture, step)
-        x = x[:, 0] if s.uses_cls else jnp.mean(x, axis=1)
-        if s.final_norm and s.classifier == "gap_fc_norm":
+        if s.classifier == "token":
+            x = x[:, 0]
+        else:  # timm's avg pool: the patch tokens only; a class token (always at 0) is left out
+            x = jnp.mean(x[:, int(s.uses_cls):], axis=1)
+        if s.final_norm and s.fc_norm:
             # timm's global_pool='avg' with fc_norm: pool the tokens, then normalise that one vector
             # (the final norm's config, in slot 'fc_norm'); the encoder has no final norm then.
             x = _sown_norm(self, s.final_norm_config(), x[:, None, :], train, s, grid, 0, FC_SLOT,
@@ -236,7 +239,7 @@ class Encoder(nn.Module):
         if cls is not None and s.cls_token_at_block >= s.depth:
             x = jnp.concatenate([cls, x], axis=1)
             prefix = 1
-        if s.final_norm and s.classifier != "gap_fc_norm":
+        if s.final_norm and not s.fc_norm:
             x = _sown_norm(self, s.final_norm_config(), x, train, s, self.grid, prefix, FINAL_SLOT,
                            step)
         return x
