@@ -387,7 +387,8 @@ def dyt_vit(c: ml_collections.ConfigDict, variant: str, code: str = "dyt") -> ml
     # :127-137 Mixup 0.8 / CutMix 1.0 / prob 1 / switch 0.5 / batch (Derf's ViT/main.py alike)
     timm_deit_training(c, batch=4096, lr=4e-3, warmup_epochs=20, mix_groups=groups)
     c.schedule.end_factor = 1e-6 / 4e-3  # [DyT] main.py:96 --min_lr 1e-6
-    c.model.classifier = "gap_fc_norm"  # [DyT] main.py:297 timm global_pool='avg': pool, then fc_norm
+    # [DyT] main.py:297 timm global_pool='avg' (class token kept): patch tokens pooled, then fc_norm
+    c.model.classifier = "token_gap_fc_norm"
     if code == "dyt":  # [DyT] README.md:43 --drop_path 0.1 (B), :63 0.4 (L)
         c.model.stochastic_depth = 0.4 if large else 0.1
     else:              # [Derf] ViT/main.py:61 default 0.15 (B: README passes none), README.md:35 0.5 (L)

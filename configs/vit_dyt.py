@@ -1,7 +1,8 @@
 """ViT with DyT (Zhu et al., CVPR 2025) in every norm slot: gamma * tanh(alpha * x) + beta.
 
 Variants as vit_ln.py. Presets ``:dyt_b``, ``:dyt_l``: the paper's ViT-B/L (timm layout, global
-average pooling then fc_norm: ``classifier='gap_fc_norm'``) with ConvNeXt's training script
+average pooling of the patch tokens beside a class token, then fc_norm:
+``classifier='token_gap_fc_norm'``) with ConvNeXt's training script
 (configs/recipes.py; published ImageNet-1k top-1 DyT 82.5 / 83.6, LN 82.3 / 83.1).
 """
 from __future__ import annotations

@@ -302,5 +302,5 @@ def test_slab_dyt_derf_presets_carry_the_cited_values():
         assert (d.optimizer.learning_rate, d.optimizer.weight_decay, d.optimizer.grad_clip) == \
             (4e-3, 0.05, None)
         assert d.schedule.warmup_steps == 20 * spe and d.schedule.end_factor == pytest.approx(1e-6 / 4e-3)
-        assert (d.ema_decay, d.model.classifier, d.num_epochs) == (0.9999, "gap_fc_norm", 300.0)
+        assert (d.ema_decay, d.model.classifier, d.num_epochs) == (0.9999, "token_gap_fc_norm", 300.0)
         assert (d.model.norm.alpha_init, d.model.gelu_approximate) == (0.5, False)
