@@ -17,6 +17,7 @@ Bad input (also a norm a format cannot express, a missing extra): one line, exit
 from __future__ import annotations
 
 import io
+import os
 import sys
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -107,7 +108,10 @@ def define_flags() -> None:
     if "workdir" not in FLAGS:
         flags.DEFINE_string("workdir", None, "Run directory holding the checkpoints.")
     if "out" not in FLAGS:
-        flags.DEFINE_string("out", None, "Output .npz path (local or gs://).")
+        flags.DEFINE_string("out", None, "Output path, per --format: npz: a .npz file (local or "
+                            "gs://); onnx: a .onnx file; stablehlo: a .stablehlo file (those two "
+                            "get classes.json and <out>.json beside them); savedmodel: a folder "
+                            "(classes.json and deploy.json in it).")
     if "step" not in FLAGS:
         flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the latest).")
     # --- deploy formats (normvit_jax.deploy, docs/deploy.md)
@@ -126,6 +130,28 @@ def define_flags() -> None:
         flags.DEFINE_string("folded", None, "A folder written by python -m normvit_jax.reparam "
                             "--out=...: export those folded weights (--workdir gives the data "
                             "settings and class names).")
+
+
+# The suffix each format's --out is written with (docs/deploy.md); a SavedModel is a folder.
+SUFFIXES = {"npz": ".npz", "onnx": ".onnx", "stablehlo": ".stablehlo"}
+
+
+def check_out_suffix(out: str, fmt: str, fmt_given: bool = True) -> None:
+    """Refuses an ``--out`` whose suffix names another format than ``fmt`` (``--out=m.onnx``
+    without --format wrote an npz named m.onnx, which serve then failed to read): ValueError, one
+    line (exit 2). Other suffixes (none, ``.bin``) are left to the user."""
+    ext = os.path.splitext(out.rstrip("/"))[1].lower()
+    named = next((f for f, s in SUFFIXES.items() if s == ext), None)
+    if named is None or named == fmt:
+        return
+    chosen = f"--format is {fmt}" + ("" if fmt_given else " (the default)")
+    if not fmt_given:
+        fix = f"add --format={named}"
+    elif fmt == "savedmodel":  # a folder: any name without another format's suffix
+        fix = f"use --format={named}, or a folder name without {ext}"
+    else:
+        fix = f"use --format={named}, or an --out ending in {SUFFIXES[fmt]}"
+    raise ValueError(f"--out={out} ends in {ext} but {chosen}: {fix}")
 
 
 def run_deploy(workdir: str, out: str, fmt: str, *, step: int | None = None, fold: bool = False,
@@ -204,6 +230,7 @@ def main(argv: Sequence[str]) -> None:
     if not FLAGS.workdir or not FLAGS.out:
         _stop("--workdir and --out are required (--help lists the flags)")
     with cli.tool_errors("python -m normvit_jax.export"):  # docs/faults.md: the table's codes
+        check_out_suffix(FLAGS.out, FLAGS.format, FLAGS["format"].present)
         tool_flags.check_output("out", FLAGS.out, folder=FLAGS.format == "savedmodel")
         if FLAGS.format != "npz":
             run_deploy(FLAGS.workdir, FLAGS.out, FLAGS.format, step=FLAGS.step, fold=FLAGS.fold,

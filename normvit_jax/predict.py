@@ -112,11 +112,16 @@ def eval_geometry(d: Any) -> Any:
                     resize_small=int(setting(d, "eval_resize_small") or 0))
 
 
-def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | None = None,
+DEFAULT_TOP_K = 5  # serve's: at most the model's classes unless asked for
+
+
+def predict(workdir: str, files: Sequence[str], *, top_k: int | None = None,
+            step: int | None = None,
             folded: str | None = None, batch: int = 64, weights: str | None = None
             ) -> tuple[list[dict], list[str]]:
     """(rows, skipped): per readable file ``{'path', 'top': [(class, prob), ...]}``; skipped:
-    'path (reason)' for files that are not decodable images. ``weights``: --weights
+    'path (reason)' for files that are not decodable images. ``top_k``: 1..classes (ValueError
+    otherwise, as serve's 400); None: DEFAULT_TOP_K or the classes if fewer. ``weights``: --weights
     (``checkpoints.choose_weights``; a --folded folder holds the weights it was folded from)."""
     import jax
     from normvit_jax import checkpoints, models, reparam, run_data
@@ -130,6 +135,9 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
         # the shared restore path, the raw or EMA weights (--weights)
         variables, _, _ = checkpoints.restore_weights(workdir, step, weights)
         model_cfg, n = config.model, int(np.shape(variables["params"]["head"]["bias"])[-1])
+    if top_k is not None and not 1 <= top_k <= n:  # 20 of 10 classes showed 10, silently
+        raise ValueError(f"--top_k={top_k}: must be an integer from 1 to {n} (the number of "
+                         "classes)")
     model = models.create(model_cfg, n)
     names = class_names(workdir, config, n)
     affine = run_data.affine(workdir, config)  # as trained: no dataset needed (run_data.py)
@@ -137,7 +145,7 @@ def predict(workdir: str, files: Sequence[str], *, top_k: int = 5, step: int | N
     apply = jax.jit(lambda v, x: jax.nn.softmax(
         model.apply(v, stats.model_input(x, affine), train=False), -1))
     decoder = tf_images.BatchDecoder(min(8, os.cpu_count() or 1))
-    rows, skipped, k = [], [], min(top_k, n)
+    rows, skipped, k = [], [], min(DEFAULT_TOP_K, n) if top_k is None else top_k
     bar = _progress(None, "predicting", len(files))
     # one batch of files at a time: read, decoded, predicted, then dropped (a folder of any size
     # holds one batch in memory)
@@ -217,13 +225,27 @@ def write_csv(rows: list[dict], path: str, top_k: int) -> None:
             w.writerow([row["path"]] + [v for c, p in row["top"] for v in (c, f"{p:.6f}")])
 
 
+def typed_flags(message: str, typed: dict[str, tuple[str, str]]) -> str:
+    """``message`` (the data checks', which name config keys as main.py's flags do) with the
+    values predict's flags set named as those flags: ``config.data.eval_split='tset'`` is
+    ``--split=tset``, the flag the user typed. ``typed``: {config.data key: (flag, value)}."""
+    for key, (flag, value) in typed.items():
+        message = message.replace(f"config.data.{key}={value!r}", f"--{flag}={value}")
+        if key == "eval_name":  # the evaluated set's own check names it as a dataset
+            message = message.replace(f"config.data.name={value!r}", f"--name={value}")
+        if key == "data_dir":
+            message = message.replace(f"config.data.data_dir ({value})", f"--data_dir={value}")
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> Any:
     from normvit_jax import cli, logs, tool_flags
     logs.quiet_library_logs()
     p = tool_flags.Parser("python -m normvit_jax.predict", __doc__)
     p.add_argument("--workdir", required=True, help="the training run's workdir")
     p.add_argument("--images", default=None, help="image files and folders, comma-separated")
-    p.add_argument("--top_k", type=int, default=5, help="classes shown per image")
+    p.add_argument("--top_k", type=int, default=None, help=f"classes shown per image, 1 to the "
+                   f"model's classes (default: {DEFAULT_TOP_K}, or the classes if fewer)")
     p.add_argument("--out", default=None, help="CSV file to write (path, class_1, prob_1, ...)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     p.add_argument("--folded", default=None, help="folder written by `python -m "
@@ -266,20 +288,26 @@ def _main(args: Any, prog: str) -> Any:
                   f"evaluate that step (--step=N) without --folded",
                   file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
+        typed = {}  # config key -> the flag the user typed for it
         with config.unlocked():
-            for key, v in (("eval_name", args.name), ("eval_split", args.split),
-                           ("data_dir", args.data_dir)):
+            for key, flag, v in (("eval_name", "name", args.name), ("eval_split", "split",
+                                 args.split), ("data_dir", "data_dir", args.data_dir)):
                 if v is not None:
                     config.data[key] = v
+                    typed[key] = (flag, v)
         # not cli.evaluate, which logs main.py's 'Stopped: ...': the errors reach tool_errors
         from normvit_jax import evaluation
-        print(json.dumps(evaluation.evaluate_checkpoint(config, args.workdir, args.step),
-                         sort_keys=True))
+        try:
+            result = evaluation.evaluate_checkpoint(config, args.workdir, args.step)
+        except ValueError as e:
+            e.args = (typed_flags(str(e), typed),) + e.args[1:]
+            raise
+        print(json.dumps(result, sort_keys=True))
         return cli.EXIT_OK
     bad = ["--images=FILES_OR_FOLDERS is required"] if not args.images else []
     # --batch=0 failed inside range(), a negative one predicted nothing and exited 0
     bad += [f"--{k}={v}: must be >= 1" for k, v in (("top_k", args.top_k), ("batch", args.batch))
-            if v < 1]
+            if v is not None and v < 1]
     if bad:
         print(f"{prog}: error: {'; '.join(bad)}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
@@ -304,7 +332,7 @@ def _main(args: Any, prog: str) -> Any:
               file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     if args.out:
-        write_csv(rows, args.out, min(args.top_k, len(rows[0]["top"]) if rows else args.top_k))
+        write_csv(rows, args.out, len(rows[0]["top"]))
         print(f"wrote {len(rows)} predictions to {args.out}")
     return rows, skipped
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import sys
 from typing import Any, Sequence
@@ -213,6 +214,13 @@ def _serve(args: Any) -> None:
     import uvicorn
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host  # http://[::1]:8000, not http://::1:8000
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # A background job of a non-interactive shell (`serve ... &` in a script) starts with
+        # SIGINT ignored; uvicorn stops on it anyway (its own handler), then re-raised it into
+        # the ignored disposition: exit 0 and no line. Since it stops, say so as in a terminal:
+        # one line and 130. (Left ignored while loading, as the shell asked; set before the
+        # line saying it serves, which a script may answer with `kill -INT` at once.)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     print(json.dumps({"serving": args.artifact, "format": model.fmt, "url":
                       f"http://{host}:{port}"}), flush=True)
     config = uvicorn.Config(make_app(model, args.max_bytes, args.workers), log_level="warning",

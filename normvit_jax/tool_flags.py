@@ -90,7 +90,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
     names one or there is none (None, False)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or "default" in (action.help or ""):
+        # `is`, not `in`: 0 == False hid a default of 0 (prepare's --seed)
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

@@ -619,3 +619,18 @@ def test_default_workers_follow_the_cores_this_process_may_use():
     finally:
         os.sched_setaffinity(0, before)
     assert pipeline_lib.default_num_workers() == min(32, len(before))
+
+
+def test_a_misspelt_prepared_name_is_guessed_and_the_prepared_ones_are_listed(tmp_path):
+    """--config.data.name=my_fmm listed the built-ins only, not the prepared 'my_fm' beside it."""
+    for name in ("my_fm", "pets"):
+        (tmp_path / name / "1.0.0").mkdir(parents=True)
+        (tmp_path / name / "1.0.0" / "prepare.json").write_text("{}")
+    (tmp_path / "half" / "1.0.0").mkdir(parents=True)  # not complete: not prepared
+    with pytest.raises(data.DatasetNotFoundError) as e:
+        data.dataspec.check_name("my_fmm", str(tmp_path))
+    msg = str(e.value)
+    assert "config.data.name='my_fmm' is not a known dataset (did you mean 'my_fm'?); " in msg
+    assert f"({tmp_path}, which holds 'my_fm', 'pets')" in msg and "half" not in msg
+    with pytest.raises(data.DatasetNotFoundError, match=r"which holds none\)"):
+        data.dataspec.check_name("my_fm", str(tmp_path / "empty"))

@@ -210,3 +210,20 @@ def test_a_photo_over_serves_pixel_limit_as_it_is_is_still_predicted(tmp_path, m
     kept, _, bad = predict._decode([photo], Geometry(8, False, 1.0, 1.0, resize_small=16),
                                    tf_images.BatchDecoder(1))  # 12x10 -> 19x16 = 304 > 100
     assert kept == [] and "over the limit of 100 pixels" in bad[0], bad
+
+
+def test_top_k_out_of_range_and_eval_flags_are_refused_by_the_flag_typed(run, tmp_path, capsys):
+    """--top_k=20 of 10 classes silently showed 10 (serve answers 400 'from 1 to 10'); --mode=eval
+    refusals named config.data.eval_split / eval_name, keys the user never typed."""
+    _save(tmp_path / "a.png", np.zeros((8, 8, 3), np.uint8), "PNG")
+    for argv, line in (
+            (["--images=" + str(tmp_path / "a.png"), "--top_k=20"],
+             "--top_k=20: must be an integer from 1 to 10 (the number of classes)"),
+            (["--mode=eval", "--split=tset"], "--split=tset"),
+            (["--mode=eval", "--name=tiny"], "--name=tiny")):
+        with pytest.raises(SystemExit) as e:
+            predict.main([f"--workdir={run}"] + argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"python -m normvit_jax.predict: error: {line}"), err
+        assert "config.data" not in err[0].split(";")[0], err

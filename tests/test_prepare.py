@@ -942,3 +942,17 @@ def test_a_class_name_in_its_decomposed_unicode_form_is_the_same_class(tmp_path,
     _tree(tmp_path / "s2", {nfc: 2, nfd: 2, "dog": 2})
     line = _fails(capsys, f"--src={tmp_path / 's2'}", "--name=nfd2", f"--data_dir={tmp_path}/dd")
     assert "one class name written in two Unicode forms" in line and "merge the two" in line
+
+
+def test_the_summary_says_1_example_and_help_shows_the_seeds_default(prepared_folder, capsys):
+    """'val: 1 examples'; `prepare --help` showed no default for --seed (0, which the help
+    formatter took for False) while the other flags showed theirs."""
+    root, _, info = prepared_folder
+    one = json.loads(json.dumps(info))
+    one["splits"]["val"].update(examples=1, per_class=[1, 0])
+    text = prepare.summary(one, "pets", f"{root}/dd", 1.0)
+    assert "  val: 1 example (cat 1, dog 0)" in text and "  train: 12 examples (" in text
+    with pytest.raises(SystemExit):
+        prepare.main(["--help"])
+    assert re.search(r"--seed SEED\s+seed of the held-out choice \(default: 0\)",
+                     capsys.readouterr().out)

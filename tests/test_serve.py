@@ -27,7 +27,8 @@ from tests.conftest import REPO_ROOT
 MAX_BYTES, MAX_PIXELS = 200_000, 1_000_000
 
 
-def _tiny_artifact(out: str, names: list[str] | None = None, fmt: str = "onnx") -> None:
+def _tiny_artifact(out: str, names: list[str] | None = None, fmt: str = "onnx",
+                   log=None) -> None:
     """A one-block demo ViT with random weights (drawn in numpy at the shapes ``init`` gives, so
     nothing is compiled) and a wide random head (so predictions vary)."""
     import jax
@@ -42,7 +43,7 @@ def _tiny_artifact(out: str, names: list[str] | None = None, fmt: str = "onnx") 
                                                ).astype(np.float32)
     names = names or [f"digit {i}" for i in range(10)]
     artifact.export_artifact(bundle.from_variables(c, c.model, v, 10, names, log=None), fmt,
-                             out, log=None)
+                             out, log=log)
 
 
 def _start(*args: str) -> subprocess.Popen:
@@ -381,6 +382,40 @@ def test_a_savedmodel_never_replaces_a_folder_of_other_files(tmp_path):
         _tiny_artifact(str(tmp_path / "run"), fmt="savedmodel")
     assert sorted(os.listdir(tmp_path / "run")) == ["checkpoints", "config.json"]
     assert sorted(os.listdir(tmp_path)) == ["run"]  # no .tmp, no staging folder left
+
+
+def test_a_savedmodels_log_says_its_side_files_are_in_it(tmp_path, monkeypatch):
+    """The log said classes.json and deploy.json were 'beside it'; they are in the folder. (The
+    writer is replaced: the line is checked, not TensorFlow.)"""
+    monkeypatch.setattr(artifact, "_writer", lambda fmt: lambda b, out, batch, meta:
+                        os.makedirs(out))
+    lines = []
+    _tiny_artifact(str(tmp_path / "sm"), fmt="savedmodel", log=lines.append)
+    assert lines[0].endswith(f"; {tmp_path / 'sm' / 'classes.json'} and "
+                             f"{tmp_path / 'sm' / 'deploy.json'} in it"), lines
+    assert sorted(os.listdir(tmp_path / "sm")) == ["classes.json", "deploy.json"]
+
+
+def test_ctrl_c_of_a_background_job_is_one_line_and_130_too(served):
+    """`serve ... &` in a script starts with SIGINT ignored; uvicorn stopped on `kill -INT` anyway
+    and re-raised it into the ignored disposition: exit 0, no line (the foreground's is 130)."""
+    import signal
+    proc = subprocess.Popen([sys.executable, "-m", "normvit_jax.serve", f"--artifact={served[3]}",
+                             "--port=0"], cwd=REPO_ROOT,
+                            env={**os.environ, "PYTHONPATH": REPO_ROOT},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert proc.stdout.readline(), proc.stderr.read()[-2000:]  # serving
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err)
+    assert err.strip().splitlines()[-1] == \
+        "python -m normvit_jax.serve: interrupted (Ctrl-C); stopped"
 
 
 def test_artifacts_sharing_a_folder_keep_their_class_names(tmp_path):

@@ -344,3 +344,39 @@ def test_an_empty_out_is_refused_before_the_work(module, tmp_path, monkeypatch, 
     assert e.value.code == 2 and "--out is empty (an unset shell variable?); pass the path of a " \
         "folder" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out={d}/y.onnx"], "--out={d}/y.onnx ends in .onnx but --format is npz (the default): "
+                           "add --format=onnx"),
+    (["--out={d}/y.npz", "--format=onnx"], "--out={d}/y.npz ends in .npz but --format is onnx: "
+                                           "use --format=npz, or an --out ending in .onnx"),
+    (["--out={d}/y.onnx", "--format=savedmodel"], "--out={d}/y.onnx ends in .onnx but --format "
+     "is savedmodel: use --format=onnx, or a folder name without .onnx"),
+])
+def test_export_refuses_an_out_whose_suffix_names_another_format(argv, message, tmp_path):
+    """--out=y.onnx without --format wrote an npz (a zip) named y.onnx, exit 0; serving it then
+    failed with 'y.onnx.json not found'. Refused before the run is read: one line, exit 2."""
+    from normvit_jax import export
+    r = subprocess.run([sys.executable, "-m", "normvit_jax.export", f"--workdir={tmp_path}/w"]
+                       + [a.format(d=tmp_path) for a in argv], cwd=REPO_ROOT,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == \
+        "python -m normvit_jax.export: error: " + message.format(d=tmp_path)
+    assert os.listdir(tmp_path) == []
+    for out, fmt in (("m.npz", "npz"), ("m", "npz"), ("m.onnx", "onnx"), ("sm", "savedmodel"),
+                     ("m.stablehlo", "stablehlo"), ("m.bin", "onnx")):
+        export.check_out_suffix(out, fmt)  # a format's own suffix, or none it names: accepted
+
+
+def test_export_help_describes_out_per_format():
+    """--out was 'Output .npz path' though it is the path of every format."""
+    from absl import flags
+    from normvit_jax import export
+    export.define_flags()
+    text = flags.FLAGS["out"].help
+    for words in ("npz: a .npz file", "onnx: a .onnx file", "stablehlo: a .stablehlo file",
+                  "savedmodel: a folder"):
+        assert words in text, text

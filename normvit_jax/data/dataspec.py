@@ -14,6 +14,7 @@ that reads them from its ``prepare.json`` (``prepared.resolve``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import numbers
 from typing import Any
@@ -84,6 +85,9 @@ def num_classes(name: str) -> int:
     return NUM_CLASSES[name]
 
 
+MAX_NAMES_SHOWN = 8  # prepared datasets named in a refusal (a shared data_dir may hold many)
+
+
 def check_name(name: Any, data_dir: Any) -> None:
     """A built-in dataset, or one prepared by ``python -m normvit_jax.data.prepare`` in
     ``data_dir``; raises DatasetNotFoundError (a ValueError) naming both kinds otherwise."""
@@ -94,9 +98,16 @@ def check_name(name: Any, data_dir: Any) -> None:
     if not (data_dir is None or isinstance(data_dir, str)) or not prepared.is_prepared(name, data_dir):
         from normvit_jax.data.errors import DatasetNotFoundError
         where = data_dir or prepared.default_data_dir()
+        have = prepared.list_prepared(where) if isinstance(data_dir, (str, type(None))) else []
+        # a misspelt prepared name ('my_fmm') was answered with the built-ins only
+        guess = difflib.get_close_matches(name, have + sorted(NUM_CLASSES), n=1)
+        shown = ", ".join(repr(n) for n in have[:MAX_NAMES_SHOWN]) + (
+            f" and {len(have) - MAX_NAMES_SHOWN} more" if len(have) > MAX_NAMES_SHOWN else "")
         raise DatasetNotFoundError(
-            f"config.data.name={name!r} is not a known dataset; accepted: {sorted(NUM_CLASSES)}, "
-            f"or a dataset prepared in config.data.data_dir ({where}) by `python -m "
+            f"config.data.name={name!r} is not a known dataset"
+            + (f" (did you mean {guess[0]!r}?)" if guess else "")
+            + f"; accepted: {sorted(NUM_CLASSES)}, or a dataset prepared in config.data.data_dir "
+            f"({where}, which holds {shown or 'none'}) by `python -m "
             f"normvit_jax.data.prepare --src=YOUR_DATA --name={name} --data_dir={where}` "
             f"(docs/data.md)")
 

@@ -353,7 +353,8 @@ def summary(info: dict[str, Any], name: str, data_dir: str, seconds: float,
             per = f"{min(sp['per_class'])}..{max(sp['per_class'])} per class"
         size = (f"{sp['min_size'][0]}x{sp['min_size'][1]} .. {sp['max_size'][0]}x"
                 f"{sp['max_size'][1]} (HxW)" if sp["min_size"] else "no images")
-        lines.append(f"  {s}: {sp['examples']} examples ({per}); sizes {size}")
+        lines.append(f"  {s}: {sp['examples']} example{'' if sp['examples'] == 1 else 's'} "
+                     f"({per}); sizes {size}")
         empty = [c for c, n in zip(classes, sp["per_class"]) if n == 0]
         if empty and s != "train":  # (train: refused by _check_classes)
             lines.append(f"  note: classes with no {s} image (not evaluated): "

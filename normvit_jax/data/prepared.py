@@ -37,6 +37,16 @@ def is_prepared(name: str, data_dir: str | None) -> bool:
     return (epath.Path(version_dir(name, data_dir)) / INFO_FILE).exists()
 
 
+def list_prepared(data_dir: str | None) -> list[str]:
+    """The names of the datasets prepared completely in ``data_dir``, sorted; [] if it cannot be
+    listed (a refusal names them: a misspelt name is then one the user sees)."""
+    try:
+        root = epath.Path(data_dir or default_data_dir())
+        return sorted(p.name for p in root.iterdir() if is_prepared(p.name, str(root)))
+    except (OSError, ValueError):  # no such folder, no permission, an object store refusing
+        return []
+
+
 def describe(name: str, data_dir: str | None) -> dict[str, Any]:
     """The ``prepare.json`` of a prepared dataset: 'classes' (list of names, label order),
     'splits' ({split: {'examples', 'per_class', 'skipped', 'min_size', 'max_size'}}),

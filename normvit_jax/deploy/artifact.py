@@ -156,5 +156,5 @@ def export_artifact(b: bundle_lib.Bundle, fmt: str, out: str, batch: int | None 
         shape = "N" if batch is None else str(batch)
         log(f"exported the {fmt} artifact to {out}: image uint8 ({shape}, {b.image_size}, "
             f"{b.image_size}, 3) -> probabilities, logits float32 ({shape}, {b.num_classes}); "
-            f"{classes_path} and {meta_path} beside it")
+            f"{classes_path} and {meta_path} " + ("in it" if fmt == "savedmodel" else "beside it"))
     return meta
