@@ -172,13 +172,13 @@ def test_train_resume_eval_predict(dataset, tmp_path, capsys, monkeypatch):
         predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--name=tiny_two",
                       "--split=train"])
     assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == (
-        "python -m normvit_jax.predict: error: config.data.eval_name='tiny_two' has the classes "
+        "python -m normvit_jax.predict: error: --name=tiny_two has the classes "
         "['ant', 'bee'], the run's 'tiny_own' ['ant', 'bee', 'cat']; accepted: a prepared dataset "
         "of the same classes (prepare it from folders of the same names)")
     with pytest.raises(SystemExit) as e:  # the tool's one line, not main.py's 'Stopped:' log line
         predict.main([f"--workdir={tmp_path}/a", "--mode=eval", "--split=nosuch"])
     assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith(
-        "python -m normvit_jax.predict: error: config.data.eval_split='nosuch' names 'nosuch'")
+        "python -m normvit_jax.predict: error: --split=nosuch names 'nosuch'")
 
 
 def test_predict_bad_input_is_one_line_exit_2(dataset, tmp_path, capsys):
