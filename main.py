@@ -82,12 +82,27 @@ def resolve_config_arg(argv):
     sys.exit(cli.EXIT_CONFIG)
 
 
+def _require(argv, name, what):
+    """One line and exit 2 for a missing required flag (absl's mark_flags_as_required raised
+    'IllegalFlagValueError: flag --workdir=None: Flag --workdir must have a value other than
+    None')."""
+    if _flag(argv, name) is None:
+        print(f"error: --{name} is required ({what})", file=sys.stderr)
+        sys.exit(cli.EXIT_CONFIG)
+
+
 def parse_flags(argv):
     """absl's parser, with a short message instead of a traceback for a bad --config override.
     Keys inside dict-valued fields (``--config.model.norm_overrides.block_1.name=rmsnorm``) and
     ``=None`` are set after it (normvit_jax/config_paths.py)."""
+    tool_flags.absl_help(argv)  # before any check: --help needs no --config or --workdir
+    _require(argv, "workdir", "the run's folder: checkpoints, summaries, config.json; e.g. "
+             "--workdir=runs/demo")
     # --workdir=~/runs, --config.data.data_dir=~/tfds: ~ as the shell expands it after a space.
-    argv, paths = config_paths.split(resolve_config_arg(tool_flags.expand_home(argv)))
+    argv = resolve_config_arg(tool_flags.expand_home(argv))
+    _require(argv, "config", "a config file, e.g. --config=configs/vit_ln.py:demo, or a run's "
+             "workdir; --mode=eval takes the workdir's own by default")
+    argv, paths = config_paths.split(argv)
     sys.argv = list(argv)  # config_flags reads the overrides from sys.argv
     try:
         rest = FLAGS(argv)

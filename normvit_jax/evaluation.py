@@ -21,7 +21,7 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from normvit_jax import checkpoints, data, distributed, run_data, sharding
+from normvit_jax import checkpoints, data, distributed, run_config, run_data, sharding
 from normvit_jax.train import evaluator, setup
 from normvit_jax.train import optimizer as optim
 
@@ -84,6 +84,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     checkpoints.RunNotFoundError when there is no checkpoint (of that step)."""
     failure = None
     try:  # checks that may fail on some processes only: they agree before any collective
+        # before the dataset is opened: a config file without the run's --config.data.* overrides
+        # named another dataset ("not prepared"), not the one the run trained on
+        run_config.check_eval_dataset(config, workdir)
         mesh = sharding.make_mesh(config)  # the run's mesh: an FSDP state is restored sharded
         run_spec = setup.resolve_config(config, mesh.devices.size)
         # the statistics the run trained with (a dataset prepared again since: one warning)

@@ -246,5 +246,6 @@ def main(argv: Sequence[str]) -> None:
 if __name__ == "__main__":
     from normvit_jax import tool_flags
     define_flags()
+    tool_flags.absl_help(sys.argv)  # help on stdout, exit 0 (absl: exit 1, and no -h)
     sys.argv = tool_flags.expand_home(sys.argv)  # --out=~/model.npz: ~ as after a space
     app.run(main, flags_parser=parse_flags)

@@ -106,6 +106,29 @@ def check_config(config: Any, workdir: str) -> None:
               f"to {REPLACED_DIR}/).")
 
 
+def check_eval_dataset(config: Any, workdir: str) -> None:
+    """``--mode=eval`` with a ``--config`` whose training dataset is not the run's: a
+    ConfigChangedError naming the run's (and its data_dir) and the flags that select it. Without
+    it, a run trained on a prepared dataset and evaluated with the config file alone stopped
+    with "dataset 'cifar10' is not prepared", never naming the dataset the run trained on. The
+    eval set is chosen with data.eval_name, which is not compared."""
+    path = epath.Path(workdir) / CONFIG_NAME
+    if not path.exists():  # no run there: the checkpoint checks say so
+        return
+    saved, current = _flatten(read_saved(path)), flat_values(config)
+    name, data_dir = saved.get("data.name"), saved.get("data.data_dir")
+    if name is None or name == current.get("data.name"):
+        return
+    add = f"--config.data.name={name}" + (
+        f" --config.data.data_dir={data_dir}"
+        if data_dir and data_dir != current.get("data.data_dir") else "")
+    raise ConfigChangedError(
+        f"the run in {workdir} trained on dataset {name!r}"
+        + (f" (data_dir {data_dir})" if data_dir else "")
+        + f"; this config names {current.get('data.name')!r}: add {add}, or leave out --config "
+          "(the run's own config.json is used); another eval set: --config.data.eval_name=NAME")
+
+
 def has_checkpoint(workdir: str) -> bool:
     """Whether ``workdir/checkpoints`` holds a step folder (complete or not: a partial one means
     training ran with the saved config)."""

@@ -38,6 +38,28 @@ def expand_home(argv: Sequence[str]) -> list[str]:
     return out
 
 
+# absl's help flags, and -h as argparse has it (absl took it for an unknown flag 'h', exit 2)
+ABSL_HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull")
+
+
+def absl_help(argv: Sequence[str]) -> None:
+    """For the absl commands (main.py, ``python -m normvit_jax.export``), before their flags are
+    parsed: ``--help``/``-h``/``--helpshort`` print the command's docstring and its own flags,
+    ``--helpfull`` every flag, on stdout, and exit 0 as the argparse tools do. absl exits 1
+    after its help, which docs/faults.md reads as a bug. Else returns."""
+    args = list(argv[1:])
+    args = args[:args.index("--")] if "--" in args else args
+    asked = [a for a in args if a in ABSL_HELP]
+    if not asked:
+        return
+    from absl import app  # pylint: disable=import-outside-toplevel  (the argparse tools need none)
+    full = "--helpfull" in asked
+    app.usage(shorthelp=not full, writeto_stdout=True)
+    if not full:
+        print("\nTry --helpfull to get a list of all flags.")
+    sys.exit(0)
+
+
 def positive_int(text: str) -> int:
     """An argparse ``type``: an integer >= 1 (argparse names the flag in its one-line error)."""
     value = int(text)

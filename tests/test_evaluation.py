@@ -130,6 +130,36 @@ def test_eval_mode_with_a_config_file_on_a_workdir_without_a_run(tmp_path):
             evaluation.evaluate_checkpoint(cfg, str(workdir))
 
 
+def test_eval_with_a_config_of_another_dataset_names_the_runs(tmp_path):
+    """A run trained on a prepared dataset (--config.data.name=my_fm --config.data.data_dir=D),
+    evaluated with the config file alone, stopped with "dataset 'cifar10' is not prepared",
+    never naming my_fm. Now one line, exit 2, with the flags to add, before any dataset opens."""
+    import os
+    import subprocess
+    import sys
+
+    from normvit_jax import run_config
+    from tests.conftest import REPO_ROOT
+    trained = tiny_demo_config()
+    trained.data.name, trained.data.data_dir = "my_fm", str(tmp_path / "d")
+    run_config.write_config(trained, str(tmp_path))
+    r = subprocess.run([sys.executable, "main.py", "--config=configs/vit_ln.py:small32",
+                        f"--workdir={tmp_path}", "--mode=eval"], cwd=REPO_ROOT,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert (f"Stopped: the run in {tmp_path} trained on dataset 'my_fm' (data_dir {tmp_path}/d); "
+            f"this config names 'cifar10': add --config.data.name=my_fm "
+            f"--config.data.data_dir={tmp_path}/d") in lines[0], lines
+    # the run's own dataset, another eval set: not refused here
+    same = tiny_demo_config()
+    same.data.name, same.data.data_dir = "my_fm", str(tmp_path / "d")
+    same.data.eval_name = "other"
+    run_config.check_eval_dataset(same, str(tmp_path))
+
+
 def test_eval_name_is_checked_against_the_training_set():
     c = tiny_demo_config()
     c.data.eval_name = "imagenet_v2"  # an ImageNet test set for a digits model

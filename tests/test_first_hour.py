@@ -215,6 +215,20 @@ def test_an_empty_workdir_is_refused_and_nothing_is_written(tmp_path, workdir):
         preflight.check(conftest.tiny_demo_config(), workdir)
 
 
+@pytest.mark.parametrize("args, flag", [
+    (["--config=configs/vit_ln.py:demo"], "--workdir"),
+    (["--workdir=WD"], "--config"),
+])
+def test_a_missing_required_flag_is_one_line_exit_2(tmp_path, args, flag):
+    """Without --workdir absl said 'IllegalFlagValueError: flag --workdir=None: Flag --workdir
+    must have a value other than None'."""
+    r = main_py(*[a.replace("WD", str(tmp_path / "wd")) for a in args])
+    assert r.returncode == cli.EXIT_CONFIG, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag} is required ("), lines
+    assert not (tmp_path / "wd").exists()
+
+
 def test_config_of_a_workdir_without_checkpoint_can_change(tmp_path):
     """A start that failed before its first checkpoint does not lock in its config."""
     a = conftest.tiny_demo_config()

@@ -252,3 +252,35 @@ def test_summaries_are_the_window_means_at_their_steps_and_documented(tmp_path):
     missing = [t for t in sorted(set(one) | set(two) | {summaries.SEGMENT_TAG})
                if f"`{t}`" not in table]
     assert not missing, missing
+
+
+def test_a_finished_run_rerun_says_complete_with_its_recorded_eval(tmp_path, caplog, monkeypatch):
+    """Re-running a finished run logged 'the data continues at step 7', 'already complete',
+    then 'Compiling the train step; the first progress line follows it (0 steps to go...)' and
+    no progress or closing line. Now: one line that it is complete, and the eval it recorded
+    (returned, for cli.run's closing line); the train step is neither compiled nor run."""
+    import logging
+
+    from normvit_jax.train import phases
+    cfg = tiny_demo_config(total_steps=3, checkpoint_every=3, eval_every=3)
+    first = loop.train_and_evaluate(cfg, str(tmp_path))
+    monkeypatch.setattr(phases.PhasedTrainStep, "at",
+                        lambda *a: pytest.fail("the train step of a complete run was used"))
+    with caplog.at_level(logging.INFO):
+        again = loop.train_and_evaluate(cfg, str(tmp_path))
+    lines = [r.getMessage() for r in caplog.records]
+    assert again["step"] == 3
+    for k in ("top1", "top5", "loss"):
+        assert again["eval"][k] == pytest.approx(first["eval"][k], rel=1e-6), k
+    complete = [m for m in lines if "already complete" in m]
+    assert len(complete) == 1 and "(step 3 of 3)" in complete[0], lines
+    assert "its eval at step 3" in complete[0], complete
+    assert not [m for m in lines if "continues at step" in m or "Compiling" in m], lines
+
+
+def test_steps_per_epoch_are_said_with_their_fraction():
+    """361 images at batch 128 read '100 steps (2 per epoch)' while the resume line counted the
+    epochs of the data stream ('epoch 7, example 10 of 361' at step 18): 2.8 per epoch."""
+    from normvit_jax.train import progress
+    assert progress.describe_steps(100, 361, 128) == "100 steps (2.8 per epoch, 35.5 epochs)"
+    assert progress.describe_steps(880, 1000, 50) == "880 steps (20 per epoch)"

@@ -90,10 +90,10 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
                                                      jax.random.key(config.seed),
                                                      sharding.fsdp_min_size(config))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-    logging.info("Model: %s, %s parameters; %d devices (mesh %s); %d steps (%d per epoch).",
+    logging.info("Model: %s, %s parameters; %d devices (mesh %s); %s.",
                  progress.describe_model(model.spec), f"{n_params:,}", mesh.devices.size,
-                 " x ".join(f"{k}={v}" for k, v in mesh.shape.items()), n_steps,
-                 train_data.steps_per_epoch)
+                 " x ".join(f"{k}={v}" for k, v in mesh.shape.items()),
+                 progress.describe_steps(n_steps, train_data.num_examples, config.batch_size))
 
     saver = guards.CheckpointSaver(checkpoints.make_manager(workdir, keep=config.keep_checkpoints),
                                    workdir, rerun=rerun)
@@ -102,7 +102,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
                                      batch_size=config.batch_size,
                                      image_shape=train_data.image_shape)
     start = _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_data,
-                   metrics_like)
+                   metrics_like, n_steps)
     writer, analysis_writer = _writers(workdir)
     # Marks where this segment of the run starts: readers drop older points after it (summaries.py).
     writer.write_scalars(start.step, {summaries.SEGMENT_TAG: start.step})
@@ -124,7 +124,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
 
 
 def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_data,
-           metrics_like) -> _Start:
+           metrics_like, n_steps) -> _Start:
     """Restores the newest checkpoint (then config.json and data.json are the run's), else
     starts at step 0 (from ``config.init_from`` if set). ``metrics_like(state)``: the train step's
     metrics tree, to rebuild the saved train-metrics window with the run's own metrics class."""
@@ -154,9 +154,10 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
         window, skipped_total = guards.MetricsWindow.from_meta(
             restored.meta, step, lambda: metrics_like(restored.state))
         pos, n = step * config.batch_size, train_data.num_examples
-        logging.info("Resumed from the checkpoint at step %d in %s; the data continues at step %d "
-                     "(epoch %d, example %d of %d).", step, mngr.directory, step + 1,
-                     pos // n + 1, pos % n, n)
+        if step < n_steps:  # a complete run reads no more data (trainer.train says it is complete)
+            logging.info("Resumed from the checkpoint at step %d in %s; the data continues at "
+                         "step %d (epoch %d, example %d of %d).", step, mngr.directory, step + 1,
+                         pos // n + 1, pos % n, n)
         if config.init_from:  # a changed init_from (allow_config_change) would otherwise go unread silently
             logging.info("config.init_from=%s is not read again: it initialises step 0 only "
                          "(--fresh starts over from it).", config.init_from)

@@ -104,6 +104,17 @@ def expected_time_line(start_step: int, total_steps: int, step_s: float) -> str:
             "on top).")
 
 
+def describe_steps(n_steps: int, num_examples: int, batch_size: int) -> str:
+    """'880 steps (22 per epoch)'; where an epoch is not a whole number of steps, its fraction and
+    the epochs the steps cover: '100 steps (2.8 per epoch, 35.5 epochs)'. The data order is one
+    stream of epochs (data/order.py), so the resume line's 'epoch 7, example 10 of 361' counts
+    those, and a bare '2 per epoch' (the rounded-down count) contradicted it."""
+    per_epoch = num_examples / batch_size
+    if per_epoch == int(per_epoch):
+        return f"{n_steps} steps ({int(per_epoch)} per epoch)"
+    return f"{n_steps} steps ({per_epoch:.1f} per epoch, {n_steps / per_epoch:.1f} epochs)"
+
+
 def fmt_time(seconds: float) -> str:
     seconds = int(round(seconds))
     h, rem = divmod(seconds, 3600)

@@ -41,9 +41,8 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
     last_log = _LastLog(time.time(), run.start_step)
     eval_metrics: dict[str, Any] = {}
     step = run.start_step
-    if step >= run.n_steps:
-        logging.info("The run in %s is already complete (step %d of %d).", run.workdir, step,
-                     run.n_steps)
+    if step >= run.n_steps:  # nothing to compile or read: the recorded result, in one line
+        return _complete(run, step)
     batches = run.train_data.train_batches(step)
     with contextlib.closing(run.writer):  # its records on disk whatever ends the loop
         try:
@@ -141,3 +140,32 @@ def _save(run: Run, step: int, eta: progress.Eta) -> None:
         run.writer.flush()  # summaries up to this step are on disk before its checkpoint
         meta = guards.checkpoint_meta(run.window, run.skipped_total)
         run.saver.save(step, run.state, meta)
+
+
+def _complete(run: Run, step: int) -> dict[str, Any]:
+    """A re-run of a finished run: says so, with the last eval the run recorded (its summaries),
+    and returns it as ``train`` does; the train step is not compiled and no data is read."""
+    eval_metrics, eval_step = _recorded_eval(run.workdir)
+    seen = (f"its eval at step {eval_step}, as recorded, follows" if eval_metrics else
+            "it recorded no eval (--mode=eval evaluates it)")
+    logging.info("The run in %s is already complete (step %d of %d): nothing to train (--fresh "
+                 "starts it over); %s.", run.workdir, step, run.n_steps, seen)
+    run.writer.close()
+    run.saver.close()
+    return {"step": step, "eval": eval_metrics, "state": run.state}
+
+
+def _recorded_eval(workdir: str) -> tuple[dict[str, Any], int | None]:
+    """({metric: value}, step) of the newest eval in the run's summaries (``eval/*`` scalars at
+    the last step of ``eval/top1``); ({}, None) if there is none or they cannot be read."""
+    from normvit_jax import summaries  # pylint: disable=import-outside-toplevel
+    try:
+        scalars = summaries.read_scalars(workdir, include_timing=False)
+    except Exception as e:  # noqa: BLE001  (a damaged event file must not fail a finished run)
+        logging.warning("Cannot read the summaries of %s (%s: %s).", workdir, type(e).__name__, e)
+        return {}, None
+    if not scalars.get("eval/top1"):
+        return {}, None
+    last = scalars["eval/top1"][-1][0]
+    return {tag[len("eval/"):]: points[-1][1] for tag, points in scalars.items()
+            if tag.startswith("eval/") and points[-1][0] == last}, last
