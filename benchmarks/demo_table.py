@@ -8,7 +8,7 @@ it also rebuilds the comparison report of those same runs (docs/report,
 normvit_jax.analysis.report) and its table in docs/analysis.md; tests/test_demo_numbers.py fails
 when README, docs and the file disagree.
 
-    python -m benchmarks.demo_table                     # all twelve x 3 seeds, ~50 min on 2 idle cores
+    python -m benchmarks.demo_table                     # all seventeen x 3 seeds, ~70 min on 2 idle cores
     python -m benchmarks.demo_table --only=ln,dtn       # re-run two rows, keep the others
     python -m benchmarks.demo_table --dry-run           # print the commands, run nothing
 
@@ -67,6 +67,11 @@ METHODS = (  # key (--only), label, config file
     ("dpn", "Dual PatchNorm", "vit_dpn.py"),
     ("learnable_scaler", "LearnableScaler", "vit_learnable_scaler.py"),
     ("rescale", "RescaleViT", "vit_rescale.py"),
+    ("repbn", "RepBN", "vit_repbn.py"),
+    ("progressive", "Progressive LN->RepBN", "vit_progressive.py"),
+    ("zscore", "z-score->RepBN", "vit_dynamic_feature.py"),
+    ("dyt", "DyT", "vit_dyt.py"),
+    ("derf", "Derf", "vit_derf.py"),
 )
 
 
