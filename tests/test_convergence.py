@@ -30,7 +30,7 @@ CURVES = {
     "ln_s0": ("layernorm", [0.25, 0.625, 0.75, 0.875]),   # reaches it at step 30
     "ln_s1": ("layernorm", [0.5, 0.75, 0.875, 0.75]),     # at step 20 -> LN: mean 25
     "dyt_s0": ("dyt", [0.125, 0.25, 0.5, 0.75]),          # at step 40
-    "dyt_s1": ("dyt", [0.25, 0.5, 0.625, 0.625]),         # never -> DyT: '- (40, -)'
+    "dyt_s1": ("dyt", [0.25, 0.5, 0.625, 0.625]),         # never -> DyT: 'not all runs (40, never)'
 }
 
 
@@ -80,7 +80,7 @@ def test_report_convergence_table_equals_the_hand_computation(fake_runs, tmp_pat
             "step 20, the others' at 40") in captured.err
     md = open(os.path.join(out, "report.md")).read()
     ln_row = "| LN | 2 | 81.25% | 75.00-87.50% | 25 | – |"
-    dyt_row = "| DyT | 2 | 68.75% | 62.50-75.00% | - (40, -) | – |"
+    dyt_row = "| DyT | 2 | 68.75% | 62.50-75.00% | not all runs (40, never) | – |"
     assert "steps to 90% of LN's final (73.1%)" in md and ln_row in md and dyt_row in md
     assert ln_row in captured.out and dyt_row in captured.out  # printed too
     main_table = demo_table.comparison_table(md)  # what docs/analysis.md copies: runs only
@@ -99,7 +99,7 @@ def test_report_convergence_table_equals_the_hand_computation(fake_runs, tmp_pat
     md = open(os.path.join(out + "2", "report.md")).read()
     assert "steps to 95% of DyT's final (65.3%)" in md and "| LN | 2 | 81.25% | 75.00-87.50% | 25 |" in md
     assert "| DyT | 2 | 68.75% | 62.50-75.00% | 40 |" not in md  # s1 ends at 0.625 < 0.653
-    assert "| DyT | 2 | 68.75% | 62.50-75.00% | - (40, -) |" in md
+    assert "| DyT | 2 | 68.75% | 62.50-75.00% | not all runs (40, never) |" in md
 
 
 def test_report_without_a_reference_writes_no_convergence_table_or_figure(fake_runs, tmp_path,

@@ -154,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help=f"eval images shown in the maps (1..{MAX_IMAGES})")
     ap.add_argument("--stat_images", type=tool_flags.positive_int, default=64,
                     help="eval images averaged for distances and token statistics")
-    ap.add_argument("--heads", default="0", help="'0,1', 'all' (maps and matrices)")
+    ap.add_argument("--heads", default="0", help="'auto' (head 0, the default's choice), '0,1' or 'all' (maps and "
+                                                "matrices)")
     ap.add_argument("--blocks", default="auto", help="'auto' (0/3/6/9 of 12), 'all' or '0,3'")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     tool_flags.add_weights(ap)

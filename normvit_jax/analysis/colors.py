@@ -1,6 +1,7 @@
 """One colour and one display name per method, shared by every plot."""
 from __future__ import annotations
 
+import re
 import zlib
 from typing import Any, Mapping
 
@@ -42,27 +43,97 @@ METHODS: dict[str, tuple[str, tuple[float, ...]]] = {
 _SPARE = [_TAB20[i] for i in (7, 9, 11, 13, 17, 19)]
 
 
-def method_of(config: Mapping[str, Any]) -> str:
-    """The method of a run: the norm of its blocks, 'progressive:N1->N2' for a progressive
-    hand-over (its schedule options are not part of the key), or 'dpn' for LN with a Dual
-    PatchNorm stem."""
-    model = models.spec_class(config["model"]).resolve_partial(config["model"])  # every key
-    name = norms.name_of(model["norm"])
+def _norm_key(cfg: Any) -> str:
+    """A norm config's name; a progressive norm's as 'progressive:N1->N2'."""
+    name = norms.name_of(cfg)
     if name == "progressive":
-        opts = norms.as_dict(model["norm"])
+        opts = norms.as_dict(cfg)
         n1, n2 = (norms.name_of(opts.get(k, getattr(Progressive, k))) for k in ("n1", "n2"))
         name = f"progressive:{n1}->{n2}"
-    if model["patch_norm"] != "none":
-        return "dpn" if name == "layernorm" else f"{name}+dpn"
     return name
 
 
+# Overrides that are part of a method's own recipe (configs/vit_dtn.py: LN in the last two
+# blocks and as the final norm), not a variant of it: slot -> norm name.
+RECIPE_OVERRIDES = {"dtn": {"last_2": "layernorm", "final": "layernorm"}}
+
+
+def _override_key(slot: str, cfg: Any, base: Mapping[str, Any]) -> str | None:
+    """'block_1:rmsnorm' (with the options that differ from the base norm's where the name is
+    the same, 'final:layernorm(epsilon=0.001)'); None for an override that changes nothing or
+    belongs to the base norm's recipe."""
+    if RECIPE_OVERRIDES.get(norms.name_of(base), {}).get(slot) == norms.name_of(cfg):
+        return None
+    opts = {k: v for k, v in norms.as_dict(cfg).items() if k != "name"}
+    same_name = norms.name_of(cfg) == norms.name_of(base)
+    diff = {k: v for k, v in opts.items() if not same_name or base.get(k) != v}
+    if same_name and not diff:
+        return None
+    args = "(" + ",".join(f"{k}={v}" for k, v in sorted(diff.items())) + ")" if diff else ""
+    return f"{slot}:{_norm_key(cfg)}{args}"
+
+
+def method_of(config: Mapping[str, Any]) -> str:
+    """The method of a run: the norm of its blocks ('progressive:N1->N2' for a progressive
+    hand-over, its schedule options not part of the key; 'dpn' for LN with a Dual PatchNorm
+    stem), then every other model option that changes the normalization, each as '+part':
+    per-slot overrides ('+block_1:rmsnorm', '+final:...'), the placement ('+post'), RescaleViT's
+    residual scaling ('+rescale'), no final norm ('+no_final_norm') and a T2T stem norm
+    ('+stem:...'). Runs that differ only in seed share the key and pool as one method's seeds;
+    runs that differ in normalization never do (ln and an LN run with one RMSNorm block were
+    averaged as two LN seeds)."""
+    model = models.spec_class(config["model"]).resolve_partial(config["model"])  # every key
+    name = _norm_key(model["norm"])
+    base = norms.as_dict(model["norm"])
+    parts = [name]
+    if model.get("patch_norm", "none") != "none":
+        parts = ["dpn"] if name == "layernorm" else [name, "dpn"]
+    for slot, cfg in sorted((model.get("norm_overrides") or {}).items()):
+        key = _override_key(str(slot), cfg, base)
+        if key:
+            parts.append(key)
+    if model.get("norm_placement", "pre") != "pre":
+        parts.append(str(model["norm_placement"]))
+    if model.get("residual_scaling", "none") != "none":
+        parts.append(str(model["residual_scaling"]))
+    if model.get("final_norm", True) is False:
+        parts.append("no_final_norm")
+    if model.get("stem_norm") is not None and norms.name_of(model["stem_norm"]) is not None \
+            and _norm_key(model["stem_norm"]) != name:
+        parts.append(f"stem:{_norm_key(model['stem_norm'])}")
+    return "+".join(parts)
+
+
+def _slot_label(slot: str) -> str:
+    m = re.fullmatch(r"blocks?_(\d+)(?:_(\d+))?", slot)
+    if m:
+        return f"block {m[1]}" if m[2] is None else f"blocks {m[1]}-{m[2]}"
+    return {"final": "final norm", "stem": "stem"}.get(slot, slot)
+
+
+def _part_label(part: str) -> str:
+    """The readable name of one '+part' of a method key."""
+    fixed = {"dpn": "Dual PatchNorm", "post": "post-norm", "sandwich": "sandwich-norm",
+             "rescale": "residual rescale", "no_final_norm": "no final norm"}
+    if part in fixed:
+        return fixed[part]
+    slot, _, norm = part.partition(":")
+    norm, paren, args = norm.partition("(")
+    return f"{label(norm)}{'(' + args if paren else ''} {_slot_label(slot)}"
+
+
 def label(method: str) -> str:
-    """The display name; a progressive pair not listed is named from its two norms."""
-    if method not in METHODS and method.startswith("progressive:") and "->" in method:
+    """The display name: a listed method's, a progressive pair's from its two norms, and a
+    method key with '+parts' as the base's with the parts, e.g. 'LN (+RMSNorm block 1)'."""
+    if method in METHODS:
+        return METHODS[method][0]
+    if "+" in method:
+        base, *parts = method.split("+")
+        return f"{label(base)} (+" + ", ".join(_part_label(p) for p in parts) + ")"
+    if method.startswith("progressive:") and "->" in method:
         n1, n2 = method.split(":", 1)[1].split("->", 1)
         return f"{label(n1)}->{label(n2)}"
-    return METHODS.get(method, (method, None))[0]
+    return method
 
 
 def color(method: str) -> tuple[float, ...]:

@@ -126,9 +126,14 @@ def analyze(rows: Sequence[Mapping], scalars: Mapping[str, Mapping[str, Series]]
 
 
 def reach_cell(c: MethodCurve) -> str:
+    """The mean step; else 'never (N runs)', or with some runs there 'not all runs (40, never)'
+    (a bare '- (-)' read as a missing value, not as "never reached")."""
     if c.reach_mean is not None:
         return f"{c.reach_mean:.0f}"
-    return "- (" + ", ".join("-" if r is None else str(r) for r in c.reach) + ")"
+    if all(r is None for r in c.reach):
+        n = len(c.reach)
+        return f"never ({n} run{'s' if n != 1 else ''})"
+    return "not all runs (" + ", ".join("never" if r is None else str(r) for r in c.reach) + ")"
 
 
 def markdown(conv: Convergence) -> str:
@@ -148,8 +153,9 @@ NOTES = """
 - One row per method: its runs (e.g. seeds) evaluated to the same last step. final top-1: the last
   `eval/top1` of each run, mean and min-max over the runs.
 - steps to the target: the first evaluated step at which a run's `eval/top1` is at or above the
-  target fraction of the reference method's mean final top-1; the mean over the method's runs, or
-  '-' with each run's step when one never gets there. Evaluations are every `eval_every` steps, so
+  target fraction of the reference method's mean final top-1; the mean over the method's runs;
+  'never (N runs)' when no run gets there, 'not all runs (...)' with each run's step ('never' for
+  a run that does not) when some do. Evaluations are every `eval_every` steps, so
   a step is known to that resolution.
 - images/s: the median over the runs of the main table's images/s.
 """

@@ -39,7 +39,9 @@ def wrap(fig: Figure, text: str, fontsize: float, width: float | None = None) ->
     """``text`` wrapped to ``width`` inches (default: the figure's), so a long title on a narrow
     figure (one attention head) is not cut at both edges."""
     chars = max(int(((width or fig.get_figwidth()) - 0.3) * 72 / (0.6 * fontsize)), 12)
-    return "\n".join(textwrap.fill(part, chars) for part in text.split("\n"))
+    # at spaces only: a hyphenated name ('ViT-custom', 'LN->RepBN') was split at its hyphen
+    return "\n".join(textwrap.fill(part, chars, break_on_hyphens=False, break_long_words=False)
+                     for part in text.split("\n"))
 
 
 def suptitle(fig: Figure, text: str, fontsize: float = 10) -> None:

@@ -4,7 +4,8 @@ Per norm slot (path like 'encoderblock_0/LayerNorm_0', 'encoder_norm', 'embeddin
   DTN           lambda_var_h{i}, lambda_mean_h{i}: sigmoid of the per-head gate logits
                 (1: LN statistics, 0: position-aware IN statistics)
   UN            skip_rate: outlier-filtered steps / training steps (state 'skips' / 't')
-  any 'scale'   scale_abs_mean: mean |gamma| (LN-style affine, LearnableScaler's scaler)
+  any 'scale'   scale_abs_mean: mean |gamma| (LN-style affine, LearnableScaler's scaler, RepBN's
+                'bn/scale')
   ScaleNorm     g_abs_mean: mean |g|
   DyT, DeRF     alpha: the learned input scale of tanh(alpha x) / erf(alpha x + shift);
                 DeRF also shift
@@ -34,8 +35,11 @@ def _slot_gates(params: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str
         if key in params:
             for h, v in enumerate(_sigmoid(np.asarray(params[key], np.float64))):
                 out[f"{name}_h{h}"] = float(v)
-    if "scale" in params:
-        out["scale_abs_mean"] = float(np.mean(np.abs(params["scale"])))
+    # RepBN keeps its BN's affine one level down ('bn/scale'): it was missing from the gates
+    scale = params.get("scale", (params.get("bn") or {}).get("scale")
+                       if isinstance(params.get("bn"), Mapping) else None)
+    if scale is not None:
+        out["scale_abs_mean"] = float(np.mean(np.abs(scale)))
     if "g" in params:
         out["g_abs_mean"] = float(np.mean(np.abs(params["g"])))
     for key in ("alpha", "shift", "eta"):  # the pointwise norms' and RepBN's learned scalars

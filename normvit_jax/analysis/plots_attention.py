@@ -9,13 +9,13 @@ from matplotlib.figure import Figure
 from normvit_jax.analysis import figures
 
 CMAP = "inferno"
-MAP_NOTE = ("colour: attention of the class token to each patch, scaled to the panel's maximum; "
-            "* block without a class token: mean attention each patch receives")
+MAP_NOTE = "colour: attention of the class token to each patch, scaled to the panel's maximum"
+STAR_NOTE = "; * block without a class token: mean attention each patch receives"
 
 
 def overlay_grid(base: Sequence[np.ndarray], maps: Sequence[Sequence[np.ndarray]],
                  row_labels: Sequence[str], col_labels: Sequence[str], title: str,
-                 note: str = MAP_NOTE) -> Figure:
+                 note: str | None = None) -> Figure:
     """Rows: base[r] (S, S, 3) in [0, 1] then maps[r][c] (gh, gw) over it, each scaled to its max."""
     rows, cols = len(base), 1 + len(col_labels)
     cell = 1.55
@@ -41,7 +41,9 @@ def overlay_grid(base: Sequence[np.ndarray], maps: Sequence[Sequence[np.ndarray]
     if im is not None:
         fig.colorbar(im, ax=axes[:, -1].tolist(), shrink=0.6, label="attention / panel max")
     figures.suptitle(fig, title, fontsize=10)
-    figures.note(fig, note)
+    # the '*' is explained only where a column has one (it was explained on every figure)
+    figures.note(fig, note if note is not None else
+                 MAP_NOTE + (STAR_NOTE if any(t.endswith("*") for t in col_labels) else ""))
     return fig
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import numpy as np
+from matplotlib import ticker
 from matplotlib.figure import Figure
 
 from normvit_jax.analysis import figures
@@ -11,7 +13,24 @@ from normvit_jax.summaries import Series
 PANELS = (("train/loss", "train loss", "cross-entropy", 1.0),
           ("eval/loss", "eval loss", "cross-entropy", 1.0),
           ("eval/top1", "eval top-1 accuracy", "top-1 accuracy (%)", 100.0))
-AXES = {"step": "training step", "elapsed": "wall time (minutes, restarts' idle gaps removed)"}
+AXES = {"step": "training step", "elapsed": "wall time ({unit}, restarts' idle gaps removed)"}
+FEW_POINTS = 3  # a series with this many points or fewer gets markers: one point drew nothing
+
+
+def needs_markers(tag: str, points: int) -> bool:
+    """Markers on eval series (few, spaced points) and on any series with FEW_POINTS or fewer
+    (a single point drawn as a line without markers is invisible, an empty tags.png panel)."""
+    return tag.startswith("eval/") or points <= FEW_POINTS
+
+
+def time_unit(seconds: float) -> tuple[str, float]:
+    """(unit, divisor) for a wall-time axis spanning ``seconds``: a short run in fractions of a
+    minute, a long one in thousands of minutes, were hard to read."""
+    if seconds < 120:
+        return "seconds", 1.0
+    if seconds < 3 * 3600:
+        return "minutes", 60.0
+    return "hours", 3600.0
 
 
 def curves_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Series]]], x: str,
@@ -20,17 +39,22 @@ def curves_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Series]]], x: st
     fig = figures.figure(4.3 * len(tags) + 2.0, 3.7)
     axes = fig.subplots(1, len(tags), squeeze=False)[0]
     style = figures.styles([r[1] for r in runs])
+    span = max((float(np.max(s.elapsed)) for _, _, sc in runs for t, *_ in tags
+                if (s := sc.get(t)) is not None and len(s.steps)), default=0.0)
+    time_name, div = time_unit(span)
     for ax, (tag, name, unit, factor) in zip(axes, tags):
         for (lab, col, scalars), (ls, mk) in zip(runs, style):
             s = scalars.get(tag)
             if s is None or not len(s.steps):
                 continue
-            xs = s.steps if x == "step" else s.elapsed / 60.0
-            marker = mk if tag.startswith("eval/") else None
+            xs = s.steps if x == "step" else s.elapsed / div
+            marker = mk if needs_markers(tag, len(s.steps)) else None
             ax.plot(xs, s.values * factor, color=col, label=lab, marker=marker, ms=3, lw=1.3,
                     ls=ls)
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel(AXES[x], fontsize=8)
+        ax.set_xlabel(AXES[x].format(unit=time_name), fontsize=8)
+        if x == "step":  # one eval step got ticks 190.0, 192.5, ...
+            ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
         ax.set_ylabel(unit, fontsize=8)
         ax.grid(alpha=0.3)
     figures.legend(fig, axes, [r[0] for r in runs])

@@ -62,11 +62,16 @@ def token_stats_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Mapping]]],
     return fig
 
 
+# The y axis of each kind's panel (the panels had none).
+GATE_UNITS = {"lambda_var": "sigmoid(gate) λ", "lambda_mean": "sigmoid(gate) λ",
+              "skip_rate": "fraction of steps", "scale_abs_mean": "mean |γ|", "g_abs_mean": "|g|",
+              "rescale_s": "s", "alpha": "α", "shift": "shift", "eta": "η"}
 GATE_KINDS = (
     ("lambda_var", "DTN gate λ (variance) per head\n1: LN statistics, 0: position-aware IN"),
     ("lambda_mean", "DTN gate λ (mean) per head\n1: LN statistics, 0: position-aware IN"),
     ("skip_rate", "UN skip rate\n(outlier-filtered steps / steps)"),
-    ("scale_abs_mean", "mean |scale| of the norm's affine γ\n(LearnableScaler: its scaler)"),
+    ("scale_abs_mean", "mean |scale| of the norm's affine γ\n(LearnableScaler: its scaler; "
+                       "RepBN: its BN's)"),
     ("g_abs_mean", "ScaleNorm |g|"),
     ("rescale_s", "RescaleViT residual factor s"),
     ("alpha", "DyT / DeRF input scale α"),
@@ -114,6 +119,7 @@ def gates_figure(runs: Sequence[tuple[str, tuple, Mapping[str, Mapping[str, floa
                         ms=4, alpha=0.85)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("block", fontsize=8)
+        ax.set_ylabel(GATE_UNITS.get(kind, kind), fontsize=8)
         _xaxis(ax, depth)
         if kind.startswith("lambda"):
             ax.set_ylim(-0.03, 1.03)

@@ -15,9 +15,11 @@ logged scalars (e.g. the eval-time token statistics 'tokens/encoderblock_0/Layer
 against steps.
 
 Convergence (analysis/convergence.py): the runs of one method (``colors.method_of``: the norm, or
-'progressive:N1->N2') are its seeds. Per method: the mean eval/top1 curve and its min-max over the
+'progressive:N1->N2', with '+parts' for per-slot overrides and other normalization options, e.g.
+'layernorm+block_1:rmsnorm') are its seeds. Per method: the mean eval/top1 curve and its min-max over the
 runs, the final top-1 (mean, min-max), and the first evaluated step at which each run reaches
---target x the --reference method's mean final top-1 (mean over the runs; '-' when one never does).
+--target x the --reference method's mean final top-1 (mean over the runs; 'never (N runs)', or
+'not all runs (...)' with each run's step, when they do not all get there).
 --reference defaults to layernorm when such runs are present (else, as without a finished run of the
 reference, no convergence table or figure: report.md says why, report.json's ``convergence`` is
 null); a reference no run has exits 2 naming the methods present. Runs still training (last
@@ -36,10 +38,10 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from normvit_jax import checkpoints, data, models, tool_flags
+from normvit_jax import checkpoints, data, models, run_config, tool_flags
 from normvit_jax import summaries as events  # the TensorBoard reader (read_run, Series)
-from normvit_jax.analysis import (attention, colors, convergence, figures, flops, plots_convergence,
-                                  plots_curves, tables)
+from normvit_jax.analysis import (attention, capture, colors, convergence, figures, flops,
+                                  plots_convergence, plots_curves, tables)
 
 FLOPS_SOURCE = "XLA cost analysis of the compiled eval forward (batch 1, CPU backend)"
 
@@ -105,19 +107,47 @@ def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
     steps = [int(s.steps[-1]) for t, s in sc.items() if t.startswith(("train/", "eval/")) and len(s.steps)]
     ips_vals = steady_throughput(sc.get("train/examples_per_sec"), summaries.start_steps)
     method = colors.method_of(config)
+    folded_params, folded_flops = folded_size(config, ds, variables)
     return dict(
         run=tables.run_name(workdir), workdir=str(workdir), method=method, label=colors.label(method),
         model=model_name(config, ds),
         data=f"{ds.name} {ds.image_shape[0]}px, {ds.num_classes} classes",
         params=int(sum(np.size(x) for x in jax.tree.leaves(variables["params"]))),
         flops_per_image=flops.xla_flops_of_config(config, ds, variables),
+        size_of="trained (unfolded) model",  # params and FLOPs; the folded_* keys: after reparam
+        folded_params=folded_params, folded_flops_per_image=folded_flops,
         analytic_flops_per_image=flops.analytic_flops(models.spec_of(config, ds.num_classes),
                                                       int(config.data.image_size)),
         best_top1=_best(sc.get("eval/top1")), final_top1=_last(sc.get("eval/top1")),
         best_top5=_best(sc.get("eval/top5")), final_top5=_last(sc.get("eval/top5")),
         final_eval_loss=_last(sc.get("eval/loss")),
+        weight_ema=float(config.get("ema_decay", 0) or 0) > 0,  # --weights=ema is possible
         steps=max(steps) if steps else None, wall_time_s=summaries.wall_time_s,
         images_per_s=float(np.median(ips_vals)) if len(ips_vals) else None)
+
+
+_FOLDED: dict[str, tuple[int | None, float | None]] = {}
+
+
+def folded_size(config: Any, ds: Any, variables: Any) -> tuple[int | None, float | None]:
+    """(params, FLOPs per image) of the run's model after ``reparam.fold`` (done in memory), or
+    (None, None) when no slot folds (LN) or the placement does not (post-norm): a RepBN run's
+    table numbers are its trained model's, with the BN branch the deployed model drops."""
+    from normvit_jax import norms, reparam  # pylint: disable=import-outside-toplevel
+    key = capture.config_key(config, ds)
+    if key not in _FOLDED:
+        spec = models.spec_of(config, ds.num_classes)
+        slots = [n for n in spec.slot_norms if norms.name_of(n) != "identity"]
+        _FOLDED[key] = (None, None)
+        if spec.norm_placement == "pre" and any(reparam.foldable(n) or reparam.splittable(n)
+                                                for n in slots):
+            new_spec, folded, rep = reparam.fold(spec, variables)
+            if rep.folded:
+                _FOLDED[key] = (
+                    int(sum(np.size(x) for x in jax.tree.leaves(folded["params"]))),
+                    flops.xla_flops(models.create(new_spec, ds.num_classes), folded,
+                                    int(ds.image_shape[0])))
+    return _FOLDED[key]
 
 
 def _si(x: float) -> str:
@@ -138,7 +168,8 @@ def _time(s: float) -> str:
 
 
 COLUMNS = ("method", "run", "model", "params", "FLOPs/image", "best top-1", "final top-1",
-           "best top-5", "final top-5", "steps", "wall time", "images/s")
+           "best top-5", "final top-5", "steps", "wall time", "images/s",
+           "folded params / FLOPs")
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
@@ -148,7 +179,9 @@ def markdown_table(rows: Sequence[dict]) -> str:
                  _pct(r["best_top1"]), _pct(r["final_top1"]), _pct(r["best_top5"]),
                  _pct(r["final_top5"]), "–" if r["steps"] is None else str(r["steps"]),
                  _time(r["wall_time_s"]),
-                 "–" if r["images_per_s"] is None else f"{r['images_per_s']:.0f}")
+                 "–" if r["images_per_s"] is None else f"{r['images_per_s']:.0f}",
+                 "–" if r.get("folded_params") is None else
+                 f"{r['folded_params']:,} / {_si(r['folded_flops_per_image'])}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -157,11 +190,15 @@ NOTES = f"""
 - FLOPs/image: {FLOPS_SOURCE}; a multiply-add counts 2
   (report.json also has the analytic count of the matmuls, `analytic_flops_per_image`).
 - best/final top-1 and top-5: the maximum and the last value of `eval/top1`, `eval/top5`.
-- steps: the last step with a train or eval summary. wall time: sum over the run's event files
+- wall time: sum over the run's event files
   (one per process) of last minus first event time; idle time between restarts is not counted.
 - images/s: median of `train/examples_per_sec` over the log intervals, the first of the run and of
   each restart (compilation) left out.
-- params: from the newest checkpoint.
+- params, FLOPs/image: of the trained (unfolded) model, from the newest checkpoint (report.json:
+  `size_of`). folded params / FLOPs: the same model after `python -m normvit_jax.reparam` folds
+  its inference-time affine norms (BN, RepBN, UN, ...) into the next Dense, computed in memory;
+  `–` where nothing folds. A reparam output folder is a model, not a run: give the report the run.
+- steps: the run's last step with any `train/` or `eval/` summary (its training length).
 """
 
 
@@ -174,6 +211,8 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
     analysis (``checkpoints.choose_weights``; a run without an EMA is skipped there). Raises
     ConvergenceError for a reference no run has or a target <= 0, before anything is written."""
     convergence.check_target(target)
+    if weights == "ema" and not no_attention:
+        _check_ema(workdirs)  # before reading the runs: every one would fail the same way
     rows, summaries, skipped = _read_runs(_distinct(workdirs))
     workdirs = [r["workdir"] for r in rows]
     for r, name in zip(rows, tables.run_names(workdirs)):  # a/ln b/ln: not both 'ln'
@@ -207,7 +246,11 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         paths.append(figures.save(fig, os.path.join(out, "tags.png")))
     if not no_attention:
         runs = []
-        for w in _progress(workdirs, "attention analysis"):
+        for w, r in zip(_progress(workdirs, "attention analysis"), rows):
+            if weights == "ema" and not r["weight_ema"]:
+                _skip(w, "no attention analysis: --weights=ema, and the run keeps no EMA of its "
+                         "weights (config.ema_decay is 0)")
+                continue
             try:
                 runs.append(attention.analyze_run(w, images, stat_images, weights=weights))
             except Exception as e:  # noqa: BLE001  (one run's eval data or model must not end all)
@@ -215,6 +258,30 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         if runs:
             paths += attention.write_summaries(runs, out, "All runs")
     return paths
+
+
+class WeightsError(ValueError):
+    """--weights=ema where no run kept a weight EMA (one line, exit 2)."""
+
+
+def _has_ema(workdir: str) -> bool | None:
+    """Whether the run's config.json asks for a weight EMA; None when it cannot be read (the
+    run is then named by _read_runs)."""
+    try:
+        saved = run_config.read_saved(os.path.join(str(workdir), "config.json"))
+    except Exception:  # noqa: BLE001
+        return None
+    return float(saved.get("ema_decay") or 0) > 0
+
+
+def _check_ema(workdirs: Sequence[str]) -> None:
+    """Raises WeightsError when none of the readable runs keeps a weight EMA (as the attention
+    tool refuses --weights=ema of such a run): each run failed with a NoEmaError line."""
+    has = [h for h in map(_has_ema, workdirs) if h is not None]
+    if has and not any(has):
+        raise WeightsError("--weights=ema: none of the runs keeps an EMA of its weights "
+                           "(config.ema_decay is 0); leave --weights out for their weights, or "
+                           "use --no_attention")
 
 
 class TagsError(ValueError):
@@ -244,7 +311,8 @@ def _convergence_section(conv: convergence.Convergence | str, rows: list[dict], 
     if not isinstance(conv, convergence.Convergence):
         print(f"report: no convergence table: {conv}", file=sys.stderr)
         return f"Not computed: {conv}.\n"
-    models = ", ".join(dict.fromkeys(r["model"] for r in rows
+    # no-break spaces inside each model name: the title wrapped mid-name ('8px / digits')
+    models = ", ".join(dict.fromkeys(r["model"].replace(" ", "\u00a0") for r in rows
                                      if "steps_to_target" in (r["convergence"] or {})))
     fig = plots_convergence.convergence_figure(
         conv, f"Eval top-1 against steps, mean over each method's runs: {models}")
@@ -343,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = write_report(args.workdirs, args.out, args.no_attention, args.images,
                              args.stat_images, tags, args.reference, args.target, args.weights)
     except ValueError as e:
-        if not (isinstance(e, (convergence.ConvergenceError, TagsError))
+        if not (isinstance(e, (convergence.ConvergenceError, TagsError, WeightsError))
                 or str(e).startswith("no run could be read")):
             raise
         print(f"error: {e}", file=sys.stderr)

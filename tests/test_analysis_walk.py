@@ -1,0 +1,121 @@
+"""Defects a researcher's walk through the report found: method keys with per-slot overrides,
+markers on short series, triangle overlap, 'never' cells, integer step ticks, RepBN's BN scale,
+--weights=ema without EMAs, wall-time units, title wrapping, the '*' footnote."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from normvit_jax.analysis import (colors, convergence, figures, gates, plots_attention,
+                                  plots_convergence, plots_curves, report)
+from normvit_jax.summaries import Series
+from tests.conftest import tiny_demo_config
+from tests.test_convergence import CURVES, _fake_run
+
+
+def _model(**kw):
+    cfg = tiny_demo_config()
+    for k, v in kw.items():
+        setattr(cfg.model, k, v)
+    return cfg
+
+
+def test_method_key_tells_overrides_and_placement_apart_but_not_seeds():
+    ln = colors.method_of(_model())
+    rms1 = colors.method_of(_model(norm_overrides={"block_1": {"name": "rmsnorm"}}))
+    post = colors.method_of(_model(norm_placement="post"))
+    assert ln == "layernorm" and colors.method_of(_model(dropout_rate=0.1)) == ln
+    assert rms1 == "layernorm+block_1:rmsnorm" and colors.label(rms1) == "LN (+RMSNorm block 1)"
+    assert post == "layernorm+post" and len({ln, rms1, post}) == 3
+    assert colors.method_of(_model(norm_overrides={"final": {"name": "layernorm"}})) == ln
+
+
+def test_report_does_not_pool_an_overridden_run_with_plain_ln(tmp_path):
+    steps = [10, 20, 30, 40]
+    _fake_run(str(tmp_path / "ln"), "layernorm", steps, CURVES["ln_s0"][1])
+    _fake_run(str(tmp_path / "ln_rms"), "layernorm", steps, CURVES["dyt_s1"][1])
+    cfg = json.loads((tmp_path / "ln_rms" / "config.json").read_text())
+    cfg["model"]["norm_overrides"] = {"block_0": {"name": "rmsnorm"}}
+    (tmp_path / "ln_rms" / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    report.write_report([str(tmp_path / "ln"), str(tmp_path / "ln_rms")], str(out),
+                        no_attention=True)
+    rows = json.loads((out / "report.json").read_text())
+    assert [r["method"] for r in rows] == ["layernorm", "layernorm+block_0:rmsnorm"]
+    assert rows[0]["size_of"] == "trained (unfolded) model" and rows[0]["folded_params"] is None
+    md = (out / "report.md").read_text()
+    assert "| LN | 1 |" in md and "| LN (+RMSNorm block 0) | 1 |" in md and "never (1 run)" in md
+
+
+def _series(steps, values):
+    steps = np.asarray(steps)
+    return Series(steps, np.asarray(values, np.float64), steps * 30.0, steps * 30.0)
+
+
+def test_single_point_series_get_markers_and_integer_step_ticks():
+    runs = [("LN", colors.color("layernorm"), {"tok/x": _series([200], [1.0]),
+                                              "eval/top1": _series([200], [0.5])})]
+    fig = plots_curves.curves_figure(runs, "step", "t", [("tok/x", "x", "v", 1.0),
+                                                         ("eval/top1", "top1", "%", 100.0)])
+    for ax in fig.axes[:2]:
+        assert ax.lines[0].get_marker() not in (None, "None", "")
+        fig.canvas.draw()
+        ticks = ax.get_xticks()
+        assert np.allclose(ticks, np.round(ticks))
+    assert plots_curves.needs_markers("train/loss", 1) and not plots_curves.needs_markers("train/loss", 50)
+
+
+def test_wall_time_axis_unit_follows_the_range():
+    assert plots_curves.time_unit(30)[0] == "seconds"
+    assert plots_curves.time_unit(1800)[0] == "minutes"
+    assert plots_curves.time_unit(5 * 3600)[0] == "hours"
+    runs = [("LN", colors.color("layernorm"), {"train/loss": _series([1, 2], [1.0, 0.5])})]
+    fig = plots_curves.curves_figure(runs, "elapsed", "t")
+    assert "seconds" in fig.axes[0].get_xlabel()
+
+
+def _curve(method, reach):
+    one = np.array([0.9])
+    return convergence.MethodCurve(method, colors.label(method), [method], one, [reach],
+                                   np.array([200]), one, one, one, None)
+
+
+def test_triangles_at_the_same_step_do_not_overlap_and_never_is_written():
+    conv = convergence.Convergence("layernorm", "LN", 0.95, 0.85,
+                                   [_curve("layernorm", 200), _curve("dyt", 200),
+                                    _curve("repbn", None)], [])
+    pos = plots_convergence.triangle_positions(conv)
+    assert len(pos) == 2 and pos[0][1] == pos[1][1] and pos[0][2] != pos[1][2]
+    assert convergence.reach_cell(conv.methods[2]) == "never (1 run)"
+    fig = plots_convergence.convergence_figure(conv, "x" * 5 + " ViT-custom (d4 w64 h4 p2, 8px digits)")
+    assert any("never (1 run)" in t.get_text() for t in fig.legends[0].get_texts())
+
+
+def test_wrap_breaks_at_spaces_only():
+    fig = figures.figure(3.0, 2.0)
+    text = figures.wrap(fig, "Eval top-1 of ViT-custom LN->RepBN against steps " * 3, 10)
+    assert all(w in ("top-1", "ViT-custom", "LN->RepBN") or "-" not in w for w in text.split())
+
+
+def test_repbns_bn_scale_is_a_gate():
+    variables = {"params": {"encoder_norm": {"eta": np.float32(0.5),
+                                             "bn": {"scale": np.array([-2.0, 1.0]),
+                                                    "bias": np.zeros(2)}}}}
+    assert gates.norm_gates(variables)["encoder_norm"]["scale_abs_mean"] == pytest.approx(1.5)
+
+
+def test_attention_map_footnote_explains_star_only_when_present():
+    base, maps = [np.zeros((4, 4, 3))], [[np.ones((2, 2))]]
+    plain = plots_attention.overlay_grid(base, maps, ["i"], ["block 0"], "t")
+    star = plots_attention.overlay_grid(base, maps, ["i"], ["block 0*"], "t")
+    assert "*" not in plain._supxlabel.get_text() and "*" in star._supxlabel.get_text()
+
+
+def test_report_weights_ema_without_any_ema_is_one_line_exit_2(tmp_path, capsys):
+    _fake_run(str(tmp_path / "ln"), "layernorm", [10, 20], [0.5, 0.6])
+    rc = report.main([str(tmp_path / "ln"), f"--out={tmp_path / 'out'}", "--weights=ema"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: --weights=ema: none of the runs")
+    assert not (tmp_path / "out").exists()
