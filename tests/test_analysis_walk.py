@@ -32,6 +32,22 @@ def test_method_key_tells_overrides_and_placement_apart_but_not_seeds():
     assert colors.method_of(_model(norm_overrides={"final": {"name": "layernorm"}})) == ln
 
 
+def test_every_demo_method_is_its_plain_key_its_recipe_options_no_parts():
+    """A method's own recipe (DTN's LN slots, RescaleViT's residual scaling without a final norm)
+    is the method, not a variant: the demo report's rows read 'RescaleViT', not 'RescaleViT (+
+    residual rescale, no final norm)'; a change away from the recipe still shows."""
+    import importlib
+
+    from benchmarks import demo_table
+    for key, _, config_file in demo_table.METHODS:
+        cfg = json.loads(importlib.import_module(f"configs.{config_file[:-3]}")
+                         .get_config("demo").to_json_best_effort())
+        assert "+" not in colors.method_of(cfg), (key, colors.method_of(cfg))
+        if key == "rescale":
+            cfg["model"]["final_norm"] = True
+            assert colors.method_of(cfg) == "rescale+final_norm"
+
+
 def test_report_does_not_pool_an_overridden_run_with_plain_ln(tmp_path):
     steps = [10, 20, 30, 40]
     _fake_run(str(tmp_path / "ln"), "layernorm", steps, CURVES["ln_s0"][1])

@@ -56,6 +56,9 @@ def _norm_key(cfg: Any) -> str:
 # Overrides that are part of a method's own recipe (configs/vit_dtn.py: LN in the last two
 # blocks and as the final norm), not a variant of it: slot -> norm name.
 RECIPE_OVERRIDES = {"dtn": {"last_2": "layernorm", "final": "layernorm"}}
+# Model options that are part of a method's own recipe (configs/vit_rescale.py: RescaleViT scales
+# the residual branches and has no final norm): norm name -> {option: the recipe's value}.
+RECIPE_OPTIONS = {"rescale": {"residual_scaling": "rescale", "final_norm": False}}
 
 
 def _override_key(slot: str, cfg: Any, base: Mapping[str, Any]) -> str | None:
@@ -92,12 +95,15 @@ def method_of(config: Mapping[str, Any]) -> str:
         key = _override_key(str(slot), cfg, base)
         if key:
             parts.append(key)
+    recipe = RECIPE_OPTIONS.get(norms.name_of(model["norm"]), {})
     if model.get("norm_placement", "pre") != "pre":
         parts.append(str(model["norm_placement"]))
-    if model.get("residual_scaling", "none") != "none":
-        parts.append(str(model["residual_scaling"]))
-    if model.get("final_norm", True) is False:
-        parts.append("no_final_norm")
+    scaling = model.get("residual_scaling", "none")
+    if scaling != recipe.get("residual_scaling", "none"):
+        parts.append(str(scaling) if scaling != "none" else "no_residual_scaling")
+    final = model.get("final_norm", True)
+    if final is not recipe.get("final_norm", True):
+        parts.append("no_final_norm" if final is False else "final_norm")
     if model.get("stem_norm") is not None and norms.name_of(model["stem_norm"]) is not None \
             and _norm_key(model["stem_norm"]) != name:
         parts.append(f"stem:{_norm_key(model['stem_norm'])}")
@@ -114,7 +120,8 @@ def _slot_label(slot: str) -> str:
 def _part_label(part: str) -> str:
     """The readable name of one '+part' of a method key."""
     fixed = {"dpn": "Dual PatchNorm", "post": "post-norm", "sandwich": "sandwich-norm",
-             "rescale": "residual rescale", "no_final_norm": "no final norm"}
+             "rescale": "residual rescale", "no_final_norm": "no final norm",
+             "no_residual_scaling": "no residual rescale", "final_norm": "a final norm"}
     if part in fixed:
         return fixed[part]
     slot, _, norm = part.partition(":")
