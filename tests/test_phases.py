@@ -95,3 +95,31 @@ def test_after_the_hand_over_n1_is_not_computed():
                              "norm_overrides": {"final": "layernorm"}}, 3)
     f_any, f_after, f_n2 = flops(model), flops(after), flops(n2_only)
     assert f_after < f_any and f_after == pytest.approx(f_n2, rel=0.02), (f_any, f_after, f_n2)
+
+
+def test_the_loop_pauses_its_eta_while_the_next_phase_compiles(tmp_path, monkeypatch, caplog):
+    """The step after the hand-over compiles inside the loop: that call is an ETA pause, as an
+    eval or a save is (the demo's interval over it read 10 steps/s among 45), and one line says
+    what the wait is."""
+    import contextlib
+    import logging
+
+    from normvit_jax.train import loop, progress
+    from tests.conftest import tiny_demo_config
+    entered = []
+    paused = progress.Eta.paused
+
+    @contextlib.contextmanager
+    def counting(self):
+        entered.append(1)
+        with paused(self):
+            yield
+
+    monkeypatch.setattr(progress.Eta, "paused", counting)
+    c = tiny_demo_config(**{"model.norm": {"name": "progressive", "warmup_steps": 0,
+                                           "decay_steps": 3}, "checkpoint_every": 6})
+    with caplog.at_level(logging.INFO, logger="absl"):
+        loop.train_and_evaluate(c, str(tmp_path / "w"))
+    # one eval and one save at step 6, and the phase that starts at step 4
+    assert len(entered) == 3, len(entered)
+    assert caplog.text.count("Compiling the train step of the next phase (from step 4") == 1

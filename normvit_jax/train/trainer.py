@@ -49,10 +49,20 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
             first = _announce_run_time(run, step, batches)
             if first is not None:  # the step is compiled: the first interval is training only
                 last_log.time, last_log.compiled = time.time(), True
+            step_fn = None
             while step < run.n_steps:
                 batch = sharding.to_global(next(batches), run.mesh) if first is None else first
                 first = None
-                run.state, m = run.train_step.at(step)(run.state, batch)
+                phase_fn = run.train_step.at(step)
+                # a progressive hand-over's next phase compiles its own step now (phases.py):
+                # an ETA pause, as an eval is, not a slow interval of training
+                switch = step_fn is not None and phase_fn is not step_fn
+                if switch:
+                    logging.info("Compiling the train step of the next phase (from step %d: "
+                                 "train/phases.py).", step + 1)
+                step_fn = phase_fn
+                with eta.paused() if switch else contextlib.nullcontext():
+                    run.state, m = step_fn(run.state, batch)
                 if step == run.start_step:  # compiled and run: a signal now ends in a checkpoint
                     sigterm.started()
                 step += 1
