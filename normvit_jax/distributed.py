@@ -159,8 +159,9 @@ def describe_refusal(p: Plan, waited: float, error: BaseException) -> str:
 def coordinator_port_taken(p: Plan) -> str | None:
     """Process 0 of an explicit coordinator address checks that the port is free before JAX
     binds it: with the port in use JAX's coordination service sometimes segfaults (about 1 start
-    in 4 here) instead of raising. Returns why the port cannot be used, or None (also when the
-    address is another host's or cannot be checked: JAX's own error then stands)."""
+    in 4 here) instead of raising. Returns why the port cannot be used, or None (also when it
+    cannot be checked here, e.g. no permission to bind it: JAX's own error then stands). SLURM and
+    TPU starts choose their coordinator inside JAX and are not checked."""
     if p.source != "env" or p.process_id != 0 or not p.coordinator:
         return None
     host, sep, port = p.coordinator.rpartition(":")

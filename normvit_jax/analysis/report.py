@@ -85,8 +85,9 @@ def model_name(config: Any, data_spec: data.DataSpec | ModelInput) -> str:
 
 
 def steady_throughput(ips: events.Series | None, start_steps: Sequence[int]) -> np.ndarray:
-    """The images/s values without the first log interval of each (re)start of the loop: each
-    includes that process's compilation (after a resume the restart's first interval was kept,
+    """The images/s values without the first log interval of each (re)start of the loop: it
+    holds that process's compilation where the step was not timed first, and the first steps
+    after it run slower (after a resume the restart's first interval was kept,
     pulling the median down on a run restarted often). A run with that interval alone keeps it."""
     if ips is None or not len(ips.values):
         return np.zeros(0)
@@ -193,7 +194,7 @@ NOTES = f"""
 - wall time: sum over the run's event files
   (one per process) of last minus first event time; idle time between restarts is not counted.
 - images/s: median of `train/examples_per_sec` over the log intervals, the first of the run and of
-  each restart (compilation) left out.
+  each restart left out (it holds the compilation where the step was not timed first).
 - params, FLOPs/image: of the trained (unfolded) model, from the newest checkpoint (report.json:
   `size_of`). folded params / FLOPs: the same model after `python -m normvit_jax.reparam` folds
   its inference-time affine norms (BN, RepBN, UN, ...) into the next Dense, computed in memory;
