@@ -135,3 +135,28 @@ def test_report_weights_ema_without_any_ema_is_one_line_exit_2(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("error: --weights=ema: none of the runs")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("norm", ["repbn", "dyt"])
+def test_folded_size_is_the_model_without_its_norms(norm):
+    """The report's folded params of a RepBN/DyT model: what remains when every norm slot
+    becomes the identity (its affine folded into the next Dense), counted on a model built with
+    `identity` in every slot, independently of reparam (DyT: plus each slot's alpha)."""
+    import jax
+    import jax.numpy as jnp
+
+    from normvit_jax import data, models
+    cfg = tiny_demo_config()
+    cfg.model.norm = {"name": norm}
+    ds = data.resolve_data_spec(cfg)
+    x = jnp.zeros((1, *ds.image_shape))
+    variables = models.create(cfg, ds.num_classes).init(jax.random.PRNGKey(0), x, train=False)
+    params, fl = report.folded_size(cfg, ds, variables)
+    bare = tiny_demo_config()
+    bare.model.norm = {"name": "identity"}
+    expected = models.create(bare, ds.num_classes).init(jax.random.PRNGKey(0), x, train=False)
+    n_trained = sum(np.size(v) for v in jax.tree.leaves(variables["params"]))
+    # DyT's slots keep their scalar alpha (tanh(alpha * x) stays; its affine folds)
+    kept = 2 * cfg.model.depth + 1 if norm == "dyt" else 0
+    assert params == sum(np.size(v) for v in jax.tree.leaves(expected["params"])) + kept < n_trained
+    assert fl is not None and fl > 0
