@@ -286,8 +286,10 @@ def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
               flags=(f"--config.total_steps={steps}", "--mode=eval"))
     with contextlib.closing(job):
         assert job.finish() == cli.EXIT_CONFIG, job.tails()
+    # (process 1's config names a dataset its run did not train on: run_config.check_eval_dataset)
     assert re.search(r"Stopped: process 1 of 2 stopped during the evaluation's checks \(exit 2\)"
-                     r", so every process stops: config.data.name='only_on_host_0'", job.log(0))
+                     r", so every process stops: the run in \S+ trained on dataset 'digits'; this "
+                     r"config names 'only_on_host_0'", job.log(0)), job.tails()
     assert "Traceback" not in job.log(0) + job.log(1), job.tails()
     scalars = summaries.read_scalars(str(wd), include_timing=False)
     want = {k: next(v for s, v, _ in scalars[f"eval/{k}"] if s == steps)

@@ -266,7 +266,9 @@ def test_a_finished_run_rerun_says_complete_with_its_recorded_eval(tmp_path, cap
     first = loop.train_and_evaluate(cfg, str(tmp_path))
     monkeypatch.setattr(phases.PhasedTrainStep, "at",
                         lambda *a: pytest.fail("the train step of a complete run was used"))
-    with caplog.at_level(logging.INFO):
+    # on absl's logger: a test before this one in the same worker may have left absl's verbosity
+    # at WARNING (flags parsed in-process by the export tests)
+    with caplog.at_level(logging.INFO, logger="absl"):
         again = loop.train_and_evaluate(cfg, str(tmp_path))
     lines = [r.getMessage() for r in caplog.records]
     assert again["step"] == 3

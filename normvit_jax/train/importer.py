@@ -116,7 +116,8 @@ def _write_without_data(config: ml_collections.ConfigDict, workdir: str, run_spe
     saver = guards.CheckpointSaver(checkpoints.make_manager(workdir, keep=config.keep_checkpoints),
                                    workdir, rerun=rerun)
     try:  # build's own start: init_from loaded, config/classes/data/code records written
-        start = build._start(config, workdir, run_spec, state, tx, state_sharding, saver, None, None)
+        start = build._start(config, workdir, run_spec, state, tx, state_sharding, saver, None, None,
+                             n_steps=0)  # no data stream: never "continues at step"
         saver.save(0, start.state, guards.checkpoint_meta(start.window, 0))
     finally:
         saver.close()
