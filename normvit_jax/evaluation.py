@@ -75,6 +75,28 @@ def _require_checkpoint(workdir: str, step: int | None) -> None:
         raise checkpoints.no_checkpoint(workdir, step, steps)
 
 
+def _with_model_diff(error: Exception, config: ml_collections.ConfigDict, workdir: str
+                     ) -> Exception:
+    """A checkpoint that does not fit the model: when this config's model differs from the run's
+    config.json, say in which keys (the arrays' list alone left the user to find the cause)."""
+    path = epath.Path(workdir) / run_config.CONFIG_NAME
+    if not path.exists():
+        return error
+    try:
+        diff = run_config.config_diff(run_config.read_saved(path),
+                                      json.loads(config.to_json_best_effort()))
+    except Exception:  # noqa: BLE001  (a damaged config.json: the mismatch itself still stands)
+        return error
+    model = [line.strip() for line in diff if line.strip().startswith("model.")]
+    if not model:
+        return error
+    return checkpoints.CheckpointMismatchError(
+        f"this config's model is not the run's: {'; '.join(model[:6])}"
+        + (f" and {len(model) - 6} more" if len(model) > 6 else "")
+        + f" (its config.json in {workdir}); leave out --config to evaluate with the run's own, "
+          f"or undo those overrides. {error}")
+
+
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                         step: int | None = None) -> dict[str, Any]:
     """Evaluates checkpoint ``step`` (None: the newest) of ``workdir`` on the config's
@@ -105,8 +127,11 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
         if step is not None and step not in mngr.all_steps():
             raise checkpoints.no_checkpoint(workdir, step, sorted(mngr.all_steps()))
         # the newest readable one (a damaged newer one is named in a warning and left in place)
-        restored = checkpoints.restore_latest(mngr, abstract, move_damaged=False,
-                                              steps=None if step is None else [step])
+        try:
+            restored = checkpoints.restore_latest(mngr, abstract, move_damaged=False,
+                                                  steps=None if step is None else [step])
+        except checkpoints.CheckpointMismatchError as e:
+            raise _with_model_diff(e, config, workdir) from None
         if restored is None:
             raise checkpoints.no_checkpoint(workdir)
         state, step = restored.state, restored.step

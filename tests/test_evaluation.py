@@ -88,8 +88,13 @@ def test_eval_mode_gives_the_training_eval_and_the_ema(tmp_path):
         data.make_pipeline = real_make
     assert opened == []
     wider = tiny_demo_config(total_steps=2, ema_decay=0.9, **{"model.hidden_size": 48})
-    with pytest.raises(checkpoints.CheckpointMismatchError):
+    with pytest.raises(checkpoints.CheckpointMismatchError) as e:
         evaluation.evaluate_checkpoint(wider, str(tmp_path))
+    # the cause first: which model keys differ from the run's config.json (the arrays' list came
+    # alone), and how to evaluate with the run's own config
+    assert str(e.value).startswith("this config's model is not the run's: model.hidden_size: 32 "
+                                   "-> 48 (its config.json in "), str(e.value)[:300]
+    assert "leave out --config" in str(e.value) and "\n" not in str(e.value)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]  # nothing written
 
 
