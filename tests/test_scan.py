@@ -28,6 +28,9 @@ LAYOUTS = {
     # groups of one sample each, so the grouping is visible in the outputs
     "batchnorm_ghost": {"norm": {"name": "batchnorm", "stats_group_size": 1}},
     "repbn_ghost": {"norm": {"name": "repbn", "stats_group_size": 1}},
+    # timm's global_pool='avg' with its class token (DyT's, Derf's ViTs), pre- and post-norm
+    "token_gap_fc_norm_dyt": {"norm": {"name": "dyt"}, "classifier": "token_gap_fc_norm"},
+    "token_gap_fc_norm_post": {"classifier": "token_gap_fc_norm", "norm_placement": "post"},
 }
 
 
