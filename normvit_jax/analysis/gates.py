@@ -36,8 +36,8 @@ def _slot_gates(params: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str
             for h, v in enumerate(_sigmoid(np.asarray(params[key], np.float64))):
                 out[f"{name}_h{h}"] = float(v)
     # RepBN keeps its BN's affine one level down ('bn/scale'): it was missing from the gates
-    scale = params.get("scale", (params.get("bn") or {}).get("scale")
-                       if isinstance(params.get("bn"), Mapping) else None)
+    bn = params.get("bn")
+    scale = params.get("scale", bn.get("scale") if isinstance(bn, Mapping) else None)
     if scale is not None:
         out["scale_abs_mean"] = float(np.mean(np.abs(scale)))
     if "g" in params:
