@@ -45,9 +45,10 @@ def _write_events(workdir: str, steps, values) -> None:
                                     summary=summary_pb2.Summary(value=[val])).SerializeToString())
 
 
-def _fake_run(workdir: str, norm: str, steps, values) -> None:
-    """config.json, an initialised (untrained) checkpoint and the given eval/top1 summaries."""
-    cfg = tiny_demo_config()
+def _fake_run(workdir: str, norm: str, steps, values, **overrides) -> None:
+    """config.json, an initialised (untrained) checkpoint and the given eval/top1 summaries; a
+    40-step run unless ``overrides`` (dotted config keys, e.g. 'optimizer.learning_rate') say."""
+    cfg = tiny_demo_config(**{"total_steps": 40, **overrides})
     cfg.model.depth = 1
     cfg.model.norm = {"name": norm}
     ds = data.resolve_data_spec(cfg)
@@ -77,7 +78,7 @@ def test_report_convergence_table_equals_the_hand_computation(fake_runs, tmp_pat
     assert report.main([*runs, f"--out={out}", "--no_attention", "--target=0.9"]) == 0
     captured = capsys.readouterr()
     assert (f"leaving out {fake_runs / 'ln_s2'}: still training? its last evaluation is at "
-            "step 20, the others' at 40") in captured.err
+            "step 20, before its final step 40 (config.total_steps)") in captured.err
     md = open(os.path.join(out, "report.md")).read()
     ln_row = "| LN | 2 | 81.25% | 75.00-87.50% | 25 | – |"
     dyt_row = "| DyT | 2 | 68.75% | 62.50-75.00% | not all runs (40, never) | – |"
@@ -223,3 +224,152 @@ def test_report_without_the_runs_prepared_dataset_takes_classes_from_the_checkpo
     assert row["model"].endswith("8px fmnist)") and row["flops_per_image"] > 0
     assert row["data"] == "fmnist 8px, 10 classes"  # what convergence compares with the reference
     assert row["analytic_flops_per_image"] > 0 and row["final_top1"] == 0.875
+
+
+# Two learning rates x two seeds of LN, one LN run with another batch size, one DyT run. ln_a1
+# also differs in keys that change neither what is trained nor how it is evaluated: it pools.
+RECIPES = {
+    "ln_a0": ("layernorm", [0.25, 0.625, 0.75, 0.875], {"optimizer.learning_rate": 0.001}),
+    "ln_a1": ("layernorm", [0.5, 0.75, 0.875, 0.75],
+              {"optimizer.learning_rate": 0.001, "seed": 1, "log_every": 7, "checkpoint_every": 5,
+               "keep_checkpoints": 1, "reproducible_cpu_threads": 1}),
+    "ln_b0": ("layernorm", [0.125, 0.25, 0.5, 0.75], {"optimizer.learning_rate": 0.003}),
+    "ln_b1": ("layernorm", [0.25, 0.5, 0.625, 0.625],
+              {"optimizer.learning_rate": 0.003, "seed": 1}),
+    "ln_c": ("layernorm", [0.5, 0.5, 0.5, 0.5],
+             {"optimizer.learning_rate": 0.001, "batch_size": 16}),
+    "dyt": ("dyt", [0.25, 0.5, 0.75, 1.0], {"optimizer.learning_rate": 0.001}),
+}
+LN_A = "layernorm[batch_size=32,optimizer.learning_rate=0.001]"
+LN_B = "layernorm[batch_size=32,optimizer.learning_rate=0.003]"
+LN_C = "layernorm[batch_size=16,optimizer.learning_rate=0.001]"
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipes")
+    for name, (norm, values, overrides) in RECIPES.items():
+        _fake_run(str(root / name), norm, [10, 20, 30, 40], values, **overrides)
+    return [str(root / n) for n in RECIPES]
+
+
+def test_runs_of_one_norm_with_other_recipes_are_separate_methods(recipe_runs, tmp_path, capsys):
+    """8 LN/RMS demo runs at two learning rates x two seeds were pooled as 4 seeds of LN (and an
+    LN run with another batch size or depth with them); nothing said what differed."""
+    out = tmp_path / "rep"
+    assert report.main([*recipe_runs, f"--out={out}", "--no_attention", "--target=0.9",
+                        f"--reference={LN_A}"]) == 0
+    captured = capsys.readouterr()
+    rows = {r["run"]: r for r in json.load(open(out / "report.json"))}
+    assert {k: r["method"] for k, r in rows.items()} == {
+        "ln_a0": LN_A, "ln_a1": LN_A, "ln_b0": LN_B, "ln_b1": LN_B, "ln_c": LN_C, "dyt": "dyt"}
+    assert rows["ln_b1"]["recipe"] == {"batch_size": 32, "optimizer.learning_rate": 0.003}
+    assert rows["dyt"]["recipe"] == {} and rows["dyt"]["label"] == "DyT"
+    assert rows["ln_a0"]["label"] == "LN [batch_size=32, lr=0.001]"
+    # threshold 0.9 x LN_A's mean final (0.875 + 0.75) / 2 = 0.73125
+    md = (out / "report.md").read_text()
+    for row in ("| LN [batch_size=32, lr=0.001] | 2 | 81.25% | 75.00-87.50% | 25 | – |",
+                "| LN [batch_size=32, lr=0.003] | 2 | 68.75% | 62.50-75.00% | "
+                "not all runs (40, never) | – |",
+                "| LN [batch_size=16, lr=0.001] | 1 | 50.00% | 50.00-50.00% | "
+                "never (1 run) | – |",
+                "| DyT | 1 | 100.00% | 100.00-100.00% | 30 | – |"):
+        assert row in md and row in captured.out, row
+    assert "steps to 90% of LN [batch_size=32, lr=0.001]'s final (73.1%)" in md
+    assert ("- Config keys that differ between the runs: between methods: model.norm.name; "
+            "recipes of one method (separate rows): batch_size, optimizer.learning_rate; "
+            "seeds (pooled): seed; not compared (they change neither what is trained nor how it "
+            "is evaluated): checkpoint_every, keep_checkpoints, log_every, "
+            "reproducible_cpu_threads.\n") in md
+    assert rows["ln_a1"]["convergence"]["steps_to_target"] == 20
+
+
+def test_the_reference_among_several_recipes_of_a_norm(recipe_runs, tmp_path, capsys):
+    """--reference=layernorm (or its default) with three LN recipes: which one's final top-1?"""
+    out = tmp_path / "r"
+    assert report.main([*recipe_runs, f"--out={out}", "--no_attention",
+                        "--reference=layernorm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --reference='layernorm' is 3 methods of these runs (recipes of "
+                   f"layernorm); pass one of their keys: {LN_A}, {LN_B}, {LN_C}"], err
+    assert not out.exists()
+    assert report.main([*recipe_runs, f"--out={out}", "--no_attention"]) == 0
+    why = (f"no --reference, and the layernorm runs are 3 methods; pass one of their keys: "
+           f"--reference={LN_A}, --reference={LN_B}, --reference={LN_C}")
+    assert f"report: no convergence table: {why}" in capsys.readouterr().err
+    assert f"Not computed: {why}.\n" in (out / "report.md").read_text()
+
+
+def test_each_method_of_a_report_gets_its_own_colour():
+    keys = [LN_A, LN_B, LN_C, "dyt", "layernorm"]
+    pal = colors.palette(keys)
+    assert len(set(pal.values())) == len(keys)
+    assert pal[LN_A] == colors.color("layernorm") and pal["dyt"] == colors.color("dyt")
+    # the other recipes take no colour another method of colors.METHODS stands for
+    assert not {pal[LN_B], pal[LN_C]} & {c for _, c in colors.METHODS.values()}
+    assert colors.label("layernorm+post[model.depth=2]") == "LN (+post-norm) [depth=2]"
+    assert colors.label("dyt[data.name=cifar10,optimizer.name=sgd]") == \
+        "DyT [data.name=cifar10, optimizer.name=sgd]"
+
+
+def test_the_recipe_rule_reads_every_key_but_seeds_and_bookkeeping():
+    from normvit_jax.analysis import recipes  # pylint: disable=import-outside-toplevel
+    from normvit_jax import run_config  # pylint: disable=import-outside-toplevel
+    base = run_config.flat_values(tiny_demo_config())
+    for key in ("optimizer.learning_rate", "batch_size", "model.depth", "total_steps",
+                "eval_every", "data.eval_split", "dtype", "grad_accum_steps", "init_from"):
+        assert recipes.compared(key), key
+    for key in ("seed", "log_every", "checkpoint_every", "keep_checkpoints", "mesh.fsdp",
+                "data.data_dir", "reproducible_cpu_threads", "allow_config_change",
+                "data.prefetch", "model.attention_impl", "eval_batch_size"):
+        assert not recipes.compared(key), key
+    assert all(k in base for k in recipes.NOT_COMPARED), set(recipes.NOT_COMPARED) - set(base)
+
+
+def test_finished_runs_of_other_lengths_are_kept_a_run_cut_short_is_not(tmp_path, capsys):
+    """200-step runs and one 400-step run: every 200-step run was left out as 'still training?'
+    (its last evaluation before the 400-step run's), though each had reached its own end."""
+    steps = [10, 20, 30, 40]
+    for name, (norm, values) in CURVES.items():
+        _fake_run(str(tmp_path / name), norm, steps, values)
+    _fake_run(str(tmp_path / "dyt_long"), "dyt", steps + [50, 60, 70, 80],
+              [0.25, 0.5, 0.625, 0.75, 0.75, 0.75, 0.8, 0.875], total_steps=80)
+    _fake_run(str(tmp_path / "ln_cut"), "layernorm", [10, 20], [0.875, 1.0])  # of 40 steps
+    runs = [str(tmp_path / n) for n in (*CURVES, "dyt_long", "ln_cut")]
+    out = tmp_path / "rep"
+    assert report.main([*runs, f"--out={out}", "--no_attention", "--target=0.9",
+                        "--reference=layernorm"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("leaving out") == 1 and (
+        f"leaving out {tmp_path / 'ln_cut'}: still training? its last evaluation is at step 20, "
+        "before its final step 40 (config.total_steps)") in err
+    md = (out / "report.md").read_text()
+    assert "| LN | 2 | 81.25% | 75.00-87.50% | 25 |" in md  # threshold 0.73125, as above
+    assert "| DyT [total_steps=40] | 2 | 68.75% | 62.50-75.00% | not all runs (40, never) |" in md
+    assert "| DyT [total_steps=80] | 1 | 87.50% | 87.50-87.50% | 40 |" in md
+
+
+def test_a_runs_final_step_from_its_config_or_its_methods_runs():
+    """total_steps, else num_epochs x the train split's steps per epoch; None when the dataset
+    cannot be opened here (analyze then compares with its method's other runs)."""
+    cfg = tiny_demo_config(total_steps=None, num_epochs=2.0)
+    ds = data.resolve_data_spec(cfg)
+    per_epoch = data.make_pipeline(cfg, "train", ds, process_index=0,
+                                   process_count=1).steps_per_epoch
+    assert report.final_step(cfg) == (2 * per_epoch, "config.num_epochs=2.0")
+    assert report.final_step(tiny_demo_config(total_steps=7)) == (7, "config.total_steps")
+    gone = tiny_demo_config(total_steps=None)
+    gone.data.name, gone.data.data_dir = "fmnist", "/nonexistent"
+    assert report.final_step(gone) == (None, None)
+
+    def series(steps):
+        steps = np.asarray(steps)
+        return {"eval/top1": Series(steps, np.full(len(steps), 0.5), steps * 1.0, steps * 1.0)}
+    rows = [dict(workdir=w, run=w, method=m, label=m, images_per_s=None, final_step=None,
+                 final_step_from=None) for w, m in (("a", "x"), ("b", "x"), ("c", "y"))]
+    conv = convergence.analyze(rows, {"a": series([10, 20]), "b": series([10]),
+                                      "c": series([10, 20, 30])}, "x")
+    assert conv.left_out == [("b", "still training? its last evaluation is at step 10, its "
+                                   "method's other runs' at 20 (its final step is not known "
+                                   "here)")]
+    assert [c.workdirs for c in conv.methods] == [["a"], ["c"]]

@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -105,8 +105,11 @@ def write_maps(ra: RunAnalysis, out: str, heads: Sequence[int], blocks: Sequence
     return paths
 
 
-def write_summaries(runs: Sequence[RunAnalysis], out: str, title: str) -> list[str]:
-    """Distance scatter, token statistics and gates of one or several runs, with their CSVs."""
+def write_summaries(runs: Sequence[RunAnalysis], out: str, title: str,
+                    palette: Mapping[str, tuple] | None = None) -> list[str]:
+    """Distance scatter, token statistics and gates of one or several runs, with their CSVs.
+    palette: method -> colour (the report's ``colors.palette``; None: from the runs' methods)."""
+    pal = palette or colors.palette([r.run.method for r in runs])
     first = runs[0].run
     geometry = lambda run: capture.geometry(run.model.spec, run.config.data.image_size)
     grid, p = geometry(first)
@@ -114,7 +117,7 @@ def write_summaries(runs: Sequence[RunAnalysis], out: str, title: str) -> list[s
     dup = len({r.run.method for r in runs}) < len(runs)  # name the run where methods repeat
     names = dict(zip(map(id, runs), tables.run_names([r.run.workdir for r in runs])))
     entry = lambda r, v: (f"{colors.label(r.run.method)} ({names[id(r)]})"
-                          if dup else colors.label(r.run.method), colors.color(r.run.method), v)
+                          if dup else colors.label(r.run.method), pal[r.run.method], v)
     depth = max(r.stats.distance.shape[0] for r in runs)
     paths = [
         tables.write_csv(os.path.join(out, "attention_distance.csv"),

@@ -1,9 +1,10 @@
 """One colour and one display name per method, shared by every plot."""
 from __future__ import annotations
 
+import functools
 import re
 import zlib
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from matplotlib import colormaps
 
@@ -82,9 +83,9 @@ def method_of(config: Mapping[str, Any]) -> str:
     stem), then every other model option that changes the normalization, each as '+part':
     per-slot overrides ('+block_1:rmsnorm', '+final:...'), the placement ('+post'), RescaleViT's
     residual scaling ('+rescale'), no final norm ('+no_final_norm') and a T2T stem norm
-    ('+stem:...'). Runs that differ only in seed share the key and pool as one method's seeds;
-    runs that differ in normalization never do (ln and an LN run with one RMSNorm block were
-    averaged as two LN seeds)."""
+    ('+stem:...'). Runs that differ in normalization never share the key (ln and an LN run with
+    one RMSNorm block were averaged as two LN seeds); runs that share it are split further by
+    their other config keys (analysis/recipes.py) before they pool as one method's seeds."""
     model = models.spec_class(config["model"]).resolve_partial(config["model"])  # every key
     name = _norm_key(model["norm"])
     base = norms.as_dict(model["norm"])
@@ -129,9 +130,40 @@ def _part_label(part: str) -> str:
     return f"{label(norm)}{'(' + args if paren else ''} {_slot_label(slot)}"
 
 
+# Short names of recipe keys in labels (the others: their shortest unique dotted suffix).
+SHORT_KEYS = {"optimizer.learning_rate": "lr"}
+
+
+@functools.lru_cache(maxsize=None)
+def short_key(key: str) -> str:
+    """A config key as a label writes it: 'optimizer.learning_rate' -> 'lr', 'model.depth' ->
+    'depth', 'data.name' -> 'data.name' (the shortest dotted suffix no other key of
+    configs/default.py ends with)."""
+    if key in SHORT_KEYS:
+        return SHORT_KEYS[key]
+    from normvit_jax.analysis import recipes  # pylint: disable=import-outside-toplevel
+    keys = [k.split(".") for k in {*recipes.flat({}), key}]
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if sum(k[-(len(parts) - i):] == parts[i:] for k in keys) == 1:
+            return ".".join(parts[i:])
+    return key
+
+
+def _recipe_label(recipe: str) -> str:
+    """'batch_size=32,optimizer.learning_rate=0.001' -> 'batch_size=32, lr=0.001'."""
+    items = re.split(r",(?=[A-Za-z_][\w.]*=)", recipe)
+    return ", ".join(f"{short_key(k)}={v}" for k, _, v in (i.partition("=") for i in items))
+
+
 def label(method: str) -> str:
-    """The display name: a listed method's, a progressive pair's from its two norms, and a
-    method key with '+parts' as the base's with the parts, e.g. 'LN (+RMSNorm block 1)'."""
+    """The display name: a listed method's, a progressive pair's from its two norms, a
+    method key with '+parts' as the base's with the parts, e.g. 'LN (+RMSNorm block 1)', and one
+    of several recipes of a method (analysis/recipes.py) with the keys that tell them apart,
+    'LN [lr=0.001]'."""
+    if method.endswith("]") and "[" in method:
+        base, _, recipe = method[:-1].partition("[")
+        return f"{label(base)} [{_recipe_label(recipe)}]"
     if method in METHODS:
         return METHODS[method][0]
     if "+" in method:
@@ -144,7 +176,29 @@ def label(method: str) -> str:
 
 
 def color(method: str) -> tuple[float, ...]:
-    """The fixed colour of a method; unknown methods get a stable spare colour."""
+    """The fixed colour of a method (a recipe of one: the method's); unknown methods get a
+    stable spare colour. ``palette``: the colours of a report's methods, each its own."""
+    method = method.partition("[")[0]
     if method in METHODS:
         return METHODS[method][1]
     return _SPARE[zlib.crc32(method.encode()) % len(_SPARE)]
+
+
+def palette(methods: Sequence[str]) -> dict[str, tuple[float, ...]]:
+    """One distinct colour per method of a report: each its ``color`` where no method before it
+    took that colour (the first of several recipes of LN stays LN's blue), the others the first
+    free colour of tab20 and Dark2 that no method of METHODS has, then those of methods absent
+    from the report (two recipes of a method, or two spare colours' hashes, were drawn in one
+    colour)."""
+    out: dict[str, tuple[float, ...]] = {}
+    methods = list(dict.fromkeys(methods))
+    for m in methods:
+        if color(m) not in out.values():
+            out[m] = color(m)
+    fixed = [c for _, c in METHODS.values()]
+    free = [c for c in dict.fromkeys((*_TAB20, *_DARK2, *_TAB10)) if c not in out.values()]
+    free = [c for c in free if c not in fixed] + [c for c in free if c in fixed]
+    for m in methods:
+        if m not in out:
+            out[m] = free.pop(0) if free else color(m)
+    return {m: out[m] for m in methods}

@@ -1,12 +1,16 @@
 """Convergence of several methods over seeds: how soon each reaches a fraction of a reference
 method's final accuracy (issue 26: "accelerates convergence").
 
-The runs of one method (the seeds) form one curve: the mean of their ``eval/top1`` at the steps all
-of them evaluated, with the min-max over them. The threshold is ``target`` x the reference
+The runs of one method (the seeds: runs whose configs agree on all but the seed and keys that
+change nothing trained or evaluated, analysis/recipes.py; other recipes of a norm are other methods)
+form one curve: the mean of their ``eval/top1`` at the steps all of them evaluated, with the min-max
+over them. The threshold is ``target`` x the reference
 method's mean final top-1. A run's reaching step is its first evaluated step at or above the
 threshold; a method's is the mean over its runs, or none when a run never gets there. Runs whose
-last evaluation comes before the others' (still training) or that trained on other data than the
-reference (dataset, image size, class count) are left out, with the reason.
+last evaluation comes before their own final step (still training or cut short: the row's
+``final_step``, from its config; where that is not known, before the last evaluation of its
+method's other runs) or that trained on other data than the reference (dataset, image size, class
+count) are left out, with the reason. Finished runs of other lengths stay in.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from normvit_jax.analysis import recipes
 from normvit_jax.summaries import Series
 
 TAG = "eval/top1"
@@ -59,7 +64,29 @@ def first_reach(steps: np.ndarray, values: np.ndarray, threshold: float) -> int 
 
 
 def default_reference(methods: Sequence[str]) -> str | None:
-    return "layernorm" if "layernorm" in methods else None
+    """'layernorm' where LN runs are present (one recipe or several: ``recipes_of``)."""
+    return "layernorm" if recipes_of("layernorm", methods) else None
+
+
+def recipes_of(reference: str, methods: Sequence[str]) -> list[str]:
+    """The methods ``reference`` names: itself, or the recipes of it ('layernorm[...]')."""
+    methods = list(dict.fromkeys(methods))
+    if reference in methods:
+        return [reference]
+    return [m for m in methods if recipes.base_of(m) == reference and m != reference]
+
+
+def resolve_reference(reference: str, methods: Sequence[str], labels: Mapping[str, str]) -> str:
+    """The method key of --reference: a method of the runs, or a norm with one recipe; a norm
+    with several recipes raises naming their keys (which run's final top-1 would be the
+    target?), as a method no run has does."""
+    found = recipes_of(reference, methods)
+    if len(found) > 1:
+        raise ConvergenceError(f"--reference={reference!r} is {len(found)} methods of these runs "
+                               f"(recipes of {reference}); pass one of their keys: "
+                               + ", ".join(found))
+    check_reference(found[0] if found else reference, methods, labels)
+    return found[0]
 
 
 def check_reference(reference: str, methods: Sequence[str], labels: Mapping[str, str]) -> None:
@@ -82,7 +109,7 @@ def analyze(rows: Sequence[Mapping], scalars: Mapping[str, Mapping[str, Series]]
     out. Returns the analysis, or why there is none (a sentence)."""
     check_target(target)
     labels = {r["method"]: r["label"] for r in rows}
-    check_reference(reference, [r["method"] for r in rows], labels)
+    reference = resolve_reference(reference, [r["method"] for r in rows], labels)
     left_out, evals = [], []
     # the threshold is a fraction of the reference's accuracy on its data: a run trained on
     # other data (another dataset, image size or class count) was compared with it silently
@@ -96,12 +123,11 @@ def analyze(rows: Sequence[Mapping], scalars: Mapping[str, Mapping[str, Series]]
             left_out.append((r["workdir"], f"no {TAG} summaries"))
         else:
             evals.append((r, s))
-    last = max((int(s.steps[-1]) for _, s in evals), default=0)
     kept = []
     for r, s in evals:
-        if int(s.steps[-1]) < last:
-            left_out.append((r["workdir"], f"still training? its last evaluation is at step "
-                                           f"{int(s.steps[-1])}, the others' at {last}"))
+        why = _unfinished(r, int(s.steps[-1]), evals)
+        if why:
+            left_out.append((r["workdir"], why))
         else:
             kept.append((r, s))
     ref = [s for r, s in kept if r["method"] == reference]
@@ -123,6 +149,26 @@ def analyze(rows: Sequence[Mapping], scalars: Mapping[str, Mapping[str, Series]]
             steps=np.asarray(steps), mean=values.mean(0), low=values.min(0), high=values.max(0),
             images_per_s=float(np.median(ips)) if ips else None))
     return Convergence(reference, labels[reference], float(target), threshold, methods, left_out)
+
+
+def _unfinished(row: Mapping, last: int, evals: Sequence[tuple[Mapping, Series]]) -> str | None:
+    """Why a run is left out as still training (or stopped early), or None: its last evaluation
+    is before its own final step (``final_step`` of its row: config.total_steps, or num_epochs of
+    its train split). A run evaluates at its final step, so a finished run's last evaluation is
+    there; runs of other lengths are all finished (a 200-step run beside a 400-step one was left
+    out). Where the final step is not known here (a num_epochs run whose dataset is not on this
+    machine), its method's other runs (the same config, so the same length) stand in."""
+    final = row.get("final_step")
+    if final is not None:
+        if last >= final:
+            return None
+        return (f"still training? its last evaluation is at step {last}, before its final step "
+                f"{final} ({row.get('final_step_from')})")
+    others = max((int(s.steps[-1]) for r, s in evals if r["method"] == row["method"]), default=0)
+    if last >= others:
+        return None
+    return (f"still training? its last evaluation is at step {last}, its method's other runs' "
+            f"at {others} (its final step is not known here)")
 
 
 def reach_cell(c: MethodCurve) -> str:
@@ -150,7 +196,8 @@ def markdown(conv: Convergence) -> str:
 
 
 NOTES = """
-- One row per method: its runs (e.g. seeds) evaluated to the same last step. final top-1: the last
+- One row per method: its runs (seeds: configs that differ in nothing else that is compared),
+  each evaluated to its final step. final top-1: the last
   `eval/top1` of each run, mean and min-max over the runs.
 - steps to the target: the first evaluated step at which a run's `eval/top1` is at or above the
   target fraction of the reference method's mean final top-1; the mean over the method's runs;

@@ -2,6 +2,8 @@
 band over the runs, the target line and where each method reaches it."""
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from matplotlib import ticker
 from matplotlib.figure import Figure
 
@@ -27,18 +29,22 @@ def triangle_positions(conv: Convergence) -> list[tuple[str, float, float]]:
     return out
 
 
-def convergence_figure(conv: Convergence, title: str) -> Figure:
+def convergence_figure(conv: Convergence, title: str,
+                       palette: Mapping[str, Any] | None = None) -> Figure:
+    """palette: method -> colour (the report's ``colors.palette``, one per method; None: each
+    method's ``colors.color``)."""
+    pal = palette or colors.palette([c.method for c in conv.methods])
     fig = figures.figure(10.0, 5.0)
     ax = fig.subplots()
     for c in conv.methods:
-        col = colors.color(c.method)
+        col = pal[c.method]
         ax.fill_between(c.steps, 100 * c.low, 100 * c.high, color=col, alpha=0.15, lw=0)
         ax.plot(c.steps, 100 * c.mean, color=col, lw=1.4, marker="o", ms=2.5,
                 label=f"{c.label} (n={len(c.workdirs)}; target "
                       + (f"at step {reach_cell(c)})" if c.reach_mean is not None
                          else f"{reach_cell(c)})"))
     for method, x, y in triangle_positions(conv):  # at the mean over the runs
-        ax.plot([x], [y], marker="v", ms=9, color=colors.color(method),
+        ax.plot([x], [y], marker="v", ms=9, color=pal[method],
                 markeredgecolor="black", markeredgewidth=0.6, zorder=5)
     ax.axhline(100 * conv.threshold, color="black", ls=":", lw=1.2,
                label=f"{100 * conv.target:g}% of {conv.reference_label}'s final "

@@ -14,22 +14,32 @@ also skips reading eval data) the files of ``attention.write_summaries``. --tags
 logged scalars (e.g. the eval-time token statistics 'tokens/encoderblock_0/LayerNorm_0/in/max_abs')
 against steps.
 
-Convergence (analysis/convergence.py): the runs of one method (``colors.method_of``: the norm, or
+Methods (analysis/recipes.py): ``colors.method_of`` keys a run by its normalization (the norm, or
 'progressive:N1->N2', with '+parts' for per-slot overrides and other normalization options, e.g.
-'layernorm+block_1:rmsnorm') are its seeds. Per method: the mean eval/top1 curve and its min-max over the
+'layernorm+block_1:rmsnorm'); runs of one such key pool as seeds only when their config.json files
+agree on every key but the seed and ``recipes.NOT_COMPARED`` (logging and checkpoint cadence, mesh,
+threads, data_dir, ...; eval_every is compared). Runs that differ in other keys are separate
+methods keyed with those keys, e.g. 'layernorm[optimizer.learning_rate=0.001]' (label
+'LN [lr=0.001]'); report.json's rows give them as ``recipe`` and report.md names the keys that
+differ and how each was read.
+
+Convergence (analysis/convergence.py): per method the mean eval/top1 curve and its min-max over the
 runs, the final top-1 (mean, min-max), and the first evaluated step at which each run reaches
 --target x the --reference method's mean final top-1 (mean over the runs; 'never (N runs)', or
 'not all runs (...)' with each run's step, when they do not all get there).
---reference defaults to layernorm when such runs are present (else, as without a finished run of the
-reference, no convergence table or figure: report.md says why, report.json's ``convergence`` is
-null); a reference no run has exits 2 naming the methods present. Runs still training (last
-evaluation before the others') or trained on other data than the reference are left out of it,
-with the reason printed. The table goes to stdout
+--reference takes a method key (a norm with one recipe also by its plain key); it defaults to
+layernorm when such runs are present (else, as without a finished run of the reference or with
+several LN recipes, no convergence table or figure: report.md says why, listing the keys to pass,
+report.json's ``convergence`` is null); a reference no run has, or a norm with several recipes,
+exits 2 naming the method keys. Runs still training (last evaluation before their own final step:
+config.total_steps, or num_epochs of their train split) or trained on other data than the
+reference are left out of it, with the reason printed. The table goes to stdout
 and report.md; each row of report.json gets ``convergence``: the reference, target, threshold_top1
 and its steps_to_target (null: never), or why it was left out.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -41,7 +51,7 @@ import numpy as np
 from normvit_jax import checkpoints, data, models, run_config, tool_flags
 from normvit_jax import summaries as events  # the TensorBoard reader (read_run, Series)
 from normvit_jax.analysis import (attention, capture, colors, convergence, figures, flops,
-                                  plots_convergence, plots_curves, tables)
+                                  plots_convergence, plots_curves, recipes, tables)
 
 FLOPS_SOURCE = "XLA cost analysis of the compiled eval forward (batch 1, CPU backend)"
 
@@ -100,6 +110,21 @@ def steady_throughput(ips: events.Series | None, start_steps: Sequence[int]) -> 
     return ips.values[keep] if keep.any() else ips.values
 
 
+def final_step(config: Any) -> tuple[int | None, str | None]:
+    """(the step the run trains to, where that comes from): config.total_steps, else num_epochs
+    x the steps per epoch of its train split (``build.total_steps``, as training counts them);
+    (None, None) when that split cannot be opened here (a dataset not on this machine)."""
+    from normvit_jax.train import build  # pylint: disable=import-outside-toplevel
+    if config.get("total_steps"):
+        return int(config.total_steps), "config.total_steps"
+    try:
+        n = data.train_examples(config)
+    except Exception:  # noqa: BLE001  (any reason the split cannot be read here)
+        return None, None
+    return (build.total_steps(config, n // int(config.batch_size)),
+            f"config.num_epochs={config.num_epochs}")
+
+
 def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
     """One table row: numbers from the summaries, the config and the newest checkpoint."""
     variables, config = checkpoints.load_variables(workdir)
@@ -107,10 +132,12 @@ def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
     sc = summaries.scalars
     steps = [int(s.steps[-1]) for t, s in sc.items() if t.startswith(("train/", "eval/")) and len(s.steps)]
     ips_vals = steady_throughput(sc.get("train/examples_per_sec"), summaries.start_steps)
-    method = colors.method_of(config)
+    method = colors.method_of(config)  # write_report adds the recipe (analysis/recipes.py)
     folded_params, folded_flops = folded_size(config, ds, variables)
+    final, final_from = final_step(config)
     return dict(
         run=tables.run_name(workdir), workdir=str(workdir), method=method, label=colors.label(method),
+        recipe={},
         model=model_name(config, ds),
         data=f"{ds.name} {ds.image_shape[0]}px, {ds.num_classes} classes",
         params=int(sum(np.size(x) for x in jax.tree.leaves(variables["params"]))),
@@ -123,7 +150,8 @@ def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
         best_top5=_best(sc.get("eval/top5")), final_top5=_last(sc.get("eval/top5")),
         final_eval_loss=_last(sc.get("eval/loss")),
         weight_ema=float(config.get("ema_decay", 0) or 0) > 0,  # --weights=ema is possible
-        steps=max(steps) if steps else None, wall_time_s=summaries.wall_time_s,
+        steps=max(steps) if steps else None, final_step=final, final_step_from=final_from,
+        wall_time_s=summaries.wall_time_s,
         images_per_s=float(np.median(ips_vals)) if len(ips_vals) else None)
 
 
@@ -199,7 +227,12 @@ NOTES = f"""
   `size_of`). folded params / FLOPs: the same model after `python -m normvit_jax.reparam` folds
   its inference-time affine norms (BN, RepBN, UN, ...) into the next Dense, computed in memory;
   `–` where nothing folds. A reparam output folder is a model, not a run: give the report the run.
-- steps: the run's last step with any `train/` or `eval/` summary (its training length).
+- steps: the run's last step with any `train/` or `eval/` summary (its training length;
+  report.json's `final_step`: the step its config trains to).
+- method: runs of one norm pool as seeds only when their config.json files agree on all but the
+  seed and keys that change neither what is trained nor how it is evaluated (log and checkpoint
+  cadence, mesh, threads, data_dir, ...); others are separate methods named by the keys that
+  differ, `LN [lr=0.001]` (report.json: `recipe`).
 """
 
 
@@ -222,20 +255,23 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         raise ValueError("no run could be read: " + "; ".join(f"{w}: {why}" for w, why in skipped))
     for w, why in skipped:
         _skip(w, why)
+    split = _split_recipes(rows)
     conv = _convergence(rows, summaries, reference, target)  # raises before anything is written
     _check_tags(tags, [summaries[w].scalars for w in workdirs])
     os.makedirs(out, exist_ok=True)
-    print(f"Comparison of runs:\n{markdown_table(rows)}")
+    print(f"Comparison of runs:\n{markdown_table(rows)}\n{split.line()}")
     paths = [os.path.join(out, "report.md"), os.path.join(out, "report.json")]
-    section = _convergence_section(conv, rows, out, paths)
+    pal = colors.palette([r["method"] for r in rows])  # one colour per method, recipes too
+    section = _convergence_section(conv, rows, out, paths, pal)
     with open(paths[0], "w") as f:
-        f.write("# Comparison of runs\n\n" + markdown_table(rows) + NOTES
+        f.write("# Comparison of runs\n\n" + markdown_table(rows) + "\n" + split.line()
+                + NOTES[1:]
                 + "".join(f"- skipped {w}: {why}\n" for w, why in skipped)
                 + "\n## Convergence\n\n" + section)
     with open(paths[1], "w") as f:
         json.dump(rows, f, indent=2)
     dup = len({r["method"] for r in rows}) < len(rows)
-    curves = [(f"{r['label']} ({r['run']})" if dup else r["label"], colors.color(r["method"]),
+    curves = [(f"{r['label']} ({r['run']})" if dup else r["label"], pal[r["method"]],
                summaries[w].scalars) for r, w in zip(rows, workdirs)]
     for x, name in (("step", "curves_steps.png"), ("elapsed", "curves_wall.png")):
         fig = plots_curves.curves_figure(curves, x, "Training curves per normalizer, against "
@@ -253,11 +289,14 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
                          "weights (config.ema_decay is 0)")
                 continue
             try:
-                runs.append(attention.analyze_run(w, images, stat_images, weights=weights))
+                ra = attention.analyze_run(w, images, stat_images, weights=weights)
             except Exception as e:  # noqa: BLE001  (one run's eval data or model must not end all)
                 _skip(w, f"attention analysis failed ({type(e).__name__}: {e})")
+                continue
+            ra.run = dataclasses.replace(ra.run, method=r["method"])  # the recipe's key: CSVs
+            runs.append(ra)
         if runs:
-            paths += attention.write_summaries(runs, out, "All runs")
+            paths += attention.write_summaries(runs, out, "All runs", pal)
     return paths
 
 
@@ -302,8 +341,20 @@ def _check_tags(tags: Sequence[str], scalars: Sequence[dict]) -> None:
             raise TagsError(f"--tags: {t!r} is logged by none of the runs; {hint}")
 
 
+def _split_recipes(rows: list[dict]) -> recipes.Recipes:
+    """Splits each method's runs by recipe (analysis/recipes.py): a row's method, label and
+    ``recipe`` become its recipe's where the runs of its norm differ in compared config keys."""
+    split = recipes.split([(r["workdir"], r["method"],
+                            run_config.read_saved(checkpoints.config_path(r["workdir"])))
+                           for r in rows])
+    for r in rows:
+        r["method"] = split.method[r["workdir"]]
+        r["label"], r["recipe"] = colors.label(r["method"]), split.recipe[r["workdir"]]
+    return split
+
+
 def _convergence_section(conv: convergence.Convergence | str, rows: list[dict], out: str,
-                         paths: list[str]) -> str:
+                         paths: list[str], pal: dict) -> str:
     """report.md's convergence section; adds each row's ``convergence`` (report.json), prints the
     table and writes convergence.png (appended to ``paths``)."""
     per_run = convergence.per_run(conv) if isinstance(conv, convergence.Convergence) else {}
@@ -316,7 +367,7 @@ def _convergence_section(conv: convergence.Convergence | str, rows: list[dict], 
     models = ", ".join(dict.fromkeys(r["model"].replace(" ", "\u00a0") for r in rows
                                      if "steps_to_target" in (r["convergence"] or {})))
     fig = plots_convergence.convergence_figure(
-        conv, f"Eval top-1 against steps, mean over each method's runs: {models}")
+        conv, f"Eval top-1 against steps, mean over each method's runs: {models}", pal)
     paths.append(figures.save(fig, os.path.join(out, "convergence.png")))
     table = convergence.markdown(conv)
     print(f"Convergence (reference {conv.reference}, target {conv.target:g}):\n{table}")
@@ -332,6 +383,10 @@ def _convergence(rows: Sequence[dict], summaries: dict, reference: str | None,
     ref = reference or convergence.default_reference(methods)
     if ref is None:
         return (f"no layernorm runs and no --reference; methods present: {', '.join(methods)}")
+    several = convergence.recipes_of(ref, methods)
+    if reference is None and len(several) > 1:  # which LN recipe's final top-1 is the target?
+        return (f"no --reference, and the {ref} runs are {len(several)} methods; pass one of "
+                f"their keys: " + ", ".join(f"--reference={m}" for m in several))
     conv = convergence.analyze(rows, {w: s.scalars for w, s in summaries.items()}, ref, target)
     if isinstance(conv, convergence.Convergence):
         for w, why in conv.left_out:
@@ -397,8 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tags", default="", help="comma list of other scalar tags to plot vs steps")
     ap.add_argument("--reference", default=None,
                     help="method whose mean final top-1 sets the convergence target, e.g. "
-                         "layernorm, repbn, progressive:layernorm->repbn (default: layernorm "
-                         "when present, else no convergence table)")
+                         "layernorm, repbn, progressive:layernorm->repbn, or one recipe's key "
+                         "as report.json has it, 'layernorm[optimizer.learning_rate=0.001]' "
+                         "(default: layernorm when present, else no convergence table)")
     ap.add_argument("--target", type=float, default=0.95,
                     help="fraction of the reference's mean final top-1 each method must reach")
     tool_flags.add_weights(ap)  # the attention analysis's weights (the table reads summaries)

@@ -187,6 +187,16 @@ class Pipeline:
             close()
 
 
+def train_examples(config: Any, spec: dataspec.DataSpec | None = None) -> int:
+    """The examples of the train split a run steps over (its 'train' Pipeline's
+    ``num_examples``: ``data.num_train_examples`` of ``data.train_split``), read without building
+    the pipeline (the report's run length of a ``num_epochs`` run). Raises as make_pipeline."""
+    spec = dataspec.resolve_data_spec(config) if spec is None else spec
+    workers = config.data.get("num_workers") or default_num_workers()
+    return len(_open_source(spec.data_dir, spec.name, spec.train_split,
+                            config.data.get("num_train_examples"), workers))
+
+
 def make_pipeline(config: Any, split: str, spec: dataspec.DataSpec | None = None, *,
                   process_index: int | None = None, process_count: int | None = None) -> Pipeline:
     """Opens the DataSpec's train split (split='train') or eval split (split='eval').
