@@ -111,7 +111,9 @@ def test_report_without_a_reference_writes_no_convergence_table_or_figure(fake_r
     dyt = [str(fake_runs / n) for n in ("dyt_s0", "dyt_s1")]
     still = [str(fake_runs / "ln_s2"), str(fake_runs / "dyt_s0")]  # LN evaluated to step 20 only
     for runs, why in ((dyt, "no layernorm runs and no --reference; methods present: dyt"),
-                      (still, "no finished run of the reference 'layernorm' (LN)")):
+                      (still, "no finished run of the reference 'layernorm' (LN) ("
+                              f"{fake_runs / 'ln_s2'}: still training? its last evaluation is "
+                              "at step 20, before its final step 40 (config.total_steps))")):
         out = str(tmp_path / str(len(why)))
         assert report.main([*runs, f"--out={out}", "--no_attention"]) == 0
         assert f"report: no convergence table: {why}" in capsys.readouterr().err

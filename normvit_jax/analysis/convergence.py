@@ -131,8 +131,11 @@ def analyze(rows: Sequence[Mapping], scalars: Mapping[str, Mapping[str, Series]]
         else:
             kept.append((r, s))
     ref = [s for r, s in kept if r["method"] == reference]
-    if not ref:
-        return f"no finished run of the reference {reference!r} ({labels[reference]})"
+    if not ref:  # the reference's own runs' reasons: they are why there is no table
+        why = "; ".join(f"{w}: {reason}" for w, reason in left_out
+                        if any(r["workdir"] == w and r["method"] == reference for r in rows))
+        return (f"no finished run of the reference {reference!r} ({labels[reference]})"
+                + (f" ({why})" if why else ""))
     threshold = target * float(np.mean([s.values[-1] for s in ref]))
     methods = []
     for m in dict.fromkeys(r["method"] for r, _ in kept):
