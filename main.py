@@ -11,6 +11,9 @@ model (timm / the methods' originals / a ViT .npz) without training, and evaluat
 ``--mode=eval [--step=N]`` evaluates a checkpoint without training (with the run's own config,
 its workdir's config.json, unless ``--config`` is given), on any eval set:
 ``--config.data.eval_name=imagenet_v2 --config.data.eval_split=test`` (README: Evaluation).
+``--mode=config`` prints the resolved config (variants and ``--config.*`` overrides applied, as
+the run's config.json would hold it) as JSON and exits; nothing is trained or compiled, and no
+``--workdir`` is needed (given alone, its run's own config.json is shown).
 Multi-host (Cloud TPU pod, SLURM): run the same command on every host; JAX's distributed runtime
 is initialised when the process is one of several.
 """
@@ -33,13 +36,15 @@ flags.DEFINE_string("workdir", None, "Directory (local or gs://) for checkpoints
 flags.DEFINE_bool("fresh", False, "Start at step 0 even if the workdir holds a run: its checkpoints, "
                   "config.json, event files and eval_*.json results are moved to "
                   "<workdir>/replaced/<time>/ first.")
-flags.DEFINE_enum("mode", "train", ["train", "eval", "import"], "train: train (and evaluate); "
-                  "eval: only evaluate a checkpoint on config.data.eval_name/eval_split, writing "
-                  "<workdir>/eval_<dataset>_<split>_<step>.json; import: write config.init_from's "
-                  "model as the run's step-0 checkpoint, no training, and evaluate it once.")
+flags.DEFINE_enum("mode", "train", ["train", "eval", "import", "config"], "train: train (and "
+                  "evaluate); eval: only evaluate a checkpoint on config.data.eval_name/eval_split, "
+                  "writing <workdir>/eval_<dataset>_<split>_<step>.json; import: write "
+                  "config.init_from's model as the run's step-0 checkpoint, no training, and "
+                  "evaluate it once; config: print the resolved config as JSON (as config.json "
+                  "would hold it) and exit, no --workdir needed.")
 flags.DEFINE_bool("skip_eval", False, "--mode=import: do not evaluate the imported model.")
 flags.DEFINE_integer("step", None, "--mode=eval: the checkpoint's step (default: the newest).")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["config"])  # --workdir: parse_flags requires it (not --mode=config)
 
 
 RUN_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "run_config.py")
@@ -63,9 +68,11 @@ def resolve_config_arg(argv):
     spec = _flag(argv, "config")
     if spec is None:
         workdir = _flag(argv, "workdir")
-        if _flag(argv, "mode") == "eval" and workdir:
+        mode = _flag(argv, "mode")
+        if mode in ("eval", "config") and workdir:
             if "://" not in workdir and not os.path.exists(os.path.join(workdir, "config.json")):
-                print(f"error: {workdir} holds no run to evaluate (no config.json): train one there "
+                what = "to evaluate" if mode == "eval" else "whose config to show"
+                print(f"error: {workdir} holds no run {what} (no config.json): train one there "
                       f"first, e.g. python main.py --config=configs/vit_ln.py:demo "
                       f"--workdir={workdir}", file=sys.stderr)
                 sys.exit(cli.EXIT_CONFIG)
@@ -96,12 +103,14 @@ def parse_flags(argv):
     Keys inside dict-valued fields (``--config.model.norm_overrides.block_1.name=rmsnorm``) and
     ``=None`` are set after it (normvit_jax/config_paths.py)."""
     tool_flags.absl_help(argv)  # before any check: --help needs no --config or --workdir
-    _require(argv, "workdir", "the run's folder: checkpoints, summaries, config.json; e.g. "
-             "--workdir=runs/demo")
+    show = _flag(argv, "mode") == "config"  # prints the config: no run's folder needed
+    if not show:
+        _require(argv, "workdir", "the run's folder: checkpoints, summaries, config.json; e.g. "
+                 "--workdir=runs/demo")
     # --workdir=~/runs, --config.data.data_dir=~/tfds: ~ as the shell expands it after a space.
     argv = resolve_config_arg(tool_flags.expand_home(argv))
     _require(argv, "config", "a config file, e.g. --config=configs/vit_ln.py:demo, or a run's "
-             "workdir; --mode=eval takes the workdir's own by default")
+             "workdir; --mode=eval and --mode=config take the workdir's own by default")
     argv, paths = config_paths.split(argv)
     sys.argv = list(argv)  # config_flags reads the overrides from sys.argv
     try:
@@ -109,7 +118,8 @@ def parse_flags(argv):
     except Exception as e:  # noqa: BLE001  (ml_collections raises several types)
         print(f"error: {cli.describe_flag_error(argv, e)}", file=sys.stderr)
         sys.exit(cli.EXIT_CONFIG)
-    if not (FLAGS.workdir or "").strip():  # --workdir=$UNSET: the run went into the current folder
+    if (not show or FLAGS.workdir is not None) and not (FLAGS.workdir or "").strip():
+        # --workdir=$UNSET: the run went into the current folder
         print("error: --workdir is empty (an unset shell variable?); pass the run's directory, "
               "e.g. --workdir=runs/demo", file=sys.stderr)
         sys.exit(cli.EXIT_CONFIG)
@@ -143,13 +153,15 @@ def main(argv):
     # Flags of the other mode were ignored: --step=N with training still resumed from the newest
     # checkpoint, --fresh with --mode=eval moved nothing aside.
     wrong = ("--step" if FLAGS.mode != "eval" and FLAGS.step is not None else
-             "--fresh" if FLAGS.mode == "eval" and FLAGS.fresh else
+             "--fresh" if FLAGS.mode in ("eval", "config") and FLAGS.fresh else
              "--skip_eval" if FLAGS.mode != "import" and FLAGS.skip_eval else None)
     if wrong:
         print(f"error: {wrong} is not a flag of --mode={FLAGS.mode}: --step chooses the checkpoint "
               "--mode=eval evaluates; training resumes from the newest checkpoint, and --fresh "
               "starts it over (or an import); --skip_eval is --mode=import's", file=sys.stderr)
         sys.exit(cli.EXIT_CONFIG)
+    if FLAGS.mode == "config":  # no JAX backend, nothing compiled or written
+        sys.exit(cli.show_config(FLAGS.config))
     try:
         _pin_cpu_numerics()
         if FLAGS.mode == "eval":

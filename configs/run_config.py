@@ -7,7 +7,8 @@ main.py uses it for ``--mode=eval`` without ``--config`` and for ``--config=W/co
 
 The saved values are laid over configs/default.py's fields (keeping their types, so a field the
 run left at None can still be set from the command line); keys the defaults lack (a norm's
-options, T2T-ViT's) are added as saved.
+options, T2T-ViT's) are added as saved. ``allow_config_change`` is read as False whatever the file
+says (a permission for one invocation: ``--config.allow_config_change=True`` gives it).
 """
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if not path.exists():
         raise ValueError(f"{path} does not exist: give a workdir of a run (it holds config.json) "
                          "or a config file ending in .py")
+    return from_saved(saved_config.read_saved(path))
+
+
+def from_saved(saved: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A config.json's values laid over configs/default.py's fields, allow_config_change False
+    (an older version saved a run's True, which then granted every later re-run a change)."""
     config = default.get_config()
-    _overlay(config, saved_config.read_saved(path))
+    _overlay(config, saved)
+    config.allow_config_change = False
     return config

@@ -160,6 +160,31 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None =
     return EXIT_OK
 
 
+def show_config(config: ml_collections.ConfigDict) -> int:
+    """``--mode=config``: the config as the run's config.json would hold it, as JSON on stdout,
+    after the checks a training start makes before it touches data or a device (the config file
+    loads, every value in range, the model buildable); a failed check is one line on stderr and
+    its exit code. No JAX backend starts and nothing is written."""
+    import json
+
+    from normvit_jax import preflight, run_config
+    try:
+        preflight.check_loaded(config)
+        preflight.check_values(config)
+        preflight.check_model(config)
+        preflight.check_empty_paths(config)
+        values = run_config.saved_values(config)
+    except Exception as e:  # noqa: BLE001  (known errors become exit codes)
+        code = exit_code(e)
+        if code is None:
+            raise
+        _show_traceback(e)
+        print(f"error: {e}", file=sys.stderr)
+        return code
+    print(json.dumps(values, indent=2, sort_keys=True))
+    return EXIT_OK
+
+
 def _single_process() -> bool:
     """One process (another may still be using a shared workdir otherwise)."""
     import jax

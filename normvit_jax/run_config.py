@@ -12,9 +12,23 @@ from etils import epath
 
 CONFIG_NAME = "config.json"
 REPLACED_DIR = "replaced"          # --fresh moves an old run here (workdir.move_run_aside)
-# Keys that may differ between the saved config and a re-run without allow_config_change: the
-# mesh only places the same state on devices (checkpoints restore onto any mesh).
-ALWAYS_CHANGEABLE = ("allow_config_change", "mesh.data", "mesh.fsdp", "mesh.fsdp_min_size")
+# Keys that may differ between the saved config and a re-run without allow_config_change: they
+# change neither the trained numbers nor the resume's exactness. log_every, eval_every,
+# checkpoint_every and keep_checkpoints choose at which steps train metrics are written and
+# checked, the model is evaluated (no state changes) and the state is saved and kept; the
+# eval_*_images keys choose what an eval writes to TensorBoard; the mesh only places the same
+# state on devices (checkpoints restore onto any mesh). A change of them is said in one info line
+# and recorded in config.json (the old file kept as config.before-<time>.json).
+ALWAYS_CHANGEABLE = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+                     "eval_analysis_images", "eval_attention_images",
+                     "mesh.data", "mesh.fsdp", "mesh.fsdp_min_size")
+# Never compared, and saved as False: a permission for the invocation that passes it, not part of
+# the run (a saved True let a later --config=W re-run change anything without the flag).
+NOT_COMPARED = ("allow_config_change",)
+# The inputs of the learning-rate schedule: a change of them on a resume recomputes it
+# (train/build.py says how the rate at the resume step changes).
+SCHEDULE_KEYS = ("total_steps", "num_epochs", "batch_size", "optimizer.learning_rate")
+SCHEDULE_PREFIX = "schedule."
 
 
 class ConfigChangedError(ValueError):
@@ -71,22 +85,47 @@ def _default_values() -> dict:
     return flat_values(default.get_config())
 
 
-def config_diff(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+def changed_keys(saved: dict, current: dict, defaults: dict | None = None
+                 ) -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, current value) of every key that differs, sorted by key, but
+    ``NOT_COMPARED`` and a key absent from ``saved`` (a newer version added it) at its default;
+    an absent value is ``'<absent>'``."""
     a, b = _flatten(saved), _flatten(current)
     defaults = _default_values() if defaults is None else defaults
 
     def changed(k: str) -> bool:
-        if k in ALWAYS_CHANGEABLE or a.get(k) == b.get(k):
+        if k in NOT_COMPARED or a.get(k) == b.get(k):
             return False
         return not (k not in a and k in defaults and b.get(k) == defaults[k])
 
-    return [f"  {k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+    return [(k, a.get(k, "<absent>"), b.get(k, "<absent>"))
             for k in sorted(set(a) | set(b)) if changed(k)]
 
 
+def _describe(changes: list[tuple[str, Any, Any]]) -> list[str]:
+    return [f"{k}: {old!r} -> {new!r}" for k, old, new in changes]
+
+
+def config_diff(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+    """``'key: old -> new'`` of every changed key that needs allow_config_change (all but
+    ``ALWAYS_CHANGEABLE``)."""
+    return _describe([c for c in changed_keys(saved, current, defaults)
+                      if c[0] not in ALWAYS_CHANGEABLE])
+
+
+def changeable_diff(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+    """``'key: old -> new'`` of every changed ``ALWAYS_CHANGEABLE`` key."""
+    return _describe([c for c in changed_keys(saved, current, defaults)
+                      if c[0] in ALWAYS_CHANGEABLE])
+
+
+def is_schedule_key(key: str) -> bool:
+    return key in SCHEDULE_KEYS or key.startswith(SCHEDULE_PREFIX)
+
+
 def check_config(config: Any, workdir: str) -> None:
-    """Refuses a workdir whose config.json differs from ``config`` (with a diff of the changed
-    keys) unless ``config.allow_config_change``."""
+    """Refuses, in one line naming the changed keys, a workdir whose config.json differs from
+    ``config`` in a key outside ``ALWAYS_CHANGEABLE``, unless ``config.allow_config_change``."""
     path = epath.Path(workdir) / CONFIG_NAME
     if not path.exists():
         return
@@ -95,15 +134,15 @@ def check_config(config: Any, workdir: str) -> None:
         # An earlier start failed before its first checkpoint (a wrong init_from, data not yet
         # prepared): nothing was trained with the old config, so the corrected command goes on;
         # write_config keeps the old file as config.before-<time>.json.
-        logging.warning("%s has no checkpoint yet: taking the new config (changed keys:\n%s)",
-                        workdir, "\n".join(diff))
+        logging.warning("%s has no checkpoint yet: taking the new config (changed keys: %s)",
+                        workdir, ", ".join(diff))
         return
     if diff and not config.get("allow_config_change"):
         raise ConfigChangedError(
-            f"{workdir} holds a run made with another config; changed keys:\n" + "\n".join(diff)
-            + "\nUse another --workdir, pass --config.allow_config_change=True to continue "
-              "this run with the new values, or --fresh to start over (the old run is moved "
-              f"to {REPLACED_DIR}/).")
+            f"{workdir} holds a run made with another config; changed keys: {', '.join(diff)}; "
+            "use another --workdir, pass --config.allow_config_change=True to continue this run "
+            "with the new values (this once: config.json records it False), or --fresh to start "
+            f"over (the old run is moved to {REPLACED_DIR}/)")
 
 
 def check_eval_dataset(config: Any, workdir: str) -> None:
@@ -136,24 +175,39 @@ def has_checkpoint(workdir: str) -> bool:
     return root.exists() and any(p.name.split(".")[0].isdigit() for p in root.iterdir())
 
 
+def saved_values(config: Any) -> dict:
+    """``config`` as config.json holds it: its JSON, with ``allow_config_change`` False (a
+    permission for one invocation, not a property of the run)."""
+    values = json.loads(config.to_json_best_effort())
+    values["allow_config_change"] = False
+    return values
+
+
 def write_config(config: Any, workdir: str) -> None:
     """Writes config.json (atomically). Called once the run's checkpoint restored or it starts
-    at step 0, so a change refused later (a model that no longer fits) leaves it untouched. An
-    accepted change keeps the old file as config.before-<time>.json."""
+    at step 0, so a change refused later (a model that no longer fits, a run already complete)
+    leaves it untouched. An accepted change is said in one line (one more, info, for the
+    ``ALWAYS_CHANGEABLE`` keys) and keeps the old file as config.before-<time>.json."""
     path = epath.Path(workdir) / CONFIG_NAME
-    current = json.loads(config.to_json_best_effort())
+    current = saved_values(config)
     if path.exists():
         old = path.read_text()
-        diff = config_diff(json.loads(old), current)
-        if not diff:
+        saved = json.loads(old)
+        diff, harmless = config_diff(saved, current), changeable_diff(saved, current)
+        if not diff and not harmless:
+            if saved.get("allow_config_change"):  # an older version's saved permission
+                write_text_atomic(workdir, CONFIG_NAME, json.dumps(current, indent=2,
+                                                                   sort_keys=True))
             return
-        if has_checkpoint(workdir):
-            logging.warning("Continuing %s with a changed config (allow_config_change):\n%s",
-                            workdir, "\n".join(diff))
-        (path.parent / f"config.before-{utc_stamp()}.json").write_text(old)
-    tmp = path.parent / (path.name + ".tmp")
-    tmp.write_text(json.dumps(current, indent=2, sort_keys=True))
-    tmp.replace(path)
+        before = f"config.before-{utc_stamp()}.json"
+        if has_checkpoint(workdir) and diff:
+            logging.warning("Continuing %s with a changed config (allow_config_change): %s; the "
+                            "old config is kept as %s.", workdir, ", ".join(diff), before)
+        if has_checkpoint(workdir) and harmless:
+            logging.info("Continuing %s with %s (keys that change neither the trained numbers "
+                         "nor the resume; recorded in config.json).", workdir, ", ".join(harmless))
+        (path.parent / before).write_text(old)
+    write_text_atomic(workdir, CONFIG_NAME, json.dumps(current, indent=2, sort_keys=True))
 
 
 def write_json_atomic(workdir: str, name: str, value: Any) -> None:

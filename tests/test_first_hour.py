@@ -253,9 +253,9 @@ def test_keys_added_since_a_run_are_no_change_at_their_default():
             "data": {"repeated_aug": 1}}
     assert run_config.config_diff(saved, same, defaults) == []
     other = dict(same, ema_decay=0.999)
-    assert run_config.config_diff(saved, other, defaults) == ["  ema_decay: '<absent>' -> 0.999"]
+    assert run_config.config_diff(saved, other, defaults) == ["ema_decay: '<absent>' -> 0.999"]
     # a key missing from the defaults (a method's own key) stays a change when absent before
-    assert run_config.config_diff(saved, dict(same, extra=1), defaults) == ["  extra: '<absent>' -> 1"]
+    assert run_config.config_diff(saved, dict(same, extra=1), defaults) == ["extra: '<absent>' -> 1"]
     # the real defaults: an old config.json without the recipe keys matches today's config
     cfg = conftest.tiny_demo_config()
     old = json.loads(cfg.to_json_best_effort())

@@ -103,7 +103,10 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
                                      image_shape=train_data.image_shape)
     start = _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_data,
                    metrics_like, n_steps)
-    writer, analysis_writer = _writers(workdir)
+    if start.step >= n_steps:  # complete: no event file, no segment (nothing is trained)
+        writer, analysis_writer = tensorboard.NullWriter(), None
+    else:
+        writer, analysis_writer = _writers(workdir)
     # Marks where this segment of the run starts: readers drop older points after it (summaries.py).
     writer.write_scalars(start.step, {summaries.SEGMENT_TAG: start.step})
     if start.step == 0:
@@ -140,14 +143,28 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
         state = init_from_pretrained(config, run_spec.model, run_spec.data.num_classes, state, tx,
                                      state_sharding)
     had_config = checkpoints.config_path(workdir).exists()
-    if jax.process_index() == 0:  # the checkpoint fits (or there is none): the config is the run's
+    complete = restored is not None and restored.step >= n_steps
+    if restored is not None and restored.step > n_steps:
+        mngr.close()  # before anything is written: config.json keeps the run's length
+        raise run_config.ConfigChangedError(
+            f"the run in {workdir} is at step {restored.step}, past this config's "
+            f"{n_steps} steps (total_steps={config.total_steps}, num_epochs={config.num_epochs}):"
+            f" a run cannot be shortened below its step; nothing was changed; use another "
+            f"--workdir for a shorter run (init_from a checkpoint, docs/faults.md)")
+    if restored is not None and not complete and had_config and jax.process_index() == 0:
+        note = schedule_change_note(run_config.read_saved(checkpoints.config_path(workdir)),
+                                    config, restored.step, n_steps, train_data.num_examples)
+        if note:
+            logging.warning("%s", note)
+    # a complete run is left as it is: a re-run trains nothing (trainer.train says so)
+    if jax.process_index() == 0 and not complete:  # the checkpoint fits (or there is none): the config is the run's
         run_config.write_config(config, workdir)
         if run_spec.data.class_names:  # label order -> names, for evaluation, predict and people
             run_config.write_json_atomic(workdir, "classes.json", list(run_spec.data.class_names))
         # the input statistics the model learns with: predict/export need no dataset, and a
         # dataset prepared again later cannot change them (run_data.py)
         run_data.write(workdir, run_data.of_spec(run_spec.data))
-    if jax.process_index() == 0:  # which code computes the steps from here (run_code.py)
+    if jax.process_index() == 0 and not complete:  # which code computes the steps from here
         run_code.record_start(workdir, 0 if restored is None else restored.step)
     if restored is not None:
         step = restored.step
@@ -167,6 +184,28 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
         logging.warning("No checkpoint in %s: starting at step 0 (an earlier attempt of this "
                         "run ended before its first checkpoint).", mngr.directory)
     return _Start(state, 0, guards.MetricsWindow(0), 0)
+
+
+def schedule_change_note(saved: dict, config: ml_collections.ConfigDict, step: int,
+                         n_steps: int, num_examples: int) -> str | None:
+    """One line when a resume changes the learning-rate schedule's inputs
+    (``run_config.SCHEDULE_KEYS``, ``schedule.*``): the schedule is computed again from the new
+    config, so the rate at ``step`` (that of the next update) moves; None when they are the
+    same. ``saved``: the run's config.json; ``num_examples``: the train split's (the steps of an
+    epoch at the saved batch size)."""
+    keys = [k for k, _, _ in run_config.changed_keys(saved, run_config.saved_values(config))
+            if run_config.is_schedule_key(k)]
+    if not keys:
+        return None
+    from configs import run_config as run_config_file  # pylint: disable=import-outside-toplevel
+    old = run_config_file.from_saved(saved)
+    old_steps = total_steps(old, max(1, num_examples // int(old.batch_size)))
+    before = float(optim.schedule(old, old_steps)(step))
+    after = float(optim.schedule(config, n_steps)(step))
+    return (f"The learning rate at step {step} goes from {before:.3g} (the run's schedule over "
+            f"{old_steps} steps) to {after:.3g} (the new one over {n_steps} steps): the schedule "
+            f"is computed again from the changed {', '.join(keys)} (docs/faults.md, "
+            "\"Extending a run\").")
 
 
 def _writers(workdir: str) -> tuple[Any, Any]:

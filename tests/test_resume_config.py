@@ -1,0 +1,196 @@
+"""Continuing a run with another config: allow_config_change is a permission for one invocation,
+keys that change neither the trained numbers nor the resume need none, a changed learning-rate
+schedule is said in one line, a complete run is left untouched, and ``--mode=config`` prints the
+resolved config without training."""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import run_config as run_config_file
+from normvit_jax import cli, run_code, run_config
+from normvit_jax.train import loop
+from tests.conftest import REPO_ROOT, tiny_demo_config
+
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
+
+def _saved(wd) -> dict:
+    return json.load(open(os.path.join(wd, "config.json")))
+
+
+def _messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_allow_config_change_is_not_saved_and_a_saved_true_grants_nothing(tmp_path):
+    """After a change made with --config.allow_config_change=True, the run's own config.json
+    (main.py --config=W) continued with a changed learning rate without the flag: the saved True
+    was read back. config.json records False, and an older file's True is read as False."""
+    wd = str(tmp_path)
+    loop.train_and_evaluate(tiny_demo_config(total_steps=2, checkpoint_every=2), wd)
+    loop.train_and_evaluate(tiny_demo_config(total_steps=3, checkpoint_every=2,
+                                             allow_config_change=True), wd)
+    assert _saved(wd)["total_steps"] == 3 and _saved(wd)["allow_config_change"] is False
+    own = run_config_file.get_config(wd)  # what --config=W reads
+    assert own.allow_config_change is False
+    own.optimizer.learning_rate = 5e-3
+    with pytest.raises(run_config.ConfigChangedError, match="learning_rate: 0.003 -> 0.005"):
+        run_config.check_config(own, wd)
+    # a config.json written by an older version with the permission inside
+    saved = _saved(wd)
+    saved["allow_config_change"] = True
+    open(os.path.join(wd, "config.json"), "w").write(json.dumps(saved))
+    own = run_config_file.get_config(wd)
+    assert own.allow_config_change is False
+    own.optimizer.learning_rate = 5e-3
+    with pytest.raises(run_config.ConfigChangedError):
+        run_config.check_config(own, wd)
+
+
+def test_refused_change_and_accepted_change_are_one_line_each(tmp_path, caplog):
+    a = tiny_demo_config()
+    b = tiny_demo_config(eval_every=25, **{"optimizer.learning_rate": 0.001})
+    run_config.write_config(a, str(tmp_path))
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    with pytest.raises(run_config.ConfigChangedError) as e:
+        run_config.check_config(b, str(tmp_path))
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    # eval_every needs no permission: only the learning rate is named
+    assert "changed keys: optimizer.learning_rate: 0.003 -> 0.001; use another --workdir" in msg
+    assert "eval_every" not in msg and "--config.allow_config_change=True" in msg
+    b.allow_config_change = True
+    run_config.check_config(b, str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="absl"):
+        run_config.write_config(b, str(tmp_path))
+    lines = [m for m in _messages(caplog) if str(tmp_path) in m]
+    assert len(lines) == 2 and all("\n" not in m for m in lines), lines
+    assert any("optimizer.learning_rate: 0.003 -> 0.001" in m and "eval_every" not in m
+               for m in lines), lines
+    assert any("eval_every: 6 -> 25" in m and "learning_rate" not in m for m in lines), lines
+    assert _saved(tmp_path)["eval_every"] == 25 and _saved(tmp_path)["allow_config_change"] is False
+
+
+def test_harmless_keys_change_without_the_flag_and_are_recorded(tmp_path, caplog):
+    """--config.eval_every=25 --config.log_every=10 on a run was refused: neither changes the
+    trained numbers nor the resume's exactness. Accepted with one info line, recorded."""
+    wd = str(tmp_path)
+    cfg = tiny_demo_config(total_steps=4, checkpoint_every=2, eval_every=4)
+    loop.train_and_evaluate(cfg, wd, stop_at=2)
+    changed = tiny_demo_config(total_steps=4, checkpoint_every=1, eval_every=3, log_every=1,
+                               keep_checkpoints=5)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        out = loop.train_and_evaluate(changed, wd)
+    assert out["step"] == 4
+    saved = _saved(wd)
+    assert (saved["eval_every"], saved["log_every"], saved["checkpoint_every"],
+            saved["keep_checkpoints"]) == (3, 1, 1, 5)
+    lines = [m for m in _messages(caplog) if "eval_every: 4 -> 3" in m]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "checkpoint_every: 2 -> 1" in lines[0] and "log_every: 2 -> 1" in lines[0]
+    assert "keep_checkpoints: 3 -> 5" in lines[0]
+    # checkpoints at 3 and 4 by the new checkpoint_every (2 was the first process's)
+    assert sorted(int(os.path.basename(p)) for p in glob.glob(f"{wd}/checkpoints/*")
+                  if os.path.basename(p).isdigit()) == [2, 3, 4]
+    # exact: the same parameters as the unchanged run
+    ref = str(tmp_path / "ref")
+    loop.train_and_evaluate(cfg, ref)
+    import jax
+    import numpy as np
+
+    from normvit_jax import checkpoints
+    for x, y in zip(jax.tree.leaves(checkpoints.load_params(wd)[0]),
+                    jax.tree.leaves(checkpoints.load_params(ref)[0])):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_extending_a_run_says_how_the_learning_rate_changes(tmp_path, caplog):
+    """A finished 4-step run extended to 8 steps: warmup 2, cosine to 0 over 2 steps (the rate
+    at step 4 is 0) becomes a cosine over 6 steps (at step 4, 2 steps in: 0.003 * 0.75)."""
+    wd = str(tmp_path)
+    loop.train_and_evaluate(tiny_demo_config(total_steps=4, checkpoint_every=2), wd)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        loop.train_and_evaluate(tiny_demo_config(total_steps=8, checkpoint_every=2,
+                                                 allow_config_change=True), wd)
+    lines = [m for m in _messages(caplog) if "learning rate at step" in m]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert ("The learning rate at step 4 goes from 0 (the run's schedule over 4 steps) to "
+            "0.00225 (the new one over 8 steps)") in lines[0], lines
+    # a change that does not touch the schedule says nothing about it
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="absl"):
+        loop.train_and_evaluate(tiny_demo_config(total_steps=8, checkpoint_every=2,
+                                                 label_smoothing=0.0, allow_config_change=True),
+                                wd)
+    assert not [m for m in _messages(caplog) if "learning rate at step" in m]
+
+
+def _snapshot(wd) -> dict:
+    out = {}
+    for name in sorted(os.listdir(wd)):
+        p = os.path.join(wd, name)
+        if os.path.isfile(p) and name != ".lock":
+            out[name] = (open(p, "rb").read(), os.stat(p).st_mtime_ns)
+    return out
+
+
+def test_a_complete_run_is_left_untouched(tmp_path, caplog):
+    """A plain re-run of a finished run rewrote config.json, classes.json, data.json and added a
+    start to code.jsonl (and an event file); a total_steps below the run's step with
+    allow_config_change rewrote config.json to a length shorter than the run."""
+    wd = str(tmp_path)
+    cfg = tiny_demo_config(total_steps=4, checkpoint_every=2)
+    loop.train_and_evaluate(cfg, wd)
+    before = _snapshot(wd)
+    assert run_code.HISTORY_NAME in before and "classes.json" in before
+    again = loop.train_and_evaluate(cfg, wd)
+    assert again["step"] == 4
+    assert _snapshot(wd) == before
+    shorter = tiny_demo_config(total_steps=2, checkpoint_every=2, allow_config_change=True)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        assert cli.run(shorter, wd) == cli.EXIT_CONFIG
+    stopped = [m for m in _messages(caplog) if m.startswith("Stopped:")]
+    assert len(stopped) == 1 and "\n" not in stopped[0], stopped
+    assert "at step 4" in stopped[0] and "total_steps=2" in stopped[0], stopped
+    assert _snapshot(wd) == before
+    assert not [m for m in _messages(caplog) if "already complete" in m]
+
+
+def _main(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "main.py"), *args],
+                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_mode_config_prints_the_resolved_config(tmp_path):
+    r = _main("--mode=config", "--config=configs/vit_dtn.py:deit_s",
+              "--config.total_steps=7", "--config.optimizer.learning_rate=2e-3",
+              "--config.allow_config_change=True")
+    assert r.returncode == 0, r.stderr[-2000:]
+    shown = json.loads(r.stdout)
+    from configs import vit_dtn
+    want = json.loads(vit_dtn.get_config("deit_s").to_json_best_effort())
+    want.update(total_steps=7, allow_config_change=False)
+    want["optimizer"]["learning_rate"] = 2e-3
+    assert shown == want
+    assert not (tmp_path / "x").exists()
+    # an invalid value is refused as training refuses it: one line, exit 2
+    r = _main("--mode=config", "--config=configs/vit_ln.py:demo", "--config.total_steps=0")
+    assert r.returncode == cli.EXIT_CONFIG and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "error: config.total_steps=0 must be None (use num_epochs) or an integer >= 1"], r.stderr
+    # a run's workdir: its own config.json (with overrides)
+    wd = tmp_path / "run"
+    wd.mkdir()
+    saved = json.loads(tiny_demo_config().to_json_best_effort())
+    (wd / "config.json").write_text(json.dumps(saved))
+    r = _main("--mode=config", f"--workdir={wd}", "--config.eval_every=5")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout) == {**saved, "eval_every": 5}
