@@ -201,6 +201,7 @@ def get_config() -> ml_collections.ConfigDict:
                                     # state dict (.safetensors, .pth/.bin) to start from; --mode=import:
                                     # the model to import (docs/pretrained.md)
     c.init_keep_pre_logits = placeholder(bool)  # keep the file's pre_logits layer (None: if model.representation_size)
+    c.init_reset_head = False       # zero the file's head even where its shape fits (another dataset's classes)
     c.init_source_grid = placeholder(str)  # the file's posemb grid 'ROWSxCOLS' when it is not square (None: square)
     c.allow_config_change = False   # resume a workdir whose saved config differs
     c.skip_nonfinite_steps = 0      # 0: stop on a NaN/Inf; N: skip such updates, stop after N in a row

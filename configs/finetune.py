@@ -6,8 +6,11 @@
 
 ``configs/finetune_cifar.py``'s recipe and variants (model b16|b32|l16|l32, 224|384, i21k|augreg,
 accum<N>, a norm name; see there) with the dataset left to ``--config.data.name`` (default
-cifar10; cifar10/cifar100 also accepted in the argument): the head is reset to zeros for the
-dataset's number of classes (read from a prepared dataset's files). Splits: ``train`` for training
+cifar10; cifar10/cifar100 also accepted in the argument): the head is zeroed where the file's class
+count differs from the dataset's (read from a prepared dataset's files); a head of the same shape
+is kept unless ``--config.init_reset_head=True``. A timm/HF file also wants
+``--config.data.normalize=imagenet`` (timm's ImageNet-1k ViTs) and
+``--config.model.gelu_approximate=False`` (docs/data.md). Splits: ``train`` for training
 (no 2% hold-out: a prepared dataset has its own eval split), ``data.eval_split`` 'test', which for a
 prepared dataset without a 'test' split means its own eval split (docs/data.md). For a small
 dataset lower ``total_steps``/``schedule.warmup_steps`` and ``batch_size`` (docs/data.md).

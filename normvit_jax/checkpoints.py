@@ -481,7 +481,22 @@ def restore_weights(workdir: str, step: int | None = None, weights: str | None =
     restore (``restore_numpy``), then ``choose_weights``; the record adds the step restored."""
     restored, config = restore_numpy(workdir, step)
     variables, record = choose_weights(restored.state, weights, workdir)
+    n = zero_head_classes(variables.get("params", {}))
+    if n:  # an import whose head was re-initialised (train/importer.py): nothing to predict yet
+        log.warning("%s step %d: the head is all zeros (an import whose head was re-initialised "
+                    "for %d classes?): every image gets probability 1/%d; train the run first "
+                    "(docs/pretrained.md).", workdir, int(restored.step), n, n)
     return variables, config, {**record, "step": int(restored.step)}
+
+
+def zero_head_classes(params: Any) -> int | None:
+    """The class count of a head whose kernel and bias are all zeros (every image gets the same,
+    uniform probabilities: a head the loader re-initialised and no step trained), else None."""
+    head = params.get("head") if hasattr(params, "get") else None
+    if not head or "kernel" not in head or "bias" not in head:
+        return None
+    kernel, bias = np.asarray(head["kernel"]), np.asarray(head["bias"])
+    return int(bias.shape[-1]) if not kernel.any() and not bias.any() else None
 
 
 def config_path(workdir: str) -> epath.Path:

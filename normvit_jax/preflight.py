@@ -19,6 +19,11 @@ GCE_PRODUCT_FILE = "/sys/class/dmi/id/product_name"  # 'Google Compute Engine' o
 
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # an .npz is a zip archive (empty archive: the 2nd)
 NPY_MAGIC = b"\x93NUMPY"
+# what config.init_from reads: an .npz, or a PyTorch state dict (state_dict.SAFETENSORS + TORCH)
+INIT_SUFFIXES = (".npz", ".safetensors", ".pth", ".pt", ".bin")
+ACCEPTED = f"(accepted: {', '.join(INIT_SUFFIXES)})"
+# in a folder holding weights (an HF hub folder): the file to name, preferred first
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 class ConfigFileError(ValueError):
@@ -137,7 +142,7 @@ def npz_problem(head: bytes) -> str | None:
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "a pickle, not an .npz archive; refusing to load it"
     return ("not an .npz archive (it does not start with the zip signature 'PK'; truncated, an "
-            "HTML error page, or another format?)")
+            f"HTML error page, or another format? {ACCEPTED[1:-1]})")
 
 
 def _ema_hint(workdir: str) -> str:
@@ -161,20 +166,48 @@ def check_npz(path: str, key: str = "path", missing_hint: str = "") -> None:
             missing_hint = " (a '~' is not expanded here: give the full path)"
         raise ValueError(f"{key}={path!r} does not exist{missing_hint}")
     if p.is_dir():
-        hint = ""
-        if run_config.has_checkpoint(path):  # a run of this project: say how to start from it
-            hint = (f"; it holds a run: `python -m normvit_jax.export --workdir={path} "
-                    "--out=FILE.npz` writes its weights as an .npz to pass here (docs/pretrained.md)"
-                    + _ema_hint(path))
-        raise ValueError(f"{key}={path!r} is a directory, not an .npz file{hint}")
+        raise ValueError(f"{key}={path!r} " + _folder_problem(str(path)))
     try:
         with p.open("rb") as f:
             head = f.read(16)
     except OSError as e:
         raise ValueError(f"{key}={path!r} cannot be read ({type(e).__name__}: {e})") from None
+    if str(path).lower().endswith(".onnx"):
+        raise ValueError(f"{key}={path!r}: an .onnx file, not a checkpoint {ACCEPTED}: pass the "
+                         "weights the model was exported from (an ONNX graph is not read back)")
     problem = npz_problem(head)
     if problem:
         raise ValueError(f"{key}={path!r}: {problem}")
+
+
+def _export_hint(workdir: str, step: str | None = None) -> str:
+    return (f"`python -m normvit_jax.export --workdir={workdir}"
+            + (f" --step={step}" if step else "") + " --out=FILE.npz` writes its weights as an .npz "
+            "to pass here (docs/pretrained.md)" + _ema_hint(workdir))
+
+
+def _folder_problem(path: str) -> str:
+    """What to pass instead of the folder ``path``: a run of this project (its workdir, or one of
+    its checkpoint folders) goes through its export; a folder holding a weights file (an HF hub
+    folder) names that file."""
+    if run_config.has_checkpoint(path):  # a run of this project: say how to start from it
+        return f"is a directory, not a checkpoint file; it holds a run: {_export_hint(path)}"
+    p = os.path.normpath(path)
+    parent, name = os.path.dirname(p), os.path.basename(p)
+    if name == "checkpoints" and run_config.has_checkpoint(parent):
+        return f"is a folder of the run {parent}: {_export_hint(parent)}"
+    grand = os.path.dirname(parent)
+    if (os.path.basename(parent) == "checkpoints" and name.split(".")[0].isdigit()
+            and run_config.has_checkpoint(grand)):
+        return f"is a folder of the run {grand}: {_export_hint(grand, name.split('.')[0])}"
+    try:
+        inside = sorted(f for f in os.listdir(p) if f.lower().endswith(INIT_SUFFIXES)
+                        and os.path.isfile(os.path.join(p, f)))
+    except OSError:
+        inside = []
+    pick = next((f for f in WEIGHT_FILES if f in inside), inside[0] if inside else None)
+    hint = f": pass the weights file in it, --config.init_from={os.path.join(p, pick)}" if pick else ""
+    return f"is a directory, not a checkpoint file {ACCEPTED}{hint}"
 
 
 def check_gcs_credentials(path: str, what: str = "the workdir") -> None:

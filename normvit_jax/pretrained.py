@@ -160,8 +160,9 @@ class _ParamLoader:
         else:
             self.put(k, self.src[k], "loaded", k, note)
 
-    def head(self, num_classes: int, keep_pre_logits: bool | None) -> None:
-        """pre_logits kept or dropped by config; the head zeroed unless it fits and saw the same features."""
+    def head(self, num_classes: int, keep_pre_logits: bool | None, reset: bool = False) -> None:
+        """pre_logits kept or dropped by config; the head zeroed unless it fits and saw the same
+        features (a head of the same shape may be another dataset's classes: ``reset`` zeroes it)."""
         tgt, src = self.tgt, self.src
         if "head/kernel" not in tgt or "head/bias" not in tgt:
             raise CheckpointError("model parameters have no 'head/kernel'/'head/bias'")
@@ -191,11 +192,15 @@ class _ParamLoader:
         # them (a new pre_logits layer at init feeds the head other features)
         same_features = load_pl or not (pl_s or pl_t)
         keys = ("head/kernel", "head/bias")
-        if same_features and all(k in src and src[k].shape == self.shape(k) for k in keys):
+        if not reset and same_features and all(k in src and src[k].shape == self.shape(k)
+                                               for k in keys):
             for k in keys:
-                self.put(k, src[k], "loaded", k)
+                self.put(k, src[k], "loaded", k, f"same shape {self.shape('head/kernel')} as the "
+                         "model's: kept (config.init_reset_head=True zeroes it for other classes)")
             return
-        if "head/kernel" not in src:
+        if reset:
+            why = "config.init_reset_head=True"
+        elif "head/kernel" not in src:
             why = "checkpoint has no head"
         elif not same_features:
             why = "head input changed (pre_logits dropped or new)"
@@ -227,7 +232,8 @@ class _ParamLoader:
                 try:
                     gt = grid_of(ts[1] - int(has_slot), grid_t, f"model {POSEMB} {ts}")
                     gs = grid_of(pe.shape[1] - int(layout.class_slot), source_grid,
-                                  f"checkpoint {layout.posemb_key} {pe.shape}")
+                                 f"checkpoint {layout.posemb_key} {pe.shape}",
+                                 slots=int(layout.class_slot))
                 except CheckpointError as e:
                     self.errors.append(str(e))
                     self.used.add(POSEMB)
@@ -263,6 +269,16 @@ class _ParamLoader:
             self.drop("cls", f"model.classifier={spec.classifier!r}" + (
                 ": a fine-tune start; model.classifier='token_gap_fc_norm' keeps the class token "
                 "and loads the file's function" if fits else ""))
+
+    def qkv_bias_hint(self) -> None:
+        """A file saved without q/k/v biases (timm's qkv_bias=False) into a model with them: the
+        first error names the config key, not only the missing biases."""
+        missing = [e for e in self.errors if re.match(
+            r"missing in checkpoint: .*MultiHeadDotProductAttention_1/(query|key|value)/bias ", e)]
+        if missing and self.spec.qkv_bias and not any(
+                re.search(r"MultiHeadDotProductAttention_1/(query|key|value)/bias$", k) for k in self.src):
+            self.errors.insert(0, "the checkpoint has no query/key/value biases: set "
+                                  "model.qkv_bias=False")
 
     def classifier_hint(self) -> None:
         """The file's final norm is in the other slot (timm's 'norm' vs 'fc_norm'): the first
@@ -392,20 +408,23 @@ class _ParamLoader:
 def init_from_npz(params: Any, path: str, model: Any, num_classes: int, *,
                   keep_pre_logits: bool | None = None,
                   image_size: int | Sequence[int] | None = None,
-                  source_grid: Sequence[int] | None = None,
+                  source_grid: Sequence[int] | None = None, normalize: str | None = None,
+                  reset_head: bool = False,
                   log: Callable[[str], Any] | None = print) -> tuple[Any, list[Row]]:
     """Returns ``params`` (freshly initialised, same structure) with the checkpoint's weights in:
     ``init_from_checkpoint`` without running statistics (the file's are reported as dropped)."""
     new, _, rows = init_from_checkpoint(params, None, path, model, num_classes,
                                         keep_pre_logits=keep_pre_logits, image_size=image_size,
-                                        source_grid=source_grid, log=log)
+                                        source_grid=source_grid, normalize=normalize,
+                                        reset_head=reset_head, log=log)
     return new, rows
 
 
 def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, num_classes: int, *,
                          keep_pre_logits: bool | None = None,
                          image_size: int | Sequence[int] | None = None,
-                         source_grid: Sequence[int] | None = None,
+                         source_grid: Sequence[int] | None = None, normalize: str | None = None,
+                         reset_head: bool = False,
                          log: Callable[[str], Any] | None = print) -> tuple[Any, Any, list[Row]]:
     """Returns ``(params, batch_stats, rows)``: the model's freshly initialised trees (same
     structures) with the checkpoint's weights in. ``batch_stats`` (None: not loaded) take a timm
@@ -419,7 +438,10 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
     drop them); False leaves the model's pre_logits at init; True requires them in both.
     image_size: the fine-tuning resolution (int or (h, w)); needed for non-square patch grids.
     source_grid: the checkpoint's (rows, cols) grid when it is not square.
-    The head is zeroed unless the checkpoint's head has the same shape and saw the same features.
+    normalize: ``config.data.normalize`` of the inputs the model will see (None: not known); a
+    timm/HF file read with another normalization than the one it was trained on gets a note.
+    The head is zeroed unless the checkpoint's head has the same shape and saw the same features,
+    or always with ``reset_head`` (``config.init_reset_head``).
     Raises CheckpointError listing every missing, unexpected or mis-shaped key.
     """
     spec = models.spec_of(model, num_classes)
@@ -450,12 +472,13 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
     if problem:
         raise CheckpointError(f"cannot load init_from {path}: {problem}")
     m = _ParamLoader(tgt, src, layout, spec, stats)
-    m.head(num_classes, keep_pre_logits)
+    m.head(num_classes, keep_pre_logits, reset_head)
     m.posemb_and_cls(image_size, source_grid)
     m.handover()
     m.body()
     m.running_stats()
     m.leftovers()
+    m.qkv_bias_hint()
     m.classifier_hint()
 
     header = (f"init_from {path}\n  layout: {layout.describe()}"
@@ -487,6 +510,8 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
     elif not timm and not spec.gelu_approximate:
         header += ("\n  note: model uses exact (erf) GELU; Google checkpoints were trained with the tanh "
                    "form (logits differ by ~5e-4)")
+    if timm and normalize is not None:
+        header += normalize_note(path, normalize, layout.numbering == "hf")
     eps = {n.get("epsilon", 1e-6) for n in spec.slot_norms if n["name"] == "layernorm"}
     hf_eps = float((hf_config or {}).get("layer_norm_eps", HF_LN_EPS))
     if layout.numbering == "hf" and eps - {hf_eps}:
@@ -508,6 +533,41 @@ def init_from_checkpoint(params: Any, batch_stats: Any, path: str, model: Any, n
         if isinstance(batch_stats, frozen_dict.FrozenDict):
             new_stats = frozen_dict.freeze(new_stats)
     return (frozen_dict.freeze(out) if frozen else out), new_stats, rows
+
+
+IMAGENET_MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # timm's IMAGENET_DEFAULT_*
+HALF_MEAN_STD = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))  # = minus_one_one: Google's ViTs and their ports
+
+
+def normalize_note(path: str, normalize: str, hf: bool) -> str:
+    """A report note (or '') when a timm/HF file is loaded for inputs normalized otherwise than
+    it was trained on. An HF hub folder's preprocessor_config.json records its image_mean/std;
+    a timm file records nothing: the note names timm's two conventions and where to check."""
+    if hf:
+        mean_std = hf_layout.read_image_mean_std(path)
+        if mean_std is not None:
+            want = next((name for name, ms in (("imagenet", IMAGENET_MEAN_STD),
+                                               ("minus_one_one", HALF_MEAN_STD))
+                         if np.allclose(mean_std, ms, atol=1e-3)), None)
+            if want == normalize:
+                return ""
+            fix = (f"--config.data.normalize={want} reproduces its inputs" if want else
+                   "--config.data.normalize=zscore with these statistics reproduces them")
+            return (f"\n  note: inputs are data.normalize={normalize!r}; the file's "
+                    f"preprocessor_config.json says image_mean {list(mean_std[0])}, image_std "
+                    f"{list(mean_std[1])}: {fix}")
+        if normalize == "imagenet":
+            return ""
+        return (f"\n  note: inputs are data.normalize={normalize!r}; HF's facebook/deit-* expect "
+                "--config.data.normalize=imagenet, google/vit-* 'minus_one_one': check image_mean/"
+                "image_std in the hub folder's preprocessor_config.json (wrong inputs cost accuracy "
+                "silently)")
+    if normalize == "imagenet":
+        return ""
+    return (f"\n  note: inputs are data.normalize={normalize!r}; timm's ViTs trained on ImageNet-1k "
+            "(DeiT, the norm methods' originals) expect --config.data.normalize=imagenet, Google's "
+            "ports (augreg, orig_in21k) expect 'minus_one_one': the file does not record it, check "
+            "timm.create_model(NAME).pretrained_cfg['mean'] (wrong inputs cost accuracy silently)")
 
 
 def _canonicalize_state_dict(raw: dict[str, np.ndarray], source_grid: Sequence[int] | None

@@ -157,6 +157,12 @@ def _read_torch(path: str) -> dict[str, Any]:
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch names the first class it refused
         what = f" ({found.group(1)})" if found else ""
+        if found and _is_module_class(found.group(1)):  # torch.save(model): a module, no dict
+            raise CheckpointError(
+                f"{path}: holds Python objects besides tensors{what}, which torch.load("
+                "weights_only=True) refuses; it is a whole pickled model (torch.save(model)): save "
+                f"its weights alone: torch.save(torch.load({str(path)!r}, weights_only=False)"
+                ".state_dict(), 'FILE.pth')") from None
         raise CheckpointError(
             f"{path}: holds Python objects besides tensors{what}, which torch.load("
             "weights_only=True) refuses; save the weights alone: torch.save(ckpt['model'], "
@@ -170,6 +176,12 @@ def _read_torch(path: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: holds a {type(obj).__name__}, not a state dict")
     return obj
+
+
+def _is_module_class(name: str) -> bool:
+    """Whether the class torch refused is a model (``torch.save(model)`` pickles the module first):
+    torch's own modules, timm's models, or a class of the saving script (``__main__``)."""
+    return name.startswith(("torch.nn.modules.", "timm.models.", "timm.layers.", "__main__."))
 
 
 def _is_npz(path: str) -> bool:

@@ -176,3 +176,49 @@ def test_a_dataset_not_here_writes_the_run_without_eval(tmp_path, monkeypatch, c
     got = evaluation.evaluate_checkpoint(cfg, wd, None)["metrics"]["top1"]
     x, y = digits.load("test")
     assert abs(got - float(np.mean(reference(sd, timm_input(x)).argmax(1) == y))) < 1e-6
+
+
+def test_import_with_a_reinitialised_head_warns_and_so_do_the_tools(tmp_path, caplog):
+    """A file whose head has another class count is imported with a zero head: the import said
+    only 'eval top-1 0.1', and predict/export of the workdir gave uniform probabilities without a
+    word. The import, and every tool restoring that step (checkpoints.restore_weights: predict,
+    export, reparam, analysis), now warn in one line."""
+    from normvit_jax import checkpoints
+    from normvit_jax.train import importer
+    from tests.conftest import tiny_demo_config
+
+    save_file(timm_sd(4, grid=2), str(tmp_path / "timm.safetensors"))  # a 5-class head
+    cfg = tiny_demo_config(**{f"model.{k}": v for k, v in MODEL.items()},
+                           **{"data.normalize": "imagenet", "eval_analysis_images": 0,
+                              "init_from": str(tmp_path / "timm.safetensors")})
+    wd = str(tmp_path / "w")
+    importer.import_run(cfg, wd)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert ("The imported head is zeros (re-initialised for the dataset's 10 classes; the report's "
+            "head rows say why): every image gets probability 1/10 until the run is trained, so "
+            "predict and export of this workdir mean nothing before a fine-tune "
+            "(docs/pretrained.md).") in warned
+    caplog.clear()
+    checkpoints.restore_weights(wd)
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelname == "WARNING" and "zeros" in r.getMessage()]
+    assert warned == [f"{wd} step 0: the head is all zeros (an import whose head was re-initialised "
+                      "for 10 classes?): every image gets probability 1/10; train the run first "
+                      "(docs/pretrained.md)."]
+    caplog.clear()
+    ten = ten_class_head(timm_sd(4, grid=2))  # a head that fits: loaded, no warning
+    save_file(ten, str(tmp_path / "ten.safetensors"))
+    cfg.init_from, cfg.data.normalize = str(tmp_path / "ten.safetensors"), "minus_one_one"
+    caplog.set_level("INFO")
+    from absl import logging as absl_logging
+    verbosity = absl_logging.get_verbosity()  # an earlier test's main.py may have lowered it
+    absl_logging.set_verbosity(absl_logging.INFO)
+    try:
+        importer.import_run(cfg, str(tmp_path / "w10"), evaluate=False)
+    finally:
+        absl_logging.set_verbosity(verbosity)
+    checkpoints.restore_weights(str(tmp_path / "w10"))
+    assert not [r for r in caplog.records if "zeros" in r.getMessage()]
+    # the loop passes data.normalize to the report: a timm file read as [-1, 1] inputs is noted
+    assert any("note: inputs are data.normalize='minus_one_one'" in r.getMessage()
+               for r in caplog.records)

@@ -827,12 +827,35 @@ def test_init_from_a_run_folder_says_how_to_export_it(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "6").mkdir(parents=True)
     with pytest.raises(ValueError, match=rf"^config.init_from='{re.escape(str(run))}' is a directory, "
-                                         rf"not an .npz file; it holds a run: `python -m "
+                                         rf"not a checkpoint file; it holds a run: `python -m "
                                          rf"normvit_jax.export --workdir={re.escape(str(run))} "
                                          r"--out=FILE.npz`"):
         preflight.check(tiny_demo_config(init_from=str(run)), str(tmp_path / "new"))
-    with pytest.raises(ValueError, match=r"is a directory, not an .npz file$"):
-        preflight.check(tiny_demo_config(init_from=str(tmp_path)), str(tmp_path / "new"))
+    # a run's checkpoint folders name the run's workdir (was: 'not an .npz file' and no hint)
+    for inner, step in ((run / "checkpoints" / "6", " --step=6"), (run / "checkpoints", "")):
+        with pytest.raises(ValueError, match=rf"^config.init_from='{re.escape(str(inner))}' is a "
+                                             rf"folder of the run {re.escape(str(run))}: `python -m "
+                                             rf"normvit_jax.export --workdir={re.escape(str(run))}"
+                                             rf"{step} --out=FILE.npz`"):
+            preflight.check(tiny_demo_config(init_from=str(inner)), str(tmp_path / "new"))
+    accepted = r"\(accepted: \.npz, \.safetensors, \.pth, \.pt, \.bin\)"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(ValueError, match=rf"is a directory, not a checkpoint file {accepted}$"):
+        preflight.check(tiny_demo_config(init_from=str(plain)), str(tmp_path / "new"))
+    hub = tmp_path / "vit-base"  # an HF hub folder: pass the weights file inside it
+    hub.mkdir()
+    (hub / "model.safetensors").write_bytes(b"x")
+    (hub / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"is a directory, not a checkpoint file {accepted}: pass "
+                                         rf"the weights file in it, --config.init_from="
+                                         rf"{re.escape(str(hub / 'model.safetensors'))}$"):
+        preflight.check(tiny_demo_config(init_from=str(hub)), str(tmp_path / "new"))
+    (tmp_path / "m.onnx").write_bytes(b"\x08\x07\x12\x07pytorch" + bytes(20))
+    with pytest.raises(ValueError, match=rf"m\.onnx': an \.onnx file, not a checkpoint "
+                                         rf"{accepted}: pass the weights the model was exported "
+                                         r"from"):
+        preflight.check(tiny_demo_config(init_from=str(tmp_path / "m.onnx")), str(tmp_path / "new"))
 
 
 @pytest.mark.parametrize("extra,note", [

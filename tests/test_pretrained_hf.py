@@ -176,3 +176,29 @@ def test_real_transformers_vit_logits(tmp_path):
             print(f"max |logit diff| vs transformers (eps {eps}, {path.name}): "
                   f"{np.abs(got - want).max():.2e}")
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_hf_preprocessor_config_beside_the_file_names_the_input_normalization(tmp_path):
+    """A hub folder's preprocessor_config.json records the inputs the model was trained on
+    (google/vit-*: image_mean = image_std = 0.5, i.e. minus_one_one): the report notes a
+    data.normalize that differs, and none where it agrees; without the file the note says what
+    to check (as for timm's files)."""
+    save_file(hf_sd(timm_sd(25)), str(tmp_path / "model.safetensors"))
+    spec, _, params, _ = build(**EPS)
+
+    def notes(normalize):
+        lines = []
+        pretrained.init_from_checkpoint(params, None, str(tmp_path / "model.safetensors"), spec,
+                                        NCLS, normalize=normalize, log=lines.append)
+        return [ln for ln in lines[0].splitlines() if "normalize" in ln]
+    assert len(notes("minus_one_one")) == 1 and "preprocessor_config.json" in notes("zscore")[0]
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_normalize": True}))
+    assert notes("minus_one_one") == []
+    assert notes("imagenet") == [
+        "  note: inputs are data.normalize='imagenet'; the file's preprocessor_config.json says "
+        "image_mean [0.5, 0.5, 0.5], image_std [0.5, 0.5, 0.5]: --config.data.normalize="
+        "minus_one_one reproduces its inputs"]
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}))
+    assert notes("imagenet") == [] and "--config.data.normalize=imagenet" in notes("minus_one_one")[0]

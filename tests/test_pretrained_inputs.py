@@ -189,8 +189,11 @@ def test_a_non_square_grid_loads_through_the_config(tmp_path):
     sd["pos_embed"] = np.random.default_rng(38).normal(size=(1, 7, D)).astype(np.float32)
     save_file(sd, str(tmp_path / "m.safetensors"))
     spec, _, params, _ = build()
-    refused(params, tmp_path / "m.safetensors", spec, r"7 patch positions are not a square grid; "
-                                                      r"pass the grid: --config\.init_source_grid=ROWSxCOLS")
+    # 7 positions = the class slot + 6 patches (was '7 patch positions', 'no class slot')
+    msg = refused(params, tmp_path / "m.safetensors", spec,
+                  r"checkpoint pos_embed \(1, 7, 8\) = 1 class slot \+ 6 patch positions: 6 are not "
+                  r"a square grid; pass the grid: --config\.init_source_grid=ROWSxCOLS")
+    assert "7 patch positions" not in msg
     with pytest.raises(ValueError, match=r"init_source_grid='2,3' is not a grid ROWSxCOLS"):
         google_layout.parse_grid("2,3")
     cfg = tiny_demo_config(**{"model.hidden_size": D, "model.mlp_dim": 16, "model.patch_size": 4})

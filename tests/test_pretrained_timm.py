@@ -440,3 +440,112 @@ def test_pth_with_pickled_objects_is_refused_in_one_line(tmp_path):
     with pytest.raises(pretrained.CheckpointError, match="not a readable PyTorch file") as e2:
         load(params, tmp_path / "cut.pth", spec)
     assert "\n" not in str(e.value) + str(e2.value)
+
+
+# ------------------------------------------------------------- notes a fine-tune start needs
+
+def test_input_normalization_note_for_a_timm_file(tmp_path):
+    """A timm file loaded for inputs normalized otherwise than timm's ImageNet ViTs were (the
+    default minus_one_one of configs/finetune.py) trained 12 points worse with no word; the report
+    now says which normalization to check, like the GELU note. The file does not record it: the
+    note names both timm conventions and where to read the right one (pretrained_cfg)."""
+    save_file(timm_sd(3), str(tmp_path / "m.safetensors"))
+    spec, _, params, _ = build()
+    for normalize in ("minus_one_one", "zero_one", "imagenet", None):
+        lines = []
+        pretrained.init_from_checkpoint(params, None, str(tmp_path / "m.safetensors"), spec, NCLS,
+                                        normalize=normalize, log=lines.append)
+        notes = [ln for ln in lines[0].splitlines() if "normalize" in ln]
+        if normalize in ("imagenet", None):
+            assert notes == []
+        else:
+            assert len(notes) == 1 and notes[0].startswith(
+                f"  note: inputs are data.normalize={normalize!r}; timm's ViTs trained on ImageNet-1k "
+                "(DeiT, the norm methods' originals) expect --config.data.normalize=imagenet")
+            assert "Google's ports (augreg, orig_in21k) expect 'minus_one_one'" in notes[0]
+            assert "pretrained_cfg['mean']" in notes[0]
+
+
+def test_head_kept_or_reset_says_why(tmp_path):
+    """A head of the model's shape but another dataset's classes loaded silently; the report now
+    says why it loaded (or was zeroed), and reset_head (config.init_reset_head) zeroes it."""
+    save_file(timm_sd(3), str(tmp_path / "m.safetensors"))
+    spec, _, params, _ = build()
+    new, rows = load(params, tmp_path / "m.safetensors", spec)
+    head = [r for r in rows if r.param.startswith("head/")]
+    assert [r.action for r in head] == ["loaded", "loaded"] and np.any(new["head"]["kernel"])
+    assert head[0].note == (f"same shape ({D}, {NCLS}) as the model's: kept (config.init_reset_head="
+                            "True zeroes it for other classes)")
+    new, rows = load(params, tmp_path / "m.safetensors", spec, reset_head=True)
+    head = [r for r in rows if r.param.startswith("head/")]
+    assert [r.action for r in head] == ["reinit", "reinit"] and not np.any(new["head"]["kernel"])
+    assert head[0].note == "zeros: config.init_reset_head=True"
+    sd = timm_sd(3)
+    sd["head.weight"], sd["head.bias"] = sd["head.weight"][:3], sd["head.bias"][:3]
+    save_file(sd, str(tmp_path / "h3.safetensors"))
+    _, rows = load(params, tmp_path / "h3.safetensors", spec)
+    head = [r for r in rows if r.param.startswith("head/")]
+    assert head[0].note == f"zeros: head ({D}, 3) -> ({D}, {NCLS}) (class count or width)"
+
+
+def test_file_without_qkv_bias_names_the_config_key(tmp_path):
+    """timm's qkv_bias=False (DTN's, T2T's files) was refused with 'missing in checkpoint:
+    .../key/bias' only; the first error now names model.qkv_bias=False."""
+    sd = {k: v for k, v in timm_sd(3).items() if not k.endswith("attn.qkv.bias")}
+    path = tmp_path / "m.safetensors"
+    save_file(sd, str(path))
+    spec, _, params, _ = build()
+    with pytest.raises(pretrained.CheckpointError,
+                       match=rf"^cannot load init_from {re.escape(str(path))}: the checkpoint has no "
+                             r"query/key/value biases: set model\.qkv_bias=False; missing in "
+                             r"checkpoint: Transformer/encoderblock_0\.\.1/"):
+        load(params, path, spec)
+    _, _, params, _ = build(qkv_bias=False)
+    spec = models.spec_of(dict(name="vit", patch_size=P, hidden_size=D, depth=DEPTH, num_heads=H,
+                               mlp_dim=MLP, gelu_approximate=False, qkv_bias=False), NCLS)
+    _, rows = load(params, path, spec)
+    assert {r.action for r in rows} == {"loaded"}
+
+
+def test_whole_pickled_model_pth_says_how_to_save_its_state_dict(tmp_path):
+    """torch.save(model) was told `torch.save(ckpt['model'], ...)`, which fails on a module: the
+    advice for a pickled nn.Module is its state_dict()."""
+    torch = pytest.importorskip("torch")
+    torch.save(torch.nn.Linear(2, 2), str(tmp_path / "whole.pth"))
+    spec, _, params, _ = build()
+    with pytest.raises(pretrained.CheckpointError) as e:
+        load(params, tmp_path / "whole.pth", spec)
+    msg = str(e.value)
+    assert "(torch.nn.modules.linear.Linear)" in msg and "\n" not in msg
+    assert msg.endswith("a whole pickled model (torch.save(model)): save its weights alone: "
+                        f"torch.save(torch.load('{tmp_path / 'whole.pth'}', weights_only=False)"
+                        ".state_dict(), 'FILE.pth')")
+    assert "ckpt['model']" not in msg
+
+
+def test_config_init_reset_head_reaches_the_loader(tmp_path):
+    """config.init_reset_head (default False, documented in configs/default.py) zeroes a head
+    that fits, through the loop's loader (train/build.init_from_pretrained)."""
+    from flax import traverse_util
+
+    from configs import default
+    from normvit_jax import sharding
+    from normvit_jax.train import build as build_lib
+    from normvit_jax.train import optimizer, setup
+    from tests.conftest import tiny_demo_config
+
+    assert default.get_config().init_reset_head is False
+    save_file(timm_sd(3, grid=2), str(tmp_path / "m.safetensors"))
+    cfg = tiny_demo_config(**{"model.hidden_size": D, "model.mlp_dim": MLP, "model.patch_size": P,
+                              "model.depth": DEPTH, "model.num_heads": H,
+                              "init_from": str(tmp_path / "m.safetensors")})
+    run_spec = setup.validate_config(cfg, 1)
+    model = setup.create_model(cfg, NCLS, run_spec)
+    tx, _ = optimizer.create(cfg, 6)
+    state, shardings = setup.create_train_state(model, tx, (8, 8, 3), sharding.make_mesh(cfg),
+                                                jax.random.key(0))
+    for reset in (False, True):
+        cfg.init_reset_head = reset
+        new = build_lib.init_from_pretrained(cfg, run_spec, NCLS, state, tx, shardings)
+        kernel = traverse_util.flatten_dict(new.params, sep="/")["head/kernel"]
+        assert np.any(np.asarray(kernel)) != reset

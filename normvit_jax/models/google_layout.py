@@ -120,8 +120,13 @@ def resample_grid(grid: np.ndarray, new_hw: Sequence[int]) -> np.ndarray:
     return g.astype(grid.dtype)
 
 
-def grid_of(n: int, given: Sequence[int] | None, what: str) -> tuple[int, int]:
-    """The (rows, cols) of ``n`` patch positions: ``given`` if it fits, else the square grid."""
+def grid_of(n: int, given: Sequence[int] | None, what: str, slots: int = 0) -> tuple[int, int]:
+    """The (rows, cols) of ``n`` patch positions: ``given`` if it fits, else the square grid.
+    ``slots``: class slots the table holds besides them (named in the message)."""
+    if slots:
+        what, count = f"{what} = {slots} class slot + {n} patch positions", f"{n} are"
+    else:
+        count = f"{n} patch positions are"
     if given is not None:
         gh, gw = int(given[0]), int(given[1])
         if gh * gw != n:
@@ -131,8 +136,7 @@ def grid_of(n: int, given: Sequence[int] | None, what: str) -> tuple[int, int]:
     if s * s != n:
         how = ("--config.init_source_grid=ROWSxCOLS (source_grid= in Python)"
                if what.startswith("checkpoint") else "image_size=(h, w)")
-        raise CheckpointError(f"{what}: {n} patch positions are not a square grid; pass the grid: "
-                              f"{how}")
+        raise CheckpointError(f"{what}: {count} not a square grid; pass the grid: {how}")
     return s, s
 
 

@@ -61,6 +61,20 @@ def read_config(path: str) -> dict[str, Any] | None:
     return cfg if isinstance(cfg, dict) and cfg.get("model_type") in ("vit", "deit") else None
 
 
+def read_image_mean_std(path: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(image_mean, image_std) of the ``preprocessor_config.json`` beside an HF weights file (a hub
+    folder holds one: the inputs the model was trained on), if it has both as 3 numbers."""
+    p = epath.Path(path).parent / "preprocessor_config.json"
+    try:
+        cfg = json.loads(p.read_text()) if p.exists() else None
+        mean, std = tuple(float(x) for x in cfg["image_mean"]), tuple(float(x) for x in cfg["image_std"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # absent, or another file of that name: the note says what to check
+    if cfg.get("do_normalize") is False or len(mean) != 3 or len(std) != 3:
+        return None
+    return mean, std
+
+
 def config_problem(cfg: Mapping[str, Any], spec: Any) -> str | None:
     """What the weights cannot say and ``config.json`` does, when it contradicts the model: the
     number of heads (q/k/v are (D, D) for any head count: a wrong one computes another function)

@@ -165,4 +165,6 @@ def _class_slot(sd: Mapping[str, np.ndarray], source_grid: Sequence[int] | None)
     n = pe.shape[1]
     if source_grid is not None:
         return n == int(source_grid[0]) * int(source_grid[1]) + 1
-    return math.isqrt(n - 1) ** 2 == n - 1
+    if math.isqrt(n) ** 2 == n and math.isqrt(n - 1) ** 2 != n - 1:
+        return False  # a square grid alone: no_embed_class
+    return True  # timm's default, also for a non-square grid (then named: init_source_grid)

@@ -219,6 +219,21 @@ def _writers(workdir: str) -> tuple[Any, Any]:
     return writer, writer
 
 
+def _input_normalization(config: ml_collections.ConfigDict) -> str:
+    """config.data.normalize, as the loader's note compares it: 'zscore' on a dataset whose
+    statistics are ImageNet's (imagenet2012's table) is 'imagenet'."""
+    normalize = str(config.data.normalize)
+    if normalize == "zscore":
+        from normvit_jax.data import stats  # pylint: disable=import-outside-toplevel
+        try:
+            same = np.allclose(stats.affine(config.data.name, "zscore"),
+                               stats.affine_of({}, "imagenet"))
+        except (KeyError, ValueError, OSError):  # a prepared dataset: statistics of its own
+            same = False
+        normalize = "imagenet" if same else normalize
+    return normalize
+
+
 def init_from_pretrained(config: ml_collections.ConfigDict, spec: Any, num_classes: int,
                          state: TrainState, tx: Any, state_sharding: Any) -> TrainState:
     """``state`` with the parameters of ``config.init_from`` (an .npz or a timm state dict; the
@@ -236,6 +251,7 @@ def init_from_pretrained(config: ml_collections.ConfigDict, spec: Any, num_class
         keep_pre_logits=config.get("init_keep_pre_logits"), image_size=config.data.image_size,
         source_grid=(google_layout.parse_grid(config.init_source_grid)
                      if config.get("init_source_grid") else None),
+        normalize=_input_normalization(config), reset_head=bool(config.get("init_reset_head")),
         log=logging.info)
     opt_state = ema.init_stats(tx.init(params), stats)
     new = state.replace(params=params, batch_stats=stats, opt_state=opt_state)

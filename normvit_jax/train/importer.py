@@ -89,6 +89,7 @@ def import_run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = Fa
                     run.saver.wait()
                     logging.info("Imported %s into %s as the checkpoint of step 0 (no training "
                                  "step).", config.init_from, workdir)
+                    warn_zero_head(run.state.params)
                     metrics = run.evaluator(run.state, 0) if evaluate else {}
             finally:
                 run.saver.close()
@@ -123,4 +124,17 @@ def _write_without_data(config: ml_collections.ConfigDict, workdir: str, run_spe
         saver.close()
     logging.info("Imported %s into %s as the checkpoint of step 0 (no training step).",
                  config.init_from, workdir)
+    warn_zero_head(start.state.params)
     return {"step": 0, "eval": {}, "state": start.state}
+
+
+def warn_zero_head(params: Any) -> None:
+    """One warning line when the imported head is zeros (the file's head had another class count,
+    or config.init_reset_head): the import's eval and its predictions are those of no classifier."""
+    from normvit_jax import checkpoints  # pylint: disable=import-outside-toplevel
+    n = checkpoints.zero_head_classes(jax.device_get(params))
+    if n:
+        logging.warning("The imported head is zeros (re-initialised for the dataset's %d classes; "
+                        "the report's head rows say why): every image gets probability 1/%d until "
+                        "the run is trained, so predict and export of this workdir mean nothing "
+                        "before a fine-tune (docs/pretrained.md).", n, n)
