@@ -4,7 +4,9 @@
 
 Per benchmark norm (benchmarks.common.NORMS), the number of jaxpr equations whose primitive is a
 normalization's: rsqrt/sqrt (standardisation), reduce_max/reduce_min (min-max), tanh/erf (DyT,
-Derf), the reductions over channels or tokens (reduce_sum), and all equations. A norm that folds
+Derf), pow/exp/log (a norm written with ``jnp.power``, ``exp`` or ``log``; the attention softmax
+has one exp per block), the reductions over channels or tokens (reduce_sum), and all equations;
+the output names the counted primitives. A norm that folds
 entirely (RepBN, progressive evaluating N2) has, folded, the counts of the 'identity' model: no
 norm op left. Counts do not depend on the machine; no timing is done.
 """
@@ -18,7 +20,10 @@ import jax.numpy as jnp
 
 from normvit_jax import cli, models, reparam, tool_flags
 
-WATCHED = ("rsqrt", "sqrt", "div", "reduce_sum", "reduce_max", "reduce_min", "tanh", "erf")
+# the counted primitives (any other is only in 'all'): pow/exp/log are a norm's too (x^-p, a
+# soft standardisation) and were missing, so a norm written with jnp.power counted 0 norm ops
+WATCHED = ("rsqrt", "sqrt", "div", "reduce_sum", "reduce_max", "reduce_min", "tanh", "erf",
+           "pow", "exp", "log")
 
 
 def primitive_counts(closed_jaxpr: Any) -> collections.Counter:
@@ -87,7 +92,8 @@ def _main(argv: Sequence[str] | None) -> list[dict]:
     if bad:
         p.error(f"--norms: unknown {bad}; accepted: {list(common.NORMS)}")
     res = rows(args.model, args.depth, names)
-    print(f"jaxpr equations of the eval forward, ViT-{args.model}, depth {args.depth}, batch 1\n")
+    print(f"jaxpr equations of the eval forward, ViT-{args.model}, depth {args.depth}, batch 1; "
+          f"counted primitives: {', '.join(WATCHED)} (any other only in 'all')\n")
     print("| norm | folded | " + " | ".join(WATCHED) + " | all |")
     print("|---|---|" + "---|" * (len(WATCHED) + 1))
     for r in res:

@@ -36,10 +36,37 @@ from normvit_jax import cli, tool_flags
 from normvit_jax.data import pipeline as pipeline_lib
 
 BEGIN, END = "<!-- gpu-table:begin -->", "<!-- gpu-table:end -->"
-# The timeout budget's norm count: len(benchmarks.common.NORMS) less REGISTRY_ONLY (not imported
-# here: it imports jax)
-N_NORMS = 22
-KERNEL_NORMS = "layernorm,batchnorm,repbn,progressive,zscore_repbn,zscore,dyt,derf"  # benchmarks.norm_kernels
+
+
+def _dict_keys(path: str, name: str) -> list[str]:
+    """The keys of the literal dict assigned to ``name`` at the top of the file ``path``."""
+    import ast
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == name and isinstance(node.value, ast.Dict):
+            return [k.value for k in node.value.keys]
+    raise RuntimeError(f"{path} has no dict {name}")
+
+
+def benchmark_norms() -> tuple[list[str], list[str]]:
+    """(``benchmarks.common.NORMS``'s names, its ``REGISTRY_ONLY``), read from the two files'
+    dicts, not imported (benchmarks.common imports jax): the norms of ``--norm=all``, and the
+    names ``--norm`` accepts."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    listed = _dict_keys(os.path.join(here, "common.py"), "NORMS")
+    registry = os.path.join(os.path.dirname(here), "normvit_jax", "norms", "registry.py")
+    extra = [n for n in sorted(_dict_keys(registry, "_ENTRIES")) if n not in listed]
+    return listed + extra, extra
+
+
+NORM_NAMES, REGISTRY_ONLY = benchmark_norms()
+N_NORMS = len(NORM_NAMES)  # the timeout budget's norm count of --norm=all
+# benchmarks.norm_kernels' rows: these, and the registry-only norms that --norm runs
+KERNEL_NORMS = "layernorm,batchnorm,repbn,progressive,zscore_repbn,zscore,dyt,derf"
+TINY_NORMS = "layernorm,rmsnorm"  # --tiny without --norm
 # The XLA GPU flags worth a try (docs/benchmarks.md); pass any of them with --xla_flags.
 GPU_FLAGS_TO_TRY = ("--xla_gpu_enable_latency_hiding_scheduler=true",
                     "--xla_gpu_enable_triton_gemm=false", "--xla_gpu_autotune_level=4")
@@ -50,7 +77,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/gpu", help="logs, JSON results and gpu_table.md")
     p.add_argument("--models", default="B/16,S/16",
                    help="comma list of ViT presets '<size>/<patch>'")
-    p.add_argument("--norm", default="all", help="train_step --norm")
+    p.add_argument("--norm", default=None,
+                   help=f"train_step --norm: 'all' (default; --tiny: {TINY_NORMS}) or a comma list "
+                        f"of {NORM_NAMES}")
     p.add_argument("--batch", type=tool_flags.positive_int, default=256, help="global batch")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (parameters stay float32)")
     p.add_argument("--steps", type=tool_flags.positive_int, default=None,
@@ -135,8 +164,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         n = len(pipeline_lib.usable_cores())
         counts = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < n] + [n]
         args.pipeline_cores = ",".join(map(str, counts[:1] if args.tiny else counts))
-    if args.tiny:
-        args.models, args.norm, args.batch, args.dtype = "Ti/4", "layernorm,rmsnorm", 4, "float32"
+    if args.norm is None:
+        args.norm = TINY_NORMS if args.tiny else "all"
+    elif args.norm != "all":  # before the runs: train_step refused it only in the log of each
+        bad = [n for n in args.norm.split(",") if n.strip() not in NORM_NAMES]
+        if bad or not args.norm.strip(","):
+            p.error(f"--norm: unknown {bad}; accepted: 'all' or a comma list of {NORM_NAMES}")
+    if args.tiny:  # an explicit --norm is kept (it was replaced by layernorm,rmsnorm silently)
+        args.models, args.batch, args.dtype = "Ti/4", 4, "float32"
         args.num_classes = 10
     elif args.doc is None and not args.quick:
         args.doc = os.path.join("docs", "benchmarks.md")
@@ -181,7 +216,10 @@ def commands(args: argparse.Namespace) -> list[tuple[str, list[str], str, float]
     kern = (["--model=Ti/4", "--batch=2", "--steps=1", "--warmup=0"] if args.tiny else
             [f"--model={models[-1]}", f"--batch={args.batch}", f"--steps={args.steps}",
              f"--warmup={args.warmup}"])
-    out.append(("norm_kernels", py + ["benchmarks.norm_kernels", f"--norm={KERNEL_NORMS}",
+    named = REGISTRY_ONLY if args.norm == "all" else [n for n in args.norm.split(",")
+                                                      if n in REGISTRY_ONLY]
+    out.append(("norm_kernels", py + ["benchmarks.norm_kernels",
+                                      f"--norm={','.join([KERNEL_NORMS, *named])}",
                                       f"--dtype={args.dtype}", *kern, f"--json={j}"],
                 j, args.norm_timeout))
     aug_model = models[-1]  # the smallest (fastest) model: augmentation's largest share

@@ -183,10 +183,19 @@ def check_extra_losses(config: Any) -> None:
                          "attn_extra_loss=0 or feature_decay > 0")
 
 
-def check_norm_options(norm_name: str, opts: Any) -> None:
-    """Raises ValueError naming the first option of norm ``norm_name`` outside its range."""
+def check_norm_options(norm_name: str, opts: Any, cls: type | None = None) -> None:
+    """Raises ValueError naming the first option of norm ``norm_name`` outside its range, or None
+    where the norm class ``cls`` does not default that option to None (None meaning something
+    there); ``--config.model.norm.epsilon=None`` was a TypeError traceback at the first step."""
+    defaults = ({f.name: f.default for f in dataclasses.fields(cls)}
+                if cls is not None and dataclasses.is_dataclass(cls) else {})
     for key, allowed in NORM_OPTIONS.items():
-        value = opts.get(key)
+        if key not in opts:
+            continue
+        value = opts[key]
+        if value is None and defaults.get(key, dataclasses.MISSING) is not None:
+            raise ValueError(f"norm {norm_name!r}: {key}=None is not accepted; accepted: "
+                             f"{allowed.describe()}")
         if value is not None and not allowed.contains(value):
             raise ValueError(f"norm {norm_name!r}: {key}={value!r} is out of range; accepted: "
                              f"{allowed.describe()}")

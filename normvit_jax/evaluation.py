@@ -60,9 +60,86 @@ def _with_real_top1(metrics: dict[str, Any]) -> dict[str, Any]:
     return metrics
 
 
-def result_path(workdir: str, data_spec: data.DataSpec, step: int) -> epath.Path:
+def result_path(workdir: str, data_spec: data.DataSpec, step: int,
+                changed_model: bool = False) -> epath.Path:
+    """``eval_<dataset>_<split>_<step>.json``; ``changed_model`` (an eval with model keys changed
+    under allow_config_change): ``eval_<dataset>_<split>_changed-model_<step>.json``, never the
+    run's own file (it still ends in ``_<step>.json``: it moves with a damaged checkpoint)."""
     name = f"{data_spec.eval_name}_{data_spec.eval_split}"
-    return epath.Path(workdir) / f"eval_{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}_{step}.json"
+    tag = "_changed-model" if changed_model else ""
+    return (epath.Path(workdir)
+            / f"eval_{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}{tag}_{step}.json")
+
+
+# model.* keys an eval may change without evaluating another function of the checkpoint: how
+# attention, the backward or the layout is computed, the train-only regularisers, and the
+# initialisation (the checkpoint replaces every parameter).
+EVAL_NEUTRAL_MODEL_KEYS = ("model.attention_impl", "model.fusion_barriers", "model.recompute",
+                           "model.stream_layout", "model.scan", "model.dropout_rate",
+                           "model.attention_dropout_rate", "model.stochastic_depth",
+                           "model.param_init")
+# a norm's options (model.norm.<opt>, model.norm_overrides.<slot>.<opt>) of the same kind:
+# LayerNorm's saved input, DTN's recompute and kernel (the backward's memory, the same values)
+EVAL_NEUTRAL_NORM_OPTIONS = ("saved_input", "recompute", "kernel", "pallas_tiling")
+
+
+def _eval_neutral(key: str) -> bool:
+    if key in EVAL_NEUTRAL_MODEL_KEYS:
+        return True
+    return (key.startswith(("model.norm.", "model.norm_overrides."))
+            and key.rsplit(".", 1)[1] in EVAL_NEUTRAL_NORM_OPTIONS)
+
+
+def model_changes(config: ml_collections.ConfigDict, workdir: str) -> dict[str, list]:
+    """``{key: [the run's value, this config's]}`` for each ``model.*`` key that differs from
+    the run's config.json (a key the run's older config.json lacks counts only when it is not at
+    its default), less the ``_eval_neutral`` ones; {} without a config.json."""
+    path = epath.Path(workdir) / run_config.CONFIG_NAME
+    if not path.exists():
+        return {}
+    saved = run_config.flat_values(ml_collections.ConfigDict(run_config.read_saved(path)))
+    current = run_config.flat_values(config)
+    defaults: dict | None = None
+    out = {}
+    for key in sorted(set(saved) | set(current)):
+        if not key.startswith("model.") or _eval_neutral(key) or saved.get(key) == current.get(key):
+            continue
+        if key not in saved:
+            if defaults is None:
+                from configs import default  # pylint: disable=import-outside-toplevel
+                defaults = run_config.flat_values(default.get_config())
+            if key in defaults and current.get(key) == defaults[key]:
+                continue
+        out[key] = [saved.get(key, "<absent>"), current.get(key, "<absent>")]
+    return out
+
+
+def _describe_changes(changes: dict[str, list]) -> str:
+    items = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()]
+    return "; ".join(items[:6]) + (f" and {len(items) - 6} more" if len(items) > 6 else "")
+
+
+def check_eval_model(config: ml_collections.ConfigDict, workdir: str) -> dict[str, list]:
+    """``--mode=eval`` with a model that is not the run's: the checkpoint loads into it whenever
+    the arrays keep their shapes (``--config.model.norm.epsilon=0.5``: top-1 0.34 instead of
+    0.96, written over the run's eval file). ConfigChangedError (exit 2) naming the keys, unless
+    ``config.allow_config_change``: then one warning, and the returned changes name the result
+    file (``result_path(changed_model=True)``)."""
+    changes = model_changes(config, workdir)
+    if not changes:
+        return {}
+    if not config.get("allow_config_change"):
+        raise run_config.ConfigChangedError(
+            f"--mode=eval: this config's model is not the run's: {_describe_changes(changes)} "
+            f"(its config.json in {workdir}); the checkpoint would be evaluated as another "
+            f"model: leave out those overrides (only {', '.join(EVAL_NEUTRAL_MODEL_KEYS)} and "
+            f"the norms' {', '.join(EVAL_NEUTRAL_NORM_OPTIONS)} may differ), or pass "
+            f"--config.allow_config_change=True to evaluate it so (written to "
+            f"eval_<dataset>_<split>_changed-model_<step>.json, not the run's own file)")
+    logging.warning("Evaluating %s with a model that is not the run's (allow_config_change): %s; "
+                    "the result goes to eval_<dataset>_<split>_changed-model_<step>.json",
+                    workdir, _describe_changes(changes))
+    return changes
 
 
 def _require_checkpoint(workdir: str, step: int | None) -> None:
@@ -104,11 +181,12 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     'path'}`` (EMA metrics as ``ema_*``; path None when the workdir cannot be written). Raises
     CheckpointMismatchError when the config builds another model and
     checkpoints.RunNotFoundError when there is no checkpoint (of that step)."""
-    failure = None
+    failure, changes = None, {}
     try:  # checks that may fail on some processes only: they agree before any collective
         # before the dataset is opened: a config file without the run's --config.data.* overrides
         # named another dataset ("not prepared"), not the one the run trained on
         run_config.check_eval_dataset(config, workdir)
+        changes = check_eval_model(config, workdir)  # before anything is built or opened
         mesh = sharding.make_mesh(config)  # the run's mesh: an FSDP state is restored sharded
         run_spec = setup.resolve_config(config, mesh.devices.size)
         # the statistics the run trained with (a dataset prepared again since: one warning)
@@ -142,9 +220,11 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     eval_step = setup.jit_eval_step(model, state_sharding, mesh, ds.affine, real_sums)
     metrics = _with_real_top1(setup.evaluate(eval_step, state, pipeline, mesh))
     pipeline.close()
-    path = result_path(workdir, ds, step)
+    path = result_path(workdir, ds, step, changed_model=bool(changes))
     result = {"step": int(step), "dataset": ds.eval_name, "split": ds.eval_split,
               "metrics": metrics, "path": str(path)}
+    if changes:  # the file says which model it describes
+        result["model_changes"] = changes
     logging.info("eval of step %d on %s:%s: %s", step, result["dataset"], ds.eval_split,
                  ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in sorted(metrics.items())))

@@ -22,6 +22,19 @@ def _model(**kw):
     return cfg
 
 
+def test_a_block_range_override_is_labelled_with_the_blocks_it_covers():
+    """'blocks_<a>_<b>' is end-exclusive (models/spec.py: a <= block < b): blocks_0_1 is block 0
+    alone, but the plots' legend said "blocks 0-1"."""
+    one = colors.method_of(_model(norm_overrides={"blocks_0_1": {"name": "rmsnorm"}}))
+    assert one == "layernorm+blocks_0_1:rmsnorm" and colors.label(one) == "LN (+RMSNorm block 0)"
+    three = colors.method_of(_model(norm_overrides={"blocks_2_5": {"name": "rmsnorm"}}))
+    assert colors.label(three) == "LN (+RMSNorm blocks 2-4)"
+    from normvit_jax.models import spec as model_spec
+    norm, rms = {"name": "layernorm"}, {"name": "rmsnorm"}
+    chosen = [model_spec._norm_for_slot(norm, (("blocks_2_5", rms),), b) for b in range(6)]
+    assert [c["name"] for c in chosen] == ["layernorm"] * 2 + ["rmsnorm"] * 3 + ["layernorm"]
+
+
 def test_method_key_tells_overrides_and_placement_apart_but_not_seeds():
     ln = colors.method_of(_model())
     rms1 = colors.method_of(_model(norm_overrides={"block_1": {"name": "rmsnorm"}}))

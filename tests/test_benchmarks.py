@@ -628,3 +628,26 @@ def test_write_json_is_whole_or_absent_and_leaves_no_temporary_file(tmp_path, mo
     monkeypatch.setattr(os, "replace", real_replace)
     assert json.loads(path.read_text()) == {"a": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+def test_fold_ops_counts_pow_exp_and_log_and_says_what_it_counts(capsys):
+    """A walker's norm written with jnp.power (or exp/log) had 0 norm ops in every column: the
+    primitives were not counted. They are columns now, and the output names the counted ones."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import fold_ops
+
+    def soft_ln(x):
+        v = jnp.var(x, axis=-1, keepdims=True)
+        return x * jnp.power(v + 1e-5, -0.4) + jnp.log(jnp.exp(x))
+    row = fold_ops._row(fold_ops.primitive_counts(jax.make_jaxpr(soft_ln)(jnp.ones((2, 4)))))
+    assert (row["pow"], row["exp"], row["log"]) == (1, 1, 1)
+    res = fold_ops.main(["--model=Ti/16", "--depth=1", "--norms=layernorm"])
+    out = capsys.readouterr().out
+    assert "counted primitives: rsqrt, sqrt, div, reduce_sum, reduce_max, reduce_min, tanh, erf, " \
+           "pow, exp, log (any other only in 'all')" in out
+    assert "| norm | folded | rsqrt | sqrt | div | reduce_sum | reduce_max | reduce_min | tanh | " \
+           "erf | pow | exp | log | all |" in out
+    ident = next(r for r in res if r["norm"] == "identity")
+    assert ident["exp"] == 1 and ident["pow"] == 0  # the one block's attention softmax

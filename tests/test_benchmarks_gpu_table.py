@@ -54,9 +54,46 @@ def test_gpu_table_tiny_writes_the_table_between_markers(tmp_path):
 
 
 def test_gpu_table_timeout_budget_counts_every_norm():
+    """Registry-only norms (a norm added to the registry without a benchmarks.common entry) run
+    under --norm=all too: N_NORMS was a fixed 22 that left them out of the timeout budget."""
     from benchmarks import common, gpu_table
-    assert gpu_table.N_NORMS == len(common.NORMS) - len(common.REGISTRY_ONLY)
+    assert gpu_table.NORM_NAMES == list(common.NORMS)  # read from the files, jax not imported
+    assert gpu_table.REGISTRY_ONLY == common.REGISTRY_ONLY
+    assert gpu_table.N_NORMS == len(common.NORMS)
     assert set(gpu_table.KERNEL_NORMS.split(",")) <= set(common.NORMS)
+
+
+def test_gpu_table_tiny_keeps_an_explicit_norm_and_refuses_an_unknown_one(capsys, monkeypatch):
+    """--tiny replaced an explicit --norm by layernorm,rmsnorm silently, and --norm=bogus was
+    only refused by train_step, in a log, after the other runs; a registry-only norm named by
+    --norm was not in the norm_kernels rows."""
+    from benchmarks import gpu_table
+
+    def plan(*argv):  # {run name: (command, timeout)}
+        cmds = gpu_table.commands(gpu_table.parse(["--out=runs/gpu", "--dry-run", *argv]))
+        return {name: (" ".join(c), t) for name, c, _, t in cmds}
+
+    gpu_table.main(["--out=runs/gpu", "--tiny", "--dry-run", "--norm=dyt,derf"])
+    assert "benchmarks.train_step --model=Ti/4 --norm=dyt,derf --isolate" in capsys.readouterr().out
+    cmd, timeout = plan("--tiny", "--norm=dyt,derf")["train_Ti4"]
+    assert "--norm=dyt,derf" in cmd and timeout == 300.0 * 3 + 120  # + LayerNorm's baseline
+    assert "--norm=layernorm,rmsnorm" in plan("--tiny")["train_Ti4"][0]  # the default of --tiny
+    assert plan("--norm=all")["train_B16"][1] == 300.0 * gpu_table.N_NORMS + 120
+
+    with pytest.raises(SystemExit) as e:
+        gpu_table.main(["--out=runs/gpu", "--dry-run", "--norm=layernorm,bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("python -m benchmarks.gpu_table: error: --norm: unknown ['bogus']; "
+                          "accepted: 'all' or a comma list of ['layernorm', 'rmsnorm', "), err
+
+    # a norm of the registry only (a walker's soft_ln): in the kernel rows when --norm runs it
+    monkeypatch.setattr(gpu_table, "NORM_NAMES", [*gpu_table.NORM_NAMES, "soft_ln"])
+    monkeypatch.setattr(gpu_table, "REGISTRY_ONLY", [*gpu_table.REGISTRY_ONLY, "soft_ln"])
+    for norm in ("soft_ln", "all"):
+        assert f"--norm={gpu_table.KERNEL_NORMS},soft_ln " in plan(f"--norm={norm}")[
+            "norm_kernels"][0]
+    assert f"--norm={gpu_table.KERNEL_NORMS} " in plan("--norm=dyt")["norm_kernels"][0]
 
 
 # ---- gpu_table --quick (benchmarks/gpu_quick.py) and what it runs ----

@@ -175,3 +175,49 @@ def test_main_refuses_none_without_a_meaning_in_one_line(tmp_path, override, lin
     lines = [x for x in r.stderr.splitlines() if "rror" in x or "Stopped" in x]
     assert len(lines) == 1 and line in lines[0], r.stderr[-3000:]
     assert not (tmp_path / "wd").exists()
+
+
+def _numeric_norm_options() -> list[tuple[str, str]]:
+    """(norm, option) for every registered norm's NORM_OPTIONS field, with its dataclass default."""
+    import dataclasses
+    out = []
+    for name in norms.registry.known_names():
+        fields = {f.name: f for f in dataclasses.fields(norms.registry.resolve(name))}
+        out += [(name, key) for key in config_ranges.NORM_OPTIONS if key in fields]
+    return out
+
+
+def test_none_for_a_numeric_norm_option_is_refused_unless_its_default_is_none():
+    """--config.model.norm.epsilon=None (or momentum=None) built the model and ended in a
+    TypeError traceback (unsupported operand ... NoneType) at the first step."""
+    import dataclasses
+    pairs = _numeric_norm_options()
+    assert {("layernorm", "epsilon"), ("batchnorm", "momentum"), ("repbn", "momentum"),
+            ("unified", "momentum"), ("powernorm", "alpha_fwd")} <= set(pairs)
+    refused = 0
+    for name, key in pairs:
+        field = {f.name: f for f in dataclasses.fields(norms.registry.resolve(name))}[key]
+        if field.default is None:  # None means something for this norm: not refused
+            continue
+        refused += 1
+        accepted = config_ranges.NORM_OPTIONS[key].describe()
+        with pytest.raises(ValueError) as e:
+            norms.create({"name": name, key: None}, dim=8, num_heads=2)
+        assert str(e.value) == f"norm {name!r}: {key}=None is not accepted; accepted: {accepted}"
+    assert refused >= 15
+
+
+@pytest.mark.parametrize("config, override, line", [
+    ("vit_ln", "--config.model.norm.epsilon=None",
+     "Stopped: norm 'layernorm': epsilon=None is not accepted; accepted: a number >= 0"),
+    ("vit_bn", "--config.model.norm.momentum=None",
+     "Stopped: norm 'batchnorm': momentum=None is not accepted; accepted: a number in [0, 1]"),
+])
+def test_main_refuses_a_none_norm_option_in_one_line(tmp_path, config, override, line):
+    r = subprocess.run([sys.executable, "main.py", f"--config=configs/{config}.py:demo", override,
+                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert r.returncode == cli.EXIT_CONFIG and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if "rror" in x or "Stopped" in x]
+    assert len(lines) == 1 and line in lines[0], r.stderr[-3000:]
+    assert not (tmp_path / "wd").exists()

@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from normvit_jax import checkpoints, data, evaluation
+from normvit_jax import checkpoints, cli, data, evaluation, run_config
 from normvit_jax.data import real
 from tests.conftest import tiny_demo_config
 
@@ -88,6 +88,10 @@ def test_eval_mode_gives_the_training_eval_and_the_ema(tmp_path):
         data.make_pipeline = real_make
     assert opened == []
     wider = tiny_demo_config(total_steps=2, ema_decay=0.9, **{"model.hidden_size": 48})
+    with pytest.raises(run_config.ConfigChangedError, match=r"^--mode=eval: this config's model "
+                       r"is not the run's: model.hidden_size: 32 -> 48 \(its config.json in "):
+        evaluation.evaluate_checkpoint(wider, str(tmp_path))  # refused before anything is built
+    wider.allow_config_change = True  # past that refusal: the arrays do not fit (exit 4)
     with pytest.raises(checkpoints.CheckpointMismatchError) as e:
         evaluation.evaluate_checkpoint(wider, str(tmp_path))
     # the cause first: which model keys differ from the run's config.json (the arrays' list came
@@ -286,3 +290,81 @@ def test_a_nonfinite_eval_is_one_warning_naming_the_step_and_recalibrate(tmp_pat
                                f"may have diverged: python -m normvit_jax.recalibrate "
                                f"--workdir={wd} --out=DIR re-estimates them; see docs/faults.md")
     assert (tmp_path / "eval_digits_test_3.json").exists()
+
+
+def test_eval_with_another_model_is_refused_unless_allowed_and_never_overwrites(tmp_path):
+    """``--mode=eval --config.model.norm.epsilon=0.5`` (the run trained with 1e-6) loaded the
+    checkpoint into another model, evaluated it silently (top-1 0.34 instead of 0.96 for a
+    walker) and wrote over the run's eval_<...>.json: refused (exit 2) naming the keys; allowed
+    with allow_config_change into a file whose name says so; keys that do not change the
+    function (attention_impl, dropout, ...) may differ."""
+    import os
+    import subprocess
+    import sys
+
+    from normvit_jax.train import loop
+    from tests.conftest import REPO_ROOT
+    workdir = str(tmp_path / "run")
+    cfg = tiny_demo_config(total_steps=2, eval_every=2, checkpoint_every=2, log_every=2)
+    trained = loop.train_and_evaluate(cfg, workdir)["eval"]
+    own = evaluation.evaluate_checkpoint(checkpoints.load_config(workdir), workdir)
+    assert own["metrics"]["top1"] == trained["top1"]
+    own_file = tmp_path / "run" / "eval_digits_test_2.json"
+    before = own_file.read_text()
+
+    changed = checkpoints.load_config(workdir)
+    changed.model.norm.epsilon = 0.5
+    with pytest.raises(run_config.ConfigChangedError) as e:
+        evaluation.evaluate_checkpoint(changed, workdir)
+    assert str(e.value).startswith(
+        "--mode=eval: this config's model is not the run's: model.norm.epsilon: 1e-06 -> 0.5 "
+        f"(its config.json in {workdir}); the checkpoint would be evaluated as another model: "
+        "leave out those overrides (only model.attention_impl, "), str(e.value)
+    assert "--config.allow_config_change=True" in str(e.value) and "\n" not in str(e.value)
+    assert cli.exit_code(e.value) == cli.EXIT_CONFIG
+    assert own_file.read_text() == before
+
+    changed.allow_config_change = True
+    out = evaluation.evaluate_checkpoint(changed, workdir)
+    assert out["model_changes"] == {"model.norm.epsilon": [1e-06, 0.5]}
+    assert out["path"] == str(tmp_path / "run" / "eval_digits_test_changed-model_2.json")
+    assert out["metrics"]["loss"] != pytest.approx(trained["loss"], rel=1e-6)  # another model
+    written = json.loads((tmp_path / "run" / "eval_digits_test_changed-model_2.json").read_text())
+    assert written["model_changes"] == {"model.norm.epsilon": [1e-06, 0.5]}
+    assert own_file.read_text() == before  # the run's own result is kept
+    assert checkpoints.eval_results(workdir, 2) == sorted(  # both move with a damaged step
+        [own_file, tmp_path / "run" / "eval_digits_test_changed-model_2.json"])
+
+    neutral = checkpoints.load_config(workdir)  # the same function, computed otherwise
+    neutral.model.attention_impl = "separate"
+    neutral.model.dropout_rate = 0.3
+    out = evaluation.evaluate_checkpoint(neutral, workdir)
+    assert "model_changes" not in out and out["path"] == str(own_file)
+    assert out["metrics"]["top1"] == trained["top1"]
+    assert out["metrics"]["loss"] == pytest.approx(trained["loss"], rel=1e-5)
+
+    # the command: one line, exit 2, nothing written
+    os.remove(own_file)
+    r = subprocess.run([sys.executable, "main.py", "--mode=eval", f"--workdir={workdir}",
+                        "--config.model.norm.epsilon=0.5"], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert r.returncode == cli.EXIT_CONFIG and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if "rror" in x or "Stopped" in x]
+    assert len(lines) == 1 and "Stopped: --mode=eval: this config's model is not the run's: " \
+        "model.norm.epsilon: 1e-06 -> 0.5" in lines[0], r.stderr[-3000:]
+    assert not own_file.exists()
+
+
+def test_the_readme_names_every_key_an_eval_may_change():
+    import os
+
+    from tests.conftest import REPO_ROOT
+    with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read().split("### Evaluation without training")[1].split("\n## ")[0]
+    para = " ".join(text[text.index("Its model must be the run's"):].split())
+    names = [k.split(".")[-1] for k in evaluation.EVAL_NEUTRAL_MODEL_KEYS]
+    names += list(evaluation.EVAL_NEUTRAL_NORM_OPTIONS)
+    missing = [n for n in names if f"`{n}`" not in para and f"`model.{n}`" not in para
+               and not n.endswith("dropout_rate") and n != "stochastic_depth"]
+    assert missing == [] and "dropout and stochastic-depth rates" in para
+    assert "changed-model_<step>.json" in para

@@ -112,9 +112,13 @@ def method_of(config: Mapping[str, Any]) -> str:
 
 
 def _slot_label(slot: str) -> str:
+    """'block_3' -> 'block 3'; 'blocks_<a>_<b>' covers a <= block < b (models/spec.py):
+    'blocks_0_1' -> 'block 0', 'blocks_2_5' -> 'blocks 2-4'."""
     m = re.fullmatch(r"blocks?_(\d+)(?:_(\d+))?", slot)
     if m:
-        return f"block {m[1]}" if m[2] is None else f"blocks {m[1]}-{m[2]}"
+        last = None if m[2] is None else int(m[2]) - 1
+        return (f"block {m[1]}" if last is None or last <= int(m[1])
+                else f"blocks {m[1]}-{last}")
     return {"final": "final norm", "stem": "stem"}.get(slot, slot)
 
 

@@ -18,6 +18,22 @@ class UnsupportedOpError(DeployError):
                          f"{tail}; try another format (onnx, savedmodel, stablehlo)")
 
 
+class ConverterError(DeployError):
+    """The format's converter itself failed on the model (an exception raised inside it, not a
+    primitive it reports as unsupported): named by the converter's module where it raised, with
+    the way out (a fixed ``--batch`` where the batch was dynamic; another format)."""
+
+    def __init__(self, fmt: str, where: str, error: BaseException, dynamic_batch: bool) -> None:
+        self.fmt, self.where = fmt, where
+        text = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        others = ", ".join(f for f in ("onnx", "savedmodel", "stablehlo") if f != fmt)
+        way_out = (f"export a fixed batch with --batch=N, or try another format ({others})"
+                   if dynamic_batch else f"try another format ({others})")
+        super().__init__(f"--format={fmt}: the converter failed on this model"
+                         f"{' with a dynamic batch' if dynamic_batch else ''} in {where} ({text}); "
+                         f"{way_out}; NORMVIT_TRACEBACK=1 shows the traceback")
+
+
 class DynamicBatchError(DeployError):
     """The format's runtime cannot read what the converter writes for a dynamic batch (a fixed
     ``--batch`` can still be exported)."""

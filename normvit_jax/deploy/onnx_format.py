@@ -16,7 +16,7 @@ import re
 from typing import Any, Callable
 
 from normvit_jax.deploy import bundle as bundle_lib
-from normvit_jax.deploy.errors import UnsupportedOpError, require
+from normvit_jax.deploy.errors import ConverterError, UnsupportedOpError, require
 
 OPSET = 23
 
@@ -45,8 +45,36 @@ def _jax2onnx():
 _PRIMITIVE = re.compile(r"primitive '([^']+)'")
 
 
+def converter_module(error: BaseException) -> str | None:
+    """The jax2onnx module (a plugin's, e.g. ``jax2onnx.plugins.jax.numpy.pow``, where one is in
+    the traceback) in which ``error`` was raised; None where it was raised in normvit_jax's own
+    code or a user's (a file outside the installed packages and the standard library, called
+    after jax2onnx's last frame: a bug there, not the converter's, stays a traceback) or
+    outside jax2onnx."""
+    import sysconfig
+    import traceback
+    frames = [f.filename.replace(os.sep, "/") for f in traceback.extract_tb(error.__traceback__)]
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace(os.sep, "/") + "/"
+    stdlib = sysconfig.get_paths()["stdlib"].replace(os.sep, "/") + "/"
+
+    def user_code(f: str) -> bool:
+        return f.startswith(ours) or not (f.startswith(stdlib) or f.startswith("<")
+                                          or "/site-packages/" in f or "/dist-packages/" in f)
+
+    inside = [i for i, f in enumerate(frames) if "/jax2onnx/" in f]
+    if not inside or any(user_code(f) for f in frames[inside[-1] + 1:]):
+        return None
+    plugins = [frames[i] for i in inside if "/jax2onnx/plugins/" in frames[i]]
+    path = (plugins or [frames[inside[-1]]])[-1]
+    tail = path[path.rindex("/jax2onnx/") + 1:]
+    return tail[:-3].replace("/", ".") if tail.endswith(".py") else tail
+
+
 def to_onnx(fn: Callable, specs: list, **kwargs: Any) -> Any:
-    """``jax2onnx.to_onnx`` with a primitive it has no rule for as UnsupportedOpError."""
+    """``jax2onnx.to_onnx`` with a primitive it has no rule for as UnsupportedOpError, and an
+    exception raised inside jax2onnx (``TypeError: '_DimExpr' object cannot be interpreted as an
+    integer`` from its pow plugin with a dynamic batch) as ConverterError: one line naming the
+    plugin and the way out (exit 2); NORMVIT_TRACEBACK=1 prints the converter's traceback."""
     j2o = _jax2onnx()
     # onnx_ir warns once per shape constant whose value_info (optional metadata) it leaves out:
     # ~100 lines of "value type ... is not known" per export that change nothing in the graph
@@ -59,6 +87,12 @@ def to_onnx(fn: Callable, specs: list, **kwargs: Any) -> Any:
         text = " ".join(str(e).split())
         m = _PRIMITIVE.search(text)
         raise UnsupportedOpError(m.group(1) if m else text[:120], "onnx", text[:200]) from None
+    except Exception as e:  # noqa: BLE001  (a converter's own failure; anything else re-raised)
+        where = converter_module(e)
+        if where is None:
+            raise
+        dynamic = any(not isinstance(d, int) for spec in specs for d in spec.shape)
+        raise ConverterError("onnx", where, e, dynamic) from e  # NORMVIT_TRACEBACK shows e's
     finally:
         serde.setLevel(level)
 

@@ -100,7 +100,7 @@ def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | No
         _warn_once(f"norm {norm_name!r} ignores options of other norms: {sorted(foreign)}")
         opts = {k: v for k, v in opts.items() if k not in foreign}
     check_options(norm_name, opts, cls)
-    config_ranges.check_norm_options(norm_name, opts)
+    config_ranges.check_norm_options(norm_name, opts, cls)
     ctx = NormContext(dim=dim, num_heads=num_heads, grid=None if grid is None else tuple(grid),
                       num_prefix_tokens=num_prefix_tokens, slot=slot, norm=norm_name)
     if hasattr(cls, "from_config"):
