@@ -375,3 +375,16 @@ def test_a_runs_final_step_from_its_config_or_its_methods_runs():
                                    "method's other runs' at 20 (its final step is not known "
                                    "here)")]
     assert [c.workdirs for c in conv.methods] == [["a"], ["c"]]
+
+
+def test_the_keys_line_groups_the_norm_options_of_many_methods():
+    """Seventeen norms differ in ~50 model.norm.* options: the line names the group once with
+    its count, keeps lone keys of a group and every other key as they are."""
+    from normvit_jax.analysis import recipes
+    r = recipes.Recipes(method={}, recipe={}, within=[], seeds=["seed"], ignored=[],
+                        between=["model.final_norm", "model.norm.epsilon", "model.norm.momentum",
+                                 "model.norm.name", "model.norm_overrides.final.name",
+                                 "model.patch_norm"])
+    assert r.line() == ("- Config keys that differ between the runs: between methods: "
+                        "model.final_norm, model.norm.* (3 keys), model.norm_overrides.final.name, "
+                        "model.patch_norm; seeds (pooled): seed.\n")

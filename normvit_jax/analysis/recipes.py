@@ -79,13 +79,30 @@ class Recipes:
     def line(self) -> str:
         """report.md's line: which config keys differ between the runs and how each is read."""
         parts = [f"{what}: {', '.join(keys)}" for what, keys in (
-            ("between methods", self.between),
+            ("between methods", _grouped(self.between)),
             ("recipes of one method (separate rows)", self.within),
             ("seeds (pooled)", self.seeds),
             ("not compared (they change neither what is trained nor how it is evaluated)",
              self.ignored)) if keys]
         return ("- Config keys that differ between the runs: "
                 + ("; ".join(parts) if parts else "none") + ".\n")
+
+
+# Prefixes whose keys together are one part of a method: seventeen norms' runs differ in some
+# fifty model.norm.* options, which listed one by one buried the keys that matter.
+_GROUPED = ("model.norm.", "model.norm_overrides.", "model.stem_norm.")
+
+
+def _grouped(keys: Sequence[str]) -> list[str]:
+    """``keys`` with two or more under one of _GROUPED as one entry: 'model.norm.* (47 keys)'."""
+    counts = {p: sum(k.startswith(p) for k in keys) for p in _GROUPED}
+    out: list[str] = []
+    for k in keys:
+        p = next((p for p in _GROUPED if k.startswith(p) and counts[p] > 1), None)
+        entry = k if p is None else f"{p}* ({counts[p]} keys)"
+        if entry not in out:
+            out.append(entry)
+    return out
 
 
 def split(runs: Sequence[tuple[str, str, Mapping[str, Any]]]) -> Recipes:
