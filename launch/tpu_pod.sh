@@ -7,8 +7,9 @@
 #   TPU=my-v4-32 ZONE=us-central2-b bash launch/tpu_pod.sh configs/vit_dtn.py:imagenet gs://bucket/dtn \
 #       --config.data.data_dir=gs://bucket/tensorflow_datasets
 #   bash launch/tpu_pod.sh --dry-run CONFIG WORKDIR ...   # print the gcloud commands, run nothing
+#                                   (without TPU/ZONE: <TPU>/<ZONE> stand in for them)
 #
-# Environment: TPU, ZONE (required); REPO: the git URL the workers clone (default: this
+# Environment: TPU, ZONE (required, except for --dry-run); REPO: the git URL the workers clone (default: this
 # checkout's `origin`; a warning when that is a local path, which the workers cannot clone); REF: the branch/commit to run (default: this checkout's HEAD commit:
 # push it first; a branch runs its newest pushed commit, also on a worker that cloned before);
 # LOG: the log file on each worker (default $HOME/normvit_<workdir name>.log; the exit code goes to LOG.rc).
@@ -31,7 +32,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ $# -lt 2 ]; then usage >&2; echo "error: CONFIG and WORKDIR are required" >&2; exit 2; fi
-: "${TPU:?set TPU to the TPU VM name (see --help)}" "${ZONE:?set ZONE (see --help)}"
+if [ "$dry_run" = 1 ]; then  # what would run, with placeholders for what is not set yet
+  TPU=${TPU:-<TPU>} ZONE=${ZONE:-<ZONE>}
+fi
+if [ -z "${TPU:-}" ]; then echo "error: set TPU to the TPU VM name (see --help)" >&2; exit 2; fi
+if [ -z "${ZONE:-}" ]; then echo "error: set ZONE to the TPU VM's zone (see --help)" >&2; exit 2; fi
 CONFIG=$1 WORKDIR=$2
 shift 2
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

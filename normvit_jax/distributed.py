@@ -76,7 +76,7 @@ def plan(env: Mapping[str, str] | None = None, tpu_vm: bool | None = None) -> Pl
     this is a Cloud TPU VM (default: ``on_cloud_tpu_vm()``)."""
     env = os.environ if env is None else env
     if env.get("JAX_COORDINATOR_ADDRESS"):
-        n, pid = _int(env, "JAX_NUM_PROCESSES"), _int(env, "JAX_PROCESS_ID")
+        n, pid = _count_and_id(env)
         kwargs = {"num_processes": n, "process_id": pid} if n is not None and pid is not None else {}
         return Plan("env", n, pid, env["JAX_COORDINATOR_ADDRESS"], kwargs)
     ntasks = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
@@ -101,6 +101,48 @@ def plan(env: Mapping[str, str] | None = None, tpu_vm: bool | None = None) -> Pl
         # host JAX's detection finds one process.
         return Plan("tpu", None, None, None, {})
     return None
+
+
+def _count_and_id(env: Mapping[str, str]) -> tuple[int | None, int | None]:
+    """JAX_NUM_PROCESSES and JAX_PROCESS_ID beside JAX_COORDINATOR_ADDRESS: both, or neither
+    (JAX finds them out, e.g. from a cluster's environment). One without the other, a value that
+    is not a whole number or an id not below the count raise DistributedStartError naming the
+    variable, before JAX starts (JAX said only 'Number of processes must be defined')."""
+    raw = {k: env.get(k, "").strip() for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    fix = ("set JAX_NUM_PROCESSES (the number of processes) and JAX_PROCESS_ID (0 to "
+           "JAX_NUM_PROCESSES-1, distinct per process) for every process, beside "
+           f"JAX_COORDINATOR_ADDRESS={env.get('JAX_COORDINATOR_ADDRESS')}")
+    if not any(raw.values()):
+        return None, None
+    for key, value in raw.items():
+        if not value:
+            other = next(k for k in raw if k != key)
+            raise DistributedStartError(f"{key} is unset ({other}={value or raw[other]} is set): "
+                                        f"{fix}.")
+        if not value.isdigit():
+            raise DistributedStartError(f"{key}={value!r} is not a whole number >= 0: {fix}.")
+    n, pid = int(raw["JAX_NUM_PROCESSES"]), int(raw["JAX_PROCESS_ID"])
+    if n < 1 or pid >= n:
+        raise DistributedStartError(
+            f"JAX_PROCESS_ID={pid} is not below JAX_NUM_PROCESSES={n}: {fix}." if n >= 1 else
+            f"JAX_NUM_PROCESSES=0 is not a process count: {fix}.")
+    return n, pid
+
+
+def check_local_devices(devices: list[Any]) -> None:
+    """Every process of the run must have as many devices as every other (the mesh, the batch
+    split and ``agree``'s all-gather assume it): from the global device list, which every process
+    sees alike, so all of them stop together without a collective. Raises DistributedStartError
+    naming each process's count."""
+    counts: dict[int, int] = {}
+    for d in devices:
+        counts[int(d.process_index)] = counts.get(int(d.process_index), 0) + 1
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"process {i}: {n}" for i, n in sorted(counts.items()))
+        raise DistributedStartError(
+            f"the {len(counts)} processes have different numbers of local devices: {listed}; "
+            "every process needs the same count (the same XLA_FLAGS "
+            "--xla_force_host_platform_device_count, CUDA_VISIBLE_DEVICES or GPUs per task)")
 
 
 def timeout_s(env: Mapping[str, str] | None = None) -> int:
@@ -142,7 +184,8 @@ def describe_failure(p: Plan, timeout: int, error: BaseException) -> str:
 
 def describe_refusal(p: Plan, waited: float, error: BaseException) -> str:
     """An error of ``jax.distributed.initialize`` itself before the wait was over (the process
-    count unset, the coordinator's port in use, a bad address): JAX's reason, not a claim that
+    count unset or a port in use are caught before, see plan and coordinator_port_taken; a bad
+    address): JAX's reason, not a claim that
     the others did not come."""
     text = str(error).strip()
     first_line = text.splitlines()[0] if text else type(error).__name__
@@ -218,6 +261,7 @@ def initialize(env: Mapping[str, str] | None = None) -> Plan | None:
             describe_refusal(p, waited, e)) from e
     finally:
         watchdog.cancel()
+    check_local_devices(jax.devices())
     return p
 
 

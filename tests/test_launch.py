@@ -114,22 +114,93 @@ def test_rendezvous_times_out_with_exit_code_and_message(tmp_path):
     assert not (tmp_path / "wd").exists()
 
 
-def test_a_refused_start_is_said_as_such_not_as_missing_peers(tmp_path):
-    """jax.distributed.initialize failing at once (here: JAX_NUM_PROCESSES unset; a coordinator
-    port in use is caught before JAX: the test below) used to be
-    reported as 'the other processes did not all join within 60 s', naming them missing, with
-    JAX's reason only at the end in parentheses."""
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT, distributed.TIMEOUT_ENV: "60",
-           "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_PROCESS_ID": "0"}
-    env.pop("JAX_NUM_PROCESSES", None)
+def test_a_refused_start_is_said_as_such_not_as_missing_peers():
+    """jax.distributed.initialize failing at once (a coordinator port in use and a process count
+    or id unset are caught before JAX: the tests below) used to be reported as 'the other
+    processes did not all join within 60 s', naming them missing, with JAX's reason only at the
+    end in parentheses."""
+    p = distributed.Plan("env", 2, 1, "127.0.0.1:1", {"num_processes": 2, "process_id": 1})
+    line = distributed.describe_refusal(p, 0.4, ValueError("coordinator_address is bad.\nmore"))
+    assert "did not all join" not in line and "missing" not in line
+    assert line.startswith("process 1 of 2 (env): jax.distributed.initialize failed after 0 s, "
+                           "before any wait for the others was over: ValueError: coordinator_"
+                           "address is bad. Set JAX_COORDINATOR_ADDRESS=host:port"), line
+
+
+@pytest.mark.parametrize("unset, present", [("JAX_PROCESS_ID", {"JAX_NUM_PROCESSES": "2"}),
+                                            ("JAX_NUM_PROCESSES", {"JAX_PROCESS_ID": "0"})])
+def test_a_process_count_or_id_unset_is_named_before_jax_starts(tmp_path, unset, present):
+    """JAX_COORDINATOR_ADDRESS with only one of JAX_NUM_PROCESSES / JAX_PROCESS_ID: the plan
+    passed neither to JAX, whose 'ValueError: Number of processes must be defined.' (exit 7,
+    'process ? of 2') did not say which variable was missing. Now one line names it, before JAX
+    starts (exit 7: a start refused), and no workdir is left."""
+    env = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", **present}
+    with pytest.raises(distributed.DistributedStartError) as e:
+        distributed.plan(env)
+    assert f"{unset} is unset" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert cli.exit_code(e.value) == cli.EXIT_DISTRIBUTED
+    with pytest.raises(distributed.DistributedStartError, match="JAX_PROCESS_ID='one' is not"):
+        distributed.plan({**env, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "one"})
+    with pytest.raises(distributed.DistributedStartError, match="JAX_PROCESS_ID=2 is not below"):
+        distributed.plan({**env, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"})
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    run_env.update(PYTHONPATH=REPO_ROOT, **env)
+    t0 = time.time()
     r = subprocess.run([sys.executable, "main.py", "--config=configs/vit_ln.py:demo",
-                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, env=env,
+                        f"--workdir={tmp_path}/wd"], cwd=REPO_ROOT, env=run_env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == cli.EXIT_DISTRIBUTED, r.stderr[-3000:]
-    assert "did not all join" not in r.stderr and "missing" not in r.stderr, r.stderr[-3000:]
-    assert re.search(r"Stopped: process 0 of \? \(env\): jax.distributed.initialize failed after "
-                     r"\d+ s, before any wait for the others was over: ValueError: Number of "
-                     r"processes must be defined\. .*JAX_NUM_PROCESSES", r.stderr), r.stderr[-3000:]
+    assert "jax.distributed.initialize" not in r.stderr and "Joining" not in r.stderr
+    assert re.search(rf"Stopped: .*{unset} is unset", r.stderr), r.stderr[-3000:]
+    assert time.time() - t0 < 60 and not (tmp_path / "wd").exists()
+
+
+def test_processes_with_different_local_device_counts_stop_in_one_line(monkeypatch):
+    """2 CPU devices in process 0 and 3 in process 1 (different XLA_FLAGS, or GPUs per node):
+    both stopped with exit 2 and 'cannot reshape array of size 5 into shape (2,2)' from the
+    first all-gather (distributed.agree). Now the start names each process's count (exit 7),
+    checked from the global device list right after joining, before any collective."""
+    class Dev:
+        def __init__(self, i):
+            self.process_index = i
+    assert distributed.check_local_devices([Dev(0), Dev(0), Dev(1), Dev(1)]) is None
+    with pytest.raises(distributed.DistributedStartError) as e:
+        distributed.check_local_devices([Dev(0), Dev(0), Dev(1), Dev(1), Dev(1)])
+    assert str(e.value).startswith("the 2 processes have different numbers of local devices: "
+                                   "process 0: 2, process 1: 3;"), str(e.value)
+    assert cli.exit_code(e.value) == cli.EXIT_DISTRIBUTED
+    # initialize runs it once joined
+    monkeypatch.setattr("jax.distributed.initialize", lambda **kw: None)
+    monkeypatch.setattr("jax.devices", lambda: [Dev(0), Dev(1), Dev(1)])
+    with pytest.raises(distributed.DistributedStartError, match="process 0: 1, process 1: 2"):
+        distributed.initialize({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2",
+                                "JAX_PROCESS_ID": "1"})
+
+
+def test_two_real_processes_with_2_and_3_devices_both_exit_7(tmp_path):
+    """The walker's command: two processes on this machine, 2 and 3 CPU devices."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    procs = [subprocess.Popen(
+        [sys.executable, "main.py", "--config=configs/vit_ln.py:demo", f"--workdir={tmp_path}/wd",
+         "--config.total_steps=20", "--config.batch_size=60"], cwd=REPO_ROOT,
+        env={**base, "PYTHONPATH": REPO_ROOT, distributed.TIMEOUT_ENV: "60",
+             "XLA_FLAGS": f"--xla_force_host_platform_device_count={2 + i}",
+             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+             "JAX_PROCESS_ID": str(i)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True) for i in range(2)]
+    try:
+        out = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, err in zip(procs, out):
+        assert p.returncode == cli.EXIT_DISTRIBUTED, err[-3000:]
+        assert ("Stopped: the 2 processes have different numbers of local devices: process 0: 2, "
+                "process 1: 3;") in err and "reshape" not in err, err[-3000:]
 
 
 def test_a_taken_coordinator_port_stops_process_0_in_one_line_before_jax(monkeypatch):
@@ -285,6 +356,23 @@ def test_tpu_script_runs_training_detached_on_every_worker(stubs, tmp_path):
                        "--config.data.data_dir=gs://bucket/tfds"]]
     assert ["git", "checkout", "-q", "abc123"] in seen()
 
+
+
+def test_tpu_script_dry_run_without_tpu_and_zone_prints_placeholders(stubs):
+    """The header's `--dry-run CONFIG WORKDIR` example sets neither TPU nor ZONE: it exited 1
+    ('TPU: set TPU to the TPU VM name') while the script's other errors exit 2. A dry run prints
+    <TPU>/<ZONE> in their place; a real run without them stops with exit 2 and one line."""
+    env, seen = stubs
+    env = {k: v for k, v in env.items() if k not in ("TPU", "ZONE")}
+    env.update(REPO="https://example.org/n.git", REF="abc123")
+    dry = script("tpu_pod.sh", "--dry-run", CONFIG, "gs://bucket/run", env=env)
+    assert dry.returncode == 0 and seen() == [], dry.stderr
+    assert dry.stdout.startswith("gcloud compute tpus tpu-vm ssh \\<TPU\\> --zone \\<ZONE\\> "), dry.stdout
+    for missing in ("TPU", "ZONE"):
+        r = script("tpu_pod.sh", CONFIG, "gs://bucket/run",
+                   env={**env, "TPU": "my-v4-32", "ZONE": "us-central2-b", missing: ""})
+        assert r.returncode == 2 and seen() == [], r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith(f"error: set {missing} "), r.stderr
 
 
 def test_tpu_script_runs_a_branch_at_its_newest_pushed_commit(stubs, tmp_path):
