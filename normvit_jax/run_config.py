@@ -12,13 +12,16 @@ from etils import epath
 
 CONFIG_NAME = "config.json"
 REPLACED_DIR = "replaced"          # --fresh moves an old run here (workdir.move_run_aside)
-# Keys that may differ between the saved config and a re-run without allow_config_change: they
-# change neither the trained numbers nor the resume's exactness. log_every, eval_every,
-# checkpoint_every and keep_checkpoints choose at which steps train metrics are written and
-# checked, the model is evaluated (no state changes) and the state is saved and kept; the
-# eval_*_images keys choose what an eval writes to TensorBoard; the mesh only places the same
-# state on devices (checkpoints restore onto any mesh). A change of them is said in one info line
-# and recorded in config.json (the old file kept as config.before-<time>.json).
+# Keys that may differ between the saved config and a re-run without allow_config_change.
+# log_every, eval_every, checkpoint_every and keep_checkpoints choose at which steps train
+# metrics are written and checked, the model is evaluated (no state changes) and the state is
+# saved and kept; the eval_*_images keys choose what an eval writes to TensorBoard: they change
+# neither the trained numbers nor the resume's exactness. The mesh places the same state on
+# devices (checkpoints restore onto any mesh): the same run, but with another mesh (or device
+# count) equal up to float32 rounding, not bitwise (the all-reduce adds the devices' gradients in
+# another order; train/build.py says so when a checkpoint's recorded mesh differs). A change of
+# them is said in one info line and recorded in config.json (the old file kept as
+# config.before-<time>.json).
 ALWAYS_CHANGEABLE = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
                      "eval_analysis_images", "eval_attention_images",
                      "mesh.data", "mesh.fsdp", "mesh.fsdp_min_size")
@@ -204,8 +207,12 @@ def write_config(config: Any, workdir: str) -> None:
             logging.warning("Continuing %s with a changed config (allow_config_change): %s; the "
                             "old config is kept as %s.", workdir, ", ".join(diff), before)
         if has_checkpoint(workdir) and harmless:
-            logging.info("Continuing %s with %s (keys that change neither the trained numbers "
-                         "nor the resume; recorded in config.json).", workdir, ", ".join(harmless))
+            why = ("keys that need no allow_config_change; with another mesh the run continues "
+                   "equal up to float32 rounding (the order of the all-reduce) rather than bit "
+                   "for bit" if any(h.startswith("mesh.") for h in harmless) else
+                   "keys that change neither the trained numbers nor the resume")
+            logging.info("Continuing %s with %s (%s; recorded in config.json).", workdir,
+                         ", ".join(harmless), why)
         (path.parent / before).write_text(old)
     write_text_atomic(workdir, CONFIG_NAME, json.dumps(current, indent=2, sort_keys=True))
 

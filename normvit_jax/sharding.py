@@ -84,6 +84,26 @@ def fsdp_spec(shape: tuple[int, ...], fsdp: int, min_size: int = FSDP_MIN_SIZE) 
     return P(*([None] * best + [FSDP_AXIS]))
 
 
+def describe_fsdp(params: Any, fsdp: int, min_size: int = FSDP_MIN_SIZE) -> str | None:
+    """How many parameter arrays (and bytes) ``fsdp_spec`` splits over ``fsdp`` devices, for the
+    start-up line (optimizer moments and EMA weights follow their parameters); None for fsdp=1."""
+    if fsdp <= 1:
+        return None
+    leaves = jax.tree.leaves(params)
+    big = [x for x in leaves if int(np.prod(x.shape, dtype=np.int64)) >= max(min_size, 1)]
+    split = [x for x in leaves if fsdp_spec(tuple(x.shape), fsdp, min_size) != P()]
+    head = f"fsdp={fsdp} splits {len(split)} of {len(leaves)} parameter arrays"
+    if not big:
+        return f"{head} (none has >= fsdp_min_size={min_size} elements)"
+    if not split:
+        return (f"{head} (none of the {len(big)} with >= fsdp_min_size={min_size} elements has an "
+                f"axis divisible by {fsdp})")
+    nbytes = lambda xs: sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+                            for x in xs)
+    return (f"{head} ({nbytes(split):,} of {nbytes(leaves):,} bytes; those with >= "
+            f"fsdp_min_size={min_size} elements and an axis divisible by {fsdp})")
+
+
 def state_shardings(abstract: Any, mesh: Mesh, min_size: int = FSDP_MIN_SIZE) -> Any:
     """A NamedSharding per leaf of ``abstract`` (shapes, e.g. from ``jax.eval_shape``) by
     ``fsdp_spec``."""

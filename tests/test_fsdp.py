@@ -40,6 +40,23 @@ def test_fsdp_rule():
     assert sharding.fsdp_spec((768, 3072), 1) == P()                   # fsdp=1: replicated
 
 
+def test_fsdp_split_is_said_in_numbers():
+    """--config.mesh.fsdp=2 on the demo split nothing (its largest array, 8192 elements, is below
+    fsdp_min_size) and the start said only 'mesh data=4 x fsdp=2'."""
+    import numpy as np
+    params = {"a": np.zeros((64, 128), np.float32), "b": np.zeros((128,), np.float32),
+              "c": np.zeros((3, 5), np.float32)}
+    assert sharding.describe_fsdp(params, 1) is None  # nothing to say: replicated on purpose
+    assert sharding.describe_fsdp(params, 2) == (
+        "fsdp=2 splits 0 of 3 parameter arrays (none has >= fsdp_min_size=16384 elements)")
+    assert sharding.describe_fsdp(params, 2, min_size=100) == (
+        "fsdp=2 splits 2 of 3 parameter arrays (33,280 of 33,340 bytes; those with >= "
+        "fsdp_min_size=100 elements and an axis divisible by 2)")
+    assert sharding.describe_fsdp(params, 7, min_size=100).startswith(
+        "fsdp=7 splits 0 of 3 parameter arrays (none of the 2 with >= fsdp_min_size=100 elements "
+        "has an axis divisible by 7)")
+
+
 def test_mesh_shape_and_config_defaults():
     c = default.get_config()
     assert (c.mesh.data, c.mesh.fsdp) == (-1, 1)  # today's behaviour: plain data parallelism

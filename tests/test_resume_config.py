@@ -111,6 +111,72 @@ def test_harmless_keys_change_without_the_flag_and_are_recorded(tmp_path, caplog
         np.testing.assert_array_equal(x, y)
 
 
+def test_a_mesh_change_is_said_to_be_equal_up_to_float32_rounding(tmp_path, caplog):
+    """mesh.* keys need no flag, but a changed mesh (or device count) is not bitwise: the
+    all-reduce adds the devices' gradients in another order. The info line said such keys
+    'change neither the trained numbers nor the resume'."""
+    wd = str(tmp_path)
+    run_config.write_config(tiny_demo_config(), wd)
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        run_config.write_config(tiny_demo_config(**{"mesh.fsdp": 2, "log_every": 1}), wd)
+    (line,) = [m for m in _messages(caplog) if "mesh.fsdp: 1 -> 2" in m]
+    assert "equal up to float32 rounding" in line and "rather than bit for bit" in line, line
+    assert "change neither the trained numbers nor the resume" not in line, line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="absl"):
+        run_config.write_config(tiny_demo_config(**{"mesh.fsdp": 2, "log_every": 3}), wd)
+    (line,) = [m for m in _messages(caplog) if "log_every: 1 -> 3" in m]
+    assert "change neither the trained numbers nor the resume" in line and "float32" not in line
+
+
+class _Mesh:
+    """What guards reads of a jax Mesh: .shape (axis -> size) and .devices (an array)."""
+
+    def __init__(self, data, fsdp):
+        import numpy as np
+        self.shape, self.devices = {"data": data, "fsdp": fsdp}, np.zeros((data, fsdp))
+
+
+def test_mesh_change_note_names_both_meshes_and_is_silent_without_a_record():
+    from normvit_jax.train import guards
+    saved = guards.mesh_meta(_Mesh(8, 1), processes=1)
+    assert saved == {"devices": 8, "processes": 1, "data": 8, "fsdp": 1}
+    assert guards.mesh_change_note({"mesh": saved}, _Mesh(8, 1), processes=1) is None
+    assert guards.mesh_change_note({}, _Mesh(4, 1), processes=1) is None  # an older checkpoint
+    assert guards.mesh_change_note(None, _Mesh(4, 1), processes=1) is None
+    assert guards.mesh_change_note({"mesh": saved}, _Mesh(4, 1), processes=1) == (
+        "The run trained on 8 devices (mesh data=8 x fsdp=1) and continues on 4 (data=4 x "
+        "fsdp=1): the same run, equal up to float32 rounding rather than bit for bit.")
+    assert guards.mesh_change_note({"mesh": saved}, _Mesh(4, 2), processes=1) == (
+        "The run trained on 8 devices (mesh data=8 x fsdp=1) and continues on 8 (data=4 x "
+        "fsdp=2): the same run, equal up to float32 rounding rather than bit for bit.")
+    two = guards.mesh_meta(_Mesh(4, 1), processes=2)
+    assert guards.mesh_change_note({"mesh": two}, _Mesh(4, 1), processes=1) == (
+        "The run trained on 4 devices in 2 processes (mesh data=4 x fsdp=1) and continues on 4 "
+        "in 1 process (data=4 x fsdp=1): the same run, equal up to float32 rounding rather than "
+        "bit for bit.")
+
+
+def test_a_resume_on_another_device_count_says_so_in_one_line(tmp_path, caplog):
+    """8 -> 4 devices with mesh.data=-1 (config.json unchanged) resumed with only 'Resumed from
+    the checkpoint at step 35'. Each checkpoint now records its mesh; here the saved record says
+    8 devices and the resume runs on this process's 1."""
+    wd = str(tmp_path)
+    loop.train_and_evaluate(tiny_demo_config(total_steps=4, checkpoint_every=2), wd, stop_at=2)
+    (meta_file,) = [p for p in glob.glob(f"{wd}/checkpoints/2/meta/*") if "mesh" in open(p).read()]
+    meta = json.load(open(meta_file))
+    assert meta["mesh"] == {"devices": 1, "processes": 1, "data": 1, "fsdp": 1}
+    meta["mesh"] = {"devices": 8, "processes": 1, "data": 8, "fsdp": 1}
+    json.dump(meta, open(meta_file, "w"))
+    with caplog.at_level(logging.INFO, logger="absl"):
+        loop.train_and_evaluate(tiny_demo_config(total_steps=4, checkpoint_every=2), wd)
+    lines = [m for m in _messages(caplog) if m.startswith("The run trained on")]
+    assert lines == ["The run trained on 8 devices (mesh data=8 x fsdp=1) and continues on 1 "
+                     "(data=1 x fsdp=1): the same run, equal up to float32 rounding rather than "
+                     "bit for bit."], lines
+
+
 def test_extending_a_run_says_how_the_learning_rate_changes(tmp_path, caplog):
     """A finished 4-step run extended to 8 steps: warmup 2, cosine to 0 over 2 steps (the rate
     at step 4 is 0) becomes a cosine over 6 steps (at step 4, 2 steps in: 0.003 * 0.75)."""

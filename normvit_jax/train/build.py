@@ -94,6 +94,10 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, run_spec: setup.R
                  progress.describe_model(model.spec), f"{n_params:,}", mesh.devices.size,
                  " x ".join(f"{k}={v}" for k, v in mesh.shape.items()),
                  progress.describe_steps(n_steps, train_data.num_examples, config.batch_size))
+    split = sharding.describe_fsdp(state.params, int(mesh.shape.get(sharding.FSDP_AXIS, 1)),
+                                   sharding.fsdp_min_size(config))
+    if split:  # fsdp > 1: what it splits (a small model may split nothing)
+        logging.info("%s.", split)
 
     saver = guards.CheckpointSaver(checkpoints.make_manager(workdir, keep=config.keep_checkpoints),
                                    workdir, rerun=rerun)
@@ -175,6 +179,9 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
             logging.info("Resumed from the checkpoint at step %d in %s; the data continues at "
                          "step %d (epoch %d, example %d of %d).", step, mngr.directory, step + 1,
                          pos // n + 1, pos % n, n)
+        note = guards.mesh_change_note(restored.meta, jax.tree.leaves(state_sharding)[0].mesh)
+        if note:  # another mesh or device count: the meta of the checkpoint records its own
+            logging.info("%s", note)
         if config.init_from:  # a changed init_from (allow_config_change) would otherwise go unread silently
             logging.info("config.init_from=%s is not read again: it initialises step 0 only "
                          "(--fresh starts over from it).", config.init_from)

@@ -25,9 +25,48 @@ from normvit_jax.train.state import TrainState
 META_FORMAT = 1  # version of the JSON saved beside each checkpoint's state
 
 
-def checkpoint_meta(window: "MetricsWindow", skipped_total: int) -> dict:
-    return {"format": META_FORMAT, "window": window.to_json(),
+def checkpoint_meta(window: "MetricsWindow", skipped_total: int, mesh: Any = None) -> dict:
+    """The JSON saved beside a checkpoint's state; with ``mesh``, also the mesh it trained on
+    (``mesh_meta``; a resume on another one says so: ``mesh_change_note``)."""
+    meta = {"format": META_FORMAT, "window": window.to_json(),
             "skipped_nonfinite_total": skipped_total}
+    if mesh is not None:
+        meta["mesh"] = mesh_meta(mesh)
+    return meta
+
+
+def mesh_meta(mesh: Any, processes: int | None = None) -> dict:
+    """Devices, processes and the mesh's (data, fsdp) sizes (``processes``: default
+    ``jax.process_count()``)."""
+    return {"devices": int(mesh.devices.size),
+            "processes": int(jax.process_count() if processes is None else processes),
+            "data": int(mesh.shape.get("data", 1)), "fsdp": int(mesh.shape.get("fsdp", 1))}
+
+
+def mesh_change_note(meta: dict | None, mesh: Any, processes: int | None = None) -> str | None:
+    """One line when the checkpoint's meta records another mesh, device or process count than
+    ``mesh`` (the all-reduce then adds the devices' gradients in another order: not bitwise);
+    None when they are the same or the checkpoint (an older one) recorded none."""
+    saved = (meta or {}).get("mesh")
+    if not isinstance(saved, dict):
+        return None
+    now = mesh_meta(mesh, processes)
+    keys = ("devices", "processes", "data", "fsdp")
+    try:
+        if all(int(saved[k]) == now[k] for k in keys):
+            return None
+    except (KeyError, TypeError, ValueError):  # a record this version does not read
+        return None
+
+    def procs(m: dict) -> str:
+        n = int(m["processes"])
+        return f" in {n} process{'es' if n != 1 else ''}" if show_processes else ""
+
+    show_processes = int(saved["processes"]) > 1 or now["processes"] > 1
+    return (f"The run trained on {int(saved['devices'])} devices{procs(saved)} (mesh "
+            f"data={int(saved['data'])} x fsdp={int(saved['fsdp'])}) and continues on "
+            f"{now['devices']}{procs(now)} (data={now['data']} x fsdp={now['fsdp']}): the same "
+            "run, equal up to float32 rounding rather than bit for bit.")
 
 
 class MetricsWindow:

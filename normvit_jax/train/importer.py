@@ -85,7 +85,7 @@ def import_run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = Fa
             run = build.build_run(config, workdir, run_spec, mesh, rerun=rerun, pipelines=pipelines)
             try:
                 with contextlib.closing(run.writer):
-                    run.saver.save(0, run.state, guards.checkpoint_meta(run.window, 0))
+                    run.saver.save(0, run.state, guards.checkpoint_meta(run.window, 0, run.mesh))
                     run.saver.wait()
                     logging.info("Imported %s into %s as the checkpoint of step 0 (no training "
                                  "step).", config.init_from, workdir)
@@ -119,7 +119,7 @@ def _write_without_data(config: ml_collections.ConfigDict, workdir: str, run_spe
     try:  # build's own start: init_from loaded, config/classes/data/code records written
         start = build._start(config, workdir, run_spec, state, tx, state_sharding, saver, None, None,
                              n_steps=0)  # no data stream: never "continues at step"
-        saver.save(0, start.state, guards.checkpoint_meta(start.window, 0))
+        saver.save(0, start.state, guards.checkpoint_meta(start.window, 0, mesh))
     finally:
         saver.close()
     logging.info("Imported %s into %s as the checkpoint of step 0 (no training step).",

@@ -148,7 +148,7 @@ def _save(run: Run, step: int, eta: progress.Eta) -> None:
                 f"{run.saver.describe()}. Lower the learning rate or enable grad clipping "
                 "(config.optimizer.grad_clip).")
         run.writer.flush()  # summaries up to this step are on disk before its checkpoint
-        meta = guards.checkpoint_meta(run.window, run.skipped_total)
+        meta = guards.checkpoint_meta(run.window, run.skipped_total, run.mesh)
         run.saver.save(step, run.state, meta)
 
 
