@@ -206,8 +206,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
             raise checkpoints.no_checkpoint(workdir, step, sorted(mngr.all_steps()))
         # the newest readable one (a damaged newer one is named in a warning and left in place)
         try:
-            restored = checkpoints.restore_latest(mngr, abstract, move_damaged=False,
-                                                  steps=None if step is None else [step])
+            restored = checkpoints.restore_latest(
+                mngr, abstract, move_damaged=False, steps=None if step is None else [step],
+                others=None if step is None else [s for s in mngr.all_steps() if s != step])
         except checkpoints.CheckpointMismatchError as e:
             raise _with_model_diff(e, config, workdir) from None
         if restored is None:
