@@ -44,8 +44,7 @@ class RunNotFoundError(FileNotFoundError):
 
 
 def require_run(workdir: str) -> None:
-    """Raises RunNotFoundError unless ``workdir`` holds a run's config.json (and WorkdirLayoutError
-    when its checkpoint folder is a file or a link that leads nowhere)."""
+    """Raises RunNotFoundError unless ``workdir`` holds a run's config.json."""
     problem = workdir_lib.not_a_folder(workdir)
     if problem:  # not "holds no run" / "does not exist: train one there"
         raise RunNotFoundError(f"{workdir} {problem}: pass the workdir of a run (the folder "
@@ -64,7 +63,6 @@ def require_run(workdir: str) -> None:
         raise RunNotFoundError(
             f"{workdir} holds no run (no config.json): train one there first, e.g. python main.py "
             f"--config=configs/vit_ln.py:demo --workdir={workdir}")
-    check_checkpoint_dir(workdir)
 
 
 def check_checkpoint_dir(workdir: str) -> None:

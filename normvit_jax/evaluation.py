@@ -144,6 +144,7 @@ def check_eval_model(config: ml_collections.ConfigDict, workdir: str) -> dict[st
 
 def _require_checkpoint(workdir: str, step: int | None) -> None:
     """RunNotFoundError (exit 2) for a workdir with no run or no checkpoint (of ``step``)."""
+    checkpoints.check_checkpoint_dir(workdir)  # a file, a link loop: not "has not saved one yet"
     if not checkpoints.checkpoint_dir(workdir).exists():
         checkpoints.require_run(workdir)  # no run at all: not "continue it with its config.json"
         raise checkpoints.no_checkpoint(workdir)
