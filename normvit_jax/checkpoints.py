@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from normvit_jax import run_config
+from normvit_jax import workdir as workdir_lib
 
 log = logging.getLogger(__name__)
 DAMAGED_DIR = "damaged_checkpoints"
@@ -44,6 +45,10 @@ class RunNotFoundError(FileNotFoundError):
 
 def require_run(workdir: str) -> None:
     """Raises RunNotFoundError unless ``workdir`` holds a run's config.json."""
+    problem = workdir_lib.not_a_folder(workdir)
+    if problem:  # not "holds no run" / "does not exist: train one there"
+        raise RunNotFoundError(f"{workdir} {problem}: pass the workdir of a run (the folder "
+                               "holding its config.json and checkpoints)")
     if not epath.Path(workdir).exists():
         raise RunNotFoundError(
             f"{workdir} does not exist: train a run there first, e.g. python main.py "
@@ -60,12 +65,61 @@ def require_run(workdir: str) -> None:
             f"--config=configs/vit_ln.py:demo --workdir={workdir}")
 
 
+def check_checkpoint_dir(workdir: str) -> None:
+    """WorkdirLayoutError (exit 2) naming ``workdir/checkpoints`` when it is a file or a symbolic
+    link that leads nowhere (a loop): Orbax's NotADirectoryError / FileExistsError otherwise."""
+    d = checkpoint_dir(workdir)
+    problem = workdir_lib.not_a_folder(d)
+    if problem:
+        raise workdir_lib.WorkdirLayoutError(
+            f"{d} {problem}: a run keeps its checkpoints in that folder; move it away (or put "
+            f"the run's checkpoint folder back there) and rerun; nothing was changed")
+
+
+def recorded_step(workdir: str) -> int | None:
+    """The furthest step the run's own records reach: its summaries and code.jsonl (the step each
+    start began at); None when they hold none."""
+    from normvit_jax import run_code, summaries  # pylint: disable=import-outside-toplevel
+    steps = []
+    try:
+        steps.append(summaries.last_step(workdir))
+    except Exception:  # noqa: BLE001  (an unreadable event file is no evidence)
+        pass
+    try:
+        for line in (epath.Path(workdir) / run_code.HISTORY_NAME).read_text().splitlines():
+            steps.append(int(json.loads(line).get("step", 0)))
+    except Exception:  # noqa: BLE001
+        pass
+    steps = [s for s in steps if s is not None]
+    return max(steps) if steps else None
+
+
+def checkpoints_gone(workdir: str, checkpoint_every: int | None = None) -> str | None:
+    """For a workdir without a checkpoint: the first half of a line saying that its checkpoints
+    are gone when its records reach a checkpoint step (config.checkpoint_every, from config.json
+    unless given), else None (a run that ended before its first checkpoint)."""
+    if checkpoint_every is None:
+        try:
+            checkpoint_every = int(run_config.read_saved(config_path(workdir))["checkpoint_every"])
+        except Exception:  # noqa: BLE001
+            return None
+    reached = recorded_step(workdir)
+    if reached is None or reached < max(int(checkpoint_every), 1):
+        return None
+    return (f"no checkpoint in {checkpoint_dir(workdir)}, but the run's records (its summaries, "
+            f"code.jsonl) reach step {reached}: its checkpoints are gone (moved or deleted)")
+
+
 def no_checkpoint(workdir: str, step: int | None = None, steps: list[int] | None = None
                   ) -> RunNotFoundError:
     """The error for a run without (that) checkpoint."""
     if step is not None and steps:
         return RunNotFoundError(f"no checkpoint of step {step} in {checkpoint_dir(workdir)}; there "
                                 f"are: {steps} (leave the step out for the newest)")
+    gone = checkpoints_gone(workdir) if step is None else None
+    if gone:
+        return RunNotFoundError(f"{gone}; put them back into {checkpoint_dir(workdir)} to use "
+                                "the run")
     return RunNotFoundError(
         f"no checkpoint in {checkpoint_dir(workdir)}: the run has not saved one yet; continue it "
         f"with the command that started it (same --workdir; its config is "
@@ -80,11 +134,31 @@ def checkpoint_dir(workdir: str) -> epath.Path:
 
 
 def make_manager(workdir: str, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
+    """Training's manager. It deletes the half-written saves a killed run left (one line names
+    them) and ignores folders that are not step names (one warning names them)."""
+    check_checkpoint_dir(workdir)
+    _note_strays(checkpoint_dir(workdir))
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save,
                                            cleanup_tmp_directories=True)
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_handlers=handlers)
+
+
+def _note_strays(d: epath.Path) -> None:
+    if "://" in str(d) or not os.path.isdir(d):
+        return
+    names = sorted(os.listdir(d))
+    tmp = [n for n in names if ".orbax-checkpoint-tmp" in n]
+    if tmp:
+        log.warning("Deleting the half-written checkpoint folder%s %s (a save that was cut short: "
+                    "never a complete step).", "s" if len(tmp) > 1 else "",
+                    ", ".join(str(d / n) for n in tmp))
+    other = [n for n in names if n not in tmp and not run_config.is_step_name(n)]
+    if other:
+        log.warning("%s holds %s, which %s not step folders (a step's folder is named by its "
+                    "number, as Orbax writes it: '60', not '0060'): ignored by training and by "
+                    "every tool.", d, ", ".join(other), "is" if len(other) == 1 else "are")
 
 
 def open_read_only(workdir: str) -> ocp.CheckpointManager:
@@ -123,7 +197,8 @@ class _Damaged(Exception):
 
 
 def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any, move_damaged: bool = True,
-                   steps: list[int] | None = None) -> Restored | None:
+                   steps: list[int] | None = None, others: list[int] | None = None
+                   ) -> Restored | None:
     """The newest checkpoint (of ``steps``, default all) that restores, or None if there is none.
 
     A damaged newer checkpoint is skipped with one warning naming its step, the file that failed
@@ -146,16 +221,18 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any, move_damage
             raise _Damaged(problem[1])
         return restore(mngr, abstract_state, step), _restore_meta(mngr, step)
 
-    return first_restorable(mngr, steps, one, move_damaged)
+    return first_restorable(mngr, steps, one, move_damaged, others)
 
 
 def first_restorable(mngr: ocp.CheckpointManager, steps: list[int] | None,
-                     restore_one: Any, move_damaged: bool = False) -> Restored | None:
+                     restore_one: Any, move_damaged: bool = False,
+                     others: list[int] | None = None) -> Restored | None:
     """The one restore path of training, evaluation and every tool: ``restore_one(step) ->
     (state, meta)`` on each step newest first; a step that raises anything but
     CheckpointMismatchError is damaged: skipped with one warning (step, file, the step used
     instead), and moved aside with ``move_damaged``. None if there are no steps;
-    CheckpointMismatchError naming every step if none restores."""
+    CheckpointMismatchError naming every step if none restores (and ``others``, the steps a
+    ``--step`` left out, with how to use them)."""
     steps = sorted(mngr.all_steps() if steps is None else steps, reverse=True)
     failed: list[tuple[int, str]] = []
     for step in steps:
@@ -179,8 +256,17 @@ def first_restorable(mngr: ocp.CheckpointManager, steps: list[int] | None,
             f"no checkpoint in {mngr.directory} restores: "
             + "; ".join(f"step {s}: {e}" for s, e in failed) + ". Nothing was moved or deleted."
             + (" Re-run with --fresh to start from step 0 (the old run is moved to replaced/)."
-               if move_damaged else ""))
+               if move_damaged else "") + _other_steps(others))
     return None
+
+
+def _other_steps(others: list[int] | None) -> str:
+    others = sorted(others or [])
+    if not others:
+        return ""
+    return (f" The other step{'s' if len(others) > 1 else ''} "
+            f"{', '.join(map(str, others))} exist{'' if len(others) > 1 else 's'}: leave out "
+            "--step to use the newest one that restores.")
 
 
 def _quarantine_all(mngr: ocp.CheckpointManager, failed: list[tuple[int, str]]
@@ -306,6 +392,11 @@ def quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
     src = step_dir(mngr, step)
     workdir = epath.Path(mngr.directory).parent
     dest_root = workdir / DAMAGED_DIR
+    problem = workdir_lib.not_a_folder(dest_root)
+    if problem:  # FileExistsError from mkdir otherwise
+        raise workdir_lib.WorkdirLayoutError(
+            f"the damaged checkpoint of step {step} cannot be moved aside: {dest_root} {problem}; "
+            "move it away and rerun the same command (nothing was moved)")
     dest_root.mkdir(parents=True, exist_ok=True)
     dest = dest_root / str(step)
     n = 1
@@ -330,11 +421,12 @@ def complete_steps(workdir: str) -> list[int]:
     its temporary folder; one on gs:// is written in place, under its final name, and committed
     by its ``commit_success.txt`` (a step folder without it is still being written, or was left
     by a killed run, and the training's manager does not list it either)."""
+    check_checkpoint_dir(workdir)
     d = checkpoint_dir(workdir)
     if not d.exists():
         return []
-    return sorted(int(p.name) for p in d.iterdir()
-                  if p.name.isdigit() and ocp.step.is_checkpoint_finalized(p))
+    return sorted(int(p.name) for p in d.iterdir()  # '0060' is no step: Orbax does not list it
+                  if run_config.is_step_name(p.name) and ocp.step.is_checkpoint_finalized(p))
 
 
 def describe_error(e: BaseException, n: int = 500) -> str:
@@ -382,7 +474,9 @@ def restore_numpy(workdir: str, step: int | None = None
         return jax.tree.map(np.asarray, restore(mngr, abstract, s)), None
 
     try:
-        restored = first_restorable(mngr, steps if step is None else [step], one)
+        restored = first_restorable(mngr, steps if step is None else [step], one,
+                                    others=None if step is None else
+                                    [s for s in steps if s != step])
     finally:
         mngr.close()
     return restored, config

@@ -144,6 +144,7 @@ def check_eval_model(config: ml_collections.ConfigDict, workdir: str) -> dict[st
 
 def _require_checkpoint(workdir: str, step: int | None) -> None:
     """RunNotFoundError (exit 2) for a workdir with no run or no checkpoint (of ``step``)."""
+    checkpoints.check_checkpoint_dir(workdir)  # a file, a link loop: not "has not saved one yet"
     if not checkpoints.checkpoint_dir(workdir).exists():
         checkpoints.require_run(workdir)  # no run at all: not "continue it with its config.json"
         raise checkpoints.no_checkpoint(workdir)
@@ -206,8 +207,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
             raise checkpoints.no_checkpoint(workdir, step, sorted(mngr.all_steps()))
         # the newest readable one (a damaged newer one is named in a warning and left in place)
         try:
-            restored = checkpoints.restore_latest(mngr, abstract, move_damaged=False,
-                                                  steps=None if step is None else [step])
+            restored = checkpoints.restore_latest(
+                mngr, abstract, move_damaged=False, steps=None if step is None else [step],
+                others=None if step is None else [s for s in mngr.all_steps() if s != step])
         except checkpoints.CheckpointMismatchError as e:
             raise _with_model_diff(e, config, workdir) from None
         if restored is None:

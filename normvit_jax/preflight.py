@@ -119,6 +119,9 @@ def check_workdir_path(workdir: str) -> None:
     if workdir_lib.is_remote(workdir):
         return
     path = os.path.abspath(workdir)
+    problem = workdir_lib.not_a_folder(path)
+    if problem and problem.startswith("is a symbolic link"):
+        raise workdir_lib.WorkdirError(f"the workdir {path} {problem}; pass another --workdir")
     probe = path
     while probe and not os.path.exists(probe):  # the nearest existing ancestor must be a folder
         probe = os.path.dirname(probe) if os.path.dirname(probe) != probe else ""

@@ -146,8 +146,9 @@ def _main(args: Any) -> dict[str, Any]:
         raise checkpoints.no_checkpoint(args.workdir, args.step, steps)
     mngr = checkpoints.open_read_only(args.workdir)
     try:  # the shared restore path: a damaged newest checkpoint is named, the previous one used
-        restored = checkpoints.restore_latest(mngr, abstract, move_damaged=False,
-                                              steps=None if args.step is None else [args.step])
+        restored = checkpoints.restore_latest(
+            mngr, abstract, move_damaged=False, steps=None if args.step is None else [args.step],
+            others=None if args.step is None else [s for s in steps if s != args.step])
     finally:
         mngr.close()
     state, step = restored.state, restored.step

@@ -174,8 +174,13 @@ def check_eval_dataset(config: Any, workdir: str) -> None:
 def has_checkpoint(workdir: str) -> bool:
     """Whether ``workdir/checkpoints`` holds a step folder (complete or not: a partial one means
     training ran with the saved config)."""
-    root = epath.Path(workdir) / "checkpoints"
-    return root.exists() and any(p.name.split(".")[0].isdigit() for p in root.iterdir())
+    root = epath.Path(workdir) / "checkpoints"  # a file or a link loop: checkpoints.py says so
+    return root.is_dir() and any(is_step_name(p.name.split(".")[0]) for p in root.iterdir())
+
+
+def is_step_name(name: str) -> bool:
+    """A step folder's name as Orbax writes it: '60', never '0060' (which Orbax does not list)."""
+    return name.isdigit() and name == str(int(name))
 
 
 def saved_values(config: Any) -> dict:

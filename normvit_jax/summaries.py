@@ -151,3 +151,10 @@ def elapsed(wall: np.ndarray, spans: list[tuple[float, float]]) -> np.ndarray:
     spans before it, so the gaps between a stop and a restart are not counted."""
     wall = np.asarray(wall, np.float64)
     return sum((np.clip(wall - a, 0.0, b - a) for a, b in spans), np.zeros_like(wall))
+
+
+def last_step(workdir: str) -> int | None:
+    """The largest step any scalar of the workdir's event files was written at (None: none), read
+    raw: how far the run got, for checkpoints.checkpoints_gone."""
+    steps = [step for f in _read_files(workdir) for _, step, _, _ in f.scalars]
+    return max(steps) if steps else None

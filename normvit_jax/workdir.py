@@ -30,6 +30,32 @@ class WorkdirBusyError(RuntimeError):
     """Another live process holds the workdir's lock."""
 
 
+class WorkdirLayoutError(ValueError):
+    """A part of a run's workdir has the wrong shape: a file where its checkpoint folder belongs,
+    a folder where its lock file belongs, a symbolic link that leads nowhere. One line, exit 2
+    (the run's content is damaged, as a damaged config.json is; nothing is moved)."""
+
+
+def not_a_folder(path: Any) -> str | None:
+    """What a local ``path`` that should be a folder is instead: 'is a file, not a directory',
+    'is a symbolic link loop (-> T)', 'is a symbolic link to T, which does not exist'; None for a
+    folder, a path that does not exist, or a remote path."""
+    path = str(path)
+    if is_remote(path):
+        return None
+    if os.path.islink(path) and not os.path.exists(path):
+        target = os.readlink(path)
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return f"is a symbolic link loop (-> {target})"
+        return f"is a symbolic link to {target}, which does not exist"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "is a file, not a directory"
+    return None
+
+
 def absolute(workdir: str) -> str:
     """Orbax needs absolute paths; remote paths (gs://...) are left as they are."""
     workdir = str(workdir)
@@ -56,9 +82,9 @@ def check_writable(workdir: str, remote_timeout_s: float = 120.0) -> None:
 def _probe(workdir: str) -> None:
     path = epath.Path(workdir)
     probe = path / f".write_probe.{socket.gethostname()}.{os.getpid()}"
-    if path.exists() and not path.is_dir():
-        raise WorkdirError(f"the workdir {workdir} is a file, not a directory; pass another "
-                           "--workdir")
+    problem = not_a_folder(workdir)  # a file, a symbolic link loop: not "fix its permissions"
+    if problem:
+        raise WorkdirError(f"the workdir {workdir} {problem}; pass another --workdir")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe.write_text("ok")
@@ -124,7 +150,12 @@ class WorkdirLock:
                 self._active = True
                 return
             path = os.path.join(self.workdir, LOCK_NAME)
-            f = open(path, "a+")
+            if os.path.isdir(path):
+                raise WorkdirLayoutError(
+                    f"{path} is a folder, not the run's lock file: move it away (it is no part "
+                    "of the run; the lock is an empty file) and rerun the same command")
+            # undecodable bytes are garbage like any other: the owner line is only shown
+            f = open(path, "a+", encoding="utf-8", errors="replace")
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:

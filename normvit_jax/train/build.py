@@ -141,6 +141,12 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
     except BaseException:
         mngr.close()
         raise
+    gone = checkpoints.checkpoints_gone(workdir) if restored is None else None
+    if gone:  # before anything is written: a restart at 0 would mix two histories in one workdir
+        mngr.close()
+        raise checkpoints.RunNotFoundError(
+            f"{gone}; put them back to continue, or rerun with --fresh to start over at step 0 "
+            f"(the old run is moved to {workdir}/replaced/)")
     if restored is None and config.init_from:
         # before anything is written: a file that does not load leaves no run behind (cli.run
         # removes a workdir it created); a resumed run never reads it again
