@@ -104,7 +104,11 @@ def checkpoints_gone(workdir: str, checkpoint_every: int | None = None) -> str |
         except Exception:  # noqa: BLE001
             return None
     reached = recorded_step(workdir)
-    if reached is None or reached < max(int(checkpoint_every), 1):
+    # Two intervals, not one: a run killed while its first save was written has records up to
+    # (with the asynchronous save, past) that step and no checkpoint, and its re-run starts at 0
+    # as documented; a save waits for the one before, so records at 2 x checkpoint_every mean the
+    # first save completed and has since gone.
+    if reached is None or reached < 2 * max(int(checkpoint_every), 1):
         return None
     return (f"no checkpoint in {checkpoint_dir(workdir)}, but the run's records (its summaries, "
             f"code.jsonl) reach step {reached}: its checkpoints are gone (moved or deleted)")

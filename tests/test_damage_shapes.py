@@ -151,6 +151,20 @@ def test_emptied_checkpoints_of_a_run_that_got_further_are_named(run, tmp_path, 
     assert "step 6" in err[0] and "gone" in err[0] and "not saved one yet" not in err[0], err
 
 
+def test_records_up_to_one_interval_are_a_crashed_first_save_not_gone_checkpoints(run, tmp_path):
+    """A run killed while writing its first checkpoint has records up to that step (and, with the
+    asynchronous save, a few past it) and no checkpoint: its re-run starts at 0 as documented.
+    Records at two intervals mean a completed first save that has gone."""
+    wd = _copy(run, tmp_path / "wd")  # records reach step 6
+    ckpt = os.path.join(wd, "checkpoints")
+    for name in os.listdir(ckpt):
+        shutil.rmtree(os.path.join(ckpt, name))
+    assert checkpoints.checkpoints_gone(wd, checkpoint_every=4) is None   # 6 < 8: first save
+    assert checkpoints.checkpoints_gone(wd, checkpoint_every=6) is None   # 6 < 12
+    gone = checkpoints.checkpoints_gone(wd, checkpoint_every=3)           # 6 >= 6
+    assert gone is not None and "step 6" in gone and "gone" in gone
+
+
 def test_a_damaged_step_asked_for_names_the_steps_that_exist(run, tmp_path, caplog):
     """Item 6: exit 4 "no checkpoint ... restores: step 6" left out that 2 and 4 restore."""
     wd = _copy(run, tmp_path / "wd")
