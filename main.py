@@ -71,6 +71,10 @@ def resolve_config_arg(argv):
         mode = _flag(argv, "mode")
         if mode in ("eval", "config") and workdir:
             if "://" not in workdir and not os.path.exists(os.path.join(workdir, "config.json")):
+                from normvit_jax import run_config  # no JAX
+                if run_config.has_checkpoint(workdir):
+                    print(f"error: {run_config.missing_config(workdir)}", file=sys.stderr)
+                    sys.exit(cli.EXIT_CONFIG)
                 what = "to evaluate" if mode == "eval" else "whose config to show"
                 print(f"error: {workdir} holds no run {what} (no config.json): train one there "
                       f"first, e.g. python main.py --config=configs/vit_ln.py:demo "

@@ -59,6 +59,8 @@ def require_run(workdir: str) -> None:
         raise RunNotFoundError(
             f"{workdir} holds a folded model (model.json, python -m normvit_jax.reparam), not a "
             f"run: pass the workdir it was folded from (predict takes the folder as --folded)")
+    if not config_path(workdir).exists() and run_config.has_checkpoint(workdir):
+        raise RunNotFoundError(run_config.missing_config(workdir))
     if not config_path(workdir).exists():
         raise RunNotFoundError(
             f"{workdir} holds no run (no config.json): train one there first, e.g. python main.py "
@@ -294,12 +296,35 @@ def _quarantine_all(mngr: ocp.CheckpointManager, failed: list[tuple[int, str]]
 
 def describe_damage(e: BaseException, step_path: epath.Path) -> str:
     """``describe_error`` with the file that failed: a truncated JSON metadata file raises a bare
-    JSONDecodeError that names no file, so the step's JSON files are checked to name it."""
+    JSONDecodeError that names no file, so the step's JSON files are checked to name it; a missing
+    part of the step is named alone (``_missing_part``)."""
+    missing = _missing_part(step_path)
+    if missing:
+        return missing
     text = describe_error(e)
     if str(step_path) in text:
         return text
     bad = _unreadable_json(step_path)
     return f"{bad}: {text}" if bad else text
+
+
+def _missing_part(step_path: epath.Path) -> str | None:
+    """'6/ is empty', '6/state/ is missing', '6/state/manifest.ocdbt is missing' for a step folder
+    that lacks what every checkpoint has; Orbax's own error named something else ("Unknown key:
+    state. Available keys: dict_keys([])", 'Metadata at "<leaf>/.zarray" ... does not exist').
+    None when they are there (or on gs://)."""
+    root = str(step_path)
+    if "://" in root or not os.path.isdir(root):
+        return None
+    name = os.path.basename(root.rstrip("/"))
+    if not os.listdir(root):
+        return f"{name}/ is empty"
+    state = os.path.join(root, "state")
+    if not os.path.isdir(state):
+        return f"{name}/state/ is missing"
+    if not os.path.exists(os.path.join(state, "manifest.ocdbt")):
+        return f"{name}/state/manifest.ocdbt is missing"
+    return None
 
 
 def _unreadable_json(step_path: epath.Path) -> str | None:
@@ -334,7 +359,9 @@ def mismatch(mngr: ocp.CheckpointManager, step: int, abstract_state: Any
                    FileNotFoundError(f"Metadata file {path} does not exist"))
         saved = _leaf_specs(getattr(meta, "item_metadata", meta))
     except Exception as e:  # noqa: BLE001
-        return "damaged", f"its metadata cannot be read: {describe_damage(e, step_dir(mngr, step))}"
+        missing = _missing_part(step_dir(mngr, step))
+        return "damaged", missing or \
+            f"its metadata cannot be read: {describe_damage(e, step_dir(mngr, step))}"
     wanted = _leaf_specs(abstract_state)
     diffs = []  # the params first: the optimizer state only repeats them
     for path in sorted(set(saved) | set(wanted), key=lambda p: (not p.startswith("params/"), p)):

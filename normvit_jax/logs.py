@@ -87,6 +87,30 @@ def _quiet_unraisable(previous):
 _FILTER = QuietLibraries()
 
 
+_ABSL_FORMAT = "absl format"  # the name of the handler absl_format adds
+
+
+def absl_format() -> None:
+    """A tool without absl.app (argparse: predict, report, prepare, ...) printed Python logging's
+    default 'WARNING:normvit_jax.checkpoints:Checkpoint ...' beside main.py's and export's absl
+    lines ('W1129 05:06:39.123456 1234 checkpoints.py:171] Checkpoint ...'): without absl's
+    handler on the root logger, one stderr handler with absl's formatter takes the place of the
+    default ones. Called by those tools' ``__main__`` blocks only (a test calling a tool's main
+    in its own process keeps pytest's handlers). Idempotent; nothing changes under absl.app."""
+    from absl import logging as absl_logging
+    root = std_logging.getLogger()
+    if absl_logging.get_absl_handler() in root.handlers \
+            or any(h.get_name() == _ABSL_FORMAT for h in root.handlers):
+        return
+    for h in [h for h in root.handlers if type(h) is std_logging.StreamHandler  # noqa: E721
+              and h.stream in (sys.stderr, sys.__stderr__)]:  # basicConfig's
+        root.removeHandler(h)
+    handler = std_logging.StreamHandler(sys.stderr)
+    handler.set_name(_ABSL_FORMAT)
+    handler.setFormatter(absl_logging.PythonFormatter())
+    root.addHandler(handler)
+
+
 def quiet_library_logs() -> None:
     """Idempotent; call at the start of a CLI's main (after absl set up its handler)."""
     # TensorFlow and jaxlib each print the same oneDNN banner through their C++ INFO log.

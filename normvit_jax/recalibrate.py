@@ -210,4 +210,6 @@ def _main(args: Any) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from normvit_jax import logs as _logs  # absl's log format, as main.py's
+    _logs.absl_format()
     main()

@@ -128,9 +128,12 @@ def is_schedule_key(key: str) -> bool:
 
 def check_config(config: Any, workdir: str) -> None:
     """Refuses, in one line naming the changed keys, a workdir whose config.json differs from
-    ``config`` in a key outside ``ALWAYS_CHANGEABLE``, unless ``config.allow_config_change``."""
+    ``config`` in a key outside ``ALWAYS_CHANGEABLE``, and one with checkpoints but no config.json
+    (``missing_config``), unless ``config.allow_config_change``."""
     path = epath.Path(workdir) / CONFIG_NAME
     if not path.exists():
+        if has_checkpoint(workdir) and not config.get("allow_config_change"):
+            raise ConfigChangedError(missing_config(workdir, training=True))
         return
     diff = config_diff(read_saved(path), json.loads(config.to_json_best_effort()))
     if diff and not has_checkpoint(workdir):
@@ -171,6 +174,24 @@ def check_eval_dataset(config: Any, workdir: str) -> None:
           "(the run's own config.json is used); another eval set: --config.data.eval_name=NAME")
 
 
+def missing_config(workdir: str, training: bool = False) -> str:
+    """The one line for a workdir that holds checkpoints but no config.json (deleted, or lost in
+    a copy): the config the run trained with is unknown, so neither a re-run nor a tool may take
+    another one silently. ``training``: main.py's ways out, else the tools' (restore it, or
+    continue the run with main.py to record one)."""
+    before = sorted(p.name for p in epath.Path(workdir).glob("config.before-*.json"))
+    restore = (f"restore {epath.Path(workdir) / CONFIG_NAME}"
+               + (f" ({before[-1]} beside it is an older copy)" if before else ""))
+    if training:
+        return (f"{workdir} holds checkpoints but no {CONFIG_NAME}: the config the run trained "
+                f"with is unknown; {restore}, pass --config.allow_config_change=True to continue "
+                f"it with this config (recorded in {CONFIG_NAME}), or --fresh to start over (the "
+                f"old run is moved to {REPLACED_DIR}/)")
+    return (f"{workdir} holds checkpoints but no {CONFIG_NAME}: the config the run trained with "
+            f"is unknown; {restore}, or continue the run with python main.py --config=<its config> "
+            f"--workdir={workdir} --config.allow_config_change=True, which records it")
+
+
 def has_checkpoint(workdir: str) -> bool:
     """Whether ``workdir/checkpoints`` holds a step folder (complete or not: a partial one means
     training ran with the saved config)."""
@@ -198,6 +219,10 @@ def write_config(config: Any, workdir: str) -> None:
     ``ALWAYS_CHANGEABLE`` keys) and keeps the old file as config.before-<time>.json."""
     path = epath.Path(workdir) / CONFIG_NAME
     current = saved_values(config)
+    if not path.exists() and has_checkpoint(workdir):  # check_config let it through: the flag
+        logging.warning("%s had checkpoints but no %s: continuing with the given config "
+                        "(allow_config_change), now recorded in %s.", workdir, CONFIG_NAME,
+                        CONFIG_NAME)
     if path.exists():
         old = path.read_text()
         saved = json.loads(old)

@@ -27,6 +27,7 @@ from etils import epath
 from normvit_jax import run_config
 
 RECORD_NAME = "data.json"
+CLASSES_NAME = "classes.json"  # label order -> names (train/build.py writes it)
 STATS = ("mean", "std", "min", "max")
 
 
@@ -105,7 +106,9 @@ def check_resume(workdir: str, current: dict, allow_change: bool) -> None:
     """Refuses (DataChangedError, one line) to continue a run whose dataset was prepared again
     since it trained: other statistics or examples break the exact continuation (docs/faults.md)
     unless ``allow_change`` (``config.allow_config_change``). A run without a checkpoint trained
-    on nothing yet: it takes the dataset as it is now (``write`` keeps the old record)."""
+    on nothing yet: it takes the dataset as it is now (``write`` keeps the old record). A damaged
+    data.json or classes.json is a ValueError naming it (``read``, ``check_classes``)."""
+    check_classes(workdir)
     saved = read(workdir)
     if saved is None or allow_change or not run_config.has_checkpoint(workdir):
         return
@@ -116,6 +119,21 @@ def check_resume(workdir: str, current: dict, allow_change: bool) -> None:
             f"since ({'; '.join(diff)}): resuming would not continue the run exactly. Use another "
             "--workdir, pass --config.allow_config_change=True to continue this run on the new "
             f"data ({RECORD_NAME} is updated, the old one kept), or --fresh to start over.")
+
+
+def check_classes(workdir: str) -> None:
+    """A damaged ``classes.json`` (not JSON, not a list) is a ValueError naming it, as a damaged
+    data.json is: training wrote the dataset's names over it without a word, while predict
+    refused it (docs/faults.md: exit 2 for both)."""
+    path = epath.Path(workdir) / CLASSES_NAME
+    if not path.exists():
+        return
+    advice = ("restore it from a copy of the run, or delete it: training writes the dataset's "
+              "class names again")
+    names = run_config.read_json(path, advice)
+    if not isinstance(names, list):
+        raise ValueError(f"{path} is not a list of class names (JSON {type(names).__name__}); "
+                         f"{advice}")
 
 
 def write(workdir: str, record: dict) -> None:

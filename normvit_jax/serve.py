@@ -229,4 +229,6 @@ def _serve(args: Any) -> None:
 
 
 if __name__ == "__main__":
+    from normvit_jax import logs as _logs  # absl's log format, as main.py's
+    _logs.absl_format()
     main()

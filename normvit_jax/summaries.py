@@ -14,14 +14,21 @@ Resumes are exact, so the dropped points equal their rewrites except the timing 
 time between a stop and a restart is not counted.
 
 Files are read with TensorBoard's own event loader (through TensorFlow's record reader where it
-is installed, TensorBoard's stub otherwise): a truncated or damaged tail ends a file quietly.
+is installed, TensorBoard's stub otherwise), which ends a file quietly at a truncated or damaged
+record. So the records' framing is walked as well (``_record_offsets``): a file whose reading stopped
+before its end is one warning naming it, the byte and the step it was read up to (``read_scalars``,
+``read_run``; ``RunSummaries.damaged`` holds the lines), unless a later file's ``SEGMENT_TAG``
+starts at or before that step: then the lost tail is what a killed run left and its re-run wrote
+again, and nothing is missing.
 """
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
+from absl import logging
 from etils import epath
 
 if TYPE_CHECKING:
@@ -52,6 +59,9 @@ class RunSummaries:
     # the step each (re)start of the loop began at (its SEGMENT_TAG), in file order; empty for
     # runs written before the marker existed
     start_steps: list[int] = dataclasses.field(default_factory=list)
+    # one line per event file whose reading stopped at damage with points missing (read_scalars'
+    # warnings)
+    damaged: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -60,6 +70,8 @@ class _EventFile:
     scalars: list[tuple[str, int, float, float]]  # (tag, step, value, wall_time) in file order
     first: float  # wall time of the first event (inf if none could be read)
     last: float
+    last_step: int | None = None  # of the last event read
+    damage: str | None = None  # 'at byte N of M (...)' when reading stopped before the end
 
 
 def events(path: epath.Path | str) -> Iterator[event_pb2.Event]:
@@ -70,26 +82,72 @@ def events(path: epath.Path | str) -> Iterator[event_pb2.Event]:
     return event_file_loader.EventFileLoader(str(path)).Load()
 
 
+def _record_offsets(path: epath.Path) -> tuple[list[int], int | None, int]:
+    """(start offset of each record whose framing is intact, offset where the framing breaks or
+    None, file size). A TFRecord is an 8-byte length, its masked CRC32C, the data and the data's
+    masked CRC32C; the data's CRC is left to the loader (``_read_file`` compares the counts)."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    data = path.read_bytes()
+    offsets, pos, size = [], 0, len(data)
+    while pos < size:
+        header = data[pos:pos + 12]
+        if len(header) < 12:
+            return offsets, pos, size
+        (length,), (crc,) = struct.unpack("<Q", header[:8]), struct.unpack("<I", header[8:])
+        if masked_crc32c(header[:8]) != crc or pos + 12 + length + 4 > size:
+            return offsets, pos, size
+        offsets.append(pos)
+        pos += 12 + length + 4
+    return offsets, None, size
+
+
 def _read_file(path: epath.Path) -> _EventFile:
-    """Every scalar of one event file and its first/last wall time, in one pass."""
+    """Every scalar of one event file and its first/last wall time, in one pass, and where the
+    reading stopped if that is before the file's end."""
+    from tensorboard.backend.event_processing import event_file_loader
     from tensorboard.util import tensor_util
 
     scalar_tags: set[str] = set()  # a writer sends a tag's plugin metadata with its first value only
     rows: list[tuple[str, int, float, float]] = []
     first, last = float("inf"), float("-inf")
-    for event in events(path):
-        first = event.wall_time if first == float("inf") else first
-        last = event.wall_time
-        for v in event.summary.value:
-            if v.metadata.plugin_data.plugin_name == "scalars":
-                scalar_tags.add(v.tag)
-            if not (v.HasField("tensor") and v.tag in scalar_tags):
-                continue
-            arr = tensor_util.make_ndarray(v.tensor)
-            if arr.size == 1:
-                rows.append((v.tag, int(event.step), float(np.asarray(arr).reshape(())),
-                             float(event.wall_time)))
-    return _EventFile(path, rows, first, last)
+    last_step, records, initial_metadata = None, 0, {}
+    for record in event_file_loader.RawEventFileLoader(str(path)).Load():
+        records += 1
+        for event in _events_of(record, initial_metadata):
+            first = event.wall_time if first == float("inf") else first
+            last = event.wall_time
+            last_step = int(event.step)
+            _scalars(event, scalar_tags, rows, tensor_util)
+    offsets, broken, size = _record_offsets(path)
+    damage = None
+    if records < len(offsets) or broken is not None:
+        at = offsets[records] if records < len(offsets) else broken
+        damage = f"at byte {at} of {size} (record {records + 1} is truncated or corrupt)"
+    return _EventFile(path, rows, first, last, last_step, damage)
+
+
+def _events_of(record: bytes, initial_metadata: dict) -> list[event_pb2.Event]:
+    """One record's event(s) as ``EventFileLoader`` yields them (its read-time compat layers;
+    ``initial_metadata``: the per-file memo the loader keeps)."""
+    from tensorboard import data_compat, dataclass_compat
+    from tensorboard.compat.proto import event_pb2
+
+    event = data_compat.migrate_event(event_pb2.Event.FromString(record))
+    return dataclass_compat.migrate_event(event, initial_metadata)
+
+
+def _scalars(event: event_pb2.Event, scalar_tags: set[str], rows: list, tensor_util) -> None:
+    """Appends the scalar values of ``event`` to ``rows``."""
+    for v in event.summary.value:
+        if v.metadata.plugin_data.plugin_name == "scalars":
+            scalar_tags.add(v.tag)
+        if not (v.HasField("tensor") and v.tag in scalar_tags):
+            continue
+        arr = tensor_util.make_ndarray(v.tensor)
+        if arr.size == 1:
+            rows.append((v.tag, int(event.step), float(np.asarray(arr).reshape(())),
+                         float(event.wall_time)))
 
 
 def _event_paths(workdir: str) -> list[epath.Path]:
@@ -106,6 +164,28 @@ def _read_files(workdir: str) -> list[_EventFile]:
 def event_files(workdir: str) -> list[epath.Path]:
     """The run's event files, oldest first by their first event."""
     return [f.path for f in _read_files(workdir)]
+
+
+def _damaged(files: list[_EventFile], warn: bool = True) -> list[str]:
+    """One line per file whose reading stopped at damage with points missing: those after its
+    last step read, unless a later file's (re)start marker is at or before that step (the tail
+    a killed run left, which its re-run wrote again). Logged as warnings with ``warn``."""
+    lines = []
+    for i, f in enumerate(files):
+        if f.damage is None:
+            continue
+        read_to = -1 if f.last_step is None else f.last_step
+        restarts = [step for g in files[i + 1:] for tag, step, _, _ in g.scalars
+                    if tag == SEGMENT_TAG]
+        if restarts and min(restarts) <= read_to:
+            continue
+        lines.append(f"the event file {f.path} is damaged {f.damage}: its points were read up "
+                     f"to step {f.last_step if f.last_step is not None else '(none)'}; later "
+                     "ones in it are missing")
+    if warn:
+        for line in lines:
+            logging.warning("%s", line)
+    return lines
 
 
 def _history(files: list[_EventFile], include_timing: bool) -> dict[str, list[Point]]:
@@ -129,12 +209,16 @@ def read_scalars(workdir: str, *, include_timing: bool = True
     """``{tag: [(step, value, wall_time), ...]}`` sorted by step, one point per step: the run's
     history after dropping what a resume superseded (module docstring). ``SEGMENT_TAG`` itself is
     left out; ``include_timing=False`` also leaves out ``TIMING_TAGS`` (they differ between an
-    interrupted run and an uninterrupted one by nature)."""
-    return _history(_read_files(workdir), include_timing)
+    interrupted run and an uninterrupted one by nature). A damaged event file is one warning
+    line (module docstring); its points before the damage are kept."""
+    files = _read_files(workdir)
+    _damaged(files)
+    return _history(files, include_timing)
 
 
 def read_run(workdir: str) -> RunSummaries:
-    """All scalar tags of a workdir as ``Series`` (as ``read_scalars``) and its training wall time."""
+    """All scalar tags of a workdir as ``Series`` (as ``read_scalars``: a damaged file is one
+    warning, and its line in ``damaged``) and its training wall time."""
     files = _read_files(workdir)
     spans = [(f.first, f.last) for f in files if f.first <= f.last]
     scalars = {}
@@ -143,7 +227,8 @@ def read_run(workdir: str) -> RunSummaries:
         scalars[tag] = Series(pts[:, 0].astype(np.int64), pts[:, 1], pts[:, 2],
                               elapsed(pts[:, 2], spans))
     starts = [step for f in files for tag, step, _, _ in f.scalars if tag == SEGMENT_TAG]
-    return RunSummaries(scalars, float(sum(last - first for first, last in spans)), starts)
+    return RunSummaries(scalars, float(sum(last - first for first, last in spans)), starts,
+                        _damaged(files))
 
 
 def elapsed(wall: np.ndarray, spans: list[tuple[float, float]]) -> np.ndarray:

@@ -173,3 +173,26 @@ def test_folded_size_is_the_model_without_its_norms(norm):
     kept = 2 * cfg.model.depth + 1 if norm == "dyt" else 0
     assert params == sum(np.size(v) for v in jax.tree.leaves(expected["params"])) + kept < n_trained
     assert fl is not None and fl > 0
+
+
+def test_report_notes_a_run_whose_event_file_is_damaged(tmp_path, capsys):
+    """A truncated event file read quietly up to the damage: the report showed the last eval
+    before it as the run's final top-1 without a word. Now the run keeps its row and the report
+    notes, on stderr and in report.md, the file and the step it was read up to."""
+    import glob
+    import os
+    steps = [10, 20, 30, 40]
+    _fake_run(str(tmp_path / "ln"), "layernorm", steps, CURVES["ln_s0"][1])
+    _fake_run(str(tmp_path / "cut"), "layernorm", steps, CURVES["ln_s1"][1])
+    (path,) = glob.glob(str(tmp_path / "cut" / "events.out.tfevents*"))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2 + 7)
+    out = tmp_path / "out"
+    report.write_report([str(tmp_path / "ln"), str(tmp_path / "cut")], str(out),
+                        no_attention=True)
+    assert len(json.loads((out / "report.json").read_text())) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if path in line]
+    assert len(err) == 1 and err[0].startswith(f"report: note {tmp_path / 'cut'}: ") \
+        and "read up to step" in err[0], err
+    md = (out / "report.md").read_text()
+    assert f"- note {tmp_path / 'cut'}: the event file {path} is damaged" in md, md[-2000:]

@@ -212,3 +212,24 @@ def test_fresh_moves_the_record_aside_with_the_run(tmp_path):
     assert sorted(os.listdir(dest)) == ["checkpoints", "config.json",
                                         "data.before-20260101T000000Z.json", "data.json"]
     assert sorted(os.listdir(tmp_path)) == ["replaced"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not a list"])
+def test_a_damaged_classes_json_stops_a_resume_in_one_line(trained, tmp_path, caplog, damage):
+    """A truncated classes.json in a resumable run: training exited 0 and wrote it again without
+    a word (predict refuses it, exit 2; a damaged data.json stops the resume, exit 2). Now the
+    same as data.json: one line naming it and how to restore it, exit 2, the file left as it
+    is."""
+    wd = _copy_run(trained, tmp_path)
+    path = os.path.join(wd, "classes.json")
+    bad = {"truncated": '["ant", "be', "not a list": '{"ant": 0}'}[damage]
+    with open(path, "w") as f:
+        f.write(bad)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="absl"):
+        assert cli.run(_config(trained.root, total_steps=4, allow_config_change=True),
+                       wd) == cli.EXIT_CONFIG
+    stopped = [r.getMessage() for r in caplog.records if "classes.json" in r.getMessage()]
+    assert len(stopped) == 1 and "\n" not in stopped[0], stopped
+    assert path in stopped[0] and "restore it" in stopped[0] and "delete it" in stopped[0]
+    assert open(path).read() == bad

@@ -260,3 +260,47 @@ def test_mode_config_prints_the_resolved_config(tmp_path):
     r = _main("--mode=config", f"--workdir={wd}", "--config.eval_every=5")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout) == {**saved, "eval_every": 5}
+
+
+def test_checkpoints_without_config_json_are_refused_in_one_line(tmp_path, caplog):
+    """config.json gone while checkpoints are present: a re-run with another learning rate
+    resumed without a word and wrote a config.json recording it, as if the run had trained
+    with it. Now: one line (exit 2) naming what is missing and the ways out; with
+    allow_config_change the given config is taken, said in one warning line."""
+    wd = str(tmp_path)
+    run_config.write_config(tiny_demo_config(), wd)
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    os.remove(os.path.join(wd, "config.json"))
+    changed = tiny_demo_config(**{"optimizer.learning_rate": 0.0123})
+    with pytest.raises(run_config.ConfigChangedError) as e:
+        run_config.check_config(changed, wd)
+    msg = str(e.value)
+    assert "\n" not in msg and cli.exit_code(e.value) == cli.EXIT_CONFIG
+    assert f"{wd} holds checkpoints but no config.json" in msg, msg
+    assert "--config.allow_config_change=True" in msg and "--fresh" in msg
+    assert "config.before-" not in msg  # none to restore from
+    (tmp_path / "config.before-20260101T000000Z.json").write_text("{}")
+    with pytest.raises(run_config.ConfigChangedError, match=r"config\.before-20260101T000000Z"
+                                                            r"\.json"):
+        run_config.check_config(changed, wd)
+    changed.allow_config_change = True
+    run_config.check_config(changed, wd)
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        run_config.write_config(changed, wd)
+    lines = [m for m in _messages(caplog) if "no config.json" in m]
+    assert len(lines) == 1 and "0.0123" not in lines[0] and wd in lines[0], lines
+    assert _saved(wd)["optimizer"]["learning_rate"] == 0.0123
+
+
+def test_tools_on_checkpoints_without_config_json_do_not_say_train_one(tmp_path):
+    from normvit_jax import checkpoints
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    with pytest.raises(checkpoints.RunNotFoundError) as e:
+        checkpoints.require_run(str(tmp_path))
+    msg = str(e.value)
+    assert "train one there first" not in msg and "holds checkpoints but no config.json" in msg
+    assert "restore" in msg and "--config.allow_config_change=True" in msg
+    r = _main("--mode=eval", f"--workdir={tmp_path}")
+    assert r.returncode == cli.EXIT_CONFIG
+    assert "train one there first" not in r.stderr
+    assert "holds checkpoints but no config.json" in r.stderr, r.stderr[-2000:]

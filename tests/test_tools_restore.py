@@ -250,3 +250,38 @@ def test_a_json_file_that_cannot_be_read_is_named_with_what_to_do(tmp_path):
     assert cli.exit_code(e.value) == cli.EXIT_CONFIG
     with pytest.raises(FileNotFoundError):
         run_config.read_json(tmp_path / "absent.json", "unused")
+
+
+@pytest.mark.parametrize("damage", ["manifest", "state", "empty"])
+def test_a_missing_part_of_a_checkpoint_is_named(run, tmp_path, damage):
+    """A deleted state/manifest.ocdbt, state/ folder or an emptied step folder was named by
+    Orbax's echo ('Metadata at "nonfinite_streak/.zarray" ... does not exist', "KeyError: 'Unknown
+    key: state. Available keys: dict_keys(['meta'])'"), not by what is missing."""
+    wd = _copy(run, tmp_path / "wd")
+    step6 = os.path.join(wd, "checkpoints", "6")
+    if damage == "manifest":
+        os.remove(os.path.join(step6, "state", "manifest.ocdbt"))
+        said = "6/state/manifest.ocdbt is missing"
+    elif damage == "state":
+        shutil.rmtree(os.path.join(step6, "state"))
+        said = "6/state/ is missing"
+    else:
+        shutil.rmtree(step6)
+        os.mkdir(step6)
+        said = "6/ is empty"
+    restored, _ = checkpoints.restore_numpy(wd)
+    assert restored.step == 3 and restored.damaged[0][0] == 6
+    assert said in restored.damaged[0][1], restored.damaged[0][1]
+    assert "KeyError" not in restored.damaged[0][1] and ".zarray" not in restored.damaged[0][1]
+
+
+def test_predict_logs_in_the_format_of_the_other_tools(run, tmp_path):
+    """predict (argparse, no absl.app) printed 'WARNING:normvit_jax.checkpoints:Checkpoint ...',
+    Python's default format, where export and main.py print absl's 'W1129 05:06:39.123 ...'."""
+    wd = _copy(run, tmp_path / "wd")
+    _truncate_data(os.path.join(wd, "checkpoints", "6"))
+    r = _run("predict", wd, tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    hits = [line for line in r.stderr.splitlines() if re.search(DAMAGED, line)]
+    assert len(hits) == 1 and re.match(r"W\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ checkpoints\.py:\d+\] "
+                                       r"Checkpoint at step 6", hits[0]), hits

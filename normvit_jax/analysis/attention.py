@@ -190,4 +190,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from normvit_jax import logs as _logs  # absl's log format, as main.py's
+    _logs.absl_format()
     sys.exit(main())

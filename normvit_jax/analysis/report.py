@@ -36,6 +36,9 @@ config.total_steps, or num_epochs of their train split) or trained on other data
 reference are left out of it, with the reason printed. The table goes to stdout
 and report.md; each row of report.json gets ``convergence``: the reference, target, threshold_top1
 and its steps_to_target (null: never), or why it was left out.
+
+A run whose event file is damaged (truncated, zeroed) keeps its row, read up to the damage, and is
+noted (stderr and report.md: "note W: the event file ... read up to step N", summaries.read_run).
 """
 from __future__ import annotations
 
@@ -255,6 +258,9 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         raise ValueError("no run could be read: " + "; ".join(f"{w}: {why}" for w, why in skipped))
     for w, why in skipped:
         _skip(w, why)
+    notes = [(w, line) for w in workdirs for line in summaries[w].damaged]
+    for w, line in notes:  # the run keeps its row, read up to the damage
+        print(f"report: note {w}: {line}", file=sys.stderr)
     split = _split_recipes(rows)
     conv = _convergence(rows, summaries, reference, target)  # raises before anything is written
     _check_tags(tags, [summaries[w].scalars for w in workdirs])
@@ -267,6 +273,7 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
         f.write("# Comparison of runs\n\n" + markdown_table(rows) + "\n" + split.line()
                 + NOTES[1:]
                 + "".join(f"- skipped {w}: {why}\n" for w, why in skipped)
+                + "".join(f"- note {w}: {line}\n" for w, line in notes)
                 + "\n## Convergence\n\n" + section)
     with open(paths[1], "w") as f:
         json.dump(rows, f, indent=2)
@@ -478,4 +485,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from normvit_jax import logs as _logs  # absl's log format, as main.py's
+    _logs.absl_format()
     sys.exit(main())

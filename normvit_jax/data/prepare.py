@@ -480,4 +480,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from normvit_jax import logs as _logs  # absl's log format, as main.py's
+    _logs.absl_format()
     main()
