@@ -97,7 +97,12 @@ def check_model(config: Any) -> None:
     """The model's sizes and choices (variant filled in, heads dividing the width, norm names and
     override keys), as the loop will resolve them; imports flax, not a JAX backend."""
     from normvit_jax import models
-    models.spec_of(config.model, num_classes=2)
+    from normvit_jax.norms import registry
+    spec = models.spec_of(config.model, num_classes=2)
+    # each norm's options (ranges, None, unknown keys) as building it checks them, no building
+    for norm in {spec.norm, *getattr(spec, "slot_norms", ()),
+                 *(n for n in (getattr(spec, "stem_norm", None),) if n)}:
+        registry.checked_options(norm)
 
 
 def check_run_length(config: Any) -> None:

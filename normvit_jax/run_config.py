@@ -66,11 +66,12 @@ def utc_stamp() -> str:
 
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested dict (a config.json) by dotted key: {'data': {'name': 'x'}} -> {'data.name': 'x'}."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -78,10 +79,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def flat_values(config: Any) -> dict:
     """A ConfigDict's values by dotted key ('data.image_size'), as its JSON has them."""
-    return _flatten(json.loads(config.to_json_best_effort()))
+    return flatten(json.loads(config.to_json_best_effort()))
 
 
-def _default_values() -> dict:
+def default_values() -> dict:
     """Flattened values of configs/default.py: a key a newer version added is absent from an
     older run's config.json; at its default it keeps the old behaviour, so it is no change."""
     from configs import default  # pylint: disable=import-outside-toplevel
@@ -93,8 +94,8 @@ def changed_keys(saved: dict, current: dict, defaults: dict | None = None
     """(dotted key, saved value, current value) of every key that differs, sorted by key, but
     ``NOT_COMPARED`` and a key absent from ``saved`` (a newer version added it) at its default;
     an absent value is ``'<absent>'``."""
-    a, b = _flatten(saved), _flatten(current)
-    defaults = _default_values() if defaults is None else defaults
+    a, b = flatten(saved), flatten(current)
+    defaults = default_values() if defaults is None else defaults
 
     def changed(k: str) -> bool:
         if k in NOT_COMPARED or a.get(k) == b.get(k):
@@ -160,7 +161,7 @@ def check_eval_dataset(config: Any, workdir: str) -> None:
     path = epath.Path(workdir) / CONFIG_NAME
     if not path.exists():  # no run there: the checkpoint checks say so
         return
-    saved, current = _flatten(read_saved(path)), flat_values(config)
+    saved, current = flatten(read_saved(path)), flat_values(config)
     name, data_dir = saved.get("data.name"), saved.get("data.data_dir")
     if name is None or name == current.get("data.name"):
         return

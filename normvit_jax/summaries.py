@@ -82,24 +82,28 @@ def events(path: epath.Path | str) -> Iterator[event_pb2.Event]:
     return event_file_loader.EventFileLoader(str(path)).Load()
 
 
-def _record_offsets(path: epath.Path) -> tuple[list[int], int | None, int]:
-    """(start offset of each record whose framing is intact, offset where the framing breaks or
-    None, file size). A TFRecord is an 8-byte length, its masked CRC32C, the data and the data's
-    masked CRC32C; the data's CRC is left to the loader (``_read_file`` compares the counts)."""
+def _record_offsets(path: epath.Path, size: int) -> tuple[list[int], int | None]:
+    """(start offset of each record whose framing is intact within the first ``size`` bytes, offset
+    where the framing breaks or None). A TFRecord is an 8-byte length, its masked CRC32C, the data
+    and the data's masked CRC32C; only the 12-byte headers are read (seeking over the data, which
+    the loader has read: no second download of a gs:// file), and the data's CRC is left to the
+    loader (``_read_file`` compares the counts). ``size``: taken before the loader read, so a
+    live run's records appended since are not compared."""
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-    data = path.read_bytes()
-    offsets, pos, size = [], 0, len(data)
-    while pos < size:
-        header = data[pos:pos + 12]
-        if len(header) < 12:
-            return offsets, pos, size
-        (length,), (crc,) = struct.unpack("<Q", header[:8]), struct.unpack("<I", header[8:])
-        if masked_crc32c(header[:8]) != crc or pos + 12 + length + 4 > size:
-            return offsets, pos, size
-        offsets.append(pos)
-        pos += 12 + length + 4
-    return offsets, None, size
+    offsets, pos = [], 0
+    with path.open("rb") as f:
+        while pos < size:
+            f.seek(pos)
+            header = f.read(12)
+            if len(header) < 12:
+                return offsets, pos
+            (length,), (crc,) = struct.unpack("<Q", header[:8]), struct.unpack("<I", header[8:])
+            if masked_crc32c(header[:8]) != crc or pos + 12 + length + 4 > size:
+                return offsets, pos
+            offsets.append(pos)
+            pos += 12 + length + 4
+    return offsets, None
 
 
 def _read_file(path: epath.Path) -> _EventFile:
@@ -112,6 +116,7 @@ def _read_file(path: epath.Path) -> _EventFile:
     rows: list[tuple[str, int, float, float]] = []
     first, last = float("inf"), float("-inf")
     last_step, records, initial_metadata = None, 0, {}
+    size = path.stat().length  # before the loader: what a live writer appends later is not read
     for record in event_file_loader.RawEventFileLoader(str(path)).Load():
         records += 1
         for event in _events_of(record, initial_metadata):
@@ -119,9 +124,9 @@ def _read_file(path: epath.Path) -> _EventFile:
             last = event.wall_time
             last_step = int(event.step)
             _scalars(event, scalar_tags, rows, tensor_util)
-    offsets, broken, size = _record_offsets(path)
+    offsets, broken = _record_offsets(path, size)
     damage = None
-    if records < len(offsets) or broken is not None:
+    if records < len(offsets) or (broken is not None and records <= len(offsets)):
         at = offsets[records] if records < len(offsets) else broken
         damage = f"at byte {at} of {size} (record {records + 1} is truncated or corrupt)"
     return _EventFile(path, rows, first, last, last_step, damage)

@@ -229,6 +229,25 @@ def test_a_complete_run_is_left_untouched(tmp_path, caplog):
     assert not [m for m in _messages(caplog) if "already complete" in m]
 
 
+def test_a_complete_run_without_config_json_gets_it_back_with_the_flag(tmp_path):
+    """The refusal of checkpoints without config.json says --config.allow_config_change=True
+    takes the given config; on a complete run the re-run wrote nothing (a complete run is left
+    as it is), so the tools kept refusing and the advice went round in a circle."""
+    from normvit_jax import checkpoints
+    wd = str(tmp_path)
+    cfg = tiny_demo_config(total_steps=2, checkpoint_every=2)
+    loop.train_and_evaluate(cfg, wd)
+    saved = _saved(wd)
+    os.remove(os.path.join(wd, "config.json"))
+    with pytest.raises(checkpoints.RunNotFoundError):
+        checkpoints.require_run(wd)
+    again = loop.train_and_evaluate(tiny_demo_config(total_steps=2, checkpoint_every=2,
+                                                     allow_config_change=True), wd)
+    assert again["step"] == 2
+    assert _saved(wd) == saved  # the same config, the permission recorded False
+    checkpoints.require_run(wd)  # the tools take the run again
+
+
 def _main(*args):
     return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "main.py"), *args],
                           cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
@@ -252,6 +271,15 @@ def test_mode_config_prints_the_resolved_config(tmp_path):
     assert r.returncode == cli.EXIT_CONFIG and r.stdout == ""
     assert r.stderr.strip().splitlines() == [
         "error: config.total_steps=0 must be None (use num_epochs) or an integer >= 1"], r.stderr
+    # a norm option out of range or None (checked when a norm is built: --mode=config printed
+    # it with exit 0), the block norm's and a per-slot override's
+    for option, line in (("model.norm.epsilon=None", "epsilon=None is not accepted"),
+                         ("model.norm_overrides.final.epsilon=-2", "epsilon=-2 is out of range")):
+        extra = (["--config.model.norm_overrides.final.name=layernorm"]
+                 if "overrides" in option else [])
+        r = _main("--mode=config", "--config=configs/vit_ln.py:demo", *extra, f"--config.{option}")
+        assert r.returncode == cli.EXIT_CONFIG and r.stdout == "", r.stderr[-2000:]
+        assert len(r.stderr.strip().splitlines()) == 1 and line in r.stderr, r.stderr
     # a run's workdir: its own config.json (with overrides)
     wd = tmp_path / "run"
     wd.mkdir()

@@ -74,3 +74,20 @@ def test_intact_files_and_a_tail_a_resume_rewrote_say_nothing(tmp_path, caplog):
         run = summaries.read_run(str(tmp_path))
     assert [s for s, _, _ in got["loss"]] == list(range(1, 8))
     assert not _warnings(caplog) and run.damaged == []
+
+
+def test_records_appended_after_the_reading_started_are_not_damage(tmp_path, caplog):
+    """A live run appends records while the report reads: the framing is walked only over the
+    bytes that were there before the loader read (the size taken first), by their 12-byte
+    headers. A file that is whole at that size is not damaged, whatever follows it; cut in a
+    record at that size, it is (a truncated file reads the same)."""
+    from etils import epath
+    path = epath.Path(_run(tmp_path))
+    size = path.stat().length
+    offsets, broken = summaries._record_offsets(path, size)
+    assert broken is None and len(offsets) == 1 + 1 + 60 + 2  # file version, start marker, 60 + 2 points
+    with open(path, "ab") as f:  # a record a writer has begun: its header only
+        f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00")
+    assert summaries._record_offsets(path, size) == (offsets, None)
+    cut, at = summaries._record_offsets(path, offsets[10] + 5)
+    assert cut == offsets[:10] and at == offsets[10]

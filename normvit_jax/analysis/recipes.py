@@ -43,14 +43,14 @@ def compared(key: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def _defaults() -> dict:
     from normvit_jax import run_config  # pylint: disable=import-outside-toplevel
-    return run_config._default_values()  # pylint: disable=protected-access
+    return run_config.default_values()
 
 
 def flat(saved: Mapping[str, Any]) -> dict:
     """A config.json's values by dotted key; a key of configs/default.py it lacks (an older run)
     at its default, as resuming treats it (run_config.config_diff)."""
     from normvit_jax import run_config  # pylint: disable=import-outside-toplevel
-    return {**_defaults(), **run_config._flatten(dict(saved))}  # pylint: disable=protected-access
+    return {**_defaults(), **run_config.flatten(dict(saved))}
 
 
 def _canon(v: Any) -> str:

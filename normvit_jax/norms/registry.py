@@ -79,12 +79,10 @@ def resolve(name: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module_name), cls_name)
 
 
-def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | None = None,
-           num_prefix_tokens: int = 0, slot: str = "", name: str | None = None) -> nn.Module:
-    """Builds the norm named by ``cfg['name']`` with the remaining keys as its options.
-
-    Options a norm does not know raise a ValueError naming them and the accepted ones.
-    """
+def checked_options(cfg: Any) -> tuple[str, type[nn.Module], dict[str, Any]]:
+    """(name, class, options) of a norm config with its options checked as ``create`` checks
+    them (unknown ones, ranges, None), without building it: ``main.py --mode=config`` refuses
+    what training would."""
     opts = as_dict(cfg)
     if "name" not in opts:
         raise ValueError(f"norm config {opts!r} has no 'name'; known: {', '.join(known_names())}")
@@ -101,6 +99,16 @@ def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | No
         opts = {k: v for k, v in opts.items() if k not in foreign}
     check_options(norm_name, opts, cls)
     config_ranges.check_norm_options(norm_name, opts, cls)
+    return norm_name, cls, opts
+
+
+def create(cfg: Any, *, dim: int, num_heads: int = 1, grid: tuple[int, int] | None = None,
+           num_prefix_tokens: int = 0, slot: str = "", name: str | None = None) -> nn.Module:
+    """Builds the norm named by ``cfg['name']`` with the remaining keys as its options.
+
+    Options a norm does not know raise a ValueError naming them and the accepted ones.
+    """
+    norm_name, cls, opts = checked_options(cfg)
     ctx = NormContext(dim=dim, num_heads=num_heads, grid=None if grid is None else tuple(grid),
                       num_prefix_tokens=num_prefix_tokens, slot=slot, norm=norm_name)
     if hasattr(cls, "from_config"):

@@ -166,8 +166,9 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
                                     config, restored.step, n_steps, train_data.num_examples)
         if note:
             logging.warning("%s", note)
-    # a complete run is left as it is: a re-run trains nothing (trainer.train says so)
-    if jax.process_index() == 0 and not complete:  # the checkpoint fits (or there is none): the config is the run's
+    # a complete run is left as it is: a re-run trains nothing (trainer.train says so); one whose
+    # config.json is gone gets it back (check_config let it through with allow_config_change)
+    if jax.process_index() == 0 and (not complete or not had_config):  # the checkpoint fits: the config is the run's
         run_config.write_config(config, workdir)
         if run_spec.data.class_names:  # label order -> names, for evaluation, predict and people
             run_config.write_json_atomic(workdir, "classes.json", list(run_spec.data.class_names))
@@ -186,7 +187,7 @@ def _start(config, workdir, run_spec, state, tx, state_sharding, saver, train_da
                          "step %d (epoch %d, example %d of %d).", step, mngr.directory, step + 1,
                          pos // n + 1, pos % n, n)
         note = guards.mesh_change_note(restored.meta, jax.tree.leaves(state_sharding)[0].mesh)
-        if note:  # another mesh or device count: the meta of the checkpoint records its own
+        if note and step < n_steps:  # another mesh or device count: the checkpoint's meta has its own
             logging.info("%s", note)
         if config.init_from:  # a changed init_from (allow_config_change) would otherwise go unread silently
             logging.info("config.init_from=%s is not read again: it initialises step 0 only "
