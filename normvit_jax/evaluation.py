@@ -78,16 +78,12 @@ EVAL_NEUTRAL_MODEL_KEYS = ("model.attention_impl", "model.fusion_barriers", "mod
                            "model.stream_layout", "model.scan", "model.dropout_rate",
                            "model.attention_dropout_rate", "model.stochastic_depth",
                            "model.param_init")
-# a norm's options (model.norm.<opt>, model.norm_overrides.<slot>.<opt>) of the same kind:
-# LayerNorm's saved input, DTN's recompute and kernel (the backward's memory, the same values)
-EVAL_NEUTRAL_NORM_OPTIONS = ("saved_input", "recompute", "kernel", "pallas_tiling")
+# a norm's options (model.norm.<opt>, model.norm_overrides.<slot>.<opt>) of the same kind
+EVAL_NEUTRAL_NORM_OPTIONS = run_config.IMPLEMENTATION_NORM_OPTIONS
 
 
 def _eval_neutral(key: str) -> bool:
-    if key in EVAL_NEUTRAL_MODEL_KEYS:
-        return True
-    return (key.startswith(("model.norm.", "model.norm_overrides."))
-            and key.rsplit(".", 1)[1] in EVAL_NEUTRAL_NORM_OPTIONS)
+    return key in EVAL_NEUTRAL_MODEL_KEYS or run_config.is_norm_implementation_key(key)
 
 
 def model_changes(config: ml_collections.ConfigDict, workdir: str) -> dict[str, list]:

@@ -34,6 +34,18 @@ SCHEDULE_KEYS = ("total_steps", "num_epochs", "batch_size", "optimizer.learning_
 SCHEDULE_PREFIX = "schedule."
 
 
+# A norm's options that choose how the same values are computed (LayerNorm's saved input, DTN's
+# recompute, kernel and Pallas tiling: the backward's memory and speed): an eval may change them
+# (evaluation.py) and the report pools runs that differ in them (analysis/recipes.py).
+IMPLEMENTATION_NORM_OPTIONS = ("saved_input", "recompute", "kernel", "pallas_tiling")
+
+
+def is_norm_implementation_key(key: str) -> bool:
+    """'model.norm.kernel', 'model.norm_overrides.final.saved_input', ...: see above."""
+    return (key.startswith(("model.norm.", "model.norm_overrides."))
+            and key.rsplit(".", 1)[1] in IMPLEMENTATION_NORM_OPTIONS)
+
+
 class ConfigChangedError(ValueError):
     """The workdir holds a run made with another config."""
 

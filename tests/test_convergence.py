@@ -319,11 +319,15 @@ def test_the_recipe_rule_reads_every_key_but_seeds_and_bookkeeping():
     from normvit_jax import run_config  # pylint: disable=import-outside-toplevel
     base = run_config.flat_values(tiny_demo_config())
     for key in ("optimizer.learning_rate", "batch_size", "model.depth", "total_steps",
-                "eval_every", "data.eval_split", "dtype", "grad_accum_steps", "init_from"):
+                "eval_every", "data.eval_split", "dtype", "grad_accum_steps", "init_from",
+                "model.norm.epsilon", "model.norm_overrides.final.name"):
         assert recipes.compared(key), key
     for key in ("seed", "log_every", "checkpoint_every", "keep_checkpoints", "mesh.fsdp",
                 "data.data_dir", "reproducible_cpu_threads", "allow_config_change",
-                "data.prefetch", "model.attention_impl", "eval_batch_size"):
+                "data.prefetch", "model.attention_impl", "eval_batch_size",
+                # how a norm computes the same values: eval may change them too (evaluation.py)
+                "model.norm.saved_input", "model.norm.kernel",
+                "model.norm_overrides.final.recompute"):
         assert not recipes.compared(key), key
     assert all(k in base for k in recipes.NOT_COMPARED), set(recipes.NOT_COMPARED) - set(base)
 

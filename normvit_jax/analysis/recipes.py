@@ -11,7 +11,8 @@ NOT_COMPARED: the keys configs/default.py documents as changing neither what is 
 numbers evaluated at a step: logging and checkpoint cadence, where the same state is placed (the
 mesh, CPU threads), how the input is fed (prefetch, decode threads, decoding once into memory:
 "the same batches, bit for bit"), implementations and memory trade-offs of the same model
-(attention_impl, fusion_barriers, recompute, stream_layout, scan, remat), the eval batch size (the
+(attention_impl, fusion_barriers, recompute, stream_layout, scan, remat, and a norm's
+``run_config.IMPLEMENTATION_NORM_OPTIONS``: saved_input, kernel, ...), the eval batch size (the
 last batch is padded and masked), the eval-time analysis images, and data_dir (where the same
 dataset lies). ``eval_every`` IS compared: it sets the steps whose top-1 the convergence table
 compares (steps to the target are known to that resolution only), so pooling runs evaluated at
@@ -23,6 +24,8 @@ import dataclasses
 import functools
 import json
 from typing import Any, Mapping, Sequence
+
+from normvit_jax import run_config
 
 SEED_KEYS = ("seed",)
 NOT_COMPARED = (
@@ -37,19 +40,18 @@ ABSENT = "<absent>"  # a key one run's config.json has and another's (of a newer
 
 def compared(key: str) -> bool:
     """Whether runs that differ in ``key`` are different recipes (not seeds of one)."""
-    return key not in SEED_KEYS and key not in NOT_COMPARED and not key.startswith("mesh.")
+    return (key not in SEED_KEYS and key not in NOT_COMPARED and not key.startswith("mesh.")
+            and not run_config.is_norm_implementation_key(key))
 
 
 @functools.lru_cache(maxsize=1)
 def _defaults() -> dict:
-    from normvit_jax import run_config  # pylint: disable=import-outside-toplevel
     return run_config.default_values()
 
 
 def flat(saved: Mapping[str, Any]) -> dict:
     """A config.json's values by dotted key; a key of configs/default.py it lacks (an older run)
     at its default, as resuming treats it (run_config.config_diff)."""
-    from normvit_jax import run_config  # pylint: disable=import-outside-toplevel
     return {**_defaults(), **run_config.flatten(dict(saved))}
 
 
