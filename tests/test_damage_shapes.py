@@ -85,7 +85,7 @@ def test_a_checkpoints_path_that_is_no_folder_is_one_line_everywhere(run, tmp_pa
     for name, call in (("eval", lambda: cli.evaluate(_config(), wd)),
                        ("train", lambda: cli.run(_config(), wd))):
         caplog.clear()
-        with caplog.at_level(logging.INFO):
+        with caplog.at_level(logging.INFO, logger="absl"):
             assert call() == cli.EXIT_CONFIG, name
         lines = _stopped(caplog)
         assert len(lines) == 1 and f"{ckpt} {what}" in lines[0], (name, lines)
@@ -99,7 +99,7 @@ def test_a_damaged_checkpoints_file_stops_before_moving_anything(run, tmp_path, 
     damaged = os.path.join(wd, "damaged_checkpoints")
     with open(damaged, "w") as f:
         f.write("x")
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         assert cli.run(_config(), wd) == cli.EXIT_CONFIG
     lines = _stopped(caplog)
     assert len(lines) == 1 and f"{damaged} is a file, not a directory" in lines[0], lines
@@ -113,7 +113,7 @@ def test_a_lock_that_is_a_folder_or_not_text(run, tmp_path, caplog):
     wd = _copy(run, tmp_path / "wd")
     lock = os.path.join(wd, ".lock")
     os.mkdir(lock)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         assert cli.run(_config(), wd) == cli.EXIT_CONFIG
     lines = _stopped(caplog)
     assert len(lines) == 1 and f"{lock} is a folder" in lines[0], lines
@@ -122,7 +122,7 @@ def test_a_lock_that_is_a_folder_or_not_text(run, tmp_path, caplog):
     with open(lock, "wb") as f:
         f.write(b"\xff\xfe\x00garbage")
     caplog.clear()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         assert cli.run(_config(), wd) == cli.EXIT_OK  # taken over as a garbage lock is
     assert not _stopped(caplog)
     assert any("Taking over" in r.getMessage() and lock in r.getMessage()
@@ -138,7 +138,7 @@ def test_emptied_checkpoints_of_a_run_that_got_further_are_named(run, tmp_path, 
     for name in os.listdir(ckpt):
         shutil.rmtree(os.path.join(ckpt, name))
     before = {n: os.path.getmtime(os.path.join(wd, n)) for n in os.listdir(wd)}
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         assert cli.run(_config(), wd) == cli.EXIT_CONFIG
     lines = _stopped(caplog)
     assert len(lines) == 1 and "step 6" in lines[0] and "--fresh" in lines[0], lines
@@ -173,7 +173,7 @@ def test_a_damaged_step_asked_for_names_the_steps_that_exist(run, tmp_path, capl
         checkpoints.restore_numpy(wd, 6)
     assert "step 6:" in str(e.value) and "steps 2, 4" in str(e.value)
     assert "leave out --step" in str(e.value)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         assert cli.evaluate(_config(), wd, step=6) == cli.EXIT_CHECKPOINT
     lines = _stopped(caplog)
     assert len(lines) == 1 and "steps 2, 4" in lines[0] and "leave out --step" in lines[0], lines
@@ -192,7 +192,7 @@ def test_a_workdir_that_is_a_file_or_a_loop_is_named(tmp_path, capsys, caplog, s
     what = "is a file, not a directory" if shape == "file" else "is a symbolic link loop"
     code, err = _predict(wd, tmp_path, capsys)
     assert code == cli.EXIT_CONFIG and len(err) == 1 and f"{wd} {what}" in err[0], err
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         assert cli.run(_config(), wd) == cli.EXIT_WORKDIR
     lines = _stopped(caplog)
     assert len(lines) == 1 and what in lines[0] and "permissions" not in lines[0], lines
@@ -212,7 +212,7 @@ def test_a_step_folder_under_another_name_is_ignored_everywhere(run, tmp_path, c
     os.rename(os.path.join(ckpt, "4"), os.path.join(ckpt, "04"))
     os.rename(os.path.join(ckpt, "2"), os.path.join(ckpt, "x2"))
     assert not run_config.has_checkpoint(wd)  # as complete_steps: not a step name
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         checkpoints.make_manager(wd).close()  # training's manager: one warning names them
     notes = [r.getMessage() for r in caplog.records if "not step folders" in r.getMessage()]
     assert len(notes) == 1 and all(n in notes[0] for n in ("0006", "04", "x2")), notes
@@ -224,7 +224,7 @@ def test_a_stray_half_written_save_of_a_complete_run_is_said(run, tmp_path, capl
     wd = _copy(run, tmp_path / "wd")
     tmp = os.path.join(wd, "checkpoints", "8.orbax-checkpoint-tmp-1700000000")
     os.makedirs(os.path.join(tmp, "state"))
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         assert cli.run(_config(), wd) == cli.EXIT_OK
     notes = [r.getMessage() for r in caplog.records if tmp in r.getMessage()]
     assert len(notes) == 1 and "half-written" in notes[0], notes
