@@ -11,6 +11,8 @@ moves them with a damaged checkpoint of that step, ``--fresh`` with the rest of 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 from typing import Any
@@ -100,14 +102,39 @@ def model_changes(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     for key in sorted(set(saved) | set(current)):
         if not key.startswith("model.") or _eval_neutral(key) or saved.get(key) == current.get(key):
             continue
-        if key not in saved:
+        if key not in saved or key not in current:  # absent on one side: at its default, no change
             if defaults is None:
                 from configs import default  # pylint: disable=import-outside-toplevel
                 defaults = run_config.flat_values(default.get_config())
-            if key in defaults and current.get(key) == defaults[key]:
+            there = current if key in current else saved
+            default_value = _norm_option_default(key, there, defaults.get(key, _NO_DEFAULT))
+            if default_value is not _NO_DEFAULT and there[key] == default_value:
                 continue
         out[key] = [saved.get(key, "<absent>"), current.get(key, "<absent>")]
     return out
+
+
+_NO_DEFAULT = object()
+
+
+def _norm_option_default(key: str, flat: dict, fallback: Any) -> Any:
+    """The default of ``key``: for a norm's option ('model.norm.epsilon',
+    'model.norm_overrides.final.epsilon') its norm class's field default (the norm named beside
+    it in ``flat``), else ``fallback`` (configs/default.py's value). A run trained with
+    ``--config.model.norm.epsilon=1e-6`` (LayerNorm's default) and evaluated with a config file
+    that does not name it computes the same function."""
+    prefix, _, option = key.rpartition(".")
+    name = flat.get(f"{prefix}.name") if prefix.startswith(("model.norm", "model.stem_norm")) \
+        else None
+    if not isinstance(name, str):
+        return fallback
+    from normvit_jax.norms import registry  # pylint: disable=import-outside-toplevel
+    try:
+        fields = {f.name: f.default for f in dataclasses.fields(registry.resolve(name))}
+    except (ValueError, TypeError):  # an unknown norm or no dataclass: the checks name it
+        return fallback
+    value = fields.get(option, dataclasses.MISSING)
+    return fallback if value is dataclasses.MISSING else value
 
 
 def _describe_changes(changes: dict[str, list]) -> str:

@@ -4,6 +4,7 @@ under ``tfds.testing.mock_data``."""
 from __future__ import annotations
 
 import json
+import os
 import logging
 
 import numpy as np
@@ -368,3 +369,28 @@ def test_the_readme_names_every_key_an_eval_may_change():
                and not n.endswith("dropout_rate") and n != "stochastic_depth"]
     assert missing == [] and "dropout and stochastic-depth rates" in para
     assert "changed-model_<step>.json" in para
+
+
+def test_a_norm_option_absent_on_one_side_at_its_default_is_no_model_change(tmp_path):
+    """A run trained with LayerNorm's epsilon named (1e-6, the class default) and evaluated with
+    a config that does not name it was refused as 'model.norm.epsilon: 1e-06 -> <absent>': the
+    same function. An option at another value than the class default is still a change, either
+    way round."""
+    import ml_collections  # pylint: disable=import-outside-toplevel
+    from normvit_jax import run_config  # pylint: disable=import-outside-toplevel
+
+    def bare_ln(**opts):
+        c = tiny_demo_config()
+        c.model.norm = ml_collections.ConfigDict({"name": "layernorm", **opts})
+        return c
+
+    wd = str(tmp_path)
+    run_config.write_config(tiny_demo_config(), wd)  # model.norm.epsilon: 1e-06 named
+    assert evaluation.model_changes(bare_ln(), wd) == {}
+    assert evaluation.model_changes(bare_ln(epsilon=0.5), wd) == {
+        "model.norm.epsilon": [1e-06, 0.5]}
+    os.remove(os.path.join(wd, "config.json"))
+    run_config.write_config(bare_ln(), wd)  # the run's config.json without epsilon
+    assert evaluation.model_changes(tiny_demo_config(), wd) == {}  # 1e-6 named: the default
+    assert evaluation.model_changes(bare_ln(epsilon=0.5), wd) == {
+        "model.norm.epsilon": ["<absent>", 0.5]}
