@@ -65,6 +65,18 @@ def exit_code(error: BaseException) -> int | None:
     return None
 
 
+def _one_line(error: Exception, prefix: str) -> int:
+    """Called in an ``except`` clause: a known error (``EXIT_CODES``) printed as one line
+    ``<prefix>error: <message>`` (its traceback first with $NORMVIT_TRACEBACK), returning its
+    exit code; anything else re-raised with its traceback (a bug)."""
+    code = exit_code(error)
+    if code is None:
+        raise error
+    _show_traceback(error)
+    print(f"{prefix}error: {error}", file=sys.stderr)
+    return code
+
+
 @contextlib.contextmanager
 def tool_errors(prog: str) -> Iterator[None]:
     """For a ``python -m`` tool's main: a known error (``EXIT_CODES``) becomes one line
@@ -75,12 +87,7 @@ def tool_errors(prog: str) -> Iterator[None]:
         print(f"{prog}: interrupted (Ctrl-C); stopped", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     except Exception as e:  # noqa: BLE001  (known errors become exit codes)
-        code = exit_code(e)
-        if code is None:
-            raise
-        _show_traceback(e)
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(code)
+        sys.exit(_one_line(e, f"{prog}: "))
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) -> int:
@@ -175,12 +182,7 @@ def show_config(config: ml_collections.ConfigDict) -> int:
         preflight.check_empty_paths(config)
         values = run_config.saved_values(config)
     except Exception as e:  # noqa: BLE001  (known errors become exit codes)
-        code = exit_code(e)
-        if code is None:
-            raise
-        _show_traceback(e)
-        print(f"error: {e}", file=sys.stderr)
-        return code
+        return _one_line(e, "")
     print(json.dumps(values, indent=2, sort_keys=True))
     return EXIT_OK
 

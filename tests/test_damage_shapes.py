@@ -6,7 +6,6 @@ Training and --mode=eval run through cli.run / cli.evaluate and predict through 
 process (the subprocess paths are tests/test_tools_restore.py's)."""
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import shutil
@@ -16,6 +15,7 @@ import pytest
 from normvit_jax import checkpoints, cli, predict, run_config
 from normvit_jax.train import loop
 from tests.conftest import tiny_demo_config
+from tests.test_tools_restore import _truncate_data
 
 
 def _config():
@@ -52,14 +52,6 @@ def _predict(wd: str, tmp_path, capsys) -> tuple[int, list[str]]:
 
 def _stopped(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Stopped:")]
-
-
-def _truncate_data(step_dir: str) -> None:
-    files = [p for p in glob.glob(os.path.join(step_dir, "**", "d", "*"), recursive=True)
-             if os.path.isfile(p)]
-    victim = max(files, key=os.path.getsize)
-    with open(victim, "r+b") as f:
-        f.truncate(os.path.getsize(victim) // 2)
 
 
 @pytest.mark.parametrize("shape", ["file", "loop"])

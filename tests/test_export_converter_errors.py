@@ -12,10 +12,10 @@ import ml_collections
 import numpy as np
 import pytest
 
-from normvit_jax import export
 from normvit_jax.norms import registry
 from normvit_jax.train import loop
 from tests.conftest import tiny_demo_config
+from tests.test_export_formats import _export_main as _export
 
 pytestmark = pytest.mark.usefixtures("float32_matmuls")
 
@@ -49,22 +49,6 @@ def soft_ln_run(tmp_path_factory):
     loop.train_and_evaluate(c, workdir)
     yield workdir
     mp.undo()
-
-
-def _export(args, capsys):
-    from absl import flags
-    export.define_flags()
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["export", *args])
-    code = 0
-    try:
-        export.main(["export"])
-    except SystemExit as e:
-        code = e.code
-    finally:
-        flags.FLAGS.unparse_flags()
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_a_converter_failure_is_one_line_naming_the_plugin_and_the_way_out(
