@@ -12,6 +12,7 @@ import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -185,7 +186,8 @@ def test_one_exit_code_table_in_the_docs_and_the_readme():
     codes = [int(line.split("|")[1]) for line in doc.strip().splitlines()[2:]]
     assert codes == sorted({0, 1, cli.EXIT_CONFIG, cli.EXIT_NONFINITE, cli.EXIT_CHECKPOINT,
                             cli.EXIT_WORKDIR, cli.EXIT_BUSY, cli.EXIT_DISTRIBUTED,
-                            cli.EXIT_PREEMPTED, cli.EXIT_INTERRUPTED})
+                            cli.EXIT_PREEMPTED, cli.EXIT_INTERRUPTED,
+                            128 + signal.SIGTERM})  # preemption.py: a second SIGTERM, os._exit
 
 
 def test_the_deploy_bundle_reads_through_the_same_path(run, tmp_path):

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from normvit_jax import checkpoints, data, models, run_config, tool_flags
+from normvit_jax import checkpoints, cli, data, models, run_config, tool_flags
 from normvit_jax import summaries as events  # the TensorBoard reader (read_run, Series)
 from normvit_jax.analysis import (attention, capture, colors, convergence, figures, flops,
                                   plots_convergence, plots_curves, recipes, tables)
@@ -471,15 +471,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         tool_flags.check_output("out", args.out, folder=True)
     except ValueError as e:
         ap.error(str(e))
-    try:
-        paths = write_report(args.workdirs, args.out, args.no_attention, args.images,
-                             args.stat_images, tags, args.reference, args.target, args.weights)
-    except ValueError as e:
-        if not (isinstance(e, (convergence.ConvergenceError, TagsError, WeightsError))
-                or str(e).startswith("no run could be read")):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # any other known error (cli.EXIT_CODES) and Ctrl-C: one line and its exit code, as the
+    # other tools (docs/faults.md)
+    with cli.tool_errors(ap.prog):
+        try:
+            paths = write_report(args.workdirs, args.out, args.no_attention, args.images,
+                                 args.stat_images, tags, args.reference, args.target, args.weights)
+        except ValueError as e:
+            if not (isinstance(e, (convergence.ConvergenceError, TagsError, WeightsError))
+                    or str(e).startswith("no run could be read")):
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     print("\n".join(paths))
     return 0
 
