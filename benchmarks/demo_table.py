@@ -40,7 +40,7 @@ import time
 from typing import Sequence
 
 from benchmarks import files
-from normvit_jax import tool_flags
+from normvit_jax import cli, tool_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- demo-table:begin -->", "<!-- demo-table:end -->"
@@ -269,6 +269,35 @@ def rewrite(readme: str, new_rows: dict[str, str], date: str | None = None) -> s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Bad input (a --readme without the table's markers, a damaged --results): one line and
+    exit 2 before the runs, Ctrl-C one line and 130 (docs/faults.md)."""
+    with cli.tool_errors("python -m benchmarks.demo_table"):
+        return _main(argv)
+
+
+def check_files(readme: str, results: str) -> None:
+    """Before the runs (minutes each), not a traceback after them: --readme readable, with the
+    table's markers, and writable; --results, if it exists, a JSON file; both writable."""
+    try:
+        with open(readme) as fh:
+            rewrite(fh.read(), {})
+    except OSError as e:
+        raise ValueError(f"--readme={readme}: cannot be read ({type(e).__name__}: "
+                         f"{e.strerror or e})") from None
+    except ValueError as e:
+        raise ValueError(f"--readme={readme}: {e}") from None
+    tool_flags.check_output("readme", readme)
+    tool_flags.check_output("results", results)
+    if os.path.exists(results):
+        try:
+            with open(results) as fh:
+                json.load(fh)
+        except ValueError as e:
+            raise ValueError(f"--results={results}: not a JSON file ({e}); move it aside or "
+                             "pass another path") from None
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # main.py's own flags (--config.*, --fresh) pass through to every run
     extra = [a for a in argv if a.startswith(("--config.", "--fresh"))]
@@ -301,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(" ".join(command(known[k][1], workdir_of(args.root, k, s),
                                        [*args.extra, *([f"--config.seed={s}"] if s else [])])))
         return 0
+    check_files(args.readme, args.results)
     env, runs, failed = machine(), {}, []
     for k in only:
         label, f = known[k]

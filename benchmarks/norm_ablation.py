@@ -21,7 +21,7 @@ import subprocess
 import sys
 from typing import Sequence
 
-from normvit_jax import tool_flags
+from normvit_jax import cli, tool_flags
 from normvit_jax.analysis import report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +53,12 @@ def workdirs(root: str, seeds: Sequence[int]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Bad input: one line and exit 2, Ctrl-C one line and 130 (docs/faults.md)."""
+    with cli.tool_errors("python -m benchmarks.norm_ablation"):
+        _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> None:
     p = tool_flags.Parser("python -m benchmarks.norm_ablation", __doc__)
     p.add_argument("--root", default="runs/ablation", help="folder of the run workdirs")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
@@ -71,9 +77,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     only = {k for k in args.only.split(",") if k}
     unknown = only - {k for k, _ in METHODS}
     if unknown:
-        print(f"--only: unknown key(s) {sorted(unknown)}; accepted: {[k for k, _ in METHODS]}",
-              file=sys.stderr)
-        sys.exit(2)
+        raise ValueError(f"--only: unknown key(s) {sorted(unknown)}; accepted: "
+                         f"{[k for k, _ in METHODS]}")
     if not args.summary_only:
         for seed in seeds:
             for key, config in METHODS:
@@ -81,9 +86,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     run(args.root, key, config, seed, args.eval_every, args.config_args.split())
     runs = workdirs(args.root, seeds)
     if not runs:
-        print(f"--root={args.root}: no <key>_s<seed> workdirs for --seeds={args.seeds}; train "
-              "them first (without --summary_only)", file=sys.stderr)
-        sys.exit(2)
+        raise ValueError(f"--root={args.root}: no <key>_s<seed> workdirs for --seeds={args.seeds}; "
+                         "train them first (without --summary_only)")
     rargs = runs + [f"--out={args.out or os.path.join(args.root, 'report')}", "--no_attention"]
     print("python -m normvit_jax.analysis.report " + " ".join(rargs), flush=True)
     sys.exit(report.main(rargs))

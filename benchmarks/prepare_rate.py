@@ -72,8 +72,17 @@ def train_input_rates(tmp: str, workers: int, batches: int, repeats: int, n: int
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Bad input (an --idx that prepare refuses): one line and exit 2, Ctrl-C one line and 130
+    (docs/faults.md)."""
+    from normvit_jax import cli
+    with cli.tool_errors("python -m benchmarks.prepare_rate"):
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> dict[str, Any]:
     from benchmarks import common
     from normvit_jax import logs, tool_flags
+    from normvit_jax.data.formats import PrepareError
     logs.quiet_library_logs()
     p = tool_flags.Parser("python -m benchmarks.prepare_rate", __doc__)
     p.add_argument("--images", type=tool_flags.positive_int, default=1000,
@@ -88,6 +97,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=tool_flags.positive_int, default=3,
                    help="--train_input: alternations")
     args = p.parse_args(argv)
+    if args.images < 2:  # was prepare's PrepareError traceback: one class is no classifier
+        raise ValueError(f"--images={args.images}: accepted: an integer >= 2 (the images are "
+                         "spread over up to 10 classes; prepare needs two)")
+    if args.idx and not os.path.isdir(args.idx):  # before the work, not after the JPEG timing
+        raise ValueError(f"--idx={args.idx}: not a folder (one of IDX files)")
     import tensorflow_datasets  # noqa: F401  (imported once, outside the timing)
     import tensorflow  # noqa: F401
     workers = args.workers or len(os.sched_getaffinity(0))
@@ -102,7 +116,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.train_input:
             rows += train_input_rates(tmp, workers, args.batches, args.repeats, args.images)
         if args.idx:
-            s, n = time_prepare(args.idx, os.path.join(tmp, "dd"), "bench_idx", workers)
+            try:
+                s, n = time_prepare(args.idx, os.path.join(tmp, "dd"), "bench_idx", workers)
+            except PrepareError as e:  # prepare's own refusal of the folder: exit 2
+                raise ValueError(f"--idx={args.idx}: {e}") from None
             rows.append({"source": f"IDX {os.path.basename(args.idx.rstrip('/'))} (28x28, PNG)",
                          "images": n, "seconds": round(s, 2), "images_s": round(n / s, 1)})
     res = {"machine": common.machine(), "workers": workers, "rows": rows}

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from normvit_jax import tool_flags
+from normvit_jax import cli, tool_flags
 
 RUNS = {"ln": ["ln/model", "ln/folded", "ln_tanh/model", "ln_eps5/model", "ln_eps12/model"],
         "repbn": ["repbn/model", "repbn/folded", "repbn_tanh/model"]}
@@ -73,6 +73,12 @@ def compare(d: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Bad input: one line and exit 2, Ctrl-C one line and 130 (docs/faults.md)."""
+    with cli.tool_errors("python -m benchmarks.torch_walk_compare"):
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     ap = tool_flags.Parser("python -m benchmarks.torch_walk_compare", __doc__)
     ap.add_argument("--dir", required=True, help="what torch_walk_train wrote, with DIR/onnx/")
     a = ap.parse_args(argv)

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from normvit_jax import tool_flags
+from normvit_jax import cli, tool_flags
 
 BATCH, SIZE = 64, 28
 
@@ -119,6 +119,12 @@ def train(src: str, norm: str, out: str, epochs: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Bad input: one line and exit 2, Ctrl-C one line and 130 (docs/faults.md)."""
+    with cli.tool_errors("python -m benchmarks.torch_walk_train"):
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     ap = tool_flags.Parser("python -m benchmarks.torch_walk_train", __doc__)
     ap.add_argument("--src", required=True, help="folder with the train-/t10k- IDX files (gzip)")
     ap.add_argument("--norm", choices=["ln", "repbn"], required=True,

@@ -588,6 +588,34 @@ def test_the_other_entry_points_refuse_bad_values_in_one_line(module, argv, mess
     assert message in err, err
 
 
+@pytest.mark.parametrize("module, argv, message", [
+    # was a ValueError traceback (exit 1) after the demo runs, when the README was rewritten
+    ("demo_table", ["--only=ln", "--seeds=1", "--root={d}/runs", "--readme={d}/README.md",
+                    "--results={d}/r.json", "--config.total_steps=1"],
+     "--readme={d}/README.md: the README needs one <!-- demo-table:begin --> ... "
+     "<!-- demo-table:end --> pair around the demo table"),
+    # was a PrepareError traceback (exit 1) after the JPEG folder's timing
+    ("prepare_rate", ["--images=2", "--idx={d}/none"], "--idx={d}/none: not a folder (one of IDX files)"),
+    # was a PrepareError traceback: one image is one class
+    ("prepare_rate", ["--images=1"], "--images=1: accepted: an integer >= 2 (the images are "
+                                     "spread over up to 10 classes; prepare needs two)"),
+])
+def test_benchmarks_without_run_entry_refuse_bad_input_in_one_line(module, argv, message,
+                                                                     tmp_path):
+    """docs/faults.md: the python -m benchmarks.<name> commands behave as the tools do; those
+    that do not use common.run_entry stop on bad input with one line and exit 2, before the
+    work, as a subprocess (the exit code and stderr a user sees)."""
+    (tmp_path / "README.md").write_text("no demo table here\n")
+    r = subprocess.run([sys.executable, "-m", f"benchmarks.{module}",
+                        *(a.format(d=tmp_path) for a in argv)], cwd=REPO_ROOT,
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert lines == [f"python -m benchmarks.{module}: error: " + message.format(d=tmp_path)]
+    assert sorted(os.listdir(tmp_path)) == ["README.md"]  # nothing run, nothing written
+
+
 def test_demo_table_rewrites_its_results_atomically(tmp_path, monkeypatch):
     """demo_table rewrites README.md, docs/analysis.md and the results JSON after a ~50-minute
     run; each was written in place, so a Ctrl-C then truncated it."""
