@@ -226,6 +226,23 @@ def test_every_flag_is_in_its_doc_section_with_its_default(module):
             assert shown == str(default), f"{module}: {path}: {flag}={shown}, default {default}"
 
 
+BENCHMARKS = sorted(f"benchmarks.{os.path.basename(p)[:-3]}" for p in
+                    glob.glob(os.path.join(REPO_ROOT, "benchmarks", "*.py"))
+                    if "tool_flags.Parser(" in open(p).read())
+
+
+@pytest.mark.parametrize("module", BENCHMARKS)
+def test_every_benchmark_flag_is_in_docs_benchmarks(module):
+    """The benchmarks' flags were in their --help only (demo_table --readme, vs_torch --gelu,
+    ...): every flag of each ``python -m benchmarks.<name>`` is named in docs/benchmarks.md."""
+    with open(os.path.join(REPO_ROOT, "docs", "benchmarks.md")) as f:
+        text = f.read()
+    flags = _flags(module)
+    assert flags, module
+    missing = [f for f in flags if not re.search(rf"{re.escape(f)}(?![\w-])", text)]
+    assert not missing, f"{module}: flags not in docs/benchmarks.md: {missing}"
+
+
 def _doc_commands(text: str):
     """(line, command) of every ``python main.py`` / ``python -m ...`` in inline code and in code
     blocks (continued by a trailing backslash or an indented ``[`` / ``--`` line)."""
