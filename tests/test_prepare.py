@@ -681,6 +681,18 @@ def test_synology_thumbnail_folders_are_skipped_like_hidden_ones(tmp_path):
     assert predict.list_images(f"{src}/cat") == [f"{src}/cat/{i}.png" for i in range(3)]
 
 
+def test_a_macs_zip_folder_beside_the_classes_is_skipped(tmp_path):
+    """A zip made on a Mac unzips with a __MACOSX folder beside the class folders (its ._* files
+    are resource forks, no images): prepare stopped with 'empty class folder'."""
+    src = _tree(tmp_path / "s", {"cat": 3, "dog": 3})
+    for where in ("__MACOSX/cat", "cat/__MACOSX"):
+        d = tmp_path / "s" / where
+        d.mkdir(parents=True)
+        (d / "._0.png").write_bytes(b"\x00\x05\x16\x07" + b"\x00" * 60)
+    info = _run(f"--src={src}", "--name=mac", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    assert info["classes"] == ["cat", "dog"] and info["splits"]["train"]["per_class"] == [3, 3]
+
+
 def test_a_camera_raw_files_preview_is_not_taken_for_the_photo():
     """A Nikon .NEF or a .DNG is a TIFF whose first image is a small preview (NewSubfileType 1),
     which PIL opened: a RAW + JPEG folder held each photo twice, once as a 160x120 thumbnail. A
