@@ -555,6 +555,58 @@ def test_a_png_cut_after_its_pixels_is_stored_decodable_by_training(tmp_path):
     assert len(stored) == 5 and sum(x.shape == px.shape and (x == px).all() for x in stored) == 1
 
 
+def _png(px: np.ndarray, damage: str) -> bytes:
+    """An 8-bit RGB PNG of ``px`` that PIL decodes and TensorFlow's decoder (training's) refuses:
+    'crc' a wrong IDAT CRC, 'chunk' an unknown critical chunk, 'ihdr' two IHDR chunks."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes, crc_xor: int = 0) -> bytes:
+        crc = (zlib.crc32(kind + body) ^ crc_xor) & 0xFFFFFFFF
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    h, w, _ = px.shape
+    ihdr = chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+    z = zlib.compress(b"".join(b"\x00" + px[y].tobytes() for y in range(h)))
+    idat = chunk(b"IDAT", z, crc_xor=0xFF if damage == "crc" else 0)
+    extra = {"chunk": chunk(b"ABCD", b"x"), "ihdr": ihdr}.get(damage, b"")
+    return b"\x89PNG\r\n\x1a\n" + ihdr + extra + idat + chunk(b"IEND", b"")
+
+
+def test_pngs_pil_reads_and_tensorflow_refuses_are_skipped_named_not_stored(tmp_path, capsys):
+    """A PNG with a damaged IDAT CRC, an unknown critical chunk or two IHDR
+    chunks: PIL decodes it, TensorFlow's decoder (training's and evaluation's) does not. prepare
+    stored it and exited 0; training then stopped with 'example 3 of the split cannot be decoded:
+    Graph execution error:', naming neither the file nor the fix. Each is skipped and named, as a
+    truncated file is, and --strict refuses it."""
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+    src = _tree(tmp_path / "s", {"cat": 2, "dog": 2})
+    px = RNG.integers(0, 256, (5, 6, 3), np.uint8)
+    damages = ("chunk", "crc", "ihdr")
+    for d in damages:
+        data = _png(px, d)
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")), px)
+        with pytest.raises(tf.errors.OpError):
+            tf.io.decode_image(data, channels=3)
+        (tmp_path / "s" / "dog" / f"{d}.png").write_bytes(data)
+    info = _run(f"--src={src}", "--name=tfbad", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    why = "TensorFlow's decoder, which evaluation uses, cannot decode it (PIL can: "
+    skipped = info["splits"]["train"]["skipped"]
+    assert [x.split(" (")[0] for x in skipped] == [f"{src}/dog/{d}.png" for d in damages]
+    assert all(f" ({why}" in x for x in skipped), skipped
+    assert info["splits"]["train"]["per_class"] == [2, 2]
+    assert f"train: skipped 3 unreadable file(s):\n    {src}/dog/chunk.png ({why}" in (
+        capsys.readouterr().out)
+    ds = tfds.builder_from_directory(f"{tmp_path}/dd/tfbad/1.0.0").as_data_source(
+        split="train", decoders={"image": tfds.decode.SkipDecoding()})
+    assert [tf.io.decode_image(ds[i]["image"]).shape for i in range(len(ds))] == [(8, 8, 3)] * 4
+    line = _fails(capsys, f"--src={src}", "--name=tfbad2", f"--data_dir={tmp_path}/dd",
+                  "--val_fraction=0", "--strict")
+    assert line.startswith(f"error: {src}/dog/chunk.png: cannot be decoded ({why}")
+    assert line.endswith("; --strict refuses unreadable images")
+
+
 def test_split_folders_not_named_as_splits_are_refused_not_read_as_classes(tmp_path, capsys):
     """A download laid out as Train/<class>, Test/<class> (or training_set/test_set) was read as
     one tree of the classes 'Test' and 'Train': a model telling the folders apart, without a

@@ -192,7 +192,7 @@ def _load_path(path: str) -> tuple[bytes, np.ndarray]:
             raise images.BadImageError(f"a broken symbolic link to {os.readlink(path)}") from None
         raise images.BadImageError(f"cannot be read ({type(e).__name__}: {e.strerror or e})"
                                    ) from None
-    return images.load_file(data)
+    return images.load_file(data, check_tf=True)  # stored as it is: training's decoder too
 
 
 def _tree(d: str, ignored: list[str]) -> dict[str, list[str]]:

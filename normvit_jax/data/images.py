@@ -145,8 +145,18 @@ def stored_as_is(data: bytes) -> bool:
         raise BadImageError(f"{type(e).__name__}: {e}") from None
 
 
-def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
-    """Encoded file bytes -> (bytes to store, uint8 (H, W, 3) pixels). Raises BadImageError."""
+# Why a file PIL decodes is refused: TensorFlow's decoder, which training and evaluation use, does
+# not decode it (a PNG with a damaged chunk CRC, an unknown critical chunk, two IHDR chunks, cut
+# before its end). predict, serve and prepare name it so.
+TF_UNDECODABLE = ("TensorFlow's decoder, which evaluation uses, cannot decode it (PIL can: the "
+                  "file may be damaged or cut short)")
+
+
+def load_file(data: bytes, check_tf: bool = False) -> tuple[bytes, np.ndarray]:
+    """Encoded file bytes -> (bytes to store, uint8 (H, W, 3) pixels). Raises BadImageError.
+    ``check_tf`` (prepare): a file stored as it is must also be decoded by TensorFlow's decoder,
+    training's (PIL is laxer: it reads PNGs with a damaged CRC or an unknown critical chunk); one
+    that is not raises BadImageError(TF_UNDECODABLE). Files re-encoded here need no check."""
     Image, ImageOps = _pil()
     if not data:
         raise BadImageError("empty file (0 bytes)")
@@ -172,6 +182,10 @@ def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
         raise BadImageError(f"{type(e).__name__}: {e}") from None
     if rgb.ndim != 3 or rgb.shape[0] < 1 or rgb.shape[1] < 1:
         raise BadImageError(f"decoded to an empty image {rgb.shape}")
+    if keep and check_tf:
+        from normvit_jax.data import tf_images
+        if tf_images.decode_error(data) is not None:
+            raise BadImageError(TF_UNDECODABLE)
     return (data if keep else encode_png(rgb)), rgb
 
 
@@ -190,8 +204,7 @@ def undecodable(data: bytes) -> str:
         load_file(data)
     except BadImageError as e:
         return str(e)
-    return ("TensorFlow's decoder, which evaluation uses, cannot decode it (PIL can: the file "
-            "may be cut short)")
+    return TF_UNDECODABLE
 
 
 def encode_png(rgb: np.ndarray) -> bytes:
