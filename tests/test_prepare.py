@@ -1020,3 +1020,48 @@ def test_the_summary_says_1_example_and_help_shows_the_seeds_default(prepared_fo
         prepare.main(["--help"])
     assert re.search(r"--seed SEED\s+seed of the held-out choice \(default: 0\)",
                      capsys.readouterr().out)
+
+
+def _png_header(w: int, h: int) -> bytes:
+    """A PNG of w x h pixels whose data is never reached: PIL's and the limit's checks read the
+    header only."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b""))
+
+
+def _jpeg_header(w: int, h: int) -> bytes:
+    """An 8x8 JPEG whose frame header says w x h (its data is never decoded here)."""
+    import struct
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buf, "JPEG")
+    data = buf.getvalue()
+    sof = data.index(b"\xff\xc0")
+    return data[:sof + 5] + struct.pack(">HH", h, w) + data[sof + 9:]
+
+
+def test_a_200_megapixel_phone_photo_is_under_the_limit_and_a_bomb_is_refused_by_size():
+    """A 200 MP phone photo (16320x12240) was skipped by prepare and predict as PIL's
+    'DecompressionBombError ... could be decompression bomb DOS attack' (PIL's default refuses
+    over 179 MP). The limit is images.MAX_FILE_PIXELS, 250 MP; an image over it is named by its
+    size in megapixels and the limit."""
+    from normvit_jax.data import images
+    from normvit_jax.deploy import preprocess
+    from normvit_jax.serve import DEFAULT_MAX_PIXELS
+    assert images.MAX_FILE_PIXELS == 250_000_000
+    phone = _jpeg_header(16320, 12240)
+    assert images.stored_as_is(phone)  # the header is read, not refused
+    preprocess.check_pixels(phone, DEFAULT_MAX_PIXELS, {"eval_resize_small": 0}, as_is=False)
+    for w, h, mp in ((20000, 20000, 400), (40000, 20000, 800)):  # PIL's own error past 2x
+        for read in (images.stored_as_is, images.load_file):
+            with pytest.raises(images.BadImageError) as e:
+                read(_png_header(w, h))
+            size = f"{w}x{h} = " if mp <= 500 else ""  # past 2x, PIL refuses it unread
+            assert str(e.value) == (
+                f"an image of {size}{mp} megapixels, over the limit of 250 megapixels that "
+                "prepare and predict decode (a decompression bomb, or a photo to scale down "
+                "first)"), str(e.value)

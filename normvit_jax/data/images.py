@@ -20,7 +20,10 @@ other image is stored as the PNG of its RGB pixels (lossless).
 """
 from __future__ import annotations
 
+import contextlib
 import io
+import re
+import threading
 from typing import Any
 
 import numpy as np
@@ -36,9 +39,43 @@ class BadImageError(Exception):
     """A file PIL cannot decode (corrupt, truncated, empty, not an image)."""
 
 
+# The largest image prepare and predict decode (serve's is its --max_pixels, 50 MP): a 200 MP
+# phone photo (16320x12240) is under it; PIL's own default (179 MP) refused it as a "decompression
+# bomb DOS attack". An image over it is refused from its header, named by its size. Each image
+# over BIG_PIXELS decodes alone (BIG_LOCK): 200 MP is 600 MB of RGB, held 2-3 times while decoded.
+MAX_FILE_PIXELS = 250_000_000
+BIG_PIXELS = 50_000_000
+BIG_LOCK = threading.Lock()
+_PIL_LIMIT_SET = []
+
+
 def _pil():
     from PIL import Image, ImageOps
+    if not _PIL_LIMIT_SET:  # once: PIL warns over this and refuses over twice this, unread
+        Image.MAX_IMAGE_PIXELS = MAX_FILE_PIXELS
+        _PIL_LIMIT_SET.append(True)
     return Image, ImageOps
+
+
+def _too_large(w: int, h: int) -> BadImageError:
+    return BadImageError(f"an image of {w}x{h} = {w * h / 1e6:.0f} megapixels, over the limit of "
+                         f"{MAX_FILE_PIXELS / 1e6:.0f} megapixels that prepare and predict decode "
+                         "(a decompression bomb, or a photo to scale down first)")
+
+
+def _check_size(im) -> None:
+    w, h = im.size
+    if w * h > MAX_FILE_PIXELS:
+        raise _too_large(w, h)
+
+
+def _bomb(e: Exception) -> BadImageError:
+    """PIL's DecompressionBombError (over twice MAX_FILE_PIXELS) named as _too_large names it."""
+    m = re.search(r"\((\d+) pixels\)", str(e))
+    return BadImageError(f"an image of {int(m.group(1)) / 1e6:.0f} megapixels, over the limit of "
+                         f"{MAX_FILE_PIXELS / 1e6:.0f} megapixels that prepare and predict decode "
+                         "(a decompression bomb, or a photo to scale down first)" if m else
+                         f"over the limit of {MAX_FILE_PIXELS / 1e6:.0f} megapixels ({e})")
 
 
 def to_rgb(im: Any) -> np.ndarray:
@@ -138,7 +175,12 @@ def stored_as_is(data: bytes) -> bool:
         raise BadImageError("empty file (0 bytes)")
     try:
         im = Image.open(io.BytesIO(data))
+        _check_size(im)
         return _kept(im, im.format, im.getexif().get(0x0112, 1), data)
+    except BadImageError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise _bomb(e) from None
     except Image.UnidentifiedImageError:
         raise _unrecognised(data) from None
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad headers)
@@ -162,6 +204,24 @@ def load_file(data: bytes, check_tf: bool = False) -> tuple[bytes, np.ndarray]:
         raise BadImageError("empty file (0 bytes)")
     try:
         im = Image.open(io.BytesIO(data))
+        _check_size(im)
+    except BadImageError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise _bomb(e) from None
+    except Image.UnidentifiedImageError:
+        raise _unrecognised(data) from None
+    except Exception as e:  # noqa: BLE001  (PIL raises many types for bad headers)
+        raise BadImageError(f"{type(e).__name__}: {e}") from None
+    big = im.size[0] * im.size[1] > BIG_PIXELS
+    with BIG_LOCK if big else contextlib.nullcontext():
+        return _decode(im, data, check_tf)
+
+
+def _decode(im, data: bytes, check_tf: bool) -> tuple[bytes, np.ndarray]:
+    """load_file's decode of the opened image ``im`` of ``data``."""
+    Image, ImageOps = _pil()
+    try:
         fmt = im.format
         im.seek(0)
         if fmt == "TIFF" and int(im.tag_v2.get(_NEW_SUBFILE_TYPE, 0)) & 1:
