@@ -115,12 +115,22 @@ def test_folder_summary_skips_and_names_unreadable_files(prepared_folder, capsys
     assert d["classes"] == ["cat", "dog"] and d == json.loads(json.dumps(info))
 
 
-def test_stats_are_the_train_pixels_population_mean_and_std(prepared_folder):
+def _equal_weights(imgs) -> tuple[np.ndarray, np.ndarray]:
+    """numpy's per-channel mean and std of images (of at most 64x64 pixels: not resized) in [0, 1]
+    with each image weighing the same, whatever its size."""
+    px = [x.reshape(-1, 3).astype(np.float64) / 255 for x in imgs]
+    mean = np.mean([p.mean(0) for p in px], 0)
+    return mean, np.sqrt(np.mean([((p - mean) ** 2).mean(0) for p in px], 0))
+
+
+def test_stats_are_the_train_images_mean_and_std_each_image_weighing_the_same(prepared_folder):
     root, _, info = prepared_folder
     _, recs = _read_split(f"{root}/dd/pets/1.0.0", "train")
+    assert max(r["image"].shape[0] * r["image"].shape[1] for r in recs) <= 64 * 64
+    mean, std = _equal_weights([r["image"] for r in recs])
     px = np.concatenate([r["image"].reshape(-1, 3) for r in recs]).astype(np.float64) / 255
-    np.testing.assert_allclose(info["stats"]["mean"], px.mean(0), atol=2e-6)
-    np.testing.assert_allclose(info["stats"]["std"], px.std(0), atol=2e-6)
+    np.testing.assert_allclose(info["stats"]["mean"], mean, atol=2e-6)
+    np.testing.assert_allclose(info["stats"]["std"], std, atol=2e-6)
     np.testing.assert_allclose(info["stats"]["max"], px.max(0), atol=1e-6)
 
 
@@ -988,9 +998,10 @@ def test_images_decoded_ahead_hold_no_pixels_and_the_statistics_are_exact():
                 time.sleep(0.01)
             assert held == [], f"{len(held)} decoded images held ahead of the writer"
     x = np.concatenate([pixels(i).reshape(-1, 3) for i in range(n)]).astype(np.float64) / 255
-    got = stats.result()  # population statistics over every pixel, float64, 6 decimals
-    np.testing.assert_allclose(got["mean"], x.mean(0), atol=1e-6)
-    np.testing.assert_allclose(got["std"], x.std(0), atol=1e-6)
+    mean, std = _equal_weights([pixels(i) for i in range(n)])
+    got = stats.result()  # each image weighing the same, float64, 6 decimals
+    np.testing.assert_allclose(got["mean"], mean, atol=1e-6)
+    np.testing.assert_allclose(got["std"], std, atol=1e-6)
     assert got["min"] == x.min(0).tolist() and got["max"] == x.max(0).tolist()
 
 
@@ -1065,3 +1076,25 @@ def test_a_200_megapixel_phone_photo_is_under_the_limit_and_a_bomb_is_refused_by
                 f"an image of {size}{mp} megapixels, over the limit of 250 megapixels that "
                 "prepare and predict decode (a decompression bomb, or a photo to scale down "
                 "first)"), str(e.value)
+
+
+def test_each_train_image_counts_equally_in_the_statistics_as_the_model_sees_it():
+    """prepare's mean/std counted every pixel at full resolution: one 8000x6000 photo outweighed
+    thousands of small images, while training sees each at the same small size. Each image now
+    counts once, as its 64x64 resize (images of at most 64x64 pixels as they are): a white
+    300x200 image and a black 10x10 one average to 0.5; a 1-pixel checkerboard of 128x128 is
+    uniform grey at 64x64 (std ~0; its full-resolution pixels' std is 0.5)."""
+    def stats_of(*rgbs):
+        split = formats.Split(np.zeros(len(rgbs), np.int64), [str(i) for i in range(len(rgbs))],
+                              lambda i: (b"", rgbs[i]))
+        stats = prepare._Stats()
+        for _ in prepare._SplitWriter("train", split, 1, False, 1, stats):
+            pass
+        return stats.result()
+    got = stats_of(np.full((200, 300, 3), 255, np.uint8), np.zeros((10, 10, 3), np.uint8))
+    assert got["mean"] == [0.5] * 3 and got["std"] == [0.5] * 3
+    assert got["min"] == [0.0] * 3 and got["max"] == [1.0] * 3
+    board = (np.indices((128, 128)).sum(0) % 2 * 255).astype(np.uint8)[..., None].repeat(3, -1)
+    got = stats_of(board)
+    np.testing.assert_allclose(got["mean"], 0.5, atol=0.003)
+    assert max(got["std"]) < 0.01, got
