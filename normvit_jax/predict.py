@@ -216,6 +216,9 @@ def _progress(items: Any, what: str, total: int) -> Any:
 
 
 def write_csv(rows: list[dict], path: str, top_k: int) -> None:
+    # the folders check_output said would be made (--out=new/dir/x.csv), as export makes its own:
+    # missing, every image was predicted and the write raised FileNotFoundError (results lost)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     # surrogateescape: a file name that is not UTF-8 is written as its own bytes (the path of the
     # file on disk), not a UnicodeEncodeError once every image was predicted
     with open(path, "w", newline="", encoding="utf-8", errors="surrogateescape") as f:

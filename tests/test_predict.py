@@ -227,3 +227,12 @@ def test_top_k_out_of_range_and_eval_flags_are_refused_by_the_flag_typed(run, tm
         assert e.value.code == 2 and len(err) == 1, err
         assert err[0].startswith(f"python -m normvit_jax.predict: error: {line}"), err
         assert "config.data" not in err[0].split(";")[0], err
+
+
+def test_out_in_folders_that_do_not_exist_yet_is_written(tmp_path):
+    """--out=new/dir/x.csv passed check_output (missing folders will be made), then every image
+    was predicted and the write raised FileNotFoundError: a traceback, exit 1, results lost."""
+    out = tmp_path / "new" / "dir" / "x.csv"
+    predict.write_csv([{"path": "a.jpg", "top": [("cat", 0.75)]}], str(out), 1)
+    assert list(csv.reader(open(out, encoding="utf-8"))) == [["path", "class_1", "prob_1"],
+                                                              ["a.jpg", "cat", "0.750000"]]

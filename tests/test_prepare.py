@@ -115,12 +115,22 @@ def test_folder_summary_skips_and_names_unreadable_files(prepared_folder, capsys
     assert d["classes"] == ["cat", "dog"] and d == json.loads(json.dumps(info))
 
 
-def test_stats_are_the_train_pixels_population_mean_and_std(prepared_folder):
+def _equal_weights(imgs) -> tuple[np.ndarray, np.ndarray]:
+    """numpy's per-channel mean and std of images (of at most 64x64 pixels: not resized) in [0, 1]
+    with each image weighing the same, whatever its size."""
+    px = [x.reshape(-1, 3).astype(np.float64) / 255 for x in imgs]
+    mean = np.mean([p.mean(0) for p in px], 0)
+    return mean, np.sqrt(np.mean([((p - mean) ** 2).mean(0) for p in px], 0))
+
+
+def test_stats_are_the_train_images_mean_and_std_each_image_weighing_the_same(prepared_folder):
     root, _, info = prepared_folder
     _, recs = _read_split(f"{root}/dd/pets/1.0.0", "train")
+    assert max(r["image"].shape[0] * r["image"].shape[1] for r in recs) <= 64 * 64
+    mean, std = _equal_weights([r["image"] for r in recs])
     px = np.concatenate([r["image"].reshape(-1, 3) for r in recs]).astype(np.float64) / 255
-    np.testing.assert_allclose(info["stats"]["mean"], px.mean(0), atol=2e-6)
-    np.testing.assert_allclose(info["stats"]["std"], px.std(0), atol=2e-6)
+    np.testing.assert_allclose(info["stats"]["mean"], mean, atol=2e-6)
+    np.testing.assert_allclose(info["stats"]["std"], std, atol=2e-6)
     np.testing.assert_allclose(info["stats"]["max"], px.max(0), atol=1e-6)
 
 
@@ -555,6 +565,58 @@ def test_a_png_cut_after_its_pixels_is_stored_decodable_by_training(tmp_path):
     assert len(stored) == 5 and sum(x.shape == px.shape and (x == px).all() for x in stored) == 1
 
 
+def _png(px: np.ndarray, damage: str) -> bytes:
+    """An 8-bit RGB PNG of ``px`` that PIL decodes and TensorFlow's decoder (training's) refuses:
+    'crc' a wrong IDAT CRC, 'chunk' an unknown critical chunk, 'ihdr' two IHDR chunks."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes, crc_xor: int = 0) -> bytes:
+        crc = (zlib.crc32(kind + body) ^ crc_xor) & 0xFFFFFFFF
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    h, w, _ = px.shape
+    ihdr = chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+    z = zlib.compress(b"".join(b"\x00" + px[y].tobytes() for y in range(h)))
+    idat = chunk(b"IDAT", z, crc_xor=0xFF if damage == "crc" else 0)
+    extra = {"chunk": chunk(b"ABCD", b"x"), "ihdr": ihdr}.get(damage, b"")
+    return b"\x89PNG\r\n\x1a\n" + ihdr + extra + idat + chunk(b"IEND", b"")
+
+
+def test_pngs_pil_reads_and_tensorflow_refuses_are_skipped_named_not_stored(tmp_path, capsys):
+    """A PNG with a damaged IDAT CRC, an unknown critical chunk or two IHDR
+    chunks: PIL decodes it, TensorFlow's decoder (training's and evaluation's) does not. prepare
+    stored it and exited 0; training then stopped with 'example 3 of the split cannot be decoded:
+    Graph execution error:', naming neither the file nor the fix. Each is skipped and named, as a
+    truncated file is, and --strict refuses it."""
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+    src = _tree(tmp_path / "s", {"cat": 2, "dog": 2})
+    px = RNG.integers(0, 256, (5, 6, 3), np.uint8)
+    damages = ("chunk", "crc", "ihdr")
+    for d in damages:
+        data = _png(px, d)
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")), px)
+        with pytest.raises(tf.errors.OpError):
+            tf.io.decode_image(data, channels=3)
+        (tmp_path / "s" / "dog" / f"{d}.png").write_bytes(data)
+    info = _run(f"--src={src}", "--name=tfbad", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    why = "TensorFlow's decoder, which evaluation uses, cannot decode it (PIL can: "
+    skipped = info["splits"]["train"]["skipped"]
+    assert [x.split(" (")[0] for x in skipped] == [f"{src}/dog/{d}.png" for d in damages]
+    assert all(f" ({why}" in x for x in skipped), skipped
+    assert info["splits"]["train"]["per_class"] == [2, 2]
+    assert f"train: skipped 3 unreadable file(s):\n    {src}/dog/chunk.png ({why}" in (
+        capsys.readouterr().out)
+    ds = tfds.builder_from_directory(f"{tmp_path}/dd/tfbad/1.0.0").as_data_source(
+        split="train", decoders={"image": tfds.decode.SkipDecoding()})
+    assert [tf.io.decode_image(ds[i]["image"]).shape for i in range(len(ds))] == [(8, 8, 3)] * 4
+    line = _fails(capsys, f"--src={src}", "--name=tfbad2", f"--data_dir={tmp_path}/dd",
+                  "--val_fraction=0", "--strict")
+    assert line.startswith(f"error: {src}/dog/chunk.png: cannot be decoded ({why}")
+    assert line.endswith("; --strict refuses unreadable images")
+
+
 def test_split_folders_not_named_as_splits_are_refused_not_read_as_classes(tmp_path, capsys):
     """A download laid out as Train/<class>, Test/<class> (or training_set/test_set) was read as
     one tree of the classes 'Test' and 'Train': a model telling the folders apart, without a
@@ -679,6 +741,18 @@ def test_synology_thumbnail_folders_are_skipped_like_hidden_ones(tmp_path):
     assert info["classes"] == ["cat", "dog"] and info["splits"]["train"]["per_class"] == [3, 3]
     from normvit_jax import predict  # --images reads folders alike
     assert predict.list_images(f"{src}/cat") == [f"{src}/cat/{i}.png" for i in range(3)]
+
+
+def test_a_macs_zip_folder_beside_the_classes_is_skipped(tmp_path):
+    """A zip made on a Mac unzips with a __MACOSX folder beside the class folders (its ._* files
+    are resource forks, no images): prepare stopped with 'empty class folder'."""
+    src = _tree(tmp_path / "s", {"cat": 3, "dog": 3})
+    for where in ("__MACOSX/cat", "cat/__MACOSX"):
+        d = tmp_path / "s" / where
+        d.mkdir(parents=True)
+        (d / "._0.png").write_bytes(b"\x00\x05\x16\x07" + b"\x00" * 60)
+    info = _run(f"--src={src}", "--name=mac", f"--data_dir={tmp_path}/dd", "--val_fraction=0")
+    assert info["classes"] == ["cat", "dog"] and info["splits"]["train"]["per_class"] == [3, 3]
 
 
 def test_a_camera_raw_files_preview_is_not_taken_for_the_photo():
@@ -924,9 +998,10 @@ def test_images_decoded_ahead_hold_no_pixels_and_the_statistics_are_exact():
                 time.sleep(0.01)
             assert held == [], f"{len(held)} decoded images held ahead of the writer"
     x = np.concatenate([pixels(i).reshape(-1, 3) for i in range(n)]).astype(np.float64) / 255
-    got = stats.result()  # population statistics over every pixel, float64, 6 decimals
-    np.testing.assert_allclose(got["mean"], x.mean(0), atol=1e-6)
-    np.testing.assert_allclose(got["std"], x.std(0), atol=1e-6)
+    mean, std = _equal_weights([pixels(i) for i in range(n)])
+    got = stats.result()  # each image weighing the same, float64, 6 decimals
+    np.testing.assert_allclose(got["mean"], mean, atol=1e-6)
+    np.testing.assert_allclose(got["std"], std, atol=1e-6)
     assert got["min"] == x.min(0).tolist() and got["max"] == x.max(0).tolist()
 
 
@@ -956,3 +1031,71 @@ def test_the_summary_says_1_example_and_help_shows_the_seeds_default(prepared_fo
         prepare.main(["--help"])
     assert re.search(r"--seed SEED\s+seed of the held-out choice \(default: 0\)",
                      capsys.readouterr().out)
+
+
+def _png_header(w: int, h: int) -> bytes:
+    """A PNG of w x h pixels whose data is never reached: PIL's and the limit's checks read the
+    header only."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + body))
+        return struct.pack(">I", len(body)) + kind + body + crc
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b""))
+
+
+def _jpeg_header(w: int, h: int) -> bytes:
+    """An 8x8 JPEG whose frame header says w x h (its data is never decoded here)."""
+    import struct
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buf, "JPEG")
+    data = buf.getvalue()
+    sof = data.index(b"\xff\xc0")
+    return data[:sof + 5] + struct.pack(">HH", h, w) + data[sof + 9:]
+
+
+def test_a_200_megapixel_phone_photo_is_under_the_limit_and_a_bomb_is_refused_by_size():
+    """A 200 MP phone photo (16320x12240) was skipped by prepare and predict as PIL's
+    'DecompressionBombError ... could be decompression bomb DOS attack' (PIL's default refuses
+    over 179 MP). The limit is images.MAX_FILE_PIXELS, 250 MP; an image over it is named by its
+    size in megapixels and the limit."""
+    from normvit_jax.data import images
+    from normvit_jax.deploy import preprocess
+    from normvit_jax.serve import DEFAULT_MAX_PIXELS
+    assert images.MAX_FILE_PIXELS == 250_000_000
+    phone = _jpeg_header(16320, 12240)
+    assert images.stored_as_is(phone)  # the header is read, not refused
+    preprocess.check_pixels(phone, DEFAULT_MAX_PIXELS, {"eval_resize_small": 0}, as_is=False)
+    for w, h, mp in ((20000, 20000, 400), (40000, 20000, 800)):  # PIL's own error past 2x
+        for read in (images.stored_as_is, images.load_file):
+            with pytest.raises(images.BadImageError) as e:
+                read(_png_header(w, h))
+            size = f"{w}x{h} = " if mp <= 500 else ""  # past 2x, PIL refuses it unread
+            assert str(e.value) == (
+                f"an image of {size}{mp} megapixels, over the limit of 250 megapixels that "
+                "prepare and predict decode (a decompression bomb, or a photo to scale down "
+                "first)"), str(e.value)
+
+
+def test_each_train_image_counts_equally_in_the_statistics_as_the_model_sees_it():
+    """prepare's mean/std counted every pixel at full resolution: one 8000x6000 photo outweighed
+    thousands of small images, while training sees each at the same small size. Each image now
+    counts once, as its 64x64 resize (images of at most 64x64 pixels as they are): a white
+    300x200 image and a black 10x10 one average to 0.5; a 1-pixel checkerboard of 128x128 is
+    uniform grey at 64x64 (std ~0; its full-resolution pixels' std is 0.5)."""
+    def stats_of(*rgbs):
+        split = formats.Split(np.zeros(len(rgbs), np.int64), [str(i) for i in range(len(rgbs))],
+                              lambda i: (b"", rgbs[i]))
+        stats = prepare._Stats()
+        for _ in prepare._SplitWriter("train", split, 1, False, 1, stats):
+            pass
+        return stats.result()
+    got = stats_of(np.full((200, 300, 3), 255, np.uint8), np.zeros((10, 10, 3), np.uint8))
+    assert got["mean"] == [0.5] * 3 and got["std"] == [0.5] * 3
+    assert got["min"] == [0.0] * 3 and got["max"] == [1.0] * 3
+    board = (np.indices((128, 128)).sum(0) % 2 * 255).astype(np.uint8)[..., None].repeat(3, -1)
+    got = stats_of(board)
+    np.testing.assert_allclose(got["mean"], 0.5, atol=0.003)
+    assert max(got["std"]) < 0.01, got

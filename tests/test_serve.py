@@ -557,3 +557,87 @@ def test_the_docs_digit_png_is_the_digit_the_demo_learnt(tmp_path):
     digit = load_digits().images[7]
     assert png.shape == (8, 8) and digit.max() == 16  # the case that wrapped
     np.testing.assert_allclose(png / 255, digit / 16, rtol=0, atol=0.5 / 255)
+
+
+def test_the_metadata_states_the_decoding_rules_the_project_follows():
+    """The metadata's ``preprocess`` gave the geometry only: a consumer outside this project could
+    not know that EXIF orientation is applied, alpha dropped (not composited), the first frame
+    taken, 16-bit values mapped how, gray repeated, the aspect ratio kept. Each rule is written
+    in ``preprocess['decode']``, and a PIL reference that follows the written rules literally
+    gives the pixels of the project's own decode (prepare's rule, then TensorFlow's decoder)."""
+    import struct
+    import zlib
+    import tensorflow as tf
+    from PIL import ImageOps
+    from normvit_jax.data import images
+    rules = bundle.eval_preprocess(vit_ln.get_config("demo").data)["decode"]
+    assert rules == {"orientation": "exif", "frames": "first", "alpha": "dropped",
+                     "gray": "repeated", "palette": "looked_up",
+                     "bit_depth_16": {"gray": "round(v * 255 / 65535)", "color": "v >> 8"},
+                     "color_profile": "ignored", "aspect_ratio": "kept"}
+    rng = np.random.default_rng(5)
+
+    def ours(data: bytes) -> np.ndarray:
+        return tf.io.decode_image(images.as_stored(data), channels=3,
+                                  expand_animations=False).numpy()
+
+    def png16(v: np.ndarray) -> bytes:  # PIL writes no 16-bit colour PNG
+        h, w = v.shape[:2]
+        color = 2 if v.ndim == 3 else 0
+
+        def chunk(kind: bytes, body: bytes) -> bytes:
+            return (struct.pack(">I", len(body)) + kind + body
+                    + struct.pack(">I", zlib.crc32(kind + body)))
+        rows = b"".join(b"\x00" + v[y].astype(">u2").tobytes() for y in range(h))
+        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, color,
+                                                                   0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+    # orientation 'exif': the EXIF transpose applied (6: turned 90 degrees clockwise)
+    px = rng.integers(0, 256, (6, 10, 3), np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.fromarray(px).save(buf, "PNG", exif=exif.tobytes())
+    data = buf.getvalue()
+    assert rules["orientation"] == "exif"
+    want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+    assert want.shape == (10, 6, 3)
+    np.testing.assert_array_equal(ours(data), want)
+    # alpha 'dropped': the RGB under transparent pixels as they are
+    rgba = rng.integers(0, 256, (5, 7, 4), np.uint8)
+    rgba[..., 3] = 0
+    assert rules["alpha"] == "dropped"
+    np.testing.assert_array_equal(ours(_encode(rgba, "PNG")), rgba[..., :3])
+    # frames 'first'
+    frames = [Image.fromarray(np.full((4, 4, 3), c, np.uint8)) for c in (10, 200)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=50)
+    assert rules["frames"] == "first"
+    np.testing.assert_array_equal(ours(buf.getvalue()),
+                                  np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB")))
+    assert ours(buf.getvalue()).max() < 100
+    # gray 'repeated'; palette 'looked_up'
+    g = rng.integers(0, 256, (5, 6), np.uint8)
+    assert rules["gray"] == "repeated"
+    np.testing.assert_array_equal(ours(_encode(g, "PNG")), np.repeat(g[..., None], 3, -1))
+    pal = Image.fromarray(px).convert("P", palette=Image.ADAPTIVE, colors=8)
+    buf = io.BytesIO()
+    pal.save(buf, "PNG")
+    lut = np.array(pal.getpalette()[:8 * 3], np.uint8).reshape(-1, 3)
+    np.testing.assert_array_equal(ours(buf.getvalue()), lut[np.asarray(pal)])
+    # bit_depth_16: gray round(v * 255 / 65535), colour the high byte
+    v = rng.integers(0, 65536, (4, 5), np.uint16)
+    np.testing.assert_array_equal(
+        ours(png16(v)), np.repeat(np.rint(v.astype(np.float64) * 255 / 65535).astype(np.uint8)[..., None], 3, -1))
+    v3 = rng.integers(0, 65536, (4, 5, 3), np.uint16)
+    np.testing.assert_array_equal(ours(png16(v3)), (v3 >> 8).astype(np.uint8))
+    # aspect_ratio 'kept': a 20x40 image red at its sides, blue in its central 20x20
+    wide = np.zeros((20, 40, 3), np.uint8)
+    wide[:, :10, 0] = wide[:, 30:, 0] = 255
+    wide[:, 10:30, 2] = 255
+    pre = bundle.eval_preprocess(vit_ln.get_config("demo").data)
+    pre.update(image_size=8, eval_crop_fraction=1.0, eval_resize_small=0)
+    got = preprocess.to_input(_encode(wide, "PNG"), pre, MAX_PIXELS)
+    assert rules["aspect_ratio"] == "kept"
+    assert (got[..., 0] == 0).all() and (got[..., 2] == 255).all()

@@ -318,3 +318,33 @@ def test_concurrent_first_batches_trace_once_without_a_retracing_warning(caplog)
             t.join()
     assert dec._fn(geo, False).experimental_get_tracing_count() == 1
     assert not [r for r in caplog.records if "retracing" in r.getMessage()]
+
+
+def test_an_undecodable_record_names_its_split_file_and_the_fix():
+    """Training stopped with 'example 3 of the split cannot be decoded: Graph execution error:'
+    naming neither the dataset's split, the file (a record holding its name) nor what to do."""
+    import tensorflow as tf
+    from normvit_jax.data.sources import JpegSource
+    rng = np.random.default_rng(9)
+    good = _encode(_photo(rng, 30, 30), "JPEG")
+
+    def example(image: bytes, name: bytes) -> bytes:
+        f = {"image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[image])),
+             "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[1])),
+             "file_name": tf.train.Feature(bytes_list=tf.train.BytesList(value=[name]))}
+        return tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString()
+
+    class Records(list):
+        def __getitems__(self, keys):
+            return [self[k] for k in keys]
+
+    recs = Records(example(good, f"{i}.jpg".encode()) for i in range(5))
+    recs[3] = example(good[:200], b"cats/IMG_3.jpg")
+    src = JpegSource(None, 5, 2, examples=recs, where="my_photos:train")
+    with pytest.raises(ValueError) as e:
+        src.read(np.arange(5), None, Geometry(8, False, 1.0, 1.0),
+                 stats.affine("imagenet2012", "zscore"))
+    line = str(e.value)
+    assert "\n" not in line
+    assert line.startswith("example 3 of my_photos:train (file cats/IMG_3.jpg) cannot be decoded")
+    assert "normvit_jax.data.prepare" in line and "--overwrite" in line and "remove" in line

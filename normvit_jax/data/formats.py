@@ -110,8 +110,10 @@ def shown(path: str) -> str:
 
 
 # Folders a NAS adds beside photos: Synology's @eaDir holds 3-5 thumbnails of every photo, which
-# were read as more images of the class, each in train or validation as it fell (a leak)
-NAS_FOLDERS = ("@eaDir",)
+# were read as more images of the class, each in train or validation as it fell (a leak). A zip
+# made on a Mac unzips with a __MACOSX folder of resource forks (._*) beside the class folders,
+# which stopped prepare as an empty class folder.
+NAS_FOLDERS = ("@eaDir", "__MACOSX")
 # Files Windows Explorer writes beside photos (thumbnail caches, folder settings); lower case, as
 # Windows matches names. Their .DS_Store is hidden by its dot, these are not: each was an
 # "unreadable image" in every folder, drawn into the held-out share like a photo, and --strict
@@ -120,8 +122,8 @@ WINDOWS_FILES = ("thumbs.db", "ehthumbs.db", "ehthumbs_vista.db", "desktop.ini")
 
 
 def is_hidden(name: str) -> bool:
-    """A name the folder readers skip: hidden (``.*``: .DS_Store, ._x.jpg, .git), NAS_FOLDERS or
-    WINDOWS_FILES."""
+    """A name the folder readers skip: hidden (``.*``: .DS_Store, ._x.jpg, .git), NAS_FOLDERS
+    (Synology's @eaDir, a Mac zip's __MACOSX) or WINDOWS_FILES."""
     return name.startswith(".") or name in NAS_FOLDERS or name.lower() in WINDOWS_FILES
 
 
@@ -190,7 +192,7 @@ def _load_path(path: str) -> tuple[bytes, np.ndarray]:
             raise images.BadImageError(f"a broken symbolic link to {os.readlink(path)}") from None
         raise images.BadImageError(f"cannot be read ({type(e).__name__}: {e.strerror or e})"
                                    ) from None
-    return images.load_file(data)
+    return images.load_file(data, check_tf=True)  # stored as it is: training's decoder too
 
 
 def _tree(d: str, ignored: list[str]) -> dict[str, list[str]]:

@@ -20,7 +20,10 @@ other image is stored as the PNG of its RGB pixels (lossless).
 """
 from __future__ import annotations
 
+import contextlib
 import io
+import re
+import threading
 from typing import Any
 
 import numpy as np
@@ -36,9 +39,43 @@ class BadImageError(Exception):
     """A file PIL cannot decode (corrupt, truncated, empty, not an image)."""
 
 
+# The largest image prepare and predict decode (serve's is its --max_pixels, 50 MP): a 200 MP
+# phone photo (16320x12240) is under it; PIL's own default (179 MP) refused it as a "decompression
+# bomb DOS attack". An image over it is refused from its header, named by its size. Each image
+# over BIG_PIXELS decodes alone (BIG_LOCK): 200 MP is 600 MB of RGB, held 2-3 times while decoded.
+MAX_FILE_PIXELS = 250_000_000
+BIG_PIXELS = 50_000_000
+BIG_LOCK = threading.Lock()
+_PIL_LIMIT_SET = []
+
+
 def _pil():
     from PIL import Image, ImageOps
+    if not _PIL_LIMIT_SET:  # once: PIL warns over this and refuses over twice this, unread
+        Image.MAX_IMAGE_PIXELS = MAX_FILE_PIXELS
+        _PIL_LIMIT_SET.append(True)
     return Image, ImageOps
+
+
+def _too_large(w: int, h: int) -> BadImageError:
+    return BadImageError(f"an image of {w}x{h} = {w * h / 1e6:.0f} megapixels, over the limit of "
+                         f"{MAX_FILE_PIXELS / 1e6:.0f} megapixels that prepare and predict decode "
+                         "(a decompression bomb, or a photo to scale down first)")
+
+
+def _check_size(im) -> None:
+    w, h = im.size
+    if w * h > MAX_FILE_PIXELS:
+        raise _too_large(w, h)
+
+
+def _bomb(e: Exception) -> BadImageError:
+    """PIL's DecompressionBombError (over twice MAX_FILE_PIXELS) named as _too_large names it."""
+    m = re.search(r"\((\d+) pixels\)", str(e))
+    return BadImageError(f"an image of {int(m.group(1)) / 1e6:.0f} megapixels, over the limit of "
+                         f"{MAX_FILE_PIXELS / 1e6:.0f} megapixels that prepare and predict decode "
+                         "(a decompression bomb, or a photo to scale down first)" if m else
+                         f"over the limit of {MAX_FILE_PIXELS / 1e6:.0f} megapixels ({e})")
 
 
 def to_rgb(im: Any) -> np.ndarray:
@@ -138,20 +175,53 @@ def stored_as_is(data: bytes) -> bool:
         raise BadImageError("empty file (0 bytes)")
     try:
         im = Image.open(io.BytesIO(data))
+        _check_size(im)
         return _kept(im, im.format, im.getexif().get(0x0112, 1), data)
+    except BadImageError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise _bomb(e) from None
     except Image.UnidentifiedImageError:
         raise _unrecognised(data) from None
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad headers)
         raise BadImageError(f"{type(e).__name__}: {e}") from None
 
 
-def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
-    """Encoded file bytes -> (bytes to store, uint8 (H, W, 3) pixels). Raises BadImageError."""
+# Why a file PIL decodes is refused: TensorFlow's decoder, which training and evaluation use, does
+# not decode it (a PNG with a damaged chunk CRC, an unknown critical chunk, two IHDR chunks, cut
+# before its end). predict, serve and prepare name it so.
+TF_UNDECODABLE = ("TensorFlow's decoder, which evaluation uses, cannot decode it (PIL can: the "
+                  "file may be damaged or cut short)")
+
+
+def load_file(data: bytes, check_tf: bool = False) -> tuple[bytes, np.ndarray]:
+    """Encoded file bytes -> (bytes to store, uint8 (H, W, 3) pixels). Raises BadImageError.
+    ``check_tf`` (prepare): a file stored as it is must also be decoded by TensorFlow's decoder,
+    training's (PIL is laxer: it reads PNGs with a damaged CRC or an unknown critical chunk); one
+    that is not raises BadImageError(TF_UNDECODABLE). Files re-encoded here need no check."""
     Image, ImageOps = _pil()
     if not data:
         raise BadImageError("empty file (0 bytes)")
     try:
         im = Image.open(io.BytesIO(data))
+        _check_size(im)
+    except BadImageError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise _bomb(e) from None
+    except Image.UnidentifiedImageError:
+        raise _unrecognised(data) from None
+    except Exception as e:  # noqa: BLE001  (PIL raises many types for bad headers)
+        raise BadImageError(f"{type(e).__name__}: {e}") from None
+    big = im.size[0] * im.size[1] > BIG_PIXELS
+    with BIG_LOCK if big else contextlib.nullcontext():
+        return _decode(im, data, check_tf)
+
+
+def _decode(im, data: bytes, check_tf: bool) -> tuple[bytes, np.ndarray]:
+    """load_file's decode of the opened image ``im`` of ``data``."""
+    Image, ImageOps = _pil()
+    try:
         fmt = im.format
         im.seek(0)
         if fmt == "TIFF" and int(im.tag_v2.get(_NEW_SUBFILE_TYPE, 0)) & 1:
@@ -172,6 +242,10 @@ def load_file(data: bytes) -> tuple[bytes, np.ndarray]:
         raise BadImageError(f"{type(e).__name__}: {e}") from None
     if rgb.ndim != 3 or rgb.shape[0] < 1 or rgb.shape[1] < 1:
         raise BadImageError(f"decoded to an empty image {rgb.shape}")
+    if keep and check_tf:
+        from normvit_jax.data import tf_images
+        if tf_images.decode_error(data) is not None:
+            raise BadImageError(TF_UNDECODABLE)
     return (data if keep else encode_png(rgb)), rgb
 
 
@@ -190,8 +264,7 @@ def undecodable(data: bytes) -> str:
         load_file(data)
     except BadImageError as e:
         return str(e)
-    return ("TensorFlow's decoder, which evaluation uses, cannot decode it (PIL can: the file "
-            "may be cut short)")
+    return TF_UNDECODABLE
 
 
 def encode_png(rgb: np.ndarray) -> bytes:

@@ -39,14 +39,16 @@ _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 class _Stats:
-    """Per-channel mean/std/min/max over every pixel of the train split, in [0, 1] units, from
-    exact per-channel 256-bin histograms (integer counts; moments taken in float64 at the end)."""
+    """Per-channel mean/std/min/max of the train split's images, each image counting once, as the
+    model sees it (``stats_histogram``: its 64x64 resize), in [0, 1] units, from per-channel
+    256-bin histograms (float64; moments taken at the end). Counted over every full-resolution
+    pixel, one 8000x6000 photo outweighed 10,000 images of 64x64."""
 
     def __init__(self) -> None:
-        self.hist = np.zeros((3, 256), np.int64)
+        self.hist = np.zeros((3, 256), np.float64)
 
     def add(self, hist: np.ndarray) -> None:
-        """Adds one image's ``histogram``."""
+        """Adds one image's ``stats_histogram``."""
         self.hist += hist
 
     def result(self) -> dict[str, list[float]]:
@@ -76,6 +78,24 @@ def histogram(rgb: np.ndarray) -> np.ndarray:
         for c in range(3):
             out[c] += np.bincount(y[c], minlength=256)
     return out
+
+
+STATS_SIDE = 64  # an image larger than STATS_SIDE x STATS_SIDE pixels counts as its resize to it
+
+
+def stats_histogram(rgb: np.ndarray) -> np.ndarray:
+    """float64 (3, 256) per-channel histogram of a uint8 (H, W, 3) image that sums to 1 per
+    channel: each image weighs the same in the statistics. An image of more than 64x64 pixels is
+    first resized to 64x64 (PIL's bilinear, antialiased when shrinking: the pipeline's default
+    resize; the aspect ratio is not kept, as a random resized crop does not keep it), so that its
+    pixels are those the model sees rather than its sensor's noise; smaller ones (CIFAR, MNIST)
+    count as they are, so that a dataset of one size gets its pixels' own statistics."""
+    h, w = rgb.shape[:2]
+    if h * w > STATS_SIDE * STATS_SIDE:
+        from PIL import Image
+        rgb = np.asarray(Image.fromarray(rgb, "RGB").resize((STATS_SIDE, STATS_SIDE),
+                                                             Image.BILINEAR))
+    return histogram(rgb) / float(rgb.shape[0] * rgb.shape[1])
 
 
 class _Copies:
@@ -117,7 +137,7 @@ class _SplitWriter:
             data, rgb = self.split.load(i)
         except images.BadImageError as e:
             return e
-        return data, rgb.shape[:2], histogram(rgb) if self.stats is not None else None
+        return data, rgb.shape[:2], stats_histogram(rgb) if self.stats is not None else None
 
     def _loaded(self, ex: cf.ThreadPoolExecutor, n: int) -> Iterator[Any]:
         """``_load(i)`` for i in 0..n-1, in order, with at most 2 x workers images decoded or

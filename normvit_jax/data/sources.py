@@ -96,6 +96,32 @@ class JpegSource:
             recs = [self.records[int(i)] for i in idx]
             x, _ = self._decode([r["image"] for r in recs], u, geo)
         except tf_images.BadImageError as e:
-            raise ValueError(f"example {int(idx[e.position])} of the split cannot be decoded: "
-                             f"{e.reason}") from None
+            raise ValueError(self._undecodable(int(idx[e.position]), e.reason)) from None
         return x, np.array([int(r["label"]) for r in recs], np.int32)
+
+    def _undecodable(self, k: int, reason: str) -> str:
+        """One line: example k of which split, its file where the record names one (tfds's
+        ImageNet: 'file_name'), TensorFlow's own reason (not the graph's 'Graph execution
+        error:') and what to do; it was 'example k of the split cannot be decoded: Graph
+        execution error:'."""
+        image, name = None, None
+        try:
+            if self.examples is not None:
+                tf = tf_images._tf()  # pylint: disable=protected-access
+                feats = tf.train.Example.FromString(self.examples.__getitems__([k])[0]).features
+                f = feats.feature
+                image = f["image"].bytes_list.value[0] if "image" in f else None
+                if "file_name" in f and f["file_name"].bytes_list.value:
+                    name = f["file_name"].bytes_list.value[0]
+            else:
+                rec = self.records[k]
+                image, name = rec["image"], rec.get("file_name")
+            if isinstance(name, bytes):
+                name = name.decode("utf-8", "backslashreplace")
+            reason = (tf_images.decode_error(image) if image is not None else None) or reason
+        except Exception:  # noqa: BLE001  (the line is still given, with what is known)
+            pass
+        return (f"example {k} of {self.where}{f' (file {name})' if name else ''} cannot be "
+                f"decoded by TensorFlow ({' '.join(reason.split())}); if the dataset was made by "
+                "python -m normvit_jax.data.prepare, prepare it again (--overwrite: it now skips "
+                "and names such files), else remove or replace the file")

@@ -153,6 +153,17 @@ def _finish_one(encoded: Any, u: Any, geo: Any) -> Any:
     return x
 
 
+def decode_error(encoded: bytes) -> str | None:
+    """TensorFlow's reason (first line) why it cannot decode ``encoded`` whole, as training and
+    evaluation decode it (``tf.io.decode_image``, 3 channels, first frame), or None if it can."""
+    tf = _tf()
+    try:
+        tf.io.decode_image(encoded, channels=3, expand_animations=False)
+    except tf.errors.OpError as e:
+        return e.message.splitlines()[0] if e.message else type(e).__name__
+    return None
+
+
 class BadImageError(ValueError):
     """An image (or record) of the batch that TensorFlow cannot decode; ``position`` in the batch."""
 

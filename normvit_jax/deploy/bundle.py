@@ -7,6 +7,7 @@ path (``checkpoints.restore_numpy``, as predict, reparam and export --format=npz
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable
 
 import numpy as np
@@ -30,15 +31,33 @@ class Bundle:
     affine_in_weights: bool = False  # the affine folded into the patch embedding (--fold)
 
 
+# How a file becomes the RGB uint8 pixels the geometry starts from (data/images.py, the RGB rule;
+# docs/deploy.md): what a consumer outside this project must do to give the model the pixels it
+# was evaluated on. tests/test_serve.py holds each value to what the project's decode does.
+DECODE_RULES = {
+    "orientation": "exif",  # EXIF Orientation (tag 274) applied: the pixels as a viewer shows them
+    "frames": "first",  # animated GIF, WebP, APNG: the first frame only
+    "alpha": "dropped",  # RGBA, LA, PA: the colour under each pixel kept, not composited
+    "gray": "repeated",  # one channel (L, and 1-bit) copied to R, G and B
+    "palette": "looked_up",  # P: each index's RGB colour
+    "bit_depth_16": {"gray": "round(v * 255 / 65535)", "color": "v >> 8"},  # 16-bit PNG/TIFF
+    "color_profile": "ignored",  # an ICC profile is not applied; CMYK by PIL's convert('RGB')
+    "aspect_ratio": "kept",  # a central square crop (or the shorter side to eval_resize_small and
+    # then a central crop) before the resize to image_size x image_size: never squashed
+}
+
+
 def eval_preprocess(data: Any) -> dict:
-    """The eval pipeline's geometry (``predict.eval_geometry``) as plain JSON values; a key an
-    older run's config.json lacks is configs/default.py's (``dataspec.setting``)."""
+    """The eval pipeline's geometry (``predict.eval_geometry``) as plain JSON values, with the
+    decoding rules (``decode``: DECODE_RULES); a key an older run's config.json lacks is
+    configs/default.py's (``dataspec.setting``)."""
     from normvit_jax.data.dataspec import setting
     return {"image_size": int(data.image_size),
             "eval_crop_fraction": float(setting(data, "eval_crop_fraction")),
             "eval_resize_small": int(setting(data, "eval_resize_small") or 0),
             "interpolation": str(setting(data, "interpolation")),
-            "antialias": bool(setting(data, "antialias"))}
+            "antialias": bool(setting(data, "antialias")),
+            "decode": json.loads(json.dumps(DECODE_RULES))}
 
 
 def load(workdir: str, *, step: int | None = None, folded: str | None = None,

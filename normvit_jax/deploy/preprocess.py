@@ -34,8 +34,9 @@ def check_pixels(data: bytes, max_pixels: int, pre: dict | None = None,
     ``eval_resize_small`` in ``pre``, so is one whose resized image would be (a 3 x 10000 strip
     resized to a short side of 256 is 256 x 853,333). limit: what sets max_pixels, in the
     message (serve's flag; predict's fixed limit). as_is=False checks only the resized size
-    (predict: a large photo on disk is the user's own, only a resize that explodes is refused)."""
-    from PIL import Image
+    (predict: a large photo on disk is the user's own, only a resize that explodes is refused;
+    load_file refuses one over images.MAX_FILE_PIXELS, 250 MP)."""
+    Image, _ = images._pil()  # pylint: disable=protected-access  (PIL's limit: MAX_FILE_PIXELS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
