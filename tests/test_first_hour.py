@@ -367,6 +367,41 @@ def test_eta_leaves_out_compilation_and_evals():
     assert progress.fmt_time(3725) == "1h02m05s" and progress.fmt_time(65) == "1m05s"
 
 
+def test_eta_counts_the_evals_and_checkpoint_writes_to_come():
+    """The walker's run (evals and saves every 10 steps, a log line every 5) ended 60% later than
+    its ETA said: the estimate is the wall time left, the evals and writes to come included at
+    their measured means (the first, which compiles, left out once a second is measured), and says
+    which pauses it cannot price yet. Simulated in the loop's order: step, log, eval, save."""
+    from normvit_jax.train import progress
+    clock = FakeClock()
+    total, step_s, eval_s, save_s = 100, 0.1, 2.0, 0.5
+    eta = progress.Eta(total, clock=clock, eval_every=10, checkpoint_every=10)
+    assert [progress.events_left(s, total, 10) for s in (1, 10, 11, 100)] == [10, 10, 9, 1]
+    assert progress.events_left(1, 95, 10) == 10 and progress.events_left(95, 95, 10) == 1
+    clock.t = 7.0                      # compilation
+    seen = {}
+    for step in range(1, total + 1):
+        clock.t += step_s
+        if step % 5 == 0:
+            eta.mark(step)
+            seen[step] = (clock.t, eta.remaining_s(step), eta.describe(step))
+        if step % 10 == 0:
+            with eta.paused("eval"):
+                clock.t += eval_s + (3.0 if step == 10 else 0.0)  # the first eval compiles
+            with eta.paused("save"):
+                clock.t += save_s
+    end = clock.t
+    assert seen[5][2] == "estimating"
+    assert seen[10][2] == "0m09s + evals and checkpoints"   # 90 steps, no pause measured yet
+    for step in range(25, total + 1, 5):  # two of each measured: the estimate is exact
+        t, left, _ = seen[step]
+        assert left == pytest.approx(end - t, rel=1e-9), step
+    assert seen[100][2] == "0m02s" and seen[50][2] == progress.fmt_time(end - seen[50][0])
+    assert eta.interval_steps_per_s() == pytest.approx(10.0)  # training throughput, pauses out
+    assert eta.wall_time_line() == ("Wall time 0m45s: training 0m17s (compilation included), "
+                                    "evaluations 0m23s (10), checkpoint writes 0m05s (10).")
+
+
 def test_model_line_says_the_sizes_built():
     from normvit_jax import models
     from normvit_jax.train import progress

@@ -110,9 +110,9 @@ def test_the_loop_pauses_its_eta_while_the_next_phase_compiles(tmp_path, monkeyp
     paused = progress.Eta.paused
 
     @contextlib.contextmanager
-    def counting(self):
+    def counting(self, kind=None):
         entered.append(1)
-        with paused(self):
+        with paused(self, kind):
             yield
 
     monkeypatch.setattr(progress.Eta, "paused", counting)

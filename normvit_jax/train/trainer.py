@@ -37,7 +37,9 @@ class _LastLog:
 def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict[str, Any]:
     """Steps ``run`` to ``run.n_steps`` (or ``policy.stop_at``, or a SIGTERM); returns the final
     step, the last eval metrics and the state. The saver is closed on every way out."""
-    eta = progress.Eta(run.n_steps)  # train time only: no compile, eval or checkpoint time
+    # the train rate without compile, eval or checkpoint time, plus the evals and writes to come
+    eta = progress.Eta(run.n_steps, eval_every=policy.eval_every,
+                       checkpoint_every=policy.checkpoint_every)
     last_log = _LastLog(time.time(), run.start_step)
     eval_metrics: dict[str, Any] = {}
     step = run.start_step
@@ -76,7 +78,7 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
                     if problem:
                         raise NonFiniteError(problem)
                 if act.evaluate:
-                    with eta.paused():
+                    with eta.paused("eval"):
                         eval_metrics = run.evaluator(run.state, step)
                 if act.save:
                     _save(run, step, eta)
@@ -85,6 +87,7 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
                     break
                 if act.preempt:
                     run.saver.wait()
+                    logging.info(eta.wall_time_line())
                     raise PreemptedError(f"interrupted at step {step}; saved in "
                                          f"{run.saver.mngr.directory}; {sigterm.rerun} to "
                                          "resume")
@@ -94,6 +97,7 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
             raise
     batches.close()
     run.saver.close()
+    logging.info(eta.wall_time_line())
     return {"step": step, "eval": eval_metrics, "state": run.state}
 
 
@@ -140,7 +144,7 @@ def _log(run: Run, step: int, eta: progress.Eta, last: _LastLog) -> None:
 def _save(run: Run, step: int, eta: progress.Eta) -> None:
     """Saves the checked state with the metrics window (async; ``saver`` reports failures).
     All of it is a pause of the ETA: the finiteness check compiles at the first save."""
-    with eta.paused():
+    with eta.paused("save"):
         if not guards.all_finite(run.state):
             raise NonFiniteError(
                 f"the parameters or optimizer state became non-finite by step {step} although "
