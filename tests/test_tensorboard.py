@@ -67,6 +67,19 @@ def test_tensorboard_reads_back_scalars_images_and_hparams(tmp_path):
     assert start.hparams["norm"].string_value == "dtn" and start.hparams["ema"].bool_value
 
 
+def test_each_record_is_on_disk_as_it_is_written(tmp_path):
+    """TensorBoard reads the file while the run goes on: a log step's scalars are readable before
+    the writer is flushed or closed (they waited for the next checkpoint save: TensorBoard ~400
+    steps behind the log on a slow CPU)."""
+    from normvit_jax import summaries
+    w = tensorboard.SummaryWriter(str(tmp_path))
+    w.write_scalars(5, {"train/loss": 1.5})
+    assert [p[:2] for p in summaries.read_scalars(str(tmp_path))["train/loss"]] == [(5, 1.5)]
+    w.write_images(10, {"maps": np.zeros((4, 4, 3), np.uint8)})
+    assert _accumulator(str(tmp_path)).Tensors("maps")[0].step == 10
+    w.close()
+
+
 def test_images_must_be_uint8(tmp_path):
     w = tensorboard.SummaryWriter(str(tmp_path))
     with pytest.raises(ValueError, match="uint8"):
