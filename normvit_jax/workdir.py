@@ -16,7 +16,7 @@ from typing import Any
 from absl import logging
 from etils import epath
 
-from normvit_jax import run_code, run_config, run_data
+from normvit_jax import run_code, run_config, run_data, run_log
 from normvit_jax.run_config import CONFIG_NAME, REPLACED_DIR, utc_stamp
 
 LOCK_NAME = ".lock"
@@ -212,7 +212,9 @@ def remove_if_unused(workdir: str) -> bool:
         return False
     lock = os.path.join(workdir, LOCK_NAME)
     ckpt = os.path.join(workdir, "checkpoints")  # the checkpoint manager's folder, still empty
-    if set(os.listdir(workdir)) - {LOCK_NAME, "checkpoints"}:
+    # a start that failed inside the lock also left its log and status (run_log): no run either
+    records = (run_log.LOG_NAME, run_log.STATUS_NAME)
+    if set(os.listdir(workdir)) - {LOCK_NAME, "checkpoints", *records}:
         return False
     try:
         if os.path.exists(ckpt) and (not os.path.isdir(ckpt) or os.listdir(ckpt)):
@@ -223,6 +225,9 @@ def remove_if_unused(workdir: str) -> bool:
             os.rmdir(ckpt)
         if os.path.exists(lock):
             os.remove(lock)
+        for name in records:
+            if os.path.exists(os.path.join(workdir, name)):
+                os.remove(os.path.join(workdir, name))
         os.rmdir(workdir)
     except OSError:
         return False
@@ -233,15 +238,16 @@ def remove_if_unused(workdir: str) -> bool:
 
 
 def move_run_aside(workdir: str) -> str | None:
-    """For ``--fresh``: moves checkpoints, config, class names, input statistics, the code history
-    (the new run starts its own), event files and ``--mode=eval`` results of the run in
+    """For ``--fresh``: moves checkpoints, config, class names, input statistics, the code history,
+    train.log and status.json (the new run starts its own), event files and ``--mode=eval`` results of the run in
     ``workdir`` to ``workdir/replaced/<UTC time>/`` (nothing is deleted). Returns that folder,
     or None if the workdir held no run."""
     root = epath.Path(workdir)
     names = [p.name for p in root.iterdir()] if root.exists() else []
     moving = [n for n in names if n in ("checkpoints", CONFIG_NAME, "damaged_checkpoints",
                                         "classes.json", run_data.RECORD_NAME,
-                                        run_code.HISTORY_NAME)
+                                        run_code.HISTORY_NAME, run_log.LOG_NAME,
+                                        run_log.STATUS_NAME)
               or n.startswith(("events.out.tfevents", "config.before-", "data.before-"))
               or (n.startswith("eval_") and n.endswith(".json"))]  # --mode=eval's results
     if not moving:

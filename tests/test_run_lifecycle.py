@@ -153,3 +153,43 @@ def test_ctrl_c_while_the_data_opens_releases_the_workdir_lock(tmp_path, monkeyp
     import fcntl
     with open(os.path.join(wd, workdir.LOCK_NAME)) as f:  # another open file: as another process
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while the start holds it
+
+
+def test_the_workdir_records_how_each_start_ended_and_keeps_the_log(tmp_path, monkeypatch, caplog):
+    """A finished run and a preempted one left the same empty .lock and the log was stdout only:
+    train.log appends each start's lines after a separator, status.json and the last log line
+    say how it ended (preempted at step 3, exit 42; then finished at step 6), and a re-run of the
+    finished run appends its lines and records it finished again."""
+    import json
+    import logging
+
+    from normvit_jax import cli, preemption, run_log
+    from normvit_jax.train import loop
+    caplog.set_level(logging.INFO, logger="absl")  # main.py's verbosity (a test may leave WARNING)
+    wd = str(tmp_path / "w")
+    c = tiny_demo_config()
+    monkeypatch.setattr(preemption, "reached", lambda sigterm, step: step == 3)
+    with pytest.raises(loop.PreemptedError):
+        loop.train_and_evaluate(c, wd)
+    status = json.load(open(os.path.join(wd, run_log.STATUS_NAME)))
+    assert (status["state"], status["step"], status["exit_code"]) == ("preempted", 3,
+                                                                     cli.EXIT_PREEMPTED)
+    assert "interrupted at step 3" in status["message"]
+    monkeypatch.setattr(preemption, "reached", lambda sigterm, step: False)
+    loop.train_and_evaluate(c, wd)
+    status = json.load(open(os.path.join(wd, run_log.STATUS_NAME)))
+    assert (status["state"], status["step"], status["exit_code"]) == ("finished", 6, 0)
+    loop.train_and_evaluate(c, wd)  # complete: nothing trained, the end recorded again
+    log = open(os.path.join(wd, run_log.LOG_NAME)).read()
+    assert log.count("----- training start at ") == 3
+    starts = log.split("----- training start at ")[1:]
+    assert "step 2/6: loss" in starts[0] and "Run ended: preempted at step 3 (exit 42)" in starts[0]
+    assert "Resumed from the checkpoint at step 3" in starts[1]
+    assert starts[1].rstrip().endswith("Run ended: finished at step 6 (exit 0).")
+    assert "already complete" in starts[2] and "Run ended: finished at step 6" in starts[2]
+    assert json.load(open(os.path.join(wd, run_log.STATUS_NAME)))["state"] == "finished"
+    # --fresh moves the log and the status with the run; the new run starts its own
+    loop.train_and_evaluate(c.copy_and_resolve_references(), wd, stop_at=2, fresh=True)
+    status = json.load(open(os.path.join(wd, run_log.STATUS_NAME)))
+    assert (status["state"], status["step"]) == ("stopped", 2)
+    assert open(os.path.join(wd, run_log.LOG_NAME)).read().count("----- training start") == 1

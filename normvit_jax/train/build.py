@@ -47,6 +47,7 @@ class Run:
     start_step: int
     window: guards.MetricsWindow  # train metrics since the last log step (restored on resume)
     skipped_total: int           # non-finite steps skipped so far (config.skip_nonfinite_steps)
+    step_reached: int | None = None  # the last step trained (trainer.train): the run's end state
 
 
 @dataclasses.dataclass

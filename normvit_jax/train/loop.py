@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from normvit_jax import distributed, preemption, run_data, sharding
+from normvit_jax import distributed, preemption, run_data, run_log, sharding
 from normvit_jax import workdir as workdir_lib
 from normvit_jax.train import setup
 from normvit_jax.train.policy import NonFiniteError, PreemptedError, StepPolicy
@@ -64,6 +64,34 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             raise
         with lock:
             from normvit_jax.train import build, trainer  # pylint: disable=import-outside-toplevel
-            run = build.build_run(config, workdir, run_spec, mesh, rerun=rerun,
-                                  pipelines=pipelines)
-            return trainer.train(run, StepPolicy.from_config(config, run.n_steps, stop_at), sigterm)
+            log = run_log.RunLog(workdir, active=jax.process_index() == 0)
+            log.start()
+            run = None
+            try:
+                run = build.build_run(config, workdir, run_spec, mesh, rerun=rerun,
+                                      pipelines=pipelines)
+                result = trainer.train(run, StepPolicy.from_config(config, run.n_steps, stop_at),
+                                       sigterm)
+            except BaseException as e:
+                _record_end(log, e, run)
+                raise
+            done = result["step"] >= run.n_steps
+            log.end("finished" if done else "stopped", result["step"], 0,
+                    "" if done else f"stop_at {stop_at} of {run.n_steps} steps; {rerun} to "
+                    "continue")
+            return result
+
+
+def _record_end(log: run_log.RunLog, error: BaseException, run: Any) -> None:
+    """The end state of a run that raised: ``preempted`` (exit 42) or ``failed`` with the exit
+    code ``cli`` gives it (1 for an unexpected error: its traceback follows) and its first line."""
+    from normvit_jax import cli  # pylint: disable=import-outside-toplevel
+    code = cli.exit_code(error)
+    code = 1 if code is None else code
+    message = (str(error).strip().splitlines() or [""])[0]
+    message = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    step = getattr(run, "step_reached", None)
+    if isinstance(error, PreemptedError):
+        log.end("preempted", step, code, message)
+    else:
+        log.end("failed", step, code, message)

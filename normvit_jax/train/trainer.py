@@ -42,7 +42,7 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
                        checkpoint_every=policy.checkpoint_every)
     last_log = _LastLog(time.time(), run.start_step)
     eval_metrics: dict[str, Any] = {}
-    step = run.start_step
+    step = run.step_reached = run.start_step
     if step >= run.n_steps:  # nothing to compile or read: the recorded result, in one line
         return _complete(run, step)
     batches = run.train_data.train_batches(step)
@@ -68,6 +68,7 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
                 if step == run.start_step:  # compiled and run: a signal now ends in a checkpoint
                     sigterm.started()
                 step += 1
+                run.step_reached = step
                 run.window.add(step, m)
                 act = policy.after(step, preemption.reached(sigterm, step))
                 if act.log:

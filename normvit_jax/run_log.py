@@ -1,0 +1,107 @@
+"""How a training run went, in its workdir: ``train.log`` and ``status.json``.
+
+stdout was the only log of a run, and a workdir told nothing of how its last process ended: the
+lock is emptied on every way out, so a finished run and a preempted one looked alike, and a
+killed one left only its pid in ``.lock``. Process 0 of a training start (from the moment it holds
+the workdir's lock) therefore
+
+- appends its log lines, as printed, to ``workdir/train.log``, after one separator line naming the
+  start (UTC time, pid, host, the command line): a resume appends below the earlier starts;
+- writes ``workdir/status.json`` (atomically): ``{"state": "running", ...}`` at the start, and at
+  the end one of ``finished`` (the last step), ``stopped`` (``stop_at``), ``preempted`` (SIGTERM
+  or Ctrl-C, exit 42) or ``failed`` (an error: its exit code and one-line message), with the
+  step reached, and logs the same as the last line of the log (``Run ended: ...``). A process
+  killed outright (SIGKILL, power loss) leaves ``running``: with the lock free (its process gone)
+  that is a run that was killed.
+
+A remote (gs://) workdir gets status.json but no train.log (a log file is appended line by line).
+Never a new failure mode: an error writing either is one warning line and the run goes on. The
+tools (``--mode=eval``, analysis, predict, export) read neither.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging as std_logging
+import os
+import socket
+import sys
+from typing import Any
+
+from absl import logging
+from etils import epath
+
+LOG_NAME = "train.log"
+STATUS_NAME = "status.json"
+
+
+def _utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def write_status(workdir: str, state: str, **fields: Any) -> None:
+    """Replaces ``workdir/status.json`` with ``{"state": state, **fields, "time", "pid", "host"}``
+    (written to a temporary name, then renamed); an error is one warning line."""
+    record = {"state": state, **fields, "time": _utc(), "pid": os.getpid(),
+              "host": socket.gethostname()}
+    try:
+        path = epath.Path(workdir) / STATUS_NAME
+        tmp = epath.Path(workdir) / f".{STATUS_NAME}.tmp"
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        tmp.replace(path)
+    except Exception as e:  # noqa: BLE001  (never a failed run for its status record)
+        logging.warning("Cannot write %s in %s (%s: %s).", STATUS_NAME, workdir,
+                        type(e).__name__, e)
+
+
+def read_status(workdir: str) -> dict[str, Any] | None:
+    try:
+        return json.loads((epath.Path(workdir) / STATUS_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class RunLog:
+    """``start()`` when the run holds its lock, ``end(state, ...)`` on every way out (process 0;
+    other processes: make it with ``active=False``, and it does nothing)."""
+
+    def __init__(self, workdir: str, active: bool = True):
+        self.workdir = workdir
+        self.active = active
+        self._handler: std_logging.Handler | None = None
+
+    def start(self, step: int | None = None) -> None:
+        if not self.active:
+            return
+        from normvit_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+        if not workdir_lib.is_remote(self.workdir):
+            try:
+                handler = std_logging.FileHandler(os.path.join(self.workdir, LOG_NAME),
+                                                  mode="a", encoding="utf-8")
+            except OSError as e:
+                logging.warning("Cannot open %s in %s (%s); the log goes to stderr only.",
+                                LOG_NAME, self.workdir, e)
+            else:
+                handler.setFormatter(logging.PythonFormatter())
+                # the absl logger's own filters (logs.quiet_library_logs) apply before it
+                handler.stream.write(f"----- training start at {_utc()}: pid {os.getpid()} on "
+                                     f"host {socket.gethostname()}: {' '.join(sys.argv)}\n")
+                handler.flush()
+                logging.get_absl_logger().addHandler(handler)
+                self._handler = handler
+        write_status(self.workdir, "running", **({} if step is None else {"step": step}))
+
+    def end(self, state: str, step: int | None, exit_code: int, message: str = "") -> None:
+        """Logs 'Run ended: <state> at step N (exit C): message' and records it in status.json;
+        then stops appending to train.log."""
+        if not self.active:
+            return
+        where = "" if step is None else f" at step {step}"
+        logging.info("Run ended: %s%s (exit %d)%s", state, where, exit_code,
+                     f": {message}" if message else ".")
+        write_status(self.workdir, state, step=step, exit_code=exit_code,
+                     **({"message": message} if message else {}))
+        if self._handler is not None:
+            logging.get_absl_logger().removeHandler(self._handler)
+            self._handler.close()
+            self._handler = None
