@@ -31,7 +31,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from normvit_jax.data import archives, formats, images, prepared
+from normvit_jax.data import archives, formats, images, prepared, tfds_source
 from normvit_jax.data.formats import PrepareError
 
 EXIT_BAD_INPUT = 2
@@ -301,7 +301,8 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
     level = absl_logger.level
     absl_logger.setLevel(logging.ERROR)  # tfds's notes about its temporary folders
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # tfds's "Downloading and preparing"
+        # tfds's "Downloading and preparing"; the empty folder of its look for the info on GCS
+        with contextlib.redirect_stdout(io.StringIO()), tfds_source.no_stray_tmp_folders():
             tfds.dataset_builders.store_as_tfds_dataset(
                 name=name, version=prepared.VERSION, features=features, split_datasets=writers,
                 data_dir=tmp, file_format="array_record",

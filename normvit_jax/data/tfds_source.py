@@ -10,7 +10,10 @@ unprepared, so the check trusts the mock (detected by its patched ``DatasetBuild
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import glob
 import os
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -26,6 +29,28 @@ _OFFLINE = ("Offline alternatives: the bundled digits data (`--config=configs/<m
 # The archives tfds cannot download (ImageNet's licence): tfds reads them from <data_dir>/downloads/manual.
 MANUAL_FILES = {"imagenet2012": ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"),
                 "imagenet2012_real": ("ILSVRC2012_img_val.tar",)}
+
+
+@contextlib.contextmanager
+def no_stray_tmp_folders():
+    """Removes the empty ``tmp*tfds`` folders that appeared in the temporary folder during the
+    block. tfds makes a builder for a dataset whose ``dataset_info.json`` is not there yet (the
+    one ``prepare`` writes, a registered dataset not prepared: ``open_builder``'s refusal) with
+    ``DatasetInfo.initialize_from_bucket``, which calls ``tempfile.mkdtemp("tfds")`` before it
+    looks for the dataset's info on GCS and leaves the folder, empty where there is none (always
+    offline): thousands of them in /tmp after test runs. No tfds option skips it (``try_gcs`` is
+    about the data, not the info), so the block's new folders are removed, an empty one only
+    (``os.rmdir``): a folder with files is kept, whoever made it."""
+    pattern = os.path.join(glob.escape(tempfile.gettempdir()), "tmp*tfds")
+    before = set(glob.glob(pattern))
+    try:
+        yield
+    finally:
+        for d in set(glob.glob(pattern)) - before:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
 
 
 def _tfds():
@@ -77,7 +102,8 @@ def open_builder(name: str, data_dir: str | None, *, random_access: bool) -> Any
     ``random_access``: the data must be array_record (TFRecord files cannot be indexed).
     """
     tfds = _tfds()
-    builder = tfds.builder(name, data_dir=data_dir)
+    with no_stray_tmp_folders():  # not prepared: tfds's look for its info on GCS
+        builder = tfds.builder(name, data_dir=data_dir)
     if is_mocked():
         return builder
     root = _root(builder, data_dir)
