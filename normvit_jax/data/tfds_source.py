@@ -14,7 +14,7 @@ import contextlib
 import glob
 import os
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 from absl import logging
@@ -32,7 +32,7 @@ MANUAL_FILES = {"imagenet2012": ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val
 
 
 @contextlib.contextmanager
-def no_stray_tmp_folders():
+def no_stray_tmp_folders() -> Iterator[None]:
     """Removes the empty ``tmp*tfds`` folders that appeared in the temporary folder during the
     block. tfds makes a builder for a dataset whose ``dataset_info.json`` is not there yet (the
     one ``prepare`` writes, a registered dataset not prepared: ``open_builder``'s refusal) with
