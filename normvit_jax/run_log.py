@@ -1,11 +1,11 @@
-"""How a training run went, in its workdir: ``train.log`` and ``status.json``.
+"""How a training run went, in its workdir: ``training.log`` and ``status.json``.
 
 stdout was the only log of a run, and a workdir told nothing of how its last process ended: the
 lock is emptied on every way out, so a finished run and a preempted one looked alike, and a
 killed one left only its pid in ``.lock``. Process 0 of a training start (from the moment it holds
 the workdir's lock) therefore
 
-- appends its log lines, as printed, to ``workdir/train.log``, after one separator line naming the
+- appends its log lines, as printed, to ``workdir/training.log``, after one separator line naming the
   start (UTC time, pid, host, the command line): a resume appends below the earlier starts;
 - writes ``workdir/status.json`` (atomically): ``{"state": "running", ...}`` at the start, and at
   the end one of ``finished`` (the last step), ``stopped`` (``stop_at``), ``preempted`` (SIGTERM
@@ -14,7 +14,7 @@ the workdir's lock) therefore
   killed outright (SIGKILL, power loss) leaves ``running``: with the lock free (its process gone)
   that is a run that was killed.
 
-A remote (gs://) workdir gets status.json but no train.log (a log file is appended line by line).
+A remote (gs://) workdir gets status.json but no training.log (a log file is appended line by line).
 Never a new failure mode: an error writing either is one warning line and the run goes on. The
 tools (``--mode=eval``, analysis, predict, export) read neither.
 """
@@ -31,7 +31,7 @@ from typing import Any
 from absl import logging
 from etils import epath
 
-LOG_NAME = "train.log"
+LOG_NAME = "training.log"
 STATUS_NAME = "status.json"
 
 
@@ -93,7 +93,7 @@ class RunLog:
 
     def end(self, state: str, step: int | None, exit_code: int, message: str = "") -> None:
         """Logs 'Run ended: <state> at step N (exit C): message' and records it in status.json;
-        then stops appending to train.log."""
+        then stops appending to training.log."""
         if not self.active:
             return
         where = "" if step is None else f" at step {step}"

@@ -239,7 +239,7 @@ def remove_if_unused(workdir: str) -> bool:
 
 def move_run_aside(workdir: str) -> str | None:
     """For ``--fresh``: moves checkpoints, config, class names, input statistics, the code history,
-    train.log and status.json (the new run starts its own), event files and ``--mode=eval`` results of the run in
+    training.log and status.json (the new run starts its own), event files and ``--mode=eval`` results of the run in
     ``workdir`` to ``workdir/replaced/<UTC time>/`` (nothing is deleted). Returns that folder,
     or None if the workdir held no run."""
     root = epath.Path(workdir)

@@ -157,7 +157,7 @@ def test_ctrl_c_while_the_data_opens_releases_the_workdir_lock(tmp_path, monkeyp
 
 def test_the_workdir_records_how_each_start_ended_and_keeps_the_log(tmp_path, monkeypatch, caplog):
     """A finished run and a preempted one left the same empty .lock and the log was stdout only:
-    train.log appends each start's lines after a separator, status.json and the last log line
+    training.log appends each start's lines after a separator, status.json and the last log line
     say how it ended (preempted at step 3, exit 42; then finished at step 6), and a re-run of the
     finished run appends its lines and records it finished again."""
     import json
