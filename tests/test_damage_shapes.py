@@ -135,8 +135,12 @@ def test_emptied_checkpoints_of_a_run_that_got_further_are_named(run, tmp_path, 
     lines = _stopped(caplog)
     assert len(lines) == 1 and "step 6" in lines[0] and "--fresh" in lines[0], lines
     assert "gone" in lines[0] and ckpt in lines[0], lines
-    after = {n: os.path.getmtime(os.path.join(wd, n)) for n in os.listdir(wd) if n != ".lock"}
-    assert after == {n: t for n, t in before.items() if n != ".lock"}
+    # the lock and the start's own records (run_log: its lines, its failed end) aside
+    from normvit_jax import run_log
+    records = (".lock", run_log.LOG_NAME, run_log.STATUS_NAME)
+    after = {n: os.path.getmtime(os.path.join(wd, n)) for n in os.listdir(wd) if n not in records}
+    assert after == {n: t for n, t in before.items() if n not in records}
+    assert run_log.read_status(wd)["exit_code"] == cli.EXIT_CONFIG
     assert os.listdir(ckpt) == []
     code, err = _predict(wd, tmp_path, capsys)
     assert code == cli.EXIT_CONFIG and len(err) == 1, err

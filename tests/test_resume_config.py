@@ -199,10 +199,13 @@ def test_extending_a_run_says_how_the_learning_rate_changes(tmp_path, caplog):
 
 
 def _snapshot(wd) -> dict:
+    """The run's files; the lock and the records of each start (training.log, status.json:
+    run_log) are left out: a re-run appends its lines and records its end there."""
+    from normvit_jax import run_log
     out = {}
     for name in sorted(os.listdir(wd)):
         p = os.path.join(wd, name)
-        if os.path.isfile(p) and name != ".lock":
+        if os.path.isfile(p) and name not in (".lock", run_log.LOG_NAME, run_log.STATUS_NAME):
             out[name] = (open(p, "rb").read(), os.stat(p).st_mtime_ns)
     return out
 
@@ -227,6 +230,9 @@ def test_a_complete_run_is_left_untouched(tmp_path, caplog):
     assert "at step 4" in stopped[0] and "total_steps=2" in stopped[0], stopped
     assert _snapshot(wd) == before
     assert not [m for m in _messages(caplog) if "already complete" in m]
+    from normvit_jax import run_log
+    status = run_log.read_status(wd)  # the refused start, recorded as such
+    assert (status["state"], status["exit_code"]) == ("failed", cli.EXIT_CONFIG), status
 
 
 def test_a_complete_run_without_config_json_gets_it_back_with_the_flag(tmp_path):
