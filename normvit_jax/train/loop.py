@@ -87,7 +87,8 @@ def _record_end(log: run_log.RunLog, error: BaseException, run: Any) -> None:
     code ``cli`` gives it (1 for an unexpected error: its traceback follows) and its first line."""
     from normvit_jax import cli  # pylint: disable=import-outside-toplevel
     code = cli.exit_code(error)
-    code = 1 if code is None else code
+    if code is None:  # Ctrl-C before the loop (main.py: 130), or an unexpected error (traceback)
+        code = cli.EXIT_INTERRUPTED if isinstance(error, KeyboardInterrupt) else 1
     message = (str(error).strip().splitlines() or [""])[0]
     message = f"{type(error).__name__}: {message}" if message else type(error).__name__
     step = getattr(run, "step_reached", None)
