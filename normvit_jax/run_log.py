@@ -92,13 +92,16 @@ class RunLog:
         write_status(self.workdir, "running", **({} if step is None else {"step": step}))
 
     def end(self, state: str, step: int | None, exit_code: int, message: str = "") -> None:
-        """Logs 'Run ended: <state> at step N (exit C): message' and records it in status.json;
-        then stops appending to training.log."""
+        """Logs 'Run ended: <state> at step N (exit C).' and records it with ``message`` in
+        status.json; then stops appending to training.log. The message goes under that line in
+        the file only: on stderr the error's own one line follows (cli), after this file closed."""
         if not self.active:
             return
         where = "" if step is None else f" at step {step}"
-        logging.info("Run ended: %s%s (exit %d)%s", state, where, exit_code,
-                     f": {message}" if message else ".")
+        logging.info("Run ended: %s%s (exit %d).", state, where, exit_code)
+        if message and self._handler is not None:
+            self._handler.stream.write(f"    {message}\n")
+            self._handler.flush()
         write_status(self.workdir, state, step=step, exit_code=exit_code,
                      **({"message": message} if message else {}))
         if self._handler is not None:

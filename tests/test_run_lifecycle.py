@@ -175,6 +175,7 @@ def test_the_workdir_records_how_each_start_ended_and_keeps_the_log(tmp_path, mo
     assert (status["state"], status["step"], status["exit_code"]) == ("preempted", 3,
                                                                      cli.EXIT_PREEMPTED)
     assert "interrupted at step 3" in status["message"]
+    status_message = status["message"]
     monkeypatch.setattr(preemption, "reached", lambda sigterm, step: False)
     loop.train_and_evaluate(c, wd)
     status = json.load(open(os.path.join(wd, run_log.STATUS_NAME)))
@@ -184,6 +185,7 @@ def test_the_workdir_records_how_each_start_ended_and_keeps_the_log(tmp_path, mo
     assert log.count("----- training start at ") == 3
     starts = log.split("----- training start at ")[1:]
     assert "step 2/6: loss" in starts[0] and "Run ended: preempted at step 3 (exit 42)" in starts[0]
+    assert starts[0].rstrip().endswith(status_message)
     assert "Resumed from the checkpoint at step 3" in starts[1]
     assert starts[1].rstrip().endswith("Run ended: finished at step 6 (exit 0).")
     assert "already complete" in starts[2] and "Run ended: finished at step 6" in starts[2]
