@@ -7,7 +7,8 @@
 size and format PIL reads; cropped and resized as the run's evaluation, the artifact's
 metadata); answers ``{"predictions": [{"label", "index", "probability"}, ...]}``, most
 probable first. ``GET /healthz``: 200 once the model is loaded (it is loaded and run once
-before the port opens). Bad input is a 4xx with a one-line JSON ``error`` (docs/deploy.md).
+before the port opens), 503 once a SIGTERM or Ctrl-C is stopping it (``_server_class``: the
+connections made before the signal are still answered). Bad input is a 4xx with a one-line JSON ``error`` (docs/deploy.md).
 The runtime is the artifact's own: ONNX Runtime, TensorFlow or JAX (Starlette on uvicorn).
 """
 from __future__ import annotations
@@ -144,15 +145,61 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
             return error(503, "the service stopped before the request was complete")
 
     async def healthz(request: Any) -> JSONResponse:
+        if app.state.stopping:  # a signal came: the requests in flight finish, no new ones
+            return error(503, "the service is stopping (SIGTERM or Ctrl-C)")
         return JSONResponse({"status": "ok", "format": model.fmt, "artifact": model.path,
                              "num_classes": len(model.names)})
 
     async def http_error(request: Any, exc: HTTPException) -> JSONResponse:
         return error(exc.status_code, exc.detail)
 
-    return Starlette(routes=[Route("/predict", predict, methods=["POST"]),
-                             Route("/healthz", healthz, methods=["GET"])],
-                     exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=[Route("/predict", predict, methods=["POST"]),
+                            Route("/healthz", healthz, methods=["GET"])],
+                    exception_handlers={HTTPException: http_error})
+    app.state.stopping = False  # set by _Server.shutdown
+    return app
+
+
+def _server_class() -> Any:
+    """uvicorn's Server, whose shutdown first takes every connection made before the signal.
+
+    uvicorn's own shutdown closes the listening socket at once, which resets the connections the
+    kernel has already completed but uvicorn has not accepted (its backlog), and closes accepted
+    ones whose request has not been read yet. Here, within SHUTDOWN_GRACE_S of the signal:
+    /healthz answers 503; the listening socket stays open until its backlog is empty (every
+    connection made before the signal is accepted), then closes; a connection accepted without a
+    request yet gets until the grace ends for its request to arrive; then uvicorn's shutdown
+    lets the requests read finish in what is left of the grace."""
+    import select
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + SHUTDOWN_GRACE_S
+            self.config.app.state.stopping = True
+            listening = [s for s in sockets or [] if s.fileno() >= 0]
+
+            def waiting() -> bool:  # a connection in the kernel's backlog, not yet accepted
+                try:
+                    return bool(listening and select.select(listening, [], [], 0)[0])
+                except (OSError, ValueError):
+                    return False
+            while waiting() and loop.time() < deadline and not self.force_exit:
+                await asyncio.sleep(0.01)  # the event loop accepts them meanwhile
+            for server in self.servers:
+                server.close()
+            await asyncio.sleep(0.05)  # the accepted ones' transports and protocols are made
+
+            def no_request_yet() -> bool:
+                return any(getattr(c, "cycle", 0) is None and not c.transport.is_closing()
+                           for c in list(self.server_state.connections))
+            while no_request_yet() and loop.time() < deadline and not self.force_exit:
+                await asyncio.sleep(0.01)
+            self.config.timeout_graceful_shutdown = max(0.1, deadline - loop.time())
+            await super().shutdown(sockets)
+
+    return _Server
 
 
 def _stop(message: str) -> None:
@@ -225,7 +272,7 @@ def _serve(args: Any) -> None:
                       f"http://{host}:{port}"}), flush=True)
     config = uvicorn.Config(make_app(model, args.max_bytes, args.workers), log_level="warning",
                             backlog=2048, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-    uvicorn.Server(config).run(sockets=[sock])
+    _server_class()(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

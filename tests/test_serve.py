@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 import urllib.error
 import urllib.request
@@ -641,3 +642,71 @@ def test_the_metadata_states_the_decoding_rules_the_project_follows():
     got = preprocess.to_input(_encode(wide, "PNG"), pre, MAX_PIXELS)
     assert rules["aspect_ratio"] == "kept"
     assert (got[..., 0] == 0).all() and (got[..., 2] == 255).all()
+
+
+def test_requests_connected_before_a_signal_are_all_answered(served):
+    """SIGTERM/SIGINT closed the listening socket at once: connections the kernel had already
+    accepted into its backlog (connected, not yet taken by uvicorn) were reset, and accepted ones
+    whose request had not been read yet were closed unanswered (16 to 48 of 50 in a walk). Two
+    kinds of client, each connected before the signal: 20 taken by the service before it (their
+    request sent 0.3 s after the signal, once the shutdown has begun), and 20 that connect and
+    send their whole request while the service is stopped (SIGSTOP: still in the backlog when
+    the signal comes, then SIGCONT). Every one is answered 200 (/healthz: 503, stopping)."""
+    import signal
+    import socket
+    png = _encode(np.zeros((8, 8, 3), np.uint8))
+    request = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(png)
+               + png)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import runpy, signal, sys; "
+             "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'serve'; "
+             "runpy.run_module('normvit_jax.serve', run_name='__main__')",
+             f"--artifact={served[3]}", "--port=0"],
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        conns = []
+        try:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-2000:]
+            port = int(json.loads(line)["url"].rsplit(":", 1)[1])
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as r:
+                assert r.status == 200
+            for _ in range(20):  # connected and taken, no request yet
+                conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGSTOP)
+            for _ in range(20):  # in the backlog, with their whole request
+                conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+                conns[-1].sendall(request)
+            proc.send_signal(sig)
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.3)
+            conns[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # stopping
+            for c in conns[1:20]:
+                c.sendall(request)
+            answers = []
+            for c in conns:
+                data = b""
+                try:
+                    while chunk := c.recv(65536):
+                        data += chunk
+                except OSError as e:
+                    data += repr(e).encode()
+                answers.append(data.split(b"\r\n", 1)[0])
+            _, err = proc.communicate(timeout=serve_grace() + 60)
+            assert answers == [b"HTTP/1.1 503 Service Unavailable"] + [b"HTTP/1.1 200 OK"] * (
+                len(conns) - 1), (sig, answers)
+            assert "Traceback" not in err, err[-2000:]
+        finally:
+            for c in conns:
+                c.close()
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.communicate()
+
+
+def serve_grace() -> int:
+    from normvit_jax import serve
+    return serve.SHUTDOWN_GRACE_S
