@@ -127,8 +127,9 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
     from normvit_jax.deploy.preprocess import InputError
     busy = anyio.Semaphore(workers)
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": " ".join(str(message).split())}, status_code=status)
+    def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse({"error": " ".join(str(message).split())}, status_code=status,
+                            headers=headers)
 
     async def predict(request: Any) -> JSONResponse:
         try:
@@ -151,7 +152,7 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
                              "num_classes": len(model.names)})
 
     async def http_error(request: Any, exc: HTTPException) -> JSONResponse:
-        return error(exc.status_code, exc.detail)
+        return error(exc.status_code, exc.detail, exc.headers)  # a 405's Allow
 
     app = Starlette(routes=[Route("/predict", predict, methods=["POST"]),
                             Route("/healthz", healthz, methods=["GET"])],

@@ -710,3 +710,15 @@ def test_requests_connected_before_a_signal_are_all_answered(served):
 def serve_grace() -> int:
     from normvit_jax import serve
     return serve.SHUTDOWN_GRACE_S
+
+
+def test_a_405_names_the_allowed_methods(served):
+    """A 405 lacked the ``Allow`` header HTTP requires (the error handler dropped starlette's
+    headers)."""
+    url = served[0]
+    for path, allow in (("/predict", "POST"), ("/healthz", "GET, HEAD")):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(f"{url}{path}", method="PUT", data=b"x"),
+                                   timeout=30)
+        assert e.value.code == 405 and e.value.headers["Allow"] == allow, e.value.headers
+        assert "error" in json.loads(e.value.read())
