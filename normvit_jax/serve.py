@@ -53,13 +53,11 @@ class Model:
         n = len(self.names)
         if raw is None:
             return min(DEFAULT_TOP_K, n)
-        try:
-            k = int(raw)
-        except ValueError:
-            k = 0
+        # plain decimal digits only: int() also takes '1_0', ' 3', '+3' and other scripts' digits
+        k = int(raw) if raw.isascii() and raw.isdigit() else 0
         if not 1 <= k <= n:
             raise InputError(400, f"top_k={raw!r}: must be an integer from 1 to {n} (the number "
-                                  "of classes)")
+                                  "of classes), in decimal digits")
         return k
 
     def predict(self, data: bytes, k: int) -> dict:
@@ -133,7 +131,11 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
 
     async def predict(request: Any) -> JSONResponse:
         try:
-            k = model.top_k(request.query_params.get("top_k"))
+            given = request.query_params.getlist("top_k")
+            if len(given) > 1:  # not the last one silently
+                raise InputError(400, f"top_k is given {len(given)} times ({', '.join(given)}): "
+                                      "give it once")
+            k = model.top_k(given[0] if given else None)
             data = await _image_bytes(request, max_bytes)
             async with busy:
                 return JSONResponse(await run_in_threadpool(model.predict, data, k))

@@ -236,6 +236,10 @@ def _bomb() -> bytes:
     ("png", "?top_k=0", None, 400, "top_k='0': must be an integer from 1 to 10"),
     ("png", "?top_k=11", None, 400, "top_k='11'"),
     ("png", "?top_k=abc", None, 400, "top_k='abc'"),
+    ("png", "?top_k=1_0", None, 400, "top_k='1_0': must be an integer"),  # int() took these
+    ("png", "?top_k=%20%203", None, 400, "top_k=' 3': must be an integer"),
+    ("png", "?top_k=%2B3", None, 400, "top_k='+3': must be an integer"),
+    ("png", "?top_k=3&top_k=1", None, 400, "top_k is given 2 times"),  # the last one was taken
     ("multipart-other", "", "multipart", 400, "without a field named 'file'"),
     (b"--nonsense", "", "multipart/form-data; boundary=zzz", 400, "malformed multipart body"),
 ])
