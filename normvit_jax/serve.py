@@ -92,6 +92,12 @@ async def _image_bytes(request: Any, limit: int) -> bytes:
     body = await _read_limited(request, limit)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         return body
+    from starlette.formparsers import parse_options_header  # python-multipart's, as starlette
+    _, options = parse_options_header(request.headers.get("content-type", ""))
+    boundary = options.get(b"boundary", b"")
+    if boundary and b"--" + boundary + b"--" not in body:  # the parser takes a cut body silently
+        raise InputError(400, "malformed multipart body: it ends before its closing boundary "
+                              f"(--{boundary.decode('latin-1')}--): truncated?")
     sent = False
 
     async def replay() -> dict:  # the body already read, for starlette's form parser

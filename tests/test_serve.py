@@ -241,6 +241,8 @@ def _bomb() -> bytes:
     ("png", "?top_k=%2B3", None, 400, "top_k='+3': must be an integer"),
     ("png", "?top_k=3&top_k=1", None, 400, "top_k is given 2 times"),  # the last one was taken
     ("multipart-other", "", "multipart", 400, "without a field named 'file'"),
+    ("multipart-cut", "", "multipart", 400, "malformed multipart body: it ends before its "
+     "closing boundary"),  # was "without a field named 'file'"
     (b"--nonsense", "", "multipart/form-data; boundary=zzz", 400, "malformed multipart body"),
 ])
 def test_bad_input_is_a_one_line_4xx_and_the_service_keeps_serving(served, body, query, ctype,
@@ -254,6 +256,9 @@ def test_bad_input_is_a_one_line_4xx_and_the_service_keeps_serving(served, body,
         body = png
     elif body == "multipart-other":
         body, ctype = _multipart("image", png)
+    elif body == "multipart-cut":
+        body, ctype = _multipart("file", png)
+        body = body[:-10]
     code, got = _post(url, body, query, ctype)
     assert code == status and message in got["error"], (code, got)
     assert "\n" not in got["error"] and set(got) == {"error"}
