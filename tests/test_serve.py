@@ -291,7 +291,10 @@ def test_a_client_that_leaves_mid_body_is_no_error_of_the_app():
 def test_wrong_method_and_path_are_json_4xx(served):
     url = served[0]
     for req, code in ((urllib.request.Request(f"{url}/predict"), 405),
-                      (urllib.request.Request(f"{url}/nothing"), 404)):
+                      (urllib.request.Request(f"{url}/nothing"), 404),
+                      # starlette's redirect_slashes answered these 307 (to /predict, /healthz)
+                      (urllib.request.Request(f"{url}/predict/", data=b"x"), 404),
+                      (urllib.request.Request(f"{url}/healthz/"), 404)):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=30)
         assert e.value.code == code and "error" in json.loads(e.value.read())
@@ -725,9 +728,10 @@ def test_a_405_names_the_allowed_methods(served):
     """A 405 lacked the ``Allow`` header HTTP requires (the error handler dropped starlette's
     headers)."""
     url = served[0]
-    for path, allow in (("/predict", "POST"), ("/healthz", "GET, HEAD")):
+    for path, allow in (("/predict", {"POST"}), ("/healthz", {"GET", "HEAD"})):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(urllib.request.Request(f"{url}{path}", method="PUT", data=b"x"),
                                    timeout=30)
-        assert e.value.code == 405 and e.value.headers["Allow"] == allow, e.value.headers
+        assert e.value.code == 405 and set(e.value.headers["Allow"].split(", ")) == allow, \
+            e.value.headers  # starlette's order is a set's
         assert "error" in json.loads(e.value.read())
