@@ -165,6 +165,7 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
     app = Starlette(routes=[Route("/predict", predict, methods=["POST"]),
                             Route("/healthz", healthz, methods=["GET"])],
                     exception_handlers={HTTPException: http_error})
+    app.router.redirect_slashes = False  # /predict/ is another path (404), not a 307 to /predict
     app.state.stopping = False  # set by _Server.shutdown
     return app
 
