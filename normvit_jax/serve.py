@@ -260,7 +260,7 @@ def _serve(args: Any) -> None:
     try:
         errors.require("starlette", "python -m normvit_jax.serve")
         errors.require("uvicorn", "python -m normvit_jax.serve")
-        errors.require("multipart", "python -m normvit_jax.serve")
+        errors.require("python_multipart", "python -m normvit_jax.serve")  # as starlette
         model = Model(args.artifact, args.threads, args.max_pixels)
     except DeployError as e:
         _stop(str(e))

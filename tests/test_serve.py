@@ -735,3 +735,27 @@ def test_a_405_names_the_allowed_methods(served):
         assert e.value.code == 405 and set(e.value.headers["Allow"].split(", ")) == allow, \
             e.value.headers  # starlette's order is a set's
         assert "error" in json.loads(e.value.read())
+
+
+@pytest.mark.parametrize("blocked, call, want", [
+    ("onnx", "from normvit_jax.deploy import onnx_format; onnx_format._jax2onnx()",
+     "the onnx format needs the package 'onnx' (import 'onnx' failed, which jax2onnx imports: "),
+    ("onnxruntime", "from normvit_jax.deploy import onnx_format; onnx_format._jax2onnx()",
+     "the onnx format needs the package 'onnxruntime' (import 'onnxruntime' failed, which "
+     "jax2onnx imports: "),
+    ("python_multipart,multipart", "from normvit_jax import serve; serve.main(['--artifact=x', "
+     "'--port=0'])", "python -m normvit_jax.serve: error: python -m normvit_jax.serve needs the "
+     "package 'python-multipart' (import 'python_multipart' failed: "),
+])
+def test_a_missing_package_is_named_by_its_import_and_pip_name(blocked, call, want):
+    """A missing onnx or onnxruntime was said as "needs the package 'jax2onnx'" (which imports
+    them), and a missing python-multipart as 'multipart', a name pip does not install."""
+    code = (f"import sys\nfor m in {blocked!r}.split(','): sys.modules[m] = None\n"
+            f"from normvit_jax.deploy import DeployError\ntry:\n    {call}\n"
+            "except DeployError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    out = (r.stdout + r.stderr).strip().splitlines()
+    assert out and out[-1].startswith(want), (r.stdout, r.stderr[-2000:])
+    assert out[-1].endswith("; install the deploy extra: pip install -e '.[deploy]'"), out[-1]
+    assert "Traceback" not in r.stderr
