@@ -29,7 +29,7 @@ MAX_BYTES, MAX_PIXELS = 200_000, 1_000_000
 
 
 def _tiny_artifact(out: str, names: list[str] | None = None, fmt: str = "onnx",
-                   log=None) -> None:
+                   log=None, batch: int | None = None) -> None:
     """A one-block demo ViT with random weights (drawn in numpy at the shapes ``init`` gives, so
     nothing is compiled) and a wide random head (so predictions vary)."""
     import jax
@@ -44,7 +44,7 @@ def _tiny_artifact(out: str, names: list[str] | None = None, fmt: str = "onnx",
                                                ).astype(np.float32)
     names = names or [f"digit {i}" for i in range(10)]
     artifact.export_artifact(bundle.from_variables(c, c.model, v, 10, names, log=None), fmt,
-                             out, log=log)
+                             out, batch=batch, log=log)
 
 
 def _start(*args: str) -> subprocess.Popen:
@@ -759,3 +759,33 @@ def test_a_missing_package_is_named_by_its_import_and_pip_name(blocked, call, wa
     assert out and out[-1].startswith(want), (r.stdout, r.stderr[-2000:])
     assert out[-1].endswith("; install the deploy extra: pip install -e '.[deploy]'"), out[-1]
     assert "Traceback" not in r.stderr
+
+
+def test_a_fixed_batch_savedmodel_refuses_another_batch_in_a_few_lines(tmp_path):
+    """export --format=savedmodel --batch=3 fed 1 or 4 images: TensorFlow does not check a
+    signature's declared shape, and XlaCallModule failed with a 61 KB error holding the whole
+    MLIR module. The signature checks the batch first (EnsureShape): a short error naming the
+    shapes. Run as a user would, in a process without normvit_jax."""
+    out = str(tmp_path / "sm")
+    _tiny_artifact(out, fmt="savedmodel", batch=3)
+    code = (
+        "import sys, numpy as np, tensorflow as tf\n"
+        f"f = tf.saved_model.load({out!r}).signatures['serving_default']\n"
+        "print('ok', f(image=tf.zeros([3, 8, 8, 3], tf.uint8))['probabilities'].shape)\n"
+        "for n in (1, 4):\n"
+        "    try:\n"
+        "        f(image=tf.zeros([n, 8, 8, 3], tf.uint8))\n"
+        "        print('ran', n)\n"
+        "    except tf.errors.InvalidArgumentError as e:\n"
+        "        print('refused', n, len(str(e)), repr(str(e)))\n"
+        "assert not [m for m in sys.modules if m.startswith('normvit_jax')]\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path, env={k: v for k, v in os.environ.items()
+                                          if k != "PYTHONPATH"})
+    lines = [ln for ln in r.stdout.splitlines() if ln.split(" ")[0] in ("ok", "ran", "refused")]
+    assert r.returncode == 0 and lines[0] == "ok (3, 10)", (r.stdout, r.stderr[-3000:])
+    for n, line in zip((1, 4), lines[1:]):
+        assert line.startswith(f"refused {n} "), line[:300]
+        assert int(line.split(" ")[2]) < 1000, line[:300]
+        assert f"Shape of tensor image [{n},8,8,3] is not compatible with expected shape " \
+               "[3,8,8,3]" in line, line[:500]
