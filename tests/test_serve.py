@@ -789,3 +789,15 @@ def test_a_fixed_batch_savedmodel_refuses_another_batch_in_a_few_lines(tmp_path)
         assert int(line.split(" ")[2]) < 1000, line[:300]
         assert f"Shape of tensor image [{n},8,8,3] is not compatible with expected shape " \
                "[3,8,8,3]" in line, line[:500]
+
+
+def test_the_onnx_outputs_are_in_the_documented_order(served):
+    """The ONNX graph's outputs came in key order (logits, probabilities); docs/deploy.md and the
+    metadata list probabilities first, so session.run(None, ...) unpacked them swapped."""
+    session, meta = served[1], served[2]
+    assert [o.name for o in session.get_outputs()] == ["probabilities", "logits"]
+    assert list(meta["outputs"]) == ["probabilities", "logits"]
+    probs, logits = session.run(None, {"image": np.zeros((2, 8, 8, 3), np.uint8)})
+    np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(probs, np.exp(logits) / np.exp(logits).sum(-1, keepdims=True),
+                               atol=1e-6)
