@@ -801,3 +801,16 @@ def test_the_onnx_outputs_are_in_the_documented_order(served):
     np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
     np.testing.assert_allclose(probs, np.exp(logits) / np.exp(logits).sum(-1, keepdims=True),
                                atol=1e-6)
+
+
+def test_a_savedmodel_exports_into_tf_servings_numbered_version_folder(tmp_path):
+    """TF Serving reads a model's base path's numbered version folders (base/1/saved_model.pb);
+    docs/deploy.md gives the export command for it, whose --out is such a folder in folders
+    that do not exist yet."""
+    import re
+    doc = (Path(REPO_ROOT) / "docs" / "deploy.md").read_text(encoding="utf-8")
+    out = re.search(r"--format=savedmodel --out=(models/mymodel/1)\b", doc).group(1)
+    _tiny_artifact(str(tmp_path / out), fmt="savedmodel", batch=1)
+    assert (tmp_path / "models" / "mymodel" / "1" / "saved_model.pb").is_file()
+    assert sorted(p.name for p in (tmp_path / "models" / "mymodel").iterdir()) == ["1"]
+    assert artifact.read_metadata(str(tmp_path / out))[0]["format"] == "savedmodel"
