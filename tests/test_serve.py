@@ -814,3 +814,36 @@ def test_a_savedmodel_exports_into_tf_servings_numbered_version_folder(tmp_path)
     assert (tmp_path / "models" / "mymodel" / "1" / "saved_model.pb").is_file()
     assert sorted(p.name for p in (tmp_path / "models" / "mymodel").iterdir()) == ["1"]
     assert artifact.read_metadata(str(tmp_path / out))[0]["format"] == "savedmodel"
+
+
+def test_the_docs_preprocess_reference_gives_the_projects_pixels():
+    """The metadata's preprocess gave the geometry's settings but not its exact ops (a JPEG's
+    crop-window decode with the accurate integer DCT, the crop side's rounding, the resize's
+    rounding to uint8): a consumer outside the project got pixels off by a few levels. The rules
+    are written in preprocess ('decoder', 'crop', 'resize'), and docs/deploy.md's TensorFlow
+    reference, which follows them, gives the project's pixels exactly, for non-square JPEGs and
+    PNGs under each geometry."""
+    import re
+    doc = (Path(REPO_ROOT) / "docs" / "deploy.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(# preprocess reference.*?)```", doc, re.S).group(1)
+    space: dict = {}
+    exec(compile(code, "docs/deploy.md", "exec"), space)  # noqa: S102  the docs' own snippet
+    rng = np.random.default_rng(11)
+    files = []
+    for h, w in ((24, 40), (48, 64), (40, 24)):
+        rgb = rng.integers(0, 256, (h, w, 3), np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, "JPEG", quality=90)
+        files += [buf.getvalue(), _encode(rgb, "PNG")]
+    for update in ({"eval_crop_fraction": 0.875}, {"eval_crop_fraction": 0.9, "antialias": False},
+                   {"interpolation": "bicubic", "eval_crop_fraction": 0.8},
+                   {"interpolation": "random"}, {"eval_resize_small": 12}):
+        c = vit_ln.get_config("demo")
+        c.data.update(image_size=10, **update)
+        pre = bundle.eval_preprocess(c.data)
+        assert pre["decoder"]["jpeg"].endswith("dct_method='INTEGER_ACCURATE')")
+        assert ("side = max(round(eval_crop_fraction * min(h, w)), 1)" in pre["crop"]["window"]
+                ) != bool(pre["eval_resize_small"])
+        for data in files:
+            np.testing.assert_array_equal(space["pixels"](data, json.loads(json.dumps(pre))),
+                                          preprocess.to_input(data, pre, MAX_PIXELS), update)
