@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import socket
 import sys
@@ -110,7 +111,9 @@ async def _image_bytes(request: Any, limit: int) -> bytes:
         form = await Request(request.scope, replay).form(max_files=1, max_fields=16,
                                                         max_part_size=limit)
     except Exception as e:  # noqa: BLE001  python-multipart's errors for malformed bodies
-        raise InputError(400, f"malformed multipart body: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        why = str(getattr(e, "detail", None) or e)  # starlette's HTTPException: without "400: "
+        raise InputError(400, "malformed multipart body: "
+                              f"{why.splitlines()[0] if why else type(e).__name__}") from None
     field = form.get("file")
     if field is None:
         raise InputError(400, "multipart body without a field named 'file' (send the image as "
@@ -130,6 +133,10 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
     from starlette.routing import Route
     from normvit_jax.deploy.preprocess import InputError
     busy = anyio.Semaphore(workers)
+    # python-multipart logs a warning per malformed body ("Expected boundary character 45, got
+    # 106 at index 2"): any client could flood the log; the answer says it is malformed
+    for name in ("python_multipart", "multipart"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
     def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
         return JSONResponse({"error": " ".join(str(message).split())}, status_code=status,

@@ -847,3 +847,34 @@ def test_the_docs_preprocess_reference_gives_the_projects_pixels():
         for data in files:
             np.testing.assert_array_equal(space["pixels"](data, json.loads(json.dumps(pre))),
                                           preprocess.to_input(data, pre, MAX_PIXELS), update)
+
+
+def test_a_malformed_multipart_body_logs_nothing_and_says_so_in_one_line(caplog):
+    """python-multipart logged a warning line per malformed body ("Expected boundary character
+    45, got 106 at index 2"): any client could flood the service's log. And the answer read
+    "malformed multipart body: 400: Invalid multipart data." (the exception's status in it)."""
+    import asyncio
+    import logging
+    from normvit_jax import serve
+    caplog.set_level(logging.DEBUG)
+    app = serve.make_app(types.SimpleNamespace(top_k=lambda raw: 1))
+    body = (b"junk\r\n--zzz\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nabc\r\n"
+            b"--zzz--\r\n")
+    scope = {"type": "http", "method": "POST", "path": "/predict", "query_string": b"",
+             "headers": [(b"content-type", b"multipart/form-data; boundary=zzz"),
+                         (b"content-length", str(len(body)).encode())],
+             "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 8000),
+             "client": ("127.0.0.1", 1), "root_path": ""}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 400
+    assert json.loads(sent[1]["body"]) == {"error": "malformed multipart body: Invalid "
+                                                    "multipart data."}
+    assert not [r for r in caplog.records if "multipart" in r.name], caplog.records
