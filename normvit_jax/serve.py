@@ -7,13 +7,15 @@
 size and format PIL reads; cropped and resized as the run's evaluation, the artifact's
 metadata); answers ``{"predictions": [{"label", "index", "probability"}, ...]}``, most
 probable first. ``GET /healthz``: 200 once the model is loaded (it is loaded and run once
-before the port opens). Bad input is a 4xx with a one-line JSON ``error`` (docs/deploy.md).
+before the port opens), 503 once a SIGTERM or Ctrl-C is stopping it (``_server_class``: the
+connections made before the signal are still answered). Bad input is a 4xx with a one-line JSON ``error`` (docs/deploy.md).
 The runtime is the artifact's own: ONNX Runtime, TensorFlow or JAX (Starlette on uvicorn).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import socket
 import sys
@@ -52,13 +54,11 @@ class Model:
         n = len(self.names)
         if raw is None:
             return min(DEFAULT_TOP_K, n)
-        try:
-            k = int(raw)
-        except ValueError:
-            k = 0
+        # plain decimal digits only: int() also takes '1_0', ' 3', '+3' and other scripts' digits
+        k = int(raw) if raw.isascii() and raw.isdigit() else 0
         if not 1 <= k <= n:
             raise InputError(400, f"top_k={raw!r}: must be an integer from 1 to {n} (the number "
-                                  "of classes)")
+                                  "of classes), in decimal digits")
         return k
 
     def predict(self, data: bytes, k: int) -> dict:
@@ -93,6 +93,12 @@ async def _image_bytes(request: Any, limit: int) -> bytes:
     body = await _read_limited(request, limit)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         return body
+    from starlette.formparsers import parse_options_header  # python-multipart's, as starlette
+    _, options = parse_options_header(request.headers.get("content-type", ""))
+    boundary = options.get(b"boundary", b"")
+    if boundary and b"--" + boundary + b"--" not in body:  # the parser takes a cut body silently
+        raise InputError(400, "malformed multipart body: it ends before its closing boundary "
+                              f"(--{boundary.decode('latin-1')}--): truncated?")
     sent = False
 
     async def replay() -> dict:  # the body already read, for starlette's form parser
@@ -105,7 +111,9 @@ async def _image_bytes(request: Any, limit: int) -> bytes:
         form = await Request(request.scope, replay).form(max_files=1, max_fields=16,
                                                         max_part_size=limit)
     except Exception as e:  # noqa: BLE001  python-multipart's errors for malformed bodies
-        raise InputError(400, f"malformed multipart body: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        why = str(getattr(e, "detail", None) or e)  # starlette's HTTPException: without "400: "
+        raise InputError(400, "malformed multipart body: "
+                              f"{why.splitlines()[0] if why else type(e).__name__}") from None
     field = form.get("file")
     if field is None:
         raise InputError(400, "multipart body without a field named 'file' (send the image as "
@@ -125,13 +133,22 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
     from starlette.routing import Route
     from normvit_jax.deploy.preprocess import InputError
     busy = anyio.Semaphore(workers)
+    # python-multipart logs a warning per malformed body ("Expected boundary character 45, got
+    # 106 at index 2"): any client could flood the log; the answer says it is malformed
+    for name in ("python_multipart", "multipart"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": " ".join(str(message).split())}, status_code=status)
+    def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse({"error": " ".join(str(message).split())}, status_code=status,
+                            headers=headers)
 
     async def predict(request: Any) -> JSONResponse:
         try:
-            k = model.top_k(request.query_params.get("top_k"))
+            given = request.query_params.getlist("top_k")
+            if len(given) > 1:  # not the last one silently
+                raise InputError(400, f"top_k is given {len(given)} times ({', '.join(given)}): "
+                                      "give it once")
+            k = model.top_k(given[0] if given else None)
             data = await _image_bytes(request, max_bytes)
             async with busy:
                 return JSONResponse(await run_in_threadpool(model.predict, data, k))
@@ -144,15 +161,62 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
             return error(503, "the service stopped before the request was complete")
 
     async def healthz(request: Any) -> JSONResponse:
+        if app.state.stopping:  # a signal came: the requests in flight finish, no new ones
+            return error(503, "the service is stopping (SIGTERM or Ctrl-C)")
         return JSONResponse({"status": "ok", "format": model.fmt, "artifact": model.path,
                              "num_classes": len(model.names)})
 
     async def http_error(request: Any, exc: HTTPException) -> JSONResponse:
-        return error(exc.status_code, exc.detail)
+        return error(exc.status_code, exc.detail, exc.headers)  # a 405's Allow
 
-    return Starlette(routes=[Route("/predict", predict, methods=["POST"]),
-                             Route("/healthz", healthz, methods=["GET"])],
-                     exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=[Route("/predict", predict, methods=["POST"]),
+                            Route("/healthz", healthz, methods=["GET"])],
+                    exception_handlers={HTTPException: http_error})
+    app.router.redirect_slashes = False  # /predict/ is another path (404), not a 307 to /predict
+    app.state.stopping = False  # set by _Server.shutdown
+    return app
+
+
+def _server_class() -> Any:
+    """uvicorn's Server, whose shutdown first takes every connection made before the signal.
+
+    uvicorn's own shutdown closes the listening socket at once, which resets the connections the
+    kernel has already completed but uvicorn has not accepted (its backlog), and closes accepted
+    ones whose request has not been read yet. Here, within SHUTDOWN_GRACE_S of the signal:
+    /healthz answers 503; the listening socket stays open until its backlog is empty (every
+    connection made before the signal is accepted), then closes; a connection accepted without a
+    request yet gets until the grace ends for its request to arrive; then uvicorn's shutdown
+    lets the requests read finish in what is left of the grace."""
+    import select
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + SHUTDOWN_GRACE_S
+            self.config.app.state.stopping = True
+            listening = [s for s in sockets or [] if s.fileno() >= 0]
+
+            def waiting() -> bool:  # a connection in the kernel's backlog, not yet accepted
+                try:
+                    return bool(listening and select.select(listening, [], [], 0)[0])
+                except (OSError, ValueError):
+                    return False
+            while waiting() and loop.time() < deadline and not self.force_exit:
+                await asyncio.sleep(0.01)  # the event loop accepts them meanwhile
+            for server in self.servers:
+                server.close()
+            await asyncio.sleep(0.05)  # the accepted ones' transports and protocols are made
+
+            def no_request_yet() -> bool:
+                return any(getattr(c, "cycle", 0) is None and not c.transport.is_closing()
+                           for c in list(self.server_state.connections))
+            while no_request_yet() and loop.time() < deadline and not self.force_exit:
+                await asyncio.sleep(0.01)
+            self.config.timeout_graceful_shutdown = max(0.1, deadline - loop.time())
+            await super().shutdown(sockets)
+
+    return _Server
 
 
 def _stop(message: str) -> None:
@@ -203,7 +267,7 @@ def _serve(args: Any) -> None:
     try:
         errors.require("starlette", "python -m normvit_jax.serve")
         errors.require("uvicorn", "python -m normvit_jax.serve")
-        errors.require("multipart", "python -m normvit_jax.serve")
+        errors.require("python_multipart", "python -m normvit_jax.serve")  # as starlette
         model = Model(args.artifact, args.threads, args.max_pixels)
     except DeployError as e:
         _stop(str(e))
@@ -225,7 +289,7 @@ def _serve(args: Any) -> None:
                       f"http://{host}:{port}"}), flush=True)
     config = uvicorn.Config(make_app(model, args.max_bytes, args.workers), log_level="warning",
                             backlog=2048, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-    uvicorn.Server(config).run(sockets=[sock])
+    _server_class()(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

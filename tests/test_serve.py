@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 import urllib.error
 import urllib.request
@@ -28,7 +29,7 @@ MAX_BYTES, MAX_PIXELS = 200_000, 1_000_000
 
 
 def _tiny_artifact(out: str, names: list[str] | None = None, fmt: str = "onnx",
-                   log=None) -> None:
+                   log=None, batch: int | None = None) -> None:
     """A one-block demo ViT with random weights (drawn in numpy at the shapes ``init`` gives, so
     nothing is compiled) and a wide random head (so predictions vary)."""
     import jax
@@ -43,7 +44,7 @@ def _tiny_artifact(out: str, names: list[str] | None = None, fmt: str = "onnx",
                                                ).astype(np.float32)
     names = names or [f"digit {i}" for i in range(10)]
     artifact.export_artifact(bundle.from_variables(c, c.model, v, 10, names, log=None), fmt,
-                             out, log=log)
+                             out, batch=batch, log=log)
 
 
 def _start(*args: str) -> subprocess.Popen:
@@ -235,7 +236,13 @@ def _bomb() -> bytes:
     ("png", "?top_k=0", None, 400, "top_k='0': must be an integer from 1 to 10"),
     ("png", "?top_k=11", None, 400, "top_k='11'"),
     ("png", "?top_k=abc", None, 400, "top_k='abc'"),
+    ("png", "?top_k=1_0", None, 400, "top_k='1_0': must be an integer"),  # int() took these
+    ("png", "?top_k=%20%203", None, 400, "top_k=' 3': must be an integer"),
+    ("png", "?top_k=%2B3", None, 400, "top_k='+3': must be an integer"),
+    ("png", "?top_k=3&top_k=1", None, 400, "top_k is given 2 times"),  # the last one was taken
     ("multipart-other", "", "multipart", 400, "without a field named 'file'"),
+    ("multipart-cut", "", "multipart", 400, "malformed multipart body: it ends before its "
+     "closing boundary"),  # was "without a field named 'file'"
     (b"--nonsense", "", "multipart/form-data; boundary=zzz", 400, "malformed multipart body"),
 ])
 def test_bad_input_is_a_one_line_4xx_and_the_service_keeps_serving(served, body, query, ctype,
@@ -249,6 +256,9 @@ def test_bad_input_is_a_one_line_4xx_and_the_service_keeps_serving(served, body,
         body = png
     elif body == "multipart-other":
         body, ctype = _multipart("image", png)
+    elif body == "multipart-cut":
+        body, ctype = _multipart("file", png)
+        body = body[:-10]
     code, got = _post(url, body, query, ctype)
     assert code == status and message in got["error"], (code, got)
     assert "\n" not in got["error"] and set(got) == {"error"}
@@ -281,7 +291,10 @@ def test_a_client_that_leaves_mid_body_is_no_error_of_the_app():
 def test_wrong_method_and_path_are_json_4xx(served):
     url = served[0]
     for req, code in ((urllib.request.Request(f"{url}/predict"), 405),
-                      (urllib.request.Request(f"{url}/nothing"), 404)):
+                      (urllib.request.Request(f"{url}/nothing"), 404),
+                      # starlette's redirect_slashes answered these 307 (to /predict, /healthz)
+                      (urllib.request.Request(f"{url}/predict/", data=b"x"), 404),
+                      (urllib.request.Request(f"{url}/healthz/"), 404)):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=30)
         assert e.value.code == code and "error" in json.loads(e.value.read())
@@ -641,3 +654,227 @@ def test_the_metadata_states_the_decoding_rules_the_project_follows():
     got = preprocess.to_input(_encode(wide, "PNG"), pre, MAX_PIXELS)
     assert rules["aspect_ratio"] == "kept"
     assert (got[..., 0] == 0).all() and (got[..., 2] == 255).all()
+
+
+def test_requests_connected_before_a_signal_are_all_answered(served):
+    """SIGTERM/SIGINT closed the listening socket at once: connections the kernel had already
+    accepted into its backlog (connected, not yet taken by uvicorn) were reset, and accepted ones
+    whose request had not been read yet were closed unanswered (16 to 48 of 50 in a walk). Two
+    kinds of client, each connected before the signal: 20 taken by the service before it (their
+    request sent 0.3 s after the signal, once the shutdown has begun), and 20 that connect and
+    send their whole request while the service is stopped (SIGSTOP: still in the backlog when
+    the signal comes, then SIGCONT). Every one is answered 200 (/healthz: 503, stopping)."""
+    import signal
+    import socket
+    png = _encode(np.zeros((8, 8, 3), np.uint8))
+    request = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(png)
+               + png)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import runpy, signal, sys; "
+             "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'serve'; "
+             "runpy.run_module('normvit_jax.serve', run_name='__main__')",
+             f"--artifact={served[3]}", "--port=0"],
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        conns = []
+        try:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-2000:]
+            port = int(json.loads(line)["url"].rsplit(":", 1)[1])
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as r:
+                assert r.status == 200
+            for _ in range(20):  # connected and taken, no request yet
+                conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGSTOP)
+            for _ in range(20):  # in the backlog, with their whole request
+                conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+                conns[-1].sendall(request)
+            proc.send_signal(sig)
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.3)
+            conns[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # stopping
+            for c in conns[1:20]:
+                c.sendall(request)
+            answers = []
+            for c in conns:
+                data = b""
+                try:
+                    while chunk := c.recv(65536):
+                        data += chunk
+                except OSError as e:
+                    data += repr(e).encode()
+                answers.append(data.split(b"\r\n", 1)[0])
+            _, err = proc.communicate(timeout=serve_grace() + 60)
+            assert answers == [b"HTTP/1.1 503 Service Unavailable"] + [b"HTTP/1.1 200 OK"] * (
+                len(conns) - 1), (sig, answers)
+            assert "Traceback" not in err, err[-2000:]
+        finally:
+            for c in conns:
+                c.close()
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.communicate()
+
+
+def serve_grace() -> int:
+    from normvit_jax import serve
+    return serve.SHUTDOWN_GRACE_S
+
+
+def test_a_405_names_the_allowed_methods(served):
+    """A 405 lacked the ``Allow`` header HTTP requires (the error handler dropped starlette's
+    headers)."""
+    url = served[0]
+    for path, allow in (("/predict", {"POST"}), ("/healthz", {"GET", "HEAD"})):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(f"{url}{path}", method="PUT", data=b"x"),
+                                   timeout=30)
+        assert e.value.code == 405 and set(e.value.headers["Allow"].split(", ")) == allow, \
+            e.value.headers  # starlette's order is a set's
+        assert "error" in json.loads(e.value.read())
+
+
+@pytest.mark.parametrize("blocked, call, want", [
+    ("onnx", "from normvit_jax.deploy import onnx_format; onnx_format._jax2onnx()",
+     "the onnx format needs the package 'onnx' (import 'onnx' failed, which jax2onnx imports: "),
+    ("onnxruntime", "from normvit_jax.deploy import onnx_format; onnx_format._jax2onnx()",
+     "the onnx format needs the package 'onnxruntime' (import 'onnxruntime' failed, which "
+     "jax2onnx imports: "),
+    ("python_multipart,multipart", "from normvit_jax import serve; serve.main(['--artifact=x', "
+     "'--port=0'])", "python -m normvit_jax.serve: error: python -m normvit_jax.serve needs the "
+     "package 'python-multipart' (import 'python_multipart' failed: "),
+])
+def test_a_missing_package_is_named_by_its_import_and_pip_name(blocked, call, want):
+    """A missing onnx or onnxruntime was said as "needs the package 'jax2onnx'" (which imports
+    them), and a missing python-multipart as 'multipart', a name pip does not install."""
+    code = (f"import sys\nfor m in {blocked!r}.split(','): sys.modules[m] = None\n"
+            f"from normvit_jax.deploy import DeployError\ntry:\n    {call}\n"
+            "except DeployError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    out = (r.stdout + r.stderr).strip().splitlines()
+    assert out and out[-1].startswith(want), (r.stdout, r.stderr[-2000:])
+    assert out[-1].endswith("; install the deploy extra: pip install -e '.[deploy]'"), out[-1]
+    assert "Traceback" not in r.stderr
+
+
+def test_a_fixed_batch_savedmodel_refuses_another_batch_in_a_few_lines(tmp_path):
+    """export --format=savedmodel --batch=3 fed 1 or 4 images: TensorFlow does not check a
+    signature's declared shape, and XlaCallModule failed with a 61 KB error holding the whole
+    MLIR module. The signature checks the batch first (EnsureShape): a short error naming the
+    shapes. Run as a user would, in a process without normvit_jax."""
+    out = str(tmp_path / "sm")
+    _tiny_artifact(out, fmt="savedmodel", batch=3)
+    code = (
+        "import sys, numpy as np, tensorflow as tf\n"
+        f"f = tf.saved_model.load({out!r}).signatures['serving_default']\n"
+        "print('ok', f(image=tf.zeros([3, 8, 8, 3], tf.uint8))['probabilities'].shape)\n"
+        "for n in (1, 4):\n"
+        "    try:\n"
+        "        f(image=tf.zeros([n, 8, 8, 3], tf.uint8))\n"
+        "        print('ran', n)\n"
+        "    except tf.errors.InvalidArgumentError as e:\n"
+        "        print('refused', n, len(str(e)), repr(str(e)))\n"
+        "assert not [m for m in sys.modules if m.startswith('normvit_jax')]\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path, env={k: v for k, v in os.environ.items()
+                                          if k != "PYTHONPATH"})
+    lines = [ln for ln in r.stdout.splitlines() if ln.split(" ")[0] in ("ok", "ran", "refused")]
+    assert r.returncode == 0 and lines[0] == "ok (3, 10)", (r.stdout, r.stderr[-3000:])
+    for n, line in zip((1, 4), lines[1:]):
+        assert line.startswith(f"refused {n} "), line[:300]
+        assert int(line.split(" ")[2]) < 1000, line[:300]
+        assert f"Shape of tensor image [{n},8,8,3] is not compatible with expected shape " \
+               "[3,8,8,3]" in line, line[:500]
+
+
+def test_the_onnx_outputs_are_in_the_documented_order(served):
+    """The ONNX graph's outputs came in key order (logits, probabilities); docs/deploy.md and the
+    metadata list probabilities first, so session.run(None, ...) unpacked them swapped."""
+    session, meta = served[1], served[2]
+    assert [o.name for o in session.get_outputs()] == ["probabilities", "logits"]
+    assert list(meta["outputs"]) == ["probabilities", "logits"]
+    probs, logits = session.run(None, {"image": np.zeros((2, 8, 8, 3), np.uint8)})
+    np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(probs, np.exp(logits) / np.exp(logits).sum(-1, keepdims=True),
+                               atol=1e-6)
+
+
+def test_a_savedmodel_exports_into_tf_servings_numbered_version_folder(tmp_path):
+    """TF Serving reads a model's base path's numbered version folders (base/1/saved_model.pb);
+    docs/deploy.md gives the export command for it, whose --out is such a folder in folders
+    that do not exist yet."""
+    import re
+    doc = (Path(REPO_ROOT) / "docs" / "deploy.md").read_text(encoding="utf-8")
+    out = re.search(r"--format=savedmodel --out=(models/mymodel/1)\b", doc).group(1)
+    _tiny_artifact(str(tmp_path / out), fmt="savedmodel", batch=1)
+    assert (tmp_path / "models" / "mymodel" / "1" / "saved_model.pb").is_file()
+    assert sorted(p.name for p in (tmp_path / "models" / "mymodel").iterdir()) == ["1"]
+    assert artifact.read_metadata(str(tmp_path / out))[0]["format"] == "savedmodel"
+
+
+def test_the_docs_preprocess_reference_gives_the_projects_pixels():
+    """The metadata's preprocess gave the geometry's settings but not its exact ops (a JPEG's
+    crop-window decode with the accurate integer DCT, the crop side's rounding, the resize's
+    rounding to uint8): a consumer outside the project got pixels off by a few levels. The rules
+    are written in preprocess ('decoder', 'crop', 'resize'), and docs/deploy.md's TensorFlow
+    reference, which follows them, gives the project's pixels exactly, for non-square JPEGs and
+    PNGs under each geometry."""
+    import re
+    doc = (Path(REPO_ROOT) / "docs" / "deploy.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(# preprocess reference.*?)```", doc, re.S).group(1)
+    space: dict = {}
+    exec(compile(code, "docs/deploy.md", "exec"), space)  # noqa: S102  the docs' own snippet
+    rng = np.random.default_rng(11)
+    files = []
+    for h, w in ((24, 40), (48, 64), (40, 24)):
+        rgb = rng.integers(0, 256, (h, w, 3), np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, "JPEG", quality=90)
+        files += [buf.getvalue(), _encode(rgb, "PNG")]
+    for update in ({"eval_crop_fraction": 0.875}, {"eval_crop_fraction": 0.9, "antialias": False},
+                   {"interpolation": "bicubic", "eval_crop_fraction": 0.8},
+                   {"interpolation": "random"}, {"eval_resize_small": 12}):
+        c = vit_ln.get_config("demo")
+        c.data.update(image_size=10, **update)
+        pre = bundle.eval_preprocess(c.data)
+        assert pre["decoder"]["jpeg"].endswith("dct_method='INTEGER_ACCURATE')")
+        assert ("side = max(round(eval_crop_fraction * min(h, w)), 1)" in pre["crop"]["window"]
+                ) != bool(pre["eval_resize_small"])
+        for data in files:
+            np.testing.assert_array_equal(space["pixels"](data, json.loads(json.dumps(pre))),
+                                          preprocess.to_input(data, pre, MAX_PIXELS), update)
+
+
+def test_a_malformed_multipart_body_logs_nothing_and_says_so_in_one_line(caplog):
+    """python-multipart logged a warning line per malformed body ("Expected boundary character
+    45, got 106 at index 2"): any client could flood the service's log. And the answer read
+    "malformed multipart body: 400: Invalid multipart data." (the exception's status in it)."""
+    import asyncio
+    import logging
+    from normvit_jax import serve
+    caplog.set_level(logging.DEBUG)
+    app = serve.make_app(types.SimpleNamespace(top_k=lambda raw: 1))
+    body = (b"junk\r\n--zzz\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nabc\r\n"
+            b"--zzz--\r\n")
+    scope = {"type": "http", "method": "POST", "path": "/predict", "query_string": b"",
+             "headers": [(b"content-type", b"multipart/form-data; boundary=zzz"),
+                         (b"content-length", str(len(body)).encode())],
+             "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 8000),
+             "client": ("127.0.0.1", 1), "root_path": ""}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 400
+    assert json.loads(sent[1]["body"]) == {"error": "malformed multipart body: Invalid "
+                                                    "multipart data."}
+    assert not [r for r in caplog.records if "multipart" in r.name], caplog.records

@@ -47,17 +47,68 @@ DECODE_RULES = {
 }
 
 
+# How the RGB file is decoded and cut (data/tf_images.py; docs/deploy.md "outside the graph" has a
+# TensorFlow reference that follows these; tests/test_serve.py holds it to the project's pixels).
+# h, w: the image's height and width after DECODE_RULES; numbers in float64 unless said.
+DECODER_RULES = {
+    "files_kept": "an 8-bit RGB or gray JPEG or PNG, without transparency and without an EXIF "
+                  "Orientation that turns it, is decoded as it is; any other file first becomes "
+                  "the PNG of its RGB pixels by the decode rules",
+    "jpeg": "only the crop window is decoded: tf.io.decode_and_crop_jpeg(data, [top, left, "
+            "height, width], channels=3, dct_method='INTEGER_ACCURATE')",
+    "other": "tf.io.decode_image(data, channels=3, expand_animations=False), then the crop "
+             "window sliced",
+    "rounding": "round() is round half to even (tf.round, Python's round)",
+}
+
+
+def geometry_rules(image_size: int, eval_crop_fraction: float, eval_resize_small: int,
+                   interpolation: str, antialias: bool) -> dict:
+    """The ``crop`` and ``resize`` rules of the metadata's ``preprocess`` for this geometry, as
+    data/tf_images.py applies them (``interpolation`` 'random' evaluates bicubic,
+    ``transforms.pick_interpolation``)."""
+    if eval_resize_small:
+        return {
+            "crop": {"window": "the whole image: [0, 0, h, w]"},
+            "resize": {
+                "method": "area", "shorter_side_to": int(eval_resize_small),
+                "size": "factor = float32(eval_resize_small) / float32(min(h, w)); "
+                        "h2 = round(float32(h) * factor), w2 = round(float32(w) * factor) "
+                        "(in float32)",
+                "op": "tf.image.resize(x, [h2, w2], method='area')",
+                "to_uint8": "clip(x, 0, 255), then truncated to uint8",
+                "then": "the central image_size x image_size crop: top = (h2 - image_size) // 2, "
+                        "left = (w2 - image_size) // 2"}}
+    method = "bicubic" if interpolation in ("bicubic", "random") else "bilinear"
+    op = ("tf.image.resize(x, [image_size, image_size], method='bilinear', antialias=antialias)"
+          if method == "bilinear" else
+          "tf.raw_ops.ScaleAndTranslate(images=float32(x)[None], size=[image_size, image_size], "
+          "scale=float32(image_size) / float32([h', w']), translation=[0, 0], "
+          "kernel_type='keyscubic', antialias=antialias)[0]")
+    return {
+        "crop": {"window": "[top, left, side, side]: side = max(round(eval_crop_fraction * "
+                           "min(h, w)), 1); top = (h - side) // 2; left = (w - side) // 2"},
+        "resize": {"method": method, "antialias": bool(antialias),
+                   "op": op + " (x: the crop window's uint8 pixels, h' x w')",
+                   "to_uint8": "clip(round(x), 0, 255)"}}
+
+
 def eval_preprocess(data: Any) -> dict:
     """The eval pipeline's geometry (``predict.eval_geometry``) as plain JSON values, with the
-    decoding rules (``decode``: DECODE_RULES); a key an older run's config.json lacks is
+    decoding rules (``decode``: DECODE_RULES; ``decoder``: DECODER_RULES) and the exact ``crop``
+    and ``resize`` (``geometry_rules``); a key an older run's config.json lacks is
     configs/default.py's (``dataspec.setting``)."""
     from normvit_jax.data.dataspec import setting
-    return {"image_size": int(data.image_size),
-            "eval_crop_fraction": float(setting(data, "eval_crop_fraction")),
-            "eval_resize_small": int(setting(data, "eval_resize_small") or 0),
-            "interpolation": str(setting(data, "interpolation")),
-            "antialias": bool(setting(data, "antialias")),
-            "decode": json.loads(json.dumps(DECODE_RULES))}
+    pre = {"image_size": int(data.image_size),
+           "eval_crop_fraction": float(setting(data, "eval_crop_fraction")),
+           "eval_resize_small": int(setting(data, "eval_resize_small") or 0),
+           "interpolation": str(setting(data, "interpolation")),
+           "antialias": bool(setting(data, "antialias")),
+           "decode": json.loads(json.dumps(DECODE_RULES)),
+           "decoder": dict(DECODER_RULES)}
+    pre.update(geometry_rules(pre["image_size"], pre["eval_crop_fraction"],
+                              pre["eval_resize_small"], pre["interpolation"], pre["antialias"]))
+    return pre
 
 
 def load(workdir: str, *, step: int | None = None, folded: str | None = None,

@@ -43,8 +43,16 @@ class MissingExtraError(DeployError):
     """A package of the ``deploy`` extra is not installed."""
 
 
+# An import's name -> the pip distribution that installs it, where they differ.
+DISTRIBUTIONS = {"multipart": "python-multipart", "python_multipart": "python-multipart"}
+# Main dependencies (pyproject's dependencies, not the deploy extra's).
+MAIN_DEPENDENCIES = {"tensorflow", "jax", "jaxlib", "numpy"}
+
+
 def require(module: str, what: str) -> object:
-    """Imports ``module`` or raises MissingExtraError naming the extra that installs it
+    """Imports ``module`` or raises MissingExtraError naming the import that failed (``module``
+    itself, or a package it imports: jax2onnx imports onnx and onnxruntime), the pip
+    distribution that installs it (``python-multipart`` for ``multipart``) and the extra
     (``what``: the format or command that needs it)."""
     if module == "tensorflow":  # its two C++ libraries would each print the start-up lines
         from normvit_jax import logs
@@ -52,6 +60,13 @@ def require(module: str, what: str) -> object:
     try:
         return importlib.import_module(module)
     except ImportError as e:
+        top = module.split(".")[0]
+        failed = (getattr(e, "name", None) or top).split(".")[0]
+        dist = DISTRIBUTIONS.get(failed, failed)
+        via = "" if failed == top else f", which {top} imports"
+        fix = ("reinstall the project: pip install -e ." if dist in MAIN_DEPENDENCIES
+               else "install the deploy extra: pip install -e '.[deploy]'")
+        detail = (str(e).splitlines() or [type(e).__name__])[0]
         raise MissingExtraError(
-            f"{what} needs the package {module.split('.')[0]!r} ({e}); install the deploy "
-            "extra: pip install -e '.[deploy]'") from None
+            f"{what} needs the package {dist!r} (import {failed!r} failed{via}: {detail}); "
+            f"{fix}") from None

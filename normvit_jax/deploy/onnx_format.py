@@ -104,10 +104,15 @@ def convert(b: bundle_lib.Bundle, batch: int | None, meta: dict | None = None) -
     products (docs/deploy.md, "Speed")."""
     from normvit_jax.deploy import stablehlo_format
     from normvit_jax.models import layers
+    forward = bundle_lib.serving_fn(b)
+
+    def outputs_in_order(image: Any) -> tuple:  # a dict would flatten in key order (logits
+        out = forward(image)  # first); the graph's outputs are in OUTPUTS' order, as documented
+        return tuple(out[name] for name in bundle_lib.OUTPUTS)
     with layers.matmul_attention():
-        model = to_onnx(bundle_lib.serving_fn(b), [stablehlo_format.input_spec(b, batch)],
+        model = to_onnx(outputs_in_order, [stablehlo_format.input_spec(b, batch)],
                         model_name="normvit_jax", input_names=[bundle_lib.INPUT],
-                        output_names=sorted(bundle_lib.OUTPUTS))  # a dict: in key order
+                        output_names=list(bundle_lib.OUTPUTS))
     if meta is not None:
         for key, value in (("classes", json.dumps(list(b.class_names))),
                            ("normvit_jax.deploy", json.dumps(meta))):

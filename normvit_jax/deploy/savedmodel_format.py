@@ -61,11 +61,16 @@ def write(b: bundle_lib.Bundle, out: str, batch: int | None, meta: dict) -> None
                         native_serialization_platforms=("cpu", "cuda"))
     module = tf.Module()
     module.variables_tree = jax.tree.map(lambda a: tf.Variable(a, trainable=False), b.variables)
-    spec = tf.TensorSpec([batch, b.image_size, b.image_size, 3], tf.uint8,
-                         name=bundle_lib.INPUT)
+    shape = [batch, b.image_size, b.image_size, 3]
+    # The signature's batch is left open even with --batch: TensorFlow does not check a
+    # signature's declared shape (one declared (3, ...) ran a batch of 1 into XlaCallModule,
+    # whose error was 61 KB of MLIR), and a static shape makes any check in the graph a constant.
+    spec = tf.TensorSpec([None] + shape[1:], tf.uint8, name=bundle_lib.INPUT)
 
     @tf.function(input_signature=[spec], autograph=False)
     def serve(image):
+        if batch is not None:  # "Shape of tensor image [1,H,W,3] is not compatible with
+            image = tf.ensure_shape(image, shape)  # expected shape [3,H,W,3]": a short error
         return fn(module.variables_tree, image)
 
     staging = tempfile.mkdtemp(prefix="assets-", dir=os.path.dirname(os.path.abspath(out)))
