@@ -15,9 +15,14 @@ which ``cli.run`` calls first), before the slow imports. Until the first train s
 one line: Ctrl-C exits 130, SIGTERM 42 (a scheduler requeues it). Start-up spends most of its time
 in C++ (XLA compiling), where Python signal handlers wait for the call to return; a thread woken
 through ``signal.set_wakeup_fd`` stops the process without waiting.
+
+Before either stop at once (``os._exit``: no ``finally`` runs), the callback given to
+``SigtermFlag.on_abrupt_exit`` (the run's ``run_log.RunLog.abrupt_end``) records the end, best
+effort: status.json says ``preempted`` with the exit code, and training.log its last line.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -48,17 +53,29 @@ def _name(signum: int) -> str:
     return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
-def _stop_starting(signum: int) -> None:
+def _exit_now(flag: "SigtermFlag", code: int, line: str) -> None:
+    """Says ``line`` on stderr, lets ``flag``'s abrupt-exit callback record the end (best effort:
+    nothing it raises stops the exit) and ends the process with ``code``."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    callback = flag.abrupt_exit_callback
+    if callback is not None:
+        try:
+            callback(flag.step, code, line)
+        except BaseException:  # noqa: BLE001  (the process ends anyway: nothing may stop that)
+            pass
+    os._exit(code)
+
+
+def _stop_starting(signum: int, flag: "SigtermFlag") -> None:
     """Ends the process in start-up, where nothing new can be saved (see the module docstring)."""
     with _exit_lock:
         code = 128 + signum if signum == signal.SIGINT else 42  # 42: cli.EXIT_PREEMPTED
-        sys.stderr.write(f"{_name(signum)} while starting up (before the first step): stopped at "
-                         "once; nothing new to save; rerun the same command to start again.\n")
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(flag, code, f"{_name(signum)} while starting up (before the first step): "
+                  "stopped at once; nothing new to save; rerun the same command to start again.")
 
 
-def _watch(read_fd: int) -> None:
+def _watch(read_fd: int, flag: "SigtermFlag") -> None:
     """Reads the signal numbers the C-level handler writes (set_wakeup_fd); in start-up, stops."""
     while True:
         try:
@@ -70,18 +87,17 @@ def _watch(read_fd: int) -> None:
             return
         for signum in data:
             if _starting and signum in SIGNALS:
-                _stop_starting(signum)
+                _stop_starting(signum, flag)
 
 
-def _handle(signum, frame) -> None:
+def _handle(flag: "SigtermFlag", signum, frame) -> None:
     global _received
     if _starting:
-        _stop_starting(signum)
+        _stop_starting(signum, flag)
     if _received:  # the second one: the user does not want to wait for the step and the save
-        sys.stderr.write(f"{_name(signum)} again: stopped at once, nothing saved since the last "
-                         f"checkpoint; {_rerun} to resume from it.\n")
-        sys.stderr.flush()
-        os._exit(128 + signum)
+        with _exit_lock:
+            _exit_now(flag, 128 + signum, f"{_name(signum)} again: stopped at once, nothing saved "
+                      f"since the last checkpoint; {_rerun} to resume from it.")
     _received = True
     logging.warning("%s received: finishing this step, then saving a checkpoint and exiting "
                     "(%s again stops at once).", _name(signum), _name(signum))
@@ -95,6 +111,13 @@ class SigtermFlag:
 
     def __init__(self, rerun: str = "rerun the same command") -> None:
         self.rerun = rerun
+        self.step: int | None = None  # the last step ``reached`` was asked about
+        self.abrupt_exit_callback = None
+
+    def on_abrupt_exit(self, callback) -> None:
+        """``callback(step, exit_code, line)`` runs (best effort, any thread) just before a signal
+        ends the process at once (start-up, or a second signal); ``None`` removes it."""
+        self.abrupt_exit_callback = callback
 
     def __enter__(self) -> "SigtermFlag":
         global _count, _received, _starting, _wakeup, _rerun
@@ -103,11 +126,11 @@ class SigtermFlag:
                     and not multi_process():
                 _received, _starting, _rerun = False, True, self.rerun
                 for s in SIGNALS:
-                    _previous[s] = signal.signal(s, _handle)
+                    _previous[s] = signal.signal(s, functools.partial(_handle, self))
                 r, w = os.pipe()
                 os.set_blocking(w, False)  # set_wakeup_fd requires it; the reader blocks
                 _wakeup = (r, w, signal.set_wakeup_fd(w, warn_on_full_buffer=False))
-                threading.Thread(target=_watch, args=(r,), daemon=True,
+                threading.Thread(target=_watch, args=(r, self), daemon=True,
                                  name="normvit-signal-watch").start()
             _count += 1
         return self
@@ -140,6 +163,7 @@ class SigtermFlag:
 def reached(flag: SigtermFlag, step: int) -> bool:
     """True when the run must checkpoint and stop after ``step``; with several processes every
     host gets True at the same step (JAX's preemption sync point, called at every step)."""
+    flag.step = step
     if multi_process():
         from jax.experimental import multihost_utils
         return multihost_utils.reached_preemption_sync_point(step)

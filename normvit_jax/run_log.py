@@ -12,7 +12,9 @@ the workdir's lock) therefore
   or Ctrl-C, exit 42) or ``failed`` (an error: its exit code and one-line message), with the
   step reached, and logs the same as the last line of the log (``Run ended: ...``). A process
   killed outright (SIGKILL, power loss) leaves ``running``: with the lock free (its process gone)
-  that is a run that was killed.
+  that is a run that was killed. A signal that ends the process at once (in start-up, or a second
+  one: ``preemption``) records ``preempted`` with its exit code (42, or 130 for Ctrl-C in
+  start-up; 128 + the signal's number for a second one) through ``abrupt_end``.
 
 A remote (gs://) workdir gets status.json but no training.log (a log file is appended line by line).
 Never a new failure mode: an error writing either is one warning line and the run goes on. The
@@ -69,6 +71,7 @@ class RunLog:
         self.workdir = workdir
         self.active = active
         self._handler: std_logging.Handler | None = None
+        self._ended = False
 
     def start(self, step: int | None = None) -> None:
         if not self.active:
@@ -95,8 +98,9 @@ class RunLog:
         """Logs 'Run ended: <state> at step N (exit C).' and records it with ``message`` in
         status.json; then stops appending to training.log. The message goes under that line in
         the file only: on stderr the error's own one line follows (cli), after this file closed."""
-        if not self.active:
+        if not self.active or self._ended:
             return
+        self._ended = True
         where = "" if step is None else f" at step {step}"
         logging.info("Run ended: %s%s (exit %d).", state, where, exit_code)
         if message and self._handler is not None:
@@ -108,3 +112,24 @@ class RunLog:
             logging.get_absl_logger().removeHandler(self._handler)
             self._handler.close()
             self._handler = None
+
+    def abrupt_end(self, step: int | None, exit_code: int, message: str) -> None:
+        """``end("preempted", ...)`` for a process about to end at once (``os._exit``, from a
+        signal handler or its watcher thread): writes the log line straight to the file (not
+        through the logger, whose locks another thread may hold) and status.json. Never raises."""
+        try:
+            if not self.active or self._ended:
+                return
+            self._ended = True
+            where = "" if step is None else f" at step {step}"
+            handler = self._handler
+            if handler is not None:
+                record = std_logging.LogRecord("absl", std_logging.INFO, __file__, 0,
+                                               f"Run ended: preempted{where} (exit {exit_code}).",
+                                               None, None)
+                handler.stream.write(f"{handler.format(record)}\n    {message}\n")
+                handler.stream.flush()
+            write_status(self.workdir, "preempted", step=step, exit_code=exit_code,
+                         message=message)
+        except BaseException:  # noqa: BLE001  (the process is ending: nothing may stop that)
+            pass

@@ -157,6 +157,22 @@ def test_ctrl_c_or_sigterm_while_starting_up_stops_at_once_in_one_line(env, tmp_
         one_line(out, rf"^{name} while starting up \(before the first step\): stopped at once; "
                       r"nothing new to save; rerun the same command to start again\.$")
         assert not re.search(r"step \d+/", out) and not checkpoints.complete_steps(tmp_path / name)
+        assert_recorded_end(tmp_path / name, (None,), code, f"{name} while starting up")
+
+
+def assert_recorded_end(wd, steps, code: int, message: str) -> None:
+    """status.json and training.log's last line record the end of a process a signal ended at
+    once (os._exit: they said 'running' and had no 'Run ended' line)."""
+    from normvit_jax import run_log
+    status = run_log.read_status(str(wd))
+    assert (status["state"], status["exit_code"]) == ("preempted", code) and \
+        status["step"] in steps, status
+    step = status["step"]
+    assert status["message"].startswith(message), status
+    log = open(os.path.join(wd, run_log.LOG_NAME)).read().rstrip().splitlines()
+    where = "" if step is None else f" at step {step}"
+    assert log[-2].endswith(f"Run ended: preempted{where} (exit {code}).") and \
+        log[-1].strip().startswith(message), log[-5:]
 
 
 def test_second_ctrl_c_stops_at_once_and_keeps_the_checkpoints(env, reference, tmp_path):
@@ -175,6 +191,7 @@ def test_second_ctrl_c_stops_at_once_and_keeps_the_checkpoints(env, reference, t
     one_line(out, r"^Ctrl-C again: stopped at once, nothing saved since the last checkpoint; "
                   r"rerun the same command to resume from it\.$")
     assert checkpoints.complete_steps(wd) == [15, 20, 24]
+    assert_recorded_end(wd, range(26, 31), 128 + signal.SIGINT, "Ctrl-C again: stopped at once")
     assert_same_state(reference, wd)
 
 

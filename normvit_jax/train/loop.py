@@ -66,6 +66,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             from normvit_jax.train import build, trainer  # pylint: disable=import-outside-toplevel
             log = run_log.RunLog(workdir, active=jax.process_index() == 0)
             log.start()
+            sigterm.on_abrupt_exit(log.abrupt_end)  # a signal that ends the process at once
+            # (start-up, a second one) records it too; once the end is recorded it does nothing
             run = None
             try:
                 run = build.build_run(config, workdir, run_spec, mesh, rerun=rerun,
@@ -83,8 +85,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
 
 def _record_end(log: run_log.RunLog, error: BaseException, run: Any) -> None:
-    """The end state of a run that raised: ``preempted`` (exit 42) or ``failed`` with the exit
-    code ``cli`` gives it (1 for an unexpected error: its traceback follows) and its first line."""
+    """The end state of a run that raised: ``preempted`` (exit 42; Ctrl-C with nothing to save,
+    130) or ``failed`` with the exit code ``cli`` gives it (1 for an unexpected error: its
+    traceback follows) and its first line."""
     from normvit_jax import cli  # pylint: disable=import-outside-toplevel
     code = cli.exit_code(error)
     if code is None:  # Ctrl-C before the loop (main.py: 130), or an unexpected error (traceback)
@@ -92,7 +95,7 @@ def _record_end(log: run_log.RunLog, error: BaseException, run: Any) -> None:
     message = (str(error).strip().splitlines() or [""])[0]
     message = f"{type(error).__name__}: {message}" if message else type(error).__name__
     step = getattr(run, "step_reached", None)
-    if isinstance(error, PreemptedError):
+    if isinstance(error, (PreemptedError, KeyboardInterrupt)):
         log.end("preempted", step, code, message)
     else:
         log.end("failed", step, code, message)
