@@ -1126,3 +1126,27 @@ def test_no_empty_tfds_folders_left_in_the_temporary_folder(tmp_path, monkeypatc
     with pytest.raises(DatasetNotFoundError):
         tfds_source.open_builder("mnist", dd, random_access=True)
     assert glob.glob(str(tmp / "tmp*tfds")) == []
+
+
+def test_the_tfds_folder_cleanup_removes_only_the_folders_its_own_call_made(tmp_path, monkeypatch):
+    """The cleanup removed every new empty tmp*tfds folder in the temporary folder at the end of
+    the block (prepare's runs for hours), those another process or thread had just made too (a
+    concurrent tfds download, parallel test workers). Only the block's own thread's are removed."""
+    import tempfile
+    import threading
+
+    from normvit_jax.data import tfds_source
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    other_thread = []
+    with tfds_source.no_stray_tmp_folders():
+        own = tempfile.mkdtemp("tfds")  # as tfds's DatasetInfo.initialize_from_bucket
+        other_process = tmp_path / "tmpab12cd34tfds"
+        other_process.mkdir()
+        t = threading.Thread(target=lambda: other_thread.append(tempfile.mkdtemp("tfds")))
+        t.start()
+        t.join()
+        kept_own = tempfile.mkdtemp("tfds")
+        open(os.path.join(kept_own, "f"), "w").close()  # not empty: kept
+    assert not os.path.exists(own)
+    assert other_process.is_dir() and os.path.isdir(other_thread[0]) and os.path.isdir(kept_own)
+    assert tempfile.mkdtemp is tfds_source._original_mkdtemp

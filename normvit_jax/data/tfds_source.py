@@ -14,6 +14,7 @@ import contextlib
 import glob
 import os
 import tempfile
+import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -31,22 +32,51 @@ MANUAL_FILES = {"imagenet2012": ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val
                 "imagenet2012_real": ("ILSVRC2012_img_val.tar",)}
 
 
+_made = threading.local()  # .folders: the tmp*tfds folders this thread's block made
+_patch_lock = threading.Lock()
+_patch_users = 0
+_original_mkdtemp = tempfile.mkdtemp
+
+
+def _recording_mkdtemp(*args: Any, **kwargs: Any) -> str:
+    """``tempfile.mkdtemp`` as it is; a ``tmp*tfds`` folder made inside a thread's
+    ``no_stray_tmp_folders`` block is noted for that block."""
+    path = _original_mkdtemp(*args, **kwargs)
+    folders = getattr(_made, "folders", None)
+    name = os.path.basename(os.fspath(path))
+    if folders is not None and name.startswith("tmp") and name.endswith("tfds"):
+        folders.append(path)
+    return path
+
+
 @contextlib.contextmanager
 def no_stray_tmp_folders() -> Iterator[None]:
-    """Removes the empty ``tmp*tfds`` folders that appeared in the temporary folder during the
-    block. tfds makes a builder for a dataset whose ``dataset_info.json`` is not there yet (the
-    one ``prepare`` writes, a registered dataset not prepared: ``open_builder``'s refusal) with
+    """Removes the empty ``tmp*tfds`` folders this thread made during the block. tfds makes a
+    builder for a dataset whose ``dataset_info.json`` is not there yet (the one ``prepare``
+    writes, a registered dataset not prepared: ``open_builder``'s refusal) with
     ``DatasetInfo.initialize_from_bucket``, which calls ``tempfile.mkdtemp("tfds")`` before it
     looks for the dataset's info on GCS and leaves the folder, empty where there is none (always
     offline): thousands of them in /tmp after test runs. No tfds option skips it (``try_gcs`` is
-    about the data, not the info), so the block's new folders are removed, an empty one only
-    (``os.rmdir``): a folder with files is kept, whoever made it."""
-    pattern = os.path.join(glob.escape(tempfile.gettempdir()), "tmp*tfds")
-    before = set(glob.glob(pattern))
+    about the data, not the info), so during the block ``tempfile.mkdtemp`` notes the folders it
+    makes in this thread (it still makes them as it did: other threads are not affected, and a
+    folder another thread or process makes meanwhile, a concurrent tfds download's, is not noted)
+    and those are removed afterwards, an empty one only (``os.rmdir``)."""
+    global _patch_users
+    outer = getattr(_made, "folders", None)
+    _made.folders = []
+    with _patch_lock:
+        if _patch_users == 0:
+            tempfile.mkdtemp = _recording_mkdtemp
+        _patch_users += 1
     try:
         yield
     finally:
-        for d in set(glob.glob(pattern)) - before:
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                tempfile.mkdtemp = _original_mkdtemp
+        folders, _made.folders = _made.folders, outer
+        for d in folders:
             try:
                 os.rmdir(d)
             except OSError:
