@@ -80,6 +80,33 @@ def test_each_record_is_on_disk_as_it_is_written(tmp_path):
     w.close()
 
 
+def test_a_remote_event_file_is_not_flushed_per_record(tmp_path, monkeypatch):
+    """On gs:// (tf.io.gfile) each flush uploads the whole file again: a flush per record
+    re-uploaded it at every log step. Remote: flushed only after REMOTE_FLUSH_S seconds and by
+    flush() (before each checkpoint); local paths keep a flush per record."""
+    from normvit_jax import workdir
+    now = [1000.0]
+    monkeypatch.setattr(tensorboard.time, "monotonic", lambda: now[0])
+    counts = {}
+    for remote in (True, False):
+        monkeypatch.setattr(workdir, "is_remote", lambda path, r=remote: r)
+        w = tensorboard.SummaryWriter(str(tmp_path / str(remote)))
+        flushes = []
+        real_flush = w._records.flush
+        monkeypatch.setattr(w._records, "flush", lambda f=flushes, r=real_flush: (f.append(1), r()))
+        for step in range(5):
+            w.write_scalars(step, {"train/loss": 1.0})
+        counts[remote] = len(flushes)
+        if remote:
+            now[0] += tensorboard.REMOTE_FLUSH_S
+            w.write_scalars(5, {"train/loss": 1.0})
+            assert len(flushes) == 1
+            w.flush()
+            assert len(flushes) == 2
+        w.close()
+    assert counts == {True: 0, False: 5}
+
+
 def test_images_must_be_uint8(tmp_path):
     w = tensorboard.SummaryWriter(str(tmp_path))
     with pytest.raises(ValueError, match="uint8"):

@@ -29,17 +29,22 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
 _FILE_NUMBER = itertools.count()  # tells apart the files one process opens in one second
+REMOTE_FLUSH_S = 60.0  # a remote (gs://) event file is flushed at most this often (and by flush)
 
 
 class SummaryWriter:
     """Appends to a new event file in ``logdir``, named as TensorFlow names them
-    (``events.out.tfevents.<time>.<host>.<pid>.<n>``); each record is flushed as it is written
-    (``flush`` is kept for the loop's callers)."""
+    (``events.out.tfevents.<time>.<host>.<pid>.<n>``); on a local path each record is flushed as
+    it is written; on a remote one (gs://) at most every ``REMOTE_FLUSH_S`` seconds, and by
+    ``flush`` (the loop's, before each checkpoint) and ``close``."""
 
     def __init__(self, logdir: str):
         name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
                 f"{os.getpid()}.{next(_FILE_NUMBER)}")
         path = epath.Path(logdir)
+        from normvit_jax import workdir  # pylint: disable=import-outside-toplevel
+        self._remote = workdir.is_remote(logdir)
+        self._flushed = time.monotonic()
         path.mkdir(parents=True, exist_ok=True)
         self._records = RecordWriter((path / name).open("wb"))
         self._records.write(event_pb2.Event(wall_time=time.time(),
@@ -52,12 +57,16 @@ class SummaryWriter:
         slow CPU showed TensorBoard ~400 steps behind its log). A record is written once per log
         step or eval and is small (a few hundred bytes; the eval images a few kB), so one flush
         per record costs one write of it; flushing every N seconds instead would leave the last
-        record of a quiet stretch (a slow log interval) unwritten until the next one."""
+        record of a quiet stretch (a slow log interval) unwritten until the next one. Not so on a
+        remote path: an object store (tf.io.gfile's gs://) uploads the whole file again at each
+        flush, so there it is flushed at most every ``REMOTE_FLUSH_S`` seconds (and before each
+        checkpoint, by the loop's ``flush``)."""
         if values:
             self._records.write(event_pb2.Event(
                 step=int(step), wall_time=time.time(),
                 summary=summary_pb2.Summary(value=values)).SerializeToString())
-            self._records.flush()
+            if not self._remote or time.monotonic() - self._flushed >= REMOTE_FLUSH_S:
+                self.flush()
 
     def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
         self._add(step, [v for tag, x in scalars.items()
@@ -84,6 +93,7 @@ class SummaryWriter:
 
     def flush(self) -> None:
         self._records.flush()
+        self._flushed = time.monotonic()
 
     def close(self) -> None:
         if not self._records.closed:
