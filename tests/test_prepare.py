@@ -1099,6 +1099,22 @@ def test_each_train_image_counts_equally_in_the_statistics_as_the_model_sees_it(
     got = stats_of(board)
     np.testing.assert_allclose(got["mean"], 0.5, atol=0.003)
     assert max(got["std"]) < 0.01, got
+    assert got["min"] == [0.0] * 3 and got["max"] == [1.0] * 3  # its pixels' own
+
+
+def test_min_and_max_are_the_full_resolution_pixels():
+    """min/max came from the 64x64 antialiased resize, which smooths extremes away: a 200x200
+    image at 100 with one pixel at 255 and one at 0 gave min 0.376 and max 0.420, so
+    data.normalize=minmax mapped its real pixels far outside [0, 1]."""
+    rgb = np.full((200, 200, 3), 100, np.uint8)
+    rgb[5, 7], rgb[150, 120] = 255, 0
+    split = formats.Split(np.zeros(1, np.int64), ["0"], lambda i: (b"", rgb))
+    stats = prepare._Stats()
+    for _ in prepare._SplitWriter("train", split, 1, False, 1, stats):
+        pass
+    got = stats.result()
+    assert got["min"] == [0.0] * 3 and got["max"] == [1.0] * 3, got
+    np.testing.assert_allclose(got["mean"], 100 / 255, atol=0.01)
 
 
 def test_no_empty_tfds_folders_left_in_the_temporary_folder(tmp_path, monkeypatch):

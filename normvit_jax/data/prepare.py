@@ -39,26 +39,33 @@ _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 class _Stats:
-    """Per-channel mean/std/min/max of the train split's images, each image counting once, as the
-    model sees it (``stats_histogram``: its 64x64 resize), in [0, 1] units, from per-channel
-    256-bin histograms (float64; moments taken at the end). Counted over every full-resolution
-    pixel, one 8000x6000 photo outweighed 10,000 images of 64x64."""
+    """Per-channel mean/std of the train split's images, each image counting once, as the model
+    sees it (``stats_histogram``: its 64x64 resize), in [0, 1] units, from per-channel 256-bin
+    histograms (float64; moments taken at the end). Counted over every full-resolution pixel,
+    one 8000x6000 photo outweighed 10,000 images of 64x64. min/max are the full-resolution
+    pixels' (``pixel_range``): the resize's antialiasing smooths extremes away (one white pixel
+    in a 200x200 grey image is not in its 64x64 resize), and ``data.normalize=minmax`` must map
+    every real pixel into [0, 1]."""
 
     def __init__(self) -> None:
         self.hist = np.zeros((3, 256), np.float64)
+        self.lo = np.full(3, 255, np.int64)
+        self.hi = np.zeros(3, np.int64)
+        self.seen = False
 
-    def add(self, hist: np.ndarray) -> None:
-        """Adds one image's ``stats_histogram``."""
+    def add(self, hist: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Adds one image's ``stats_histogram`` and its ``pixel_range``."""
         self.hist += hist
+        self.lo, self.hi = np.minimum(self.lo, lo), np.maximum(self.hi, hi)
+        self.seen = True
 
     def result(self) -> dict[str, list[float]]:
         v = np.arange(256, dtype=np.float64) / 255.0
         n = np.maximum(self.hist.sum(1), 1).astype(np.float64)
         mean = (self.hist * v).sum(1) / n
         std = np.sqrt(np.maximum((self.hist * (v - mean[:, None]) ** 2).sum(1) / n, 0.0))
-        seen = self.hist > 0
-        lo = [float(v[np.argmax(s)]) if s.any() else 0.0 for s in seen]
-        hi = [float(v[255 - np.argmax(s[::-1])]) if s.any() else 1.0 for s in seen]
+        lo = self.lo / 255.0 if self.seen else np.zeros(3)
+        hi = self.hi / 255.0 if self.seen else np.ones(3)
         r = lambda a: [round(float(t), 6) for t in a]  # noqa: E731
         return dict(mean=r(mean), std=r(std), min=r(lo), max=r(hi))
 
@@ -98,6 +105,12 @@ def stats_histogram(rgb: np.ndarray) -> np.ndarray:
     return histogram(rgb) / float(rgb.shape[0] * rgb.shape[1])
 
 
+def pixel_range(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel (min, max) of a uint8 (H, W, 3) image at full resolution."""
+    x = rgb.reshape(-1, 3)
+    return x.min(0), x.max(0)
+
+
 class _Copies:
     """Images whose stored bytes are identical to an earlier one's under another class (a photo
     copied into two class folders: trained with both labels) or in another split (a photo in
@@ -132,12 +145,15 @@ class _SplitWriter:
         self.min_size, self.max_size = [1 << 30, 1 << 30], [0, 0]
 
     def _load(self, i: int) -> Any:
-        """(stored bytes, (H, W), histogram or None) of example i, or its BadImageError."""
+        """(stored bytes, (H, W), (histogram, min, max) or None) of example i, or its
+        BadImageError."""
         try:
             data, rgb = self.split.load(i)
         except images.BadImageError as e:
             return e
-        return data, rgb.shape[:2], stats_histogram(rgb) if self.stats is not None else None
+        if self.stats is None:
+            return data, rgb.shape[:2], None
+        return data, rgb.shape[:2], (stats_histogram(rgb), *pixel_range(rgb))
 
     def _loaded(self, ex: cf.ThreadPoolExecutor, n: int) -> Iterator[Any]:
         """``_load(i)`` for i in 0..n-1, in order, with at most 2 x workers images decoded or
@@ -178,7 +194,7 @@ class _SplitWriter:
                 label = int(self.split.labels[i])
                 self.per_class[label] += 1
                 if self.stats is not None:
-                    self.stats.add(hist)
+                    self.stats.add(*hist)
                 if self.copies is not None:
                     self.copies.add(data, self.name, label, self.split.names[i])
                 del got  # not held while the writer takes the example
