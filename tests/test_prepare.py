@@ -1079,6 +1079,25 @@ def test_a_200_megapixel_phone_photo_is_under_the_limit_and_a_bomb_is_refused_by
                 "first)"), str(e.value)
 
 
+def test_stored_as_is_and_load_file_say_the_same_of_a_file_pil_cannot_open():
+    """stored_as_is (predict's header look) and load_file (prepare's decode) share one mapping of
+    PIL's errors (images._pil_errors): the same file gets the same one line from both."""
+    import io as _io
+
+    from normvit_jax.data import images
+    buf = _io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+    png = buf.getvalue()
+    for data in (b"hello, not an image", _png_header(40000, 20000), _png_header(20000, 20000),
+                 png[:20], b""):
+        said = []
+        for read in (images.stored_as_is, images.load_file):
+            with pytest.raises(images.BadImageError) as e:
+                read(data)
+            said.append(str(e.value))
+        assert said[0] == said[1] and said[0], said
+
+
 def test_each_train_image_counts_equally_in_the_statistics_as_the_model_sees_it():
     """prepare's mean/std counted every pixel at full resolution: one 8000x6000 photo outweighed
     thousands of small images, while training sees each at the same small size. Each image now

@@ -24,7 +24,7 @@ import contextlib
 import io
 import re
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -166,17 +166,14 @@ def read_file(path: str) -> bytes:
         return head + f.read()
 
 
-def stored_as_is(data: bytes) -> bool:
-    """Whether ``load_file`` would keep ``data`` as it is, from the file's header only (nothing is
-    decoded: predict lets TensorFlow's decoder, evaluation's, decode such a file once).
-    Raises BadImageError for an empty file or one PIL does not recognise."""
+@contextlib.contextmanager
+def _pil_errors(data: bytes) -> Iterator[None]:
+    """Reading ``data`` with PIL inside the block: its errors become BadImageError (a
+    decompression bomb by its size, an unrecognised file by what it looks like, any other error
+    by its type and message); stored_as_is's and load_file's."""
     Image, _ = _pil()
-    if not data:
-        raise BadImageError("empty file (0 bytes)")
     try:
-        im = Image.open(io.BytesIO(data))
-        _check_size(im)
-        return _kept(im, im.format, im.getexif().get(0x0112, 1), data)
+        yield
     except BadImageError:
         raise
     except Image.DecompressionBombError as e:
@@ -185,6 +182,19 @@ def stored_as_is(data: bytes) -> bool:
         raise _unrecognised(data) from None
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad headers)
         raise BadImageError(f"{type(e).__name__}: {e}") from None
+
+
+def stored_as_is(data: bytes) -> bool:
+    """Whether ``load_file`` would keep ``data`` as it is, from the file's header only (nothing is
+    decoded: predict lets TensorFlow's decoder, evaluation's, decode such a file once).
+    Raises BadImageError for an empty file or one PIL does not recognise."""
+    Image, _ = _pil()
+    if not data:
+        raise BadImageError("empty file (0 bytes)")
+    with _pil_errors(data):
+        im = Image.open(io.BytesIO(data))
+        _check_size(im)
+        return _kept(im, im.format, im.getexif().get(0x0112, 1), data)
 
 
 # Why a file PIL decodes is refused: TensorFlow's decoder, which training and evaluation use, does
@@ -204,17 +214,9 @@ def load_file(data: bytes, check_tf: bool = False) -> tuple[bytes, np.ndarray]:
     Image, ImageOps = _pil()
     if not data:
         raise BadImageError("empty file (0 bytes)")
-    try:
+    with _pil_errors(data):
         im = Image.open(io.BytesIO(data))
         _check_size(im)
-    except BadImageError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise _bomb(e) from None
-    except Image.UnidentifiedImageError:
-        raise _unrecognised(data) from None
-    except Exception as e:  # noqa: BLE001  (PIL raises many types for bad headers)
-        raise BadImageError(f"{type(e).__name__}: {e}") from None
     big = im.size[0] * im.size[1] > BIG_PIXELS
     with BIG_LOCK if big else contextlib.nullcontext():
         return _decode(im, data, check_tf)
