@@ -15,6 +15,10 @@ the workdir's lock) therefore
   that is a run that was killed. A signal that ends the process at once (in start-up, or a second
   one: ``preemption``) records ``preempted`` with its exit code (42, or 130 for Ctrl-C in
   start-up; 128 + the signal's number for a second one) through ``abrupt_end``.
+- A start refused inside the lock before it trained a step (a checkpoint that does not fit, gone
+  checkpoints, a config change refused: ``refused``) is one line in training.log; status.json
+  keeps how the run last ended and adds ``last_start`` (time, exit code, message): a refused
+  re-run of a finished run still says ``finished``.
 
 A remote (gs://) workdir gets status.json but no training.log (a log file is appended line by line).
 Never a new failure mode: an error writing either is one warning line and the run goes on. The
@@ -44,8 +48,11 @@ def _utc() -> str:
 def write_status(workdir: str, state: str, **fields: Any) -> None:
     """Replaces ``workdir/status.json`` with ``{"state": state, **fields, "time", "pid", "host"}``
     (written to a temporary name, then renamed); an error is one warning line."""
-    record = {"state": state, **fields, "time": _utc(), "pid": os.getpid(),
-              "host": socket.gethostname()}
+    _write_record(workdir, {"state": state, **fields, "time": _utc(), "pid": os.getpid(),
+                            "host": socket.gethostname()})
+
+
+def _write_record(workdir: str, record: dict[str, Any]) -> None:
     try:
         path = epath.Path(workdir) / STATUS_NAME
         tmp = epath.Path(workdir) / f".{STATUS_NAME}.tmp"
@@ -72,10 +79,12 @@ class RunLog:
         self.active = active
         self._handler: std_logging.Handler | None = None
         self._ended = False
+        self._previous: dict[str, Any] | None = None  # status.json before this start
 
     def start(self, step: int | None = None) -> None:
         if not self.active:
             return
+        self._previous = read_status(self.workdir)
         from normvit_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
         if not workdir_lib.is_remote(self.workdir):
             try:
@@ -108,6 +117,30 @@ class RunLog:
             self._handler.flush()
         write_status(self.workdir, state, step=step, exit_code=exit_code,
                      **({"message": message} if message else {}))
+        if self._handler is not None:
+            logging.get_absl_logger().removeHandler(self._handler)
+            self._handler.close()
+            self._handler = None
+
+    def refused(self, exit_code: int, message: str) -> None:
+        """The end of a start refused before it trained a step: 'Start refused (exit C); ...' and
+        ``message`` in training.log; status.json gets back the record it had before this start
+        (how the run last ended), with ``last_start``; with none before, ``failed``."""
+        if not self.active or self._ended:
+            return
+        previous = self._previous
+        if previous is None:
+            self.end("failed", None, exit_code, message)
+            return
+        self._ended = True
+        logging.info("Start refused (exit %d): nothing trained; status.json still says the run's "
+                     "last end (%s).", exit_code, previous.get("state"))
+        if message and self._handler is not None:
+            self._handler.stream.write(f"    {message}\n")
+            self._handler.flush()
+        _write_record(self.workdir, {**previous, "last_start": {
+            "state": "refused", "time": _utc(), "pid": os.getpid(), "host": socket.gethostname(),
+            "exit_code": exit_code, **({"message": message} if message else {})}})
         if self._handler is not None:
             logging.get_absl_logger().removeHandler(self._handler)
             self._handler.close()

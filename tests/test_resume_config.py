@@ -231,8 +231,15 @@ def test_a_complete_run_is_left_untouched(tmp_path, caplog):
     assert _snapshot(wd) == before
     assert not [m for m in _messages(caplog) if "already complete" in m]
     from normvit_jax import run_log
-    status = run_log.read_status(wd)  # the refused start, recorded as such
-    assert (status["state"], status["exit_code"]) == ("failed", cli.EXIT_CONFIG), status
+    # the refused start overwrote the finished run's status with 'failed': status.json keeps how
+    # the run ended, the refusal in last_start and training.log
+    status = run_log.read_status(wd)
+    assert (status["state"], status["step"], status["exit_code"]) == ("finished", 4, 0), status
+    assert (status["last_start"]["state"], status["last_start"]["exit_code"]) == (
+        "refused", cli.EXIT_CONFIG), status
+    assert "total_steps=2" in status["last_start"]["message"], status
+    log = open(os.path.join(wd, run_log.LOG_NAME)).read().rstrip().splitlines()
+    assert "Start refused (exit 2): nothing trained" in log[-2] and "finished" in log[-2], log[-3:]
 
 
 def test_a_complete_run_without_config_json_gets_it_back_with_the_flag(tmp_path):

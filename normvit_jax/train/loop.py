@@ -87,7 +87,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 def _record_end(log: run_log.RunLog, error: BaseException, run: Any) -> None:
     """The end state of a run that raised: ``preempted`` (exit 42; Ctrl-C with nothing to save,
     130) or ``failed`` with the exit code ``cli`` gives it (1 for an unexpected error: its
-    traceback follows) and its first line."""
+    traceback follows) and its first line; a start refused before any step (a known error, no
+    step reached) is ``RunLog.refused``: status.json keeps the run's last end."""
     from normvit_jax import cli  # pylint: disable=import-outside-toplevel
     code = cli.exit_code(error)
     if code is None:  # Ctrl-C before the loop (main.py: 130), or an unexpected error (traceback)
@@ -95,7 +96,9 @@ def _record_end(log: run_log.RunLog, error: BaseException, run: Any) -> None:
     message = (str(error).strip().splitlines() or [""])[0]
     message = f"{type(error).__name__}: {message}" if message else type(error).__name__
     step = getattr(run, "step_reached", None)
-    if isinstance(error, (PreemptedError, KeyboardInterrupt)):
+    if step is None and code not in (1, cli.EXIT_PREEMPTED, cli.EXIT_INTERRUPTED):
+        log.refused(code, message)  # nothing trained: status.json keeps how the run last ended
+    elif isinstance(error, (PreemptedError, KeyboardInterrupt)):
         log.end("preempted", step, code, message)
     else:
         log.end("failed", step, code, message)
