@@ -212,22 +212,41 @@ def _export(wd: str, out) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def onnx_folder(run, tmp_path_factory) -> str:
+    """A folder holding one ONNX export of the run (a.onnx, a.onnx.json, classes.json), exported
+    once for the module by the command in a subprocess; each test copies it."""
+    folder = tmp_path_factory.mktemp("onnx") / "artifacts"
+    r = _export(run, folder / "a.onnx")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(folder)) == ["a.onnx", "a.onnx.json", "classes.json"]
+    return str(folder)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "not a list", "not utf-8"])
-def test_export_names_a_damaged_classes_json_shared_with_other_artifacts(run, tmp_path, damage):
+def test_export_names_a_damaged_classes_json_shared_with_other_artifacts(run, onnx_folder, tmp_path,
+                                                                        capsys, damage):
     """ONNX/StableHLO files of one folder share its classes.json; a damaged one was refused as
     "the class names of a.onnx, not this model's" (a model with other classes, which there was
     not), and JSON that is not a list was a traceback. Now: one line naming the file as damaged
-    and what to do, exit 2, nothing written."""
+    and what to do, exit 2, nothing written. The command runs in a subprocess for one damage (the
+    real exit status and stderr), export's main in this process for the others."""
+    from tests.test_export_formats import _export_main
     folder = tmp_path / "artifacts"
-    r = _export(run, folder / "a.onnx")
-    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.copytree(onnx_folder, folder)
     classes = folder / "classes.json"
     classes.write_bytes({"truncated": b'["0", "1', "not a list": b"5",
                          "not utf-8": b"\xff\xfe[]"}[damage])
     for out in (folder / "b.onnx", folder / "b.stablehlo"):
-        r = _export(run, out)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == cli.EXIT_CONFIG and len(lines) == 1, r.stderr[-3000:]
+        if damage == "truncated":
+            r = _export(run, out)
+            code, err = r.returncode, r.stderr
+        else:
+            fmt = "stablehlo" if out.suffix == ".stablehlo" else "onnx"
+            code, _, err = _export_main([f"--workdir={run}", f"--format={fmt}", f"--out={out}"],
+                                        capsys)
+        lines = err.strip().splitlines()
+        assert code == cli.EXIT_CONFIG and len(lines) == 1, err[-3000:]
         assert lines[0].startswith(f"python -m normvit_jax.export: error: {classes} is not ")
         assert "it names the classes of a.onnx in this folder: restore it, or export to another "\
                "folder" in lines[0] and "not this model's" not in lines[0]
