@@ -81,11 +81,25 @@ def _truncate_metadata(step_dir: str) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def on_damaged(run, tmp_path_factory):
+    """tool -> (workdir, out folder, the command's result): the tool run once on its own copy of
+    the run whose newest checkpoint has a truncated data file (predict's serves two tests)."""
+    done = {}
+
+    def get(tool: str):
+        if tool not in done:
+            root = tmp_path_factory.mktemp(f"damaged_{tool}")
+            wd = _copy(run, root / "wd")
+            _truncate_data(os.path.join(wd, "checkpoints", "6"))
+            done[tool] = wd, root / "out", _run(tool, wd, root / "out")
+        return done[tool]
+    return get
+
+
 @pytest.mark.parametrize("tool", ["predict", "reparam", "export", "attention", "recalibrate"])
-def test_each_tool_skips_a_damaged_newest_checkpoint_with_one_warning(run, tmp_path, tool):
-    wd = _copy(run, tmp_path / "wd")
-    _truncate_data(os.path.join(wd, "checkpoints", "6"))
-    r = _run(tool, wd, tmp_path / "out")
+def test_each_tool_skips_a_damaged_newest_checkpoint_with_one_warning(on_damaged, tool):
+    wd, out_dir, r = on_damaged(tool)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "Traceback" not in out
@@ -96,7 +110,7 @@ def test_each_tool_skips_a_damaged_newest_checkpoint_with_one_warning(run, tmp_p
     if tool == "export":  # item 7: what the .npz leaves out and which format keeps it
         note = [line for line in out.splitlines() if "running-statistics arrays" in line]
         assert len(note) == 1 and "normvit_jax.reparam" in note[0] and "left out" in note[0]
-        exported = np.load(tmp_path / "out" / "m.npz")
+        exported = np.load(out_dir / "m.npz")
         step3, _ = checkpoints.load_params(wd, 3)
         np.testing.assert_array_equal(exported["head/kernel"], step3["head"]["kernel"])
     if tool == "reparam":  # item 7: the slots by the norm they hold
@@ -296,12 +310,10 @@ def test_a_missing_part_of_a_checkpoint_is_named(run, tmp_path, damage):
     assert "KeyError" not in restored.damaged[0][1] and ".zarray" not in restored.damaged[0][1]
 
 
-def test_predict_logs_in_the_format_of_the_other_tools(run, tmp_path):
+def test_predict_logs_in_the_format_of_the_other_tools(on_damaged):
     """predict (argparse, no absl.app) printed 'WARNING:normvit_jax.checkpoints:Checkpoint ...',
     Python's default format, where export and main.py print absl's 'W1129 05:06:39.123 ...'."""
-    wd = _copy(run, tmp_path / "wd")
-    _truncate_data(os.path.join(wd, "checkpoints", "6"))
-    r = _run("predict", wd, tmp_path / "out")
+    _, _, r = on_damaged("predict")
     assert r.returncode == 0, r.stderr[-3000:]
     hits = [line for line in r.stderr.splitlines() if re.search(DAMAGED, line)]
     assert len(hits) == 1 and re.match(r"W\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ checkpoints\.py:\d+\] "
