@@ -81,11 +81,25 @@ def _truncate_metadata(step_dir: str) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def on_damaged(run, tmp_path_factory):
+    """tool -> (workdir, out folder, the command's result): the tool run once on its own copy of
+    the run whose newest checkpoint has a truncated data file (predict's serves two tests)."""
+    done = {}
+
+    def get(tool: str):
+        if tool not in done:
+            root = tmp_path_factory.mktemp(f"damaged_{tool}")
+            wd = _copy(run, root / "wd")
+            _truncate_data(os.path.join(wd, "checkpoints", "6"))
+            done[tool] = wd, root / "out", _run(tool, wd, root / "out")
+        return done[tool]
+    return get
+
+
 @pytest.mark.parametrize("tool", ["predict", "reparam", "export", "attention", "recalibrate"])
-def test_each_tool_skips_a_damaged_newest_checkpoint_with_one_warning(run, tmp_path, tool):
-    wd = _copy(run, tmp_path / "wd")
-    _truncate_data(os.path.join(wd, "checkpoints", "6"))
-    r = _run(tool, wd, tmp_path / "out")
+def test_each_tool_skips_a_damaged_newest_checkpoint_with_one_warning(on_damaged, tool):
+    wd, out_dir, r = on_damaged(tool)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "Traceback" not in out
@@ -96,7 +110,7 @@ def test_each_tool_skips_a_damaged_newest_checkpoint_with_one_warning(run, tmp_p
     if tool == "export":  # item 7: what the .npz leaves out and which format keeps it
         note = [line for line in out.splitlines() if "running-statistics arrays" in line]
         assert len(note) == 1 and "normvit_jax.reparam" in note[0] and "left out" in note[0]
-        exported = np.load(tmp_path / "out" / "m.npz")
+        exported = np.load(out_dir / "m.npz")
         step3, _ = checkpoints.load_params(wd, 3)
         np.testing.assert_array_equal(exported["head/kernel"], step3["head"]["kernel"])
     if tool == "reparam":  # item 7: the slots by the norm they hold
@@ -212,22 +226,41 @@ def _export(wd: str, out) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def onnx_folder(run, tmp_path_factory) -> str:
+    """A folder holding one ONNX export of the run (a.onnx, a.onnx.json, classes.json), exported
+    once for the module by the command in a subprocess; each test copies it."""
+    folder = tmp_path_factory.mktemp("onnx") / "artifacts"
+    r = _export(run, folder / "a.onnx")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(folder)) == ["a.onnx", "a.onnx.json", "classes.json"]
+    return str(folder)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "not a list", "not utf-8"])
-def test_export_names_a_damaged_classes_json_shared_with_other_artifacts(run, tmp_path, damage):
+def test_export_names_a_damaged_classes_json_shared_with_other_artifacts(run, onnx_folder, tmp_path,
+                                                                        capsys, damage):
     """ONNX/StableHLO files of one folder share its classes.json; a damaged one was refused as
     "the class names of a.onnx, not this model's" (a model with other classes, which there was
     not), and JSON that is not a list was a traceback. Now: one line naming the file as damaged
-    and what to do, exit 2, nothing written."""
+    and what to do, exit 2, nothing written. The command runs in a subprocess for one damage (the
+    real exit status and stderr), export's main in this process for the others."""
+    from tests.test_export_formats import _export_main
     folder = tmp_path / "artifacts"
-    r = _export(run, folder / "a.onnx")
-    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.copytree(onnx_folder, folder)
     classes = folder / "classes.json"
     classes.write_bytes({"truncated": b'["0", "1', "not a list": b"5",
                          "not utf-8": b"\xff\xfe[]"}[damage])
     for out in (folder / "b.onnx", folder / "b.stablehlo"):
-        r = _export(run, out)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == cli.EXIT_CONFIG and len(lines) == 1, r.stderr[-3000:]
+        if damage == "truncated":
+            r = _export(run, out)
+            code, err = r.returncode, r.stderr
+        else:
+            fmt = "stablehlo" if out.suffix == ".stablehlo" else "onnx"
+            code, _, err = _export_main([f"--workdir={run}", f"--format={fmt}", f"--out={out}"],
+                                        capsys)
+        lines = err.strip().splitlines()
+        assert code == cli.EXIT_CONFIG and len(lines) == 1, err[-3000:]
         assert lines[0].startswith(f"python -m normvit_jax.export: error: {classes} is not ")
         assert "it names the classes of a.onnx in this folder: restore it, or export to another "\
                "folder" in lines[0] and "not this model's" not in lines[0]
@@ -277,12 +310,10 @@ def test_a_missing_part_of_a_checkpoint_is_named(run, tmp_path, damage):
     assert "KeyError" not in restored.damaged[0][1] and ".zarray" not in restored.damaged[0][1]
 
 
-def test_predict_logs_in_the_format_of_the_other_tools(run, tmp_path):
+def test_predict_logs_in_the_format_of_the_other_tools(on_damaged):
     """predict (argparse, no absl.app) printed 'WARNING:normvit_jax.checkpoints:Checkpoint ...',
     Python's default format, where export and main.py print absl's 'W1129 05:06:39.123 ...'."""
-    wd = _copy(run, tmp_path / "wd")
-    _truncate_data(os.path.join(wd, "checkpoints", "6"))
-    r = _run("predict", wd, tmp_path / "out")
+    _, _, r = on_damaged("predict")
     assert r.returncode == 0, r.stderr[-3000:]
     hits = [line for line in r.stderr.splitlines() if re.search(DAMAGED, line)]
     assert len(hits) == 1 and re.match(r"W\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ checkpoints\.py:\d+\] "
