@@ -54,10 +54,13 @@ class Model:
         n = len(self.names)
         if raw is None:
             return min(DEFAULT_TOP_K, n)
-        # plain decimal digits only: int() also takes '1_0', ' 3', '+3' and other scripts' digits
-        k = int(raw) if raw.isascii() and raw.isdigit() else 0
+        # plain decimal digits only: int() also takes '1_0', ' 3', '+3' and other scripts' digits;
+        # and few of them: int() of over 4300 digits raises ValueError (a 500)
+        digits = raw.lstrip("0") or "0"
+        k = int(digits) if raw.isascii() and raw.isdigit() and len(digits) <= 9 else 0
         if not 1 <= k <= n:
-            raise InputError(400, f"top_k={raw!r}: must be an integer from 1 to {n} (the number "
+            shown = repr(raw) if len(raw) <= 20 else f"{raw[:20]!r}... ({len(raw):,} characters)"
+            raise InputError(400, f"top_k={shown}: must be an integer from 1 to {n} (the number "
                                   "of classes), in decimal digits")
         return k
 

@@ -240,6 +240,9 @@ def _bomb() -> bytes:
     ("png", "?top_k=%20%203", None, 400, "top_k=' 3': must be an integer"),
     ("png", "?top_k=%2B3", None, 400, "top_k='+3': must be an integer"),
     ("png", "?top_k=3&top_k=1", None, 400, "top_k is given 2 times"),  # the last one was taken
+    pytest.param("png", "?top_k=" + "9" * 5000, None, 400, "top_k='99999999999999999999'... "
+                 "(5,000 characters): must be an integer",
+                 id="top_k-of-5000-digits"),  # int() raised ValueError (over 4300 digits): a 500
     ("multipart-other", "", "multipart", 400, "without a field named 'file'"),
     ("multipart-cut", "", "multipart", 400, "malformed multipart body: it ends before its "
      "closing boundary"),  # was "without a field named 'file'"
