@@ -148,8 +148,11 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
     async def predict(request: Any) -> JSONResponse:
         try:
             given = request.query_params.getlist("top_k")
-            if len(given) > 1:  # not the last one silently
-                raise InputError(400, f"top_k is given {len(given)} times ({', '.join(given)}): "
+            if len(given) > 1:  # not the last one silently; the count and the first 3 values,
+                # each cut (a client could make the line as long as its URL)
+                shown = [repr(v) if len(v) <= 20 else f"{v[:20]!r}..." for v in given[:3]]
+                shown += ["..."] if len(given) > 3 else []
+                raise InputError(400, f"top_k is given {len(given):,} times ({', '.join(shown)}): "
                                       "give it once")
             k = model.top_k(given[0] if given else None)
             data = await _image_bytes(request, max_bytes)
