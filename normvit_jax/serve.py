@@ -30,6 +30,12 @@ DEFAULT_TOP_K = 5
 # dropped. Without a bound, one client that stopped sending its body kept the service alive
 # forever (docker stop, systemd and Kubernetes then kill it).
 SHUTDOWN_GRACE_S = 5
+# Within it: the connections queued in the kernel at the signal are taken (the port then closes)
+# within SHUTDOWN_ACCEPT_S at most, even under a steady stream of new ones; a connection taken
+# without its request yet gets until SHUTDOWN_REQUEST_S for its request to arrive; the requests
+# read get the rest of the grace (at least SHUTDOWN_GRACE_S - SHUTDOWN_REQUEST_S) to finish.
+SHUTDOWN_ACCEPT_S = 1
+SHUTDOWN_REQUEST_S = 2
 
 
 class Model:
@@ -188,18 +194,20 @@ def _server_class() -> Any:
 
     uvicorn's own shutdown closes the listening socket at once, which resets the connections the
     kernel has already completed but uvicorn has not accepted (its backlog), and closes accepted
-    ones whose request has not been read yet. Here, within SHUTDOWN_GRACE_S of the signal:
-    /healthz answers 503; the listening socket stays open until its backlog is empty (every
-    connection made before the signal is accepted), then closes; a connection accepted without a
-    request yet gets until the grace ends for its request to arrive; then uvicorn's shutdown
-    lets the requests read finish in what is left of the grace."""
+    ones whose request has not been read yet. Here, from the signal: /healthz answers 503; the
+    listening socket stays open until its backlog is drained once (every connection made before
+    the signal is accepted: the event loop takes the whole queue at each pass), at most
+    SHUTDOWN_ACCEPT_S, then closes; a connection accepted without a request yet gets until
+    SHUTDOWN_REQUEST_S for its request to arrive; then uvicorn's shutdown lets the requests read
+    finish in what is left of SHUTDOWN_GRACE_S."""
     import select
     import uvicorn
 
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + SHUTDOWN_GRACE_S
+            start = loop.time()
+            deadline = start + SHUTDOWN_GRACE_S
             self.config.app.state.stopping = True
             listening = [s for s in sockets or [] if s.fileno() >= 0]
 
@@ -208,7 +216,11 @@ def _server_class() -> Any:
                     return bool(listening and select.select(listening, [], [], 0)[0])
                 except (OSError, ValueError):
                     return False
-            while waiting() and loop.time() < deadline and not self.force_exit:
+            # The event loop accepts until the kernel's queue is empty at each pass, so the first
+            # empty poll says the queue of the signal was taken; under a steady stream of new
+            # connections (never an empty poll) they are taken for SHUTDOWN_ACCEPT_S at most, not
+            # until the grace ends (the requests read then had no time left: cancelled, 503)
+            while waiting() and loop.time() < start + SHUTDOWN_ACCEPT_S and not self.force_exit:
                 await asyncio.sleep(0.01)  # the event loop accepts them meanwhile
             for server in self.servers:
                 server.close()
@@ -217,7 +229,8 @@ def _server_class() -> Any:
             def no_request_yet() -> bool:
                 return any(getattr(c, "cycle", 0) is None and not c.transport.is_closing()
                            for c in list(self.server_state.connections))
-            while no_request_yet() and loop.time() < deadline and not self.force_exit:
+            while (no_request_yet() and loop.time() < start + SHUTDOWN_REQUEST_S
+                   and not self.force_exit):
                 await asyncio.sleep(0.01)
             self.config.timeout_graceful_shutdown = max(0.1, deadline - loop.time())
             await super().shutdown(sockets)

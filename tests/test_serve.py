@@ -884,3 +884,82 @@ def test_a_malformed_multipart_body_logs_nothing_and_says_so_in_one_line(caplog)
     assert json.loads(sent[1]["body"]) == {"error": "malformed multipart body: Invalid "
                                                     "multipart data."}
     assert not [r for r in caplog.records if "multipart" in r.name], caplog.records
+
+
+def test_a_steady_stream_of_connections_after_a_signal_is_refused_within_a_second(served):
+    """The shutdown took connections while the kernel's queue was non-empty at its polls: under a
+    steady stream it went on taking connections made after the signal until the grace ended
+    (docs/deploy.md: they are refused), and requests read near its end were cancelled (503).
+    Now the queue is drained once (at most serve.SHUTDOWN_ACCEPT_S). 16 clients that connect
+    again as soon as they are answered, from before the signal until the service stops (taken
+    until 3.1 s after the signal before): none connected later than the drain (plus a wide
+    margin) is answered; 10 connected before the signal, with their requests sent after it, are
+    answered 200; the service stops within its grace (plus a wide margin)."""
+    import signal
+    import socket
+    import threading
+    from normvit_jax import serve
+    png = _encode(np.zeros((8, 8, 3), np.uint8))
+    request = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(png)
+               + png)
+    proc = _start(f"--artifact={served[3]}", "--port=0")
+    before, streamed, stop = [], [], threading.Event()
+
+    def answer(c) -> bytes:
+        data = b""
+        try:
+            while chunk := c.recv(65536):
+                data += chunk
+        except OSError:  # reset: not answered
+            pass
+        return data.split(b"\r\n", 1)[0]
+
+    def stream() -> None:  # a client that connects again as soon as it is answered
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=60) as c:
+                    connected = time.monotonic()
+                    c.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    streamed.append((connected, answer(c)))
+            except OSError:  # refused, or reset in the queue when the port closed
+                time.sleep(0.01)
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(16)]
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-2000:]
+        port = int(json.loads(line)["url"].rsplit(":", 1)[1])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as r:
+            assert r.status == 200  # uvicorn serves (its signal handlers are set)
+        for _ in range(10):  # taken before the signal, their request sent after it
+            before.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        for c in before:
+            c.sendall(request)
+        try:
+            _, err = proc.communicate(timeout=serve.SHUTDOWN_GRACE_S + 60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the service did not stop under a stream of connections")
+        stopped = time.monotonic() - signalled
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert [answer(c) for c in before] == [b"HTTP/1.1 200 OK"] * len(before)
+        late = [a for connected, a in streamed  # the drain's end, plus a wide margin
+                if connected > signalled + serve.SHUTDOWN_ACCEPT_S + 1.5]
+        answered = [a for a in late if a]
+        assert not answered, (len(answered), len(late), len(streamed), answered[:3])
+        assert proc.returncode == -signal.SIGTERM, (proc.returncode, err[-2000:])
+        assert stopped < serve.SHUTDOWN_GRACE_S + 10, stopped  # a hang, not a time, is tested
+        assert "Traceback" not in err, err[-2000:]
+    finally:
+        stop.set()
+        for c in before:
+            c.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
