@@ -226,7 +226,8 @@ def _server_class() -> Any:
                 server.close()
             await asyncio.sleep(0.05)  # the accepted ones' transports and protocols are made
 
-            def no_request_yet() -> bool:
+            def no_request_yet() -> bool:  # uvicorn's private cycle: None until a request
+                # (tests/test_serve.py::test_uvicorns_protocol_has_what_the_shutdown_reads)
                 return any(getattr(c, "cycle", 0) is None and not c.transport.is_closing()
                            for c in list(self.server_state.connections))
             while (no_request_yet() and loop.time() < start + SHUTDOWN_REQUEST_S

@@ -963,3 +963,38 @@ def test_a_steady_stream_of_connections_after_a_signal_is_refused_within_a_secon
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+@pytest.mark.parametrize("http", ["auto", "h11", "httptools"])
+def test_uvicorns_protocol_has_what_the_shutdown_reads(http):
+    """serve._server_class's shutdown waits for the connections taken without a request yet by
+    reading uvicorn's private ``protocol.cycle`` (None until a request's headers are read) and
+    ``protocol.transport``, through getattr: a uvicorn that renamed them turned the wait into a
+    no-op silently (those connections closed unanswered again). Each HTTP protocol uvicorn may
+    pick (``auto``: httptools where installed, else h11) has them, as the shutdown reads them."""
+    import uvicorn
+    from uvicorn.server import ServerState
+    if http == "httptools":
+        pytest.importorskip("httptools")
+    config = uvicorn.Config(lambda scope, receive, send: None, http=http)
+    config.load()
+    protocol = config.http_protocol_class(config=config, server_state=ServerState(),
+                                          app_state={})
+    assert "cycle" in vars(protocol) and protocol.cycle is None, (http, sorted(vars(protocol)))
+
+    class Transport:  # enough of asyncio's for connection_made
+        def get_extra_info(self, name, default=None):
+            return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name)
+
+        def is_closing(self) -> bool:
+            return False
+
+        def close(self) -> None:
+            pass
+    transport = Transport()
+    protocol.connection_made(transport)
+    try:
+        assert protocol.transport is transport and protocol.cycle is None
+        assert protocol in protocol.server_state.connections  # the set the shutdown reads
+    finally:
+        protocol.connection_lost(None)
