@@ -53,6 +53,18 @@ def _start(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _start_with_sigint_handled(path: str) -> subprocess.Popen:
+    """The service on a free port, with Python's SIGINT handler set first, as in a terminal (a
+    child of a background job, as pytest's may be, inherits SIGINT ignored)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "import runpy, signal, sys; "
+         "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'serve'; "
+         "runpy.run_module('normvit_jax.serve', run_name='__main__')",
+         f"--artifact={path}", "--port=0"],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("artifact") / "model.onnx")
@@ -490,17 +502,8 @@ def test_ctrl_c_stops_the_service_with_one_line_and_130(served):
     signals = ((signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM))
     procs, stalled = [], []
     try:  # both services at once: each waits out its grace (SHUTDOWN_GRACE_S) in parallel
-        for sig, _ in signals:
-            # a child of a background job inherits SIGINT ignored: Python's handler, as in a
-            # terminal
-            proc = subprocess.Popen(
-                [sys.executable, "-c", "import runpy, signal, sys; "
-                 "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'serve'; "
-                 "runpy.run_module('normvit_jax.serve', run_name='__main__')",
-                 f"--artifact={served[3]}", "--port=0"],
-                cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            procs.append(proc)
+        for _ in signals:
+            procs.append(_start_with_sigint_handled(served[3]))
         for (sig, _), proc in zip(signals, procs):
             line = proc.stdout.readline()
             assert line, proc.stderr.read()[-2000:]  # serving
@@ -676,13 +679,7 @@ def test_requests_connected_before_a_signal_are_all_answered(served):
     request = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(png)
                + png)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "import runpy, signal, sys; "
-             "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'serve'; "
-             "runpy.run_module('normvit_jax.serve', run_name='__main__')",
-             f"--artifact={served[3]}", "--port=0"],
-            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = _start_with_sigint_handled(served[3])
         conns = []
         try:
             line = proc.stdout.readline()
