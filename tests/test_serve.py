@@ -969,14 +969,16 @@ def test_uvicorns_protocol_has_what_the_shutdown_reads(http):
     ``protocol.transport``, through getattr: a uvicorn that renamed them turned the wait into a
     no-op silently (those connections closed unanswered again). Each HTTP protocol uvicorn may
     pick (``auto``: httptools where installed, else h11) has them, as the shutdown reads them."""
+    import asyncio
     import uvicorn
     from uvicorn.server import ServerState
     if http == "httptools":
         pytest.importorskip("httptools")
     config = uvicorn.Config(lambda scope, receive, send: None, http=http)
     config.load()
+    loop = asyncio.new_event_loop()  # its own: another test's asyncio.run left none current
     protocol = config.http_protocol_class(config=config, server_state=ServerState(),
-                                          app_state={})
+                                          app_state={}, _loop=loop)
     assert "cycle" in vars(protocol) and protocol.cycle is None, (http, sorted(vars(protocol)))
 
     class Transport:  # enough of asyncio's for connection_made
@@ -995,3 +997,4 @@ def test_uvicorns_protocol_has_what_the_shutdown_reads(http):
         assert protocol in protocol.server_state.connections  # the set the shutdown reads
     finally:
         protocol.connection_lost(None)
+        loop.close()
