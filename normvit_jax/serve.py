@@ -30,6 +30,12 @@ DEFAULT_TOP_K = 5
 # dropped. Without a bound, one client that stopped sending its body kept the service alive
 # forever (docker stop, systemd and Kubernetes then kill it).
 SHUTDOWN_GRACE_S = 5
+# Within it: the connections queued in the kernel at the signal are taken (the port then closes)
+# within SHUTDOWN_ACCEPT_S at most, even under a steady stream of new ones; a connection taken
+# without its request yet gets until SHUTDOWN_REQUEST_S for its request to arrive; the requests
+# read get the rest of the grace (at least SHUTDOWN_GRACE_S - SHUTDOWN_REQUEST_S) to finish.
+SHUTDOWN_ACCEPT_S = 1
+SHUTDOWN_REQUEST_S = 2
 
 
 class Model:
@@ -54,10 +60,13 @@ class Model:
         n = len(self.names)
         if raw is None:
             return min(DEFAULT_TOP_K, n)
-        # plain decimal digits only: int() also takes '1_0', ' 3', '+3' and other scripts' digits
-        k = int(raw) if raw.isascii() and raw.isdigit() else 0
+        # plain decimal digits only: int() also takes '1_0', ' 3', '+3' and other scripts' digits;
+        # and few of them: int() of over 4300 digits raises ValueError (a 500)
+        digits = raw.lstrip("0") or "0"
+        k = int(digits) if raw.isascii() and raw.isdigit() and len(digits) <= 9 else 0
         if not 1 <= k <= n:
-            raise InputError(400, f"top_k={raw!r}: must be an integer from 1 to {n} (the number "
+            shown = repr(raw) if len(raw) <= 20 else f"{raw[:20]!r}... ({len(raw):,} characters)"
+            raise InputError(400, f"top_k={shown}: must be an integer from 1 to {n} (the number "
                                   "of classes), in decimal digits")
         return k
 
@@ -145,8 +154,11 @@ def make_app(model: Model, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 4)
     async def predict(request: Any) -> JSONResponse:
         try:
             given = request.query_params.getlist("top_k")
-            if len(given) > 1:  # not the last one silently
-                raise InputError(400, f"top_k is given {len(given)} times ({', '.join(given)}): "
+            if len(given) > 1:  # not the last one silently; the count and the first 3 values,
+                # each cut (a client could make the line as long as its URL)
+                shown = [repr(v) if len(v) <= 20 else f"{v[:20]!r}..." for v in given[:3]]
+                shown += ["..."] if len(given) > 3 else []
+                raise InputError(400, f"top_k is given {len(given):,} times ({', '.join(shown)}): "
                                       "give it once")
             k = model.top_k(given[0] if given else None)
             data = await _image_bytes(request, max_bytes)
@@ -182,18 +194,20 @@ def _server_class() -> Any:
 
     uvicorn's own shutdown closes the listening socket at once, which resets the connections the
     kernel has already completed but uvicorn has not accepted (its backlog), and closes accepted
-    ones whose request has not been read yet. Here, within SHUTDOWN_GRACE_S of the signal:
-    /healthz answers 503; the listening socket stays open until its backlog is empty (every
-    connection made before the signal is accepted), then closes; a connection accepted without a
-    request yet gets until the grace ends for its request to arrive; then uvicorn's shutdown
-    lets the requests read finish in what is left of the grace."""
+    ones whose request has not been read yet. Here, from the signal: /healthz answers 503; the
+    listening socket stays open until its backlog is drained once (every connection made before
+    the signal is accepted: the event loop takes the whole queue at each pass), at most
+    SHUTDOWN_ACCEPT_S, then closes; a connection accepted without a request yet gets until
+    SHUTDOWN_REQUEST_S for its request to arrive; then uvicorn's shutdown lets the requests read
+    finish in what is left of SHUTDOWN_GRACE_S."""
     import select
     import uvicorn
 
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + SHUTDOWN_GRACE_S
+            start = loop.time()
+            deadline = start + SHUTDOWN_GRACE_S
             self.config.app.state.stopping = True
             listening = [s for s in sockets or [] if s.fileno() >= 0]
 
@@ -202,16 +216,22 @@ def _server_class() -> Any:
                     return bool(listening and select.select(listening, [], [], 0)[0])
                 except (OSError, ValueError):
                     return False
-            while waiting() and loop.time() < deadline and not self.force_exit:
+            # The event loop accepts until the kernel's queue is empty at each pass, so the first
+            # empty poll says the queue of the signal was taken; under a steady stream of new
+            # connections (never an empty poll) they are taken for SHUTDOWN_ACCEPT_S at most, not
+            # until the grace ends (the requests read then had no time left: cancelled, 503)
+            while waiting() and loop.time() < start + SHUTDOWN_ACCEPT_S and not self.force_exit:
                 await asyncio.sleep(0.01)  # the event loop accepts them meanwhile
             for server in self.servers:
                 server.close()
             await asyncio.sleep(0.05)  # the accepted ones' transports and protocols are made
 
-            def no_request_yet() -> bool:
+            def no_request_yet() -> bool:  # uvicorn's private cycle: None until a request
+                # (tests/test_serve.py::test_uvicorns_protocol_has_what_the_shutdown_reads)
                 return any(getattr(c, "cycle", 0) is None and not c.transport.is_closing()
                            for c in list(self.server_state.connections))
-            while no_request_yet() and loop.time() < deadline and not self.force_exit:
+            while (no_request_yet() and loop.time() < start + SHUTDOWN_REQUEST_S
+                   and not self.force_exit):
                 await asyncio.sleep(0.01)
             self.config.timeout_graceful_shutdown = max(0.1, deadline - loop.time())
             await super().shutdown(sockets)
