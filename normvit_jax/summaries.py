@@ -11,7 +11,9 @@ Resumes are exact, so the dropped points equal their rewrites except the timing 
 
 ``read_run`` adds the training wall time: each event file belongs to one process; a point's
 ``elapsed`` is the time spent inside the files' spans (first to last event) before it, so idle
-time between a stop and a restart is not counted.
+time between a stop and a restart is not counted. A file's first event (``SEGMENT_TAG``, at step 0
+the hparams too) is written before the train step compiles: the compilation is inside the span,
+only the process's Python/JAX start-up before it.
 
 Files are read with TensorBoard's own event loader (through TensorFlow's record reader where it
 is installed, TensorBoard's stub otherwise), which ends a file quietly at a truncated or damaged
@@ -55,7 +57,10 @@ class Series:
 @dataclasses.dataclass
 class RunSummaries:
     scalars: dict[str, Series]
-    wall_time_s: float  # sum over event files of (last event - first event)
+    # sum over event files of (last event - first event); a run's first event (run/start_step,
+    # the hparams) is written before the train step compiles, so compilation is included and only
+    # the process's Python/JAX start-up is not
+    wall_time_s: float
     # the step each (re)start of the loop began at (its SEGMENT_TAG), in file order; empty for
     # runs written before the marker existed
     start_steps: list[int] = dataclasses.field(default_factory=list)

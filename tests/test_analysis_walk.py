@@ -103,6 +103,8 @@ def test_wall_time_axis_unit_follows_the_range():
     runs = [("LN", colors.color("layernorm"), {"train/loss": _series([1, 2], [1.0, 0.5])})]
     fig = plots_curves.curves_figure(runs, "elapsed", "t")
     assert "seconds" in fig.axes[0].get_xlabel()
+    # the first event is written before compiling: the axis holds the compilation
+    assert "compilation included" in fig.axes[0].get_xlabel()
 
 
 def _curve(method, reach):

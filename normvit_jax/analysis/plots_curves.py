@@ -13,7 +13,11 @@ from normvit_jax.summaries import Series
 PANELS = (("train/loss", "train loss", "cross-entropy", 1.0),
           ("eval/loss", "eval loss", "cross-entropy", 1.0),
           ("eval/top1", "eval top-1 accuracy", "top-1 accuracy (%)", 100.0))
-AXES = {"step": "training step", "elapsed": "wall time ({unit}, restarts' idle gaps removed)"}
+# elapsed runs from the run's first event (written before the train step compiles), so it holds
+# the compilation; only the process's Python/JAX start-up comes before it
+AXES = {"step": "training step",
+        "elapsed": "wall time since the run's first event ({unit}; compilation included, "
+                   "restarts' idle gaps removed)"}
 FEW_POINTS = 3  # a series with this many points or fewer gets markers: one point drew nothing
 
 

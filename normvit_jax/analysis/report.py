@@ -223,7 +223,8 @@ NOTES = f"""
   (report.json also has the analytic count of the matmuls, `analytic_flops_per_image`).
 - best/final top-1 and top-5: the maximum and the last value of `eval/top1`, `eval/top5`.
 - wall time: sum over the run's event files
-  (one per process) of last minus first event time; idle time between restarts is not counted.
+  (one per process) of last minus first event time; the first event is written before compiling,
+  so compilation is included (Python/JAX start-up is not); idle time between restarts is not.
 - images/s: median of `train/examples_per_sec` over the log intervals, the first of the run and of
   each restart left out (it holds the compilation where the step was not timed first).
 - params, FLOPs/image: of the trained (unfolded) model, from the newest checkpoint (report.json:
