@@ -48,7 +48,7 @@ def _write_events(workdir: str, steps, values) -> None:
 def _fake_run(workdir: str, norm: str, steps, values, **overrides) -> None:
     """config.json, an initialised (untrained) checkpoint and the given eval/top1 summaries; a
     40-step run unless ``overrides`` (dotted config keys, e.g. 'optimizer.learning_rate') say."""
-    cfg = tiny_demo_config(**{"total_steps": 40, **overrides})
+    cfg = tiny_demo_config(**{"total_steps": 40, "eval_every": 10, **overrides})
     cfg.model.depth = 1
     cfg.model.norm = {"name": norm}
     ds = data.resolve_data_spec(cfg)
@@ -80,9 +80,11 @@ def test_report_convergence_table_equals_the_hand_computation(fake_runs, tmp_pat
     assert (f"leaving out {fake_runs / 'ln_s2'}: still training? its last evaluation is at "
             "step 20, before its final step 40 (config.total_steps)") in captured.err
     md = open(os.path.join(out, "report.md")).read()
-    ln_row = "| LN | 2 | 81.25% | 75.00-87.50% | 25 | – |"
+    # the mean step 25 is no evaluated step: each run's step follows it
+    ln_row = "| LN | 2 | 81.25% | 75.00-87.50% | 25 (30, 20) | – |"
     dyt_row = "| DyT | 2 | 68.75% | 62.50-75.00% | not all runs (40, never) | – |"
-    assert "steps to 90% of LN's final (73.1%)" in md and ln_row in md and dyt_row in md
+    assert "steps to 90% of LN's final (73.1%; evals every 10 steps)" in md
+    assert ln_row in md and dyt_row in md
     assert ln_row in captured.out and dyt_row in captured.out  # printed too
     main_table = demo_table.comparison_table(md)  # what docs/analysis.md copies: runs only
     assert len(main_table) == 2 + 5 and main_table[0].startswith("| method | run | model |")
@@ -98,7 +100,8 @@ def test_report_convergence_table_equals_the_hand_computation(fake_runs, tmp_pat
     # DyT as the reference: 0.95 x (0.75 + 0.625) / 2 = 0.653125; LN s0 0.75 at step 30, s1 at 20.
     assert report.main([*runs, f"--out={out}2", "--no_attention", "--reference=dyt"]) == 0
     md = open(os.path.join(out + "2", "report.md")).read()
-    assert "steps to 95% of DyT's final (65.3%)" in md and "| LN | 2 | 81.25% | 75.00-87.50% | 25 |" in md
+    assert "steps to 95% of DyT's final (65.3%; evals every 10 steps)" in md
+    assert "| LN | 2 | 81.25% | 75.00-87.50% | 25 (30, 20) |" in md
     assert "| DyT | 2 | 68.75% | 62.50-75.00% | 40 |" not in md  # s1 ends at 0.625 < 0.653
     assert "| DyT | 2 | 68.75% | 62.50-75.00% | not all runs (40, never) |" in md
 
@@ -270,14 +273,14 @@ def test_runs_of_one_norm_with_other_recipes_are_separate_methods(recipe_runs, t
     assert rows["ln_a0"]["label"] == "LN [batch_size=32, lr=0.001]"
     # threshold 0.9 x LN_A's mean final (0.875 + 0.75) / 2 = 0.73125
     md = (out / "report.md").read_text()
-    for row in ("| LN [batch_size=32, lr=0.001] | 2 | 81.25% | 75.00-87.50% | 25 | – |",
+    for row in ("| LN [batch_size=32, lr=0.001] | 2 | 81.25% | 75.00-87.50% | 25 (30, 20) | – |",
                 "| LN [batch_size=32, lr=0.003] | 2 | 68.75% | 62.50-75.00% | "
                 "not all runs (40, never) | – |",
                 "| LN [batch_size=16, lr=0.001] | 1 | 50.00% | 50.00-50.00% | "
                 "never (1 run) | – |",
                 "| DyT | 1 | 100.00% | 100.00-100.00% | 30 | – |"):
         assert row in md and row in captured.out, row
-    assert "steps to 90% of LN [batch_size=32, lr=0.001]'s final (73.1%)" in md
+    assert "steps to 90% of LN [batch_size=32, lr=0.001]'s final (73.1%; evals every 10 steps)" in md
     assert ("- Config keys that differ between the runs: between methods: model.norm.name; "
             "recipes of one method (separate rows): batch_size, optimizer.learning_rate; "
             "seeds (pooled): seed; not compared (they change neither what is trained nor how it "
@@ -350,7 +353,7 @@ def test_finished_runs_of_other_lengths_are_kept_a_run_cut_short_is_not(tmp_path
         f"leaving out {tmp_path / 'ln_cut'}: still training? its last evaluation is at step 20, "
         "before its final step 40 (config.total_steps)") in err
     md = (out / "report.md").read_text()
-    assert "| LN | 2 | 81.25% | 75.00-87.50% | 25 |" in md  # threshold 0.73125, as above
+    assert "| LN | 2 | 81.25% | 75.00-87.50% | 25 (30, 20) |" in md  # threshold 0.73125, as above
     assert "| DyT [total_steps=40] | 2 | 68.75% | 62.50-75.00% | not all runs (40, never) |" in md
     assert "| DyT [total_steps=80] | 1 | 87.50% | 87.50-87.50% | 40 |" in md
 

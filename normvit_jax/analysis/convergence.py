@@ -56,6 +56,8 @@ class Convergence:
     threshold: float           # target x the reference's mean final top-1
     methods: list[MethodCurve]
     left_out: list[tuple[str, str]]  # (workdir, why)
+    # the kept runs' config.eval_every values (a step is known to that resolution); empty: unknown
+    eval_every: list[int] = dataclasses.field(default_factory=list)
 
 
 def first_reach(steps: np.ndarray, values: np.ndarray, threshold: float) -> int | None:
@@ -151,7 +153,9 @@ def analyze(rows: Sequence[Mapping], scalars: Mapping[str, Mapping[str, Series]]
             reach=[first_reach(s.steps, s.values, threshold) for _, s in group],
             steps=np.asarray(steps), mean=values.mean(0), low=values.min(0), high=values.max(0),
             images_per_s=float(np.median(ips)) if ips else None))
-    return Convergence(reference, labels[reference], float(target), threshold, methods, left_out)
+    every = sorted({int(r["eval_every"]) for r, _ in kept if r.get("eval_every")})
+    return Convergence(reference, labels[reference], float(target), threshold, methods, left_out,
+                       every)
 
 
 def _unfinished(row: Mapping, last: int, evals: Sequence[tuple[Mapping, Series]]) -> str | None:
@@ -175,10 +179,14 @@ def _unfinished(row: Mapping, last: int, evals: Sequence[tuple[Mapping, Series]]
 
 
 def reach_cell(c: MethodCurve) -> str:
-    """The mean step; else 'never (N runs)', or with some runs there 'not all runs (40, never)'
-    (a bare '- (-)' read as a missing value, not as "never reached")."""
+    """The step; runs reaching it at different eval steps: the mean and each run's step,
+    '333 (250, 500, 250)' (a bare 333 read as an evaluated step); else 'never (N runs)', or with
+    some runs there 'not all runs (40, never)' (a bare '- (-)' read as a missing value, not as
+    "never reached")."""
     if c.reach_mean is not None:
-        return f"{c.reach_mean:.0f}"
+        if len(set(c.reach)) == 1:
+            return str(c.reach[0])
+        return f"{c.reach_mean:.0f} (" + ", ".join(map(str, c.reach)) + ")"
     if all(r is None for r in c.reach):
         n = len(c.reach)
         return f"never ({n} run{'s' if n != 1 else ''})"
@@ -187,8 +195,11 @@ def reach_cell(c: MethodCurve) -> str:
 
 def markdown(conv: Convergence) -> str:
     """The table: per method, runs, final top-1 (mean, min-max), steps to the threshold."""
+    every = ("" if not conv.eval_every else
+             f"; evals every {'/'.join(map(str, conv.eval_every))} steps")
     head = (f"| method | runs | final top-1 (mean) | min-max | steps to {100 * conv.target:g}% of "
-            f"{conv.reference_label}'s final ({100 * conv.threshold:.1f}%) | images/s (median) |")
+            f"{conv.reference_label}'s final ({100 * conv.threshold:.1f}%{every}) "
+            "| images/s (median) |")
     lines = [head, "|---|---|---|---|---|---|"]
     for c in conv.methods:
         ips = "–" if c.images_per_s is None else f"{c.images_per_s:.0f}"
@@ -203,10 +214,11 @@ NOTES = """
   each evaluated to its final step. final top-1: the last
   `eval/top1` of each run, mean and min-max over the runs.
 - steps to the target: the first evaluated step at which a run's `eval/top1` is at or above the
-  target fraction of the reference method's mean final top-1; the mean over the method's runs;
+  target fraction of the reference method's mean final top-1; where the runs differ, the mean
+  over the method's runs (not itself an evaluated step) and each run's step in parentheses;
   'never (N runs)' when no run gets there, 'not all runs (...)' with each run's step ('never' for
-  a run that does not) when some do. Evaluations are every `eval_every` steps, so
-  a step is known to that resolution.
+  a run that does not) when some do. Evaluations are every `eval_every` steps (the column's
+  header), so a step is known to that resolution.
 - images/s: the median over the runs of the main table's images/s.
 """
 

@@ -62,6 +62,7 @@ def convergence_figure(conv: Convergence, title: str,
                  fontsize=10)
     figures.note(fig, "Line: mean over a method's runs at the steps all of them evaluated; band: "
                       "min-max over the runs; triangle: the mean over the runs of the first "
-                      "evaluated step at or above the dotted target (none when a run never gets "
+                      "evaluated step at or above the dotted target, each run's step in the "
+                      "legend where they differ (none when a run never gets "
                       "there; methods at the same step stacked above the line).")
     return fig

@@ -26,7 +26,8 @@ differ and how each was read.
 Convergence (analysis/convergence.py): per method the mean eval/top1 curve and its min-max over the
 runs, the final top-1 (mean, min-max), and the first evaluated step at which each run reaches
 --target x the --reference method's mean final top-1 (mean over the runs; 'never (N runs)', or
-'not all runs (...)' with each run's step, when they do not all get there).
+'not all runs (...)' with each run's step, when they do not all get there; where the runs
+get there at different steps the mean is followed by each run's step, '333 (250, 500, 250)').
 --reference takes a method key (a norm with one recipe also by its plain key); it defaults to
 layernorm when such runs are present (else, as without a finished run of the reference or with
 several LN recipes, no convergence table or figure: report.md says why, listing the keys to pass,
@@ -154,6 +155,7 @@ def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
         final_eval_loss=_last(sc.get("eval/loss")),
         weight_ema=float(config.get("ema_decay", 0) or 0) > 0,  # --weights=ema is possible
         steps=max(steps) if steps else None, final_step=final, final_step_from=final_from,
+        eval_every=int(config.eval_every) if config.get("eval_every") else None,
         wall_time_s=summaries.wall_time_s,
         images_per_s=float(np.median(ips_vals)) if len(ips_vals) else None)
 
