@@ -32,7 +32,8 @@ def run_names(workdirs: Sequence[str]) -> list[str]:
 
 
 def distance_rows(run: Any, distance: np.ndarray, name: str | None = None) -> list[dict]:
-    """distance: (depth, B, H) pixels -> one row per (block, head), mean and std over images.
+    """distance: (depth, B, H) pixels -> one row per (block, head), mean and population std
+    (ddof=0) over the ``images`` images.
     name: the run's name in the rows (default: ``run_name`` of its workdir)."""
     name = name or run_name(run.workdir)
     rows = []
