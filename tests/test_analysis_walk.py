@@ -96,6 +96,18 @@ def test_single_point_series_get_markers_and_integer_step_ticks():
     assert plots_curves.needs_markers("train/loss", 1) and not plots_curves.needs_markers("train/loss", 50)
 
 
+def test_train_loss_panel_names_label_smoothing():
+    """train/loss is the label-smoothed objective (>= ~0.5 at 0.1), eval/loss plain CE: both were
+    labelled 'cross-entropy'."""
+    assert plots_curves.panels([0.0, 0.0]) == plots_curves.PANELS
+    train, ev, _ = plots_curves.panels([0.1, 0.1])
+    assert train[2] == "label-smoothed cross-entropy (ε=0.1)" and ev[2] == "cross-entropy (no smoothing)"
+    assert plots_curves.panels([0.0, 0.1])[0][2] == "label-smoothed cross-entropy (ε=0/0.1)"
+    runs = [("LN", colors.color("layernorm"), {"train/loss": _series([1, 2], [1.0, 0.5])})]
+    fig = plots_curves.curves_figure(runs, "step", "t", plots_curves.panels([0.1]))
+    assert fig.axes[0].get_ylabel() == "label-smoothed cross-entropy (ε=0.1)"
+
+
 def test_wall_time_axis_unit_follows_the_range():
     assert plots_curves.time_unit(30)[0] == "seconds"
     assert plots_curves.time_unit(1800)[0] == "minutes"

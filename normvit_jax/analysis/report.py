@@ -156,6 +156,7 @@ def run_row(workdir: str, summaries: events.RunSummaries) -> dict:
         weight_ema=float(config.get("ema_decay", 0) or 0) > 0,  # --weights=ema is possible
         steps=max(steps) if steps else None, final_step=final, final_step_from=final_from,
         eval_every=int(config.eval_every) if config.get("eval_every") else None,
+        label_smoothing=float(config.get("label_smoothing") or 0),  # train/loss's objective
         wall_time_s=summaries.wall_time_s,
         images_per_s=float(np.median(ips_vals)) if len(ips_vals) else None)
 
@@ -285,7 +286,8 @@ def write_report(workdirs: Sequence[str], out: str, no_attention: bool = False, 
                summaries[w].scalars) for r, w in zip(rows, workdirs)]
     for x, name in (("step", "curves_steps.png"), ("elapsed", "curves_wall.png")):
         fig = plots_curves.curves_figure(curves, x, "Training curves per normalizer, against "
-                                         + ("steps" if x == "step" else "wall time"))
+                                         + ("steps" if x == "step" else "wall time"),
+                                         plots_curves.panels([r["label_smoothing"] for r in rows]))
         paths.append(figures.save(fig, os.path.join(out, name)))
     if tags:
         panels = [(t, t, "value", 1.0) for t in tags]
