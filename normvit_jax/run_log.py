@@ -18,7 +18,9 @@ the workdir's lock) therefore
 - A start refused inside the lock before it trained a step (a checkpoint that does not fit, gone
   checkpoints, a config change refused: ``refused``) is one line in training.log; status.json
   keeps how the run last ended and adds ``last_start`` (time, exit code, message): a refused
-  re-run of a finished run still says ``finished``.
+  re-run of a finished run still says ``finished``. With no status.json before it, such a start
+  leaves no record: it removes the status.json it wrote and its lines of training.log (the file
+  when it had none before), so a failed start leaves nothing to clean up.
 
 A remote (gs://) workdir gets status.json but no training.log (a log file is appended line by line).
 Never a new failure mode: an error writing either is one warning line and the run goes on. The
@@ -80,11 +82,16 @@ class RunLog:
         self._handler: std_logging.Handler | None = None
         self._ended = False
         self._previous: dict[str, Any] | None = None  # status.json before this start
+        self._log_size: int | None = None  # training.log's size before this start (None: absent)
 
     def start(self, step: int | None = None) -> None:
         if not self.active:
             return
         self._previous = read_status(self.workdir)
+        try:
+            self._log_size = os.path.getsize(os.path.join(self.workdir, LOG_NAME))
+        except OSError:
+            self._log_size = None
         from normvit_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
         if not workdir_lib.is_remote(self.workdir):
             try:
@@ -129,8 +136,11 @@ class RunLog:
         if not self.active or self._ended:
             return
         previous = self._previous
-        if previous is None:
-            self.end("failed", None, exit_code, message)
+        if previous is None:  # no run record before: this start leaves none (nothing to clean up)
+            self._ended = True
+            logging.info("Start refused (exit %d): nothing trained.", exit_code)
+            self._close_handler()
+            self._remove_own_records()
             return
         self._ended = True
         logging.info("Start refused (exit %d): nothing trained; status.json still says the run's "
@@ -145,6 +155,29 @@ class RunLog:
             logging.get_absl_logger().removeHandler(self._handler)
             self._handler.close()
             self._handler = None
+
+    def _close_handler(self) -> None:
+        if self._handler is not None:
+            logging.get_absl_logger().removeHandler(self._handler)
+            self._handler.close()
+            self._handler = None
+
+    def _remove_own_records(self) -> None:
+        """Removes the status.json this start wrote and its training.log lines (the file itself
+        when it did not exist before); an error is one warning line."""
+        from normvit_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+        try:
+            (epath.Path(self.workdir) / STATUS_NAME).unlink(missing_ok=True)
+            if not workdir_lib.is_remote(self.workdir):
+                log_path = os.path.join(self.workdir, LOG_NAME)
+                if self._log_size is None:
+                    if os.path.exists(log_path):
+                        os.remove(log_path)
+                else:
+                    os.truncate(log_path, self._log_size)
+        except Exception as e:  # noqa: BLE001  (never a new failure for its records)
+            logging.warning("Cannot remove this start's %s/%s in %s (%s: %s).", LOG_NAME,
+                            STATUS_NAME, self.workdir, type(e).__name__, e)
 
     def abrupt_end(self, step: int | None, exit_code: int, message: str) -> None:
         """``end("preempted", ...)`` for a process about to end at once (``os._exit``, from a
