@@ -55,14 +55,18 @@ def write_status(workdir: str, state: str, **fields: Any) -> None:
 
 
 def _write_record(workdir: str, record: dict[str, Any]) -> None:
+    tmp = epath.Path(workdir) / f".{STATUS_NAME}.tmp"
     try:
         path = epath.Path(workdir) / STATUS_NAME
-        tmp = epath.Path(workdir) / f".{STATUS_NAME}.tmp"
         tmp.write_text(json.dumps(record, indent=1) + "\n")
         tmp.replace(path)
     except Exception as e:  # noqa: BLE001  (never a failed run for its status record)
         logging.warning("Cannot write %s in %s (%s: %s).", STATUS_NAME, workdir,
                         type(e).__name__, e)
+        try:  # a full disk left a partial temporary file: not one more thing to clean up
+            tmp.unlink(missing_ok=True)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def read_status(workdir: str) -> dict[str, Any] | None:

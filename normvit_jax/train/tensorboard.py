@@ -45,11 +45,26 @@ class SummaryWriter:
         from normvit_jax import workdir  # pylint: disable=import-outside-toplevel
         self._remote = workdir.is_remote(logdir)
         self._flushed = time.monotonic()
-        path.mkdir(parents=True, exist_ok=True)
-        self._records = RecordWriter((path / name).open("wb"))
-        self._records.write(event_pb2.Event(wall_time=time.time(),
-                                            file_version="brain.Event:2").SerializeToString())
-        self._records.flush()
+        self._path = path / name
+        self._failed = False
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            self._records = RecordWriter(self._path.open("wb"))
+            self._records.write(event_pb2.Event(wall_time=time.time(),
+                                                file_version="brain.Event:2").SerializeToString())
+            self._records.flush()
+        except OSError as e:
+            self._failed = True
+            raise self._error(e) from None
+
+    def _error(self, e: BaseException) -> Exception:
+        """A failed write (a full disk, permissions) as the WorkdirError of a failed checkpoint:
+        one line, exit 5 (``cli``)."""
+        from normvit_jax import workdir  # pylint: disable=import-outside-toplevel
+        return workdir.WorkdirError(
+            f"writing the TensorBoard summaries to {self._path} failed ({type(e).__name__}: {e}); "
+            "free disk space or fix the workdir, then run the same command again to continue "
+            "from the newest complete checkpoint")
 
     def _add(self, step: int, values: list[Any]) -> None:
         """Writes one record and flushes it: TensorBoard (and ``summaries``) read the file while
@@ -62,9 +77,13 @@ class SummaryWriter:
         flush, so there it is flushed at most every ``REMOTE_FLUSH_S`` seconds (and before each
         checkpoint, by the loop's ``flush``)."""
         if values:
-            self._records.write(event_pb2.Event(
-                step=int(step), wall_time=time.time(),
-                summary=summary_pb2.Summary(value=values)).SerializeToString())
+            try:
+                self._records.write(event_pb2.Event(
+                    step=int(step), wall_time=time.time(),
+                    summary=summary_pb2.Summary(value=values)).SerializeToString())
+            except OSError as e:
+                self._failed = True
+                raise self._error(e) from None
             if not self._remote or time.monotonic() - self._flushed >= REMOTE_FLUSH_S:
                 self.flush()
 
@@ -92,12 +111,29 @@ class SummaryWriter:
         self._add(0, list(hparams_summary.hparams_pb(dict(hparams)).value))
 
     def flush(self) -> None:
-        self._records.flush()
+        """Raises WorkdirError (one line, exit 5) when the write fails."""
+        try:
+            self._records.flush()
+        except OSError as e:
+            self._failed = True
+            raise self._error(e) from None
         self._flushed = time.monotonic()
 
     def close(self) -> None:
-        if not self._records.closed:
+        """Closes the file; after a failed write (already raised) it never raises: the records
+        that did not fit are lost, the error said so."""
+        if self._records.closed:
+            return
+        try:
             self._records.close()
+        except OSError as e:
+            if not self._failed:
+                self._failed = True
+                raise self._error(e) from None
+            try:  # the buffered bytes cannot be written: close the file without them
+                self._records._writer.close()  # pylint: disable=protected-access
+            except Exception:  # noqa: BLE001
+                pass
 
 
 class NullWriter:
