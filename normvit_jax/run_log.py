@@ -23,7 +23,8 @@ the workdir's lock) therefore
   when it had none before), so a failed start leaves nothing to clean up.
 
 A remote (gs://) workdir gets status.json but no training.log (a log file is appended line by line).
-Never a new failure mode: an error writing either is one warning line and the run goes on. The
+Never a new failure mode: an error writing either (a full disk) is one warning line and the run goes
+on; training.log gets nothing more after its first failed write. The
 tools (``--mode=eval``, analysis, predict, export) read neither.
 """
 from __future__ import annotations
@@ -76,6 +77,61 @@ def read_status(workdir: str) -> dict[str, Any] | None:
         return None
 
 
+class _LogFileHandler(std_logging.FileHandler):
+    """Appends to training.log and fails once: at the first write that fails (a full disk, a
+    folder made read-only) one warning line, and the file gets nothing more (no stdlib
+    '--- Logging error ---' block per record); ``close`` never raises. The log still goes to
+    stderr."""
+
+    def __init__(self, path: str):
+        super().__init__(path, mode="a", encoding="utf-8")
+        self.broken = False
+
+    def write_raw(self, text: str) -> bool:
+        """Writes ``text`` as it is; False (after the one warning) when it fails."""
+        if self.broken:
+            return False
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+            return False
+        return True
+
+    def emit(self, record: std_logging.LogRecord) -> None:
+        if not self.broken:
+            super().emit(record)
+
+    def handleError(self, record: std_logging.LogRecord) -> None:  # noqa: N802 (stdlib's name)
+        self._fail(sys.exc_info()[1])
+
+    def flush(self) -> None:
+        if self.broken:
+            return
+        try:
+            super().flush()
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except Exception:  # noqa: BLE001  (a full disk: the unwritten lines were warned of)
+            pass
+
+    def _fail(self, e: BaseException | None) -> None:
+        if self.broken:
+            return
+        self.broken = True
+        try:
+            self.stream.close()
+        except Exception:  # noqa: BLE001
+            pass
+        logging.warning("Cannot write %s (%s: %s); the log goes to stderr only from here.",
+                        self.baseFilename, type(e).__name__, e)
+
+
 class RunLog:
     """``start()`` when the run holds its lock, ``end(state, ...)`` on every way out (process 0;
     other processes: make it with ``active=False``, and it does nothing)."""
@@ -99,19 +155,17 @@ class RunLog:
         from normvit_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
         if not workdir_lib.is_remote(self.workdir):
             try:
-                handler = std_logging.FileHandler(os.path.join(self.workdir, LOG_NAME),
-                                                  mode="a", encoding="utf-8")
+                handler = _LogFileHandler(os.path.join(self.workdir, LOG_NAME))
             except OSError as e:
                 logging.warning("Cannot open %s in %s (%s); the log goes to stderr only.",
                                 LOG_NAME, self.workdir, e)
             else:
                 handler.setFormatter(logging.PythonFormatter())
                 # the absl logger's own filters (logs.quiet_library_logs) apply before it
-                handler.stream.write(f"----- training start at {_utc()}: pid {os.getpid()} on "
-                                     f"host {socket.gethostname()}: {' '.join(sys.argv)}\n")
-                handler.flush()
-                logging.get_absl_logger().addHandler(handler)
-                self._handler = handler
+                if handler.write_raw(f"----- training start at {_utc()}: pid {os.getpid()} on "
+                                     f"host {socket.gethostname()}: {' '.join(sys.argv)}\n"):
+                    logging.get_absl_logger().addHandler(handler)
+                    self._handler = handler
         write_status(self.workdir, "running", **({} if step is None else {"step": step}))
 
     def end(self, state: str, step: int | None, exit_code: int, message: str = "") -> None:
@@ -124,14 +178,10 @@ class RunLog:
         where = "" if step is None else f" at step {step}"
         logging.info("Run ended: %s%s (exit %d).", state, where, exit_code)
         if message and self._handler is not None:
-            self._handler.stream.write(f"    {message}\n")
-            self._handler.flush()
+            self._handler.write_raw(f"    {message}\n")
         write_status(self.workdir, state, step=step, exit_code=exit_code,
                      **({"message": message} if message else {}))
-        if self._handler is not None:
-            logging.get_absl_logger().removeHandler(self._handler)
-            self._handler.close()
-            self._handler = None
+        self._close_handler()
 
     def refused(self, exit_code: int, message: str) -> None:
         """The end of a start refused before it trained a step: 'Start refused (exit C); ...' and
@@ -150,15 +200,11 @@ class RunLog:
         logging.info("Start refused (exit %d): nothing trained; status.json still says the run's "
                      "last end (%s).", exit_code, previous.get("state"))
         if message and self._handler is not None:
-            self._handler.stream.write(f"    {message}\n")
-            self._handler.flush()
+            self._handler.write_raw(f"    {message}\n")
         _write_record(self.workdir, {**previous, "last_start": {
             "state": "refused", "time": _utc(), "pid": os.getpid(), "host": socket.gethostname(),
             "exit_code": exit_code, **({"message": message} if message else {})}})
-        if self._handler is not None:
-            logging.get_absl_logger().removeHandler(self._handler)
-            self._handler.close()
-            self._handler = None
+        self._close_handler()
 
     def _close_handler(self) -> None:
         if self._handler is not None:

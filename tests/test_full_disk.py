@@ -61,3 +61,55 @@ def test_a_status_record_that_does_not_fit_leaves_no_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(epath.Path, "write_text", write_text)
     run_log.write_status(str(tmp_path), "running")
     assert os.listdir(tmp_path) == []
+
+
+class _FullStream:
+    """A file on a full disk: every write and flush raises ENOSPC."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def write(self, text):
+        _enospc()
+
+    def flush(self):
+        _enospc()
+
+    def close(self):
+        self.real.close()
+
+
+def test_training_log_on_a_full_disk_fails_once(tmp_path, monkeypatch, capsys, caplog):
+    """The separator written at the start was outside the try that covers opening training.log
+    (an unwritable one crashed the start, exit 1); mid-run each record printed a stdlib
+    '--- Logging error ---' block and close() raised after a finished run. Now: one warning
+    line, the file gets nothing more, the run goes on and its end is recorded."""
+    import logging as std_logging
+
+    from normvit_jax import run_log
+    caplog.set_level(std_logging.INFO, logger="absl")
+    real_open = std_logging.FileHandler._open
+    monkeypatch.setattr(std_logging.FileHandler, "_open",
+                        lambda self: _FullStream(real_open(self)))
+    log = run_log.RunLog(str(tmp_path / "a"))
+    os.makedirs(tmp_path / "a")
+    log.start()  # the separator does not fit
+    log.end("finished", 6, 0)
+    assert run_log.read_status(str(tmp_path / "a"))["state"] == "finished"
+    monkeypatch.setattr(std_logging.FileHandler, "_open", real_open)
+
+    log = run_log.RunLog(str(tmp_path))
+    log.start()
+    handler = log._handler
+    handler.stream = _FullStream(handler.stream)  # the disk fills mid-run
+    from absl import logging
+    for i in range(3):
+        logging.info("step %d", i)
+    log.end("finished", 6, 0, "a message")
+    assert log._handler is None and handler not in logging.get_absl_logger().handlers
+    err = capsys.readouterr().err
+    assert "--- Logging error ---" not in err and "Traceback" not in err, err
+    warnings = [r.getMessage() for r in caplog.records if "Cannot write" in r.getMessage()]
+    assert len(warnings) == 2 and all("No space left on device" in w for w in warnings), warnings
+    assert run_log.read_status(str(tmp_path))["state"] == "finished"
+
