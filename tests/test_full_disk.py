@@ -113,3 +113,33 @@ def test_training_log_on_a_full_disk_fails_once(tmp_path, monkeypatch, capsys, c
     assert len(warnings) == 2 and all("No space left on device" in w for w in warnings), warnings
     assert run_log.read_status(str(tmp_path))["state"] == "finished"
 
+
+@pytest.mark.parametrize("where", ["tfds", "info"])
+def test_prepare_into_a_full_data_dir_is_one_line_exit_2(tmp_path, monkeypatch, capsys, where):
+    """tfds's 'Failed to finalize writing of split ... No space left on device' (RuntimeError) or
+    the OSError writing prepare.json was a traceback, exit 1. Now: one line, exit 2 (a --data_dir
+    that cannot be written), the .NAME.partial folder removed, nothing prepared."""
+    import numpy as np
+    import tensorflow_datasets as tfds
+
+    from normvit_jax.data import prepare
+    np.savez(tmp_path / "a.npz", images=np.zeros((8, 8, 8), np.uint8), labels=np.arange(8) % 2)
+    if where == "tfds":
+        def store(**kwargs):
+            open(os.path.join(kwargs["data_dir"], "half.array_record"), "wb").write(b"x")
+            raise RuntimeError("Failed to finalize writing of split 'train': [Errno 28] No space "
+                               "left on device")
+        monkeypatch.setattr(tfds.dataset_builders, "store_as_tfds_dataset", store)
+    else:
+        monkeypatch.setattr(prepare.json, "dump", _enospc)
+    dd = tmp_path / "dd"
+    with pytest.raises(SystemExit) as e:
+        prepare.main([f"--src={tmp_path}/a.npz", "--name=full", f"--data_dir={dd}",
+                      "--val_fraction=0.25"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: cannot write the dataset in --data_dir") and \
+        "free disk space" in line, err
+    assert os.listdir(dd) == [], os.listdir(dd)

@@ -326,6 +326,11 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
     except PrepareError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    except (OSError, RuntimeError) as e:  # a full --data_dir (tfds: "Failed to finalize ...")
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _is_write_error(e):
+            raise
+        raise _write_failed(data_dir, e) from None
     except AssertionError:  # tfds refuses a split with no examples
         shutil.rmtree(tmp, ignore_errors=True)
         empty = [s for s, w in writers.items() if not w.per_class.sum()]
@@ -344,9 +349,13 @@ def write(parsed: formats.Parsed, name: str, data_dir: str, *, strict: bool, wor
     info = dict(extra, classes=parsed.classes, splits={s: w.info() for s, w in writers.items()},
                 eval_split=eval_split_of(list(writers)), stats=stats.result(),
                 ignored=parsed.ignored, copies=copies.found)
-    with open(os.path.join(tmp, name, prepared.VERSION, prepared.INFO_FILE), "w",
-              encoding="utf-8") as f:
-        json.dump(info, f, indent=1)
+    try:
+        with open(os.path.join(tmp, name, prepared.VERSION, prepared.INFO_FILE), "w",
+                  encoding="utf-8") as f:
+            json.dump(info, f, indent=1)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(data_dir, e) from None
     old = None
     if os.path.exists(final):
         old = os.path.join(data_dir, f".{name}.replaced")
@@ -458,6 +467,27 @@ def suggested_config(info: dict[str, Any]) -> str:
     largest = (info["splits"].get("train") or {}).get("max_size") or [1 << 30]
     return ("configs/vit_ln.py:small32" if max(largest) <= SMALL_IMAGE_SIDE
             else "configs/vit_dtn.py")
+
+
+def _is_write_error(e: BaseException) -> bool:
+    """An OSError, or tfds's RuntimeError around one (its message names the OS error)."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "No space left on device" in str(e) or "[Errno " in str(e)
+
+
+def _write_failed(data_dir: str, e: BaseException) -> PrepareError:
+    """A --data_dir that cannot be written (a full disk): one line, exit 2; the partial folder is
+    already removed."""
+    why = " ".join(str(e).split())
+    if len(why) > 300:
+        why = why[:150] + " ... " + why[-150:]
+    hint = ("free disk space" if "No space left on device" in why else "fix its permissions")
+    return PrepareError(f"cannot write the dataset in --data_dir {data_dir} ({type(e).__name__}: "
+                        f"{why}); nothing was prepared: {hint} or pass another --data_dir")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
