@@ -143,3 +143,43 @@ def test_prepare_into_a_full_data_dir_is_one_line_exit_2(tmp_path, monkeypatch, 
     assert line.startswith("error: cannot write the dataset in --data_dir") and \
         "free disk space" in line, err
     assert os.listdir(dd) == [], os.listdir(dd)
+
+
+@pytest.mark.parametrize("where", ["model", "sidecar"])
+def test_export_to_a_full_disk_leaves_nothing_half_written(tmp_path, monkeypatch, where):
+    """A full target was a traceback that left m.onnx.tmp, or a complete model with empty
+    classes.json.tmp / m.onnx.json.tmp beside it and no sidecars. Now: one line, exit 2, no
+    temporary file, the model renamed into place only after its sidecars; a model already there is
+    untouched."""
+    from normvit_jax import cli
+    from normvit_jax.deploy import artifact, errors, stablehlo_format
+    from tests.test_serve import _tiny_artifact
+    out = str(tmp_path / "m.stablehlo")
+    _tiny_artifact(out, fmt="stablehlo")
+    before = {n: open(tmp_path / n, "rb").read() for n in os.listdir(tmp_path)}
+    assert sorted(before) == ["classes.json", "m.stablehlo", "m.stablehlo.json"]
+    if where == "model":
+        real = stablehlo_format.write
+
+        def write(b, path, batch, meta):
+            real(b, path, batch, meta)
+            open(path + ".tmp", "wb").write(b"half")
+            _enospc()
+        monkeypatch.setattr(stablehlo_format, "write", write)
+    else:
+        real_dump = artifact.json.dump
+        calls = []
+
+        def dump(value, f, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                f.write("{")
+                _enospc()
+            real_dump(value, f, **kw)
+        monkeypatch.setattr(artifact.json, "dump", dump)
+    with pytest.raises(errors.DeployError) as e:
+        _tiny_artifact(out, names=[f"digit {i}" for i in range(10)], fmt="stablehlo")
+    assert cli.exit_code(e.value) == cli.EXIT_CONFIG
+    assert "\n" not in str(e.value) and "free disk space" in str(e.value), e.value
+    after = {n: open(tmp_path / n, "rb").read() for n in os.listdir(tmp_path)}
+    assert after == before, sorted(after)

@@ -7,6 +7,7 @@ geometry a caller applies before the artifact, and where the weights came from.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Any, Callable
@@ -114,11 +115,29 @@ def _refuse_other_classes(fmt: str, out: str, names: list[str]) -> None:
                           f"({len(names)} classes): export it to another folder")
 
 
-def _write_json(path: str, value: Any) -> None:
+def _write_json(path: str, value: Any, rename: bool = True) -> None:
+    """Writes ``path``.tmp, then (``rename``) renames it to ``path``."""
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(value, f, indent=2)
-    os.replace(tmp, path)
+    if rename:
+        os.replace(tmp, path)
+
+
+def _remove(*paths: str) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def _write_failed(out: str, e: OSError) -> DeployError:
+    """A target that cannot be written (a full disk): one line, exit 2; nothing half-written
+    left (an artifact already there is untouched)."""
+    hint = "free disk space" if e.errno == errno.ENOSPC else "fix its permissions"
+    return DeployError(f"cannot write --out={out} ({type(e).__name__}: {e}); nothing was "
+                       f"exported: {hint} or pass another --out")
 
 
 def _writer(fmt: str) -> Callable:
@@ -148,10 +167,28 @@ def export_artifact(b: bundle_lib.Bundle, fmt: str, out: str, batch: int | None 
     _refuse_other_folder(fmt, out)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    write(b, out, batch, meta)
     classes_path, meta_path = sidecar_paths(out)
-    _write_json(classes_path, list(b.class_names))
-    _write_json(meta_path, meta)
+    if fmt == "savedmodel":  # a folder holding its sidecars: the writer stages it as a whole
+        try:
+            write(b, out, batch, meta)
+            classes_path, meta_path = sidecar_paths(out)  # in the folder, now that it exists
+            _write_json(classes_path, list(b.class_names))
+            _write_json(meta_path, meta)
+        except OSError as e:
+            _remove(classes_path + ".tmp", meta_path + ".tmp")
+            raise _write_failed(out, e) from None
+    else:  # the sidecars and the model to temporary names; the model renamed into place last
+        staging = out + ".new"
+        try:
+            _write_json(classes_path, list(b.class_names), rename=False)
+            _write_json(meta_path, meta, rename=False)
+            write(b, staging, batch, meta)
+            os.replace(classes_path + ".tmp", classes_path)
+            os.replace(meta_path + ".tmp", meta_path)
+            os.replace(staging, out)
+        except OSError as e:
+            _remove(classes_path + ".tmp", meta_path + ".tmp", staging, staging + ".tmp")
+            raise _write_failed(out, e) from None
     if log is not None:
         shape = "N" if batch is None else str(batch)
         log(f"exported the {fmt} artifact to {out}: image uint8 ({shape}, {b.image_size}, "
