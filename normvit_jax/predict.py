@@ -21,6 +21,7 @@ a split of the run's dataset (or --name/--data_dir) like ``main.py --mode=eval``
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import os
 import sys
@@ -221,11 +222,24 @@ def write_csv(rows: list[dict], path: str, top_k: int) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     # surrogateescape: a file name that is not UTF-8 is written as its own bytes (the path of the
     # file on disk), not a UnicodeEncodeError once every image was predicted
-    with open(path, "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
-        w = csv.writer(f)
-        w.writerow(["path"] + [h for r in range(1, top_k + 1) for h in (f"class_{r}", f"prob_{r}")])
-        for row in rows:
-            w.writerow([row["path"]] + [v for c, p in row["top"] for v in (c, f"{p:.6f}")])
+    # written to a temporary name, then renamed: a full disk leaves no empty or cut CSV, and a CSV
+    # already at ``path`` as it was (OSError raised, after the temporary file is removed)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
+            w = csv.writer(f)
+            w.writerow(["path"] + [h for r in range(1, top_k + 1)
+                                   for h in (f"class_{r}", f"prob_{r}")])
+            for row in rows:
+                w.writerow([row["path"]] + [v for c, p in row["top"] for v in (c, f"{p:.6f}")])
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def typed_flags(message: str, typed: dict[str, tuple[str, str]]) -> str:
@@ -335,7 +349,13 @@ def _main(args: Any, prog: str) -> Any:
               file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     if args.out:
-        write_csv(rows, args.out, len(rows[0]["top"]))
+        try:
+            write_csv(rows, args.out, len(rows[0]["top"]))
+        except OSError as e:  # a full disk: one line, nothing half-written (the rows are printed)
+            hint = "free disk space" if e.errno == errno.ENOSPC else "fix its permissions"
+            print(f"{prog}: error: cannot write --out={args.out} ({type(e).__name__}: {e}); "
+                  f"{hint} or pass another --out", file=sys.stderr)
+            sys.exit(EXIT_BAD_INPUT)
         print(f"wrote {len(rows)} predictions to {args.out}")
     return rows, skipped
 

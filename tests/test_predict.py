@@ -236,3 +236,32 @@ def test_out_in_folders_that_do_not_exist_yet_is_written(tmp_path):
     predict.write_csv([{"path": "a.jpg", "top": [("cat", 0.75)]}], str(out), 1)
     assert list(csv.reader(open(out, encoding="utf-8"))) == [["path", "class_1", "prob_1"],
                                                               ["a.jpg", "cat", "0.750000"]]
+
+
+def test_out_on_a_full_disk_is_one_line_and_leaves_the_old_csv(run, tmp_path, monkeypatch, capsys):
+    """--out on a full disk was a traceback, exit 1, and a 0-byte CSV (opened with "w" before the
+    write failed). Now the CSV is written to a temporary name and renamed: one line, exit 2, no
+    temporary file, a CSV already there untouched."""
+    import errno
+
+    class FullWriter:
+        def __init__(self, f):
+            self.f = f
+
+        def writerow(self, row):
+            self.f.write("path,")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    _folder(tmp_path / "images")
+    out = tmp_path / "preds.csv"
+    out.write_text("old results\n")
+    monkeypatch.setattr(predict.csv, "writer", FullWriter)
+    with pytest.raises(SystemExit) as e:
+        predict.main([f"--workdir={run}", f"--images={tmp_path / 'images'}", f"--out={out}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(
+        "(OSError: [Errno 28] No space left on device); free disk space or pass another --out")
+    assert out.read_text() == "old results\n"
+    assert sorted(os.listdir(tmp_path)) == ["images", "preds.csv"]
