@@ -87,11 +87,20 @@ def _probe(workdir: str) -> None:
         raise WorkdirError(f"the workdir {workdir} {problem}; pass another --workdir")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
+        try:
+            probe.write_text("ok")
+        except BaseException:  # a full disk made the file and failed its write: not left behind
+            try:
+                probe.unlink(missing_ok=True)
+            except Exception:  # noqa: BLE001  (the write's error is the one to tell)
+                pass
+            raise
         probe.unlink()
     except Exception as e:  # noqa: BLE001  (OSError locally, various for gs://)
+        full = getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
         raise WorkdirError(f"the workdir {workdir} is not writable ({type(e).__name__}: {e}); "
-                           "fix its permissions or pass another --workdir") from e
+                           + ("free disk space" if full else "fix its permissions")
+                           + " or pass another --workdir") from e
 
 
 def _with_deadline(fn, seconds: float, message: str) -> None:

@@ -183,3 +183,22 @@ def test_export_to_a_full_disk_leaves_nothing_half_written(tmp_path, monkeypatch
     assert "\n" not in str(e.value) and "free disk space" in str(e.value), e.value
     after = {n: open(tmp_path / n, "rb").read() for n in os.listdir(tmp_path)}
     assert after == before, sorted(after)
+
+
+def test_a_full_workdir_says_free_disk_space_and_leaves_no_probe(tmp_path, monkeypatch):
+    """main.py on a full workdir said 'fix its permissions' and left a 0-byte .write_probe."""
+    from etils import epath
+
+    from normvit_jax import workdir
+    real = epath.Path.write_text
+
+    def write_text(self, text, *a, **k):
+        real(self, "", *a, **k)
+        _enospc()
+
+    monkeypatch.setattr(epath.Path, "write_text", write_text)
+    with pytest.raises(workdir.WorkdirError) as e:
+        workdir.check_writable(str(tmp_path))
+    assert "free disk space or pass another --workdir" in str(e.value), e.value
+    assert "permissions" not in str(e.value)
+    assert os.listdir(tmp_path) == []
