@@ -54,6 +54,17 @@ def _stopped(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Stopped:")]
 
 
+def _not_a_folder(path: str, shape: str) -> str:
+    """Makes ``path`` a file ("file") or a symbolic link to itself ("loop"); the words the tools
+    name it with."""
+    if shape == "file":
+        with open(path, "w") as f:
+            f.write("not a folder")
+        return "is a file, not a directory"
+    os.symlink(os.path.basename(path), path)
+    return "is a symbolic link loop"
+
+
 @pytest.mark.parametrize("shape", ["file", "loop"])
 def test_a_checkpoints_path_that_is_no_folder_is_one_line_everywhere(run, tmp_path, capsys,
                                                                     caplog, shape):
@@ -62,12 +73,7 @@ def test_a_checkpoints_path_that_is_no_folder_is_one_line_everywhere(run, tmp_pa
     wd = _copy(run, tmp_path / "wd")
     ckpt = os.path.join(wd, "checkpoints")
     shutil.rmtree(ckpt)
-    if shape == "file":
-        with open(ckpt, "w") as f:
-            f.write("not a folder")
-    else:
-        os.symlink("checkpoints", ckpt)
-    what = "is a file, not a directory" if shape == "file" else "is a symbolic link loop"
+    what = _not_a_folder(ckpt, shape)
     code, err = _predict(wd, tmp_path, capsys)
     assert code == cli.EXIT_CONFIG and len(err) == 1, err
     assert f"{ckpt} {what}" in err[0] and "not saved one yet" not in err[0], err
@@ -181,12 +187,7 @@ def test_a_workdir_that_is_a_file_or_a_loop_is_named(tmp_path, capsys, caplog, s
     """Item 7: the tools said "holds no run" / "does not exist"; training "not writable
     (FileExistsError) ... fix its permissions" for a loop."""
     wd = str(tmp_path / "wd")
-    if shape == "file":
-        with open(wd, "w") as f:
-            f.write("x")
-    else:
-        os.symlink("wd", wd)
-    what = "is a file, not a directory" if shape == "file" else "is a symbolic link loop"
+    what = _not_a_folder(wd, shape)
     code, err = _predict(wd, tmp_path, capsys)
     assert code == cli.EXIT_CONFIG and len(err) == 1 and f"{wd} {what}" in err[0], err
     with caplog.at_level(logging.INFO, logger="absl"):
