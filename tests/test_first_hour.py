@@ -444,6 +444,20 @@ def test_tensorflow_banner_printed_once(code):
     assert r.stderr.count("before absl::InitializeLog") <= 1
 
 
+def test_tensorflow_starts_without_keras_and_tf_keras_still_loads():
+    """TF's __init__ imports Keras's optimizers eagerly (40% of its start); the project's import
+    skips that, and tf.keras still loads in full on first use."""
+    code = ("import sys; from normvit_jax import logs; logs.import_tensorflow_once(); "
+            "assert 'tensorflow.python.data' in sys.modules; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'keras')); "
+            "import tensorflow as tf; print(type(tf.keras.optimizers.Adam()).__module__)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT,
+                       env={**os.environ, "PYTHONPATH": REPO_ROOT}, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines() == ["[]", "keras.src.optimizers.adam"]
+
+
 def test_long_title_on_a_one_head_figure_fits():
     from normvit_jax.analysis import plots_attention
     title = ("Attention matrix of block 3 in run demo_dtn_with_a_long_name (step 880), the "
