@@ -26,6 +26,7 @@ EXIT_INTERRUPTED = 130  # Ctrl-C where there is nothing to save (128 + SIGINT)
 # the error was raised. Every other exception is a bug: its traceback is shown.
 EXIT_CODES: tuple[tuple[str, str, int], ...] = (
     ("normvit_jax.train.policy", "PreemptedError", EXIT_PREEMPTED),
+    ("normvit_jax.train.policy", "TrainingInterrupted", EXIT_PREEMPTED),  # Ctrl-C, saved
     ("normvit_jax.train.policy", "NonFiniteError", EXIT_NONFINITE),
     ("normvit_jax.workdir", "WorkdirBusyError", EXIT_BUSY),
     ("normvit_jax.distributed", "DistributedStartError", EXIT_DISTRIBUTED),
@@ -91,8 +92,9 @@ def tool_errors(prog: str) -> Iterator[None]:
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) -> int:
-    """Trains (``train_and_evaluate``, which holds the workdir lock and the SIGTERM flag);
-    returns the exit code (the table above)."""
+    """Trains (``train_and_evaluate``, which holds the workdir lock and the SIGTERM flag; asked
+    to end the process at once for a signal with nothing to save: ``exit_at_once``); returns the
+    exit code (the table above)."""
     from normvit_jax import logs, preflight, sharding
     from normvit_jax import workdir as workdir_lib
 
@@ -103,9 +105,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False) ->
         # First: with several processes JAX installs its own SIGTERM notifier here.
         sharding.maybe_initialize_distributed()
         from normvit_jax.train import loop
-        result = loop.train_and_evaluate(config, workdir, fresh=fresh)
-    except Exception as e:  # noqa: BLE001  (known errors become exit codes)
-        if exit_code(e) is None:
+        result = loop.train_and_evaluate(config, workdir, fresh=fresh, exit_at_once=True)
+    except BaseException as e:  # noqa: BLE001  (known errors, a saved Ctrl-C too: exit codes)
+        if exit_code(e) is None:  # a bug, or Ctrl-C with nothing saved (main.py: 130)
             raise
         if new_workdir and _single_process():  # stopped before writing anything: no empty run
             workdir_lib.remove_if_unused(workdir)
@@ -130,7 +132,8 @@ def import_checkpoint(config: ml_collections.ConfigDict, workdir: str, fresh: bo
         preflight.check(config, workdir)
         sharding.maybe_initialize_distributed()
         from normvit_jax.train import importer
-        result = importer.import_run(config, workdir, fresh=fresh, evaluate=evaluate)
+        result = importer.import_run(config, workdir, fresh=fresh, evaluate=evaluate,
+                                     exit_at_once=True)
     except Exception as e:  # noqa: BLE001  (known errors become exit codes)
         if exit_code(e) is None:
             raise

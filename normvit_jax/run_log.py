@@ -14,7 +14,10 @@ the workdir's lock) therefore
   killed outright (SIGKILL, power loss) leaves ``running``: with the lock free (its process gone)
   that is a run that was killed. A signal that ends the process at once (in start-up, or a second
   one: ``preemption``) records ``preempted`` with its exit code (42, or 130 for Ctrl-C in
-  start-up; 128 + the signal's number for a second one) through ``abrupt_end``.
+  start-up; 128 + the signal's number for a second one) through ``abrupt_end``; a signal before
+  this start's first step (``abrupt_end``, or a library caller's Ctrl-C: ``interrupted``) keeps
+  the status.json the run had before it, adding ``last_start`` {"state": "preempted", ...}: an
+  interrupted re-run of a finished run still says ``finished``.
 - A start refused inside the lock before it trained a step (a checkpoint that does not fit, gone
   checkpoints, a config change refused: ``refused``) is one line in training.log; status.json
   keeps how the run last ended and adds ``last_start`` (time, exit code, message): a refused
@@ -201,10 +204,37 @@ class RunLog:
                      "last end (%s).", exit_code, previous.get("state"))
         if message and self._handler is not None:
             self._handler.write_raw(f"    {message}\n")
-        _write_record(self.workdir, {**previous, "last_start": {
-            "state": "refused", "time": _utc(), "pid": os.getpid(), "host": socket.gethostname(),
-            "exit_code": exit_code, **({"message": message} if message else {})}})
+        self._keep_previous("refused", exit_code, message)
         self._close_handler()
+
+    def interrupted(self, exit_code: int, message: str) -> None:
+        """The end of a start a signal stopped before its first step (nothing trained or saved:
+        a library caller's Ctrl-C, raised as KeyboardInterrupt): with a status.json before this
+        start, that record stays (how the run last ended: a re-run of a finished run still says
+        ``finished``) with ``last_start`` {"state": "preempted", ...}; with none, ``end``
+        ("preempted", no step)."""
+        if not self.active or self._ended:
+            return
+        previous = self._previous
+        if previous is None:
+            self.end("preempted", None, exit_code, message)
+            return
+        self._ended = True
+        logging.info("%s", self._kept_line(exit_code))
+        if message and self._handler is not None:
+            self._handler.write_raw(f"    {message}\n")
+        self._keep_previous("preempted", exit_code, message)
+        self._close_handler()
+
+    def _kept_line(self, exit_code: int) -> str:
+        return (f"Run ended: preempted (exit {exit_code}) before its first step; status.json still "
+                f"says the run's last end ({(self._previous or {}).get('state')}).")
+
+    def _keep_previous(self, state: str, exit_code: int, message: str) -> None:
+        """status.json: the record it had before this start, with this start in ``last_start``."""
+        _write_record(self.workdir, {**(self._previous or {}), "last_start": {
+            "state": state, "time": _utc(), "pid": os.getpid(), "host": socket.gethostname(),
+            "exit_code": exit_code, **({"message": message} if message else {})}})
 
     def _close_handler(self) -> None:
         if self._handler is not None:
@@ -232,20 +262,27 @@ class RunLog:
     def abrupt_end(self, step: int | None, exit_code: int, message: str) -> None:
         """``end("preempted", ...)`` for a process about to end at once (``os._exit``, from a
         signal handler or its watcher thread): writes the log line straight to the file (not
-        through the logger, whose locks another thread may hold) and status.json. Never raises."""
+        through the logger, whose locks another thread may hold) and status.json. ``step`` None:
+        before this start's first step, so a status.json from before this start stays, with
+        ``last_start`` (as ``interrupted``). Never raises."""
         try:
             if not self.active or self._ended:
                 return
             self._ended = True
+            keep = step is None and self._previous is not None
             where = "" if step is None else f" at step {step}"
+            line = self._kept_line(exit_code) if keep else \
+                f"Run ended: preempted{where} (exit {exit_code})."
             handler = self._handler
             if handler is not None:
-                record = std_logging.LogRecord("absl", std_logging.INFO, __file__, 0,
-                                               f"Run ended: preempted{where} (exit {exit_code}).",
+                record = std_logging.LogRecord("absl", std_logging.INFO, __file__, 0, line,
                                                None, None)
                 handler.stream.write(f"{handler.format(record)}\n    {message}\n")
                 handler.stream.flush()
-            write_status(self.workdir, "preempted", step=step, exit_code=exit_code,
-                         message=message)
+            if keep:
+                self._keep_previous("preempted", exit_code, message)
+            else:
+                write_status(self.workdir, "preempted", step=step, exit_code=exit_code,
+                             message=message)
         except BaseException:  # noqa: BLE001  (the process is ending: nothing may stop that)
             pass

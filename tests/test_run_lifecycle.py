@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import pytest
 
@@ -34,6 +35,8 @@ def test_step_policy_ladder():
 
 @pytest.mark.parametrize("error,code", [
     (policy.PreemptedError("x"), cli.EXIT_PREEMPTED),
+    (policy.TrainingInterrupted("x"), cli.EXIT_PREEMPTED),  # Ctrl-C, a checkpoint written
+    (KeyboardInterrupt(), None),        # Ctrl-C with nothing saved: main.py says it, 130
     (policy.NonFiniteError("x"), cli.EXIT_NONFINITE),
     (workdir.WorkdirBusyError("x"), cli.EXIT_BUSY),
     (distributed.DistributedStartError("x"), cli.EXIT_DISTRIBUTED),
@@ -208,3 +211,168 @@ def test_the_end_state_of_a_crashed_start(tmp_path):
     status = run_log.read_status(str(tmp_path))
     assert (status["state"], status["exit_code"], status["message"]) == ("failed", 1,
                                                                        "RuntimeError: boom")
+
+
+class _Exited(BaseException):
+    """What a fake os._exit raises in the main thread (the process would have ended)."""
+
+
+def _fake_exit(monkeypatch) -> list[int]:
+    """os._exit replaced: records the code; raises _Exited in the main thread (the signal
+    watcher's thread only records, and goes on reading)."""
+    import threading
+    codes: list[int] = []
+
+    def fake(code):
+        codes.append(code)
+        if threading.current_thread() is threading.main_thread():
+            raise _Exited(code)
+    monkeypatch.setattr(os, "_exit", fake)
+    return codes
+
+
+def _ctrl_c(flag=None) -> None:
+    """SIGINT to this process, then waits (up to 5 s) for the handler to run: until it raises,
+    or sets ``flag.received``."""
+    import signal
+    import time
+    os.kill(os.getpid(), signal.SIGINT)
+    deadline = time.time() + 5
+    while time.time() < deadline and not (flag is not None and flag.received):
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("exit_at_once", [True, False])
+def test_ctrl_c_in_start_up_exits_for_the_command_line_and_raises_for_a_library(
+        exit_at_once, monkeypatch, capsys):
+    """A notebook's "interrupt kernel" during train_and_evaluate's start-up ended the kernel
+    (os._exit(130)). main.py (cli.run) asks for that (exit_at_once: one line, exit 130); a
+    library caller gets Python's KeyboardInterrupt and the process lives on, handler restored."""
+    import signal
+
+    from normvit_jax import preemption
+    codes = _fake_exit(monkeypatch)
+    before = signal.getsignal(signal.SIGINT)
+    ended = []
+    with pytest.raises(_Exited if exit_at_once else KeyboardInterrupt) as raised:
+        with preemption.SigtermFlag(exit_at_once=exit_at_once) as flag:
+            flag.on_abrupt_exit(lambda *a: ended.append(a))
+            _ctrl_c()
+    for t in threading.enumerate():  # the signal watcher reads the end of its pipe: it is done
+        if t.name == "normvit-signal-watch":
+            t.join(5)
+    assert signal.getsignal(signal.SIGINT) is before
+    err = capsys.readouterr().err
+    if exit_at_once:
+        assert codes and set(codes) == {130} and ended[0][:2] == (None, 130), (codes, ended)
+        assert "Ctrl-C while starting up (before the first step): stopped at once" in err
+    else:
+        assert type(raised.value) is KeyboardInterrupt and not codes and not ended, codes
+        assert "starting up" not in err
+
+
+def test_abrupt_end_before_the_first_step_keeps_the_runs_last_end(tmp_path):
+    """main.py's Ctrl-C during the re-run of a finished run (start-up: os._exit) wrote
+    {"state": "preempted", "step": null, "exit_code": 130}: the run's `finished` was lost. It
+    stays, with the interrupted start in last_start; a new run's record is as before, and a
+    second signal after steps records the step."""
+    from normvit_jax import run_log
+    wd = str(tmp_path)
+    first = run_log.RunLog(wd)
+    first.start()
+    first.end("finished", 6, 0)
+    again = run_log.RunLog(wd)
+    again.start()
+    again.abrupt_end(None, 130, "Ctrl-C while starting up (before the first step): stopped")
+    status = run_log.read_status(wd)
+    assert (status["state"], status["step"], status["exit_code"]) == ("finished", 6, 0), status
+    assert (status["last_start"]["state"], status["last_start"]["exit_code"]) == ("preempted", 130)
+    assert status["last_start"]["message"].startswith("Ctrl-C while starting up")
+    log = open(os.path.join(wd, run_log.LOG_NAME)).read().rstrip().splitlines()
+    assert log[-2].endswith("Run ended: preempted (exit 130) before its first step; status.json "
+                            "still says the run's last end (finished).") and \
+        log[-1].strip().startswith("Ctrl-C while starting up"), log[-4:]
+    resumed = run_log.RunLog(wd)  # a second signal after a step: that step, as before
+    resumed.start()
+    resumed.abrupt_end(8, 130, "Ctrl-C again: stopped at once")
+    status = run_log.read_status(wd)
+    assert (status["state"], status["step"], status["exit_code"]) == ("preempted", 8, 130)
+    assert "last_start" not in status
+    new = str(tmp_path / "new")
+    os.makedirs(new)
+    fresh = run_log.RunLog(new)
+    fresh.start()
+    fresh.abrupt_end(None, 42, "SIGTERM while starting up")
+    status = run_log.read_status(new)
+    assert (status["state"], status["step"], status["exit_code"]) == ("preempted", None, 42)
+
+
+def test_a_library_callers_ctrl_c_while_rerunning_a_finished_run(tmp_path, monkeypatch):
+    """In a notebook, Ctrl-C while re-running a finished run (all start-up: no step to train)
+    killed the kernel and left status.json `preempted` at no step. Now the caller gets a
+    KeyboardInterrupt, status.json still says `finished` (the interrupted start in
+    last_start), and the next call in the same process works."""
+    import json
+    import signal
+
+    from normvit_jax import run_log
+    from normvit_jax.train import build, loop
+    wd = str(tmp_path / "w")
+    c = tiny_demo_config(total_steps=2, eval_every=2, checkpoint_every=2)
+    assert loop.train_and_evaluate(c, wd)["step"] == 2
+    codes = _fake_exit(monkeypatch)
+    real_build = build.build_run
+
+    def interrupted(*args, **kwargs):
+        _ctrl_c()
+        return real_build(*args, **kwargs)
+    monkeypatch.setattr(build, "build_run", interrupted)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        loop.train_and_evaluate(c, wd)
+    assert type(raised.value) is KeyboardInterrupt and not codes, codes
+    assert signal.getsignal(signal.SIGINT) is handler
+    status = json.load(open(os.path.join(wd, run_log.STATUS_NAME)))
+    assert (status["state"], status["step"], status["exit_code"]) == ("finished", 2, 0), status
+    assert (status["last_start"]["state"], status["last_start"]["exit_code"]) == \
+        ("preempted", cli.EXIT_INTERRUPTED)
+    monkeypatch.setattr(build, "build_run", real_build)
+    assert loop.train_and_evaluate(c, wd)["step"] == 2  # the process and the workdir still work
+    assert run_log.read_status(wd)["state"] == "finished"
+
+
+def test_ctrl_c_in_training_ends_a_sweep_that_catches_exception(tmp_path, monkeypatch):
+    """`for norm in ...: try: train_and_evaluate(...) except Exception: continue` swallowed the
+    user's Ctrl-C (a PreemptedError, a RuntimeError) and trained the next model. Ctrl-C's error,
+    TrainingInterrupted, is a KeyboardInterrupt, not an Exception: the loop ends, after the
+    checkpoint; status.json and the exit code (cli.run: 42) as for SIGTERM's PreemptedError."""
+    from normvit_jax import preemption, run_log
+    from normvit_jax.train import loop
+    real_reached = preemption.reached
+
+    def ctrl_c_at_step_1(flag, step):
+        if step == 1 and not flag.received:
+            _ctrl_c(flag)
+        return real_reached(flag, step)
+    monkeypatch.setattr(preemption, "reached", ctrl_c_at_step_1)
+    ran = []
+    with pytest.raises(loop.TrainingInterrupted) as raised:
+        for norm in ("layernorm", "rmsnorm"):
+            try:
+                ran.append(norm)
+                loop.train_and_evaluate(tiny_demo_config(**{"model.norm.name": norm}),
+                                        str(tmp_path / norm))
+            except Exception:  # noqa: BLE001  (the sweep's own: a failed model, the next one)
+                continue
+    assert ran == ["layernorm"]
+    error = raised.value
+    assert isinstance(error, KeyboardInterrupt) and not isinstance(error, Exception)
+    assert str(error).startswith("interrupted at step 1; saved in ")
+    assert cli.exit_code(error) == cli.EXIT_PREEMPTED
+    wd = str(tmp_path / "layernorm")
+    assert checkpoints.complete_steps(wd) == [1]
+    status = run_log.read_status(wd)
+    assert (status["state"], status["step"], status["exit_code"]) == ("preempted", 1, 42), status
+    # main.py's path: the same Ctrl-C is one line and exit 42, as before
+    assert cli.run(tiny_demo_config(total_steps=2), str(tmp_path / "cli")) == cli.EXIT_PREEMPTED
+    assert checkpoints.complete_steps(str(tmp_path / "cli")) == [1]

@@ -42,12 +42,12 @@ def check_importable(config: ml_collections.ConfigDict, workdir: str, fresh: boo
 
 
 def import_run(config: ml_collections.ConfigDict, workdir: str, fresh: bool = False,
-               evaluate: bool = True) -> dict[str, Any]:
+               evaluate: bool = True, exit_at_once: bool = False) -> dict[str, Any]:
     """Writes the run of step 0 with ``config.init_from``'s weights and evaluates it once
     (``evaluate``). Returns {'step': 0, 'eval': metrics or {}, 'state': the state}. Raises what
-    ``train_and_evaluate`` raises before its first step."""
+    ``train_and_evaluate`` raises before its first step; ``exit_at_once``: as there."""
     rerun = workdir_lib.rerun_advice(fresh)
-    with preemption.SigtermFlag(rerun):
+    with preemption.SigtermFlag(rerun, exit_at_once=exit_at_once):
         workdir = workdir_lib.absolute(workdir)
         check_importable(config, workdir, fresh)
         from normvit_jax import data  # pylint: disable=import-outside-toplevel  (may import TF)

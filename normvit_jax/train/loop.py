@@ -2,9 +2,10 @@
 import), for every model size and every normalizer.
 
 It owns the run's guards: the SIGTERM flag (a SIGTERM or Ctrl-C from then on ends in a
-checkpoint and PreemptedError, exit 42) and the workdir lock (one live run per workdir), taken once for the
-whole run. Inside them: ``build.build_run`` (pipelines, model, state, writers, evaluator) and
-``trainer.train`` (the steps and the ``policy.StepPolicy`` actions). Light imports only at the
+checkpoint and PreemptedError, or TrainingInterrupted for Ctrl-C, exit 42) and the workdir lock
+(one live run per workdir), taken once for the whole run. Inside them: ``build.build_run``
+(pipelines, model, state, writers, evaluator) and ``trainer.train`` (the steps and the
+``policy.StepPolicy`` actions). Light imports only at the
 top: TensorFlow (which tf.data/tfds datasets need; the summary writer does not) takes seconds to
 import, and is imported under the flag.
 """
@@ -18,13 +19,15 @@ import ml_collections
 from normvit_jax import distributed, preemption, run_data, run_log, sharding
 from normvit_jax import workdir as workdir_lib
 from normvit_jax.train import setup
-from normvit_jax.train.policy import NonFiniteError, PreemptedError, StepPolicy
+from normvit_jax.train.policy import (NonFiniteError, PreemptedError, StepPolicy,
+                                      TrainingInterrupted)
 
-__all__ = ["NonFiniteError", "PreemptedError", "train_and_evaluate"]
+__all__ = ["NonFiniteError", "PreemptedError", "TrainingInterrupted", "train_and_evaluate"]
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       stop_at: int | None = None, fresh: bool = False) -> dict[str, Any]:
+                       stop_at: int | None = None, fresh: bool = False,
+                       exit_at_once: bool = False) -> dict[str, Any]:
     """Trains and evaluates; re-running with the same workdir continues from the newest checkpoint.
 
     ``stop_at``: end this process after that step with a checkpoint (the schedule still runs to
@@ -33,10 +36,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     last eval metrics and the state. Raises ValueError (bad config), WorkdirBusyError,
     WorkdirError, ConfigChangedError, run_data.DataChangedError (a dataset prepared again since
     the run trained), CheckpointMismatchError, DatasetNotFoundError, NonFiniteError or
-    PreemptedError (cli.EXIT_CODES maps them to exit codes).
+    PreemptedError (cli.EXIT_CODES maps them to exit codes); Ctrl-C after the first step:
+    TrainingInterrupted (a KeyboardInterrupt: a caller's ``except Exception`` does not catch
+    it; exit 42 too, checkpoint written).
+
+    ``exit_at_once`` (``cli.run``'s, for main.py): a signal with nothing to save (in start-up, or
+    a second one) ends the process at once with one line (os._exit: 130 for Ctrl-C, 42 / 143 for
+    SIGTERM; normvit_jax/preemption.py). Default (a library caller, e.g. a notebook): such a Ctrl-C
+    raises KeyboardInterrupt here and the process lives on (SIGTERM still ends it).
     """
     rerun = workdir_lib.rerun_advice(fresh)  # said by every line that tells how to continue
-    with preemption.SigtermFlag(rerun) as sigterm:
+    with preemption.SigtermFlag(rerun, exit_at_once=exit_at_once) as sigterm:
         workdir = workdir_lib.absolute(workdir)
         from normvit_jax import data  # pylint: disable=import-outside-toplevel  (may import TF)
         lock, failure = None, None
@@ -88,7 +98,8 @@ def _record_end(log: run_log.RunLog, error: BaseException, run: Any) -> None:
     """The end state of a run that raised: ``preempted`` (exit 42; Ctrl-C with nothing to save,
     130) or ``failed`` with the exit code ``cli`` gives it (1 for an unexpected error: its
     traceback follows) and its first line; a start refused before any step (a known error, no
-    step reached) is ``RunLog.refused``: status.json keeps the run's last end."""
+    step reached) is ``RunLog.refused`` and a Ctrl-C before this start's first step (a re-run of
+    a finished run included) ``RunLog.interrupted``: status.json keeps the run's last end."""
     from normvit_jax import cli  # pylint: disable=import-outside-toplevel
     code = cli.exit_code(error)
     if code is None:  # Ctrl-C before the loop (main.py: 130), or an unexpected error (traceback)
@@ -96,8 +107,11 @@ def _record_end(log: run_log.RunLog, error: BaseException, run: Any) -> None:
     message = (str(error).strip().splitlines() or [""])[0]
     message = f"{type(error).__name__}: {message}" if message else type(error).__name__
     step = getattr(run, "step_reached", None)
+    trained = step is not None and step != getattr(run, "start_step", None)  # by this start
     if step is None and code not in (1, cli.EXIT_PREEMPTED, cli.EXIT_INTERRUPTED):
         log.refused(code, message)  # nothing trained: status.json keeps how the run last ended
+    elif isinstance(error, KeyboardInterrupt) and not trained:
+        log.interrupted(code, message)  # the same (none before it: preempted, no step)
     elif isinstance(error, (PreemptedError, KeyboardInterrupt)):
         log.end("preempted", step, code, message)
     else:

@@ -22,6 +22,13 @@ class PreemptedError(RuntimeError):
     """A SIGTERM arrived; a checkpoint was written at the step named in the message."""
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """A Ctrl-C (SIGINT) arrived; a checkpoint was written at the step named in the message.
+    A KeyboardInterrupt, not an Exception: a sweep's ``except Exception: continue`` around
+    ``train_and_evaluate`` does not swallow the user's Ctrl-C (a PreemptedError it would).
+    ``cli.EXIT_CODES`` maps it to exit 42, as PreemptedError."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Actions:
     """What to do after one step."""
@@ -31,7 +38,7 @@ class Actions:
     evaluate: bool
     save: bool
     pause: bool     # stop_at reached before the last step: save and return
-    preempt: bool   # SIGTERM: save and raise PreemptedError
+    preempt: bool   # SIGTERM or Ctrl-C: save and raise PreemptedError / TrainingInterrupted
 
 
 @dataclasses.dataclass(frozen=True)

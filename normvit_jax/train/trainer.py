@@ -2,8 +2,9 @@
 (log and check, evaluate, save, pause, preempt) in that order.
 
 What happens when things go wrong (docs/faults.md has the user-facing promises):
-- SIGTERM or Ctrl-C: the step finishes, a checkpoint is written, PreemptedError (exit 42); hosts
-  agree on the step (normvit_jax/preemption.py).
+- SIGTERM or Ctrl-C: the step finishes, a checkpoint is written, PreemptedError (SIGTERM) or
+  TrainingInterrupted (Ctrl-C, a KeyboardInterrupt), exit 42 both; hosts agree on the step
+  (normvit_jax/preemption.py).
 - A crash at any moment: the re-run restores the newest complete checkpoint; the train-metrics
   window since the last log step is saved with it, so the resumed run writes the same summaries.
 - NaN/Inf: checked at every log step and before every save; never saved; NonFiniteError names
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import time
 from typing import Any
 
@@ -24,7 +26,8 @@ from absl import logging
 from normvit_jax import preemption, sharding
 from normvit_jax.train import guards, progress
 from normvit_jax.train.build import Run
-from normvit_jax.train.policy import NonFiniteError, PreemptedError, StepPolicy
+from normvit_jax.train.policy import (NonFiniteError, PreemptedError, StepPolicy,
+                                      TrainingInterrupted)
 
 
 @dataclasses.dataclass
@@ -89,9 +92,11 @@ def train(run: Run, policy: StepPolicy, sigterm: preemption.SigtermFlag) -> dict
                 if act.preempt:
                     run.saver.wait()
                     logging.info(eta.wall_time_line())
-                    raise PreemptedError(f"interrupted at step {step}; saved in "
-                                         f"{run.saver.mngr.directory}; {sigterm.rerun} to "
-                                         "resume")
+                    # Ctrl-C: a KeyboardInterrupt (a caller's `except Exception` lets it by)
+                    error = (TrainingInterrupted if sigterm.signum == signal.SIGINT
+                             else PreemptedError)
+                    raise error(f"interrupted at step {step}; saved in "
+                                f"{run.saver.mngr.directory}; {sigterm.rerun} to resume")
         except BaseException:
             batches.close()
             run.saver.close(quiet=True)  # the error in flight says more than a failed last write
