@@ -180,7 +180,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.remat = False                 # activation checkpointing per block
     c.reproducible_cpu_threads = 0  # >0: XLA:CPU on this many threads with AVX2 code and no YNNPACK: the
                                     # same numbers on any core count of a CPU model, not across models
-                                    # (normvit_jax/reproducible.py; main.py sets it before JAX starts);
+                                    # (normvit_jax/reproducible.py; main.py sets it before JAX starts,
+                                    # train_and_evaluate too if JAX has not started, else it warns);
                                     # 0: XLA's defaults, every core
 
     # ---- device mesh (normvit_jax/sharding.py; README "Sharded parameters (FSDP)") ----

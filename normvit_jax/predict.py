@@ -116,18 +116,66 @@ def eval_geometry(d: Any) -> Any:
 DEFAULT_TOP_K = 5  # serve's: at most the model's classes unless asked for
 
 
-def predict(workdir: str, files: Sequence[str], *, top_k: int | None = None,
+ACCEPTED_FILES = ("image files: one path (a str or os.PathLike; a folder is read as --images "
+                  "reads one) or a sequence of file paths")
+
+
+def image_files(files: Any) -> list[str]:
+    """``predict``'s ``files`` as a list of paths: one str/PathLike path (a file, or a folder
+    walked as ``list_images`` walks one: it was a sequence of its characters) or an iterable of
+    paths; anything else (a numpy array, a PIL image, bytes) is a TypeError naming what is
+    accepted, not one from deep inside the decoder."""
+    if isinstance(files, (str, os.PathLike)):
+        path = os.fspath(files)
+        if not isinstance(path, str):
+            raise TypeError(f"predict() takes {ACCEPTED_FILES}; got the bytes path {path!r}")
+        if not os.path.exists(path):  # (list_images would split it at its commas)
+            raise FileNotFoundError(f"{path} is neither a file nor a folder")
+        return list_images(path)  # an existing path is taken whole, commas and all
+    pixels = hasattr(files, "__array__") and getattr(getattr(files, "dtype", None), "kind",
+                                                       "") not in ("U", "O")  # not of paths
+    if isinstance(files, (bytes, bytearray)) or not hasattr(files, "__iter__") or pixels:
+        raise TypeError(f"predict() takes {ACCEPTED_FILES}; got {_type_name(files)}"
+                        + _in_memory(files))
+    out = []
+    for i, f in enumerate(files):
+        if isinstance(f, os.PathLike):
+            f = os.fspath(f)
+        if not isinstance(f, str):
+            raise TypeError(f"predict() takes {ACCEPTED_FILES}; files[{i}] is "
+                            f"{_type_name(f)}" + _in_memory(f))
+        out.append(str(f))  # (numpy's str_ too)
+    return out
+
+
+def _in_memory(x: Any) -> str:
+    """The hint for pixels or encoded bytes passed instead of a file."""
+    image = isinstance(x, (bytes, bytearray)) or hasattr(x, "__array__") \
+        or hasattr(x, "__array_interface__")
+    return " (an image in memory: save it as a PNG file and pass its path)" if image else ""
+
+
+def _type_name(x: Any) -> str:
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def predict(workdir: str, files: Any, *, top_k: int | None = None,
             step: int | None = None,
             folded: str | None = None, batch: int = 64, weights: str | None = None
             ) -> tuple[list[dict], list[str]]:
     """(rows, skipped): per readable file ``{'path', 'top': [(class, prob), ...]}``; skipped:
-    'path (reason)' for files that are not decodable images. ``top_k``: 1..classes (ValueError
-    otherwise, as serve's 400); None: DEFAULT_TOP_K or the classes if fewer. ``weights``: --weights
-    (``checkpoints.choose_weights``; a --folded folder holds the weights it was folded from)."""
+    'path (reason)' for files that are not decodable images. ``files``: one path (str or
+    os.PathLike; a folder is read as --images reads one) or a sequence of file paths
+    (``image_files``; a TypeError for anything else, e.g. a numpy array). ``top_k``:
+    1..classes (ValueError otherwise, as serve's 400); None: DEFAULT_TOP_K or the classes if
+    fewer. ``weights``: --weights (``checkpoints.choose_weights``; a --folded folder holds the
+    weights it was folded from)."""
     import jax
     from normvit_jax import checkpoints, models, reparam, run_data
     from normvit_jax.data import stats, tf_images
 
+    files = image_files(files)  # before the model is loaded: a wrong argument says so at once
     config = checkpoints.load_config(workdir)
     if folded:
         model_cfg, variables, n = reparam.load(folded)

@@ -33,6 +33,7 @@ class ConfigFileError(ValueError):
 def check(config: Any, workdir: str) -> None:
     """Raises ValueError (exit 2) or workdir.WorkdirError (exit 5) naming the first problem."""
     check_loaded(config)
+    check_keys(config)
     check_values(config)
     check_model(config)
     check_workdir_path(workdir)
@@ -84,6 +85,50 @@ def check_loaded(config: Any) -> None:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         cause = lines[-1] if lines else type(e).__name__
         raise ConfigFileError(f"cannot load the --config file: {cause}") from None
+
+
+# Groups whose keys are free (a norm's options, the blocks of norm_overrides): building the model
+# checks them (check_model), not this list.
+FREE_GROUPS = ("model.norm", "model.norm_overrides", "model.stem_norm")
+
+
+def known_keys() -> Any:
+    """configs/default.py's config with the keys a config file of this project adds to it
+    (T2T-ViT's model keys: configs/recipes.py t2t_vit); no JAX."""
+    from configs import default, recipes  # pylint: disable=import-outside-toplevel
+    return recipes.t2t_vit(default.get_config())
+
+
+def unknown_keys(config: Any) -> list[str]:
+    """Dotted keys of ``config`` that ``known_keys`` lacks (outside ``FREE_GROUPS``)."""
+    from normvit_jax import config_paths  # pylint: disable=import-outside-toplevel
+    known = set(config_paths._paths(known_keys()))  # pylint: disable=protected-access
+    return [p for p in config_paths._paths(config)  # pylint: disable=protected-access
+            if p not in known and not any(p.startswith(g + ".") for g in FREE_GROUPS)]
+
+
+def check_keys(config: Any) -> None:
+    """An unlocked config (``get_config()`` in Python, set by attribute) takes a misspelt key
+    silently, and the run trains with the default: raises ValueError naming every key that
+    configs/default.py (with ``known_keys``' additions) lacks and the keys it likely meant. A
+    locked config (main.py's --config: ``lock_config``) is left alone: it holds its config file's
+    keys, and the lock refuses a misspelt override already."""
+    if getattr(config, "is_locked", True):
+        return
+    unknown = unknown_keys(config)
+    unknown = [p for p in unknown if not any(p.startswith(u + ".") for u in unknown)]
+    if not unknown:
+        return
+    from normvit_jax import config_paths  # pylint: disable=import-outside-toplevel
+    known = known_keys()
+    named = []
+    for path in unknown:
+        guesses = config_paths.closest(known, path)
+        named.append(f"config.{path}" + (" (did you mean " + " or ".join(
+            f"config.{g}" for g in guesses) + "?)" if guesses else ""))
+    raise ValueError(f"unknown config key{'s' if len(named) > 1 else ''} {', '.join(named)}: "
+                     "not a key of configs/default.py, so the run would ignore it; the keys and "
+                     "their meaning: configs/default.py")
 
 
 def check_values(config: Any) -> None:

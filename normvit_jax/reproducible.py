@@ -19,6 +19,11 @@ which do not dispatch on the CPU; faster on shared cores too: benchmarks/xla_fla
 preset, whose barrier flag comes with it), and platform-dependent math is off. GPU and TPU
 backends ignore all of it. Off (0) by default: a large CPU run wants every core.
 
+main.py applies it before anything runs; ``train.loop.train_and_evaluate`` (the library entry
+point) applies it too when JAX's backend has not started yet, and otherwise, unless the pinning is
+in effect already (``in_effect``: main.py's, or an earlier call's), logs ``too_late``'s warning and
+trains unpinned.
+
 What it does not pin (2026-11-27): with all of the above, the same code (26d2750) printed 96.34%
 for the LayerNorm demo on a 2-core AVX2 EPYC and 98.31% on a 2-core AVX-512/AMX Xeon. On the Xeon
 the result was the same bits on 1 and 2 cores, with single-threaded Eigen, with XNNPACK off
@@ -81,3 +86,24 @@ def apply(threads: int, environ: dict | None = None) -> str | None:
             f"{env[THREADS_ENV]} threads, AVX2 code, no YNNPACK: the same numbers on any core count "
             "of this CPU model (other models may differ in the last bits)"
             + (f"; kept your own {', '.join(kept)}" if kept else "") + ".")
+
+
+def in_effect(environ: dict | None = None) -> bool:
+    """Whether the environment holds the pinning: PJRT_NPROC set and every flag of ``FLAGS`` in
+    XLA_FLAGS (``apply``'s, main.py's, or the user's own before JAX started)."""
+    env = os.environ if environ is None else environ
+    parts = env.get("XLA_FLAGS", "").split()
+    return THREADS_ENV in env and all(any(p.startswith(f"--{key}=") for p in parts)
+                                      for key in FLAGS)
+
+
+def too_late(threads: int) -> str:
+    """The warning of a library call (``train_and_evaluate``) made after JAX started its CPU
+    backend without the pinning: what it means and what to do."""
+    return (f"config.reproducible_cpu_threads={threads} is not applied: JAX started its CPU "
+            "backend in this process before train_and_evaluate was called (XLA reads its flags "
+            "and thread count once), so this run trains with XLA's default CPU numerics, whose "
+            "last bits differ from main.py's (which pins them), also when main.py later resumes "
+            f"this run. To pin them, call normvit_jax.reproducible.apply({threads}) or "
+            "train_and_evaluate first in a new process (before anything uses JAX), or set "
+            "config.reproducible_cpu_threads=0 to record the run as not pinned.")

@@ -6,7 +6,11 @@ killed one left only its pid in ``.lock``. Process 0 of a training start (from t
 the workdir's lock) therefore
 
 - appends its log lines, as printed, to ``workdir/training.log``, after one separator line naming the
-  start (UTC time, pid, host, the command line): a resume appends below the earlier starts;
+  start (UTC time, pid, host, the command line): a resume appends below the earlier starts. A
+  library call (``train_and_evaluate`` from Python, absl not set up by absl.app: WARNING) writes
+  the same lines: the absl logger passes INFO while the file is open (what the caller's level
+  drops goes to the file only), the file drops Orbax's chatter itself, and the caller's logging
+  is as it was after;
 - writes ``workdir/status.json`` (atomically): ``{"state": "running", ...}`` at the start, and at
   the end one of ``finished`` (the last step), ``stopped`` (``stop_at``), ``preempted`` (SIGTERM
   or Ctrl-C, exit 42) or ``failed`` (an error: its exit code and one-line message), with the
@@ -42,6 +46,8 @@ from typing import Any
 
 from absl import logging
 from etils import epath
+
+from normvit_jax import logs
 
 LOG_NAME = "training.log"
 STATUS_NAME = "status.json"
@@ -135,6 +141,23 @@ class _LogFileHandler(std_logging.FileHandler):
                         self.baseFilename, type(e).__name__, e)
 
 
+class _OnlyToFile(std_logging.Filter):
+    """On the absl logger while a run's log is open in a process whose absl level was above
+    INFO: a record below that level goes to training.log only (not to the caller's handlers,
+    which would not have seen it)."""
+
+    def __init__(self, handler: std_logging.Handler, level: int):
+        super().__init__()
+        self.handler, self.level = handler, level
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        if record.levelno >= self.level:
+            return True
+        if record.levelno >= self.handler.level:
+            self.handler.handle(record)
+        return False
+
+
 class RunLog:
     """``start()`` when the run holds its lock, ``end(state, ...)`` on every way out (process 0;
     other processes: make it with ``active=False``, and it does nothing)."""
@@ -143,6 +166,8 @@ class RunLog:
         self.workdir = workdir
         self.active = active
         self._handler: std_logging.Handler | None = None
+        # the absl logger's level before ``_attach`` raised it, and the filter it added
+        self._restore: tuple[int, std_logging.Filter] | None = None
         self._ended = False
         self._previous: dict[str, Any] | None = None  # status.json before this start
         self._log_size: int | None = None  # training.log's size before this start (None: absent)
@@ -164,11 +189,12 @@ class RunLog:
                                 LOG_NAME, self.workdir, e)
             else:
                 handler.setFormatter(logging.PythonFormatter())
-                # the absl logger's own filters (logs.quiet_library_logs) apply before it
+                # the absl logger's own filters (logs.quiet_library_logs) apply before it; its
+                # own filter keeps Orbax's chatter out where they are not set (a library call)
+                handler.addFilter(logs.QuietLibraries())
                 if handler.write_raw(f"----- training start at {_utc()}: pid {os.getpid()} on "
                                      f"host {socket.gethostname()}: {' '.join(sys.argv)}\n"):
-                    logging.get_absl_logger().addHandler(handler)
-                    self._handler = handler
+                    self._attach(handler)
         write_status(self.workdir, "running", **({} if step is None else {"step": step}))
 
     def end(self, state: str, step: int | None, exit_code: int, message: str = "") -> None:
@@ -236,9 +262,33 @@ class RunLog:
             "state": state, "time": _utc(), "pid": os.getpid(), "host": socket.gethostname(),
             "exit_code": exit_code, **({"message": message} if message else {})}})
 
+    def _attach(self, handler: "_LogFileHandler") -> None:
+        """Adds ``handler`` to the absl logger, which must pass INFO records for training.log to
+        hold main.py's lines. Under absl.app (its handler on the root logger: main.py, the
+        tools) the levels are the command line's (--verbosity) and the file holds what is
+        printed, as ever. A library call (absl not set up: WARNING, and the file held only its
+        separator lines) gets the absl logger at INFO for the run, and a filter sends what the
+        caller's level would have dropped to this file alone (the caller's own handlers see what
+        they saw before); ``_close_handler`` undoes both."""
+        absl_logger = logging.get_absl_logger()
+        absl_logger.addHandler(handler)
+        self._handler = handler
+        caller_level = absl_logger.getEffectiveLevel()
+        under_absl_app = logging.get_absl_handler() in std_logging.getLogger().handlers
+        if not under_absl_app and caller_level > std_logging.INFO:
+            self._restore = (absl_logger.level, _OnlyToFile(handler, caller_level))
+            absl_logger.addFilter(self._restore[1])
+            absl_logger.setLevel(std_logging.INFO)
+
     def _close_handler(self) -> None:
         if self._handler is not None:
-            logging.get_absl_logger().removeHandler(self._handler)
+            absl_logger = logging.get_absl_logger()
+            absl_logger.removeHandler(self._handler)
+            if self._restore is not None:
+                level, only_to_file = self._restore
+                absl_logger.removeFilter(only_to_file)
+                absl_logger.setLevel(level)
+                self._restore = None
             self._handler.close()
             self._handler = None
 

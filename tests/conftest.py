@@ -203,6 +203,17 @@ def float32_matmuls():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _jax_backend_started():
+    """JAX's backend started before the first test, in every process that runs tests: a
+    ``train_and_evaluate`` of a demo config (reproducible_cpu_threads=2) would otherwise pin
+    XLA:CPU's numerics for the rest of the process when it came first (changing XLA_FLAGS, which
+    with_default_xla_flags and child processes read); started, it says in one warning line that it
+    trains unpinned, as these tests always have (tests/test_library_use.py)."""
+    jax.devices()
+    yield
+
+
 def pytest_configure(config):
     """The run's shared compilation cache (_shared_compile_cache), in this process's JAX too (JAX
     read its environment when this file imported it)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import ml_collections
+from absl import logging
 
 from normvit_jax import distributed, preemption, run_data, run_log, sharding
 from normvit_jax import workdir as workdir_lib
@@ -44,7 +45,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     a second one) ends the process at once with one line (os._exit: 130 for Ctrl-C, 42 / 143 for
     SIGTERM; normvit_jax/preemption.py). Default (a library caller, e.g. a notebook): such a Ctrl-C
     raises KeyboardInterrupt here and the process lives on (SIGTERM still ends it).
+
+    Called from Python (a notebook), it makes main.py's checks itself: ``preflight.check`` (with
+    the keys of an unlocked config: a misspelt key is a ValueError, not a default) and
+    ``config.reproducible_cpu_threads`` (``_pin_cpu_numerics``), before anything is written.
     """
+    _start_checks(config, workdir)
     rerun = workdir_lib.rerun_advice(fresh)  # said by every line that tells how to continue
     with preemption.SigtermFlag(rerun, exit_at_once=exit_at_once) as sigterm:
         workdir = workdir_lib.absolute(workdir)
@@ -92,6 +98,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                     "" if done else f"stop_at {stop_at} of {run.n_steps} steps; {rerun} to "
                     "continue")
             return result
+
+
+def _start_checks(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """main.py's checks for a call that did not come through it: the config checks (cli.run made
+    them already; they are cheap and change nothing), then the CPU numerics pinning."""
+    from normvit_jax import preflight  # pylint: disable=import-outside-toplevel
+    preflight.check(config, workdir)
+    _pin_cpu_numerics(config)
+
+
+def _pin_cpu_numerics(config: ml_collections.ConfigDict) -> None:
+    """``config.reproducible_cpu_threads`` as main.py applies it, when JAX's backend has not
+    started yet; pinned already (main.py, an earlier call in this process, the user's own
+    environment): nothing to do; else one warning line naming the key and what to do
+    (``reproducible.too_late``), and the run trains unpinned.
+
+    A warning, not an error: the run it trains is correct, only not bit-reproducible across core
+    counts, and the backend of a notebook or test process has usually started (anything that
+    touched JAX starts it), where an error would make every library call with a demo config fail
+    and leave only restarting the process. The warning says how to pin (a new process) or to
+    record the run as unpinned (0), which keeps a later CLI resume on the same numerics."""
+    from normvit_jax import reproducible  # pylint: disable=import-outside-toplevel
+    threads = int(config.get("reproducible_cpu_threads") or 0)
+    if not threads or reproducible.in_effect():
+        return
+    if not reproducible.backend_started():
+        logging.info("%s", reproducible.apply(threads))
+    elif jax.default_backend() == "cpu":  # GPU and TPU backends ignore the pinning
+        logging.warning("%s", reproducible.too_late(threads))
 
 
 def _record_end(log: run_log.RunLog, error: BaseException, run: Any) -> None:

@@ -187,5 +187,18 @@ def _recorded_eval(workdir: str) -> tuple[dict[str, Any], int | None]:
     if not scalars.get("eval/top1"):
         return {}, None
     last = scalars["eval/top1"][-1][0]
-    return {tag[len("eval/"):]: points[-1][1] for tag, points in scalars.items()
-            if tag.startswith("eval/") and points[-1][0] == last}, last
+    metrics = {tag[len("eval/"):]: points[-1][1] for tag, points in scalars.items()
+               if tag.startswith("eval/") and points[-1][0] == last}
+    # as the evaluator returned them (setup.evaluate): the counts as ints (a summary holds
+    # floats), its order of keys (the summaries' is alphabetical)
+    return {k: int(metrics[k]) if k.endswith("num_examples") else metrics[k]
+            for k in sorted(metrics, key=_eval_order)}, last
+
+
+_EVAL_FIRST = ("loss", "top1", "top5", "num_examples")  # setup.evaluate's order
+
+
+def _eval_order(key: str) -> tuple[bool, int, str]:
+    name = key[len("ema_"):] if key.startswith("ema_") else key
+    rank = _EVAL_FIRST.index(name) if name in _EVAL_FIRST else len(_EVAL_FIRST)
+    return key.startswith("ema_"), rank, name
