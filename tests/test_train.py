@@ -27,9 +27,19 @@ def _params(workdir):
     return params
 
 
-def test_end_to_end_writes_checkpoints_summaries_and_resumes(tmp_path):
-    cfg = tiny_demo_config()
-    out = loop.train_and_evaluate(cfg, str(tmp_path))
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """tiny_demo_config() trained to its end (6 steps, checkpoints at 3 and 6, eval at 6): the
+    loop's returned dict and a function that copies its workdir for a test to change."""
+    import shutil
+    wd = tmp_path_factory.mktemp("finished") / "run"
+    out = loop.train_and_evaluate(tiny_demo_config(), str(wd))
+    return out, lambda dst: shutil.copytree(wd, dst, dirs_exist_ok=True)
+
+
+def test_end_to_end_writes_checkpoints_summaries_and_resumes(finished_run, tmp_path):
+    out, copy = finished_run
+    copy(tmp_path)
     assert out["step"] == 6
     assert sorted(int(os.path.basename(p)) for p in glob.glob(str(tmp_path / "checkpoints" / "*"))
                   if os.path.basename(p).isdigit()) == [3, 6]
@@ -110,10 +120,10 @@ def test_unknown_key_on_the_command_line_is_named():
     assert "Traceback" not in r.stderr
 
 
-def test_config_change_is_refused_with_a_diff(tmp_path):
-    loop.train_and_evaluate(tiny_demo_config(total_steps=2), str(tmp_path))
+def test_config_change_is_refused_with_a_diff(finished_run, tmp_path):
+    finished_run[1](tmp_path)  # a run of tiny_demo_config()
     with pytest.raises(run_config.ConfigChangedError, match="optimizer.learning_rate: 0.003 -> 0.01"):
-        loop.train_and_evaluate(tiny_demo_config(total_steps=2, **{"optimizer.learning_rate": 0.01}),
+        loop.train_and_evaluate(tiny_demo_config(**{"optimizer.learning_rate": 0.01}),
                                 str(tmp_path))
 
 
@@ -259,7 +269,8 @@ def test_summaries_are_the_window_means_at_their_steps_and_documented(tmp_path):
     assert not missing, missing
 
 
-def test_a_finished_run_rerun_says_complete_with_its_recorded_eval(tmp_path, caplog, monkeypatch):
+def test_a_finished_run_rerun_says_complete_with_its_recorded_eval(finished_run, tmp_path, caplog,
+                                                                   monkeypatch):
     """Re-running a finished run logged 'the data continues at step 7', 'already complete',
     then 'Compiling the train step; the first progress line follows it (0 steps to go...)' and
     no progress or closing line. Now: one line that it is complete, and the eval it recorded
@@ -267,8 +278,9 @@ def test_a_finished_run_rerun_says_complete_with_its_recorded_eval(tmp_path, cap
     import logging
 
     from normvit_jax.train import phases
-    cfg = tiny_demo_config(total_steps=3, checkpoint_every=3, eval_every=3)
-    first = loop.train_and_evaluate(cfg, str(tmp_path))
+    cfg = tiny_demo_config()  # 6 steps, checkpoints at 3 and 6, eval at 6
+    first, copy = finished_run
+    copy(tmp_path)
     monkeypatch.setattr(phases.PhasedTrainStep, "at",
                         lambda *a: pytest.fail("the train step of a complete run was used"))
     # on absl's logger: a test before this one in the same worker may have left absl's verbosity
@@ -276,12 +288,12 @@ def test_a_finished_run_rerun_says_complete_with_its_recorded_eval(tmp_path, cap
     with caplog.at_level(logging.INFO, logger="absl"):
         again = loop.train_and_evaluate(cfg, str(tmp_path))
     lines = [r.getMessage() for r in caplog.records]
-    assert again["step"] == 3
+    assert again["step"] == 6
     for k in ("top1", "top5", "loss"):
         assert again["eval"][k] == pytest.approx(first["eval"][k], rel=1e-6), k
     complete = [m for m in lines if "already complete" in m]
-    assert len(complete) == 1 and "(step 3 of 3)" in complete[0], lines
-    assert "its eval at step 3" in complete[0], complete
+    assert len(complete) == 1 and "(step 6 of 6)" in complete[0], lines
+    assert "its eval at step 6" in complete[0], complete
     assert not [m for m in lines if "continues at step" in m or "Compiling" in m], lines
 
 
