@@ -247,27 +247,36 @@ def test_a_start_check_failing_on_one_process_stops_both_with_its_reason(tmp_pat
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained or saved
 
 
-def _train_one_process(tmp_path, wd, steps: int) -> None:
-    """The run the two-process tests continue: one process on 4 CPU devices, ``steps`` steps."""
+ONE_PROCESS_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """The run the two-process tests continue: one process on 4 CPU devices, ONE_PROCESS_STEPS
+    steps (checkpoints at 4 and 8, an eval at the end), trained once for the module; returns a
+    function that copies its workdir to a test's own folder (the tests change it)."""
+    tmp = tmp_path_factory.mktemp("one_process")
+    wd = tmp / "run"
     train = subprocess.run(
         [sys.executable, "main.py", f"--config={CONFIG}", f"--workdir={wd}",
-         f"--config.total_steps={steps}"], cwd=REPO_ROOT, capture_output=True, text=True,
-        env=_env(tmp_path, JAX_PLATFORMS="cpu",
-                 XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
+         f"--config.total_steps={ONE_PROCESS_STEPS}"], cwd=REPO_ROOT, capture_output=True,
+        text=True, env=_env(tmp, JAX_PLATFORMS="cpu",
+                            XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
         timeout=TIMEOUT)
     assert train.returncode == cli.EXIT_OK, train.stderr[-3000:]
+    return lambda dst: shutil.copytree(wd, dst)
 
 
 @pytest.mark.multiprocess
-def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
+def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(one_process_run, tmp_path):
     """``--mode=eval`` through local.sh joins the processes as training does: each process reads
     its half of every eval batch (each of the 100 examples once over both), and the metrics are
     the one-process run's own eval at the same step. It used to skip jax.distributed: every
     process evaluated the whole split alone, on every device it saw (under srun: all GPUs of its
     node), and each wrote the result file. Then a check failing on process 1 only stops both
     with its line (process 0 used to wait in the restore until gloo's timeout, a traceback)."""
-    wd, steps = tmp_path / "run", 4
-    _train_one_process(tmp_path, wd, steps)  # 4 devices; evaluates at the end
+    wd, steps = tmp_path / "run", ONE_PROCESS_STEPS
+    one_process_run(wd)  # 4 devices; evaluated at the end
     job = Job(tmp_path, "eval", wd, flags=(f"--config.total_steps={steps}", "--mode=eval"),
               NORMVIT_TEST_RECORD_EVAL=str(tmp_path / "eval.{process}"))
     with contextlib.closing(job):
@@ -300,15 +309,16 @@ def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_damaged_newest_checkpoint_moved_once_and_both_processes_resume(tmp_path):
+def test_damaged_newest_checkpoint_moved_once_and_both_processes_resume(one_process_run,
+                                                                        tmp_path):
     """A run (one process, 4 devices) whose newest checkpoint (step 8) is damaged, resumed by 2
     processes: process 0 moves it to damaged_checkpoints/ once, both resume from step 4 and
     redo steps 5-8 to the state the run had. Every process used to move it: the first rename
     won, the other process failed with FileNotFoundError (a traceback, exit 1) and the winner
     waited for it in a collective until gloo's timeout."""
     from tests.test_interruptions import scramble
-    wd, steps = tmp_path / "run", 8
-    _train_one_process(tmp_path, wd, steps)
+    wd, steps = tmp_path / "run", ONE_PROCESS_STEPS
+    one_process_run(wd)
     assert checkpoints.complete_steps(str(wd)) == [4, steps]
     reference, _ = checkpoints.load_state(str(wd), steps)
     scramble(wd / "checkpoints" / str(steps))
