@@ -68,10 +68,11 @@ def test_resume_is_bitwise_exact(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
-def test_eval_counts_every_example_once(tmp_path):
+def test_eval_counts_every_example_once(finished_run):
     """355 digits test images with an eval batch of 64: 6 batches, the last padded and masked."""
-    cfg = tiny_demo_config(total_steps=1, eval_every=1, eval_batch_size=64)
-    out = loop.train_and_evaluate(cfg, str(tmp_path))
+    cfg = tiny_demo_config()  # finished_run's config: eval_batch_size=64
+    assert cfg.eval_batch_size == 64
+    out = finished_run[0]
     assert out["eval"]["num_examples"] == 355
     # Independent check of top-1 over the split with the final model, batch by batch in numpy.
     from normvit_jax import data, models
