@@ -26,7 +26,9 @@ NORMS = {  # warmups of 2 steps so the 3rd step runs the stateful norms' post-wa
 
 
 def config(norm: str, data: int, fsdp: int, opt: str = "adamw") -> ml_collections.ConfigDict:
-    c = tiny_demo_config()
+    # One block: every kind of array (embedding, attention, MLP, norms, head) is in it, and each
+    # compile here takes ~40% less time than with the demo's two.
+    c = tiny_demo_config(**{"model.depth": 1})
     c.optimizer.name = opt
     if opt == "sgd":  # a step size that moves the parameters as far as adamw's
         c.optimizer.learning_rate = 0.3

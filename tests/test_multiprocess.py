@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -146,16 +147,30 @@ def assert_state_close(a: dict, b: dict) -> None:
             np.testing.assert_allclose(x, y, rtol=0, atol=1e-4 * scale + 1e-30, err_msg=name)
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process on 4 CPU devices with the same global batch of 16, all STEPS steps (evals at
+    12 and 24; checkpoints 16, 20 and 24 kept), the indices of its train batches recorded: the run
+    the killed and restarted two-process job must end like, and the run the eval-mode and
+    damaged-checkpoint tests continue with two processes (each on its own copy: ``copy(dst)``)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    wd = tmp / "ref"
+    r = subprocess.run(
+        [sys.executable, "tests/fault_main.py", f"--config={CONFIG}", f"--workdir={wd}"],
+        cwd=REPO_ROOT, env=_env(tmp, JAX_PLATFORMS="cpu",
+                                NORMVIT_TEST_RECORD=str(tmp / "ref.train.{process}"),
+                                XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == cli.EXIT_OK, (r.stdout + r.stderr)[-5000:]
+    return types.SimpleNamespace(workdir=wd, rows=read_record(tmp / "ref.train.0"),
+                                 copy=lambda dst: shutil.copytree(wd, dst))
+
+
 @pytest.mark.multiprocess
-def test_two_processes_killed_and_restarted_end_like_one(tmp_path):
-    wd, ref_wd = tmp_path / "run", tmp_path / "ref"
+def test_two_processes_killed_and_restarted_end_like_one(reference, tmp_path):
+    wd = tmp_path / "run"
     rec = lambda phase, kind="train": str(tmp_path / f"{phase}.{kind}.{{process}}")  # noqa: E731
     t0 = time.time()
-    reference = subprocess.Popen(  # one process, 4 devices, the same global batch of 16
-        [sys.executable, "tests/fault_main.py", f"--config={CONFIG}", f"--workdir={ref_wd}"],
-        cwd=REPO_ROOT, env=_env(tmp_path, JAX_PLATFORMS="cpu", NORMVIT_TEST_RECORD=rec("ref"),
-                                XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     jobs: list[Job] = []
     try:
         # 1. process 1 killed (SIGTERM, then SIGKILL) once a checkpoint exists
@@ -187,21 +202,17 @@ def test_two_processes_killed_and_restarted_end_like_one(tmp_path):
             assert re.search(rf"Resumed from the checkpoint at step {r} in ", second.log(i))
             assert re.search(rf"Done at step {STEPS}", second.log(i))
         t2 = time.time()
-        out, _ = reference.communicate(timeout=TIMEOUT)
-        assert reference.returncode == cli.EXIT_OK, out[-5000:]
     finally:
-        if reference.poll() is None:
-            reference.kill()
         for job in jobs:
             job.kill()
     print(f"killed job {t1 - t0:.0f} s (exit {rc}, resumed at {r}), restarted job {t2 - t1:.0f} s")
 
     a, _ = checkpoints.load_state(str(wd), STEPS)
-    b, _ = checkpoints.load_state(str(ref_wd), STEPS)
+    b, _ = checkpoints.load_state(str(reference.workdir), STEPS)
     assert_state_close(a, b)
 
     # data: process i read rows [8i, 8i + 8) of every global batch and nothing else
-    ref_rows = read_record(tmp_path / "ref.train.0")
+    ref_rows = reference.rows
     assert len(ref_rows) == STEPS and all(len(row) == GLOBAL_BATCH for row in ref_rows)
     half = GLOBAL_BATCH // 2
     for i in range(2):
@@ -247,27 +258,16 @@ def test_a_start_check_failing_on_one_process_stops_both_with_its_reason(tmp_pat
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained or saved
 
 
-def _train_one_process(tmp_path, wd, steps: int) -> None:
-    """The run the two-process tests continue: one process on 4 CPU devices, ``steps`` steps."""
-    train = subprocess.run(
-        [sys.executable, "main.py", f"--config={CONFIG}", f"--workdir={wd}",
-         f"--config.total_steps={steps}"], cwd=REPO_ROOT, capture_output=True, text=True,
-        env=_env(tmp_path, JAX_PLATFORMS="cpu",
-                 XLA_FLAGS=XLA_FAST + " --xla_force_host_platform_device_count=4"),
-        timeout=TIMEOUT)
-    assert train.returncode == cli.EXIT_OK, train.stderr[-3000:]
-
-
 @pytest.mark.multiprocess
-def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
+def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(reference, tmp_path):
     """``--mode=eval`` through local.sh joins the processes as training does: each process reads
     its half of every eval batch (each of the 100 examples once over both), and the metrics are
     the one-process run's own eval at the same step. It used to skip jax.distributed: every
     process evaluated the whole split alone, on every device it saw (under srun: all GPUs of its
     node), and each wrote the result file. Then a check failing on process 1 only stops both
     with its line (process 0 used to wait in the restore until gloo's timeout, a traceback)."""
-    wd, steps = tmp_path / "run", 4
-    _train_one_process(tmp_path, wd, steps)  # 4 devices; evaluates at the end
+    wd, steps = tmp_path / "run", STEPS
+    reference.copy(wd)  # 4 devices; evaluated at the end
     job = Job(tmp_path, "eval", wd, flags=(f"--config.total_steps={steps}", "--mode=eval"),
               NORMVIT_TEST_RECORD_EVAL=str(tmp_path / "eval.{process}"))
     with contextlib.closing(job):
@@ -300,16 +300,16 @@ def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_damaged_newest_checkpoint_moved_once_and_both_processes_resume(tmp_path):
-    """A run (one process, 4 devices) whose newest checkpoint (step 8) is damaged, resumed by 2
-    processes: process 0 moves it to damaged_checkpoints/ once, both resume from step 4 and
-    redo steps 5-8 to the state the run had. Every process used to move it: the first rename
+def test_damaged_newest_checkpoint_moved_once_and_both_processes_resume(reference, tmp_path):
+    """A run (one process, 4 devices) whose newest checkpoint (step 24) is damaged, resumed by 2
+    processes: process 0 moves it to damaged_checkpoints/ once, both resume from step 20 and
+    redo steps 21-24 to the state the run had. Every process used to move it: the first rename
     won, the other process failed with FileNotFoundError (a traceback, exit 1) and the winner
     waited for it in a collective until gloo's timeout."""
     from tests.test_interruptions import scramble
-    wd, steps = tmp_path / "run", 8
-    _train_one_process(tmp_path, wd, steps)
-    assert checkpoints.complete_steps(str(wd)) == [4, steps]
+    wd, steps = tmp_path / "run", STEPS
+    reference.copy(wd)
+    assert checkpoints.complete_steps(str(wd)) == [16, 20, steps]
     reference, _ = checkpoints.load_state(str(wd), steps)
     scramble(wd / "checkpoints" / str(steps))
 
@@ -320,10 +320,10 @@ def test_damaged_newest_checkpoint_moved_once_and_both_processes_resume(tmp_path
         log = job.log(i)
         assert "Traceback" not in log, job.tails()
         assert re.search(rf"Checkpoint at step {steps} in \S+ is damaged \(.+\); moved to \S+"
-                         rf"damaged_checkpoints.* using step 4 instead", log), job.tails()
+                         rf"damaged_checkpoints.* using step 20 instead", log), job.tails()
         assert re.search(rf"Done at step {steps}", log), job.tails()
     assert sorted(os.listdir(wd / "damaged_checkpoints")) == [str(steps)]  # moved once
-    assert checkpoints.complete_steps(str(wd)) == [4, steps]
+    assert checkpoints.complete_steps(str(wd)) == [16, 20, steps]
     assert_state_close(checkpoints.load_state(str(wd), steps)[0], reference)
 
 

@@ -167,7 +167,9 @@ def test_augmentation_acts_in_training_and_not_in_evaluation():
     ev = setup.jit_eval_step(model, state_sh, mesh)
     batch = sharding.to_global(train.train_batch(0), mesh)
     eval_batch = dict(batch, mask=np.ones(c.batch_size, np.float32))
-    other = state.replace(rng=jax.random.key_data(jax.random.key(123)))
+    # another key placed as the state's own (an uncommitted array would compile the step again)
+    other = state.replace(rng=jax.device_put(jax.random.key_data(jax.random.key(123)),
+                                             state.rng.sharding))
     # The head starts at zero (loss log(10) for any input): compare gradients, then evaluate the
     # stepped weights, whose logits depend on the input.
     outs = [step(s, batch) for s in (state, other)]

@@ -38,7 +38,7 @@ def _state(config, model_extra=None):
 def test_ema_follows_the_numpy_recurrence():
     d = 0.9
     cfg = tiny_demo_config(ema_decay=d)
-    mdl, tx, lr, state = _state(cfg)
+    mdl, tx, lr, state = _state(cfg, {"depth": 1})  # the recurrence is per leaf: one block
     step = jax.jit(steps_lib.make_train_step(mdl, tx, lr))
     rng = np.random.default_rng(0)
     ref = {k: np.asarray(v, np.float64) for k, v in _flat(state.params).items()}
@@ -66,7 +66,8 @@ def test_ema_averages_norm_statistics_as_timm_model_ema(norm):
     from the trajectory of the real train step). ``averaged`` evaluates with both EMAs;
     ema_batch_stats=False keeps the raw statistics (the behaviour before)."""
     d = 0.8
-    mdl, tx, lr, state = _state(tiny_demo_config(ema_decay=d), {"norm": {"name": norm}})
+    # one block: the averages are per leaf, and a block holds every kind of statistic
+    mdl, tx, lr, state = _state(tiny_demo_config(ema_decay=d), {"norm": {"name": norm}, "depth": 1})
     step = jax.jit(steps_lib.make_train_step(mdl, tx, lr))
     rng = np.random.default_rng(1)
     ref = {k: np.asarray(v, np.float64) for k, v in _flat(state.batch_stats).items()}
@@ -91,7 +92,8 @@ def test_ema_averages_norm_statistics_as_timm_model_ema(norm):
     for k, v in _flat(avg.params).items():
         np.testing.assert_allclose(v, ref_p[k], rtol=1e-5, atol=1e-7, err_msg=k)
     # off: the EMA weights are evaluated with the raw statistics, and the tree keeps none
-    mdl, tx, lr, off = _state(tiny_demo_config(ema_decay=d, ema_batch_stats=False), {"norm": {"name": norm}})
+    mdl, tx, lr, off = _state(tiny_demo_config(ema_decay=d, ema_batch_stats=False),
+                              {"norm": {"name": norm}, "depth": 1})
     assert not any("ema_batch_stats" in k for k in _flat(off.opt_state))
     assert ema.averaged(off).batch_stats is off.batch_stats
 
@@ -179,7 +181,8 @@ def test_loop_with_the_recipe_resumes_exactly_and_evaluates_the_ema(tmp_path):
     3 + 3 (params and EMA bitwise), and eval reports the EMA weights beside the raw ones."""
     cfg = tiny_demo_config(total_steps=6, checkpoint_every=100, eval_every=100, ema_decay=0.9,
                            layer_decay=0.75, mixup_alpha=0.8, cutmix_alpha=1.0, mix_mode="elem",
-                           random_erase_prob=0.5, randaugment="rand-m9-mstd0.5-inc1")
+                           random_erase_prob=0.5, randaugment="rand-m9-mstd0.5-inc1",
+                           **{"model.depth": 1})  # still 3 layer-decay scales: stem, block, head
     straight = loop.train_and_evaluate(cfg, str(tmp_path / "a"))
     assert {"ema_top1", "ema_loss", "top1"} <= set(straight["eval"])
     loop.train_and_evaluate(cfg, str(tmp_path / "b"), stop_at=3)

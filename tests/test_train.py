@@ -27,9 +27,19 @@ def _params(workdir):
     return params
 
 
-def test_end_to_end_writes_checkpoints_summaries_and_resumes(tmp_path):
-    cfg = tiny_demo_config()
-    out = loop.train_and_evaluate(cfg, str(tmp_path))
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """tiny_demo_config() trained to its end (6 steps, checkpoints at 3 and 6, eval at 6): the
+    loop's returned dict and a function that copies its workdir for a test to change."""
+    import shutil
+    wd = tmp_path_factory.mktemp("finished") / "run"
+    out = loop.train_and_evaluate(tiny_demo_config(), str(wd))
+    return out, lambda dst: shutil.copytree(wd, dst, dirs_exist_ok=True)
+
+
+def test_end_to_end_writes_checkpoints_summaries_and_resumes(finished_run, tmp_path):
+    out, copy = finished_run
+    copy(tmp_path)
     assert out["step"] == 6
     assert sorted(int(os.path.basename(p)) for p in glob.glob(str(tmp_path / "checkpoints" / "*"))
                   if os.path.basename(p).isdigit()) == [3, 6]
@@ -44,7 +54,9 @@ def test_end_to_end_writes_checkpoints_summaries_and_resumes(tmp_path):
 
 def test_resume_is_bitwise_exact(tmp_path):
     """N steps straight == N/2, stop, N/2 more: identical parameters on CPU."""
-    cfg = tiny_demo_config(total_steps=8, checkpoint_every=100, eval_every=100)
+    # one block: exactness holds at any depth, and each run compiles faster
+    cfg = tiny_demo_config(total_steps=8, checkpoint_every=100, eval_every=100,
+                           **{"model.depth": 1})
     cfg.model.dropout_rate = 0.1  # dropout draws must continue exactly too
     loop.train_and_evaluate(cfg, str(tmp_path / "a"))
     first = loop.train_and_evaluate(cfg, str(tmp_path / "b"), stop_at=4)
@@ -56,10 +68,11 @@ def test_resume_is_bitwise_exact(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
-def test_eval_counts_every_example_once(tmp_path):
+def test_eval_counts_every_example_once(finished_run):
     """355 digits test images with an eval batch of 64: 6 batches, the last padded and masked."""
-    cfg = tiny_demo_config(total_steps=1, eval_every=1, eval_batch_size=64)
-    out = loop.train_and_evaluate(cfg, str(tmp_path))
+    cfg = tiny_demo_config()  # finished_run's config: eval_batch_size=64
+    assert cfg.eval_batch_size == 64
+    out = finished_run[0]
     assert out["eval"]["num_examples"] == 355
     # Independent check of top-1 over the split with the final model, batch by batch in numpy.
     from normvit_jax import data, models
@@ -108,10 +121,10 @@ def test_unknown_key_on_the_command_line_is_named():
     assert "Traceback" not in r.stderr
 
 
-def test_config_change_is_refused_with_a_diff(tmp_path):
-    loop.train_and_evaluate(tiny_demo_config(total_steps=2), str(tmp_path))
+def test_config_change_is_refused_with_a_diff(finished_run, tmp_path):
+    finished_run[1](tmp_path)  # a run of tiny_demo_config()
     with pytest.raises(run_config.ConfigChangedError, match="optimizer.learning_rate: 0.003 -> 0.01"):
-        loop.train_and_evaluate(tiny_demo_config(total_steps=2, **{"optimizer.learning_rate": 0.01}),
+        loop.train_and_evaluate(tiny_demo_config(**{"optimizer.learning_rate": 0.01}),
                                 str(tmp_path))
 
 
@@ -124,7 +137,7 @@ def test_eight_devices_match_one_device():
         from normvit_jax.train.setup import create_train_state
         from tests.conftest import tiny_demo_config
         assert jax.device_count() == 8
-        cfg = tiny_demo_config()
+        cfg = tiny_demo_config(**{"model.depth": 1})  # one block: the sharding is the same
         model = models.create(cfg.model, 10)
         tx, lr = optimizer.create(cfg, 10)
         rng = np.random.default_rng(0)
@@ -186,7 +199,7 @@ def test_loop_with_fsdp_resumes_on_another_mesh_and_evaluates(tmp_path):
         assert jax.device_count() == 4
         def cfg(fsdp):
             c = tiny_demo_config(total_steps=6, checkpoint_every=2, eval_every=6,
-                                 allow_config_change=True)
+                                 allow_config_change=True, **{{"model.depth": 1}})
             c.mesh.fsdp, c.mesh.fsdp_min_size = fsdp, 0
             return c
         ref = loop.train_and_evaluate(cfg(1), "{tmp_path}/ref")
@@ -229,8 +242,11 @@ def test_summaries_are_the_window_means_at_their_steps_and_documented(tmp_path):
     table of what a run writes."""
     from normvit_jax import summaries
     from normvit_jax.train import optimizer
-    each = tiny_demo_config(total_steps=4, log_every=1, eval_every=4, checkpoint_every=100)
-    pairs = tiny_demo_config(total_steps=4, log_every=2, eval_every=4, checkpoint_every=100)
+    one_block = {"model.depth": 1}  # what is written, and when, does not depend on the model
+    each = tiny_demo_config(total_steps=4, log_every=1, eval_every=4, checkpoint_every=100,
+                            **one_block)
+    pairs = tiny_demo_config(total_steps=4, log_every=2, eval_every=4, checkpoint_every=100,
+                             **one_block)
     loop.train_and_evaluate(each, str(tmp_path / "each"))
     loop.train_and_evaluate(pairs, str(tmp_path / "pairs"), stop_at=1)
     loop.train_and_evaluate(pairs, str(tmp_path / "pairs"))
@@ -254,7 +270,8 @@ def test_summaries_are_the_window_means_at_their_steps_and_documented(tmp_path):
     assert not missing, missing
 
 
-def test_a_finished_run_rerun_says_complete_with_its_recorded_eval(tmp_path, caplog, monkeypatch):
+def test_a_finished_run_rerun_says_complete_with_its_recorded_eval(finished_run, tmp_path, caplog,
+                                                                   monkeypatch):
     """Re-running a finished run logged 'the data continues at step 7', 'already complete',
     then 'Compiling the train step; the first progress line follows it (0 steps to go...)' and
     no progress or closing line. Now: one line that it is complete, and the eval it recorded
@@ -262,8 +279,9 @@ def test_a_finished_run_rerun_says_complete_with_its_recorded_eval(tmp_path, cap
     import logging
 
     from normvit_jax.train import phases
-    cfg = tiny_demo_config(total_steps=3, checkpoint_every=3, eval_every=3)
-    first = loop.train_and_evaluate(cfg, str(tmp_path))
+    cfg = tiny_demo_config()  # 6 steps, checkpoints at 3 and 6, eval at 6
+    first, copy = finished_run
+    copy(tmp_path)
     monkeypatch.setattr(phases.PhasedTrainStep, "at",
                         lambda *a: pytest.fail("the train step of a complete run was used"))
     # on absl's logger: a test before this one in the same worker may have left absl's verbosity
@@ -271,12 +289,12 @@ def test_a_finished_run_rerun_says_complete_with_its_recorded_eval(tmp_path, cap
     with caplog.at_level(logging.INFO, logger="absl"):
         again = loop.train_and_evaluate(cfg, str(tmp_path))
     lines = [r.getMessage() for r in caplog.records]
-    assert again["step"] == 3
+    assert again["step"] == 6
     for k in ("top1", "top5", "loss"):
         assert again["eval"][k] == pytest.approx(first["eval"][k], rel=1e-6), k
     complete = [m for m in lines if "already complete" in m]
-    assert len(complete) == 1 and "(step 3 of 3)" in complete[0], lines
-    assert "its eval at step 3" in complete[0], complete
+    assert len(complete) == 1 and "(step 6 of 6)" in complete[0], lines
+    assert "its eval at step 6" in complete[0], complete
     assert not [m for m in lines if "continues at step" in m or "Compiling" in m], lines
 
 
