@@ -168,7 +168,9 @@ def _tiny_step(transform):
     mdl = models.create({"variant": "Ti/4", "depth": 1, "hidden_size": 16, "num_heads": 2,
                          "mlp_dim": 32, "dropout_rate": 0.1}, 5)
     tx = optax.adamw(1e-3)
-    v = mdl.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
+    # one jitted program (op by op, each primitive compiled alone: seconds, more so in the child
+    # of with_default_xla_flags, which compiles each with XLA's optimizations)
+    v = jax.jit(mdl.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
     state = TrainState.create(v["params"], {}, tx, jax.random.key_data(jax.random.key(1)))
     step = jax.jit(steps_lib.make_train_step(mdl, tx, optax.constant_schedule(1e-3),
                                              label_smoothing=0.1, batch_transform=transform))

@@ -17,10 +17,16 @@ def _flat(tree):
             for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def _init(model):
+    """The model's parameters, initialised in one jitted program (op by op, each primitive of each
+    shape compiled alone, took seconds more; the same values)."""
+    return jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+
+
 def test_weight_decay_mask_spares_biases_norms_posemb_and_cls():
     model = models.create({"variant": "Ti/4", "depth": 1, "hidden_size": 16, "num_heads": 2,
                            "norm": {"name": "dtn"}}, num_classes=3)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    params = _init(model)
     mask = _flat(optimizer.decay_mask(params))
     assert mask["embedding/kernel"] and mask["head/kernel"]
     assert mask["Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel"]
@@ -39,13 +45,14 @@ def test_every_optimizer_applies_the_decay_mask(name):
     cls, position embedding) must not move while the matrices do."""
     model = models.create({"variant": "Ti/4", "depth": 1, "hidden_size": 16, "num_heads": 2},
                           num_classes=3)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    params = _init(model)
     params = jax.tree.map(lambda a: a + 0.5, params)  # no zero leaf: decay moves every one
     c = tiny_demo_config(**{"optimizer.name": name, "optimizer.weight_decay": 0.1,
                             "optimizer.learning_rate": 0.01, "schedule.name": "constant",
                             "schedule.warmup_steps": 0})
     tx, _ = optimizer.create(c, total_steps=10)
-    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    # one jitted program, as the train step runs it (op by op it compiled each primitive alone)
+    updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
     mask = _flat(optimizer.decay_mask(params))
     moved = {k: bool(np.any(np.asarray(u) != 0)) for k, u in _flat(updates).items()}
     assert moved == mask, {k: (moved[k], mask[k]) for k in mask if moved[k] != mask[k]}
@@ -60,14 +67,15 @@ def test_weight_decay_moves_only_the_matrices_scanned_or_not(scan):
     in a scanned model (a leading depth axis) every block's biases and norm gains too."""
     model = models.create({"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2,
                            "norm": {"name": "dtn"}, "scan": scan}, num_classes=3)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    params = _init(model)
     params = jax.tree.map(lambda a: a + 0.5, params)  # no zero leaf: decay moves every one
     assert ("Transformer/encoderblock/LayerNorm_0/scale" in _flat(params)) == scan
     c = tiny_demo_config(**{"optimizer.name": "adamw", "optimizer.weight_decay": 0.1,
                             "optimizer.learning_rate": 0.01, "schedule.name": "constant",
                             "schedule.warmup_steps": 0})
     tx, _ = optimizer.create(c, total_steps=10)
-    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    # one jitted program, as the train step runs it (op by op it compiled each primitive alone)
+    updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
     moved = {k: bool(np.any(np.asarray(u) != 0)) for k, u in _flat(updates).items()}
     want = {k: k.rsplit("/", 1)[-1] in ("kernel", "pos_proj") for k in moved}
     assert moved == want, {k: moved[k] for k in moved if moved[k] != want[k]}
@@ -81,7 +89,9 @@ def test_scanned_model_gets_the_unrolled_models_updates(name):
     the unrolled model's. Three steps, random weights and gradients, weight decay on."""
     from normvit_jax.models import scan_convert
     cfg = {"variant": "Ti/4", "depth": 3, "hidden_size": 16, "num_heads": 2, "mlp_dim": 32}
-    params = models.create(cfg, 3).init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    # only the shapes: every value is drawn below (nothing to compile)
+    params = jax.eval_shape(models.create(cfg, 3).init, jax.random.key(0),
+                            jnp.zeros((1, 8, 8, 3)))["params"]
     r = np.random.default_rng(0)
     params = jax.tree.map(lambda a: jnp.asarray(r.normal(size=a.shape), jnp.float32), params)
     grads = [jax.tree.map(lambda a: jnp.asarray(r.normal(size=a.shape), jnp.float32), params)
@@ -94,9 +104,10 @@ def test_scanned_model_gets_the_unrolled_models_updates(name):
     ps = scan_convert.to_layout(params, spec)
     ss = tx.init(ps)
     assert "Transformer/encoderblock/LayerNorm_0/scale" in _flat(ps)
+    update = jax.jit(tx.update)  # as the train step runs it; compiled once per layout
     for g in grads:
-        uu, su = tx.update(g, su, pu)
-        us, ss = tx.update(scan_convert.to_layout(g, spec), ss, ps)
+        uu, su = update(g, su, pu)
+        us, ss = update(scan_convert.to_layout(g, spec), ss, ps)
         pu, ps = optax.apply_updates(pu, uu), optax.apply_updates(ps, us)
         back = _flat(scan_convert.unstack_blocks(us))
         for k, u in _flat(uu).items():
@@ -106,8 +117,8 @@ def test_scanned_model_gets_the_unrolled_models_updates(name):
 def test_lamb_optax_is_optax_lamb_on_an_unrolled_model():
     """'lamb_optax' is optax.lamb's chain with a trust ratio that knows scanned leaves: on an
     unrolled model the same state tree and the same updates, bit for bit."""
-    params = models.create({"variant": "Ti/4", "depth": 2, "hidden_size": 16, "num_heads": 2},
-                           num_classes=3).init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    params = _init(models.create({"variant": "Ti/4", "depth": 2, "hidden_size": 16,
+                                  "num_heads": 2}, num_classes=3))
     r = np.random.default_rng(1)
     grads = jax.tree.map(lambda a: jnp.asarray(r.normal(size=a.shape), jnp.float32), params)
     c = tiny_demo_config(**{"optimizer.name": "lamb_optax", "optimizer.weight_decay": 0.05,
@@ -117,8 +128,9 @@ def test_lamb_optax_is_optax_lamb_on_an_unrolled_model():
     ref = optax.lamb(lr, b1=c.optimizer.b1, b2=c.optimizer.b2, weight_decay=0.05,
                      mask=optimizer.decay_mask)
     assert jax.tree.structure(tx.init(params)) == jax.tree.structure(ref.init(params))
-    got, _ = tx.update(grads, tx.init(params), params)
-    want, _ = ref.update(grads, ref.init(params), params)
+    # each one jitted program, as the train step runs it (op by op, each primitive compiled alone)
+    got, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    want, _ = jax.jit(ref.update)(grads, ref.init(params), params)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(a, b)
 

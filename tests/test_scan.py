@@ -51,6 +51,14 @@ def _x(n=2):
     return jax.random.normal(jax.random.key(0), (n, 8, 8, 3))
 
 
+def _eval_and_train(model, v, **kwargs):
+    """``model.apply`` in eval and in train mode (no dropout; the updated variables of ``mutable``)
+    as one jitted program: op by op, each apply of the scanned model compiled its scan again."""
+    mutable = kwargs.pop("mutable")
+    return jax.jit(lambda v: (model.apply(v, _x(), **kwargs),
+                              model.apply(v, _x(), train=True, mutable=mutable, **kwargs)))(v)
+
+
 def _assert_trees_close(a, b, **tol):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -68,10 +76,10 @@ def test_scanned_and_unrolled_give_the_same_outputs(name):
     k = scan_length(cfg)
     stacked = vs["params"]["Transformer"]["encoderblock"]
     assert all(leaf.shape[0] == k for leaf in jax.tree.leaves(stacked))
-    _assert_trees_close(unrolled.apply(v, _x()), scanned.apply(vs, _x()), rtol=1e-6, atol=1e-6)
+    eval_s, (out_s, st_s) = _eval_and_train(scanned, vs, mutable=["batch_stats"])
+    _assert_trees_close(unrolled.apply(v, _x()), eval_s, rtol=1e-6, atol=1e-6)
     # training forward (no dropout): outputs and every updated running statistic agree
     out_u, st_u = unrolled.apply(v, _x(), train=True, mutable=["batch_stats"])
-    out_s, st_s = scanned.apply(vs, _x(), train=True, mutable=["batch_stats"])
     np.testing.assert_allclose(out_u, out_s, rtol=1e-6, atol=1e-6)
     _assert_trees_close(scan_convert.to_layout(st_u, _scanned(cfg)), st_s,
                         rtol=1e-5, atol=1e-6)
@@ -126,12 +134,13 @@ def test_new_norms_scanned_and_unrolled_agree(name):
     assert jax.tree.structure(vs) == jax.tree.structure(
         jax.eval_shape(lambda: scanned.init(jax.random.key(1), _x())))
     step = {"step": jnp.asarray(2, jnp.int32)}
-    out_u, out_s = unrolled.apply(v, _x(), **step), scanned.apply(vs, _x(), **step)
+    mutable = ["batch_stats", "schedule"]
+    out_s, (train_s, st_s) = _eval_and_train(scanned, vs, mutable=mutable, **step)
+    out_u = unrolled.apply(v, _x(), **step)
     assert float(jnp.std(out_u)) > 1e-2  # the logits depend on the input: a real comparison
     _assert_close_to_scale(out_u, out_s)
-    mutable = ["batch_stats", "schedule"]
     out_u, st_u = unrolled.apply(v, _x(), train=True, mutable=mutable, **step)
-    out_s, st_s = scanned.apply(vs, _x(), train=True, mutable=mutable, **step)
+    out_s = train_s
     _assert_close_to_scale(out_u, out_s)
     if name.startswith("progressive"):
         np.testing.assert_allclose(jax.tree.leaves(st_u["schedule"]), 0.75)

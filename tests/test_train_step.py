@@ -105,8 +105,9 @@ def test_step_updates_backward_stats_by_the_gradient_rule(norm):
                                     rngs={"dropout": rng}, mutable=["batch_stats"])
         return jnp.mean(steps_lib.cross_entropy(logits, labels)), mutated["batch_stats"]
 
-    _, forward_stats = loss_of(params, stats)
-    cotangent = jax.grad(lambda s: loss_of(params, s)[0])(stats)
+    # each one jitted program (op by op, each primitive of the model was compiled alone: seconds)
+    _, forward_stats = jax.jit(loss_of)(params, stats)
+    cotangent = jax.jit(jax.grad(lambda s: loss_of(params, s)[0]))(stats)
     want = jax.tree.map(lambda m, g: np.asarray(m, np.float64) + np.asarray(g, np.float64),
                         forward_stats, cotangent)
     new_state, _ = step(state, batches[0])
