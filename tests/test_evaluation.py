@@ -63,7 +63,7 @@ def test_multi_hot():
 def test_eval_mode_gives_the_training_eval_and_the_ema(tmp_path):
     from normvit_jax.train import loop
     cfg = tiny_demo_config(total_steps=2, eval_every=2, checkpoint_every=2, log_every=2,
-                           ema_decay=0.9)
+                           ema_decay=0.9, **{"model.depth": 1})
     trained = loop.train_and_evaluate(cfg, str(tmp_path))["eval"]
     for step in (None, 2):  # the newest checkpoint, and one named by its step
         out = evaluation.evaluate_checkpoint(cfg, str(tmp_path), step)
@@ -88,7 +88,8 @@ def test_eval_mode_gives_the_training_eval_and_the_ema(tmp_path):
     finally:
         data.make_pipeline = real_make
     assert opened == []
-    wider = tiny_demo_config(total_steps=2, ema_decay=0.9, **{"model.hidden_size": 48})
+    wider = tiny_demo_config(total_steps=2, ema_decay=0.9,
+                             **{"model.hidden_size": 48, "model.depth": 1})
     with pytest.raises(run_config.ConfigChangedError, match=r"^--mode=eval: this config's model "
                        r"is not the run's: model.hidden_size: 32 -> 48 \(its config.json in "):
         evaluation.evaluate_checkpoint(wider, str(tmp_path))  # refused before anything is built
@@ -230,7 +231,7 @@ def test_eval_step_sums_real_counts_from_its_own_forward():
     from normvit_jax.train.state import TrainState
     mdl = models.create({"variant": "Ti/4", "depth": 1, "hidden_size": 16, "num_heads": 2,
                          "mlp_dim": 32, "norm": {"name": "layernorm"}}, 6)
-    v = mdl.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))
+    v = jax.jit(mdl.init)(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))
     state = TrainState.create(v["params"], {}, optax.sgd(0.1), jax.random.key_data(jax.random.key(1)))
     mesh = sharding.make_mesh()
     rep = jax.tree.map(lambda _: sharding.replicated(mesh), state)
@@ -244,8 +245,9 @@ def test_eval_step_sums_real_counts_from_its_own_forward():
                         "mask": np.array([1] * 8 if b == 0 else [1] * 5 + [0] * 3, np.float32),
                         "real": real.multi_hot(sets, 6)})
     hits = count = 0
+    forward = jax.jit(lambda v, x: mdl.apply(v, x, train=False))  # one compile, not op by op
     for bt in batches:  # numpy's count from a separate forward
-        pred = np.asarray(mdl.apply(v, bt["image"], train=False)).argmax(-1)
+        pred = np.asarray(forward(v, bt["image"])).argmax(-1)
         scored = (bt["mask"] > 0) & (bt["real"].sum(-1) > 0)
         hits += int((scored & (bt["real"][np.arange(8), pred] > 0)).sum())
         count += int(scored.sum())
@@ -306,7 +308,8 @@ def test_eval_with_another_model_is_refused_unless_allowed_and_never_overwrites(
     from normvit_jax.train import loop
     from tests.conftest import REPO_ROOT
     workdir = str(tmp_path / "run")
-    cfg = tiny_demo_config(total_steps=2, eval_every=2, checkpoint_every=2, log_every=2)
+    cfg = tiny_demo_config(total_steps=2, eval_every=2, checkpoint_every=2, log_every=2,
+                           **{"model.depth": 1})
     trained = loop.train_and_evaluate(cfg, workdir)["eval"]
     own = evaluation.evaluate_checkpoint(checkpoints.load_config(workdir), workdir)
     assert own["metrics"]["top1"] == trained["top1"]
