@@ -16,9 +16,16 @@ import pytest
 from configs import run_config as run_config_file
 from normvit_jax import cli, run_code, run_config
 from normvit_jax.train import loop
-from tests.conftest import REPO_ROOT, tiny_demo_config
+from tests.conftest import REPO_ROOT
+from tests.conftest import tiny_demo_config as _tiny_demo_config
 
 pytestmark = pytest.mark.usefixtures("compile_cache")
+
+
+def tiny_demo_config(**overrides):
+    """The tiny demo with one block: what these tests check (the config, its records and lines,
+    the resume) is the same at any depth."""
+    return _tiny_demo_config(**{"model.depth": 1, **overrides})
 
 
 def _saved(wd) -> dict:
