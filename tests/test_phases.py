@@ -40,7 +40,8 @@ def test_phases_start_where_the_schedules_change_and_only_progressive_norms_lear
 
 
 def _state(model, images):
-    v = model.init(jax.random.key(0), images, train=False)
+    init = jax.jit(lambda k, x: model.init(k, x, train=False))  # compiled once, not op by op
+    v = init(jax.random.key(0), images)
     return TrainState.create(v["params"], v["batch_stats"], optax.sgd(0.1),
                              jax.random.key_data(jax.random.key(1)))
 
@@ -117,7 +118,8 @@ def test_the_loop_pauses_its_eta_while_the_next_phase_compiles(tmp_path, monkeyp
 
     monkeypatch.setattr(progress.Eta, "paused", counting)
     c = tiny_demo_config(**{"model.norm": {"name": "progressive", "warmup_steps": 0,
-                                           "decay_steps": 3}, "checkpoint_every": 6})
+                                           "decay_steps": 3}, "checkpoint_every": 6,
+                           "model.depth": 1})
     with caplog.at_level(logging.INFO, logger="absl"):
         loop.train_and_evaluate(c, str(tmp_path / "w"))
     # one eval and one save at step 6, and the phase that starts at step 4
