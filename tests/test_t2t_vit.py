@@ -234,7 +234,7 @@ def test_fused_and_separate_attention_agree_without_qkv_bias():
 def test_un_folds_into_the_stem_and_blocks():
     from tests.test_reparam import random_variables
     cfg = tiny("unified")
-    variables = random_variables(dict(cfg))
+    variables = jax.jit(lambda: random_variables(dict(cfg)))()  # one compile, not op by op
     images = jax.random.normal(jax.random.key(7), (3, 16, 16, 3))
     want = np.asarray(jax.jit(models.create(cfg, 5).apply)(variables, images))
     spec, folded, report = reparam.fold(cfg, variables)
