@@ -87,8 +87,13 @@ def _probs(rows: list[dict]) -> np.ndarray:
     return np.array([[dict(r["top"])[str(c)] for c in range(10)] for r in rows])
 
 
+_STATES: dict = {}
+
+
 def _arrays(workdir: str) -> tuple[dict, dict]:
-    state, _ = checkpoints.load_state(workdir)
+    if workdir not in _STATES:  # restored once per workdir (read only here)
+        _STATES[workdir] = checkpoints.load_state(workdir)[0]
+    state = _STATES[workdir]
     raw = {"params": state["params"], "batch_stats": state["batch_stats"]}
     ema = {"params": _by_path(state, "ema_params"), "batch_stats": _by_path(state, "ema_batch_stats")}
     # the test means something only if the EMA differs from the raw model
