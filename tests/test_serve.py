@@ -686,44 +686,48 @@ def test_requests_connected_before_a_signal_are_all_answered(served):
     png = _encode(np.zeros((8, 8, 3), np.uint8))
     request = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(png)
                + png)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        proc = _start_with_sigint_handled(served[3])
-        conns = []
-        try:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()[-2000:]
-            port = int(json.loads(line)["url"].rsplit(":", 1)[1])
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as r:
-                assert r.status == 200
-            for _ in range(20):  # connected and taken, no request yet
-                conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
-            time.sleep(0.5)
-            proc.send_signal(signal.SIGSTOP)
-            for _ in range(20):  # in the backlog, with their whole request
-                conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
-                conns[-1].sendall(request)
-            proc.send_signal(sig)
-            proc.send_signal(signal.SIGCONT)
-            time.sleep(0.3)
-            conns[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # stopping
-            for c in conns[1:20]:
-                c.sendall(request)
-            answers = []
-            for c in conns:
-                data = b""
-                try:
-                    while chunk := c.recv(65536):
-                        data += chunk
-                except OSError as e:
-                    data += repr(e).encode()
-                answers.append(data.split(b"\r\n", 1)[0])
-            _, err = proc.communicate(timeout=serve_grace() + 60)
-            assert answers == [b"HTTP/1.1 503 Service Unavailable"] + [b"HTTP/1.1 200 OK"] * (
-                len(conns) - 1), (sig, answers)
-            assert "Traceback" not in err, err[-2000:]
-        finally:
-            for c in conns:
-                c.close()
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    procs = [_start_with_sigint_handled(served[3]) for _ in sigs]  # both start up at once
+    try:
+        for sig, proc in zip(sigs, procs):
+            conns = []
+            try:
+                line = proc.stdout.readline()
+                assert line, proc.stderr.read()[-2000:]
+                port = int(json.loads(line)["url"].rsplit(":", 1)[1])
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as r:
+                    assert r.status == 200
+                for _ in range(20):  # connected and taken, no request yet
+                    conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+                time.sleep(0.5)
+                proc.send_signal(signal.SIGSTOP)
+                for _ in range(20):  # in the backlog, with their whole request
+                    conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+                    conns[-1].sendall(request)
+                proc.send_signal(sig)
+                proc.send_signal(signal.SIGCONT)
+                time.sleep(0.3)
+                conns[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # stopping
+                for c in conns[1:20]:
+                    c.sendall(request)
+                answers = []
+                for c in conns:
+                    data = b""
+                    try:
+                        while chunk := c.recv(65536):
+                            data += chunk
+                    except OSError as e:
+                        data += repr(e).encode()
+                    answers.append(data.split(b"\r\n", 1)[0])
+                _, err = proc.communicate(timeout=serve_grace() + 60)
+                assert answers == [b"HTTP/1.1 503 Service Unavailable"] + [
+                    b"HTTP/1.1 200 OK"] * (len(conns) - 1), (sig, answers)
+                assert "Traceback" not in err, err[-2000:]
+            finally:
+                for c in conns:
+                    c.close()
+    finally:
+        for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)
                 proc.kill()
