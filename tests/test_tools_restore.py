@@ -42,12 +42,26 @@ def _command(tool: str, wd: str, out: str) -> list[str]:
     }[tool]
 
 
-def _run(tool: str, wd: str, out) -> subprocess.CompletedProcess:
+def _start(tool: str, wd: str, out) -> subprocess.Popen:
     os.makedirs(out, exist_ok=True)
     Image.fromarray(np.full((8, 8, 3), 128, np.uint8)).save(os.path.join(out, "img.png"))
-    return subprocess.run([sys.executable, *_command(tool, wd, str(out))], cwd=REPO_ROOT,
-                          env={**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
-                          capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.Popen([sys.executable, *_command(tool, wd, str(out))], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _run(tool: str, wd: str, out) -> subprocess.CompletedProcess:
+    return _finish(_start(tool, wd, out))
 
 
 @pytest.fixture(scope="module")
@@ -81,23 +95,36 @@ def _truncate_metadata(step_dir: str) -> str:
     return path
 
 
+DAMAGED_TOOLS = ("predict", "reparam", "export", "attention", "recalibrate")
+
+
 @pytest.fixture(scope="module")
 def on_damaged(run, tmp_path_factory):
     """tool -> (workdir, out folder, the command's result): the tool run once on its own copy of
-    the run whose newest checkpoint has a truncated data file (predict's serves two tests)."""
-    done = {}
+    the run whose newest checkpoint has a truncated data file (predict's serves two tests). The
+    five processes start together on the first request (each reads only its own copy), so
+    their start-ups overlap."""
+    started, done = {}, {}
 
     def get(tool: str):
+        if not started:
+            for t in DAMAGED_TOOLS:
+                root = tmp_path_factory.mktemp(f"damaged_{t}")
+                wd = _copy(run, root / "wd")
+                _truncate_data(os.path.join(wd, "checkpoints", "6"))
+                started[t] = wd, root / "out", _start(t, wd, root / "out")
         if tool not in done:
-            root = tmp_path_factory.mktemp(f"damaged_{tool}")
-            wd = _copy(run, root / "wd")
-            _truncate_data(os.path.join(wd, "checkpoints", "6"))
-            done[tool] = wd, root / "out", _run(tool, wd, root / "out")
+            wd, out, p = started[tool]
+            done[tool] = wd, out, _finish(p)
         return done[tool]
-    return get
+    yield get
+    for _, _, p in started.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
 
 
-@pytest.mark.parametrize("tool", ["predict", "reparam", "export", "attention", "recalibrate"])
+@pytest.mark.parametrize("tool", DAMAGED_TOOLS)
 def test_each_tool_skips_a_damaged_newest_checkpoint_with_one_warning(on_damaged, tool):
     wd, out_dir, r = on_damaged(tool)
     out = r.stdout + r.stderr
