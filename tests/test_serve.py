@@ -549,16 +549,18 @@ def test_an_ipv6_host_prints_a_url_that_works(served):
         socket.socket(socket.AF_INET6).bind(("::1", 0))
     except OSError:
         pytest.skip("no IPv6 loopback here")
-    for host in ("::1", "[::1]"):
-        proc = _start(f"--artifact={served[3]}", "--port=0", f"--host={host}")
-        try:
+    procs = [_start(f"--artifact={served[3]}", "--port=0", f"--host={host}")
+             for host in ("::1", "[::1]")]  # both start up at once
+    try:
+        for proc in procs:
             line = proc.stdout.readline()
             assert line, proc.stderr.read()[-2000:]
             url = json.loads(line)["url"]
             assert url.startswith("http://[::1]:"), url
             with urllib.request.urlopen(f"{url}/healthz", timeout=30) as r:
                 assert r.status == 200
-        finally:
+    finally:
+        for proc in procs:
             proc.terminate()
             proc.wait(timeout=30)
 
