@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import os
 import re
@@ -402,7 +403,8 @@ def test_an_artifact_leaves_the_training_stream_layout_pin_out():
     pinned = models.create(models.spec_of(c.model, 3), 3)
     x = np.random.default_rng(0).integers(0, 256, (2, c.data.image_size, c.data.image_size, 3),
                                           dtype=np.uint8)
-    variables = pinned.init(jax.random.PRNGKey(0), x.astype(np.float32), train=False)
+    variables = jax.jit(functools.partial(pinned.init, train=False))(  # one compile, not per op
+        jax.random.PRNGKey(0), x.astype(np.float32))
     b = bundle.from_variables(c, c.model, variables, 3, log=None)
     assert b.model.stream_layout == "free"
     exp = stablehlo_format.exported(b, None)

@@ -34,6 +34,7 @@ class Run:
 
     def __init__(self, env: dict, workdir, *flags: str, instrumented: bool = False):
         script = "tests/fault_main.py" if instrumented else "main.py"
+        self.workdir = workdir
         self.p = subprocess.Popen([sys.executable, script, f"--config={CONFIG}",
                                    f"--workdir={workdir}", *flags], cwd=REPO_ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -94,10 +95,20 @@ def env(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(env, tmp_path_factory):
+def reference_started(env, tmp_path_factory):
+    """The uninterrupted run, started (the first test runs its own beside it)."""
+    run = Run(env, tmp_path_factory.mktemp("reference") / "run")
+    yield run
+    if run.p.poll() is None:
+        run.p.kill()
+        run.finish()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_started):
     """One uninterrupted run: checkpoints 15, 20, 24."""
-    wd = tmp_path_factory.mktemp("reference") / "run"
-    rc, out = Run(env, wd).finish()
+    wd = reference_started.workdir
+    rc, out = reference_started.finish()
     assert rc == cli.EXIT_OK, out[-4000:]
     assert checkpoints.complete_steps(wd) == [15, 20, 24]
     return wd
@@ -108,8 +119,9 @@ def copy(reference, dest) -> str:
     return str(dest)
 
 
-def test_ctrl_c_saves_one_line_exit_42_and_resumes_bit_identical(env, reference, tmp_path):
-    wd = tmp_path / "run"
+def test_ctrl_c_saves_one_line_exit_42_and_resumes_bit_identical(env, reference_started, request,
+                                                                 tmp_path):
+    wd = tmp_path / "run"  # run while the reference runs
     run = Run(env, wd)
     run.wait_for(rf"step 4/{STEPS}:")
     run.p.send_signal(signal.SIGINT)
@@ -120,7 +132,7 @@ def test_ctrl_c_saves_one_line_exit_42_and_resumes_bit_identical(env, reference,
     assert 4 <= step < STEPS and max(checkpoints.complete_steps(wd)) == step
     rc, out = Run(env, wd).finish()  # the same command again
     assert rc == cli.EXIT_OK and f"Resumed from the checkpoint at step {step} " in out, out[-4000:]
-    assert_same_state(reference, wd)
+    assert_same_state(request.getfixturevalue("reference"), wd)
 
 
 def test_ctrl_c_of_a_fresh_run_says_to_rerun_without_fresh(env, reference, tmp_path):
@@ -203,7 +215,8 @@ def test_damaged_newest_checkpoint_one_warning_and_fallback_in_train_and_eval(en
     damaged = (r"Checkpoint at step 24 in \S+ is damaged \(.+\)%s; "
                r"using step 20 instead\.")
 
-    rc, out = Run(env, eval_wd, "--mode=eval").finish()
+    evaluated, trained = Run(env, eval_wd, "--mode=eval"), Run(env, train_wd)  # at once
+    rc, out = evaluated.finish()
     assert rc == cli.EXIT_OK, out[-4000:]
     one_line(out, damaged % "")
     result = json.loads(out.strip().splitlines()[-1])
@@ -211,7 +224,7 @@ def test_damaged_newest_checkpoint_one_warning_and_fallback_in_train_and_eval(en
     one_line(out, r"eval of step 20 on digits:test")
     assert checkpoints.complete_steps(eval_wd) == [15, 20, 24]  # eval moves nothing
 
-    rc, out = Run(env, train_wd).finish()  # the run's own command again: redoes steps 21-24
+    rc, out = trained.finish()  # the run's own command again: redoes steps 21-24
     assert rc == cli.EXIT_OK, out[-4000:]
     one_line(out, damaged % r"; moved to \S+damaged_checkpoints/24")
     assert len(out.splitlines()) < 20, out

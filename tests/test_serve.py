@@ -338,7 +338,21 @@ def test_100_concurrent_requests_are_all_answered_correctly(served):
         _check(got, want[i % 10])
 
 
-def test_command_errors_are_one_line_exit_2(tmp_path, served):
+def _serve_main(args: list[str], capsys) -> tuple[int, str]:
+    """The command's ``main`` in this process, for an error before it serves: (exit status,
+    stderr). An exception other than its exit fails the test (a traceback in a real process)."""
+    from normvit_jax import serve
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        serve.main(args)
+    return e.value.code, capsys.readouterr().err
+
+
+def test_command_errors_are_one_line_exit_2(tmp_path, served, capsys):
+    """The first error as typed, in a process (its real exit status and stderr; also
+    test_a_port_in_use_is_said_before_the_model_loads); the others through the command's main in
+    this process, which ends in the same one-line exit; a tiny --max_pixels is served in
+    test_ctrl_c_of_a_background_job_is_one_line_and_130_too."""
     r = _start(f"--artifact={tmp_path / 'missing.onnx'}")
     _, err = r.communicate(timeout=120)
     assert r.returncode == 2 and "Traceback" not in err
@@ -350,32 +364,24 @@ def test_command_errors_are_one_line_exit_2(tmp_path, served):
         (damaged / name).write_bytes((Path(served[3]).parent / name).read_bytes())
     (damaged / "model.onnx").write_bytes(Path(served[3]).read_bytes())
     (damaged / "model.onnx.json").write_text('{"format": "onn')
-    r = _start(f"--artifact={damaged / 'model.onnx'}")
-    _, err = r.communicate(timeout=120)
-    assert r.returncode == 2 and "Traceback" not in err, err[-2000:]
+    code, err = _serve_main([f"--artifact={damaged / 'model.onnx'}"], capsys)
+    assert code == 2 and "Traceback" not in err, err[-2000:]
     assert err.strip().splitlines()[-1].startswith(
         f"python -m normvit_jax.serve: error: {damaged / 'model.onnx.json'} is not readable JSON")
     (damaged / "model.onnx.json").write_bytes((Path(served[3]).parent / "model.onnx.json"
                                                ).read_bytes())
     (damaged / "model.onnx").write_bytes(Path(served[3]).read_bytes()[:1000])
-    r = _start(f"--artifact={damaged / 'model.onnx'}")
-    _, err = r.communicate(timeout=120)
-    assert r.returncode == 2 and "Traceback" not in err, err[-2000:]
+    code, err = _serve_main([f"--artifact={damaged / 'model.onnx'}"], capsys)
+    assert code == 2 and "Traceback" not in err, err[-2000:]
     assert err.strip().splitlines()[-1].startswith(
         f"python -m normvit_jax.serve: error: {damaged / 'model.onnx'} cannot be loaded by "
         "onnxruntime (InvalidProtobuf: ")
-    r = _start(f"--artifact={served[3]}", "--port=0", "--max_pixels=3")  # a tiny limit is valid
-    assert json.loads(r.stdout.readline())["format"] == "onnx", r.stderr.read()[-2000:]
-    r.terminate()
-    r.wait(timeout=30)
-    r = _start(f"--artifact={served[3]}", "--threads=-1", "--workers=0")
-    _, err = r.communicate(timeout=120)
-    assert r.returncode == 2 and err.strip().splitlines()[-1].startswith(
+    code, err = _serve_main([f"--artifact={served[3]}", "--threads=-1", "--workers=0"], capsys)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
         "python -m normvit_jax.serve: error: --workers=0, --threads=-1 is not accepted; "), err
     port = int(served[0].rsplit(":", 1)[1])  # taken by the running service
-    r = _start(f"--artifact={served[3]}", f"--port={port}")
-    _, err = r.communicate(timeout=120)
-    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err[-2000:]
+    code, err = _serve_main([f"--artifact={served[3]}", f"--port={port}"], capsys)
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err[-2000:]
 
 
 def test_onnx_sessions_spin_by_default_and_can_sleep_between_calls(monkeypatch, tmp_path):
@@ -432,12 +438,14 @@ def test_ctrl_c_of_a_background_job_is_one_line_and_130_too(served):
     and re-raised it into the ignored disposition: exit 0, no line (the foreground's is 130)."""
     import signal
     proc = subprocess.Popen([sys.executable, "-m", "normvit_jax.serve", f"--artifact={served[3]}",
-                             "--port=0"], cwd=REPO_ROOT,
+                             "--port=0", "--max_pixels=3"], cwd=REPO_ROOT,  # a tiny limit is valid
                             env={**os.environ, "PYTHONPATH": REPO_ROOT},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        assert proc.stdout.readline(), proc.stderr.read()[-2000:]  # serving
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-2000:]  # serving
+        assert json.loads(line)["format"] == "onnx", line  # (test_command_errors_are_one_line_...)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -541,16 +549,18 @@ def test_an_ipv6_host_prints_a_url_that_works(served):
         socket.socket(socket.AF_INET6).bind(("::1", 0))
     except OSError:
         pytest.skip("no IPv6 loopback here")
-    for host in ("::1", "[::1]"):
-        proc = _start(f"--artifact={served[3]}", "--port=0", f"--host={host}")
-        try:
+    procs = [_start(f"--artifact={served[3]}", "--port=0", f"--host={host}")
+             for host in ("::1", "[::1]")]  # both start up at once
+    try:
+        for proc in procs:
             line = proc.stdout.readline()
             assert line, proc.stderr.read()[-2000:]
             url = json.loads(line)["url"]
             assert url.startswith("http://[::1]:"), url
             with urllib.request.urlopen(f"{url}/healthz", timeout=30) as r:
                 assert r.status == 200
-        finally:
+    finally:
+        for proc in procs:
             proc.terminate()
             proc.wait(timeout=30)
 
@@ -678,44 +688,48 @@ def test_requests_connected_before_a_signal_are_all_answered(served):
     png = _encode(np.zeros((8, 8, 3), np.uint8))
     request = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(png)
                + png)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        proc = _start_with_sigint_handled(served[3])
-        conns = []
-        try:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()[-2000:]
-            port = int(json.loads(line)["url"].rsplit(":", 1)[1])
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as r:
-                assert r.status == 200
-            for _ in range(20):  # connected and taken, no request yet
-                conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
-            time.sleep(0.5)
-            proc.send_signal(signal.SIGSTOP)
-            for _ in range(20):  # in the backlog, with their whole request
-                conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
-                conns[-1].sendall(request)
-            proc.send_signal(sig)
-            proc.send_signal(signal.SIGCONT)
-            time.sleep(0.3)
-            conns[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # stopping
-            for c in conns[1:20]:
-                c.sendall(request)
-            answers = []
-            for c in conns:
-                data = b""
-                try:
-                    while chunk := c.recv(65536):
-                        data += chunk
-                except OSError as e:
-                    data += repr(e).encode()
-                answers.append(data.split(b"\r\n", 1)[0])
-            _, err = proc.communicate(timeout=serve_grace() + 60)
-            assert answers == [b"HTTP/1.1 503 Service Unavailable"] + [b"HTTP/1.1 200 OK"] * (
-                len(conns) - 1), (sig, answers)
-            assert "Traceback" not in err, err[-2000:]
-        finally:
-            for c in conns:
-                c.close()
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    procs = [_start_with_sigint_handled(served[3]) for _ in sigs]  # both start up at once
+    try:
+        for sig, proc in zip(sigs, procs):
+            conns = []
+            try:
+                line = proc.stdout.readline()
+                assert line, proc.stderr.read()[-2000:]
+                port = int(json.loads(line)["url"].rsplit(":", 1)[1])
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as r:
+                    assert r.status == 200
+                for _ in range(20):  # connected and taken, no request yet
+                    conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+                time.sleep(0.5)
+                proc.send_signal(signal.SIGSTOP)
+                for _ in range(20):  # in the backlog, with their whole request
+                    conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+                    conns[-1].sendall(request)
+                proc.send_signal(sig)
+                proc.send_signal(signal.SIGCONT)
+                time.sleep(0.3)
+                conns[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # stopping
+                for c in conns[1:20]:
+                    c.sendall(request)
+                answers = []
+                for c in conns:
+                    data = b""
+                    try:
+                        while chunk := c.recv(65536):
+                            data += chunk
+                    except OSError as e:
+                        data += repr(e).encode()
+                    answers.append(data.split(b"\r\n", 1)[0])
+                _, err = proc.communicate(timeout=serve_grace() + 60)
+                assert answers == [b"HTTP/1.1 503 Service Unavailable"] + [
+                    b"HTTP/1.1 200 OK"] * (len(conns) - 1), (sig, answers)
+                assert "Traceback" not in err, err[-2000:]
+            finally:
+                for c in conns:
+                    c.close()
+    finally:
+        for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)
                 proc.kill()
