@@ -173,7 +173,7 @@ def _import_tensorflow_without_keras() -> None:
     try:
         import tensorflow  # noqa: F401
     finally:
-        if blocked and _KERAS_EAGER_IMPORT in sys.modules and sys.modules[_KERAS_EAGER_IMPORT] is None:
+        if blocked and sys.modules.get(_KERAS_EAGER_IMPORT, False) is None:  # still our block
             del sys.modules[_KERAS_EAGER_IMPORT]
 
 
