@@ -214,6 +214,28 @@ def _jax_backend_started():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_run_log_left_on_the_absl_logger():
+    """A test that leaves a run's training.log handler, or ``run_log._attach``'s filter, on the
+    absl logger changes what every later test in its worker logs and captures (a stale filter
+    keeps INFO lines from caplog): it fails here, and the logger is cleaned for the next test."""
+    from absl import logging as absl_logging
+    from normvit_jax import run_log
+    yield
+    absl_logger = absl_logging.get_absl_logger()
+    left = [h for h in absl_logger.handlers if isinstance(h, run_log._LogFileHandler)] + \
+        [f for f in absl_logger.filters if isinstance(f, run_log._OnlyToFile)]
+    for item in left:
+        if isinstance(item, run_log._OnlyToFile):
+            absl_logger.removeFilter(item)
+        else:
+            absl_logger.removeHandler(item)
+            item.close()
+    if left:
+        absl_logger.setLevel(0)  # NOTSET: the level _attach raised goes with its filter
+        pytest.fail(f"the test left {left} on the absl logger (a RunLog not ended)")
+
+
 def pytest_configure(config):
     """The run's shared compilation cache (_shared_compile_cache), in this process's JAX too (JAX
     read its environment when this file imported it)."""

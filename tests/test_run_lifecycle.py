@@ -271,7 +271,25 @@ def test_ctrl_c_in_start_up_exits_for_the_command_line_and_raises_for_a_library(
         assert "starting up" not in err
 
 
-def test_abrupt_end_before_the_first_step_keeps_the_runs_last_end(tmp_path):
+@pytest.fixture
+def absl_logger_as_before():
+    """``abrupt_end`` is followed by ``os._exit`` in a real process, so it leaves its training.log
+    handler and ``_attach``'s level and filter on the absl logger; in this test process they
+    would outlive the test (a stale filter would keep INFO lines from a later test's caplog)."""
+    from absl import logging
+    absl_logger = logging.get_absl_logger()
+    level, handlers, filters = absl_logger.level, list(absl_logger.handlers), \
+        list(absl_logger.filters)
+    yield
+    for handler in set(absl_logger.handlers) - set(handlers):
+        absl_logger.removeHandler(handler)
+        handler.close()
+    for kept in set(absl_logger.filters) - set(filters):
+        absl_logger.removeFilter(kept)
+    absl_logger.setLevel(level)
+
+
+def test_abrupt_end_before_the_first_step_keeps_the_runs_last_end(tmp_path, absl_logger_as_before):
     """main.py's Ctrl-C during the re-run of a finished run (start-up: os._exit) wrote
     {"state": "preempted", "step": null, "exit_code": 130}: the run's `finished` was lost. It
     stays, with the interrupted start in last_start; a new run's record is as before, and a
