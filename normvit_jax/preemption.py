@@ -15,7 +15,9 @@ which ``cli.run`` calls first), before the slow imports. Until the first train s
 (``SigtermFlag.started``) there is nothing new to save, so a signal stops the process at once with
 one line: Ctrl-C exits 130, SIGTERM 42 (a scheduler requeues it). Start-up spends most of its time
 in C++ (XLA compiling), where Python signal handlers wait for the call to return; a thread woken
-through ``signal.set_wakeup_fd`` stops the process without waiting.
+through ``signal.set_wakeup_fd`` stops the process without waiting. The same thread ends the
+process at a second signal after start-up, which must not wait either (the main thread may be in
+C++ for as long as a checkpoint commit or a device step takes).
 
 Stopping the process at once is the command line's (``SigtermFlag(exit_at_once=True)``, which
 ``cli.run`` asks for through ``train_and_evaluate(exit_at_once=True)``). A library caller (a
@@ -89,8 +91,12 @@ def _stop_starting(signum: int, flag: "SigtermFlag") -> None:
 
 
 def _watch(read_fd: int, flag: "SigtermFlag") -> None:
-    """Reads the signal numbers the C-level handler writes (set_wakeup_fd); in start-up, stops."""
-    while True:
+    """Reads the signal numbers the C-level handler writes (set_wakeup_fd); in start-up, stops;
+    after it, the second signal stops too. The main thread's Python handler does both as well,
+    but only once the C++ call it is in returns (a held checkpoint commit, a long device step):
+    a user's second Ctrl-C must not wait for that."""
+    after_start_up = 0  # signals read since the first step, counted here: the handler may not
+    while True:         # have run for the first one yet
         try:
             data = os.read(read_fd, 64)
         except OSError:
@@ -101,9 +107,32 @@ def _watch(read_fd: int, flag: "SigtermFlag") -> None:
         for signum in data:
             # a library caller's Ctrl-C: the Python handler raises KeyboardInterrupt instead;
             # a byte read after its flag was left (and maybe another entered) is not this one's
-            if _starting and _installed is flag and signum in SIGNALS \
-                    and not _raises(flag, signum):
-                _stop_starting(signum, flag)
+            if _installed is not flag or signum not in SIGNALS:
+                continue
+            if _starting:
+                if not _raises(flag, signum):
+                    _stop_starting(signum, flag)
+                continue
+            after_start_up += 1
+            if after_start_up > 1 and not _raises(flag, signum):
+                _stop_again(signum, flag)
+            elif after_start_up > 1:
+                _received_in_watcher(signum)
+
+
+def _received_in_watcher(signum: int) -> None:
+    """A library caller's second Ctrl-C: Python runs its handler once for Ctrl-Cs that came during
+    one C++ call, which would take two for one; marked received here, that one raises."""
+    global _received, _signum
+    if not _received:
+        _received, _signum = True, signum
+
+
+def _stop_again(signum: int, flag: "SigtermFlag") -> None:
+    """Ends the process at a second signal after start-up (see the module docstring)."""
+    with _exit_lock:
+        _exit_now(flag, 128 + signum, f"{_name(signum)} again: stopped at once, nothing saved "
+                  f"since the last checkpoint; {_rerun} to resume from it.", flag.step)
 
 
 def _raises(flag: "SigtermFlag", signum: int) -> bool:
@@ -119,9 +148,7 @@ def _handle(flag: "SigtermFlag", signum, frame) -> None:
     if _starting:
         _stop_starting(signum, flag)
     if _received:  # the second one: the user does not want to wait for the step and the save
-        with _exit_lock:
-            _exit_now(flag, 128 + signum, f"{_name(signum)} again: stopped at once, nothing saved "
-                      f"since the last checkpoint; {_rerun} to resume from it.", flag.step)
+        _stop_again(signum, flag)
     _received, _signum = True, signum
     if flag.exit_at_once:
         then, again = "exiting", "stops at once"

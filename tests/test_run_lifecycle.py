@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import pytest
 
@@ -269,6 +270,61 @@ def test_ctrl_c_in_start_up_exits_for_the_command_line_and_raises_for_a_library(
     else:
         assert type(raised.value) is KeyboardInterrupt and not codes and not ended, codes
         assert "starting up" not in err
+
+
+_DEAF_MAIN_THREAD = """
+import signal, sys, time
+from normvit_jax import preemption
+with preemption.SigtermFlag(exit_at_once=sys.argv[1] == "cli") as flag:
+    flag.started()
+    flag.step = 7
+    # the signals go to the watcher thread, and the main thread runs no Python signal handler
+    # for SLEEP_S, as in a C++ call (a held checkpoint commit, a long device step)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    print("deaf", flush=True)
+    try:
+        time.sleep(float(sys.argv[2]))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        time.sleep(0.5)  # the handlers run now (Python's own check after the call returns)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+        sys.exit(3)
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("caller,signum,code", [
+    ("cli", "SIGINT", 130), ("cli", "SIGTERM", 143), ("library", "SIGTERM", 143),
+    ("library", "SIGINT", 3)])
+def test_a_second_signal_does_not_wait_for_the_main_threads_cxx_call(caller, signum, code):
+    """main.py's second Ctrl-C ran in the main thread's Python handler, which waits for the C++
+    call it is in to return: a CI run waited 90 s (three held checkpoint commits) for "stopped at
+    once". The signal watcher ends it now; a library caller's second Ctrl-C still waits to raise
+    KeyboardInterrupt in its own thread (exit 3 here), and its SIGTERM ends the process too."""
+    import signal
+    import subprocess
+    sleep_s = 60 if code != 3 else 3
+    p = subprocess.Popen([sys.executable, "-c", _DEAF_MAIN_THREAD, caller, str(sleep_s)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert p.stdout.readline() == "deaf\n"
+        sig = getattr(signal, signum)
+        p.send_signal(sig)
+        time.sleep(0.3)
+        t = time.time()
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=sleep_s + 30)
+    finally:
+        p.kill()
+    assert p.returncode == code, (p.returncode, out, err)
+    name = "Ctrl-C" if signum == "SIGINT" else signum
+    again = f"{name} again: stopped at once, nothing saved since the last checkpoint"
+    if code == 3:
+        assert "KeyboardInterrupt" in out and again not in err, (out, err)
+    else:
+        assert time.time() - t < 15, time.time() - t  # not the 60 s of the main thread's call
+        assert err.count(again) == 1 and "returned" not in out, (out, err)
 
 
 @pytest.fixture
