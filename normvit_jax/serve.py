@@ -298,18 +298,35 @@ def _serve(args: Any) -> None:
     import uvicorn
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host  # http://[::1]:8000, not http://::1:8000
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        # A background job of a non-interactive shell (`serve ... &` in a script) starts with
-        # SIGINT ignored; uvicorn stops on it anyway (its own handler), then re-raised it into
-        # the ignored disposition: exit 0 and no line. Since it stops, say so as in a terminal:
-        # one line and 130. (Left ignored while loading, as the shell asked; set before the
-        # line saying it serves, which a script may answer with `kill -INT` at once.)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    print(json.dumps({"serving": args.artifact, "format": model.fmt, "url":
-                      f"http://{host}:{port}"}), flush=True)
     config = uvicorn.Config(make_app(model, args.max_bytes, args.workers), log_level="warning",
                             backlog=2048, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-    _server_class()(config).run(sockets=[sock])
+    server = _server_class()(config)
+    interrupted = _stop_on_ctrl_c(server)
+    print(json.dumps({"serving": args.artifact, "format": model.fmt, "url":
+                      f"http://{host}:{port}"}), flush=True)
+    server.run(sockets=[sock])
+    if interrupted:
+        raise KeyboardInterrupt  # cli.tool_errors: one line, exit 130
+
+
+def _stop_on_ctrl_c(server: Any) -> list[int]:
+    """From the line saying it serves (which a script may answer with `kill -INT` at once) until
+    uvicorn's own handler is in place, and when uvicorn hands the signal back after its shutdown:
+    a Ctrl-C is recorded in the list returned and stops ``server`` as uvicorn's handler does.
+
+    Python's default handler raised KeyboardInterrupt wherever the main thread was, also in a
+    garbage-collection callback (JAX has one), which ignores it: the service then served on and
+    never stopped. A background job of a non-interactive shell (`serve ... &` in a script)
+    starts with SIGINT ignored (left so while loading, as the shell asked); uvicorn stops on it
+    anyway, so it gets the terminal's one line and 130 as well."""
+    interrupted: list[int] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        interrupted.append(signum)
+        server.should_exit = True  # uvicorn's handle_exit: checked at start-up and every tick
+
+    signal.signal(signal.SIGINT, on_sigint)
+    return interrupted
 
 
 if __name__ == "__main__":
