@@ -114,10 +114,12 @@ def _watch(read_fd: int, flag: "SigtermFlag") -> None:
                     _stop_starting(signum, flag)
                 continue
             after_start_up += 1
-            if after_start_up > 1 and not _raises(flag, signum):
-                _stop_again(signum, flag)
-            elif after_start_up > 1:
+            if after_start_up == 1:
+                continue  # the first: the Python handler's (finish the step, save)
+            if _raises(flag, signum):
                 _received_in_watcher(signum)
+            else:
+                _stop_again(signum, flag)
 
 
 def _received_in_watcher(signum: int) -> None:

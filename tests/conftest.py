@@ -214,14 +214,11 @@ def _jax_backend_started():
     yield
 
 
-@pytest.fixture(autouse=True)
-def _no_run_log_left_on_the_absl_logger():
-    """A test that leaves a run's training.log handler, or ``run_log._attach``'s filter, on the
-    absl logger changes what every later test in its worker logs and captures (a stale filter
-    keeps INFO lines from caplog): it fails here, and the logger is cleaned for the next test."""
+def detach_run_logs() -> list:
+    """Removes (and closes) what ``run_log`` attaches to the absl logger, a run's training.log
+    handler and ``_attach``'s filter, where a RunLog was not ended; returns what it removed."""
     from absl import logging as absl_logging
     from normvit_jax import run_log
-    yield
     absl_logger = absl_logging.get_absl_logger()
     left = [h for h in absl_logger.handlers if isinstance(h, run_log._LogFileHandler)] + \
         [f for f in absl_logger.filters if isinstance(f, run_log._OnlyToFile)]
@@ -231,8 +228,19 @@ def _no_run_log_left_on_the_absl_logger():
         else:
             absl_logger.removeHandler(item)
             item.close()
+    return left
+
+
+@pytest.fixture(autouse=True)
+def _no_run_log_left_on_the_absl_logger():
+    """A test that leaves a run's training.log handler, or ``run_log._attach``'s filter, on the
+    absl logger changes what every later test in its worker logs and captures (a stale filter
+    keeps INFO lines from caplog): it fails here, and the logger is cleaned for the next test."""
+    yield
+    left = detach_run_logs()
     if left:
-        absl_logger.setLevel(0)  # NOTSET: the level _attach raised goes with its filter
+        from absl import logging as absl_logging
+        absl_logging.get_absl_logger().setLevel(0)  # NOTSET: _attach's level goes with its filter
         pytest.fail(f"the test left {left} on the absl logger (a RunLog not ended)")
 
 

@@ -12,7 +12,7 @@ import pytest
 from normvit_jax import checkpoints, cli, distributed, preflight, run_config, workdir
 from normvit_jax.data import DatasetNotFoundError
 from normvit_jax.train import policy
-from tests.conftest import tiny_demo_config
+from tests.conftest import detach_run_logs, tiny_demo_config
 
 
 def test_step_policy_ladder():
@@ -333,16 +333,10 @@ def absl_logger_as_before():
     handler and ``_attach``'s level and filter on the absl logger; in this test process they
     would outlive the test (a stale filter would keep INFO lines from a later test's caplog)."""
     from absl import logging
-    absl_logger = logging.get_absl_logger()
-    level, handlers, filters = absl_logger.level, list(absl_logger.handlers), \
-        list(absl_logger.filters)
+    level = logging.get_absl_logger().level
     yield
-    for handler in set(absl_logger.handlers) - set(handlers):
-        absl_logger.removeHandler(handler)
-        handler.close()
-    for kept in set(absl_logger.filters) - set(filters):
-        absl_logger.removeFilter(kept)
-    absl_logger.setLevel(level)
+    detach_run_logs()
+    logging.get_absl_logger().setLevel(level)
 
 
 def test_abrupt_end_before_the_first_step_keeps_the_runs_last_end(tmp_path, absl_logger_as_before):
