@@ -443,8 +443,10 @@ def quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
 
 def eval_results(workdir: Any, step: int) -> list[epath.Path]:
     """``--mode=eval``'s result files of ``step`` in ``workdir`` (evaluation.result_path:
-    ``eval_<dataset>_<split>_<step>.json``)."""
-    return sorted(epath.Path(workdir).glob(f"eval_*_{step}.json"))  # not step 16's: '_6.json'
+    ``eval_<dataset>_<split>_<step>.json``, and its confusion-matrix pictures
+    ``eval_<dataset>_<split>_confusion_<step>.png``)."""
+    root = epath.Path(workdir)  # not step 16's: '_6.json'
+    return sorted([*root.glob(f"eval_*_{step}.json"), *root.glob(f"eval_*_{step}.png")])
 
 
 def complete_steps(workdir: str) -> list[int]:

@@ -6,8 +6,11 @@ training set's; 'imagenet_v2' split 'test'; 'imagenet2012_real' split 'validatio
 masked means over the real rows), plus ReaL top-1 for 'imagenet2012_real' (Beyer et al. 2020, "Are
 we done with ImageNet?": a prediction is right if it is in the image's set of ReaL labels; images
 whose set is empty are left out). The EMA weights are evaluated too when the run keeps them.
+Per class (``per_class.py``, from the same forward pass): each class's top-1, the most frequent
+mistakes and the confusion matrix, drawn as ``eval_<dataset>_<split>_confusion_<step>.png``.
 The metrics go to ``<workdir>/eval_<dataset>_<split>_<step>.json`` (written atomically; training
-moves them with a damaged checkpoint of that step, ``--fresh`` with the rest of the run).
+moves them and the picture with a damaged checkpoint of that step, ``--fresh`` with the rest of
+the run).
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from normvit_jax import checkpoints, data, distributed, run_config, run_data, sharding
+from normvit_jax import (checkpoints, data, distributed, per_class, run_config, run_data,
+                         sharding)
 from normvit_jax.train import evaluator, setup
 from normvit_jax.train import optimizer as optim
 
@@ -241,30 +245,73 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     finally:
         mngr.close()
     # the training loop's eval step and metrics, EMA included, + ReaL top-1 on ImageNet-ReaL
-    # from the same forward pass
-    eval_step = setup.jit_eval_step(model, state_sharding, mesh, ds.affine, real_sums)
+    # and the per-class counts from the same forward pass
+    eval_step = setup.jit_eval_step(model, state_sharding, mesh, ds.affine, _extra_sums)
     metrics = _with_real_top1(setup.evaluate(eval_step, state, pipeline, mesh))
     pipeline.close()
+    counts = per_class.pop_counts(metrics)
     path = result_path(workdir, ds, step, changed_model=bool(changes))
     result = {"step": int(step), "dataset": ds.eval_name, "split": ds.eval_split,
               "metrics": metrics, "path": str(path)}
+    names = per_class.class_names(workdir, ds, ds.num_classes)
+    for prefix, c in counts.items():  # 'per_class', and 'ema_per_class' for the EMA weights
+        result[f"{prefix}per_class"] = per_class.summarize(c, names)
     if changes:  # the file says which model it describes
         result["model_changes"] = changes
     logging.info("eval of step %d on %s:%s: %s", step, result["dataset"], ds.eval_split,
                  ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in sorted(metrics.items())))
+    if "per_class" in result:
+        logging.info("eval of step %d: %s", step, per_class.describe(result["per_class"]))
     note = evaluator.nonfinite_warning(metrics, step, workdir, state.batch_stats)
     if note:  # still written and exit 0: the file says what the checkpoint gives
         logging.warning(note)
     if jax.process_index() == 0:  # after the metrics are shown: a read-only workdir loses nothing
         try:
+            _write_pictures(result, path, workdir, step, ds)
             # atomic: an eval killed while writing leaves the previous result (or none), never
             # a half file beside the checkpoint it claims to describe
             tmp = path.parent / (path.name + ".tmp")
-            tmp.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+            tmp.write_text(result_json(result) + "\n")
             tmp.replace(path)
         except OSError as e:
             logging.warning("Could not write %s (%s); the metrics are printed here only.", path,
                             checkpoints.describe_error(e, 200))
             result["path"] = None
+            for prefix in counts:
+                result[f"{prefix}per_class"].pop("picture", None)
     return result
+
+
+def result_json(result: dict[str, Any]) -> str:
+    """The result file's text: indented, with each list of numbers on one line (the confusion
+    matrix of 100 classes was 10,000 lines of one number)."""
+    return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(x.strip() for x in m[1].split(",")) + "]",
+                            json.dumps(result, indent=1, sort_keys=True))
+
+
+_NUMBER_LIST = re.compile(r"\[((?:\s*(?:-?[0-9][0-9.eE+-]*|null)\s*,)*\s*(?:-?[0-9][0-9.eE+-]*|null)\s*)\]")
+
+
+def _extra_sums(logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
+    return {**real_sums(logits, batch), **per_class.sums(logits, batch)}
+
+
+def _write_pictures(result: dict[str, Any], path: epath.Path, workdir: str, step: int,
+                    ds: data.DataSpec) -> None:
+    """The confusion-matrix picture of each set of weights evaluated (up to
+    per_class.PICTURE_MAX_CLASSES classes), its path in the result as ``per_class.picture``."""
+    for prefix in ("", "ema_"):
+        pc = result.get(f"{prefix}per_class")
+        if pc is None:
+            continue
+        top1 = result["metrics"][f"{prefix}top1"]
+        title = (f"{epath.Path(workdir).name} step {step}"
+                 + (" (EMA weights)" if prefix else "")
+                 + f" on {ds.eval_name}:{ds.eval_split}: top-1 {top1:.2%} of "
+                   f"{result['metrics'][f'{prefix}num_examples']} images")
+        where = per_class.picture_path(path, prefix)
+        if per_class.picture(pc, title, where):
+            pc["picture"] = str(where)
+            if not prefix:
+                logging.info("Confusion matrix of step %d: %s", step, where)

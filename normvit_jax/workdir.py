@@ -258,7 +258,7 @@ def move_run_aside(workdir: str) -> str | None:
                                         run_code.HISTORY_NAME, run_log.LOG_NAME,
                                         run_log.STATUS_NAME)
               or n.startswith(("events.out.tfevents", "config.before-", "data.before-"))
-              or (n.startswith("eval_") and n.endswith(".json"))]  # --mode=eval's results
+              or (n.startswith("eval_") and n.endswith((".json", ".png")))]  # --mode=eval's
     if not moving:
         return None
     dest = root / REPLACED_DIR / utc_stamp()

@@ -75,6 +75,16 @@ def test_eval_mode_gives_the_training_eval_and_the_ema(tmp_path):
         assert m["ema_loss"] == pytest.approx(trained["ema_loss"], rel=1e-6)
     saved = json.loads((tmp_path / "eval_digits_test_2.json").read_text())
     assert saved["metrics"]["top1"] == trained["top1"]
+    # per class, from the same forward pass: its counts add up to the split's top-1, for the
+    # raw and the EMA weights, each with its picture (tests/test_eval_per_class.py: the parts)
+    for p in ("", "ema_"):
+        pc = saved[f"{p}per_class"]
+        assert pc["classes"] == [str(i) for i in range(10)]
+        assert sum(pc["examples"]) == m[f"{p}num_examples"] == 355
+        hits = sum(round(t * e) for t, e in zip(pc["top1"], pc["examples"]))
+        assert hits == round(m[f"{p}top1"] * 355) == sum(np.diagonal(pc["confusion"]))
+        assert pc["picture"] == str(tmp_path / f"eval_digits_test_confusion{'-ema' * bool(p)}_2.png")
+        assert open(pc["picture"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(FileNotFoundError, match="step 7"):
         evaluation.evaluate_checkpoint(cfg, str(tmp_path), 7)
     # a step that is not there is named before the eval split is opened (decoded, for a
@@ -122,9 +132,11 @@ def test_eval_results_of_a_damaged_checkpoint_move_aside_with_it(tmp_path):
     cfg.optimizer.learning_rate, cfg.allow_config_change = 0.5, True
     assert loop.train_and_evaluate(cfg, wd)["step"] == 6
     assert checkpoints.complete_steps(wd) == [3, 6]
-    assert sorted(p.name for p in tmp_path.glob("eval_*")) == ["eval_digits_test_3.json"]
-    kept = json.loads((tmp_path / "damaged_checkpoints" / "6" / "eval_digits_test_6.json"
-                       ).read_text())
+    assert sorted(p.name for p in tmp_path.glob("eval_*")) == [
+        "eval_digits_test_3.json", "eval_digits_test_confusion_3.png"]
+    damaged = tmp_path / "damaged_checkpoints" / "6"
+    assert (damaged / "eval_digits_test_confusion_6.png").is_file()  # the picture went along
+    kept = json.loads((damaged / "eval_digits_test_6.json").read_text())
     assert kept["metrics"] == old6["metrics"]
     new6 = evaluation.evaluate_checkpoint(cfg, wd)
     assert new6["metrics"]["loss"] != pytest.approx(old6["metrics"]["loss"], rel=1e-3)
@@ -336,8 +348,10 @@ def test_eval_with_another_model_is_refused_unless_allowed_and_never_overwrites(
     written = json.loads((tmp_path / "run" / "eval_digits_test_changed-model_2.json").read_text())
     assert written["model_changes"] == {"model.norm.epsilon": [1e-06, 0.5]}
     assert own_file.read_text() == before  # the run's own result is kept
-    assert checkpoints.eval_results(workdir, 2) == sorted(  # both move with a damaged step
-        [own_file, tmp_path / "run" / "eval_digits_test_changed-model_2.json"])
+    run = tmp_path / "run"
+    assert checkpoints.eval_results(workdir, 2) == sorted(  # all move with a damaged step
+        [own_file, run / "eval_digits_test_changed-model_2.json", run /
+         "eval_digits_test_confusion_2.png", run / "eval_digits_test_changed-model_confusion_2.png"])
 
     neutral = checkpoints.load_config(workdir)  # the same function, computed otherwise
     neutral.model.attention_impl = "separate"

@@ -163,10 +163,11 @@ def test_log_axis_has_at_least_three_labelled_ticks(lo, hi, expected):
 def test_fresh_moves_old_eval_results_aside_with_the_run(tmp_path):
     from normvit_jax import workdir
     (tmp_path / "checkpoints" / "6").mkdir(parents=True)
-    for name in ("config.json", "eval_digits_test_6.json", "eval_imagenet_v2_test_6.json",
-                 "notes.json"):
+    for name in ("config.json", "eval_digits_test_6.json", "eval_digits_test_confusion_6.png",
+                 "eval_imagenet_v2_test_6.json", "notes.json"):
         (tmp_path / name).write_text("{}")
     dest = workdir.move_run_aside(str(tmp_path))
     assert sorted(os.listdir(dest)) == ["checkpoints", "config.json", "eval_digits_test_6.json",
+                                        "eval_digits_test_confusion_6.png",
                                         "eval_imagenet_v2_test_6.json"]
     assert sorted(os.listdir(tmp_path)) == ["notes.json", "replaced"]  # not the run's: kept

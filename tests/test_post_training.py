@@ -215,7 +215,7 @@ def test_eval_of_a_read_only_workdir_prints_the_metrics_then_says_where_it_could
     import stat
     wd = tmp_path / "ro"
     # Without the results of other tests' evals of `run`: this eval must write none.
-    shutil.copytree(run, wd, ignore=shutil.ignore_patterns(".lock", "eval_*.json"))
+    shutil.copytree(run, wd, ignore=shutil.ignore_patterns(".lock", "eval_*.json", "eval_*.png"))
     for p in [wd, *wd.rglob("*")]:
         p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
     prefix = ["-c", _AS_PLAIN_USER] if os.geteuid() == 0 else []
@@ -227,8 +227,11 @@ def test_eval_of_a_read_only_workdir_prints_the_metrics_then_says_where_it_could
     assert r.returncode == cli.EXIT_OK, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["step"] == 6 and result["path"] is None and result["metrics"]["top1"] > 0
+    # the per-class results are printed; no picture is claimed that was not written
+    assert sum(result["per_class"]["examples"]) == result["metrics"]["num_examples"]
+    assert "picture" not in result["per_class"]
     assert "Traceback" not in r.stderr
     warning = [line for line in r.stderr.splitlines() if "Could not write" in line]
     assert len(warning) == 1 and f"{wd}/eval_digits_test_6.json" in warning[0]
     assert r.stderr.index("eval of step 6 on digits:test") < r.stderr.index("Could not write")
-    assert not list(wd.glob("eval_*.json"))
+    assert not list(wd.glob("eval_*"))

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import linen as nn
 from jax.sharding import Mesh
@@ -177,7 +178,8 @@ def jit_eval_step(model: nn.Module, state_sharding: Any, mesh: Mesh,
 def evaluate(eval_step: Any, state: TrainState, pipeline: Any, mesh: Mesh) -> dict[str, float]:
     """Metrics of ``eval_step`` over the whole eval split (padded rows masked out), and of the
     EMA weights as ``ema_*`` when the state keeps them (config.ema_decay). An eval step with
-    ``extra_sums`` also adds those up over the split, into the result under their names."""
+    ``extra_sums`` also adds those up over the split, into the result under their names
+    (arrays stay numpy arrays)."""
     def one(st: TrainState) -> dict[str, float]:
         acc, extra = None, {}
         for batch in pipeline.eval_batches():
@@ -188,7 +190,8 @@ def evaluate(eval_step: Any, state: TrainState, pipeline: Any, mesh: Mesh) -> di
                 extra[k] = extra[k] + v if k in extra else v
         out = {k: float(v) for k, v in acc.compute().items()}
         out["num_examples"] = int(acc.loss.count)
-        return {**out, **{k: float(v) for k, v in extra.items()}}
+        # a count is a float as the metrics are; an array (per_class.sums) stays one
+        return {**out, **{k: float(v) if v.ndim == 0 else np.asarray(v) for k, v in extra.items()}}
 
     metrics = one(state)
     averaged = ema.averaged(state)  # EMA weights, and EMA norm statistics when kept
