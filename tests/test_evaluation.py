@@ -232,7 +232,27 @@ def test_eval_only_imagenet_sets_under_mock_data(tmp_path, name, split):
         assert "real" not in b
 
 
-def test_eval_step_sums_real_counts_from_its_own_forward():
+def test_a_long_eval_says_how_far_it_is():
+    """ImageNet's 50,000 images on a CPU were minutes without a line: one every EVAL_PROGRESS_S
+    seconds, none for a shorter eval and none at its last batch (its metrics line follows)."""
+    from normvit_jax.train import progress
+    t = iter([0.0, 10.0, 31.0, 31.5, 40.0, 65.0, 65.0, 400.0])
+    p = progress.EvalProgress(50_000, 1024, clock=lambda: next(t))
+    assert p.n_batches == 49
+    p(1)       # 10 s: quiet
+    p(4)       # 31 s: a line (the second clock read, after the sync, times it)
+    p(6)       # 40 s: 8.5 s after the last line
+    p(10)      # 65 s
+    p(49)      # the last batch: quiet however long it took
+    assert p.lines == [
+        "eval: 4/49 batches (4,096 of 50,000 images), 0m32s so far, ETA 5m54s",
+        "eval: 10/49 batches (10,240 of 50,000 images), 1m05s so far, ETA 4m14s"]
+    short = progress.EvalProgress(13, 8, clock=iter([0.0, 100.0]).__next__)
+    short(2)
+    assert short.lines == []
+
+
+def test_eval_step_sums_real_counts_from_its_own_forward(monkeypatch, caplog):
     """ReaL counts come out of the eval step's forward pass (no second one) and are summed over
     the split by setup.evaluate; batches without 'real' add nothing."""
     import jax
@@ -266,10 +286,17 @@ def test_eval_step_sums_real_counts_from_its_own_forward():
     assert 0 < count < 13
 
     class Split:
+        num_examples, global_batch_size = 13, 8
+
         def eval_batches(self):
             return iter(batches)
 
-    metrics = setup.evaluate(step, state, Split(), mesh)
+    from normvit_jax.train import progress
+    monkeypatch.setattr(progress, "EVAL_PROGRESS_S", 0.0)  # a progress line after every batch
+    with caplog.at_level(logging.INFO):
+        metrics = setup.evaluate(step, state, Split(), mesh)
+    lines = [r.getMessage() for r in caplog.records if "batches" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("eval: 1/2 batches (8 of 13 images), "), lines
     assert (metrics["real_hits"], metrics["real_count"]) == (hits, count)
     assert metrics["num_examples"] == 13
     no_real = [{k: x for k, x in bt.items() if k != "real"} for bt in batches]

@@ -189,6 +189,42 @@ def describe_steps(n_steps: int, num_examples: int, batch_size: int) -> str:
     return f"{n_steps} steps ({per_epoch:.1f} per epoch, {n_steps / per_epoch:.1f} epochs)"
 
 
+EVAL_PROGRESS_S = 30.0  # a long eval (ImageNet's 50,000 images on a CPU) says how far it is
+
+
+class EvalProgress:
+    """``progress(done_batches)`` after each eval batch: a line at most every ``every_s`` seconds
+    (none for an eval shorter than that), with the batches and images done, the time spent and the
+    ETA. ``sync`` (the sums so far) is waited for before a line: dispatch runs ahead of the device,
+    and the line must count finished batches."""
+
+    def __init__(self, n_examples: int, global_batch: int, label: str = "eval",
+                 every_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self.n_examples, self.batch, self.label = n_examples, global_batch, label
+        self.n_batches = -(-n_examples // global_batch)  # the last one padded
+        self.every_s = EVAL_PROGRESS_S if every_s is None else every_s
+        self.clock = clock
+        self.start = self.last = clock()
+        self.lines: list[str] = []  # what was logged, for the caller's tests
+
+    def __call__(self, done: int, sync: Any = None) -> None:
+        if self.clock() - self.last < self.every_s or done >= self.n_batches:
+            return
+        if sync is not None:
+            import jax  # pylint: disable=import-outside-toplevel
+            jax.block_until_ready(sync)
+        now = self.clock()
+        self.last = now
+        spent = now - self.start
+        images = min(done * self.batch, self.n_examples)
+        line = (f"{self.label}: {done}/{self.n_batches} batches ({images:,} of "
+                f"{self.n_examples:,} images), {fmt_time(spent)} so far, ETA "
+                f"{fmt_time(spent * (self.n_batches - done) / max(done, 1))}")
+        self.lines.append(line)
+        from absl import logging  # pylint: disable=import-outside-toplevel
+        logging.info(line)
+
+
 def fmt_time(seconds: float) -> str:
     seconds = int(round(seconds))
     h, rem = divmod(seconds, 3600)

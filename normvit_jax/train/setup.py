@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from normvit_jax import data, models, preflight, sharding
 from normvit_jax.train import aux_losses, batch_aug, ema
 from normvit_jax.train import optimizer as optim
+from normvit_jax.train import progress as progress_lib
 from normvit_jax.train import steps as steps_lib
 from normvit_jax.train.state import TrainState
 
@@ -180,21 +181,24 @@ def evaluate(eval_step: Any, state: TrainState, pipeline: Any, mesh: Mesh) -> di
     EMA weights as ``ema_*`` when the state keeps them (config.ema_decay). An eval step with
     ``extra_sums`` also adds those up over the split, into the result under their names
     (arrays stay numpy arrays)."""
-    def one(st: TrainState) -> dict[str, float]:
+    def one(st: TrainState, label: str) -> dict[str, float]:
         acc, extra = None, {}
-        for batch in pipeline.eval_batches():
+        n = getattr(pipeline, "num_examples", 0)  # 0 (a stand-in without it): no progress lines
+        progress = progress_lib.EvalProgress(n, getattr(pipeline, "global_batch_size", 1), label)
+        for i, batch in enumerate(pipeline.eval_batches()):
             out = eval_step(st, sharding.to_global(batch, mesh))
             m, sums = out if isinstance(out, tuple) else (out, {})
             acc = m if acc is None else acc.merge(m)
             for k, v in sums.items():  # summed on the device; read once at the end
                 extra[k] = extra[k] + v if k in extra else v
+            progress(i + 1, acc)
         out = {k: float(v) for k, v in acc.compute().items()}
         out["num_examples"] = int(acc.loss.count)
         # a count is a float as the metrics are; an array (per_class.sums) stays one
         return {**out, **{k: float(v) if v.ndim == 0 else np.asarray(v) for k, v in extra.items()}}
 
-    metrics = one(state)
+    metrics = one(state, "eval")
     averaged = ema.averaged(state)  # EMA weights, and EMA norm statistics when kept
     if averaged is not None:
-        metrics.update({f"ema_{k}": v for k, v in one(averaged).items()})
+        metrics.update({f"ema_{k}": v for k, v in one(averaged, "eval (EMA weights)").items()})
     return metrics
