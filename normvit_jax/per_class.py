@@ -93,18 +93,23 @@ def summarize(counts: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, 
 
 
 def describe(per_class: dict[str, Any], lowest: int = 3) -> str:
-    """One log line: the classes with the lowest top-1 and what they were taken for most."""
+    """One log line: the classes with the lowest top-1 below 100% and what they were taken for
+    most."""
     mistakes: dict[str, tuple[str, int]] = {}
     for pair in per_class.get("most_confused", []):
         mistakes.setdefault(pair["true"], (pair["predicted"], pair["count"]))
     scored = [(t, n, e) for n, t, e in zip(per_class["classes"], per_class["top1"],
-                                            per_class["examples"]) if t is not None]
+                                            per_class["examples"]) if t is not None and t < 1]
     parts = []
     for t, n, e in sorted(scored, key=lambda x: x[0])[:lowest]:
         taken = mistakes.get(n)
         parts.append(f"{n}: {t:.1%} of {e} images" + (f" ({taken[1]} taken for {taken[0]})"
                                                        if taken else ""))
-    return "lowest per-class top-1: " + ", ".join(parts) if parts else "no class has images"
+    if parts:
+        return "lowest per-class top-1: " + ", ".join(parts)
+    if any(t is not None for t in per_class["top1"]):
+        return "per-class top-1: 100% for every class with images"
+    return "no class has images"
 
 
 def picture_path(result_path: Any, prefix: str) -> Any:

@@ -68,7 +68,11 @@ def test_summary_of_a_hand_made_matrix(monkeypatch):
     monkeypatch.setattr(per_class, "MOST_CONFUSED", 2)
     assert len(per_class.summarize({"confusion": m}, names)["most_confused"]) == 2
     # a perfect model has no mistakes to list
-    assert per_class.summarize({"confusion": np.diag([3, 4])}, ["a", "b"])["most_confused"] == []
+    perfect = per_class.summarize({"confusion": np.diag([3, 4, 0])}, ["a", "b", "c"])
+    assert perfect["most_confused"] == []
+    assert per_class.describe(perfect) == "per-class top-1: 100% for every class with images"
+    assert per_class.describe(per_class.summarize({"confusion": np.zeros((2, 2), int)}, ["a", "b"])
+                              ) == "no class has images"
 
 
 def test_the_picture_is_drawn_up_to_its_class_limit(tmp_path, monkeypatch):

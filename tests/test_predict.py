@@ -265,3 +265,80 @@ def test_out_on_a_full_disk_is_one_line_and_leaves_the_old_csv(run, tmp_path, mo
         "(OSError: [Errno 28] No space left on device); free disk space or pass another --out")
     assert out.read_text() == "old results\n"
     assert sorted(os.listdir(tmp_path)) == ["images", "preds.csv"]
+
+
+def _digit_folders(root, classes=(3, 7), per_class=4) -> dict[str, str]:
+    """Real digits (scikit-learn's 8x8, as PNG) in class folders named as the run's classes, one of
+    each class a folder deeper (still its class); {path: true class}."""
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    truth = {}
+    for c in classes:
+        for k, i in enumerate(np.flatnonzero(d.target == c)[:per_class]):
+            folder = root / str(c) / ("2024" if k == 0 else "")
+            folder.mkdir(parents=True, exist_ok=True)
+            px = (d.images[i] * 255 / 16).astype(np.uint8)
+            _save(folder / f"{i}.png", np.stack([px] * 3, -1), "PNG")
+            truth[str(folder / f"{i}.png")] = str(c)
+    return truth
+
+
+def test_labels_from_folders_score_each_image_against_its_folder(run, tmp_path, capsys):
+    """--labels=folders: new photos sorted into class folders, scored without preparing a
+    dataset: each row's true class and whether the top-1 is right (also in the CSV), the top-1
+    over them, every wrong image, and the confusion matrix beside --out; all from the model's
+    own outputs computed here."""
+    truth = _digit_folders(tmp_path / "new")
+    _, ref, bad = _reference(run, sorted(truth))
+    assert not bad
+    top1 = {p: str(int(np.argmax(v))) for p, v in ref.items()}
+    right = [p for p in sorted(truth) if top1[p] == truth[p]]
+    assert 0 < len(right) < 8, top1  # right and wrong rows both checked
+    out = tmp_path / "p.csv"
+    rows, _ = predict.main([f"--workdir={run}", f"--images={tmp_path / 'new'}", "--top_k=2",
+                            "--labels=folders", f"--out={out}"])
+    printed = capsys.readouterr().out.splitlines()
+    order = [r["path"] for r in rows]  # as --images lists a folder: its files, then sub-folders
+    assert sorted(order) == sorted(truth)
+    assert [(r["true"], r["correct"]) for r in rows] == [(truth[p], p in right) for p in order]
+    summary = next(line for line in printed if line.startswith("labelled by their folders"))
+    assert summary.startswith(f"labelled by their folders: top-1 {len(right) / 8:.2%} "
+                              f"({len(right)} of 8), in the top 2 "), summary
+    wrong = [line for line in printed if line.startswith("wrong: ")]
+    assert [line.split(": ")[1] for line in wrong] == [p for p in order if p not in right]
+    for line in wrong:
+        path = line.split(": ")[1]
+        assert line.endswith(f": {truth[path]}, taken for {top1[path]} "
+                             f"{ref[path][int(top1[path])]:.3f}"), line
+    table = list(csv.reader(open(out, encoding="utf-8")))
+    assert table[0] == ["path", "true_class", "correct", "class_1", "prob_1", "class_2", "prob_2"]
+    assert [(r[0], r[1], r[2], r[3]) for r in table[1:]] == [
+        (p, truth[p], str(int(p in right)), top1[p]) for p in order]
+    picture = tmp_path / "p_confusion.png"
+    assert f"wrote the confusion matrix to {picture}" in printed
+    assert Image.open(picture).size[0] > 200
+
+
+def test_labels_from_folders_refuse_what_they_cannot_score(run, tmp_path, capsys):
+    truth = _digit_folders(tmp_path / "new", classes=(3,), per_class=2)
+    (tmp_path / "new" / "cat").mkdir()
+    _save(tmp_path / "new" / "cat" / "c.png", np.zeros((8, 8, 3), np.uint8), "PNG")
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    _save(loose / "x.png", np.zeros((8, 8, 3), np.uint8), "PNG")
+    for argv, line in (
+            ([f"--images={tmp_path / 'new'}"], "--labels=folders: the folder(s) 'cat' are not "
+             "classes of the run (its classes: 0, 1, 2, 3, 4, 5, 6, 7, 8, 9); name each class "
+             "folder as the class it holds"),
+            ([f"--images={loose}"], f"--labels=folders: 1 image(s) are not in a class folder, "
+             f"e.g. {loose / 'x.png'}; put each in a folder named as its class"),
+            (["--mode=eval"], "--labels=folders labels --images by their folders; --mode=eval")):
+        with pytest.raises(SystemExit) as e:
+            predict.main([f"--workdir={run}", "--labels=folders"] + argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"python -m normvit_jax.predict: error: {line}"), err
+    # a file named on its own: its folder is its class
+    one = next(p for p in truth if "2024" not in p)
+    rows, _ = predict.main([f"--workdir={run}", f"--images={one}", "--labels=folders"])
+    assert rows[0]["true"] == "3"
