@@ -142,7 +142,7 @@ def picture(per_class: dict[str, Any], title: str, path: Any) -> bool:
     ax.set_yticks(range(c), [f"{n} ({e})" for n, e in zip(short, per_class["examples"])],
                   fontsize=fontsize)
     ax.set_xlabel("predicted class (top-1)")
-    ax.set_ylabel("true class (images in the split)")
+    ax.set_ylabel("true class (its images)")
     if c <= 20:
         for (i, j), n in np.ndenumerate(m):
             if n:

@@ -21,7 +21,7 @@ a split of the run's dataset (or --name/--data_dir) like ``main.py --mode=eval``
 --labels=folders: the images lie in folders named as the run's classes (prepare's DIR/<class>/...
 layout, no dataset prepared): each row also says its true class and whether the top-1 is right,
 then the top-1 over them, the classes with the lowest top-1, each wrong image, and with --out a
-confusion-matrix picture beside the CSV (<out>_confusion.png, up to 50 classes).
+confusion-matrix picture and one of the wrong images beside the CSV (labelled.py).
 """
 from __future__ import annotations
 
@@ -69,69 +69,6 @@ def list_images(spec: str) -> list[str]:
     if not out:
         raise FileNotFoundError(f"--images={spec}: no files found")
     return out
-
-
-def folder_labels(spec: str) -> dict[str, str | None]:
-    """``--labels=folders``: each file of ``--images`` (listed as ``list_images`` lists them) with
-    its class folder's name: the first folder below the named folder it was found in
-    (``new/roses/2024/a.jpg`` under ``--images=new``: 'roses'), or a named file's own folder; None
-    for a file directly in a named folder."""
-    out: dict[str, str | None] = {}
-    for part in _paths(spec):
-        if os.path.isdir(part):
-            for f in list_images(part):
-                head = os.path.relpath(f, part).split(os.sep)
-                out[f] = head[0] if len(head) > 1 else None
-        else:
-            out[part] = os.path.basename(os.path.dirname(os.path.abspath(part))) or None
-    return out
-
-
-def check_labels(labels: dict[str, str | None], names: Sequence[str]) -> None:
-    """ValueError (exit 2, one line) unless every file lies in a folder named as a class."""
-    from normvit_jax.data.formats import shown
-    loose = [p for p, c in labels.items() if c is None]
-    if loose:
-        raise ValueError(f"--labels=folders: {len(loose)} image(s) are not in a class folder, "
-                         f"e.g. {shown(loose[0])}; put each in a folder named as its class")
-    unknown = sorted({c for c in labels.values() if c not in set(names)})
-    if unknown:
-        listed = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
-        raise ValueError(f"--labels=folders: the folder(s) {', '.join(map(repr, unknown[:10]))} "
-                         f"are not classes of the run (its classes: {listed}); name each class "
-                         f"folder as the class it holds")
-
-
-def labelled_summary(rows: list[dict], labels: dict[str, str | None], names: Sequence[str]
-                     ) -> tuple[list[str], dict[str, Any]]:
-    """Adds 'true' and 'correct' to each row; returns the summary lines (top-1, the lowest
-    classes, each wrong image) and per_class.summarize's result over these rows."""
-    from normvit_jax import per_class
-    from normvit_jax.data.formats import shown
-    index = {n: i for i, n in enumerate(names)}
-    if any(row["top"][0][0] not in index for row in rows):  # classes.json of another class count
-        raise ValueError(f"--labels=folders: the model's classes are not the run's "
-                         f"{len(names)} class names (classes.json): predicted "
-                         f"{next(r['top'][0][0] for r in rows if r['top'][0][0] not in index)!r}")
-    confusion = np.zeros((len(names),) * 2, np.int64)
-    wrong = []
-    for row in rows:
-        row["true"] = labels[row["path"]]
-        row["correct"] = row["top"][0][0] == row["true"]
-        confusion[index[row["true"]], index[row["top"][0][0]]] += 1
-        if not row["correct"]:
-            wrong.append(f"wrong: {shown(row['path'])}: {row['true']}, taken for "
-                         f"{row['top'][0][0]} {row['top'][0][1]:.3f}")
-    # the classes these images are or were taken for (3 folders of a 50-class run: not 50 rows)
-    used = np.flatnonzero(confusion.sum(0) + confusion.sum(1))
-    summary = per_class.summarize({"confusion": confusion[np.ix_(used, used)]},
-                                  [names[i] for i in used])
-    hits = int(np.trace(confusion))
-    in_top = sum(any(c == row["true"] for c, _ in row["top"]) for row in rows)
-    lines = [f"labelled by their folders: top-1 {hits / len(rows):.2%} ({hits} of {len(rows)}), "
-             f"in the top {len(rows[0]['top'])} {in_top / len(rows):.2%}",
-             per_class.describe(summary), *wrong]
-    return lines, summary
 
 
 def run_class_names(workdir: str, config: Any) -> list[str]:
@@ -392,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
     p.add_argument("--labels", default=None, choices=["folders"],
                    help="folders: the images lie in folders named as the run's classes; also "
                    "report the true class, the top-1 over them, the wrong images and (with --out) "
-                   "a confusion-matrix picture")
+                   "pictures of the confusion matrix and of the wrong images")
     p.add_argument("--mode", default="predict", choices=["predict", "eval"],
                    help="predict: label --images; eval: metrics on --split of a prepared dataset")
     p.add_argument("--split", default=None, help="--mode=eval: split (default: the run's "
@@ -462,12 +399,13 @@ def _main(args: Any, prog: str) -> Any:
         files = list_images(args.images)
         labels = None
         if args.labels:  # checked before the model runs
-            labels = folder_labels(args.images)
+            from normvit_jax import labelled
+            labels = labelled.folder_labels(args.images)
             names = run_class_names(args.workdir, config)
             if not names:
                 raise ValueError(f"--labels=folders: the run {args.workdir} has no class names "
                                  f"(no classes.json, none in its dataset) to match the folders to")
-            check_labels(labels, names)
+            labelled.check_labels(labels, names)
         rows, skipped = predict(args.workdir, files, top_k=args.top_k, step=args.step,
                                 folded=args.folded, batch=args.batch, weights=args.weights)
     except FileNotFoundError as e:
@@ -486,7 +424,7 @@ def _main(args: Any, prog: str) -> Any:
         sys.exit(EXIT_BAD_INPUT)
     summary = None
     if labels is not None:
-        lines, summary = labelled_summary(rows, labels, names)
+        lines, summary = labelled.summary(rows, labels, names)
         print("\n".join(lines))
     if args.out:
         try:
@@ -498,24 +436,8 @@ def _main(args: Any, prog: str) -> Any:
             sys.exit(EXIT_BAD_INPUT)
         print(f"wrote {len(rows)} predictions to {args.out}")
         if summary is not None:
-            _labelled_picture(summary, args, rows)
+            labelled.pictures(summary, rows, args.out, args.workdir, eval_geometry(config.data))
     return rows, skipped
-
-
-def _labelled_picture(summary: dict[str, Any], args: Any, rows: list[dict]) -> None:
-    """--labels=folders --out=P.csv: the confusion matrix as P_confusion.png (up to
-    per_class.PICTURE_MAX_CLASSES classes; a picture that cannot be written is one warning)."""
-    from normvit_jax import per_class
-    path = os.path.splitext(args.out)[0] + "_confusion.png"
-    hits = sum(r["correct"] for r in rows)
-    title = (f"{os.path.basename(os.path.normpath(args.workdir))} on {len(rows)} images "
-             f"labelled by their folders: top-1 {hits / len(rows):.2%}")
-    try:
-        if per_class.picture(summary, title, path):
-            print(f"wrote the confusion matrix to {path}")
-    except OSError as e:
-        print(f"could not write {path} ({type(e).__name__}: {e}); the results are above",
-              file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -293,7 +293,7 @@ def test_eval_step_sums_real_counts_from_its_own_forward(monkeypatch, caplog):
 
     from normvit_jax.train import progress
     monkeypatch.setattr(progress, "EVAL_PROGRESS_S", 0.0)  # a progress line after every batch
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):  # absl's own level may be WARNING here
         metrics = setup.evaluate(step, state, Split(), mesh)
     lines = [r.getMessage() for r in caplog.records if "batches" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("eval: 1/2 batches (8 of 13 images), "), lines

@@ -317,6 +317,11 @@ def test_labels_from_folders_score_each_image_against_its_folder(run, tmp_path, 
     picture = tmp_path / "p_confusion.png"
     assert f"wrote the confusion matrix to {picture}" in printed
     assert Image.open(picture).size[0] > 200
+    grid = tmp_path / "p_wrong.png"  # the wrong images as the model saw them, a cell each
+    assert f"wrote the wrong images to {grid}" in printed
+    w, h = Image.open(grid).size
+    assert w >= 1.9 * 80 * min(6, 8 - len(right)) - 1 and h > 150, (w, h)
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_labels_from_folders_refuse_what_they_cannot_score(run, tmp_path, capsys):
