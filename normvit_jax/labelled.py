@@ -37,8 +37,13 @@ def check_labels(labels: dict[str, str | None], names: Sequence[str]) -> None:
     from normvit_jax.data.formats import shown
     loose = [p for p, c in labels.items() if c is None]
     if loose:
+        folder = os.path.dirname(os.path.abspath(loose[0]))
+        hint = (f"; {shown(folder)} is itself the class folder of {os.path.basename(folder)!r}: "
+                f"pass --images={shown(os.path.dirname(folder))}, the folder that holds the class "
+                f"folders" if os.path.basename(folder) in set(names) else
+                "; put each in a folder named as its class")
         raise ValueError(f"--labels=folders: {len(loose)} image(s) are not in a class folder, "
-                         f"e.g. {shown(loose[0])}; put each in a folder named as its class")
+                         f"e.g. {shown(loose[0])}{hint}")
     unknown = sorted({c for c in labels.values() if c not in set(names)})
     if unknown:
         listed = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")

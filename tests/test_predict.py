@@ -337,6 +337,10 @@ def test_labels_from_folders_refuse_what_they_cannot_score(run, tmp_path, capsys
              "folder as the class it holds"),
             ([f"--images={loose}"], f"--labels=folders: 1 image(s) are not in a class folder, "
              f"e.g. {loose / 'x.png'}; put each in a folder named as its class"),
+            ([f"--images={tmp_path / 'new' / '3'}"], f"--labels=folders: 1 image(s) are not in a "
+             f"class folder, e.g. {next(p for p in truth if '2024' not in p)}; "
+             f"{tmp_path / 'new' / '3'} is itself the class folder of '3': pass "
+             f"--images={tmp_path / 'new'}, the folder that holds the class folders"),
             (["--mode=eval"], "--labels=folders labels --images by their folders; --mode=eval")):
         with pytest.raises(SystemExit) as e:
             predict.main([f"--workdir={run}", "--labels=folders"] + argv)
