@@ -311,7 +311,15 @@ def _write_pictures(result: dict[str, Any], path: epath.Path, workdir: str, step
                  + f" on {ds.eval_name}:{ds.eval_split}: top-1 {top1:.2%} of "
                    f"{result['metrics'][f'{prefix}num_examples']} images")
         where = per_class.picture_path(path, prefix)
-        if per_class.picture(pc, title, where):
+        try:
+            drawn = per_class.picture(pc, title, where)
+        except OSError:  # the workdir cannot be written: the result file's handler says so
+            raise
+        except Exception as e:  # noqa: BLE001  (a picture never costs the eval's result file)
+            logging.warning("Could not draw the confusion matrix %s (%s); the result file "
+                            "holds the matrix.", where, checkpoints.describe_error(e, 200))
+            drawn = False
+        if drawn:
             pc["picture"] = str(where)
             if not prefix:
                 logging.info("Confusion matrix of step %d: %s", step, where)

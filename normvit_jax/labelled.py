@@ -104,9 +104,9 @@ def pictures(result: dict[str, Any], rows: list[dict], out: str, workdir: str, g
             if draw(path):
                 print(f"wrote {'the confusion matrix' if 'confusion' in path else 'the wrong images'}"
                       f" to {path}")
-        except OSError as e:
-            print(f"could not write {path} ({type(e).__name__}: {e}); the results are above",
-                  file=sys.stderr)
+        except Exception as e:  # noqa: BLE001  (a picture never costs the printed results)
+            print(f"could not write {path} ({type(e).__name__}: {str(e).strip()[:200]}); the "
+                  f"results are above", file=sys.stderr)
 
 
 def _wrong_picture(wrong: list[dict], geometry: Any, title: str, path: str) -> bool:
@@ -121,20 +121,21 @@ def _wrong_picture(wrong: list[dict], geometry: Any, title: str, path: str) -> b
     shown = [r for r in shown if r["path"] in pixels]  # (decoded once already: all are)
     if not shown:
         return False
-    cols = min(6, len(shown))
-    n_rows = math.ceil(len(shown) / cols)
-    fig = figures.figure(1.9 * cols, 2.0 * n_rows + 0.5)
-    for i, r in enumerate(shown):
-        ax = fig.add_subplot(n_rows, cols, i + 1)
-        ax.imshow(pixels[r["path"]], interpolation="nearest")
-        ax.set_xticks([])
-        ax.set_yticks([])
-        name = os.path.basename(r["path"])
-        ax.set_title(f"{r['true']} -> {r['top'][0][0]} {r['top'][0][1]:.2f}\n"
-                     f"{name if len(name) <= 22 else name[:21] + '…'}", fontsize=7)
-    more = f" (the first {len(shown)})" if len(wrong) > len(shown) else ""
-    figures.suptitle(fig, title + more + ": true -> predicted, probability")
-    tmp = f"{path}.tmp"
-    fig.savefig(tmp, dpi=figures.DPI, format="png")
-    os.replace(tmp, path)
+    with figures.plain_text():  # file and class names as they are, never TeX math
+        cols = min(6, len(shown))
+        n_rows = math.ceil(len(shown) / cols)
+        fig = figures.figure(1.9 * cols, 2.0 * n_rows + 0.5)
+        for i, r in enumerate(shown):
+            ax = fig.add_subplot(n_rows, cols, i + 1)
+            ax.imshow(pixels[r["path"]], interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            name = os.path.basename(r["path"])
+            ax.set_title(f"{r['true']} -> {r['top'][0][0]} {r['top'][0][1]:.2f}\n"
+                         f"{name if len(name) <= 22 else name[:21] + '…'}", fontsize=7)
+        more = f" (the first {len(shown)})" if len(wrong) > len(shown) else ""
+        figures.suptitle(fig, title + more + ": true -> predicted, probability")
+        tmp = f"{path}.tmp"
+        fig.savefig(tmp, dpi=figures.DPI, format="png")
+        os.replace(tmp, path)
     return True

@@ -129,31 +129,32 @@ def picture(per_class: dict[str, Any], title: str, path: Any) -> bool:
     if "confusion" not in per_class or len(names) > PICTURE_MAX_CLASSES:
         return False
     from normvit_jax.analysis import figures  # matplotlib only when a picture is drawn
-    m = np.asarray(per_class["confusion"], np.float64)
-    rows = m / np.maximum(m.sum(1, keepdims=True), 1)
-    c = len(names)
-    side = float(np.clip(2.5 + 0.3 * c, 4.5, 16))
-    fig = figures.figure(side + 1.2, side)
-    ax = fig.add_subplot()
-    im = ax.imshow(rows, cmap="Blues", vmin=0, vmax=1)
-    short = [n if len(n) <= 18 else n[:17] + "…" for n in names]
-    fontsize = 8 if c <= 20 else 6
-    ax.set_xticks(range(c), short, rotation=90, fontsize=fontsize)
-    ax.set_yticks(range(c), [f"{n} ({e})" for n, e in zip(short, per_class["examples"])],
-                  fontsize=fontsize)
-    ax.set_xlabel("predicted class (top-1)")
-    ax.set_ylabel("true class (its images)")
-    if c <= 20:
-        for (i, j), n in np.ndenumerate(m):
-            if n:
-                ax.text(j, i, f"{int(n)}", ha="center", va="center", fontsize=fontsize,
-                        color="white" if rows[i, j] > 0.5 else "black")
-    fig.colorbar(im, ax=ax, shrink=0.8, label="fraction of the true class's images")
-    figures.suptitle(fig, title)
-    png = io.BytesIO()
-    fig.savefig(png, dpi=figures.DPI, format="png")
-    path = epath.Path(path)
-    tmp = path.parent / (path.name + ".tmp")  # local or gs://, as the result file
-    tmp.write_bytes(png.getvalue())
-    tmp.replace(path)
+    with figures.plain_text():  # names as they are, never TeX math
+        m = np.asarray(per_class["confusion"], np.float64)
+        rows = m / np.maximum(m.sum(1, keepdims=True), 1)
+        c = len(names)
+        side = float(np.clip(2.5 + 0.3 * c, 4.5, 16))
+        fig = figures.figure(side + 1.2, side)
+        ax = fig.add_subplot()
+        im = ax.imshow(rows, cmap="Blues", vmin=0, vmax=1)
+        short = [n if len(n) <= 18 else n[:17] + "…" for n in names]
+        fontsize = 8 if c <= 20 else 6
+        ax.set_xticks(range(c), short, rotation=90, fontsize=fontsize)
+        ax.set_yticks(range(c), [f"{n} ({e})" for n, e in zip(short, per_class["examples"])],
+                      fontsize=fontsize)
+        ax.set_xlabel("predicted class (top-1)")
+        ax.set_ylabel("true class (its images)")
+        if c <= 20:
+            for (i, j), n in np.ndenumerate(m):
+                if n:
+                    ax.text(j, i, f"{int(n)}", ha="center", va="center", fontsize=fontsize,
+                            color="white" if rows[i, j] > 0.5 else "black")
+        fig.colorbar(im, ax=ax, shrink=0.8, label="fraction of the true class's images")
+        figures.suptitle(fig, title)
+        png = io.BytesIO()
+        fig.savefig(png, dpi=figures.DPI, format="png")
+        path = epath.Path(path)
+        tmp = path.parent / (path.name + ".tmp")  # local or gs://, as the result file
+        tmp.write_bytes(png.getvalue())
+        tmp.replace(path)
     return True

@@ -90,6 +90,14 @@ def test_the_picture_is_drawn_up_to_its_class_limit(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
+def test_names_are_drawn_as_they_are_not_as_tex(tmp_path):
+    """A class folder named '$\\alpha$' or 'price $5 $6': matplotlib parsed the names as TeX math
+    ('Unknown symbol', a ValueError at savefig) and the eval stopped before its result file."""
+    s = per_class.summarize({"confusion": np.array([[3, 1], [0, 2]])}, ["$\\foo$", "price $5 $6"])
+    assert per_class.picture(s, "run $\\bar$ step 6", tmp_path / "x.png")
+    assert Image.open(tmp_path / "x.png").size[0] > 200
+
+
 def test_picture_paths_end_in_the_step_as_the_result_files_do(tmp_path):
     from normvit_jax import checkpoints
     json_path = tmp_path / "eval_imagenet2012_train-2-_16.json"

@@ -85,6 +85,19 @@ def test_eval_mode_gives_the_training_eval_and_the_ema(tmp_path):
         assert hits == round(m[f"{p}top1"] * 355) == sum(np.diagonal(pc["confusion"]))
         assert pc["picture"] == str(tmp_path / f"eval_digits_test_confusion{'-ema' * bool(p)}_2.png")
         assert open(pc["picture"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # a picture that cannot be drawn costs one warning, not the result file
+    from normvit_jax import per_class
+
+    def broken(*a, **k):
+        raise RuntimeError("a drawing bug")
+    real_picture, per_class.picture = per_class.picture, broken
+    try:
+        (tmp_path / "eval_digits_test_2.json").unlink()
+        out = evaluation.evaluate_checkpoint(cfg, str(tmp_path))
+    finally:
+        per_class.picture = real_picture
+    assert "picture" not in out["per_class"] and out["per_class"]["confusion"]
+    assert json.loads((tmp_path / "eval_digits_test_2.json").read_text())["metrics"] == m
     with pytest.raises(FileNotFoundError, match="step 7"):
         evaluation.evaluate_checkpoint(cfg, str(tmp_path), 7)
     # a step that is not there is named before the eval split is opened (decoded, for a

@@ -324,6 +324,18 @@ def test_labels_from_folders_score_each_image_against_its_folder(run, tmp_path, 
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_the_wrong_images_picture_draws_file_names_as_they_are(run, tmp_path):
+    """A photo named 'a$\\foo$.png' (TeX math to matplotlib: 'Unknown symbol' at savefig)."""
+    from normvit_jax import checkpoints, labelled
+    path = tmp_path / "3" / "a$\\foo$.png"
+    path.parent.mkdir()
+    _save(path, np.full((8, 8, 3), 200, np.uint8), "PNG")
+    row = {"path": str(path), "true": "3", "correct": False, "top": [("$5", 0.5)]}
+    geo = predict.eval_geometry(checkpoints.load_config(run).data)
+    assert labelled._wrong_picture([row], geo, "run $\\bar$", str(tmp_path / "w.png"))
+    assert Image.open(tmp_path / "w.png").size[0] > 100
+
+
 def test_labels_from_folders_refuse_what_they_cannot_score(run, tmp_path, capsys):
     truth = _digit_folders(tmp_path / "new", classes=(3,), per_class=2)
     (tmp_path / "new" / "cat").mkdir()

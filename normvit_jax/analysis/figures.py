@@ -6,6 +6,7 @@ import os
 import textwrap
 from typing import Any
 
+import matplotlib
 import numpy as np
 from matplotlib import ticker
 from matplotlib.axes import Axes
@@ -14,6 +15,12 @@ from matplotlib.figure import Figure
 
 DPI = 80
 LEGEND_CHARS = 40  # a legend label's longest line
+
+
+def plain_text() -> Any:
+    """A context in which text is drawn as it is: a class or folder name such as '$\\alpha$' or
+    'price $5 $6' was parsed as TeX math (a ValueError at savefig, or the wrong text)."""
+    return matplotlib.rc_context({"text.parse_math": False})
 
 
 def figure(width: float, height: float) -> Figure:
