@@ -276,7 +276,12 @@ def test_eval_mode_on_two_processes_splits_the_split_and_matches_one(reference, 
     assert len(rows[0]) == len(rows[1]) == EVAL_BATCHES, job.tails()
     assert sorted(x for proc in rows for line in proc for x in line) == list(range(EVAL_EXAMPLES))
     with open(wd / f"eval_digits_test_{steps}.json") as f:
-        got = json.load(f)["metrics"]
+        saved = json.load(f)
+    got = saved["metrics"]
+    # the per-class counts, summed over both processes' halves: each example once
+    pc = saved["per_class"]
+    assert sum(pc["examples"]) == EVAL_EXAMPLES == sum(map(sum, pc["confusion"]))
+    assert sum(pc["confusion"][i][i] for i in range(10)) == round(got["top1"] * EVAL_EXAMPLES)
     printed = [[line for line in job.log(i).splitlines() if line.startswith("{")] for i in range(2)]
     assert len(printed[0]) == 1 and printed[1] == [], printed  # one JSON answer: process 0's
     assert json.loads(printed[0][0])["metrics"] == got
