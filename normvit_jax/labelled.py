@@ -135,7 +135,5 @@ def _wrong_picture(wrong: list[dict], geometry: Any, title: str, path: str) -> b
                          f"{name if len(name) <= 22 else name[:21] + '…'}", fontsize=7)
         more = f" (the first {len(shown)})" if len(wrong) > len(shown) else ""
         figures.suptitle(fig, title + more + ": true -> predicted, probability")
-        tmp = f"{path}.tmp"
-        fig.savefig(tmp, dpi=figures.DPI, format="png")
-        os.replace(tmp, path)
+        figures.save(fig, path)
     return True

@@ -1,13 +1,14 @@
 """Matplotlib figures without pyplot (Agg canvas: no display, no global state, thread-safe)."""
 from __future__ import annotations
 
+import io
 import math
-import os
 import textwrap
 from typing import Any
 
 import matplotlib
 import numpy as np
+from etils import epath
 from matplotlib import ticker
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -29,10 +30,17 @@ def figure(width: float, height: float) -> Figure:
     return fig
 
 
-def save(fig: Figure, path: str, dpi: int = DPI) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    return path
+def save(fig: Figure, path: Any, dpi: int = DPI) -> str:
+    """Writes ``fig`` to ``path`` (local or gs://; the format from its suffix) through a
+    temporary file renamed into place: never a half picture under the final name."""
+    path = epath.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = io.BytesIO()
+    fig.savefig(data, dpi=dpi, format=path.suffix.lstrip(".") or "png")
+    tmp = path.parent / (path.name + ".tmp")
+    tmp.write_bytes(data.getvalue())
+    tmp.replace(path)
+    return str(path)
 
 
 def to_uint8(fig: Figure, dpi: int = DPI) -> np.ndarray:

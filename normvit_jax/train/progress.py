@@ -18,6 +18,8 @@ import statistics
 import time
 from typing import Any, Callable, Iterator
 
+from normvit_jax.data import order
+
 # Runs with at least this many steps left time the step before the first one (on a copy of the
 # state: 1 + MEASURE_STEPS extra steps, at most 5% of the run) and print the expected run time.
 MEASURE_MIN_STEPS = 100
@@ -201,7 +203,7 @@ class EvalProgress:
     def __init__(self, n_examples: int, global_batch: int, label: str = "eval",
                  every_s: float | None = None, clock: Callable[[], float] = time.monotonic):
         self.n_examples, self.batch, self.label = n_examples, global_batch, label
-        self.n_batches = -(-n_examples // global_batch)  # the last one padded
+        self.n_batches = order.num_eval_batches(n_examples, global_batch)  # the last padded
         self.every_s = EVAL_PROGRESS_S if every_s is None else every_s
         self.clock = clock
         self.start = self.last = clock()
